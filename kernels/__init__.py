@@ -1,0 +1,1 @@
+"""Strata kernels: quantized block formats, Triton kernels and their torch references."""

@@ -1,0 +1,1 @@
+"""stratactl: the operator's tool for Strata."""

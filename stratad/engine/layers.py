@@ -1,0 +1,76 @@
+"""Torch reference layers: the definition every fast path is checked against."""
+
+from __future__ import annotations
+
+import torch
+
+from stratad.model.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def rope_tables(
+    spec: ModelSpec, positions: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, D/2] for the given positions."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
+    ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate x [T, H, D]: pairs (2i, 2i+1) if interleaved, else halves (i, i + D/2)."""
+    xf = x.float()
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        a, b = xf[..., :half], xf[..., half:]
+        out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return out.to(x.dtype)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Causal GQA attention of queries at positions start.. over keys 0..start+T-1.
+
+    q [T, Hq, D], k/v [S, Hkv, D] with S = start + T  ->  [T, Hq, D]
+    """
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    rep = hq // hkv
+    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1).float()  # [Hq, S, D]
+    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1).float()
+    qq = q.transpose(0, 1).float()  # [Hq, T, D]
+    scores = qq @ kk.transpose(1, 2) / (d**0.5)  # [Hq, T, S]
+    qpos = torch.arange(start, start + t, device=q.device)[:, None]
+    kpos = torch.arange(s, device=q.device)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    out = scores.softmax(-1) @ vv  # [Hq, T, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) with float weights [F, H], [F, H], [H, F]."""
+    return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: (weights [T, k] float32, expert ids [T, k])."""
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids

@@ -1,0 +1,18 @@
+"""Supported architectures: importing this package fills the `ARCHS` table."""
+
+from stratad.model.archs import llama, mixtral, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from stratad.model.archs.base import ARCHS, Arch, arch_for_gguf, arch_for_hf
+
+__all__ = [
+    "ARCHS",
+    "Arch",
+    "arch_for_gguf",
+    "arch_for_hf",
+    "llama",
+    "mixtral",
+    "olmoe",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+]

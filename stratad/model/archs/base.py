@@ -1,0 +1,282 @@
+"""The llama-style decoder that every supported architecture is a variant of.
+
+An architecture file subclasses `Arch`, states how its hyper-parameters are read from GGUF
+metadata and from a Hugging Face config, and where its weights live; `register` adds it to
+the table that the loaders consult.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from stratad.model.spec import Model, ModelError, ModelSpec
+from stratad.model.weights import (
+    AttentionWeights,
+    ExpertStack,
+    LayerWeights,
+    MLPWeights,
+    MoEWeights,
+)
+
+ARCHS: dict[str, type[Arch]] = {}
+
+
+def register(cls: type[Arch]) -> type[Arch]:
+    ARCHS[cls.name] = cls
+    return cls
+
+
+def hf_key(config: Mapping[str, Any], source: str, *keys: str) -> Any:
+    """The first of several spellings of one config.json key (they changed across releases)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    raise ModelError(f"{source}: config.json has none of {', '.join(keys)}")
+
+
+def _require(meta: Mapping[str, Any], key: str, source: str) -> Any:
+    if key not in meta:
+        raise ModelError(f"{source}: missing metadata key {key!r}")
+    return meta[key]
+
+
+class Arch:
+    """A llama-style decoder: GQA attention, RMSNorm, RoPE, SiLU-gated MLP or routed experts."""
+
+    name: ClassVar[str]
+    gguf_arch: ClassVar[str]  # `general.architecture` in a GGUF file
+    hf_model_types: ClassVar[tuple[str, ...]]  # `model_type` in config.json
+    moe: ClassVar[bool] = False
+    # GGUF files of llama-converted models carry q/k rows permuted for pair-wise RoPE.
+    gguf_rope_interleaved: ClassVar[bool] = False
+    attn_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[str] = "none"
+    # Hugging Face naming of the MLP block and of one expert's projections.
+    hf_mlp: ClassVar[str] = "mlp"
+    hf_router: ClassVar[str] = "gate"
+    hf_expert_proj: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert: ClassVar[bool] = False
+
+    # -- hyper-parameters -------------------------------------------------------------
+
+    @classmethod
+    def spec_from_gguf(cls, meta: Mapping[str, Any], source: str) -> ModelSpec:
+        a = str(meta["general.architecture"])
+
+        def get(key: str, default: Any = None) -> Any:
+            full = f"{a}.{key}"
+            return meta.get(full, default) if default is not None else _require(meta, full, source)
+
+        hidden = int(get("embedding_length"))
+        n_heads = int(get("attention.head_count"))
+        vocab = int(meta.get(f"{a}.vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
+        spec = ModelSpec(
+            arch=cls.name,
+            n_layers=int(get("block_count")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+            head_dim=int(get("attention.key_length", hidden // n_heads)),
+            vocab_size=vocab,
+            rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            context_length=int(get("context_length", 4096)),
+            ffn=int(get("feed_forward_length", 0)) if not cls.moe else 0,
+            rope_interleaved=cls.gguf_rope_interleaved,
+            attn_bias=cls.attn_bias,
+            qk_norm=cls.qk_norm,
+            n_experts=int(get("expert_count")) if cls.moe else 0,
+            n_experts_used=int(get("expert_used_count")) if cls.moe else 0,
+            expert_ffn=cls._gguf_expert_ffn(meta, a, source) if cls.moe else 0,
+            shared_expert_ffn=int(get("expert_shared_feed_forward_length", 0)),
+            norm_topk_prob=cls._gguf_norm_topk(meta, a),
+        )
+        spec.validate()
+        return spec
+
+    @classmethod
+    def _gguf_expert_ffn(cls, meta: Mapping[str, Any], a: str, source: str) -> int:
+        # Some converters (Mixtral, OLMoE) give the expert width as the dense FFN length.
+        key = f"{a}.expert_feed_forward_length"
+        return int(meta.get(key) or _require(meta, f"{a}.feed_forward_length", source))
+
+    @classmethod
+    def _gguf_norm_topk(cls, meta: Mapping[str, Any], a: str) -> bool:
+        return bool(meta.get(f"{a}.expert_weights_norm", False))
+
+    @classmethod
+    def spec_from_hf(cls, config: Mapping[str, Any], source: str) -> ModelSpec:
+        def get(key: str, default: Any = None) -> Any:
+            if key in config and config[key] is not None:
+                return config[key]
+            if default is None:
+                raise ModelError(f"{source}: config.json has no {key!r}")
+            return default
+
+        scaling = config.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ModelError(f"{source}: rope_scaling {scaling!r} is not supported")
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key) and not cls.attn_bias:
+                raise ModelError(f"{source}: {key}=true is not supported for {cls.name}")
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise ModelError(f"{source}: models mixing dense and MoE layers are not supported")
+        hidden = int(get("hidden_size"))
+        n_heads = int(get("num_attention_heads"))
+        spec = ModelSpec(
+            arch=cls.name,
+            n_layers=int(get("num_hidden_layers")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(get("num_key_value_heads", n_heads)),
+            head_dim=int(get("head_dim", hidden // n_heads)),
+            vocab_size=int(get("vocab_size")),
+            rms_eps=float(get("rms_norm_eps")),
+            rope_theta=float(cls._hf_rope_theta(config)),
+            context_length=int(get("max_position_embeddings", 4096)),
+            ffn=int(get("intermediate_size", 0)) if not cls.moe else 0,
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+            attn_bias=cls.attn_bias,
+            qk_norm=cls.qk_norm,
+            **cls._hf_moe_fields(config, source),
+        )
+        spec.validate()
+        return spec
+
+    @classmethod
+    def _hf_rope_theta(cls, config: Mapping[str, Any]) -> float:
+        params = config.get("rope_parameters") or {}
+        return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+    @classmethod
+    def _hf_moe_fields(cls, config: Mapping[str, Any], source: str) -> dict[str, Any]:
+        return {}
+
+    # -- weights ----------------------------------------------------------------------
+
+    @classmethod
+    def gguf_names(cls, spec: ModelSpec) -> dict[str, str]:
+        """GGUF tensor name → Hugging Face name (stacked names for routed experts)."""
+        names = {
+            "token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        }
+        for i in range(spec.n_layers):
+            blk, hf = f"blk.{i}", f"model.layers.{i}"
+            attn = f"{hf}.self_attn"
+            names |= {
+                f"{blk}.attn_norm.weight": f"{hf}.input_layernorm.weight",
+                f"{blk}.ffn_norm.weight": f"{hf}.post_attention_layernorm.weight",
+                f"{blk}.attn_q.weight": f"{attn}.q_proj.weight",
+                f"{blk}.attn_k.weight": f"{attn}.k_proj.weight",
+                f"{blk}.attn_v.weight": f"{attn}.v_proj.weight",
+                f"{blk}.attn_output.weight": f"{attn}.o_proj.weight",
+                f"{blk}.attn_q.bias": f"{attn}.q_proj.bias",
+                f"{blk}.attn_k.bias": f"{attn}.k_proj.bias",
+                f"{blk}.attn_v.bias": f"{attn}.v_proj.bias",
+                f"{blk}.attn_q_norm.weight": f"{attn}.q_norm.weight",
+                f"{blk}.attn_k_norm.weight": f"{attn}.k_norm.weight",
+            }
+            mlp = f"{hf}.{cls.hf_mlp}"
+            if not cls.moe:
+                names |= {
+                    f"{blk}.ffn_gate.weight": f"{mlp}.gate_proj.weight",
+                    f"{blk}.ffn_up.weight": f"{mlp}.up_proj.weight",
+                    f"{blk}.ffn_down.weight": f"{mlp}.down_proj.weight",
+                }
+                continue
+            g, u, d = cls.hf_expert_proj
+            names |= {
+                f"{blk}.ffn_gate_inp.weight": f"{mlp}.{cls.hf_router}.weight",
+                f"{blk}.ffn_gate_exps.weight": f"{mlp}.experts.{g}",
+                f"{blk}.ffn_up_exps.weight": f"{mlp}.experts.{u}",
+                f"{blk}.ffn_down_exps.weight": f"{mlp}.experts.{d}",
+                f"{blk}.ffn_gate_shexp.weight": f"{mlp}.shared_expert.gate_proj.weight",
+                f"{blk}.ffn_up_shexp.weight": f"{mlp}.shared_expert.up_proj.weight",
+                f"{blk}.ffn_down_shexp.weight": f"{mlp}.shared_expert.down_proj.weight",
+                f"{blk}.ffn_gate_inp_shexp.weight": f"{mlp}.shared_expert_gate.weight",
+            }
+        return names
+
+    @classmethod
+    def hf_expert_names(cls, spec: ModelSpec, layer: int) -> dict[str, str]:
+        """Stacked name → per-expert name template (`{e}` is the expert index)."""
+        mlp = f"model.layers.{layer}.{cls.hf_mlp}"
+        return {
+            f"{mlp}.experts.{p}": f"{mlp}.experts.{{e}}.{p}.weight" for p in cls.hf_expert_proj
+        }
+
+    @classmethod
+    def layer(cls, model: Model, i: int) -> LayerWeights:
+        spec, t = model.spec, model.tensor
+        hf = f"model.layers.{i}"
+        attn = f"{hf}.self_attn"
+
+        attention = AttentionWeights(
+            q=t(f"{attn}.q_proj.weight"),
+            k=t(f"{attn}.k_proj.weight"),
+            v=t(f"{attn}.v_proj.weight"),
+            o=t(f"{attn}.o_proj.weight"),
+            q_bias=t(f"{attn}.q_proj.bias") if spec.attn_bias else None,
+            k_bias=t(f"{attn}.k_proj.bias") if spec.attn_bias else None,
+            v_bias=t(f"{attn}.v_proj.bias") if spec.attn_bias else None,
+            q_norm=t(f"{attn}.q_norm.weight") if spec.qk_norm != "none" else None,
+            k_norm=t(f"{attn}.k_norm.weight") if spec.qk_norm != "none" else None,
+        )
+        mlp = f"{hf}.{cls.hf_mlp}"
+        block: MLPWeights | MoEWeights
+        if not spec.is_moe:
+            block = MLPWeights(
+                t(f"{mlp}.gate_proj.weight"), t(f"{mlp}.up_proj.weight"), t(f"{mlp}.down_proj.weight")
+            )
+        else:
+            g, u, d = cls.hf_expert_proj
+            shared = None
+            if cls.shared_expert:
+                s = f"{mlp}.shared_expert"
+                shared = MLPWeights(
+                    t(f"{s}.gate_proj.weight"), t(f"{s}.up_proj.weight"), t(f"{s}.down_proj.weight")
+                )
+            block = MoEWeights(
+                router=t(f"{mlp}.{cls.hf_router}.weight"),
+                experts=ExpertStack(
+                    t(f"{mlp}.experts.{g}"), t(f"{mlp}.experts.{u}"), t(f"{mlp}.experts.{d}")
+                ),
+                shared=shared,
+                shared_gate=t(f"{mlp}.shared_expert_gate.weight") if cls.shared_expert else None,
+            )
+        return LayerWeights(
+            attn_norm=t(f"{hf}.input_layernorm.weight"),
+            attn=attention,
+            ffn_norm=t(f"{hf}.post_attention_layernorm.weight"),
+            mlp=block,
+        )
+
+
+def arch_for_gguf(meta: Mapping[str, Any], source: str) -> type[Arch]:
+    name = meta.get("general.architecture")
+    if name is None:
+        raise ModelError(f"{source}: no general.architecture in the GGUF metadata")
+    candidates = [a for a in ARCHS.values() if a.gguf_arch == name]
+    if not candidates:
+        known = sorted({a.gguf_arch for a in ARCHS.values()})
+        raise ModelError(f"{source}: unknown architecture {name!r} (supported: {', '.join(known)})")
+    # llama.cpp files Mixtral under "llama": the expert count tells them apart.
+    moe = int(meta.get(f"{name}.expert_count", 0)) > 0
+    for a in candidates:
+        if a.moe == moe:
+            return a
+    raise ModelError(f"{source}: {name!r} {'with' if moe else 'without'} experts is not supported")
+
+
+def arch_for_hf(config: Mapping[str, Any], source: str) -> type[Arch]:
+    model_type = config.get("model_type")
+    for a in ARCHS.values():
+        if model_type in a.hf_model_types:
+            return a
+    known = sorted(t for a in ARCHS.values() for t in a.hf_model_types)
+    raise ModelError(
+        f"{source}: unknown architecture {model_type!r} (supported: {', '.join(known)})"
+    )

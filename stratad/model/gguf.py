@@ -1,0 +1,84 @@
+"""Reading a GGUF file: metadata, spec and tensors as views onto the mapped file."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from kernels.quant import SUPPORTED_QTYPES, QTensor, QType, row_bytes
+from stratad.model.archs import arch_for_gguf
+from stratad.model.gguf_meta import gguf_metadata
+from stratad.model.spec import Model, ModelError
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Map a GGUF file, turning the reader's low-level failures into one clear error."""
+    if not path.is_file():
+        raise ModelError(f"{path}: no such model file")
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
+        size = path.stat().st_size
+        raise ModelError(f"{path}: not a readable GGUF file ({size} bytes): {e}") from None
+
+
+def _check_extent(reader: GGUFReader, path: Path) -> None:
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelError(
+                f"{path}: truncated: tensor {t.name!r} needs bytes up to {end:,}"
+                f" but the file has {size:,}"
+            )
+
+
+def _as_qtensor(t: object, path: Path) -> QTensor:
+    qtype = QType(t.tensor_type)  # type: ignore[attr-defined]
+    name = t.name  # type: ignore[attr-defined]
+    if qtype not in SUPPORTED_QTYPES:
+        raise ModelError(
+            f"{path}: tensor {name!r} has type {qtype.name}, which Strata does not read"
+            f" (supported: {', '.join(sorted(q.name for q in SUPPORTED_QTYPES))})"
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # type: ignore[attr-defined]
+    arr = t.data  # type: ignore[attr-defined]
+    with warnings.catch_warnings():  # the mapping is read-only; nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.asarray(arr))
+    if qtype not in (QType.F32, QType.F16, QType.BF16):
+        data = data.reshape(*shape[:-1], row_bytes(qtype, shape[-1]))
+    elif qtype == QType.BF16:
+        data = data.view(torch.bfloat16).reshape(shape)
+    else:
+        data = data.reshape(shape)
+    return QTensor(data, qtype, shape)
+
+
+def load_gguf(path: Path) -> Model:
+    reader = open_gguf(path)
+    _check_extent(reader, path)
+    meta = gguf_metadata(reader)
+    arch = arch_for_gguf(meta, str(path))
+    spec = arch.spec_from_gguf(meta, str(path))
+    names = arch.gguf_names(spec)
+    tensors: dict[str, QTensor] = {}
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        if hf is None:
+            raise ModelError(f"{path}: unexpected tensor {t.name!r} for architecture {spec.arch}")
+        tensors[hf] = _as_qtensor(t, path)
+    if "lm_head.weight" not in tensors:
+        spec = replace(spec, tie_embeddings=True)
+    model = Model(spec=spec, tensors=tensors, source=path, metadata=meta)
+    for i in range(spec.n_layers):  # fail at load, naming the tensor, not mid-request
+        arch.layer(model, i)
+    model.tensor("model.embed_tokens.weight")
+    model.tensor("model.norm.weight")
+    return model
+

