@@ -24,7 +24,11 @@ def open_gguf(path: Path) -> GGUFReader:
         return GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         size = path.stat().st_size
-        raise ModelError(f"{path}: not a readable GGUF file ({size} bytes): {e}") from None
+        if "cannot reshape array" in str(e):  # the reader maps tensors past the file's end
+            raise ModelError(
+                f"{path}: truncated: tensor data ends early (the file has {size:,} bytes)"
+            ) from None
+        raise ModelError(f"{path}: not a readable GGUF file ({size:,} bytes): {e}") from None
 
 
 def _check_extent(reader: GGUFReader, path: Path) -> None:

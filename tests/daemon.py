@@ -1,0 +1,54 @@
+"""Test helper: run a real stratad process on a free port and wait until it serves."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_daemon(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 180.0
+) -> Iterator[str]:
+    """Start `stratad ARGS --port N`; yield its base URL once /health answers 200."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stratad", *args, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"stratad exited {proc.returncode}: {log_path.read_text()}")
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stratad not ready: {log_path.read_text()}")
+                time.sleep(0.3)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,117 @@
+"""Bad model files give one clear error line that names the problem, never a bare traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
+
+from stratad.model.loader import load_model
+from stratad.model.spec import ModelError
+
+H, F, V = 64, 96, 32
+
+
+def _write_llama(path: Path, arch: str = "llama", skip: str = "", q5: str = "") -> None:
+    """A one-layer llama GGUF; `skip` leaves a tensor out, `q5` stores one as Q5_0."""
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(F)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (V, H),
+        "output_norm.weight": (H,),
+        "blk.0.attn_norm.weight": (H,),
+        "blk.0.ffn_norm.weight": (H,),
+        "blk.0.attn_q.weight": (H, H),
+        "blk.0.attn_k.weight": (H // 2, H),
+        "blk.0.attn_v.weight": (H // 2, H),
+        "blk.0.attn_output.weight": (H, H),
+        "blk.0.ffn_gate.weight": (F, H),
+        "blk.0.ffn_up.weight": (F, H),
+        "blk.0.ffn_down.weight": (H, F),
+    }
+    for name, shape in shapes.items():
+        if name == skip:
+            continue
+        values = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if name == q5:
+            qt = GGMLQuantizationType.Q5_0
+            w.add_tensor(name, gguf_quants.quantize(values, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_good_file_loads(tmp_path: Path) -> None:
+    path = tmp_path / "ok.gguf"
+    _write_llama(path)
+    assert load_model(path).spec.n_layers == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unknown-arch", "unknown architecture 'gpt-foo'"),
+        ("missing-tensor", "missing tensor 'model.layers.0.self_attn.k_proj.weight'"),
+        ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type Q5_0"),
+        ("truncated-data", "truncated: tensor data ends early"),
+        ("truncated-header", "not a readable GGUF file"),
+        ("absent", "no such model file"),
+    ],
+)
+def test_bad_file_is_named(tmp_path: Path, case: str, expected: str) -> None:
+    path = tmp_path / f"{case}.gguf"
+    if case == "unknown-arch":
+        _write_llama(path, arch="gpt-foo")
+    elif case == "missing-tensor":
+        _write_llama(path, skip="blk.0.attn_k.weight")
+    elif case == "unsupported-type":
+        _write_llama(path, q5="blk.0.ffn_up.weight")
+    elif case.startswith("truncated"):
+        _write_llama(tmp_path / "full.gguf")
+        data = (tmp_path / "full.gguf").read_bytes()
+        path.write_bytes(data[: len(data) - 1000] if case == "truncated-data" else data[:100])
+    with pytest.raises(ModelError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_daemon_reports_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    _write_llama(path, q5="blk.0.ffn_up.weight")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratad", str(path), "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "has type Q5_0" in errors[0], proc.stderr
+
+
+def test_bad_config_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "stratad.toml"
+    config.write_text("[server]\nprot = 1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratad", "--config", str(config)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown field `prot`" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,250 @@
+"""The small Triton kernels (RMSNorm, RoPE, SiLU-gate, decode attention) against their torch
+references on ragged shapes; the references against textbook formulas where they are not
+one already.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before
+triton is imported); triton itself is a hard dependency, so a missing triton fails here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402, F401  (imported for the failure when it is missing)
+
+from kernels.activation import (  # noqa: E402
+    ActivationConfig,
+    silu_mul,
+    silu_mul_packed,
+    silu_mul_ref,
+)
+from kernels.attention import (  # noqa: E402
+    AttentionConfig,
+    decode_attention,
+    decode_attention_ref,
+)
+from kernels.norm import NormConfig, rmsnorm, rmsnorm_ref  # noqa: E402
+from kernels.rope import (  # noqa: E402
+    RopeConfig,
+    RopeStyle,
+    apply_rope,
+    rope,
+    rope_inv_freq,
+    rope_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+# Tolerances: float32 results differ from the reference by summation order and libm vs
+# libdevice (a few ulp); half-precision results by one rounding of the output.
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+}
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+# --- RMSNorm --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 8), (3, 100), (5, 256)])
+@pytest.mark.parametrize("block_d", [4096, 32])  # one pass, or several steps across a row
+def test_rmsnorm(rows: int, dim: int, dtype: torch.dtype, block_d: int) -> None:
+    x = randn(rows, dim, dtype=dtype, seed=dim) * 3
+    w = randn(dim, dtype=dtype, seed=1)
+    out = rmsnorm(x, w, 1e-6, NormConfig(block_d=block_d))
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, rmsnorm_ref(x, w, 1e-6), **TOL[dtype])
+
+
+def test_rmsnorm_reference_and_leading_dims() -> None:
+    x = randn(2, 3, 40, seed=2)
+    w = randn(40, seed=3)
+    textbook = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(rmsnorm_ref(x, w, 1e-5), textbook)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-5), textbook)
+    # eps matters on a zero row: no NaN, just zeros.
+    assert torch.equal(
+        rmsnorm(torch.zeros(1, 40, device=DEVICE), w, 1e-5), torch.zeros(1, 40, device=DEVICE)
+    )
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm(x, w[:39], 1e-5)
+
+
+# --- RoPE -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", list(RopeStyle), ids=lambda s: s.value)
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dim", "rotary"),
+    [(1, 1, 8, 8), (3, 5, 16, 16), (4, 3, 24, 16), (2, 7, 12, 12)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope(
+    style: RopeStyle, tokens: int, heads: int, dim: int, rotary: int, dtype: torch.dtype
+) -> None:
+    x = randn(tokens, heads, dim, dtype=dtype, seed=heads)
+    positions = torch.tensor([0, 7, 1000, 32767][:tokens] + [5] * max(0, tokens - 4), device=DEVICE)
+    inv_freq = rope_inv_freq(rotary, 10000.0, DEVICE)
+    out = rope(x, positions, inv_freq, style, RopeConfig(block_h=2))
+    assert out.shape == x.shape and out.dtype == dtype
+    # Angles up to 32767 rad: float32 sin/cos of large arguments differ by ~1e-6 between
+    # libraries; the rotation keeps the magnitude so the absolute tolerance is enough.
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out, rope_ref(x, positions, inv_freq, style), **tol)
+    assert torch.equal(out[..., rotary:], x[..., rotary:])
+
+
+def test_rope_reference_by_complex_rotation() -> None:
+    """Interleaved pairs are complex numbers multiplied by e^{i pos freq} (Meta's Llama);
+    NEOX is the same after moving the halves into pairs."""
+    x = randn(3, 2, 8, seed=4)
+    positions = torch.tensor([0, 3, 11], device=DEVICE)
+    inv_freq = rope_inv_freq(8, 500000.0, DEVICE)
+    rotation = torch.polar(torch.ones(3, 4, device=DEVICE), positions[:, None] * inv_freq)
+    pairs = torch.view_as_complex(x.reshape(3, 2, 4, 2).contiguous())
+    expected = torch.view_as_real(pairs * rotation[:, None, :]).flatten(-2)
+    torch.testing.assert_close(rope_ref(x, positions, inv_freq, RopeStyle.INTERLEAVED), expected)
+    to_pairs = torch.stack([x[..., :4], x[..., 4:]], dim=-1).flatten(-2)
+    neox = rope_ref(x, positions, inv_freq, RopeStyle.NEOX)
+    torch.testing.assert_close(
+        torch.stack([neox[..., :4], neox[..., 4:]], -1).flatten(-2),
+        rope_ref(to_pairs, positions, inv_freq, "interleaved"),
+    )
+
+
+def test_apply_rope_on_strided_views() -> None:
+    qkv = randn(3, 4 + 2 + 2, 16, seed=5)  # one fused projection, heads split by views
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    positions = torch.tensor([2, 9, 40], device=DEVICE)
+    inv_freq = rope_inv_freq(16, 10000.0, DEVICE)
+    q_out, k_out = apply_rope(q, k, positions, inv_freq, RopeStyle.NEOX)
+    torch.testing.assert_close(q_out, rope_ref(q, positions, inv_freq, RopeStyle.NEOX))
+    torch.testing.assert_close(k_out, rope_ref(k, positions, inv_freq, RopeStyle.NEOX))
+
+
+# --- SiLU gate ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 1), (3, 100), (2, 300)])
+def test_silu_mul(tokens: int, inter: int, dtype: torch.dtype) -> None:
+    gate = randn(tokens, inter, dtype=dtype, seed=6) * 4
+    up = randn(tokens, inter, dtype=dtype, seed=7)
+    out = silu_mul(gate, up, ActivationConfig(block=128))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, silu_mul_ref(gate, up), **TOL[dtype])
+
+
+def test_silu_mul_packed_and_reference() -> None:
+    gate_up = randn(2, 3, 2 * 48, seed=8) * 4
+    gate, up = gate_up[..., :48], gate_up[..., 48:]
+    textbook = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(silu_mul_ref(gate, up), textbook)
+    torch.testing.assert_close(silu_mul_packed(gate_up), textbook)
+    with pytest.raises(ValueError, match="differ"):
+        silu_mul(gate, up[..., :47])
+
+
+# --- decode attention -----------------------------------------------------------------------
+
+
+def attention_inputs(
+    batch: int, hq: int, hkv: int, dim: int, s_max: int, dtype: torch.dtype, seed: int
+):
+    q = randn(batch, hq, dim, dtype=dtype, seed=seed)
+    k = randn(batch, s_max, hkv, dim, dtype=dtype, seed=seed + 1)
+    v = randn(batch, s_max, hkv, dim, dtype=dtype, seed=seed + 2)
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, s_max + 1, (batch,), generator=gen)
+    lens[0] = s_max  # one full sequence
+    return q, k, v, lens.to(DEVICE)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 1), (6, 2)])
+@pytest.mark.parametrize(("batch", "dim", "s_max"), [(1, 16, 1), (3, 16, 37), (2, 24, 5)])
+def test_decode_attention(batch: int, hq: int, hkv: int, dim: int, s_max: int) -> None:
+    q, k, v, lens = attention_inputs(batch, hq, hkv, dim, s_max, torch.float32, seed=s_max)
+    out = decode_attention(q, k, v, lens, config=AttentionConfig(block_s=16))
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, decode_attention_ref(q, k, v, lens), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_attention_half_and_scale(dtype: torch.dtype) -> None:
+    q, k, v, lens = attention_inputs(2, 4, 2, 32, 20, dtype, seed=9)
+    out = decode_attention(q, k, v, lens, scale=0.3, config=AttentionConfig(block_s=8))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, decode_attention_ref(q, k, v, lens, scale=0.3), **TOL[dtype])
+
+
+def test_decode_attention_reference_per_head() -> None:
+    """The reference against a loop over sequences and heads with plain softmax."""
+    q, k, v, lens = attention_inputs(2, 4, 2, 8, 6, torch.float32, seed=10)
+    ref = decode_attention_ref(q, k, v, lens)
+    for b in range(2):
+        n = int(lens[b])
+        for h in range(4):
+            kv = h // 2
+            weights = torch.softmax(k[b, :n, kv] @ q[b, h] / math.sqrt(8), dim=0)
+            torch.testing.assert_close(ref[b, h], weights @ v[b, :n, kv])
+
+
+def test_decode_attention_on_strided_caches() -> None:
+    """Caches that are views (slots of a larger pool, or a [B, Hkv, S, D] layout
+    transposed) are read in place."""
+    pool_k = randn(5, 12, 2, 16, seed=11)
+    pool_v = randn(5, 12, 2, 16, seed=12)
+    k, v = pool_k[::2][:2], pool_v[::2][:2]  # slots 0 and 2 of the pool
+    q = randn(2, 4, 16, seed=13)
+    lens = torch.tensor([12, 7], device=DEVICE)
+    expected = decode_attention_ref(q, k.contiguous(), v.contiguous(), lens)
+    torch.testing.assert_close(decode_attention(q, k, v, lens), expected)
+    head_major_k = k.transpose(1, 2).contiguous().transpose(1, 2)  # strides of [B, Hkv, S, D]
+    head_major_v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(decode_attention(q, head_major_k, head_major_v, lens), expected)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(randn(2, 3, 16), k, v, lens)
+
+
+# --- real shapes on a GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_misc_kernels_real_shapes_gpu() -> None:
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), **TOL[torch.bfloat16])
+    gate, up = torch.randn(2, 8, 1408, device="cuda", dtype=torch.bfloat16).unbind(0)
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), **TOL[torch.bfloat16])
+    q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(1000, 1008, device="cuda")
+    inv_freq = rope_inv_freq(128, 1e6, "cuda")
+    for style in RopeStyle:
+        torch.testing.assert_close(
+            rope(q, positions, inv_freq, style),
+            rope_ref(q, positions, inv_freq, style),
+            **TOL[torch.bfloat16],
+        )
+    k = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lens = torch.tensor([4096, 1, 1000, 3333], device="cuda")
+    qd = q[:4]
+    torch.testing.assert_close(
+        decode_attention(qd, k, v, lens),
+        decode_attention_ref(qd, k, v, lens),
+        **TOL[torch.bfloat16],
+    )

@@ -1,0 +1,183 @@
+"""kernels.quant: torch dequantizers bit-exact with gguf-py (a port of llama.cpp's
+dequantize_row_*), quantizers, QTensor, and the refusal of unsupported types."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants as gguf_quants
+
+from kernels.quant import (
+    FLOAT_QTYPES,
+    SUPPORTED_QTYPES,
+    QTensor,
+    QType,
+    UnsupportedTensorType,
+    block_geometry,
+    dequantize,
+    quantize,
+    row_bytes,
+)
+
+QUANTIZED = sorted(SUPPORTED_QTYPES - FLOAT_QTYPES, key=lambda t: t.name)
+
+# Byte offsets of the fp16 scale fields in each block: random bytes there could be inf/NaN,
+# which llama.cpp files never hold, so the tests overwrite them with random finite halves.
+FP16_FIELDS: dict[QType, list[int]] = {
+    QType.Q8_0: [0],
+    QType.Q4_0: [0],
+    QType.Q4_1: [0, 2],
+    QType.Q4_K: [0, 2],
+    QType.Q5_K: [0, 2],
+    QType.Q6_K: [208],
+}
+
+
+def random_finite_fp16(n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, 2] uint8: random fp16 bit patterns (zeros, subnormals, negatives), never inf/NaN."""
+    bits = torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32)
+    exponent_all_ones = (bits & 0x7C00) == 0x7C00
+    bits = torch.where(exponent_all_ones, bits & ~0x4000, bits)
+    return bits.to(torch.int16).view(torch.uint8).reshape(n, 2)
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: random quants and scales, finite fp16 fields."""
+    gen = torch.Generator().manual_seed(seed)
+    _, nbytes = block_geometry(qtype)
+    n_blocks = rows * cols // block_geometry(qtype)[0]
+    raw = torch.randint(0, 256, (n_blocks, nbytes), generator=gen, dtype=torch.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        raw[:, offset : offset + 2] = random_finite_fp16(n_blocks, gen)
+    return raw.reshape(rows, row_bytes(qtype, cols))
+
+
+def gguf_dequantize(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), qtype)))
+
+
+def test_fp16_fields_cover_every_quantized_type() -> None:
+    assert set(FP16_FIELDS) == set(QUANTIZED)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_dequantize_bit_exact_with_gguf(qtype: QType, rows: int) -> None:
+    block, _ = block_geometry(qtype)
+    cols = 3 * block
+    raw = random_blocks(qtype, rows, cols, seed=rows)
+    ours = dequantize(raw, qtype, (rows, cols))
+    expected = gguf_dequantize(raw, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, cols)
+    # Compare bit patterns, so that -0.0 vs 0.0 or a different NaN would also fail.
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_dequantize_unaligned_storage(qtype: QType) -> None:
+    """Blocks at an odd byte offset (as in a mmapped file) decode the same."""
+    raw = random_blocks(qtype, 2, block_geometry(qtype)[0], seed=3)
+    buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
+    buf[1:] = raw.reshape(-1)
+    shifted = buf[1:].reshape(raw.shape)
+    shape = (2, block_geometry(qtype)[0])
+    assert torch.equal(dequantize(shifted, qtype, shape), dequantize(raw, qtype, shape))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_qtensor_slices_an_expert_stack(qtype: QType) -> None:
+    experts, rows, cols = 3, 4, block_geometry(qtype)[0] * 2
+    raw = random_blocks(qtype, experts * rows, cols, seed=5).reshape(experts, rows, -1)
+    qt = QTensor(raw, qtype, (experts, rows, cols))
+    full = qt.dequantize()
+    assert full.shape == (experts, rows, cols)
+    one = qt[1]
+    assert one.shape == (rows, cols) and one.qtype == qtype and not one.is_float
+    assert one.nbytes == rows * row_bytes(qtype, cols)
+    assert torch.equal(one.dequantize(), full[1])
+    assert one.dequantize(torch.float16).dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("qtype", "dtype"),
+    [(QType.F32, torch.float32), (QType.F16, torch.float16), (QType.BF16, torch.bfloat16)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_float_types(qtype: QType, dtype: torch.dtype) -> None:
+    values = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    qt = QTensor(values, qtype, (2, 3, 8))
+    assert qt.is_float and qt.nbytes == values.numel() * values.element_size()
+    assert torch.equal(qt.dequantize(), values.float())
+    assert torch.equal(qt[1].dequantize(), values[1].float())
+    # Raw little-endian bytes, as read from a file, decode to the same values.
+    raw = values.contiguous().view(torch.uint8)
+    assert torch.equal(dequantize(raw, qtype, (2, 3, 8)), values.float())
+
+
+def test_bf16_matches_gguf() -> None:
+    values = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    raw = values.view(torch.uint8)
+    expected = gguf_dequantize(raw, QType.BF16).reshape(4, 16)
+    assert torch.equal(dequantize(raw, QType.BF16, (4, 16)), expected)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
+def test_quantize_matches_gguf_reference(qtype: QType) -> None:
+    values = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2))
+    ours = quantize(values, qtype)
+    assert ours.dtype == torch.uint8 and ours.shape == (2, 3, row_bytes(qtype, 64))
+    expected = gguf_quants.quantize(values.numpy(), qtype)
+    assert np.array_equal(ours.numpy(), expected)
+
+
+# Worst-case |x - dequant(quant(x))| as a fraction of the block's absolute maximum: half a
+# quantization step plus fp16 rounding of the stored scales (and, for the K-quants, the
+# 6-bit rounding of the sub-block scales).
+ROUND_TRIP_BOUND: dict[QType, float] = {
+    QType.Q8_0: 0.5 / 127 * 1.1,
+    QType.Q4_0: 1 / 8 * 1.01,
+    QType.Q4_1: 2 * 0.5 / 15 * 1.1,
+    QType.Q4_K: 2 * 0.5 / 15 * 1.5,
+    QType.Q5_K: 2 * 0.5 / 31 * 1.5,
+    QType.Q6_K: 0.5 / 31 * 1.5,
+}
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_round_trip_error_bound(qtype: QType) -> None:
+    block, _ = block_geometry(qtype)
+    values = torch.randn(5, 2 * block, generator=torch.Generator().manual_seed(4))
+    values[0, :block] = 0.0  # an all-zero block must survive (scale 0, no division by it)
+    decoded = dequantize(quantize(values, qtype), qtype, tuple(values.shape))
+    assert torch.equal(decoded[0, :block], torch.zeros(block))
+    err = (decoded - values).abs().reshape(-1, block).amax(dim=-1)
+    absmax = values.abs().reshape(-1, block).amax(dim=-1)
+    assert torch.all(err <= ROUND_TRIP_BOUND[qtype] * absmax), (err / absmax).max()
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.IQ2_XXS], ids=lambda t: t.name)
+def test_unsupported_type_is_refused_by_name(qtype: QType) -> None:
+    raw = torch.zeros(1, 64, dtype=torch.uint8)
+    with pytest.raises(UnsupportedTensorType, match=qtype.name):
+        dequantize(raw, qtype, (1, 256))
+    with pytest.raises(UnsupportedTensorType, match=qtype.name):
+        quantize(torch.zeros(1, 256), qtype)
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    raw = random_blocks(QType.Q8_0, 2, 64)
+    with pytest.raises(ValueError, match="Q8_0"):
+        dequantize(raw, QType.Q8_0, (2, 96))
+    with pytest.raises(ValueError, match="multiple"):
+        quantize(torch.zeros(2, 40), QType.Q8_0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_dequantize_on_gpu_matches_cpu(qtype: QType) -> None:
+    raw = random_blocks(qtype, 64, 4 * block_geometry(qtype)[0], seed=9)
+    shape = (64, 4 * block_geometry(qtype)[0])
+    on_gpu = dequantize(raw.cuda(), qtype, shape)
+    assert on_gpu.is_cuda
+    assert torch.equal(on_gpu.cpu(), dequantize(raw, qtype, shape))

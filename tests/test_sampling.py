@@ -1,0 +1,57 @@
+"""Sampling filters against their definitions, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stratad.engine.sampling import Sampler, SamplingParams
+
+LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+
+
+def test_greedy_is_argmax() -> None:
+    assert Sampler(SamplingParams(temperature=0.0)).sample(LOGITS) == 0
+    assert Sampler(SamplingParams(temperature=5.0, top_k=1)).sample(LOGITS) == 0
+
+
+def test_top_k_keeps_k() -> None:
+    p = Sampler(SamplingParams(top_k=3)).probabilities(LOGITS)
+    assert (p > 0).sum() == 3 and torch.allclose(p[:3], LOGITS[:3].softmax(-1))
+
+
+def test_top_p_smallest_prefix() -> None:
+    full = LOGITS.softmax(-1)
+    p = Sampler(SamplingParams(top_p=0.8)).probabilities(LOGITS)
+    # the first two tokens hold 0.63+0.23 = 0.87 >= 0.8, the first alone does not
+    assert full[0] < 0.8 <= full[:2].sum()
+    assert (p > 0).tolist() == [True, True, False, False, False, False]
+
+
+def test_min_p_relative_to_max() -> None:
+    p = Sampler(SamplingParams(min_p=0.3)).probabilities(LOGITS)
+    full = LOGITS.softmax(-1)
+    assert ((p > 0) == (full >= 0.3 * full.max())).all()
+
+
+def test_temperature_sharpens() -> None:
+    cold = Sampler(SamplingParams(temperature=0.5)).probabilities(LOGITS)
+    hot = Sampler(SamplingParams(temperature=2.0)).probabilities(LOGITS)
+    assert cold[0] > LOGITS.softmax(-1)[0] > hot[0]
+
+
+def test_seed_reproducible_and_distribution() -> None:
+    a = [Sampler(SamplingParams(seed=7)).sample(LOGITS) for _ in range(3)]
+    assert len(set(a)) == 1
+    s = Sampler(SamplingParams(seed=1))
+    draws = torch.tensor([s.sample(LOGITS) for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=6).float() / 4000
+    assert (freq - LOGITS.softmax(-1)).abs().max() < 0.03
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0), dict(top_k=-1)]
+)
+def test_invalid_params(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Sampler(SamplingParams(**bad))  # type: ignore[arg-type]
