@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="stratactl")
     synth_cli.add_parser(parser.add_subparsers(dest="verb", required=True))
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    return int(args.run(args))
 
 
 # --- geometry --------------------------------------------------------------------------------
@@ -146,6 +147,16 @@ def test_progress_reaches_total(tmp_path: Path) -> None:
     assert dones == sorted(dones) and dones[-1] == total and {t for _, t in seen} == {total}
 
 
+def test_progress_line_ends_with_the_total() -> None:
+    stream = io.StringIO()
+    line = synth_cli.ProgressLine("synth a3b", stream)
+    for done in (0, 10**9, 5 * 10**9):
+        line(done, 5 * 10**9)
+    out = stream.getvalue()  # not a terminal: no redraws, and the middle call was too soon
+    assert out.startswith("synth a3b: 5.00 / 5.00 GB (100%)") and out.endswith("ETA 0s\n")
+    assert out.count("\n") == 1
+
+
 def test_cli_module_does_not_import_torch() -> None:
     code = "import sys, stratactl.synth; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
@@ -176,3 +187,12 @@ def test_llama_cpp_runs_it(written: dict[str, tuple[Path, float]], name: str) ->
     assert isinstance(completion, dict)
     generated = llm.tokenize(completion["choices"][0]["text"].encode(), add_bos=False)
     assert len(set(generated)) > 4
+
+
+def test_parallel_writer_is_byte_identical(tmp_path: Path) -> None:
+    from stratad.model.synth import get_preset, write_synth
+
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    write_synth(get_preset("tiny-moe"), one, workers=1)
+    write_synth(get_preset("tiny-moe"), two, workers=2)
+    assert one.read_bytes() == two.read_bytes()

@@ -7,6 +7,7 @@ offloaded experts) is tested against it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -16,6 +17,12 @@ from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, 
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
+
+
+class ExpertProvider(Protocol):
+    """Where routed experts come from instead of the model's stacks (the expert store)."""
+
+    def get(self, layer: int, expert: int) -> MLPWeights: ...
 
 
 def _f(t: QTensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -49,7 +56,9 @@ class _Layer:
     shared_gate: torch.Tensor | None
 
 
-def _layer(w: LayerWeights, device: torch.device, dtype: torch.dtype) -> _Layer:
+def _layer(
+    w: LayerWeights, device: torch.device, dtype: torch.dtype, stacked: bool = True
+) -> _Layer:
     def f(t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=device, dtype=dtype)
 
@@ -72,7 +81,11 @@ def _layer(w: LayerWeights, device: torch.device, dtype: torch.dtype) -> _Layer:
         ffn_norm=f(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
         router=f(moe.router) if moe else None,
-        experts=(f(moe.experts.gate), f(moe.experts.up), f(moe.experts.down)) if moe else None,
+        experts=(
+            (f(moe.experts.gate), f(moe.experts.up), f(moe.experts.down))
+            if moe and stacked
+            else None
+        ),
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=_f(moe.shared_gate, device, dtype) if moe else None,
     )
@@ -82,14 +95,21 @@ class ReferenceForward:
     """Computes logits for new tokens of one sequence, appending to its KV cache."""
 
     def __init__(
-        self, model: Model, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        model: Model,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        experts: ExpertProvider | None = None,
     ) -> None:
         self.spec: ModelSpec = model.spec
         self.device = torch.device(device)
         self.dtype = dtype
+        # None: routed experts are dequantized once here; else fetched and dequantized per use.
+        self.experts = experts
         arch = ARCHS[model.spec.arch]
         self.layers = [
-            _layer(arch.layer(model, i), self.device, dtype) for i in range(model.spec.n_layers)
+            _layer(arch.layer(model, i), self.device, dtype, stacked=experts is None)
+            for i in range(model.spec.n_layers)
         ]
         self.embed = model.tensor("model.embed_tokens.weight").dequantize(dtype).to(self.device)
         self.norm = model.tensor("model.norm.weight").dequantize(dtype).to(self.device)
@@ -158,17 +178,26 @@ class ReferenceForward:
         return out.reshape(t, spec.q_dim) @ w.o.T
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:
-        assert w.router is not None and w.experts is not None
+        assert w.router is not None
         spec = self.spec
         weights, ids = route(x @ w.router.T, spec.n_experts_used, spec.norm_topk_prob)  # [T, k]
         self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
-        gate, up, down = w.experts
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = swiglu(x[rows], gate[e], up[e], down[e]).float()
+            y = swiglu(x[rows], *self._expert(i, w, e)).float()
             out.index_add_(0, rows, y * weights[rows, slot, None])
         if w.shared is not None and w.shared_gate is not None:
             s = swiglu(x, w.shared.gate, w.shared.up, w.shared.down).float()
             out += torch.sigmoid((x @ w.shared_gate.T).float()) * s
         return out.to(x.dtype)
+
+    def _expert(
+        self, i: int, w: _Layer, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.experts is None:
+            assert w.experts is not None
+            gate, up, down = w.experts
+            return gate[e], up[e], down[e]
+        m, to = self.experts.get(i, e), {"device": self.device, "dtype": self.dtype}
+        return m.gate.dequantize().to(**to), m.up.dequantize().to(**to), m.down.dequantize().to(**to)

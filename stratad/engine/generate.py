@@ -1,12 +1,20 @@
-"""The generation loop of one request: prefill, then decode until a stop condition."""
+"""The generation loop of one request: prefill, then decode until a stop condition.
+
+Prefill reuses the longest known prefix of the prompt (the working cache's, or a snapshot in
+the `PrefixStore`) and computes the rest in chunks; `cancelled()` is polled before every chunk
+and every decoded token, so a cancelled request frees the engine within one of either.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.kv import KVCache
+from stratad.engine.prefix import PrefixStore
 from stratad.engine.sampling import Sampler, SamplingParams
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
 
@@ -18,6 +26,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    pin: int = 0  # leading prompt tokens to keep as a pinned prefix snapshot
 
 
 @dataclass
@@ -30,19 +39,62 @@ class GenerationEvent:
 
 
 class Generator:
-    """Runs requests one at a time on a forward pass, reusing the KV of a shared prefix."""
+    """Runs requests one at a time on a forward pass, reusing the KV of known prefixes."""
 
-    def __init__(self, forward: ReferenceForward, tokenizer: Tokenizer, max_context: int) -> None:
+    def __init__(
+        self,
+        forward: ReferenceForward,
+        tokenizer: Tokenizer,
+        max_context: int,
+        *,
+        prefill_chunk: int = 128,
+        prefix_store: PrefixStore | None = None,
+    ) -> None:
         self.forward = forward
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
         self.cache: KVCache = forward.new_cache(max_context)
+        self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
+        self.cached_tokens = 0  # prompt tokens the last run reused instead of computing
 
-    def _prefill(self, prompt: list[int]) -> list[int]:
-        """Reuse the cached prefix; return the tokens still to be computed (at least one)."""
-        keep = min(self.cache.common_prefix(prompt), len(prompt) - 1)
-        self.cache.truncate(keep)
-        return prompt[keep:]
+    def _reuse(self, prompt: list[int]) -> int:
+        """Load the longest known prefix of `prompt` into the cache; return its length.
+
+        At least the last prompt token is left to compute: its logits pick the first token.
+        """
+        live = self.cache.common_prefix(prompt)
+        snap, n = self.store.best(prompt)
+        keep = min(max(live, n), len(prompt) - 1)
+        if min(live, keep) < self.cache.length:
+            # the conversation in the cache is about to be overwritten: set it aside
+            self.store.save(self.cache, self.cache.length)
+        if snap is not None and n > live:
+            self.store.restore(snap, keep, self.cache)
+        else:
+            self.cache.truncate(keep)
+        return keep
+
+    def _prefill(
+        self, prompt: list[int], pin: int, cancelled: Callable[[], bool]
+    ) -> torch.Tensor | None:
+        """Logits [V] after the prompt, or None if cancelled between chunks."""
+        pos = self.cached_tokens = self._reuse(prompt)
+        if 0 < pin <= pos:
+            self.store.save(self.cache, pin, pinned=True)
+        logits = None
+        while pos < len(prompt):
+            if cancelled():
+                return None
+            end = min(pos + self.prefill_chunk, len(prompt))
+            if pos < pin < end:
+                end = pin  # a chunk ends at the pin, so its KV can be snapshotted as it is
+            logits = self.forward(prompt[pos:end], self.cache)[-1]
+            pos = end
+            if pos == pin:
+                self.store.save(self.cache, pin, pinned=True)
+        assert logits is not None
+        return logits
 
     def run(
         self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
@@ -56,7 +108,9 @@ class Generator:
         budget = min(req.max_tokens, self.max_context - len(req.prompt))
         sampler = Sampler(req.sampling)
         decoder = StreamDecoder(self.tokenizer)
-        logits = self.forward(self._prefill(req.prompt), self.cache)[-1]
+        logits = self._prefill(req.prompt, req.pin, cancelled)
+        if logits is None:
+            return
         text, emitted, n = "", 0, 0
         hold = max((len(s) for s in req.stop), default=0)
         while True:

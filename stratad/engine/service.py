@@ -13,8 +13,9 @@ import torch
 from stratad.config import Config
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.generate import GenerationRequest, Generator
+from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
-from stratad.jobs import Delta, Job, JobError
+from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
@@ -49,7 +50,8 @@ def load_tokenizer(model: Model) -> Tokenizer:
 
 
 class Engine:
-    """Runs one job at a time (the caller serialises); not thread-safe by design."""
+    """`run` takes one job at a time (the scheduler's engine thread serialises them);
+    `prepare` only tokenises and may run on any thread meanwhile."""
 
     def __init__(self, config: Config) -> None:
         path = Path(config.model.path) if config.model.path else default_model_path()
@@ -66,7 +68,15 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model)
         self.forward = ReferenceForward(self.model, device, dtype)
         max_context = min(config.model.max_context, self.model.spec.context_length)
-        self.generator = Generator(self.forward, self.tokenizer, max_context)
+        server = config.server
+        self.prefixes = PrefixStore(
+            conversation_bytes=server.conversation_cache_mib << 20,
+            pinned_bytes=server.pinned_prefix_mib << 20,
+        )
+        self.generator = Generator(
+            self.forward, self.tokenizer, max_context,
+            prefill_chunk=server.prefill_chunk, prefix_store=self.prefixes,
+        )
         self.info = EngineInfo(
             model_id=config.model.name or path.name,
             arch=self.model.spec.arch,
@@ -87,32 +97,72 @@ class Engine:
     def max_context(self) -> int:
         return self.info.max_context
 
+    def _encode_chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt
+            )
+        except ValueError as e:  # the template refused the conversation (e.g. role order)
+            raise JobError(str(e), "messages") from None
+        return self.tokenizer.encode(text, add_special=False)
+
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in job.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special=False)
+            return self._encode_chat([_plain(m) for m in job.messages], True)
         return self.tokenizer.encode(job.prompt or "", add_special=True)
 
-    def run(self, job: Job, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Delta]:
+    def prepare(self, job: Job) -> PreparedJob:
+        """Tokenise and check a job; safe to call from any thread while `run` works.
+
+        Raises `JobError` (naming the field) for what the client must change.
+        """
+        field = "messages" if job.messages is not None else "prompt"
         prompt = self.tokenize(job)
         if not prompt:
-            raise JobError("the prompt is empty")
-        if len(prompt) >= self.info.max_context:
+            raise JobError("the prompt is empty", field)
+        room = self.info.max_context - len(prompt)
+        if room < 1:
             raise JobError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.info.max_context}"
+                " (prompt and completion together)", field,
             )
+        if job.max_tokens is not None and job.max_tokens > room:
+            raise JobError(
+                f"max_tokens={job.max_tokens} does not fit: the context holds"
+                f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
+                "max_tokens",
+            )
+        pin = 0
+        if job.prefix_messages and job.messages is not None:
+            head = [_plain(m) for m in job.messages[: job.prefix_messages]]
+            pin = common_prefix(self._encode_chat(head, False), prompt)
+        elif job.prefix_tokens:
+            pin = job.prefix_tokens
+        return PreparedJob(
+            job=job,
+            prompt=tuple(prompt),
+            max_tokens=room if job.max_tokens is None else job.max_tokens,
+            pin=min(pin, len(prompt) - 1),
+        )
+
+    def run(
+        self, job: Job | PreparedJob, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[Delta]:
+        """Generate; stops early without a final delta if `cancelled()` turns true."""
+        prepared = job if isinstance(job, PreparedJob) else self.prepare(job)
+        spec = prepared.job
         req = GenerationRequest(
-            prompt=prompt,
-            max_tokens=job.max_tokens,
+            prompt=list(prepared.prompt),
+            max_tokens=prepared.max_tokens,
             sampling=SamplingParams(
-                temperature=job.temperature,
-                top_k=job.top_k,
-                top_p=job.top_p,
-                min_p=job.min_p,
-                seed=job.seed,
+                temperature=spec.temperature,
+                top_k=spec.top_k,
+                top_p=spec.top_p,
+                min_p=spec.min_p,
+                seed=spec.seed,
             ),
-            stop=job.stop,
+            stop=spec.stop,
+            pin=prepared.pin,
         )
         n = 0
         for event in self.generator.run(req, cancelled):
@@ -120,6 +170,25 @@ class Engine:
             yield Delta(
                 text=event.text,
                 finish_reason=event.finish_reason,
-                prompt_tokens=len(prompt),
+                prompt_tokens=len(prepared.prompt),
                 completion_tokens=n,
+                cached_tokens=self.generator.cached_tokens,
             )
+
+    def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
+        """(name, help, labels, value) of the engine's own gauges, for /metrics."""
+        store = self.prefixes
+        return [
+            ("strata:prefix_cache_bytes", "KV bytes held by prefix snapshots",
+             {"kind": "conversation"}, float(store.bytes_used(pinned=False))),
+            ("strata:prefix_cache_bytes", "KV bytes held by prefix snapshots",
+             {"kind": "pinned"}, float(store.bytes_used(pinned=True))),
+            ("strata:prefix_cache_entries", "prefix snapshots kept",
+             {"kind": "conversation"}, float(sum(not s.pinned for s in store.snapshots))),
+            ("strata:prefix_cache_entries", "prefix snapshots kept",
+             {"kind": "pinned"}, float(sum(s.pinned for s in store.snapshots))),
+        ]
+
+
+def _plain(m: ChatMessage) -> dict[str, str]:
+    return {"role": m.role, "content": m.content}

@@ -1,0 +1,254 @@
+"""Which kernel tuning table fits the installed GPU stack (selection only: no torch, no tuner).
+
+A table is a JSON file named `<arch>-<backend>-<version>.json`, e.g. `gfx1100-rocm-7.2.0.json`
+or `sm90-cuda-12.8.json`: launch settings measured on that GPU architecture with that runtime.
+Settings tuned under one compiler and runtime can be slow (or wrong) under another, so only an
+exact match of all three parts is used; anything else runs the kernels' default settings, and
+says so. The version is ROCm's `major.minor.patch`, or CUDA's `major.minor`.
+
+Detection reads files, so tests point it at a fake tree (`root`):
+- ROCm: `<rocm>/.info/version` (or `include/rocm-core/rocm_version.h`) for the version, and the
+  KFD topology in sysfs (`gfx_target_version` of each GPU node) for the architecture, with
+  `HSA_OVERRIDE_GFX_VERSION` applied as the runtime applies it;
+- CUDA: `<cuda>/version.json` for the version, `nvidia-smi` for the compute capability.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+PACKAGED_DIR = Path(__file__).parent / "tables"
+STATE_DIR = Path("/var/lib/strata/tables")  # where `stratactl tune` writes (StateDirectory)
+SEARCH_PATH = (STATE_DIR, PACKAGED_DIR)
+
+Backend = Literal["rocm", "cuda"]
+_NAME = re.compile(r"^(?P<arch>(gfx[0-9a-f]+|sm[0-9]+a?))-(?P<backend>rocm|cuda)-(?P<version>\d+(\.\d+)*)\.json$")
+
+COST = (
+    "the kernels run with their default launch settings: expect slower prefill and decode"
+    " (upstream users measured up to 45% less prompt speed on a mismatched stack)"
+)
+
+
+class TableError(RuntimeError):
+    """The GPU stack cannot be detected."""
+
+
+@dataclass(frozen=True, order=True)
+class Stack:
+    arch: str  # gfx1100, gfx942, sm90
+    backend: Backend
+    version: str  # 7.2.0 (ROCm), 12.8 (CUDA)
+
+    @property
+    def key(self) -> str:
+        return f"{self.arch}-{self.backend}-{self.version}"
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.key}.json"
+
+
+def parse_name(name: str) -> Stack | None:
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    return Stack(m["arch"], m["backend"], m["version"])  # type: ignore[arg-type]
+
+
+# ---- detection --------------------------------------------------------------------------
+
+
+def gfx_name(target_version: int) -> str:
+    """KFD's gfx_target_version (major*10000 + minor*100 + stepping) as an LLVM target name."""
+    major, minor, step = target_version // 10000, target_version // 100 % 100, target_version % 100
+    return f"gfx{major}{minor:x}{step:x}"
+
+
+def rocm_gpu_archs(root: Path = Path("/")) -> list[str]:
+    """The gfx architectures of the GPU nodes in the KFD topology, in node order."""
+    nodes = root / "sys/class/kfd/kfd/topology/nodes"
+    archs = []
+    for node in sorted(nodes.glob("*"), key=lambda p: int(p.name) if p.name.isdigit() else 0):
+        try:
+            text = (node / "properties").read_text()
+        except OSError:
+            continue
+        m = re.search(r"^gfx_target_version\s+(\d+)", text, re.M)
+        if m and int(m[1]):  # CPU nodes say 0
+            archs.append(gfx_name(int(m[1])))
+    return archs
+
+
+def rocm_version(rocm: Path) -> str | None:
+    """ROCm's major.minor.patch from an install tree (/opt/rocm), or None."""
+    try:
+        m = re.match(r"(\d+)\.(\d+)\.(\d+)", (rocm / ".info/version").read_text().strip())
+        if m:
+            return ".".join(m.groups())
+    except OSError:
+        pass
+    for header in ("include/rocm-core/rocm_version.h", "include/rocm_version.h"):
+        try:
+            text = (rocm / header).read_text()
+        except OSError:
+            continue
+        parts = [re.search(rf"#define\s+ROCM_VERSION_{p}\s+(\d+)", text) for p in
+                 ("MAJOR", "MINOR", "PATCH")]
+        if all(parts):
+            return ".".join(p[1] for p in parts if p)
+    return None
+
+
+def override_arch(hsa_override: str) -> str | None:
+    """HSA_OVERRIDE_GFX_VERSION=11.0.0 -> gfx1100 (the arch the runtime then targets)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", hsa_override.strip())
+    if m is None:
+        return None
+    major, minor, step = (int(x) for x in m.groups())
+    return gfx_name(major * 10000 + minor * 100 + step)
+
+
+def cuda_version(cuda: Path) -> str | None:
+    try:
+        version = json.loads((cuda / "version.json").read_text())["cuda"]["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    return f"{m[1]}.{m[2]}" if m else None
+
+
+def nvidia_archs(run: Callable[[list[str]], str] | None = None) -> list[str]:
+    """sm<major><minor> of each NVIDIA GPU, from nvidia-smi (none if it is missing)."""
+    if run is None:
+        if shutil.which("nvidia-smi") is None:
+            return []
+
+        def run(cmd: list[str]) -> str:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+
+    try:
+        out = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [f"sm{line.strip().replace('.', '')}" for line in out.splitlines()
+            if re.fullmatch(r"\d+\.\d+", line.strip())]
+
+
+@dataclass(frozen=True)
+class Detected:
+    stacks: tuple[Stack, ...]  # one per GPU (distinct)
+    notes: tuple[str, ...] = ()  # how it was found, overrides applied
+
+
+def detect(
+    root: Path = Path("/"),
+    rocm_path: str | None = None,
+    cuda_path: str | None = None,
+    hsa_override: str | None = None,
+    nvidia_smi: Callable[[list[str]], str] | None = None,
+) -> Detected:
+    """The installed GPU stacks; raises TableError when there is a GPU but no runtime version."""
+    notes: list[str] = []
+    archs = rocm_gpu_archs(root)
+    if archs:
+        rocm = root / (rocm_path or "opt/rocm").lstrip("/")
+        version = rocm_version(rocm)
+        if version is None:
+            raise TableError(f"AMD GPU {', '.join(archs)} found but no ROCm version under {rocm}"
+                             " (.info/version); pass --rocm-path or --version")
+        if hsa_override:
+            forced = override_arch(hsa_override)
+            if forced is None:
+                raise TableError(f"HSA_OVERRIDE_GFX_VERSION={hsa_override!r}: not X.Y.Z")
+            notes.append(f"HSA_OVERRIDE_GFX_VERSION={hsa_override}: the runtime treats"
+                         f" {', '.join(sorted(set(archs)))} as {forced}")
+            archs = [forced]
+        notes.append(f"ROCm {version} from {rocm}")
+        return Detected(tuple(dict.fromkeys(Stack(a, "rocm", version) for a in archs)), tuple(notes))
+    archs = nvidia_archs(nvidia_smi)
+    if archs:
+        cuda = root / (cuda_path or "usr/local/cuda").lstrip("/")
+        version = cuda_version(cuda)
+        if version is None:
+            raise TableError(f"NVIDIA GPU {', '.join(archs)} found but no CUDA version under"
+                             f" {cuda} (version.json); pass --cuda-path or --version")
+        notes.append(f"CUDA {version} from {cuda}")
+        return Detected(tuple(dict.fromkeys(Stack(a, "cuda", version) for a in archs)), tuple(notes))
+    return Detected((), ("no GPU found (no KFD GPU node, no nvidia-smi GPU)",))
+
+
+# ---- selection --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    stack: Stack
+    path: Path | None  # the table to use, or None
+    reason: Literal["match", "no-table", "other-version", "other-arch", "refused"]
+    message: str
+    others: tuple[Path, ...] = field(default=())  # tables that exist but do not fit
+
+    @property
+    def matched(self) -> bool:
+        return self.path is not None
+
+
+def available(dirs: Sequence[Path] = SEARCH_PATH) -> list[tuple[Path, Stack]]:
+    """Every table in `dirs` whose name parses; earlier dirs shadow later ones."""
+    seen: dict[str, tuple[Path, Stack]] = {}
+    for d in dirs:
+        for path in sorted(d.glob("*.json")) if d.is_dir() else ():
+            stack = parse_name(path.name)
+            if stack is not None and path.name not in seen:
+                seen[path.name] = (path, stack)
+    return sorted(seen.values(), key=lambda t: t[1])
+
+
+def _declared_key(path: Path) -> str | None:
+    """The `key` a table declares inside (if it does): it must agree with its name."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("key") if isinstance(data, dict) and isinstance(data.get("key"), str) else None
+
+
+def select(stack: Stack, dirs: Sequence[Path] = SEARCH_PATH) -> Choice:
+    tables = available(dirs)
+    where = ", ".join(str(d) for d in dirs)
+    for path, s in tables:
+        if s == stack:
+            declared = _declared_key(path)
+            if declared is not None and declared != stack.key:
+                return Choice(stack, None, "refused",
+                              f"{path} is named for {stack.key} but says it was tuned for"
+                              f" {declared}: refused; {COST}", (path,))
+            return Choice(stack, path, "match", f"{stack.key}: using {path}")
+    same_arch = [(p, s) for p, s in tables if s.arch == stack.arch and s.backend == stack.backend]
+    same_version = [(p, s) for p, s in tables
+                    if s.backend == stack.backend and s.version == stack.version]
+    if same_arch:
+        versions = ", ".join(s.version for _, s in same_arch)
+        return Choice(stack, None, "other-version",
+                      f"no tuning table for {stack.key}: tables for {stack.arch} exist only for"
+                      f" {stack.backend} {versions}, and a table is never used across runtime"
+                      f" versions; {COST}. Write one for this stack with `stratactl tune`.",
+                      tuple(p for p, _ in same_arch))
+    if same_version:
+        archs = ", ".join(s.arch for _, s in same_version)
+        return Choice(stack, None, "other-arch",
+                      f"no tuning table for {stack.key}: {stack.backend} {stack.version} tables"
+                      f" exist only for {archs}, not for this GPU's {stack.arch}; {COST}."
+                      " Write one with `stratactl tune`.",
+                      tuple(p for p, _ in same_version))
+    return Choice(stack, None, "no-table",
+                  f"no tuning table for {stack.key} (looked in {where}); {COST}."
+                  " Write one with `stratactl tune`.")

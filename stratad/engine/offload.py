@@ -1,0 +1,436 @@
+"""The GPU engine for models larger than the GPU: dense weights in VRAM, experts tiered.
+
+Every routed expert has a blob in page-locked host RAM; a fixed set of VRAM slots caches
+some of them. A per-(layer, expert) address table on the device says where each blob is,
+and the fused MoE kernel reads whichever it finds (VRAM, or host RAM in place over PCIe).
+
+Decode runs one token through all layers with no host synchronisation (routing ids stay
+on the device) and is captured once as a CUDA graph. Between steps, a per-layer LRU policy
+moves recently used experts into VRAM on a side stream, and only then repoints the table.
+Prefill runs in chunks: each layer's routed experts are copied into a staging area while
+the previous layer computes, dequantized to the compute dtype, and run as grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as fn
+
+from kernels.moe import fused_moe
+from kernels.quant import QType, dequantize
+from stratad.engine.experts import BlobLayout, blob_layout, copy_expert, moe_layers
+from stratad.engine.kv import KVCache
+from stratad.engine.layers import apply_rope, rms_norm
+from stratad.engine.slots import SlotPolicy, initial_residents
+from stratad.engine.timing import StageTimer
+from stratad.model.archs import ARCHS
+from stratad.model.spec import Model, ModelError
+
+log = logging.getLogger("stratad.engine")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    expert_vram_bytes: int  # VRAM for expert slots (the cache)
+    max_context: int = 4096
+    prefill_chunk: int = 4096
+    dtype: torch.dtype = torch.bfloat16
+    graphs: bool = True  # capture the decode step as a CUDA graph
+    adapt: bool = True  # move recently used experts into VRAM between steps
+    moves_per_step: int = 8
+
+
+@dataclass
+class _Dense:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    router: torch.Tensor  # [E, H]
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    shared_gate: torch.Tensor | None
+
+
+def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> list[_Dense]:
+    arch = ARCHS[model.spec.arch]
+    out = []
+    for i in range(model.spec.n_layers):
+        w = arch.layer(model, i)
+        moe = w.mlp
+        assert not isinstance(moe, type(None))
+
+        def f(t):  # type: ignore[no-untyped-def]
+            return None if t is None else t.dequantize().to(device=device, dtype=dtype)
+
+        a = w.attn
+        bias = (
+            torch.cat([f(a.q_bias), f(a.k_bias), f(a.v_bias)]) if a.q_bias is not None else None
+        )
+        shared = moe.shared  # type: ignore[union-attr]
+        out.append(
+            _Dense(
+                attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
+                qkv_bias=bias, q_norm=f(a.q_norm), k_norm=f(a.k_norm), o=f(a.o),
+                ffn_norm=f(w.ffn_norm), router=f(moe.router),  # type: ignore[union-attr]
+                shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
+                shared_gate=f(moe.shared_gate),  # type: ignore[union-attr]
+            )
+        )
+    return out
+
+
+class HostExperts:
+    """Every expert blob in one host buffer [L, E, nbytes], page-locked for in-place reads."""
+
+    def __init__(self, model: Model, layout: BlobLayout) -> None:
+        spec = model.spec
+        self.layout = layout
+        self.buffer = torch.empty((spec.n_layers, spec.n_experts, layout.nbytes), dtype=torch.uint8)
+        layers = moe_layers(model)
+        t0 = time.monotonic()
+        for layer in range(spec.n_layers):
+            for e in range(spec.n_experts):
+                copy_expert(layers, layer, e, self.buffer[layer, e], layout)
+        log.info("experts: %.2f GiB read into RAM in %.1f s", self.buffer.nbytes / 2**30,
+                 time.monotonic() - t0)
+        self.registered = False
+
+    def pin(self, chunk_bytes: int = 1 << 30) -> None:
+        """Register the buffer with the GPU runtime in chunks (mapped: kernels may read it)."""
+        cudart = torch.cuda.cudart()
+        base, total = self.buffer.data_ptr(), self.buffer.nbytes
+        t0 = time.monotonic()
+        for off in range(0, total, chunk_bytes):
+            n = min(chunk_bytes, total - off)
+            err = cudart.cudaHostRegister(base + off, n, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed ({err}) at {off:,} of {total:,} bytes")
+        self.registered = True
+        self._chunk = chunk_bytes
+        log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)
+
+    def unpin(self) -> None:
+        if self.registered:
+            cudart = torch.cuda.cudart()
+            base, total = self.buffer.data_ptr(), self.buffer.nbytes
+            for off in range(0, total, self._chunk):
+                cudart.cudaHostUnregister(base + off)
+            self.registered = False
+
+
+class OffloadForward:
+    """Forward pass of a MoE model on one GPU with experts tiered between VRAM and RAM."""
+
+    def __init__(self, model: Model, device: torch.device, config: OffloadConfig,
+                 host: HostExperts | None = None) -> None:
+        spec = self.spec = model.spec
+        if not spec.is_moe:
+            raise ModelError(f"{model.source}: the offload engine serves MoE models")
+        self.layout = blob_layout(model)
+        if self.layout.qtype != QType.Q4_0:
+            raise ModelError(
+                f"{model.source}: the offload engine reads Q4_0 experts, not {self.layout.qtype.name}"
+            )
+        self.device, self.config, self.dtype = device, config, config.dtype
+        self.layers = _dense_layers(model, device, self.dtype)
+        self.embed = model.tensor("model.embed_tokens.weight").dequantize(self.dtype).to(device)
+        self.norm = model.tensor("model.norm.weight").dequantize(self.dtype).to(device)
+        self.lm_head = self.embed if spec.tie_embeddings else (
+            model.tensor("lm_head.weight").dequantize(self.dtype).to(device))
+        self.host = host or HostExperts(model, self.layout)
+        if device.type == "cuda" and not self.host.registered:
+            self.host.pin()
+        self._init_slots()
+        self._init_rope()
+        self.route_counts = torch.zeros((spec.n_layers, spec.n_experts), dtype=torch.int64,
+                                        device=device)
+        self.timer = StageTimer(enabled=False)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
+        self.hits = self.lookups = 0
+
+    # -- placement -----------------------------------------------------------------------
+
+    def _init_slots(self) -> None:
+        spec, nbytes = self.spec, self.layout.nbytes
+        per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // spec.n_layers)
+        self.slots_per_layer = per_layer
+        self.slots = torch.empty((spec.n_layers, max(per_layer, 1), nbytes), dtype=torch.uint8,
+                                 device=self.device)
+        residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
+        self.policy = SlotPolicy(residents)
+        self.slot_of: list[dict[int, int]] = []
+        host = self.host.buffer
+        table = torch.empty((spec.n_layers, spec.n_experts, 3), dtype=torch.int64)
+        off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
+        for layer in range(spec.n_layers):
+            slot_of = {}
+            for e in range(spec.n_experts):
+                table[layer, e] = host[layer, e].data_ptr() + off
+            for s, e in enumerate(residents[layer]):
+                self.slots[layer, s].copy_(host[layer, e])
+                table[layer, e] = self.slots[layer, s].data_ptr() + off
+                slot_of[e] = s
+            self.slot_of.append(slot_of)
+        self.table = table.to(self.device)
+        self._off = off
+        log.info("expert cache: %d of %d experts per layer in VRAM (%.2f GiB)", per_layer,
+                 spec.n_experts, self.slots.nbytes / 2**30)
+
+    def _init_rope(self) -> None:
+        d, n = self.spec.head_dim, self.config.max_context
+        inv = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+        self.cos = ang.cos().float().to(self.device)
+        self.sin = ang.sin().float().to(self.device)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        return KVCache.allocate(self.spec, max_len or self.config.max_context, self.device,
+                                self.dtype)
+
+    # -- one layer ------------------------------------------------------------------------
+
+    def _attention(self, w: _Dense, i: int, h: torch.Tensor, pos: torch.Tensor,
+                   cache: KVCache, start: int | None) -> torch.Tensor:
+        """h [T, H] at positions pos [T]; start is None in the captured decode step."""
+        spec, t = self.spec, h.shape[0]
+        qkv = fn.linear(h, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
+        if spec.qk_norm == "full":
+            q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        q = q.reshape(t, spec.n_heads, spec.head_dim)
+        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
+        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        cos, sin = self.cos[pos], self.sin[pos]
+        q = apply_rope(q, cos, sin, spec.rope_interleaved)
+        k = apply_rope(k, cos, sin, spec.rope_interleaved)
+        cache.k[i].index_copy_(0, pos, k)
+        cache.v[i].index_copy_(0, pos, v)
+        rep = spec.n_heads // spec.n_kv_heads
+        if start is None:  # decode: the whole static cache, masked beyond the position
+            keys, values = cache.k[i], cache.v[i]
+            mask = (torch.arange(keys.shape[0], device=h.device) <= pos[-1])[None, None, :]
+        else:
+            keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
+            qpos = torch.arange(start, start + t, device=h.device)[:, None]
+            mask = (torch.arange(start + t, device=h.device)[None, :] <= qpos)[None]
+        qh = q.transpose(0, 1)  # [Hq, T, D]
+        kh = keys.transpose(0, 1).repeat_interleave(rep, 0)
+        vh = values.transpose(0, 1).repeat_interleave(rep, 0)
+        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return fn.linear(out.transpose(0, 1).reshape(t, spec.q_dim), w.o)
+
+    def _route(self, w: _Dense, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = fn.linear(h, w.router).float().softmax(-1)
+        weights, ids = probs.topk(self.spec.n_experts_used, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids.to(torch.int32)
+
+    def _shared(self, w: _Dense, h: torch.Tensor) -> torch.Tensor | None:
+        if w.shared is None:
+            return None
+        g, u, d = w.shared
+        s = fn.linear(fn.silu(fn.linear(h, g)) * fn.linear(h, u), d)
+        if w.shared_gate is not None:
+            s = s * torch.sigmoid(fn.linear(h, w.shared_gate))
+        return s
+
+    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+               start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w, spec = self.layers[i], self.spec
+        x = x + self._attention(w, i, rms_norm(x, w.attn_norm, spec.rms_eps), pos, cache, start)
+        h = rms_norm(x, w.ffn_norm, spec.rms_eps)
+        weights, ids = self._route(w, h)
+        if start is None or h.shape[0] <= 8:
+            moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
+        else:
+            moe = self._prefill_moe(i, h, ids, weights)
+        shared = self._shared(w, h)
+        x = x + (moe if shared is None else moe + shared)
+        return x, ids
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def _expert_weights(self, i: int, experts: list[int]) -> tuple[torch.Tensor, ...]:
+        """(gate [n, F, H], up, down [n, H, F]) in the compute dtype for these experts."""
+        lay, n = self.layout, len(experts)
+        staging = torch.empty((n, lay.nbytes), dtype=torch.uint8, device=self.device)
+        slot_of = self.slot_of[i]
+        for j, e in enumerate(experts):
+            s = slot_of.get(e)
+            src = self.slots[i, s] if s is not None else self.host.buffer[i, e]
+            staging[j].copy_(src, non_blocking=True)
+        f, h = lay.ffn, lay.hidden
+        g = dequantize(staging[:, : lay.gate_bytes].reshape(n * f, -1), lay.qtype, (n * f, h))
+        u = dequantize(staging[:, lay.up_offset : lay.down_offset].reshape(n * f, -1), lay.qtype,
+                       (n * f, h))
+        d = dequantize(staging[:, lay.down_offset :].reshape(n * h, -1), lay.qtype, (n * h, f))
+        return (g.view(n, f, h).to(self.dtype), u.view(n, f, h).to(self.dtype),
+                d.view(n, h, f).to(self.dtype))
+
+    def _prefill_moe(self, i: int, h: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.spec.n_experts).cpu()  # one sync per layer
+        experts = [e for e in range(self.spec.n_experts) if counts[e] > 0]
+        gate, up, down = self._expert_weights(i, experts)
+        tokens = order // k
+        xs = h[tokens]  # [T*k, H] grouped by expert
+        out_rows = torch.empty((t * k, self.spec.hidden), dtype=self.dtype, device=self.device)
+        begin = 0
+        for j, e in enumerate(experts):
+            end = begin + int(counts[e])
+            xe = xs[begin:end]
+            out_rows[begin:end] = (fn.silu(xe @ gate[j].T) * (xe @ up[j].T)) @ down[j].T
+            begin = end
+        scaled = out_rows.float() * weights.reshape(-1)[order, None]
+        out = torch.zeros((t, self.spec.hidden), dtype=torch.float32, device=self.device)
+        out.index_add_(0, tokens, scaled)
+        return out.to(self.dtype)
+
+    # -- the passes -----------------------------------------------------------------------
+
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+             start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed[tokens]
+        all_ids = []
+        for i in range(self.spec.n_layers):
+            x, ids = self._layer(i, x, pos, cache, start)
+            all_ids.append(ids[-1])
+        logits = fn.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
+        return logits, torch.stack(all_ids)  # [1, V], [L, k] of the last token
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
+        """Logits [V] after the prompt (appended to the cache in chunks)."""
+        if cache.length + len(tokens) > cache.capacity:
+            raise ValueError(f"{cache.length + len(tokens)} tokens exceed the KV cache")
+        chunk = self.config.prefill_chunk
+        logits = None
+        for b in range(0, len(tokens), chunk):
+            part = tokens[b : b + chunk]
+            start = cache.length
+            ids = torch.tensor(part, device=self.device)
+            pos = torch.arange(start, start + len(part), device=self.device)
+            logits, _ = self._run(ids, pos, cache, start)
+            cache.length += len(part)
+            cache.tokens.extend(part)
+        assert logits is not None
+        return logits[0]
+
+    @torch.inference_mode()
+    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Logits [V] after one more token."""
+        if cache.length + 1 > cache.capacity:
+            raise ValueError("the KV cache is full")
+        self._apply_moves()
+        if self.config.graphs and self.device.type == "cuda":
+            logits, ids = self._replay(token, cache)
+        else:
+            tok = torch.tensor([token], device=self.device)
+            pos = torch.tensor([cache.length], device=self.device)
+            logits, ids = self._run(tok, pos, cache, None)
+        cache.length += 1
+        cache.tokens.append(token)
+        self._account(ids)
+        return logits[0]
+
+    def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """The ReferenceForward interface: logits [1, V] of the last token."""
+        if all_logits:
+            raise ValueError("the offload engine returns the last token's logits only")
+        if len(tokens) == 1 and cache.length > 0:
+            return self.decode(tokens[0], cache)[None]
+        return self.prefill(tokens, cache)[None]
+
+    # -- graph capture --------------------------------------------------------------------
+
+    def _replay(self, token: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._graph is None or self._graph_cache is not cache:
+            self._capture(cache)
+        self._tok.fill_(token)
+        self._pos.fill_(cache.length)
+        assert self._graph is not None
+        self._graph.replay()
+        return self._out_logits, self._out_ids
+
+    def _capture(self, cache: KVCache) -> None:
+        self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pos.fill_(cache.length)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
+            for _ in range(2):
+                self._run(self._tok, self._pos, cache, None)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._out_logits, self._out_ids = self._run(self._tok, self._pos, cache, None)
+        self._graph, self._graph_cache = graph, cache
+
+    # -- adapting the cache ---------------------------------------------------------------
+
+    def _account(self, ids: torch.Tensor) -> None:
+        """Count routing and plan VRAM moves for the experts this step used ([L, k])."""
+        self.route_counts.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+        host_ids = ids.cpu().tolist()  # the step's one synchronisation (with the sampler's)
+        for layer, experts in enumerate(host_ids):
+            self.lookups += len(experts)
+            self.hits += sum(1 for e in experts if e in self.slot_of[layer])
+            if self.config.adapt and self.slots_per_layer:
+                for victim, admitted in self.policy.touch(layer, experts):
+                    self._start_move(layer, victim, admitted)
+
+    def _start_move(self, layer: int, victim: int, admitted: int) -> None:
+        if len(self._pending) >= self.config.moves_per_step:
+            self.policy.lru[layer].pop(admitted, None)  # keep policy and table in step
+            self.policy.lru[layer][victim] = None
+            self.policy.lru[layer].move_to_end(victim, last=False)
+            return
+        s = self.slot_of[layer].pop(victim)
+        # 1. repoint the victim at its RAM copy (ordered after every kernel queued so far)
+        self.table[layer, victim] = self._host_addr(layer, victim)
+        if self.side is None:
+            self.slots[layer, s].copy_(self.host.buffer[layer, admitted])
+            self._pending.append((layer, admitted, s, None))
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)  # no kernel still reads the slot
+            self.slots[layer, s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._pending.append((layer, admitted, s, done))
+
+    def _apply_moves(self) -> None:
+        """Repoint the table at slots whose copies have finished (never waits)."""
+        keep = []
+        for layer, e, s, done in self._pending:
+            if done is not None and not done.query():
+                keep.append((layer, e, s, done))
+                continue
+            self.table[layer, e] = self.slots[layer, s].data_ptr() + self._off.to(self.device)
+            self.slot_of[layer][e] = s
+        self._pending = keep
+
+    def _host_addr(self, layer: int, expert: int) -> torch.Tensor:
+        return (self.host.buffer[layer, expert].data_ptr() + self._off).to(self.device)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0

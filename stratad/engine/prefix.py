@@ -1,0 +1,118 @@
+"""Prefix reuse across requests: KV snapshots of recent conversations and of pinned prefixes.
+
+The generator has one working KV cache. Before a request overwrites a conversation that is
+still in it, that conversation's KV is copied out into a snapshot here; a later request whose
+prompt starts with a snapshot's tokens copies it back instead of recomputing it (copying is a
+memcpy, recomputing is a forward pass). Pinned snapshots (the `strata_prefix` extension: a
+long shared document asked many questions) have their own budget and are evicted only by
+other pins. Both budgets are bytes, evicted least recently used first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from stratad.engine.kv import KVCache
+
+# Conversations shorter than this are cheaper to recompute than to keep.
+MIN_SNAPSHOT_TOKENS = 16
+
+
+@dataclass
+class Snapshot:
+    tokens: tuple[int, ...]
+    k: torch.Tensor  # [L, n, Hkv, D]
+    v: torch.Tensor
+    pinned: bool
+    used: int  # logical clock of the last use (LRU)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slices (C-speed compares)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class PrefixStore:
+    """Snapshots of KV prefixes, on the host, under two byte budgets."""
+
+    def __init__(self, conversation_bytes: int, pinned_bytes: int) -> None:
+        self.budget = {False: conversation_bytes, True: pinned_bytes}
+        self.snapshots: list[Snapshot] = []
+        self._clock = itertools.count()
+
+    def bytes_used(self, pinned: bool | None = None) -> int:
+        return sum(s.nbytes for s in self.snapshots if pinned is None or s.pinned == pinned)
+
+    def best(self, tokens: list[int]) -> tuple[Snapshot | None, int]:
+        """The snapshot sharing the longest prefix with `tokens`, and that length."""
+        best, length = None, 0
+        for s in self.snapshots:
+            n = common_prefix(s.tokens, tokens)
+            if n > length:
+                best, length = s, n
+        return best, length
+
+    def has(self, tokens: tuple[int, ...], pinned: bool) -> bool:
+        return any(s.tokens == tokens and s.pinned == pinned for s in self.snapshots)
+
+    def save(self, cache: KVCache, length: int, pinned: bool = False) -> bool:
+        """Copy the first `length` tokens of `cache` into a snapshot; False if not kept."""
+        tokens = tuple(cache.tokens[:length])
+        if (length < MIN_SNAPSHOT_TOKENS and not pinned) or length > cache.length:
+            return False
+        # a snapshot of the same kind that already holds these tokens (or more) covers them
+        for s in self.snapshots:
+            if s.pinned == pinned and s.tokens[:length] == tokens:
+                s.used = next(self._clock)
+                return True
+        per_token = 2 * sum(k[0].nbytes for k in cache.k)
+        if length * per_token > self.budget[pinned]:
+            return False
+        # the new one covers shorter conversations it extends
+        self.snapshots = [
+            s for s in self.snapshots if s.pinned or pinned or tokens[: len(s.tokens)] != s.tokens
+        ]
+        snap = Snapshot(
+            tokens=tokens,
+            k=torch.stack([k[:length] for k in cache.k]).to("cpu", copy=True),
+            v=torch.stack([v[:length] for v in cache.v]).to("cpu", copy=True),
+            pinned=pinned,
+            used=next(self._clock),
+        )
+        self.snapshots.append(snap)
+        self._evict(pinned)
+        return True
+
+    def restore(self, snap: Snapshot, length: int, cache: KVCache) -> None:
+        """Make `cache` hold the snapshot's first `length` tokens."""
+        for i in range(len(cache.k)):
+            cache.k[i][:length].copy_(snap.k[i, :length])
+            cache.v[i][:length].copy_(snap.v[i, :length])
+        cache.length = length
+        cache.tokens[:] = snap.tokens[:length]
+        snap.used = next(self._clock)
+
+    def _evict(self, pinned: bool) -> None:
+        kind = sorted((s for s in self.snapshots if s.pinned == pinned), key=lambda s: s.used)
+        used = sum(s.nbytes for s in kind)
+        for s in kind:
+            if used <= self.budget[pinned]:
+                break
+            self.snapshots.remove(s)
+            used -= s.nbytes

@@ -1,0 +1,245 @@
+"""Between the HTTP handlers and the engine: a bounded FIFO queue and one engine thread.
+
+The handlers tokenise and check a request (`Engine.prepare`, off the engine thread, so that
+tokenisation and I/O overlap the running job), then `submit` it: a full queue refuses at once
+(`QueueFull`, 429 with Retry-After), so does a daemon that is loading or draining
+(`Unavailable`, 503). The engine thread takes tickets in arrival order and runs each to the
+end; its deltas cross to the event loop through the ticket's asyncio queue. A ticket
+cancelled by its client (disconnect) is skipped while it waits, and stopped within one prefill
+chunk or decode step while it runs (`Engine.run` polls `ticket.is_cancelled`).
+
+No torch here: the server imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Protocol
+
+from stratad.jobs import Delta, Job, JobError, PreparedJob
+
+log = logging.getLogger("stratad.scheduler")
+
+
+class Backend(Protocol):
+    """What the scheduler and the server need of the engine."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def prepare(self, job: Job) -> PreparedJob: ...
+
+    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]: ...
+
+
+class Refused(Exception):
+    """A request the scheduler will not take now; the client may retry after `retry_after` s."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFull(Refused):
+    status = 429
+
+
+class Unavailable(Refused):
+    status = 503
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while running a job: a server fault, logged where it happened."""
+
+
+class Ticket:
+    """One submitted job: its deltas, its timings and its cancel flag."""
+
+    def __init__(self, prepared: PreparedJob, loop: asyncio.AbstractEventLoop) -> None:
+        self.prepared = prepared
+        self.loop = loop
+        self.deltas: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+        self.submitted = time.monotonic()
+        self.started: float | None = None
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.last: Delta | None = None  # the final delta (finish reason, usage)
+        self.token_gaps: list[float] = []  # seconds between consecutive tokens
+        self.cancelled_at: float | None = None
+        self.error: str | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this job (the client went away); idempotent, any thread."""
+        if self.cancelled_at is None:
+            self.cancelled_at = time.monotonic()
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled_at is not None
+
+    @property
+    def outcome(self) -> str:
+        if self.error is not None:
+            return "error"
+        if self.last is not None and self.last.finish_reason:
+            return self.last.finish_reason
+        return "abort"
+
+    def _push(self, item: Delta | BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the daemon is going down
+            self.cancel()
+
+    async def stream(self) -> AsyncIterator[Delta]:
+        """The deltas as the engine makes them; raises `JobError`/`EngineFailed` from the run."""
+        while True:
+            item = await self.deltas.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Scheduler:
+    """FIFO service of tickets by one engine thread."""
+
+    def __init__(
+        self, max_queue: int, on_finished: Callable[[Ticket], None] | None = None
+    ) -> None:
+        self.max_queue = max_queue
+        self.on_finished = on_finished
+        self.state = "loading"  # loading -> ready -> draining; or failed
+        self.engine: Backend | None = None
+        self.running: Ticket | None = None
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._service_s = 2.0  # moving average of a job's engine time, for Retry-After
+
+    # --- state -------------------------------------------------------------------------------
+
+    def attach(self, engine: Backend) -> None:
+        """The model is loaded: start serving."""
+        self.engine = engine
+        self.state = "ready"
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return 1 if self.running is not None else 0
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the queue ahead times the mean service time."""
+        ahead = self.waiting + self.num_running
+        return int(min(max(math.ceil(ahead * self._service_s), 1), 600))
+
+    # --- the handlers' side ------------------------------------------------------------------
+
+    def submit(self, prepared: PreparedJob) -> Ticket:
+        """Queue a job; raises `Refused` if the daemon cannot take it now."""
+        if self.state != "ready":
+            raise Unavailable(f"the server is {self.state}", 1 if self.state == "loading" else 5)
+        ticket = Ticket(prepared, asyncio.get_running_loop())
+        with self._cv:
+            if len(self._queue) + self.num_running > self.max_queue:
+                raise QueueFull(
+                    f"the server is busy ({len(self._queue)} requests waiting); retry later",
+                    self.retry_after(),
+                )
+            self._queue.append(ticket)
+            self._cv.notify()
+        return ticket
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work, let queued and running jobs finish for `timeout` s, cancel the rest."""
+        self.state = "draining"
+        deadline = time.monotonic() + timeout
+        while (self.running or self._queue) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._cv:
+            pending = list(self._queue) + ([self.running] if self.running else [])
+        for t in pending:
+            t.cancel()
+        if pending:
+            log.warning("drain: cancelled %d unfinished requests after %.0f s", len(pending), timeout)
+        while self.running or self._queue:
+            await asyncio.sleep(0.01)
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _next(self) -> Ticket:
+        with self._cv:
+            while not self._queue:
+                self._cv.wait()
+            ticket = self._queue.popleft()
+            self.running = ticket
+            return ticket
+
+    def _loop(self) -> None:
+        while True:
+            ticket = self._next()
+            try:
+                if not ticket.is_cancelled():
+                    self._run(ticket)
+            finally:
+                ticket.finished = time.monotonic()
+                self.running = None
+                ticket._push(None)
+                self._after(ticket)
+
+    def _run(self, ticket: Ticket) -> None:
+        assert self.engine is not None
+        ticket.started = last = time.monotonic()
+        try:
+            for delta in self.engine.run(ticket.prepared, ticket.is_cancelled):
+                now = time.monotonic()
+                if ticket.first_token is None:
+                    ticket.first_token = now
+                else:
+                    ticket.token_gaps.append(now - last)
+                last = now
+                ticket.last = delta
+                ticket._push(delta)
+        except JobError as e:
+            ticket.error = str(e)
+            ticket._push(e)
+        except Exception as e:  # a bug in the engine: say so once, keep serving others
+            log.exception("the engine failed on a request")
+            ticket.error = f"{type(e).__name__}: {e}"
+            ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
+        self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - ticket.started)
+
+    def _after(self, ticket: Ticket) -> None:
+        if ticket.cancelled_at is not None and ticket.outcome == "abort":
+            assert ticket.finished is not None
+            log.info(
+                "request cancelled by its client after %d tokens; engine free %.0f ms later",
+                ticket.last.completion_tokens if ticket.last else 0,
+                1000 * max(ticket.finished - ticket.cancelled_at, 0.0),
+            )
+        if self.on_finished is not None:
+            try:
+                self.on_finished(ticket)
+            except Exception:
+                log.exception("recording a finished request failed")

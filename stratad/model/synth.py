@@ -1,0 +1,385 @@
+"""Synthetic models: deterministic random weights with a real architecture's geometry, as GGUF.
+
+`write_synth(PRESETS["a3b"], path)` writes a file that llama.cpp loads and that Strata reads
+like any other GGUF: the Qwen3-30B-A3B geometry (48 layers x 128 experts, top-8) with random
+weights and SmolLM2's tokenizer, so text goes in and comes out. It is the stand-in for a real
+model in speed measurements, where only the shapes and the bytes' layout matter.
+
+Three properties hold:
+- Deterministic: a tensor is cut into fixed slices of rows, and each slice draws from its own
+  generator seeded by (seed, tensor name, slice index). Same preset and seed, same bytes,
+  whatever the order the tensors are written in.
+- Streaming: the header and tensor infos are written first, then one slice at a time is drawn,
+  quantized (gguf-py's port of llama.cpp's reference quantizers) and appended, so memory stays
+  at a few tens of MB however large the file.
+- Alive: weights are scaled so that activations keep an O(1) scale through every layer
+  (residual writers scaled by 1/sqrt(2 * layers)), attention scores have unit spread, logits
+  a spread of about 4, and the router rows carry a log-normal gain so that some experts are
+  chosen more often than others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType as QType
+from gguf import quants as gguf_quants
+
+from stratad.model.default import default_model_path
+
+# Values drawn per generator call. Part of the file format's definition: changing it changes
+# every file (but never the geometry).
+SLICE_VALUES = 1 << 21
+VOCAB_SIZE = 49152  # SmolLM2's, whose tokenizer every preset borrows
+
+ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
+
+
+class UnknownPreset(ValueError):
+    """A preset name that is not in `PRESETS`; the message lists those that are."""
+
+
+@dataclass(frozen=True)
+class SynthPreset:
+    """The geometry and storage types of one synthetic model."""
+
+    name: str
+    arch: str  # GGUF architecture: "qwen3moe" (MoE, per-head q/k norm) or "llama" (dense)
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int  # one expert's FFN width for MoE presets, the dense FFN width otherwise
+    n_experts: int = 0
+    n_experts_used: int = 0
+    context_length: int = 4096
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    embed_qtype: QType = QType.Q8_0  # token_embd and output
+    attn_qtype: QType = QType.F16
+    ffn_qtype: QType = QType.Q4_0  # the experts, or the dense FFN
+    router_qtype: QType = QType.F32  # llama.cpp's quantizer keeps ffn_gate_inp in F32 too
+    router_gain: float = 2.0  # spread of the router logits (1 would route almost uniformly)
+    # Log-normal per-expert gain of the router rows: at 0.15 over 128 experts (top-8) the
+    # hottest expert is picked about 2x as often as under uniform routing, the coldest 0.25x.
+    router_row_spread: float = 0.15
+    embed_std: float = 0.5  # below the layers' summed writes, so context moves the logits
+    logit_gain: float = 4.0  # spread of the output logits
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3moe"
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def residual_scale(self) -> float:
+        """Gain of every residual writer (attn_output, ffn_down): the stream stays O(1)."""
+        return (2.0 * self.n_layers) ** -0.5
+
+
+PRESETS: Mapping[str, SynthPreset] = {
+    p.name: p
+    for p in (
+        SynthPreset(
+            "tiny-moe", "qwen3moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2,
+            head_dim=64, ffn=128, n_experts=8, n_experts_used=2,
+        ),
+        SynthPreset(
+            "tiny-dense", "llama", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2,
+            head_dim=64, ffn=512, rope_theta=10_000.0, rms_eps=1e-5,
+            attn_qtype=QType.F32, ffn_qtype=QType.Q8_0,
+        ),
+        # Qwen3-30B-A3B's geometry (its config.json), at Q4_0 experts / Q8_0 the rest.
+        SynthPreset(
+            "a3b", "qwen3moe", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
+            head_dim=128, ffn=768, n_experts=128, n_experts_used=8, context_length=40960,
+            attn_qtype=QType.Q8_0,
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> SynthPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UnknownPreset(
+            f"unknown synth preset {name!r}; choose one of: {', '.join(PRESETS)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class SynthTensor:
+    """One tensor of the plan: its GGUF name, torch-order shape, type and initialisation."""
+
+    name: str
+    shape: tuple[int, ...]  # [cols] | [rows, cols] | [experts, rows, cols]
+    qtype: QType
+    std: float  # values ~ N(0, std^2); 0 means the constant 1 (norm weights)
+    row_spread: float = 0.0  # each row times exp(row_spread * N(0, 1))
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the tensor flattened to [rows, cols]."""
+        return int(np.prod(self.shape[:-1], dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        if self.cols % block:
+            raise ValueError(f"{self.name}: {self.cols} columns is not whole {self.qtype.name}"
+                             " blocks")
+        return self.rows * (self.cols // block) * block_bytes
+
+    @property
+    def rows_per_slice(self) -> int:
+        return max(1, SLICE_VALUES // self.cols)
+
+
+def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
+    """Every tensor of the preset, in file order (llama.cpp's converter order)."""
+    T = gguf.MODEL_TENSOR
+    known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == p.arch)]
+    plan: list[SynthTensor] = []
+
+    def add(kind: gguf.MODEL_TENSOR, layer: int, shape: tuple[int, ...], qtype: QType,
+            std: float, row_spread: float = 0.0) -> None:
+        assert kind in known, f"{p.arch} has no {kind.name} tensor"
+        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+        plan.append(SynthTensor(name, shape, qtype, std, row_spread))
+
+    d, f, e = p.hidden, p.ffn, p.n_experts
+    fan = d**-0.5  # unit-variance outputs from a unit-RMS input
+    res = p.residual_scale
+    add(T.TOKEN_EMBD, -1, (VOCAB_SIZE, d), p.embed_qtype, p.embed_std)
+    for i in range(p.n_layers):
+        add(T.ATTN_NORM, i, (d,), QType.F32, 0.0)
+        add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
+        add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
+        add(T.ATTN_V, i, (p.kv_dim, d), p.attn_qtype, fan)
+        add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
+        if p.qk_norm:
+            add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
+            add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
+        add(T.FFN_NORM, i, (d,), QType.F32, 0.0)
+        if p.is_moe:
+            add(T.FFN_GATE_INP, i, (e, d), p.router_qtype, p.router_gain * fan,
+                row_spread=p.router_row_spread)
+            add(T.FFN_GATE_EXP, i, (e, f, d), p.ffn_qtype, fan)
+            add(T.FFN_UP_EXP, i, (e, f, d), p.ffn_qtype, fan)
+            add(T.FFN_DOWN_EXP, i, (e, d, f), p.ffn_qtype, res * f**-0.5)
+        else:
+            add(T.FFN_GATE, i, (f, d), p.ffn_qtype, fan)
+            add(T.FFN_UP, i, (f, d), p.ffn_qtype, fan)
+            add(T.FFN_DOWN, i, (d, f), p.ffn_qtype, res * f**-0.5)
+    add(T.OUTPUT_NORM, -1, (d,), QType.F32, 0.0)
+    add(T.OUTPUT, -1, (VOCAB_SIZE, d), p.embed_qtype, p.logit_gain * fan)
+    return plan
+
+
+def data_nbytes(p: SynthPreset) -> int:
+    """Bytes of tensor data in the file (each tensor padded to GGUF's 32-byte alignment)."""
+    return sum(GGUFWriter.ggml_pad(t.nbytes, gguf.GGUF_DEFAULT_ALIGNMENT) for t in tensor_plan(p))
+
+
+def n_params(p: SynthPreset) -> int:
+    return sum(t.rows * t.cols for t in tensor_plan(p))
+
+
+# --- drawing and encoding ------------------------------------------------------------------
+
+
+def _slice_seed(seed: int, name: str, index: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _draw(t: SynthTensor, seed: int, index: int, rows: int) -> np.ndarray:
+    """The float32 values of rows [index * rows_per_slice, + rows) of `t` flattened to 2-D."""
+    if t.std == 0.0:
+        return np.ones((rows, t.cols), dtype=np.float32)
+    g = torch.Generator().manual_seed(_slice_seed(seed, t.name, index))
+    w = torch.randn(rows, t.cols, generator=g).mul_(t.std)  # [rows, cols]
+    if t.row_spread:
+        w.mul_(torch.randn(rows, 1, generator=g).mul_(t.row_spread).exp_())
+    return w.numpy()
+
+
+def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
+    """GGUF bytes of float32 values [rows, cols], as llama.cpp's reference quantizer writes them."""
+    # gguf-py's numpy quantizer runs at about 240 M values/s (Q4_0) on one core here, as fast
+    # as a vectorized torch port measured beside it; a3b's 30 G values take ~5 min, split
+    # about evenly between this and torch.randn.
+    out = gguf_quants.quantize(values, qtype)
+    return np.ascontiguousarray(out).view(np.uint8)
+
+
+def _slice_bytes(job: tuple[SynthTensor, int, int, int]) -> np.ndarray:
+    t, seed, index, rows = job
+    torch.set_num_threads(1)
+    return _encode(_draw(t, seed, index, rows), t.qtype)
+
+
+def _jobs(plan: list[SynthTensor], seed: int) -> Iterator[tuple[SynthTensor, int, int, int]]:
+    for t in plan:
+        step = t.rows_per_slice
+        for index, start in enumerate(range(0, t.rows, step)):
+            yield t, seed, index, min(step, t.rows - start)
+
+
+def _slices(plan: list[SynthTensor], seed: int, workers: int) -> Iterator[np.ndarray]:
+    """Every slice's bytes in file order; slices are independent, so workers may share them."""
+    if workers <= 1:
+        yield from map(_slice_bytes, _jobs(plan, seed))
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap(_slice_bytes, _jobs(plan, seed), chunksize=1)
+
+
+# --- the tokenizer -------------------------------------------------------------------------
+
+
+def tokenizer_source() -> Path:
+    """The GGUF whose tokenizer the presets borrow (SmolLM2-135M-Instruct)."""
+    return default_model_path()
+
+
+_Field = tuple[str, Any, GGUFValueType, GGUFValueType | None]  # key, value, type, item type
+
+
+@cache
+def _tokenizer_fields(path: Path) -> tuple[_Field, ...]:
+    """Every `tokenizer.*` key of a GGUF, with its value types, ready for `add_key_value`."""
+    reader = GGUFReader(path, "r")
+    fields: list[_Field] = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
+        fields.append((key, field.contents(), vtype, sub))
+    tokens = next((v for k, v, _, _ in fields if k == gguf.Keys.Tokenizer.LIST), None)
+    if tokens is None or len(tokens) != VOCAB_SIZE:
+        n = "no" if tokens is None else len(tokens)
+        raise ValueError(f"{path}: expected a {VOCAB_SIZE}-token vocabulary, found {n} tokens")
+    return tuple(fields)
+
+
+# --- writing -------------------------------------------------------------------------------
+
+_FILE_TYPE = {
+    QType.F32: LlamaFileType.ALL_F32,
+    QType.F16: LlamaFileType.MOSTLY_F16,
+    QType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    QType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+}
+
+
+def _add_metadata(w: GGUFWriter, p: SynthPreset, seed: int, tokenizer: Path) -> None:
+    w.add_type("model")
+    w.add_name(f"strata-synth-{p.name}")
+    w.add_string("strata.synth.preset", p.name)
+    w.add_uint64("strata.synth.seed", seed)
+    w.add_file_type(_FILE_TYPE[p.ffn_qtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(VOCAB_SIZE)
+    w.add_context_length(p.context_length)
+    w.add_embedding_length(p.hidden)
+    w.add_block_count(p.n_layers)
+    w.add_head_count(p.n_heads)
+    w.add_head_count_kv(p.n_kv_heads)
+    w.add_key_length(p.head_dim)
+    w.add_value_length(p.head_dim)
+    w.add_rope_dimension_count(p.head_dim)
+    w.add_rope_freq_base(p.rope_theta)
+    w.add_layer_norm_rms_eps(p.rms_eps)
+    if p.is_moe:
+        w.add_expert_count(p.n_experts)
+        w.add_expert_used_count(p.n_experts_used)
+        w.add_expert_feed_forward_length(p.ffn)
+    else:
+        w.add_feed_forward_length(p.ffn)
+    for key, value, vtype, sub in _tokenizer_fields(tokenizer):
+        w.add_key_value(key, value, vtype, sub)
+
+
+def write_synth(
+    p: SynthPreset,
+    path: Path,
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+    tokenizer: Path | None = None,
+    on_progress: ProgressFn | None = None,
+    workers: int = 1,
+) -> int:
+    """Write preset `p` as a GGUF file at `path`; returns the file's size in bytes.
+
+    The file appears under its name only when complete (written as `path.partial`, then
+    renamed). `on_progress(done, total)` is called after every slice with tensor-data bytes.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite to replace it")
+    plan = tensor_plan(p)
+    total = sum(t.nbytes for t in plan)
+    partial = path.with_name(path.name + ".partial")
+    w = GGUFWriter(partial, p.arch)
+    try:
+        _add_metadata(w, p, seed, tokenizer or tokenizer_source())
+        for t in plan:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None and len(w.fout) == 1
+        out = w.fout[0]
+        w.write_padding(out, out.tell())
+        done = 0
+        ends = {}  # byte count at which each tensor's data ends -> pad after it
+        for t in plan:
+            ends[done + t.nbytes] = t
+            done += t.nbytes
+        done = 0
+        for chunk in _slices(plan, seed, workers):
+            chunk.tofile(out)
+            done += chunk.nbytes
+            if done in ends:
+                w.write_padding(out, ends[done].nbytes)
+            if on_progress is not None:
+                on_progress(done, total)
+        w.close()
+        os.replace(partial, path)
+    except BaseException:
+        w.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
