@@ -25,8 +25,13 @@ class Env:
     """STRATA_LOG_LEVEL: DEBUG, INFO, WARNING or ERROR; overrides the config."""
     device: str | None = None
     """STRATA_DEVICE: cpu, cuda, cuda:N or auto; overrides the config."""
+    control_socket: str | None = None
+    """STRATA_CONTROL_SOCKET: path of the control socket; overrides control.socket (stratad and
+    stratactl)."""
     resident_headroom_gib: float | None = None
     """STRATA_RESIDENT_HEADROOM_GIB: RAM left to the rest of the host when sizing the resident set."""
+    synth_tokenizer: str | None = None
+    """STRATA_SYNTH_TOKENIZER: GGUF whose tokenizer synthetic models borrow (default SmolLM2's)."""
     decode_timing: bool = False
     """STRATA_DECODE_TIMING: log per-request stage timings."""
 

@@ -199,5 +199,6 @@ class ReferenceForward:
             assert w.experts is not None
             gate, up, down = w.experts
             return gate[e], up[e], down[e]
-        m, to = self.experts.get(i, e), {"device": self.device, "dtype": self.dtype}
-        return m.gate.dequantize().to(**to), m.up.dequantize().to(**to), m.down.dequantize().to(**to)
+        m = self.experts.get(i, e)
+        f = [t.dequantize().to(self.device, self.dtype) for t in (m.gate, m.up, m.down)]
+        return f[0], f[1], f[2]

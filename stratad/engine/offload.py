@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as fn
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import fused_moe
 from kernels.quant import QType, dequantize
@@ -31,6 +32,42 @@ from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 
 log = logging.getLogger("stratad.engine")
+
+
+def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of rows grouped by expert: xs [N, H] with counts[e] rows for expert e, in order.
+
+    One grouped GEMM per projection where torch has one for this device and dtype; else a
+    loop over the experts that have rows.
+    """
+    if _grouped_mm_ok(xs):
+        try:
+            offs = counts.cumsum(0).to(torch.int32)
+            g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)
+            u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(fn.silu(g) * u, down.transpose(-2, -1), offs=offs)
+        except (RuntimeError, TypeError) as e:  # an older torch or an unsupported shape
+            GROUPED_MM[0] = False
+            log.warning("grouped GEMM unavailable (%s): prefill falls back to a loop", e)
+    out = torch.empty((xs.shape[0], down.shape[1]), dtype=xs.dtype, device=xs.device)
+    begin = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            x = xs[begin : begin + n]
+            out[begin : begin + n] = (fn.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T
+            begin += n
+    return out
+
+
+def _grouped_mm_ok(xs: torch.Tensor) -> bool:
+    return (
+        xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(xs.device)[0] >= 9 and GROUPED_MM[0]
+    )
+
+
+GROUPED_MM = [True]  # switched off for the process if torch refuses the first call
 
 
 @dataclass(frozen=True)
@@ -222,13 +259,15 @@ class OffloadForward:
             mask = (torch.arange(keys.shape[0], device=h.device) <= pos[-1])[None, None, :]
         else:
             keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
-            qpos = torch.arange(start, start + t, device=h.device)[:, None]
-            mask = (torch.arange(start + t, device=h.device)[None, :] <= qpos)[None]
-        qh = q.transpose(0, 1)  # [Hq, T, D]
-        kh = keys.transpose(0, 1).repeat_interleave(rep, 0)
-        vh = values.transpose(0, 1).repeat_interleave(rep, 0)
-        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-        return fn.linear(out.transpose(0, 1).reshape(t, spec.q_dim), w.o)
+            mask = None
+        qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
+        kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
+        vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
+        if mask is None:  # a prefill chunk: causal, aligned to the end of the keys
+            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, start + t))
+        else:
+            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
     def _route(self, w: _Dense, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = fn.linear(h, w.router).float().softmax(-1)
@@ -261,42 +300,64 @@ class OffloadForward:
         return x, ids
 
     # -- prefill --------------------------------------------------------------------------
+    # Each chunk streams every layer's experts into one of two staging buffers on a side
+    # stream while the previous layer computes; a chunk of more than a few tokens routes
+    # to most experts, so fetching all of them costs little more than the ones it needs.
 
-    def _expert_weights(self, i: int, experts: list[int]) -> tuple[torch.Tensor, ...]:
-        """(gate [n, F, H], up, down [n, H, F]) in the compute dtype for these experts."""
-        lay, n = self.layout, len(experts)
-        staging = torch.empty((n, lay.nbytes), dtype=torch.uint8, device=self.device)
-        slot_of = self.slot_of[i]
-        for j, e in enumerate(experts):
-            s = slot_of.get(e)
-            src = self.slots[i, s] if s is not None else self.host.buffer[i, e]
-            staging[j].copy_(src, non_blocking=True)
+    def _prefetch(self, i: int, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Start copying layer i's blobs into staging buffer i % 2 (side stream on a GPU)."""
+        buf = self._staging()[i % 2]
+        slot_of, host = self.slot_of[i], self.host.buffer[i]
+        if self.side is None:
+            for e in range(self.spec.n_experts):
+                s = slot_of.get(e)
+                buf[e].copy_(self.slots[i, s] if s is not None else host[e])
+            return None
+        with torch.cuda.stream(self.side):
+            if after is not None:
+                self.side.wait_event(after)  # the buffer's last reader has finished
+            for e in range(self.spec.n_experts):
+                s = slot_of.get(e)
+                buf[e].copy_(self.slots[i, s] if s is not None else host[e], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    def _staging(self) -> torch.Tensor:
+        if getattr(self, "_staging_buf", None) is None:
+            self._staging_buf = torch.empty((2, self.spec.n_experts, self.layout.nbytes),
+                                            dtype=torch.uint8, device=self.device)
+        return self._staging_buf
+
+    def _dequant_all(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [E, F, H], up, down [E, H, F]) of layer i from its staging buffer."""
+        lay, n, buf = self.layout, self.spec.n_experts, self._staging()[i % 2]
         f, h = lay.ffn, lay.hidden
-        g = dequantize(staging[:, : lay.gate_bytes].reshape(n * f, -1), lay.qtype, (n * f, h))
-        u = dequantize(staging[:, lay.up_offset : lay.down_offset].reshape(n * f, -1), lay.qtype,
-                       (n * f, h))
-        d = dequantize(staging[:, lay.down_offset :].reshape(n * h, -1), lay.qtype, (n * h, f))
-        return (g.view(n, f, h).to(self.dtype), u.view(n, f, h).to(self.dtype),
-                d.view(n, h, f).to(self.dtype))
+
+        def deq(lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
+            data = buf[:, lo:hi].reshape(n * rows, -1)
+            return dequantize(data, lay.qtype, (n * rows, cols)).view(n, rows, cols).to(self.dtype)
+
+        return (deq(0, lay.up_offset, f, h), deq(lay.up_offset, lay.down_offset, f, h),
+                deq(lay.down_offset, lay.nbytes, h, f))
 
     def _prefill_moe(self, i: int, h: torch.Tensor, ids: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1).long()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.spec.n_experts).cpu()  # one sync per layer
-        experts = [e for e in range(self.spec.n_experts) if counts[e] > 0]
-        gate, up, down = self._expert_weights(i, experts)
+        counts = torch.bincount(flat, minlength=self.spec.n_experts)
+        if self._ready[i] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[i])
+        gate, up, down = self._dequant_all(i)
+        if self.side is not None:  # staging i % 2 is free once dequantized
+            freed = torch.cuda.Event()
+            freed.record()
+            self._freed[i % 2] = freed
         tokens = order // k
-        xs = h[tokens]  # [T*k, H] grouped by expert
-        out_rows = torch.empty((t * k, self.spec.hidden), dtype=self.dtype, device=self.device)
-        begin = 0
-        for j, e in enumerate(experts):
-            end = begin + int(counts[e])
-            xe = xs[begin:end]
-            out_rows[begin:end] = (fn.silu(xe @ gate[j].T) * (xe @ up[j].T)) @ down[j].T
-            begin = end
-        scaled = out_rows.float() * weights.reshape(-1)[order, None]
+        xs = h[tokens]  # [T*k, H], grouped by expert
+        rows = grouped_swiglu(xs, counts, gate, up, down)
+        scaled = rows.float() * weights.reshape(-1)[order, None]
         out = torch.zeros((t, self.spec.hidden), dtype=torch.float32, device=self.device)
         out.index_add_(0, tokens, scaled)
         return out.to(self.dtype)
@@ -307,7 +368,14 @@ class OffloadForward:
              start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed[tokens]
         all_ids = []
+        staged = start is not None and tokens.shape[0] > 8
+        if staged:
+            self._ready: list[torch.cuda.Event | None] = [None] * self.spec.n_layers
+            self._freed: list[torch.cuda.Event | None] = [None, None]
+            self._ready[0] = self._prefetch(0, None)
         for i in range(self.spec.n_layers):
+            if staged and i + 1 < self.spec.n_layers:
+                self._ready[i + 1] = self._prefetch(i + 1, self._freed[(i + 1) % 2])
             x, ids = self._layer(i, x, pos, cache, start)
             all_ids.append(ids[-1])
         logits = fn.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()

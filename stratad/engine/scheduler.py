@@ -182,7 +182,9 @@ class Scheduler:
         for t in pending:
             t.cancel()
         if pending:
-            log.warning("drain: cancelled %d unfinished requests after %.0f s", len(pending), timeout)
+            log.warning(
+                "drain: cancelled %d unfinished requests after %.0f s", len(pending), timeout
+            )
         while self.running or self._queue:
             await asyncio.sleep(0.01)
 

@@ -164,9 +164,8 @@ class Engine:
             stop=spec.stop,
             pin=prepared.pin,
         )
-        n = 0
-        for event in self.generator.run(req, cancelled):
-            n += 1  # one event per sampled token, the end-of-sequence token included
+        # one event per sampled token, the end-of-sequence token included
+        for n, event in enumerate(self.generator.run(req, cancelled), start=1):
             yield Delta(
                 text=event.text,
                 finish_reason=event.finish_reason,
@@ -174,6 +173,15 @@ class Engine:
                 completion_tokens=n,
                 cached_tokens=self.generator.cached_tokens,
             )
+
+    def warm_up(self) -> None:
+        """A short generation, so that the first request does not pay for lazy initialisation."""
+        prompt = self.tokenizer.encode("Hello, world", add_special=True)
+        req = GenerationRequest(prompt=prompt, max_tokens=8, sampling=SamplingParams(0.0),
+                                ignore_eos=True)
+        for _ in self.generator.run(req):
+            pass
+        self.generator.cache.truncate(0)
 
     def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""

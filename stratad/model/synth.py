@@ -268,8 +268,23 @@ def _slices(plan: list[SynthTensor], seed: int, workers: int) -> Iterator[np.nda
 
 
 def tokenizer_source() -> Path:
-    """The GGUF whose tokenizer the presets borrow (SmolLM2-135M-Instruct)."""
-    return default_model_path()
+    """The GGUF whose tokenizer the presets borrow: $STRATA_SYNTH_TOKENIZER if set (e.g. a
+    tokenizer-only file made by `write_tokenizer_gguf`), else SmolLM2-135M-Instruct."""
+    from stratad.env import Env
+
+    override = Env.read().synth_tokenizer
+    return Path(override) if override else default_model_path()
+
+
+def write_tokenizer_gguf(src: Path, dst: Path) -> None:
+    """A GGUF holding only `src`'s tokenizer (a few MB): enough for synthetic models."""
+    w = GGUFWriter(dst, "llama")
+    for key, value, vtype, sub in _tokenizer_fields(Path(src)):
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 _Field = tuple[str, Any, GGUFValueType, GGUFValueType | None]  # key, value, type, item type

@@ -1,0 +1,1 @@
+"""Benchmark drivers; results are recorded as markdown under bench/results/."""

@@ -1,0 +1,211 @@
+"""End-to-end speed of the offload engine, next to the ceiling that PCIe and RAM set.
+
+    python -m bench.e2e --model a3b.gguf --expert-vram-gib 4
+
+Prints decode tokens/s (after a 1K prompt), prefill tokens/s at several lengths, the expert
+hit rate, bytes moved per token, and the ceilings, each as the median of --repeats runs
+with its spread (min-max). The ceiling for decode counts both miss paths working in
+parallel: missed bytes per token over (PCIe bandwidth + the CPU's expert-compute bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.moe import fused_moe
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.model.loader import load_model
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):,.1f} ({min(xs):,.1f}–{max(xs):,.1f})"
+
+
+def measure_pcie(gib: float = 1.0) -> dict[str, float]:
+    """Host-to-device GB/s: pinned copy, pageable copy, and a kernel reading pinned RAM in place."""
+    n = int(gib * 2**30)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, host in (("pinned", torch.empty(n, dtype=torch.uint8).pin_memory()),
+                       ("pageable", torch.empty(n, dtype=torch.uint8))):
+        host.fill_(1)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[name] = n / statistics.median(times) / 1e9
+    del dev
+    return out
+
+
+def measure_inplace(model_spec, layout, host_buffer: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """GB/s of the fused MoE kernel when all top-k experts are read in place from pinned RAM."""
+    k = model_spec.n_experts_used
+    off = torch.tensor([0, layout.up_offset, layout.down_offset])
+    table = torch.stack([host_buffer[0, e].data_ptr() + off for e in range(model_spec.n_experts)])
+    table = table.cuda()
+    x = torch.randn(1, model_spec.hidden, device="cuda", dtype=torch.bfloat16)
+    weights = torch.full((1, k), 1.0 / k, device="cuda")
+    times = []
+    for r in range(12):
+        ids = torch.randperm(model_spec.n_experts)[:k].to(torch.int32)[None].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fused_moe(x, ids, weights, table, model_spec.expert_ffn)
+        torch.cuda.synchronize()
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    return k * layout.nbytes / statistics.median(times) / 1e9
+
+
+def measure_cpu_expert(layout, host_buffer: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """GB/s of expert bytes the CPU turns into outputs (dequantize + matvec, all threads)."""
+    x = torch.randn(layout.hidden)
+    times = []
+    for e in range(6):
+        g, u, d = layout.views(host_buffer[0, e])
+        t0 = time.perf_counter()
+        h = torch.nn.functional.silu(g.dequantize() @ x) * (u.dequantize() @ x)
+        _ = d.dequantize() @ h
+        times.append(time.perf_counter() - t0)
+    return layout.nbytes / statistics.median(times[1:]) / 1e9
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = load_model(Path(args.model))
+    spec = model.spec
+    cfg = OffloadConfig(
+        expert_vram_bytes=int(args.expert_vram_gib * 2**30),
+        max_context=max(args.prefill_lens + [args.prompt_len + args.decode_tokens]) + 16,
+        prefill_chunk=args.prefill_chunk,
+        graphs=not args.no_graphs,
+    )
+    t0 = time.monotonic()
+    engine = OffloadForward(model, torch.device("cuda"), cfg)
+    load_s = time.monotonic() - t0
+    bw = measure_pcie()
+    inplace = measure_inplace(spec, engine.layout, engine.host.buffer)
+    cpu_bw = measure_cpu_expert(engine.layout, engine.host.buffer)
+    gen = torch.Generator().manual_seed(1)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+
+    cache = engine.new_cache()
+    decode_tps, hit_rates = [], []
+    for _ in range(args.repeats):
+        cache.length = 0
+        cache.tokens.clear()
+        logits = engine.prefill(prompt(args.prompt_len), cache)
+        engine.hits = engine.lookups = 0
+        token = int(logits.argmax())
+        logits = engine.decode(token, cache)  # the first step captures the graph
+        torch.cuda.synchronize()
+        engine.hits = engine.lookups = 0
+        t = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            token = int(logits.argmax())
+            logits = engine.decode(token, cache)
+        torch.cuda.synchronize()
+        decode_tps.append(args.decode_tokens / (time.perf_counter() - t))
+        hit_rates.append(engine.hit_rate)
+    hit = statistics.median(hit_rates)
+    per_token = spec.n_layers * spec.n_experts_used * engine.layout.nbytes
+    missed = (1 - hit) * per_token
+    ceiling_pcie = inplace * 1e9 / missed if missed else float("inf")
+    ceiling_both = (inplace + cpu_bw) * 1e9 / missed if missed else float("inf")
+
+    prefill = {}
+    resident = engine.slots_per_layer / spec.n_experts
+    for n in args.prefill_lens:
+        tps = []
+        for _ in range(args.repeats):
+            cache.length = 0
+            cache.tokens.clear()
+            p = prompt(n)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.prefill(p, cache)
+            torch.cuda.synchronize()
+            tps.append(n / (time.perf_counter() - t))
+        chunks = -(-n // args.prefill_chunk)
+        moved = chunks * spec.n_layers * spec.n_experts * (1 - resident) * engine.layout.nbytes
+        prefill[n] = (tps, n / (moved / (bw["pinned"] * 1e9)) if moved else float("inf"), moved)
+    result = {
+        "model": str(args.model), "expert_vram_gib": args.expert_vram_gib,
+        "slots_per_layer": engine.slots_per_layer, "n_experts": spec.n_experts,
+        "blob_mib": engine.layout.nbytes / 2**20, "load_s": load_s,
+        "pcie_pinned_gbs": bw["pinned"], "pcie_pageable_gbs": bw["pageable"],
+        "inplace_gbs": inplace, "cpu_expert_gbs": cpu_bw,
+        "decode_tps": decode_tps, "hit_rate": hit, "missed_mb_per_token": missed / 1e6,
+        "decode_ceiling_pcie": ceiling_pcie, "decode_ceiling_both": ceiling_both,
+        "prefill": {str(n): {"tps": v[0], "ceiling": v[1], "moved_gb": v[2] / 1e9}
+                    for n, v in prefill.items()},
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    }
+    return result
+
+
+def markdown(r: dict) -> str:  # type: ignore[type-arg]
+    d = r["decode_tps"]
+    lines = [
+        f"### expert VRAM {r['expert_vram_gib']} GiB: {r['slots_per_layer']} of "
+        f"{r['n_experts']} experts per layer in VRAM",
+        "",
+        f"- device {r['device']}, torch {r['torch']}; engine start (read + pin experts) "
+        f"{r['load_s']:.1f} s; expert blob {r['blob_mib']:.2f} MiB",
+        f"- measured: H2D pinned {r['pcie_pinned_gbs']:.1f} GB/s, pageable "
+        f"{r['pcie_pageable_gbs']:.1f} GB/s, in-place kernel read {r['inplace_gbs']:.1f} GB/s, "
+        f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
+        "",
+        "| figure | median (min–max) | ceiling | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| decode tok/s (256 after 1K) | {_spread(d)} | {r['decode_ceiling_both']:,.1f} "
+        f"(PCIe alone {r['decode_ceiling_pcie']:,.1f}) | "
+        f"{statistics.median(d) / r['decode_ceiling_both']:.0%} |",
+        f"| decode hit rate | {r['hit_rate']:.1%} | | |",
+        f"| decode MB missed per token | {r['missed_mb_per_token']:,.1f} | | |",
+    ]
+    for n, p in r["prefill"].items():
+        lines.append(
+            f"| prefill tok/s at {int(n):,} | {_spread(p['tps'])} | {p['ceiling']:,.0f} "
+            f"(PCIe, {p['moved_gb']:.1f} GB moved) | "
+            f"{statistics.median(p['tps']) / p['ceiling']:.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--expert-vram-gib", type=float, default=4.0)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1024, 8192, 32768])
+    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = p.parse_args(argv)
+    result = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

