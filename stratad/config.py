@@ -8,7 +8,7 @@ in the file is an error at start, not a silently ignored setting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -25,7 +25,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     path: str = ""
     """GGUF file or Hugging Face directory; empty serves the default model (SmolLM2-135M-Instruct)."""
     name: str = ""
@@ -34,7 +34,7 @@ class ModelConfig(_Section):
     """Tokens of context per sequence (prompt plus completion); capped by the model's own."""
 
 
-class ServerConfig(_Section):
+class ServerConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     """Bind address of the HTTP server."""
     port: int = 8080
@@ -43,9 +43,25 @@ class ServerConfig(_Section):
     """If set, requests need `Authorization: Bearer <api_key>`."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest accepted request body."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header names accepted besides IP literals and `localhost` (DNS-rebinding guard);
+    `"*"` accepts any."""
+    max_queue: Annotated[int, msgspec.Meta(ge=0)] = 16
+    """Requests that may wait for the engine; one more gets 429 with Retry-After."""
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Completion tokens of a chat request that names no max_tokens; 0: what the context
+    leaves. (/v1/completions defaults to 16, as OpenAI's does.)"""
+    prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 128
+    """Prompt tokens per prefill step; a cancelled request frees the engine within one."""
+    conversation_cache_mib: Annotated[int, msgspec.Meta(ge=0)] = 512
+    """Host memory for the KV of recent conversations (prefix reuse across requests)."""
+    pinned_prefix_mib: Annotated[int, msgspec.Meta(ge=0)] = 256
+    """Host memory for prefixes pinned with the `strata_prefix` request extension."""
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """On SIGTERM: how long running and queued requests may take before they are cancelled."""
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (the first GPU if there is one)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -54,16 +70,70 @@ class EngineConfig(_Section):
     """CPU threads for torch; 0 leaves torch's default."""
 
 
-class LogConfig(_Section):
+class ControlConfig(_Section, frozen=True):
+    socket: str = "/run/strata/stratad.sock"
+    """Path of the control socket that `stratactl` talks to; empty turns the socket off."""
+    mode: str = "0660"
+    """File mode of the control socket (octal)."""
+    group: str = ""
+    """Group whose members may use the control socket (besides root and the daemon's user);
+    empty: the daemon's own group."""
+
+
+class StoreConfig(_Section, frozen=True):
+    """The expert store: tiers, resident sizing, pinning, admission (docs/store.md)."""
+
+    pack: str = ""
+    """Pack directory written by `stratactl pack`; empty reads experts from the model file."""
+    expert_profile: str = ""
+    """Routing profile (JSON) that places the hottest experts first; empty treats all alike."""
+    expert_cache: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
+    """VRAM slots for experts: a number, or auto (free VRAM after vram_reserve_gib; 0 on a CPU)."""
+    vram_reserve_gib: Annotated[float, msgspec.Meta(ge=0)] = 1.5
+    """VRAM left for activations, KV cache and the runtime when expert_cache is auto."""
+    cache_policy: Literal["lfru", "lru"] = "lfru"
+    """How VRAM slots follow use: lfru (an expert used twice is protected) or lru."""
+    admit_on_miss: bool = True
+    """An expert routed while not in VRAM takes a slot (the policy evicts another)."""
+    resident_budget_gib: Annotated[float, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
+    """RAM for resident expert copies: GiB, or auto = MemTotal (or the cgroup limit) minus
+    resident_headroom_gib, reserve_runtime_gib, the dense weights and the server's host caches."""
+    resident_headroom_gib: Annotated[float, msgspec.Meta(ge=0)] = 4.0
+    """RAM left to the rest of the host (STRATA_RESIDENT_HEADROOM_GIB); re-check it after a
+    GPU runtime upgrade (one ROCm release kept 1 GiB more host RAM than the one before)."""
+    reserve_runtime_gib: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """Host RAM the process, torch and the GPU runtime hold; subtracted by the auto budget."""
+    lock: Literal["auto", "gpu", "mlock", "none"] = "auto"
+    """Page-locking of resident copies: auto (the GPU runtime on a GPU, else mlock), gpu,
+    mlock or none."""
+    pin_chunk_mib: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """The resident set is page-locked in chunks of at most this many MiB."""
+    pin_rate_gbps: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """Cap on the pinning rate in GB/s, so that the host stays responsive; 0 is unpaced."""
+    ready_after_pinning: bool = False
+    """Ready only once the resident set is pinned; else at once (unpinned experts come from
+    the file meanwhile)."""
+    on_short_ram: Literal["degrade", "refuse"] = "degrade"
+    """MemAvailable still short of the plan after admission_wait_s: degrade (fewer resident
+    experts, one WARNING with the cost) or refuse (exit code 75)."""
+    admission_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    """How long to wait at start for the RAM the plan needs."""
+    admission_backoff_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """First retry interval while waiting for RAM; it doubles, up to 10 s."""
+
+
+class LogConfig(_Section, frozen=True):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level."""
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
 
 
 def parse_config(text: str, source: str = "<config>") -> Config:
@@ -100,6 +170,14 @@ def apply_env(config: Config, env: Env) -> Config:
         config = msgspec.structs.replace(
             config, engine=msgspec.structs.replace(config.engine, device=env.device)
         )
+    if env.control_socket is not None:
+        config = msgspec.structs.replace(
+            config, control=msgspec.structs.replace(config.control, socket=env.control_socket)
+        )
+    if env.resident_headroom_gib is not None:
+        headroom = env.resident_headroom_gib
+        store = msgspec.structs.replace(config.store, resident_headroom_gib=headroom)
+        config = msgspec.structs.replace(config, store=store)
     if env.log_level:
         level = env.log_level.upper()
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton kernels run in Triton's interpreter where there is no GPU (before any test module
+# imports triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -45,8 +45,10 @@ class BlobLayout:
         g = blob[: self.gate_bytes].view(f, -1)
         u = blob[self.up_offset : self.down_offset].view(f, -1)
         d = blob[self.down_offset :].view(h, -1)
-        return QTensor(g, self.qtype, (f, h)), QTensor(u, self.qtype, (f, h)), QTensor(
-            d, self.qtype, (h, f)
+        return (
+            QTensor(g, self.qtype, (f, h)),
+            QTensor(u, self.qtype, (f, h)),
+            QTensor(d, self.qtype, (h, f)),
         )
 
 
@@ -62,7 +64,9 @@ def blob_layout(model: Model) -> BlobLayout:
     stack = moe_layers(model)[0].experts
     qtypes = {stack.gate.qtype, stack.up.qtype, stack.down.qtype}
     if len(qtypes) != 1:
-        raise ModelError(f"{model.source}: experts mix tensor types {sorted(q.name for q in qtypes)}")
+        raise ModelError(
+            f"{model.source}: experts mix tensor types {sorted(q.name for q in qtypes)}"
+        )
     qtype = qtypes.pop()
     one = stack.expert(0)
     return BlobLayout(
@@ -74,8 +78,9 @@ def blob_layout(model: Model) -> BlobLayout:
     )
 
 
-def copy_expert(model_layers: list[MoEWeights], layer: int, expert: int, out: torch.Tensor,
-                layout: BlobLayout) -> None:
+def copy_expert(
+    model_layers: list[MoEWeights], layer: int, expert: int, out: torch.Tensor, layout: BlobLayout
+) -> None:
     """Write one expert's blob into `out` [nbytes] (from the mapped model file)."""
     w = model_layers[layer].experts.expert(expert)
     out[: layout.gate_bytes].copy_(w.gate.data.reshape(-1).view(torch.uint8))

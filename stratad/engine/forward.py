@@ -127,9 +127,7 @@ class ReferenceForward:
         return KVCache.allocate(self.spec, max_len, self.device, self.dtype)
 
     @torch.inference_mode()
-    def __call__(
-        self, tokens: list[int], cache: KVCache, all_logits: bool = False
-    ) -> torch.Tensor:
+    def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, V] for every new token (or [1, V] for the last one)."""
         spec, start, t = self.spec, cache.length, len(tokens)
         if start + t > cache.capacity:
@@ -138,7 +136,9 @@ class ReferenceForward:
         x = self.embed[ids]  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin)
+            x = x + self._attention(
+                i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin
+            )
             h = rms_norm(x, layer.ffn_norm, spec.rms_eps)
             if layer.dense is not None:
                 x = x + swiglu(h, layer.dense.gate, layer.dense.up, layer.dense.down)
@@ -192,9 +192,7 @@ class ReferenceForward:
             out += torch.sigmoid((x @ w.shared_gate.T).float()) * s
         return out.to(x.dtype)
 
-    def _expert(
-        self, i: int, w: _Layer, e: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expert(self, i: int, w: _Layer, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.experts is None:
             assert w.experts is not None
             gate, up, down = w.experts

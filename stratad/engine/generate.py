@@ -109,13 +109,11 @@ class Generator:
         sampler = Sampler(req.sampling)
         decoder = StreamDecoder(self.tokenizer)
         logits = self._prefill(req.prompt, req.pin, cancelled)
-        if logits is None:
+        if logits is None or cancelled():
             return
         text, emitted, n = "", 0, 0
         hold = max((len(s) for s in req.stop), default=0)
         while True:
-            if cancelled():
-                return
             token = sampler.sample(logits)
             n += 1
             if token in self.tokenizer.eos_ids and not req.ignore_eos:
@@ -133,6 +131,8 @@ class Generator:
             safe = len(text) - (hold - 1 if hold else 0)
             yield GenerationEvent(token, text[emitted:safe] if safe > emitted else "")
             emitted = max(emitted, safe)
+            if cancelled():  # before spending a step on a token nobody will read
+                return
             logits = self.forward([token], self.cache)[-1]
 
 

@@ -39,9 +39,7 @@ def apply_rope(
     return out.to(x.dtype)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal GQA attention of queries at positions start.. over keys 0..start+T-1.
 
     q [T, Hq, D], k/v [S, Hkv, D] with S = start + T  ->  [T, Hq, D]
@@ -60,14 +58,14 @@ def attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """down(silu(gate x) * up x) with float weights [F, H], [F, H], [H, F]."""
     return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
-def route(
-    logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing: (weights [T, k] float32, expert ids [T, k])."""
     probs = logits.float().softmax(-1)
     weights, ids = probs.topk(top_k, dim=-1)

@@ -14,6 +14,7 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 
@@ -34,8 +35,9 @@ from stratad.model.spec import Model, ModelError
 log = logging.getLogger("stratad.engine")
 
 
-def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(
+    xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU of rows grouped by expert: xs [N, H] with counts[e] rows for expert e, in order.
 
     One grouped GEMM per projection where torch has one for this device and dtype; else a
@@ -47,9 +49,9 @@ def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, u
             g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)
             u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(fn.silu(g) * u, down.transpose(-2, -1), offs=offs)
-        except (RuntimeError, TypeError) as e:  # an older torch or an unsupported shape
+        except (RuntimeError, TypeError) as err:  # an older torch or an unsupported shape
             GROUPED_MM[0] = False
-            log.warning("grouped GEMM unavailable (%s): prefill falls back to a loop", e)
+            log.warning("grouped GEMM unavailable (%s): prefill falls back to a loop", err)
     out = torch.empty((xs.shape[0], down.shape[1]), dtype=xs.dtype, device=xs.device)
     begin = 0
     for e, n in enumerate(counts.tolist()):
@@ -62,8 +64,11 @@ def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, u
 
 def _grouped_mm_ok(xs: torch.Tensor) -> bool:
     return (
-        xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(xs.device)[0] >= 9 and GROUPED_MM[0]
+        xs.is_cuda
+        and xs.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(xs.device)[0] >= 9
+        and GROUPED_MM[0]
     )
 
 
@@ -107,15 +112,18 @@ def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> lis
             return None if t is None else t.dequantize().to(device=device, dtype=dtype)
 
         a = w.attn
-        bias = (
-            torch.cat([f(a.q_bias), f(a.k_bias), f(a.v_bias)]) if a.q_bias is not None else None
-        )
+        bias = torch.cat([f(a.q_bias), f(a.k_bias), f(a.v_bias)]) if a.q_bias is not None else None
         shared = moe.shared  # type: ignore[union-attr]
         out.append(
             _Dense(
-                attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
-                qkv_bias=bias, q_norm=f(a.q_norm), k_norm=f(a.k_norm), o=f(a.o),
-                ffn_norm=f(w.ffn_norm), router=f(moe.router),  # type: ignore[union-attr]
+                attn_norm=f(w.attn_norm),
+                qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
+                qkv_bias=bias,
+                q_norm=f(a.q_norm),
+                k_norm=f(a.k_norm),
+                o=f(a.o),
+                ffn_norm=f(w.ffn_norm),
+                router=f(moe.router),  # type: ignore[union-attr]
                 shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
                 shared_gate=f(moe.shared_gate),  # type: ignore[union-attr]
             )
@@ -129,65 +137,88 @@ class HostExperts:
     def __init__(self, model: Model, layout: BlobLayout) -> None:
         spec = model.spec
         self.layout = layout
-        self.buffer = torch.empty((spec.n_layers, spec.n_experts, layout.nbytes), dtype=torch.uint8)
+        # Page-aligned anonymous memory, so that registration chunks never share a page.
+        size = spec.n_layers * spec.n_experts * layout.nbytes
+        self._map = mmap.mmap(-1, size)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(
+            spec.n_layers, spec.n_experts, layout.nbytes
+        )
+        self._registered: list[int] = []
         layers = moe_layers(model)
         t0 = time.monotonic()
         for layer in range(spec.n_layers):
             for e in range(spec.n_experts):
                 copy_expert(layers, layer, e, self.buffer[layer, e], layout)
-        log.info("experts: %.2f GiB read into RAM in %.1f s", self.buffer.nbytes / 2**30,
-                 time.monotonic() - t0)
-        self.registered = False
+        log.info(
+            "experts: %.2f GiB read into RAM in %.1f s",
+            self.buffer.nbytes / 2**30,
+            time.monotonic() - t0,
+        )
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registered)
 
     def pin(self, chunk_bytes: int = 1 << 30) -> None:
-        """Register the buffer with the GPU runtime in chunks (mapped: kernels may read it)."""
+        """Register the buffer with the GPU runtime in page-aligned chunks (mapped into the
+        device's address space: kernels may read it in place)."""
         cudart = torch.cuda.cudart()
         base, total = self.buffer.data_ptr(), self.buffer.nbytes
         t0 = time.monotonic()
         for off in range(0, total, chunk_bytes):
             n = min(chunk_bytes, total - off)
-            err = cudart.cudaHostRegister(base + off, n, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({err}) at {off:,} of {total:,} bytes")
-        self.registered = True
-        self._chunk = chunk_bytes
+            torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, 0))
+            self._registered.append(base + off)
         log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)
 
-    def unpin(self) -> None:
-        if self.registered:
+    def close(self) -> None:
+        """Unregister (before the memory goes back to the system)."""
+        if self._registered:
             cudart = torch.cuda.cudart()
-            base, total = self.buffer.data_ptr(), self.buffer.nbytes
-            for off in range(0, total, self._chunk):
-                cudart.cudaHostUnregister(base + off)
-            self.registered = False
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class OffloadForward:
     """Forward pass of a MoE model on one GPU with experts tiered between VRAM and RAM."""
 
-    def __init__(self, model: Model, device: torch.device, config: OffloadConfig,
-                 host: HostExperts | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        device: torch.device,
+        config: OffloadConfig,
+        host: HostExperts | None = None,
+    ) -> None:
         spec = self.spec = model.spec
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
         self.layout = blob_layout(model)
         if self.layout.qtype != QType.Q4_0:
             raise ModelError(
-                f"{model.source}: the offload engine reads Q4_0 experts, not {self.layout.qtype.name}"
+                f"{model.source}: the offload engine reads Q4_0 experts,"
+                f" not {self.layout.qtype.name}"
             )
         self.device, self.config, self.dtype = device, config, config.dtype
         self.layers = _dense_layers(model, device, self.dtype)
         self.embed = model.tensor("model.embed_tokens.weight").dequantize(self.dtype).to(device)
         self.norm = model.tensor("model.norm.weight").dequantize(self.dtype).to(device)
-        self.lm_head = self.embed if spec.tie_embeddings else (
-            model.tensor("lm_head.weight").dequantize(self.dtype).to(device))
+        self.lm_head = (
+            self.embed
+            if spec.tie_embeddings
+            else (model.tensor("lm_head.weight").dequantize(self.dtype).to(device))
+        )
         self.host = host or HostExperts(model, self.layout)
         if device.type == "cuda" and not self.host.registered:
             self.host.pin()
         self._init_slots()
         self._init_rope()
-        self.route_counts = torch.zeros((spec.n_layers, spec.n_experts), dtype=torch.int64,
-                                        device=device)
+        self.route_counts = torch.zeros(
+            (spec.n_layers, spec.n_experts), dtype=torch.int64, device=device
+        )
         self.timer = StageTimer(enabled=False)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -200,8 +231,9 @@ class OffloadForward:
         spec, nbytes = self.spec, self.layout.nbytes
         per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // spec.n_layers)
         self.slots_per_layer = per_layer
-        self.slots = torch.empty((spec.n_layers, max(per_layer, 1), nbytes), dtype=torch.uint8,
-                                 device=self.device)
+        self.slots = torch.empty(
+            (spec.n_layers, max(per_layer, 1), nbytes), dtype=torch.uint8, device=self.device
+        )
         residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
         self.policy = SlotPolicy(residents)
         self.slot_of: list[dict[int, int]] = []
@@ -219,8 +251,12 @@ class OffloadForward:
             self.slot_of.append(slot_of)
         self.table = table.to(self.device)
         self._off = off
-        log.info("expert cache: %d of %d experts per layer in VRAM (%.2f GiB)", per_layer,
-                 spec.n_experts, self.slots.nbytes / 2**30)
+        log.info(
+            "expert cache: %d of %d experts per layer in VRAM (%.2f GiB)",
+            per_layer,
+            spec.n_experts,
+            self.slots.nbytes / 2**30,
+        )
 
     def _init_rope(self) -> None:
         d, n = self.spec.head_dim, self.config.max_context
@@ -230,13 +266,21 @@ class OffloadForward:
         self.sin = ang.sin().float().to(self.device)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        return KVCache.allocate(self.spec, max_len or self.config.max_context, self.device,
-                                self.dtype)
+        return KVCache.allocate(
+            self.spec, max_len or self.config.max_context, self.device, self.dtype
+        )
 
     # -- one layer ------------------------------------------------------------------------
 
-    def _attention(self, w: _Dense, i: int, h: torch.Tensor, pos: torch.Tensor,
-                   cache: KVCache, start: int | None) -> torch.Tensor:
+    def _attention(
+        self,
+        w: _Dense,
+        i: int,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        cache: KVCache,
+        start: int | None,
+    ) -> torch.Tensor:
         """h [T, H] at positions pos [T]; start is None in the captured decode step."""
         spec, t = self.spec, h.shape[0]
         qkv = fn.linear(h, w.qkv, w.qkv_bias)
@@ -263,8 +307,9 @@ class OffloadForward:
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
-        if mask is None:  # a prefill chunk: causal, aligned to the end of the keys
-            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, start + t))
+        if start is not None:  # a prefill chunk: causal, aligned to the end of the keys
+            bias = causal_lower_right(t, start + t)
+            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
         else:
             out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
         return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
@@ -285,8 +330,9 @@ class OffloadForward:
             s = s * torch.sigmoid(fn.linear(h, w.shared_gate))
         return s
 
-    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-               start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(
+        self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         w, spec = self.layers[i], self.spec
         x = x + self._attention(w, i, rms_norm(x, w.attn_norm, spec.rms_eps), pos, cache, start)
         h = rms_norm(x, w.ffn_norm, spec.rms_eps)
@@ -325,8 +371,9 @@ class OffloadForward:
 
     def _staging(self) -> torch.Tensor:
         if getattr(self, "_staging_buf", None) is None:
-            self._staging_buf = torch.empty((2, self.spec.n_experts, self.layout.nbytes),
-                                            dtype=torch.uint8, device=self.device)
+            self._staging_buf = torch.empty(
+                (2, self.spec.n_experts, self.layout.nbytes), dtype=torch.uint8, device=self.device
+            )
         return self._staging_buf
 
     def _dequant_all(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -338,17 +385,22 @@ class OffloadForward:
             data = buf[:, lo:hi].reshape(n * rows, -1)
             return dequantize(data, lay.qtype, (n * rows, cols)).view(n, rows, cols).to(self.dtype)
 
-        return (deq(0, lay.up_offset, f, h), deq(lay.up_offset, lay.down_offset, f, h),
-                deq(lay.down_offset, lay.nbytes, h, f))
+        return (
+            deq(0, lay.up_offset, f, h),
+            deq(lay.up_offset, lay.down_offset, f, h),
+            deq(lay.down_offset, lay.nbytes, h, f),
+        )
 
-    def _prefill_moe(self, i: int, h: torch.Tensor, ids: torch.Tensor,
-                     weights: torch.Tensor) -> torch.Tensor:
+    def _prefill_moe(
+        self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         t, k = ids.shape
         flat = ids.reshape(-1).long()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.spec.n_experts)
-        if self._ready[i] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[i])
+        ready = self._ready[i]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         gate, up, down = self._dequant_all(i)
         if self.side is not None:  # staging i % 2 is free once dequantized
             freed = torch.cuda.Event()
@@ -364,8 +416,9 @@ class OffloadForward:
 
     # -- the passes -----------------------------------------------------------------------
 
-    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-             start: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.embed[tokens]
         all_ids = []
         staged = start is not None and tokens.shape[0] > 8
@@ -487,7 +540,7 @@ class OffloadForward:
 
     def _apply_moves(self) -> None:
         """Repoint the table at slots whose copies have finished (never waits)."""
-        keep = []
+        keep: list[tuple[int, int, int, torch.cuda.Event | None]] = []
         for layer, e, s, done in self._pending:
             if done is not None and not done.query():
                 keep.append((layer, e, s, done))

@@ -11,6 +11,7 @@ other pins. Both budgets are bytes, evicted least recently used first.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,9 @@ class Snapshot:
         return self.k.nbytes + self.v.nbytes
 
 
-def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    a, b = tuple(a), tuple(b)  # slices of one type compare in C
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -59,8 +62,9 @@ class PrefixStore:
     def bytes_used(self, pinned: bool | None = None) -> int:
         return sum(s.nbytes for s in self.snapshots if pinned is None or s.pinned == pinned)
 
-    def best(self, tokens: list[int]) -> tuple[Snapshot | None, int]:
+    def best(self, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
         """The snapshot sharing the longest prefix with `tokens`, and that length."""
+        tokens = tuple(tokens)
         best, length = None, 0
         for s in self.snapshots:
             n = common_prefix(s.tokens, tokens)

@@ -66,9 +66,15 @@ class EngineFailed(RuntimeError):
 class Ticket:
     """One submitted job: its deltas, its timings and its cancel flag."""
 
-    def __init__(self, prepared: PreparedJob, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        prepared: PreparedJob,
+        loop: asyncio.AbstractEventLoop,
+        on_cancel: Callable[[Ticket], None] | None = None,
+    ) -> None:
         self.prepared = prepared
         self.loop = loop
+        self._on_cancel = on_cancel
         self.deltas: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
         self.submitted = time.monotonic()
         self.started: float | None = None
@@ -83,6 +89,8 @@ class Ticket:
         """Ask the engine to stop this job (the client went away); idempotent, any thread."""
         if self.cancelled_at is None:
             self.cancelled_at = time.monotonic()
+            if self._on_cancel is not None:
+                self._on_cancel(self)
 
     def is_cancelled(self) -> bool:
         return self.cancelled_at is not None
@@ -115,9 +123,7 @@ class Ticket:
 class Scheduler:
     """FIFO service of tickets by one engine thread."""
 
-    def __init__(
-        self, max_queue: int, on_finished: Callable[[Ticket], None] | None = None
-    ) -> None:
+    def __init__(self, max_queue: int, on_finished: Callable[[Ticket], None] | None = None) -> None:
         self.max_queue = max_queue
         self.on_finished = on_finished
         self.state = "loading"  # loading -> ready -> draining; or failed
@@ -160,7 +166,7 @@ class Scheduler:
         """Queue a job; raises `Refused` if the daemon cannot take it now."""
         if self.state != "ready":
             raise Unavailable(f"the server is {self.state}", 1 if self.state == "loading" else 5)
-        ticket = Ticket(prepared, asyncio.get_running_loop())
+        ticket = Ticket(prepared, asyncio.get_running_loop(), self._discard)
         with self._cv:
             if len(self._queue) + self.num_running > self.max_queue:
                 raise QueueFull(
@@ -187,6 +193,17 @@ class Scheduler:
             )
         while self.running or self._queue:
             await asyncio.sleep(0.01)
+
+    def _discard(self, ticket: Ticket) -> None:
+        """A waiting ticket was cancelled: take it out of the queue now (it frees its slot)."""
+        with self._cv:
+            try:
+                self._queue.remove(ticket)
+            except ValueError:
+                return  # running or done: the engine thread finishes it
+        ticket.finished = time.monotonic()
+        ticket._push(None)
+        self._after(ticket)
 
     # --- the engine thread -------------------------------------------------------------------
 
@@ -233,7 +250,9 @@ class Scheduler:
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - ticket.started)
 
     def _after(self, ticket: Ticket) -> None:
-        if ticket.cancelled_at is not None and ticket.outcome == "abort":
+        if ticket.cancelled_at is not None and ticket.started is None:
+            log.info("request cancelled by its client while it waited")
+        elif ticket.cancelled_at is not None and ticket.outcome == "abort":
             assert ticket.finished is not None
             log.info(
                 "request cancelled by its client after %d tokens; engine free %.0f ms later",

@@ -74,8 +74,11 @@ class Engine:
             pinned_bytes=server.pinned_prefix_mib << 20,
         )
         self.generator = Generator(
-            self.forward, self.tokenizer, max_context,
-            prefill_chunk=server.prefill_chunk, prefix_store=self.prefixes,
+            self.forward,
+            self.tokenizer,
+            max_context,
+            prefill_chunk=server.prefill_chunk,
+            prefix_store=self.prefixes,
         )
         self.info = EngineInfo(
             model_id=config.model.name or path.name,
@@ -85,7 +88,12 @@ class Engine:
         )
         log.info(
             "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",
-            path, self.model.spec.arch, self.model.spec.n_layers, dtype, device, max_context,
+            path,
+            self.model.spec.arch,
+            self.model.spec.n_layers,
+            dtype,
+            device,
+            max_context,
             time.monotonic() - t0,
         )
 
@@ -124,7 +132,8 @@ class Engine:
         if room < 1:
             raise JobError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.info.max_context}"
-                " (prompt and completion together)", field,
+                " (prompt and completion together)",
+                field,
             )
         if job.max_tokens is not None and job.max_tokens > room:
             raise JobError(
@@ -177,8 +186,9 @@ class Engine:
     def warm_up(self) -> None:
         """A short generation, so that the first request does not pay for lazy initialisation."""
         prompt = self.tokenizer.encode("Hello, world", add_special=True)
-        req = GenerationRequest(prompt=prompt, max_tokens=8, sampling=SamplingParams(0.0),
-                                ignore_eos=True)
+        req = GenerationRequest(
+            prompt=prompt, max_tokens=8, sampling=SamplingParams(0.0), ignore_eos=True
+        )
         for _ in self.generator.run(req):
             pass
         self.generator.cache.truncate(0)
@@ -187,14 +197,30 @@ class Engine:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""
         store = self.prefixes
         return [
-            ("strata:prefix_cache_bytes", "KV bytes held by prefix snapshots",
-             {"kind": "conversation"}, float(store.bytes_used(pinned=False))),
-            ("strata:prefix_cache_bytes", "KV bytes held by prefix snapshots",
-             {"kind": "pinned"}, float(store.bytes_used(pinned=True))),
-            ("strata:prefix_cache_entries", "prefix snapshots kept",
-             {"kind": "conversation"}, float(sum(not s.pinned for s in store.snapshots))),
-            ("strata:prefix_cache_entries", "prefix snapshots kept",
-             {"kind": "pinned"}, float(sum(s.pinned for s in store.snapshots))),
+            (
+                "strata:prefix_cache_bytes",
+                "KV bytes held by prefix snapshots",
+                {"kind": "conversation"},
+                float(store.bytes_used(pinned=False)),
+            ),
+            (
+                "strata:prefix_cache_bytes",
+                "KV bytes held by prefix snapshots",
+                {"kind": "pinned"},
+                float(store.bytes_used(pinned=True)),
+            ),
+            (
+                "strata:prefix_cache_entries",
+                "prefix snapshots kept",
+                {"kind": "conversation"},
+                float(sum(not s.pinned for s in store.snapshots)),
+            ),
+            (
+                "strata:prefix_cache_entries",
+                "prefix snapshots kept",
+                {"kind": "pinned"},
+                float(sum(s.pinned for s in store.snapshots)),
+            ),
         ]
 
 

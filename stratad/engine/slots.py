@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 
 def initial_residents(
-    n_layers: int, n_experts: int, slots_per_layer: int,
+    n_layers: int,
+    n_experts: int,
+    slots_per_layer: int,
     profile: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """The experts of each layer that start in VRAM: the hottest by profile, ties by index."""
