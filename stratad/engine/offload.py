@@ -33,6 +33,7 @@ from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 
 log = logging.getLogger("stratad.engine")
+PAGE = mmap.PAGESIZE
 
 
 def grouped_swiglu(
@@ -137,12 +138,12 @@ class HostExperts:
     def __init__(self, model: Model, layout: BlobLayout) -> None:
         spec = model.spec
         self.layout = layout
-        # Page-aligned anonymous memory, so that registration chunks never share a page.
-        size = spec.n_layers * spec.n_experts * layout.nbytes
-        self._map = mmap.mmap(-1, size)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(
-            spec.n_layers, spec.n_experts, layout.nbytes
-        )
+        # Page-aligned anonymous memory with each blob starting on a page: registration
+        # chunks hold whole blobs, so no copy ever spans two registrations.
+        self.stride = -(-layout.nbytes // PAGE) * PAGE
+        self._map = mmap.mmap(-1, spec.n_layers * spec.n_experts * self.stride)
+        arena = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.buffer = arena.view(spec.n_layers, spec.n_experts, self.stride)[..., : layout.nbytes]
         self._registered: list[int] = []
         layers = moe_layers(model)
         t0 = time.monotonic()
@@ -151,7 +152,7 @@ class HostExperts:
                 copy_expert(layers, layer, e, self.buffer[layer, e], layout)
         log.info(
             "experts: %.2f GiB read into RAM in %.1f s",
-            self.buffer.nbytes / 2**30,
+            len(self._map) / 2**30,
             time.monotonic() - t0,
         )
 
@@ -163,10 +164,11 @@ class HostExperts:
         """Register the buffer with the GPU runtime in page-aligned chunks (mapped into the
         device's address space: kernels may read it in place)."""
         cudart = torch.cuda.cudart()
-        base, total = self.buffer.data_ptr(), self.buffer.nbytes
+        base, total = self.buffer.data_ptr(), len(self._map)
+        step = max(1, chunk_bytes // self.stride) * self.stride  # whole blobs per chunk
         t0 = time.monotonic()
-        for off in range(0, total, chunk_bytes):
-            n = min(chunk_bytes, total - off)
+        for off in range(0, total, step):
+            n = min(step, total - off)
             torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, 0))
             self._registered.append(base + off)
         log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)

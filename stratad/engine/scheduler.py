@@ -83,11 +83,13 @@ class Ticket:
         self.last: Delta | None = None  # the final delta (finish reason, usage)
         self.token_gaps: list[float] = []  # seconds between consecutive tokens
         self.cancelled_at: float | None = None
+        self.cancelled_by = ""  # "client" (it went away) or "drain" (the daemon is stopping)
         self.error: str | None = None
 
-    def cancel(self) -> None:
-        """Ask the engine to stop this job (the client went away); idempotent, any thread."""
+    def cancel(self, by: str = "client") -> None:
+        """Ask the engine to stop this job; idempotent, any thread."""
         if self.cancelled_at is None:
+            self.cancelled_by = by
             self.cancelled_at = time.monotonic()
             if self._on_cancel is not None:
                 self._on_cancel(self)
@@ -186,7 +188,7 @@ class Scheduler:
         with self._cv:
             pending = list(self._queue) + ([self.running] if self.running else [])
         for t in pending:
-            t.cancel()
+            t.cancel(by="drain")
         if pending:
             log.warning(
                 "drain: cancelled %d unfinished requests after %.0f s", len(pending), timeout
@@ -251,11 +253,12 @@ class Scheduler:
 
     def _after(self, ticket: Ticket) -> None:
         if ticket.cancelled_at is not None and ticket.started is None:
-            log.info("request cancelled by its client while it waited")
+            log.info("request cancelled (%s) while it waited", ticket.cancelled_by)
         elif ticket.cancelled_at is not None and ticket.outcome == "abort":
             assert ticket.finished is not None
             log.info(
-                "request cancelled by its client after %d tokens; engine free %.0f ms later",
+                "request cancelled (%s) after %d tokens; engine free %.0f ms later",
+                ticket.cancelled_by,
                 ticket.last.completion_tokens if ticket.last else 0,
                 1000 * max(ticket.finished - ticket.cancelled_at, 0.0),
             )
