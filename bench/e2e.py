@@ -32,8 +32,10 @@ def measure_pcie(gib: float = 1.0) -> dict[str, float]:
     n = int(gib * 2**30)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     out = {}
-    for name, host in (("pinned", torch.empty(n, dtype=torch.uint8).pin_memory()),
-                       ("pageable", torch.empty(n, dtype=torch.uint8))):
+    for name, host in (
+        ("pinned", torch.empty(n, dtype=torch.uint8).pin_memory()),
+        ("pageable", torch.empty(n, dtype=torch.uint8)),
+    ):
         host.fill_(1)
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
@@ -143,16 +145,27 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         moved = chunks * spec.n_layers * spec.n_experts * (1 - resident) * engine.layout.nbytes
         prefill[n] = (tps, n / (moved / (bw["pinned"] * 1e9)) if moved else float("inf"), moved)
     result = {
-        "model": str(args.model), "expert_vram_gib": args.expert_vram_gib,
-        "slots_per_layer": engine.slots_per_layer, "n_experts": spec.n_experts,
-        "blob_mib": engine.layout.nbytes / 2**20, "load_s": load_s,
-        "pcie_pinned_gbs": bw["pinned"], "pcie_pageable_gbs": bw["pageable"],
-        "inplace_gbs": inplace, "cpu_expert_gbs": cpu_bw,
-        "decode_tps": decode_tps, "hit_rate": hit, "missed_mb_per_token": missed / 1e6,
-        "decode_ceiling_pcie": ceiling_pcie, "decode_ceiling_both": ceiling_both,
-        "prefill": {str(n): {"tps": v[0], "ceiling": v[1], "moved_gb": v[2] / 1e9}
-                    for n, v in prefill.items()},
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "model": str(args.model),
+        "expert_vram_gib": args.expert_vram_gib,
+        "slots_per_layer": engine.slots_per_layer,
+        "n_experts": spec.n_experts,
+        "blob_mib": engine.layout.nbytes / 2**20,
+        "load_s": load_s,
+        "pcie_pinned_gbs": bw["pinned"],
+        "pcie_pageable_gbs": bw["pageable"],
+        "inplace_gbs": inplace,
+        "cpu_expert_gbs": cpu_bw,
+        "decode_tps": decode_tps,
+        "hit_rate": hit,
+        "missed_mb_per_token": missed / 1e6,
+        "decode_ceiling_pcie": ceiling_pcie,
+        "decode_ceiling_both": ceiling_both,
+        "prefill": {
+            str(n): {"tps": v[0], "ceiling": v[1], "moved_gb": v[2] / 1e9}
+            for n, v in prefill.items()
+        },
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
     }
     return result
 
@@ -192,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=256)
-    p.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1024, 8192, 32768])
+    p.add_argument(
+        "--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192, 32768]
+    )
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
@@ -208,4 +222,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -44,8 +44,9 @@ class MoeConfig:
 
 
 @triton.jit
-def _q4_0_rows_dot(w_ptr, row_bytes, rows, row_mask, x_ptr, K, BLOCK_N: tl.constexpr,
-                   BLOCK_B: tl.constexpr):
+def _q4_0_rows_dot(
+    w_ptr, row_bytes, rows, row_mask, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
+):
     """[BLOCK_N] float32: rows `rows` of a Q4_0 matrix at byte address w_ptr, dot x [K]."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     bb = tl.arange(0, BLOCK_B)  # block index within a step
@@ -123,8 +124,9 @@ def _down_kernel(
         e = tl.load(ids_ptr + s).to(tl.int64)
         w = tl.load(weights_ptr + s)
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
-        y = _q4_0_rows_dot(down, row_bytes, rows, rmask, act_ptr + s.to(tl.int64) * F, F,
-                           BLOCK_N, BLOCK_B)
+        y = _q4_0_rows_dot(
+            down, row_bytes, rows, rmask, act_ptr + s.to(tl.int64) * F, F, BLOCK_N, BLOCK_B
+        )
         acc += w * y
     tl.store(out_ptr + t.to(tl.int64) * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -144,7 +146,10 @@ def _check(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
 
 
 def moe_gate_up(
-    x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, ffn: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    ffn: int,
     config: MoeConfig = MoeConfig(),
 ) -> torch.Tensor:
     """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32."""
@@ -155,15 +160,29 @@ def moe_gate_up(
     act = torch.empty(t * ids.shape[1], ffn, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(ffn, config.block_n), t * ids.shape[1])
     _gate_up_kernel[grid](
-        x, ids, table, act, h, ffn, TOP_K=ids.shape[1], BLOCK_N=config.block_n,
-        BLOCK_B=config.block_b, num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        ids,
+        table,
+        act,
+        h,
+        ffn,
+        TOP_K=ids.shape[1],
+        BLOCK_N=config.block_n,
+        BLOCK_B=config.block_b,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return act
 
 
 def moe_down(
-    act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor,
-    hidden: int, out_dtype: torch.dtype, config: MoeConfig = MoeConfig(),
+    act: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    table: torch.Tensor,
+    hidden: int,
+    out_dtype: torch.dtype,
+    config: MoeConfig = MoeConfig(),
 ) -> torch.Tensor:
     """act [T * k, F], ids/weights [T, k], table [E, 3] -> out [T, H]."""
     t, k = ids.shape
@@ -172,16 +191,29 @@ def moe_down(
     out = torch.empty(t, hidden, dtype=out_dtype, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t)
     _down_kernel[grid](
-        act, ids, weights.contiguous(), table, out, hidden, act.shape[1], TOP_K=k,
-        BLOCK_N=config.block_n, BLOCK_B=config.block_b, num_warps=config.num_warps,
+        act,
+        ids,
+        weights.contiguous(),
+        table,
+        out,
+        hidden,
+        act.shape[1],
+        TOP_K=k,
+        BLOCK_N=config.block_n,
+        BLOCK_B=config.block_b,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out
 
 
 def fused_moe(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor,
-    ffn: int, config: MoeConfig = MoeConfig(),
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    table: torch.Tensor,
+    ffn: int,
+    config: MoeConfig = MoeConfig(),
 ) -> torch.Tensor:
     """The routed-expert output [T, H] of one layer, experts found through `table`."""
     act = moe_gate_up(x, ids, table, ffn, config)
@@ -199,7 +231,9 @@ def expert_table(experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
 
 
 def fused_moe_ref(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
     experts: list[tuple[QTensor, QTensor, QTensor]],
 ) -> torch.Tensor:
     """Dequantize each routed expert and compute in float32, slot by slot."""

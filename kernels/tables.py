@@ -29,7 +29,9 @@ STATE_DIR = Path("/var/lib/strata/tables")  # where `stratactl tune` writes (Sta
 SEARCH_PATH = (STATE_DIR, PACKAGED_DIR)
 
 Backend = Literal["rocm", "cuda"]
-_NAME = re.compile(r"^(?P<arch>(gfx[0-9a-f]+|sm[0-9]+a?))-(?P<backend>rocm|cuda)-(?P<version>\d+(\.\d+)*)\.json$")
+_NAME = re.compile(
+    r"^(?P<arch>(gfx[0-9a-f]+|sm[0-9]+a?))-(?P<backend>rocm|cuda)-(?P<version>\d+(\.\d+)*)\.json$"
+)
 
 COST = (
     "the kernels run with their default launch settings: expect slower prefill and decode"
@@ -142,6 +144,10 @@ def nvidia_archs(run: Callable[[list[str]], str] | None = None) -> list[str]:
             if re.fullmatch(r"\d+\.\d+", line.strip())]
 
 
+def _stacks(archs: Sequence[str], backend: Backend, version: str) -> tuple[Stack, ...]:
+    return tuple(dict.fromkeys(Stack(a, backend, version) for a in archs))
+
+
 @dataclass(frozen=True)
 class Detected:
     stacks: tuple[Stack, ...]  # one per GPU (distinct)
@@ -172,7 +178,7 @@ def detect(
                          f" {', '.join(sorted(set(archs)))} as {forced}")
             archs = [forced]
         notes.append(f"ROCm {version} from {rocm}")
-        return Detected(tuple(dict.fromkeys(Stack(a, "rocm", version) for a in archs)), tuple(notes))
+        return Detected(_stacks(archs, "rocm", version), tuple(notes))
     archs = nvidia_archs(nvidia_smi)
     if archs:
         cuda = root / (cuda_path or "usr/local/cuda").lstrip("/")
@@ -181,7 +187,7 @@ def detect(
             raise TableError(f"NVIDIA GPU {', '.join(archs)} found but no CUDA version under"
                              f" {cuda} (version.json); pass --cuda-path or --version")
         notes.append(f"CUDA {version} from {cuda}")
-        return Detected(tuple(dict.fromkeys(Stack(a, "cuda", version) for a in archs)), tuple(notes))
+        return Detected(_stacks(archs, "cuda", version), tuple(notes))
     return Detected((), ("no GPU found (no KFD GPU node, no nvidia-smi GPU)",))
 
 

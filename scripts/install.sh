@@ -24,6 +24,9 @@ apt_install() {
 }
 
 apt_install pkg-config libsystemd-dev cmake build-essential
+# Test tools for the operations tests: systemd-analyze/-sysusers/-tmpfiles verify the unit
+# files, shellcheck the container entrypoint, systemd-journal-remote writes a test journal.
+((WITH_TEST)) && apt_install systemd shellcheck systemd-journal-remote
 [[ -x "$VENV/bin/python" ]] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip

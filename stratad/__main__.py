@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from stratad import __version__
 from stratad.config import Config, ConfigError, load_config, override
@@ -27,6 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="TCP port (server.port)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (engine.device)")
     p.add_argument("--max-context", type=int, help="context tokens per sequence (model.max_context)")
+    p.add_argument("--control-socket", help="control socket path, empty for none (control.socket)")
     p.add_argument("--version", action="version", version=f"stratad {__version__}")
     return p.parse_args(argv)
 
@@ -35,6 +37,7 @@ def build_config(args: argparse.Namespace, env: Env) -> Config:
     config = load_config(args.config, env)
     config = override(config, "model", path=args.model, max_context=args.max_context)
     config = override(config, "server", host=args.host, port=args.port)
+    config = override(config, "control", socket=args.control_socket)
     return override(config, "engine", device=args.device)
 
 
@@ -49,20 +52,42 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from aiohttp import web
-
+    from stratad.control.lifecycle import Operations
+    from stratad.control.server import ControlError
     from stratad.engine.service import Engine
     from stratad.model.spec import ModelError
     from stratad.server.app import Server
 
+    # Operations: control socket, systemd notify/watchdog, drain (stratad/control/lifecycle.py)
+    ops = Operations(config)
     try:
-        engine = Engine(config)
-    except (ModelError, RuntimeError, OSError) as e:
-        log.error("cannot load the model: %s", e)
+        ops.start()
+    except ControlError as e:
+        log.error("%s", e)
         return 1
-    server = Server(engine, config.server.max_body_bytes)
-    log.info("serving %s on http://%s:%d", engine.model_id, config.server.host, config.server.port)
-    web.run_app(server.app, host=config.server.host, port=config.server.port, print=None)
+    # HTTP listens while the model loads (/health answers 503 until it is in)
+    name = config.model.name or Path(config.model.path).name or None
+    server = Server(config.server, model_name=name)
+    ops.install(server.app, server.scheduler)
+    failed: list[BaseException] = []
+
+    def load() -> Any:
+        engine = Engine(config)
+        ops.loaded(engine)
+        return ops.wrap_backend(engine)
+
+    def load_failed(e: BaseException) -> None:
+        if isinstance(e, (ModelError, RuntimeError, OSError)):
+            log.error("cannot load the model: %s", e)
+        else:
+            log.error("cannot load the model", exc_info=e)
+        failed.append(e)
+        ops.stop()
+
+    server.load_in_background(load, load_failed)
+    ops.serve(server.app, config.server.host, config.server.port)
+    if failed:
+        return 1
     return 0
 
 

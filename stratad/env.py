@@ -29,7 +29,7 @@ class Env:
     """STRATA_CONTROL_SOCKET: path of the control socket; overrides control.socket (stratad and
     stratactl)."""
     resident_headroom_gib: float | None = None
-    """STRATA_RESIDENT_HEADROOM_GIB: RAM left to the rest of the host when sizing the resident set."""
+    """STRATA_RESIDENT_HEADROOM_GIB: RAM left to the host when sizing the resident set."""
     synth_tokenizer: str | None = None
     """STRATA_SYNTH_TOKENIZER: GGUF whose tokenizer synthetic models borrow (default SmolLM2's)."""
     decode_timing: bool = False

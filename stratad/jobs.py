@@ -1,7 +1,8 @@
 """What the front ends hand to the engine and get back: plain messages, no torch.
 
-The HTTP server builds a `Job` from a validated request; the engine answers with a stream
-of `Delta`s. Both sides import this module; only the engine side imports torch.
+The HTTP server builds a `Job` from a validated request; the engine checks and tokenises it
+into a `PreparedJob` (off the engine thread) and answers with a stream of `Delta`s. Both sides
+import this module; only the engine side imports torch.
 """
 
 from __future__ import annotations
@@ -19,13 +20,28 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
     messages: tuple[ChatMessage, ...] | None = None
     prompt: str | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = 256
+    """Completion tokens at most; None: whatever the context has room for."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    prefix_messages: int = 0
+    """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
+    prefix_tokens: int = 0
+    """Pin the KV of the first N prompt tokens (the `strata_prefix` extension)."""
+
+
+class PreparedJob(msgspec.Struct, frozen=True, kw_only=True):
+    """A job the engine accepted: its prompt tokens, completion budget and pinned prefix."""
+
+    job: Job
+    prompt: tuple[int, ...]
+    max_tokens: int
+    pin: int = 0
+    """Leading prompt tokens to keep as a pinned prefix snapshot (0: none)."""
 
 
 class Delta(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,7 +51,16 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed."""
 
 
 class JobError(ValueError):
-    """A job the engine refuses (e.g. a prompt longer than the context): a client error."""
+    """A job the engine refuses (e.g. a prompt longer than the context): a client error.
+
+    `param` names the request field at fault, for the OpenAI-style error body.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

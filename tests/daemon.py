@@ -23,12 +23,20 @@ def free_port() -> int:
 def running_daemon(
     args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 180.0
 ) -> Iterator[str]:
-    """Start `stratad ARGS --port N`; yield its base URL once /health answers 200."""
+    """Start `stratad ARGS --port N`; yield its base URL once /health answers 200.
+
+    Unless ARGS name one, the control socket is `stratad.sock` beside the log (never the
+    system's /run/strata, which another test run may be using).
+    """
     port = free_port()
+    if not any(a.startswith("--control-socket") for a in args):
+        args = [*args, "--control-socket", str(log_path.parent / "stratad.sock")]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stratad", *args, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         url = f"http://127.0.0.1:{port}"
         try:

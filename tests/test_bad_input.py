@@ -98,7 +98,9 @@ def test_daemon_reports_one_line(tmp_path: Path) -> None:
     _write_llama(path, q5="blk.0.ffn_up.weight")
     proc = subprocess.run(
         [sys.executable, "-m", "stratad", str(path), "--port", "0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -111,7 +113,9 @@ def test_bad_config_is_named(tmp_path: Path) -> None:
     config.write_text("[server]\nprot = 1\n")
     proc = subprocess.run(
         [sys.executable, "-m", "stratad", "--config", str(config)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "unknown field `prot`" in proc.stderr and "Traceback" not in proc.stderr

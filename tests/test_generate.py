@@ -28,29 +28,48 @@ def _text(gen: Generator, req: GenerationRequest) -> tuple[str, str | None, int]
 
 
 def test_eos_stops(gen: Generator) -> None:
-    text, reason, n = _text(gen, GenerationRequest(_chat(gen, "What is the capital of France?"),
-                                                   max_tokens=64, sampling=GREEDY))
+    text, reason, n = _text(
+        gen,
+        GenerationRequest(
+            _chat(gen, "What is the capital of France?"), max_tokens=64, sampling=GREEDY
+        ),
+    )
     assert text == "The capital of France is Paris."
     assert reason == "stop" and n < 64
 
 
 def test_max_tokens(gen: Generator) -> None:
-    text, reason, n = _text(gen, GenerationRequest(_chat(gen, "Tell me a long story."),
-                                                   max_tokens=5, sampling=GREEDY))
+    text, reason, n = _text(
+        gen, GenerationRequest(_chat(gen, "Tell me a long story."), max_tokens=5, sampling=GREEDY)
+    )
     assert reason == "length" and n == 5 and text
 
 
 def test_stop_string_is_cut(gen: Generator) -> None:
-    full, _, _ = _text(gen, GenerationRequest(_chat(gen, "What is the capital of France?"),
-                                              max_tokens=64, sampling=GREEDY))
-    text, reason, _ = _text(gen, GenerationRequest(_chat(gen, "What is the capital of France?"),
-                                                   max_tokens=64, sampling=GREEDY, stop=("France",)))
+    full, _, _ = _text(
+        gen,
+        GenerationRequest(
+            _chat(gen, "What is the capital of France?"), max_tokens=64, sampling=GREEDY
+        ),
+    )
+    text, reason, _ = _text(
+        gen,
+        GenerationRequest(
+            _chat(gen, "What is the capital of France?"),
+            max_tokens=64,
+            sampling=GREEDY,
+            stop=("France",),
+        ),
+    )
     assert reason == "stop" and text == full[: full.index("France")]
 
 
 def test_seeded_sampling_reproducible(gen: Generator) -> None:
-    req = GenerationRequest(_chat(gen, "Name a fruit."), max_tokens=12,
-                            sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=42))
+    req = GenerationRequest(
+        _chat(gen, "Name a fruit."),
+        max_tokens=12,
+        sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=42),
+    )
     assert _text(gen, req) == _text(gen, req)
 
 

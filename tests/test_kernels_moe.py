@@ -26,8 +26,10 @@ def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:
 
 def _case(t: int, k: int, e: int, h: int, f: int, device: str, seed: int = 0):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
-    experts = [(_q4_0(f, h, gen, device), _q4_0(f, h, gen, device), _q4_0(h, f, gen, device))
-               for _ in range(e)]
+    experts = [
+        (_q4_0(f, h, gen, device), _q4_0(f, h, gen, device), _q4_0(h, f, gen, device))
+        for _ in range(e)
+    ]
     x = torch.randn(t, h, generator=gen).to(device)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
     weights = torch.rand(t, k, generator=gen).to(device)
@@ -35,8 +37,9 @@ def _case(t: int, k: int, e: int, h: int, f: int, device: str, seed: int = 0):  
     return x, ids, weights, table, experts
 
 
-@pytest.mark.parametrize(("t", "k", "e", "h", "f"), [(1, 2, 4, 64, 96), (3, 2, 5, 96, 32),
-                                                     (2, 4, 8, 256, 160)])
+@pytest.mark.parametrize(
+    ("t", "k", "e", "h", "f"), [(1, 2, 4, 64, 96), (3, 2, 5, 96, 32), (2, 4, 8, 256, 160)]
+)
 def test_fused_moe_matches_reference(t: int, k: int, e: int, h: int, f: int) -> None:
     x, ids, weights, table, experts = _case(t, k, e, h, f, "cpu")
     got = fused_moe(x, ids, weights, table, f)
@@ -49,10 +52,10 @@ def test_mixed_tiers_same_result() -> None:
     """Half the experts in one buffer, half in a copy elsewhere: same output."""
     x, ids, weights, table, experts = _case(2, 2, 4, 64, 64, "cpu", seed=3)
     copies = [(g.data.clone(), u.data.clone(), d.data.clone()) for g, u, d in experts]
-    mixed = expert_table([copies[i] if i % 2 else (g.data, u.data, d.data)
-                          for i, (g, u, d) in enumerate(experts)])
-    assert torch.equal(fused_moe(x, ids, weights, table, 64),
-                       fused_moe(x, ids, weights, mixed, 64))
+    mixed = expert_table(
+        [copies[i] if i % 2 else (g.data, u.data, d.data) for i, (g, u, d) in enumerate(experts)]
+    )
+    assert torch.equal(fused_moe(x, ids, weights, table, 64), fused_moe(x, ids, weights, mixed, 64))
 
 
 @pytest.mark.gpu
@@ -60,8 +63,9 @@ def test_fused_moe_gpu_real_shape_with_host_mapped_experts() -> None:
     """a3b geometry; half the experts in VRAM, half read in place from pinned host RAM."""
     x, ids, weights, _, experts = _case(1, 8, 16, 2048, 768, "cpu", seed=5)
     vram = [(g.data.cuda(), u.data.cuda(), d.data.cuda()) for g, u, d in experts[:8]]
-    host = [(g.data.pin_memory(), u.data.pin_memory(), d.data.pin_memory())
-            for g, u, d in experts[8:]]
+    host = [
+        (g.data.pin_memory(), u.data.pin_memory(), d.data.pin_memory()) for g, u, d in experts[8:]
+    ]
     table = expert_table(vram + host).cuda()
     got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 768)
     ref = fused_moe_ref(x.bfloat16(), ids, weights, experts)

@@ -99,5 +99,5 @@ def test_f32_greedy_token_for_token(f32_copy: Path) -> None:
         theirs = _llama_greedy(llm, prompt, N_NEW)
         assert ours == theirs, f"{text!r}: {llm.detokenize(ours)!r} != {llm.detokenize(theirs)!r}"
         tokens = prompt + ours
-        diff = (forward(tokens, forward.new_cache(256), all_logits=True) - _llama_logits(llm, tokens))
+        diff = forward(tokens, forward.new_cache(256), all_logits=True) - _llama_logits(llm, tokens)
         assert diff.abs().max() < 1e-2, f"{text!r}: max |logit diff| {diff.abs().max():.2e}"

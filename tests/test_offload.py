@@ -71,8 +71,9 @@ def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
     assert tokens == ref_tokens
     held = sum(len(s) for s in off.slot_of) + len(off._pending)  # pending: copy in flight
     assert held == 2 * tiny_moe.spec.n_layers  # every slot holds (or is receiving) one expert
-    assert off.slot_of != [dict(zip(r, range(2), strict=True)) for r in
-                           initial_residents(tiny_moe.spec.n_layers, 8, 2)]
+    assert off.slot_of != [
+        dict(zip(r, range(2), strict=True)) for r in initial_residents(tiny_moe.spec.n_layers, 8, 2)
+    ]
 
 
 def test_initial_placement_is_deterministic_and_hottest_first() -> None:
@@ -117,4 +118,3 @@ def test_offload_refuses_dense(smollm_model: Model) -> None:
 
     with pytest.raises(ModelError, match="serves MoE models"):
         OffloadForward(smollm_model, torch.device("cpu"), OffloadConfig(expert_vram_bytes=0))
-

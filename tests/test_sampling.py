@@ -50,7 +50,8 @@ def test_seed_reproducible_and_distribution() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0), dict(top_k=-1)]
+    "bad",
+    [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0), dict(top_k=-1)],
 )
 def test_invalid_params(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -33,16 +33,27 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
     "qwen3": (tf.Qwen3Config, dict(intermediate_size=96, head_dim=16, tie_word_embeddings=True)),
     "qwen3moe": (
         tf.Qwen3MoeConfig,
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
-             norm_topk_prob=True),
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=True,
+        ),
     ),
     "qwen2moe": (
         tf.Qwen2MoeConfig,
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             shared_expert_intermediate_size=48),
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
     ),
-    "mixtral": (tf.MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2,
-                                       intermediate_size=32)),
+    "mixtral": (
+        tf.MixtralConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    ),
     "olmoe": (tf.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
 }
 
@@ -62,7 +73,9 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     model = load_model(tmp_path)
     assert model.spec.arch == arch
     forward = ReferenceForward(model)
-    tokens = torch.randint(0, COMMON["vocab_size"], (24,), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, COMMON["vocab_size"], (24,), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = hf(tokens[None]).logits[0].float()
     # prefill in two chunks, then two single-token steps: exercises the KV cache path

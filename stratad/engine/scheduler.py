@@ -129,6 +129,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.on_finished = on_finished
         self.state = "loading"  # loading -> ready -> draining; or failed
+        self.held: str | None = None  # e.g. "pinning": loaded, but not to serve yet
         self.engine: Backend | None = None
         self.running: Ticket | None = None
         self._queue: collections.deque[Ticket] = collections.deque()
@@ -147,7 +148,12 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state == "ready" and self.held is None
+
+    @property
+    def status(self) -> str:
+        """What /health reports: the state, or why a loaded daemon is held back."""
+        return self.held if self.state == "ready" and self.held else self.state
 
     @property
     def waiting(self) -> int:
@@ -166,8 +172,8 @@ class Scheduler:
 
     def submit(self, prepared: PreparedJob) -> Ticket:
         """Queue a job; raises `Refused` if the daemon cannot take it now."""
-        if self.state != "ready":
-            raise Unavailable(f"the server is {self.state}", 1 if self.state == "loading" else 5)
+        if not self.ready:
+            raise Unavailable(f"the server is {self.status}", 1 if self.state == "loading" else 5)
         ticket = Ticket(prepared, asyncio.get_running_loop(), self._discard)
         with self._cv:
             if len(self._queue) + self.num_running > self.max_queue:

@@ -85,4 +85,3 @@ def load_gguf(path: Path) -> Model:
     model.tensor("model.embed_tokens.weight")
     model.tensor("model.norm.weight")
     return model
-

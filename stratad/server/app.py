@@ -1,125 +1,284 @@
-"""The HTTP front end (aiohttp). No torch here: it talks to the engine through `Backend`."""
+"""The HTTP front end (aiohttp): routes, the guard middleware, health, models, metrics.
+
+No torch here, directly or through imports: the engine is reached through the scheduler's
+`Backend` protocol, attached once the model has loaded (the server answers /health with 503
+while it loads). The completion handlers live in `stratad.server.completions`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
+import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import msgspec
 from aiohttp import web
 
-from stratad.jobs import Delta, Job, JobError
-from stratad.server.openai import ChatCompletionRequest, error_body, to_job
+from stratad.config import ServerConfig
+from stratad.engine.scheduler import Backend, Scheduler, Ticket
+from stratad.server import openai as oa
+from stratad.server.completions import Completions
+from stratad.server.errors import error_response
+from stratad.server.metrics import Collector, ServerMetrics
+from stratad.server.openapi import render as render_openapi
 
 log = logging.getLogger("stratad.server")
 
-
-class Backend(Protocol):
-    """What the server needs of the engine."""
-
-    model_id: str
-    max_context: int
-
-    def run(self, job: Job, cancelled: Callable[[], bool]) -> Iterator[Delta]: ...
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.Response(
-        status=status, body=error_body(message, kind, param), content_type="application/json"
-    )
+def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
+    """The DNS-rebinding guard: IP literals and localhost always, other names if listed.
+
+    A rebinding attack needs a name the attacker controls, so a Host that is an IP address
+    is safe; a name must be `localhost` or in `allowed` (`"*"` allows any, `.example.com`
+    its subdomains too).
+    """
+    if host is None or "*" in allowed:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    name = name.rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    for entry in (a.lower().rstrip(".") for a in allowed):
+        if name == entry.lstrip(".") or (entry.startswith(".") and name.endswith(entry)):
+            return True
+    return False
+
+
+# the scheduler's state -> /health's status
+_HEALTH: dict[str, Literal["loading", "pinning", "ok", "draining", "failed"]] = {
+    "loading": "loading",
+    "pinning": "pinning",
+    "ready": "ok",
+    "draining": "draining",
+    "failed": "failed",
+}
 
 
 class Server:
-    def __init__(self, backend: Backend, max_body_bytes: int) -> None:
-        self.backend = backend
-        # One engine thread: jobs run one at a time, in arrival order.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.app = web.Application(client_max_size=max_body_bytes)
+    """The aiohttp application, its scheduler and its metrics."""
+
+    def __init__(self, config: ServerConfig, model_name: str | None = None) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(config.max_queue, on_finished=self._finished)
+        self.metrics.bind_scheduler(
+            running=lambda: float(self.scheduler.num_running),
+            waiting=lambda: float(self.scheduler.waiting),
+        )
+        self.openapi = render_openapi()
+        self.completions = Completions(self.scheduler, config, self.metrics)
+        self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.add_routes(
             [
-                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/chat/completions", self.completions.chat),
+                web.post("/v1/completions", self.completions.text),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
+                web.get("/metrics", self.metrics_text),
+                web.get("/openapi.json", self.openapi_json),
             ]
         )
 
-    def _complete(self, job: Job) -> tuple[str, Delta]:
-        text, last = [], Delta(text="")
-        for delta in self.backend.run(job, lambda: False):
-            text.append(delta.text)
-            last = delta
-        return "".join(text), last
+    def attach(self, engine: Backend) -> None:
+        """The model is loaded: serve it."""
+        self.model_name = engine.model_id
+        gauges = getattr(engine, "gauges", None)
+        if gauges is not None:
+            self.add_metrics(gauges)
+        self.scheduler.attach(engine)
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    def load_in_background(
+        self, load: Callable[[], Backend], failed: Callable[[BaseException], None]
+    ) -> None:
+        """Once the app starts, run `load` on a thread and serve what it returns.
+
+        Until then /health answers 503 "loading"; if it raises, `failed` gets the exception on
+        the event loop (the daemon logs it and stops). On shutdown, queued and running
+        requests get `server.drain_timeout_s` to finish.
+        """
+
+        async def start(app: web.Application) -> None:
+            loop = asyncio.get_running_loop()
+
+            def work() -> None:
+                try:
+                    engine = load()
+                    warm_up = getattr(engine, "warm_up", None)
+                    if warm_up is not None:
+                        warm_up()
+                except BaseException as e:  # reported, then the daemon exits
+                    self.scheduler.state = "failed"
+                    loop.call_soon_threadsafe(failed, e)
+                    return
+                loop.call_soon_threadsafe(self.attach, engine)
+
+            threading.Thread(target=work, name="loader", daemon=True).start()
+
+        async def drain(app: web.Application) -> None:
+            if self.scheduler.engine is not None:
+                await self.scheduler.drain(self.config.drain_timeout_s)
+
+        self.app.on_startup.append(start)
+        self.app.on_shutdown.append(drain)
+
+    def hold(self, reason: Literal["pinning"] | None) -> None:
+        """Refuse completions with 503 (and say `reason` on /health) until `hold(None)`.
+
+        For a store that must finish pinning before the daemon counts as ready.
+        """
+        self.scheduler.held = reason
+
+    def add_metrics(self, collector: Collector) -> None:
+        """Extra gauges read at every scrape: `(name, help, labels, value)` samples."""
+        self.metrics.registry.add_collector(collector)
+
+    # --- middleware ----------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "other"
+        response = await self._guarded(request, handler)
+        self.metrics.http_requests.inc(handler=name, status=str(response.status))
+        return response
+
+    async def _guarded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not host_allowed(request.headers.get("Host"), self.config.allowed_hosts):
+            log.warning(
+                "refused a request for Host %r (not in server.allowed_hosts)",
+                request.headers.get("Host"),
+            )
+            return error_response(403, "this Host is not allowed (server.allowed_hosts)", None)
+        if self.config.api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {self.config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                response = error_response(
+                    401,
+                    "missing or wrong API key",
+                    None,
+                    code="invalid_api_key",
+                    kind="authentication_error",
+                )
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+        length = request.content_length
+        if length is not None and length > self.config.max_body_bytes:
+            return error_response(
+                413, f"request body over {self.config.max_body_bytes} bytes", None
+            )
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "request body too large")
-        try:
-            req = msgspec.json.decode(body, type=ChatCompletionRequest)
-            job = to_job(req)
-        except msgspec.ValidationError as e:
-            return _error(400, str(e), _param_of(str(e)))
-        except msgspec.DecodeError as e:
-            return _error(400, f"invalid JSON: {e}")
-        except ValueError as e:
-            return _error(400, str(e))
-        if req.stream:
-            return _error(400, "stream=true is not supported yet", "stream")
-        started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        try:
-            text, last = await loop.run_in_executor(self.executor, self._complete, job)
-        except JobError as e:
-            return _error(400, str(e), "messages")
-        log.info(
-            "chat completion: %d prompt + %d completion tokens in %.2f s (%s)",
-            last.prompt_tokens, last.completion_tokens, time.monotonic() - started,
-            last.finish_reason,
-        )
-        payload = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.backend.model_id,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": last.finish_reason,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": last.prompt_tokens,
-                "completion_tokens": last.completion_tokens,
-                "total_tokens": last.prompt_tokens + last.completion_tokens,
-            },
-        }
-        return web.json_response(payload)
+            return await handler(request)
+        except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 while reading, ...
+            if e.status < 400:
+                raise
+            response = error_response(e.status, e.reason, None)
+            for key in ("Allow",):
+                if key in e.headers:
+                    response.headers[key] = e.headers[key]
+            return response
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(500, "internal server error; see the daemon's log", None)
+
+    # --- small routes --------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {"id": self.backend.model_id, "object": "model", "owned_by": "strata",
-                     "max_model_len": self.backend.max_context}
-                ],
-            }
+        engine = self.scheduler.engine
+        if engine is None:
+            return self.completions.unavailable()
+        body = oa.ModelList(
+            object="list",
+            data=[
+                oa.ModelCard(
+                    id=engine.model_id,
+                    object="model",
+                    created=int(time.time()),
+                    owned_by="strata",
+                    max_model_len=engine.max_context,
+                )
+            ],
         )
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.backend.model_id})
+        s = self.scheduler
+        status = _HEALTH.get(s.status, "failed")
+        body = oa.Health(
+            status=status,
+            model=self.model_name,
+            running=s.num_running,
+            waiting=s.waiting,
+        )
+        return web.Response(
+            status=200 if status == "ok" else 503,
+            body=msgspec.json.encode(body),
+            content_type="application/json",
+        )
 
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=self.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
-def _param_of(message: str) -> str | None:
-    # msgspec says "... - at `$.messages[0].role`": the field path after "$."
-    if "`$." in message:
-        return message.rsplit("`$.", 1)[1].rstrip("`")
-    return None
+    async def openapi_json(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.openapi, content_type="application/json")
+
+    # --- bookkeeping (on the engine thread) ------------------------------------------------
+
+    def _finished(self, t: Ticket) -> None:
+        m, outcome = self.metrics, t.outcome
+        prompt = len(t.prepared.prompt)
+        m.request_success.inc(finished_reason=outcome)
+        assert t.finished is not None
+        m.e2e.observe(t.finished - t.submitted)
+        if t.started is None:
+            return  # cancelled while it waited
+        m.queue_time.observe(t.started - t.submitted)
+        if t.cancelled_at is not None and outcome == "abort" and t.cancelled_by == "client":
+            m.cancel_latency.observe(max(t.finished - t.cancelled_at, 0.0))
+        generated = t.last.completion_tokens if t.last else 0
+        cached = t.last.cached_tokens if t.last else 0
+        m.prompt_tokens.inc(prompt)
+        m.prompt_hist.observe(prompt)
+        m.prefix_queries.inc(prompt)
+        m.prefix_hits.inc(cached)
+        m.generation_tokens.inc(generated)
+        m.generation_hist.observe(generated)
+        if t.first_token is not None:
+            m.ttft.observe(t.first_token - t.submitted)
+            m.prefill_time.observe(t.first_token - t.started)
+            m.decode_time.observe(t.finished - t.first_token)
+        for gap in t.token_gaps:
+            m.itl.observe(gap)
+        log.info(
+            "%s: %d prompt tokens (%d cached) + %d generated, queued %.2f s, first token %s,"
+            " total %.2f s",
+            outcome,
+            prompt,
+            cached,
+            generated,
+            t.started - t.submitted,
+            f"{t.first_token - t.submitted:.2f} s" if t.first_token else "-",
+            t.finished - t.submitted,
+        )

@@ -1,56 +1,277 @@
-"""OpenAI request schemas (msgspec) and their translation into engine `Job`s."""
+"""OpenAI request and response schemas (msgspec) and their translation into engine `Job`s.
+
+The request structs carry their bounds as `msgspec.Meta`, so decoding is the validation and
+the OpenAPI description (`stratad.server.openapi`) is generated from the same types. What a
+schema cannot say (unsupported options set to non-default values) `to_job` checks, raising
+`RequestError` with the field's path.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from stratad.jobs import ChatMessage, Job
 
-ROLES = ("system", "user", "assistant")
+MAX_STOP = 4
+MIN_TEMPERATURE = 1e-5  # lower temperatures are served greedily
+MIN_TOP_P = 1e-6
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # int64, what torch.Generator.manual_seed takes
+TOKENS_MAX = 1 << 20
+
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=TOKENS_MAX)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0, description="0 is greedy")]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=TOKENS_MAX, description="0 or -1 disables")]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="only 0 is supported")]
+StopString = Annotated[str, msgspec.Meta(max_length=256)]
+Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP)] | None
+Count = Annotated[int, msgspec.Meta(ge=0, le=TOKENS_MAX)]
 
 
-class Message(msgspec.Struct, frozen=True):
-    role: str
-    content: str
+class RequestError(ValueError):
+    """A request that decodes but cannot be served as asked; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
-class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+class _Struct(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class TextPart(_Struct, frozen=True):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Struct, frozen=True):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Struct, frozen=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class StrataPrefix(_Struct, frozen=True, forbid_unknown_fields=True):
+    """Pin the KV of a shared prefix so later requests that start with it reuse it."""
+
+    messages: Count | None = None
+    """the first N messages (chat only)"""
+    tokens: Count | None = None
+    """the first N prompt tokens"""
+
+
+class _Sampling(_Struct, frozen=True):
     model: str | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
-    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Tokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    seed: Seed | None = None
+    stop: Stop = None
     stream: bool = False
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=1, description="only 1 is supported")] = 1
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    user: str | None = None
+    strata_prefix: StrataPrefix | None = None
 
 
-def to_job(req: ChatCompletionRequest) -> Job:
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise msgspec.ValidationError(
-                f"unknown role {m.role!r} (expected one of {', '.join(ROLES)}) - at `$.messages[{i}].role`"
-            )
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Tokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    prompt: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=1)]
+    echo: bool = False
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
+    suffix: str | None = None
+
+
+def _content(m: Message) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    return "".join(p.text for p in m.content)
+
+
+def _common(req: _Sampling) -> dict[str, object]:
+    if req.frequency_penalty:
+        raise RequestError("frequency_penalty is not supported (only 0)", "frequency_penalty")
+    if req.presence_penalty:
+        raise RequestError("presence_penalty is not supported (only 0)", "presence_penalty")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options needs stream=true", "stream_options")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return {
+        # The sampler computes in float32: a temperature or top_p that underflows there turns
+        # the distribution into NaN. Below these floors both already mean "the top token".
+        "temperature": req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0,
+        "top_p": max(req.top_p, MIN_TOP_P),
+        "top_k": max(req.top_k, 0),
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "stop": stop,
+        "prefix_tokens": (req.strata_prefix.tokens or 0) if req.strata_prefix else 0,
+    }
+
+
+def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
+    if req.logprobs or req.top_logprobs is not None:
+        raise RequestError("logprobs are not supported", "logprobs")
+    messages = tuple(
+        ChatMessage("system" if m.role == "developer" else m.role, _content(m))
+        for m in req.messages
+    )
+    prefix = req.strata_prefix
     return Job(
-        messages=tuple(ChatMessage(m.role, m.content) for m in req.messages),
-        max_tokens=req.max_completion_tokens or req.max_tokens or 256,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        seed=req.seed,
-        stop=stop,
+        messages=messages,
+        max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+        prefix_messages=(prefix.messages or 0) if prefix else 0,
+        **_common(req),  # type: ignore[arg-type]
     )
 
 
-def error_body(message: str, kind: str, param: str | None) -> bytes:
+def completion_job(req: CompletionRequest) -> Job:
+    if req.echo:
+        raise RequestError("echo is not supported", "echo")
+    if req.logprobs is not None:
+        raise RequestError("logprobs are not supported", "logprobs")
+    if req.suffix:
+        raise RequestError("suffix is not supported", "suffix")
+    if req.strata_prefix is not None and req.strata_prefix.messages:
+        raise RequestError("a completion has no messages; pin tokens", "strata_prefix.messages")
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+    return Job(prompt=prompt, max_tokens=req.max_tokens or 16, **_common(req))  # type: ignore[arg-type]
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(_Struct, frozen=True):
+    cached_tokens: int
+
+
+class Usage(_Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class AssistantMessage(_Struct, frozen=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(_Struct, frozen=True):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(_Struct, frozen=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Struct, frozen=True):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Struct, frozen=True, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Struct, frozen=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(_Struct, frozen=True, omit_defaults=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Struct, frozen=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Struct, frozen=True):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Struct, frozen=True):
+    error: ErrorDetail
+
+
+class Health(_Struct, frozen=True):
+    status: Literal["loading", "pinning", "ok", "draining", "failed"]
+    model: str | None
+    running: int
+    waiting: int
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> bytes:
     return msgspec.json.encode(
-        {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
     )

@@ -204,9 +204,7 @@ class Arch:
     def hf_expert_names(cls, spec: ModelSpec, layer: int) -> dict[str, str]:
         """Stacked name → per-expert name template (`{e}` is the expert index)."""
         mlp = f"model.layers.{layer}.{cls.hf_mlp}"
-        return {
-            f"{mlp}.experts.{p}": f"{mlp}.experts.{{e}}.{p}.weight" for p in cls.hf_expert_proj
-        }
+        return {f"{mlp}.experts.{p}": f"{mlp}.experts.{{e}}.{p}.weight" for p in cls.hf_expert_proj}
 
     @classmethod
     def layer(cls, model: Model, i: int) -> LayerWeights:
@@ -229,7 +227,9 @@ class Arch:
         block: MLPWeights | MoEWeights
         if not spec.is_moe:
             block = MLPWeights(
-                t(f"{mlp}.gate_proj.weight"), t(f"{mlp}.up_proj.weight"), t(f"{mlp}.down_proj.weight")
+                t(f"{mlp}.gate_proj.weight"),
+                t(f"{mlp}.up_proj.weight"),
+                t(f"{mlp}.down_proj.weight"),
             )
         else:
             g, u, d = cls.hf_expert_proj

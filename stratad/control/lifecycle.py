@@ -1,0 +1,257 @@
+"""The daemon's operational life: control socket, systemd notifications, watchdog, shutdown.
+
+    ops = Operations(config)
+    ops.start()                      # control socket up, STATUS=loading
+    server = Server(...)
+    ops.install(server.app, server.scheduler)   # request counting, drain, STOPPING=1
+    ... the model loads (on a thread) ...; ops.loaded(engine)
+    ops.serve(app, host, port)       # listen; READY=1 once the model serves; WATCHDOG=1 pings;
+                                     # SIGTERM: STOPPING=1, the app drains, the socket closes
+
+The watchdog is pinged from the HTTP event loop itself, so a wedged loop stops the pings and
+systemd restarts the daemon. With `store.ready_after_pinning` the engine returns only once the
+resident set is pinned, so READY=1 waits for pinning too; STATUS= shows the progress either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from stratad.config import Config
+from stratad.control.gate import MeteredBackend, gate_middleware
+from stratad.control.server import ControlError, ControlServer, parse_mode, resolve_group
+from stratad.control.state import DaemonState, EngineView, StoreView
+from stratad.control.store_view import store_view_of
+from stratad.protocol import Progress
+from stratad.systemd import EVENT_FIELD, Notifier, SystemdEnv, classify, event, journal_handler
+
+log = logging.getLogger("stratad")
+
+STATUS_INTERVAL_S = 1.0  # at most one STATUS= line a second while pinning
+PIN_POLL_S = 0.5
+
+
+class _EventTagger(logging.Filter):
+    """Adds STRATA_EVENT to key lines that were logged without one (journal only)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, EVENT_FIELD):
+            kind = classify(record.name, record.levelno, record.getMessage())
+            if kind is not None:
+                setattr(record, EVENT_FIELD, kind)
+        return True
+
+
+def engine_view(engine: Any) -> EngineView:
+    """The control socket's view of `stratad.engine.service.Engine` (duck-typed: no torch here)."""
+    info = engine.info
+    spec = engine.model.spec
+    vram = None
+    if str(info.device).startswith("cuda"):
+        torch = sys.modules["torch"]  # the engine imported it; this module never does
+
+        def vram() -> tuple[int, int]:
+            free, total = torch.cuda.mem_get_info(info.device)
+            return int(total - free), int(total)
+
+    return EngineView(model=info.model_id, arch=info.arch, device=str(info.device),
+                      moe=bool(spec.is_moe), vram=vram)
+
+
+class Operations:
+    def __init__(self, config: Config, sd_env: SystemdEnv | None = None) -> None:
+        self.config = config
+        self.sd_env = sd_env or SystemdEnv.read()
+        self.state = DaemonState()
+        self.notifier = Notifier(self.sd_env)
+        self.control: ControlServer | None = None
+        self._last_status = 0.0
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduler: Any = None
+
+    # ---- start ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Journal logging, the control socket, STATUS=loading.
+
+        A bad control.mode or control.group raises ControlError (a config error); a socket
+        that cannot be set up (its directory not writable, another daemon there) costs
+        stratactl, not serving: one WARNING.
+        """
+        handler = journal_handler(self.sd_env)
+        if handler is not None:
+            root = logging.getLogger()
+            handler.setLevel(root.level)
+            handler.addFilter(_EventTagger())
+            for h in list(root.handlers):
+                root.removeHandler(h)
+            root.addHandler(handler)
+        c = self.config.control
+        if c.socket:
+            control = ControlServer(
+                Path(c.socket), self.state, mode=parse_mode(c.mode), gid=resolve_group(c.group)
+            )
+            try:
+                control.start()
+                self.control = control
+            except ControlError as e:
+                log.warning("no control socket, stratactl cannot reach this daemon: %s", e)
+        self.state.set_state("loading")
+        model = self.config.model.path or "the default model"
+        self.notifier.status(f"loading {model}")
+
+    def install(self, app: web.Application, scheduler: Any = None) -> None:
+        """Hook into the HTTP app before it starts: request counting, drain, STOPPING=1.
+
+        `scheduler` (duck-typed `stratad.engine.scheduler.Scheduler`) is told about a drain
+        so that /health and /metrics agree, and gives the queue length to `status`.
+        """
+        app.middlewares.append(gate_middleware(self.state))
+        app.on_shutdown.append(self._on_shutdown)
+        self._scheduler = scheduler
+        if scheduler is not None:
+            self.state.queue_depth = lambda: int(scheduler.waiting)
+            self.state.on_drain = lambda: setattr(scheduler, "state", "draining")
+
+    def loaded(self, engine: Any) -> None:
+        """The model is loaded: the control socket can describe it (and its expert store,
+        when the engine runs one: `engine.store`, see stratad.control.store_view)."""
+        self.state.engine = engine_view(engine)
+        self.notifier.status(f"{self.state.engine.model} loaded")
+        view = store_view_of(engine, self.config)
+        if view is not None:
+            self.attach_store(view)
+            pinner = getattr(view.store, "pinner", None)
+            if pinner is not None:
+                threading.Thread(target=self._watch_pinning, args=(pinner,),
+                                 name="pin-progress", daemon=True).start()
+
+    def wrap_backend(self, backend: Any) -> Any:
+        """The engine as the HTTP side should call it: counted for `stratactl stats`."""
+        return MeteredBackend(backend, self.state)
+
+    # ---- the expert store (adapter: stratad.control.store_view) ---------------------------
+
+    def attach_store(self, store: StoreView) -> None:
+        self.state.store = store
+
+    def pin_progress_callback(self) -> Callable[[Any], None]:
+        """For `open_store(on_pin_progress=...)`: the store's `PinProgress` reports."""
+        return lambda p: self.pinning_progress(p.pinned_bytes, p.planned_bytes, p.rate_bps)
+
+    def _watch_pinning(self, pinner: Any) -> None:
+        while True:
+            p = pinner.progress
+            self.pinning_progress(p.pinned_bytes, p.planned_bytes, p.rate_bps)
+            if p.pinned_bytes >= p.planned_bytes or self.state.state == "stopping":
+                return
+            time.sleep(PIN_POLL_S)
+
+    def pinning_progress(self, done: int, total: int, rate_bytes_s: float = 0.0) -> None:
+        """The store's pinning callback (any thread): control-socket status and STATUS=."""
+        eta = (total - done) / rate_bytes_s if rate_bytes_s > 0 else None
+        self.state.pinning = Progress(
+            done_bytes=done, total_bytes=total, rate_bytes_s=rate_bytes_s, eta_s=eta
+        )
+        finished = done >= total
+        if self.state.state in ("loading", "starting") and not finished:
+            self.state.set_state("pinning")
+        now = time.monotonic()
+        if finished or now - self._last_status >= STATUS_INTERVAL_S:
+            self._last_status = now
+            pct = 100.0 * done / total if total else 100.0
+            eta_text = f", ETA {eta:.0f} s" if eta is not None and not finished else ""
+            self.notifier.status(
+                f"pinning experts: {done / 2**30:.1f} of {total / 2**30:.1f} GiB ({pct:.0f}%)"
+                f"{eta_text}"
+            )
+        if finished:
+            log.info("pinning done: %.2f GiB page-locked", total / 2**30, extra=event("pinning"))
+            if self.state.state == "pinning":
+                self.state.set_state("loading" if self._stop is None else "serving")
+
+    # ---- serving -------------------------------------------------------------------------
+
+    def ready(self, url: str) -> None:
+        """HTTP listens and the model serves: READY=1, and the watchdog starts (call it on the
+        HTTP event loop, so that the pings stop if that loop wedges)."""
+        self.state.set_state("serving")
+        model = self.state.engine.model if self.state.engine else "?"
+        self.notifier.ready(f"serving {model} on {url}")
+        log.info("serving %s on %s", model, url, extra=event("ready"))
+        interval = self.sd_env.watchdog_interval_s
+        if interval is not None and self._watchdog_task is None:
+            self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(interval))
+
+    def stopping(self) -> None:
+        if self.state.state == "stopping":
+            return
+        self.state.set_state("stopping")
+        self.notifier.stopping()
+        log.info("stopping", extra=event("stopping"))
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        self.stopping()
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval_s)
+
+    def serve(self, app: web.Application, host: str, port: int) -> None:
+        """Serve HTTP until SIGTERM/SIGINT (or `stop()`), then shut down (the app's
+        on_shutdown hooks run: in-flight requests finish), then close the control socket."""
+        try:
+            asyncio.run(self._serve(app, host, port))
+        finally:
+            self.close()
+
+    def _serving_ready(self) -> bool:
+        if self.state.engine is None:
+            return False
+        return self._scheduler is None or getattr(self._scheduler, "state", "ready") == "ready"
+
+    def stop(self) -> None:
+        """Ask `serve` to return (any thread)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, stop.set)
+        runner = web.AppRunner(app, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            # The model may still be loading on a thread (the app answers 503 meanwhile):
+            # READY=1 once it serves.
+            while not self._serving_ready() and not stop.is_set():
+                await asyncio.sleep(0.05)
+            if not stop.is_set():
+                self.ready(f"http://{host}:{port}")
+            await stop.wait()
+        finally:
+            self.stopping()
+            if self._watchdog_task is not None:
+                self._watchdog_task.cancel()
+            await runner.cleanup()
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.stop()
+            self.control = None
+        self.notifier.close()

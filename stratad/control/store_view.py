@@ -1,0 +1,238 @@
+"""Adapter: the expert store (`stratad.store`) as the control socket and `stratactl check` see it.
+
+This is the one place that turns the store's objects into protocol replies. The store's
+modules import torch, so they are imported inside the functions: `stratad.control` itself
+stays torch-free, and only the daemon (which has torch loaded) or `stratactl check` (which
+imports it on purpose, for a dry plan of a MoE model) call in here.
+
+Adapter points (what the daemon's engine must hand over; see `Operations.loaded`):
+- the engine exposes the running store as `engine.store` (an `ExpertStore`); the view reads
+  its plan, hit counters, read counters and pinning progress;
+- optional attributes on the store, used when present: `counts` (the profile's layer-major
+  routing counts the plan was made from), `bandwidths` (`Bandwidths` measured at start, for the
+  cost estimate), `degraded` (admission ran a smaller plan), `budget` (`RamBudget`);
+- the engine's routing counts (`engine.forward.route_counts`, [layers, experts]) are what
+  `profile-save` writes; the store's `store.expert_profile` path is the default target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from stratad.control.provider import Unavailable
+from stratad.protocol import (
+    CoverageReply,
+    LayerCoverage,
+    PlanReply,
+    ProfileSaveReply,
+    Tier,
+)
+
+GiB = 1 << 30
+
+
+def blob_sizes(layouts: Sequence[Any], n_experts: int) -> tuple[int, ...]:
+    """Layer-major blob sizes as the plan counts them (each blob's aligned stride)."""
+    return tuple(lay.stride for lay in layouts for _ in range(n_experts))
+
+
+def plan_reply(plan: Any, sizes: Sequence[int], *, degraded: bool = False,
+               budget: Any = None, headroom_bytes: int = 0, mem_total: int = 0,
+               inputs: dict[str, str] | None = None) -> PlanReply:
+    """A `ResidencyPlan` as the `plan` verb's reply."""
+    e = plan.n_experts
+    file_only = plan.file_only
+    terms = dict(budget.terms) if budget is not None and budget.terms else {}
+    return PlanReply(
+        hash=plan.hash,
+        moe=True,
+        vram=Tier(experts=len(plan.vram), bytes=plan.vram_bytes),
+        ram=Tier(experts=len(plan.ram), bytes=plan.ram_bytes),
+        file=Tier(experts=len(file_only),
+                  bytes=sum(sizes[u.layer * e + u.expert] for u in file_only)),
+        vram_budget_bytes=plan.vram_budget,
+        ram_budget_bytes=plan.ram_budget,
+        headroom_bytes=headroom_bytes,
+        mem_total_bytes=mem_total or next(iter(terms.values()), 0),
+        degraded=degraded,
+        inputs=inputs or {},
+    )
+
+
+def coverage_reply(plan: Any, sizes: Sequence[int], counts: Sequence[int],
+                   bandwidths: Any = None, file_reads: int = 0,
+                   file_read_bytes: int = 0) -> CoverageReply:
+    """Coverage of a `ResidencyPlan`, per layer and overall, with the cost estimate."""
+    from stratad.store.coverage import coverage, prompt_cost
+
+    cov = coverage(plan, sizes, counts)
+    e = plan.n_experts
+    vram_per_layer = [0] * plan.n_layers
+    ram_per_layer = [0] * plan.n_layers
+    for u in plan.vram:
+        vram_per_layer[u.layer] += 1
+    for u in plan.ram:
+        ram_per_layer[u.layer] += 1
+    layers = []
+    for layer, (covered, total) in enumerate(cov.per_layer):
+        row = counts[layer * e:(layer + 1) * e]
+        mass = sum(row)
+        kept = sum(row[u.expert] for u in plan.covered if u.layer == layer)
+        layers.append(LayerCoverage(
+            layer=layer, experts=total, in_vram=vram_per_layer[layer],
+            in_ram=ram_per_layer[layer], file_only=total - covered,
+            routed_mass=kept / mass if mass else covered / max(total, 1)))
+    slowdown = prompt_cost(cov, bandwidths) if bandwidths is not None else None
+    cost = ""
+    if not cov.complete:
+        cost = (f"{cov.file_units} experts ({cov.file_bytes / GiB:.2f} GiB) are read from the"
+                " file when routed")
+        if slowdown is not None:
+            cost += (f"; expect up to {100 * slowdown:.0f}% less prompt speed on long prompts"
+                     f" (measured {bandwidths.describe()})")
+    return CoverageReply(
+        moe=True,
+        experts=cov.total,
+        in_vram=len(plan.vram),
+        in_ram=len(plan.ram),
+        in_file_only=cov.file_units,
+        routed_mass=(cov.mass_share if cov.mass_share is not None
+                     else cov.covered / max(cov.total, 1)),
+        complete=cov.complete,
+        file_reads=file_reads,
+        file_read_bytes=file_read_bytes,
+        estimated_cost=cost,
+        estimated_slowdown=slowdown,
+        layers=layers,
+    )
+
+
+class ExpertStoreView:
+    """`stratad.control.state.StoreView` over a running `ExpertStore` (duck-typed)."""
+
+    def __init__(self, store: Any, route_counts: Callable[[], list[list[int]]] | None = None,
+                 profile_path: str = "", headroom_bytes: int = 0) -> None:
+        self.store = store
+        self.route_counts = route_counts
+        self.profile_path = profile_path
+        self.headroom_bytes = headroom_bytes
+        plan = store.plan
+        self.sizes = blob_sizes(store.layouts, plan.n_experts)
+        self.counts: Sequence[int] = getattr(store, "counts", None) or (0,) * plan.n_total
+
+    def plan(self) -> PlanReply:
+        return plan_reply(self.store.plan, self.sizes,
+                          degraded=bool(getattr(self.store, "degraded", False)),
+                          budget=getattr(self.store, "budget", None),
+                          headroom_bytes=self.headroom_bytes)
+
+    def coverage(self) -> CoverageReply:
+        stats = self.store.stats()
+        return coverage_reply(self.store.plan, self.sizes, self.counts,
+                              getattr(self.store, "bandwidths", None),
+                              stats.file_reads, stats.file_bytes)
+
+    def tier_hits(self) -> dict[str, int]:
+        s = self.store.stats()
+        return {"vram": s.vram_hits, "ram": s.ram_hits, "file": s.file_hits}
+
+    def pinned_bytes(self) -> int:
+        return int(self.store.stats().pinned_bytes)
+
+    def save_profile(self, path: str) -> ProfileSaveReply:
+        from stratad.store.profile import profile_from_counts, save_profile
+
+        target = path or self.profile_path
+        if not target:
+            raise Unavailable("no path given and store.expert_profile is not set")
+        if self.route_counts is None:
+            raise Unavailable("this engine does not record routing counts")
+        profile = profile_from_counts(self.route_counts())
+        save_profile(profile, Path(target))
+        return ProfileSaveReply(path=str(target), experts=profile.n_layers * profile.n_experts,
+                                bytes=Path(target).stat().st_size)
+
+
+def store_view_of(engine: Any, config: Any) -> ExpertStoreView | None:
+    """The view of `engine.store`, if the engine runs one (else None: reference engine)."""
+    store = getattr(engine, "store", None)
+    if store is None:
+        return None
+    forward = getattr(engine, "forward", None)
+    counts = getattr(forward, "route_counts", None)
+    return ExpertStoreView(
+        store,
+        route_counts=(lambda: counts.tolist()) if counts is not None else None,
+        profile_path=config.store.expert_profile,
+        headroom_bytes=int(config.store.resident_headroom_gib * GiB),
+    )
+
+
+class DryPlan:
+    """The plan a start would make, computed without loading anything (`stratactl check`)."""
+
+    def __init__(self, plan: PlanReply, coverage: CoverageReply) -> None:
+        self.plan = plan
+        self.coverage = coverage
+
+
+def dry_plan(config: Any, model_path: Path, vram_free_bytes: int | None,
+             host_total: tuple[int, str] | None = None) -> DryPlan:
+    """The residency plan of `config` for this host, as the store would compute it at start.
+
+    Mirrors `stratad.store.startup.open_store` up to `make_plan` (budget terms, VRAM slots,
+    profile); the expert source is opened for its layouts only (a GGUF is mapped, not read).
+    Dense weights count as a host reserve at their file size when the engine runs on the CPU.
+    """
+    from stratad.store.admission import mem_total
+    from stratad.store.plan import make_plan, ram_budget
+    from stratad.store.profile import load_profile, uniform_profile
+    from stratad.store.startup import daemon_reserves, plan_inputs
+
+    store = config.store
+    if store.pack:
+        from stratad.store.sources import PackExperts
+
+        source: Any = PackExperts(Path(store.pack))
+        dense_bytes = source.manifest.dense_nbytes
+    else:
+        from stratad.model.loader import load_model
+        from stratad.store.sources import ModelExperts
+
+        source = ModelExperts(load_model(model_path))
+        expert_bytes = sum(lay.nbytes for lay in source.layouts) * source.n_experts
+        dense_bytes = max(model_path.stat().st_size - expert_bytes, 0)
+    try:
+        n_layers, n_experts = source.n_layers, source.n_experts
+        profile = (load_profile(Path(store.expert_profile), n_layers, n_experts)
+                   if store.expert_profile else uniform_profile(n_layers, n_experts))
+        total, total_name = host_total or mem_total()
+        configured = None if store.resident_budget_gib == "auto" else float(
+            store.resident_budget_gib)
+        on_gpu = config.engine.device != "cpu" and vram_free_bytes is not None
+        budget = ram_budget(configured, total, [
+            ("resident_headroom_gib", int(store.resident_headroom_gib * GiB)),
+            ("reserve_runtime_gib", int(store.reserve_runtime_gib * GiB)),
+            *daemon_reserves(config, 0 if on_gpu else dense_bytes),
+        ], total_name)
+        slot_bytes = max(lay.stride for lay in source.layouts)
+        if store.expert_cache != "auto":
+            slots = int(store.expert_cache)
+        elif on_gpu and vram_free_bytes is not None:
+            slots = max(int(vram_free_bytes - store.vram_reserve_gib * GiB), 0) // slot_bytes
+        else:
+            slots = 0
+        inputs = plan_inputs(source, profile, slots, budget.bytes)
+        plan = make_plan(inputs)
+    finally:
+        source.close()
+    return DryPlan(
+        plan_reply(plan, inputs.blob_bytes, budget=budget,
+                   headroom_bytes=int(store.resident_headroom_gib * GiB), mem_total=total,
+                   inputs={"source": str(store.pack or model_path),
+                           "profile": store.expert_profile or "(none: uniform)",
+                           "vram_slots": str(slots), "ram_budget": budget.describe()}),
+        coverage_reply(plan, inputs.blob_bytes, inputs.counts),
+    )

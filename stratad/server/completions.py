@@ -1,0 +1,237 @@
+"""The two completion routes: decode and check, prepare, queue, then answer or stream.
+
+Each request's job is cancelled when its client goes away: aiohttp cancels the handler (the
+daemon runs with `handler_cancellation`), a watcher polls the connection in case it does not,
+and a failed SSE write says so too. The engine then stops within one prefill chunk or one
+decode step (see `stratad.engine.scheduler`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from stratad.config import ServerConfig
+from stratad.engine.scheduler import EngineFailed, Refused, Scheduler, Ticket
+from stratad.jobs import Delta, Job, JobError
+from stratad.server import openai as oa
+from stratad.server.errors import error_response, param_of
+from stratad.server.metrics import ServerMetrics
+from stratad.server.sse import ClientGone, EventStream
+
+WATCH_INTERVAL_S = 0.025
+
+
+async def _watch(request: web.Request, ticket: Ticket) -> None:
+    """Cancel the ticket as soon as the client's connection closes."""
+    while not ticket.is_cancelled():
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            ticket.cancel()
+            return
+        await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+class Completions:
+    def __init__(self, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.default_max_tokens = config.default_max_tokens or None
+
+    def unavailable(self) -> web.Response:
+        s = self.scheduler
+        return error_response(503, f"the server is {s.status}", None, retry_after=s.retry_after())
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def text(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    def _decode(
+        self, body: bytes, chat: bool
+    ) -> tuple[oa.ChatCompletionRequest | oa.CompletionRequest, Job]:
+        if chat:
+            creq = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
+            return creq, oa.chat_job(creq, self.default_max_tokens)
+        treq = msgspec.json.decode(body, type=oa.CompletionRequest)
+        return treq, oa.completion_job(treq)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            req, job = self._decode(body, chat)
+        except msgspec.ValidationError as e:
+            return error_response(400, str(e), param_of(str(e)))
+        except msgspec.DecodeError as e:
+            return error_response(400, f"the body is not valid JSON: {e}", None)
+        except oa.RequestError as e:
+            return error_response(400, str(e), e.param)
+        engine = self.scheduler.engine
+        if engine is None or not self.scheduler.ready:
+            self.metrics.rejected.inc(reason="unavailable")
+            return self.unavailable()
+        try:  # tokenise on a worker thread: overlaps the job the engine is running
+            prepared = await asyncio.get_running_loop().run_in_executor(None, engine.prepare, job)
+        except JobError as e:
+            return error_response(400, str(e), e.param)
+        try:
+            ticket = self.scheduler.submit(prepared)
+        except Refused as e:
+            kind = "queue_full" if e.status == 429 else "unavailable"
+            self.metrics.rejected.inc(reason=kind)
+            return error_response(e.status, str(e), None, code=kind, retry_after=e.retry_after)
+        watcher = asyncio.create_task(_watch(request, ticket))
+        done = False
+        try:
+            header = _Header(
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                created=int(time.time()),
+                model=engine.model_id,
+            )
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                response = await _stream(request, ticket, header, chat, include_usage)
+            else:
+                response = await _collect(ticket, header, chat)
+            done = True
+            return response
+        finally:
+            watcher.cancel()
+            if not done:
+                ticket.cancel()
+
+
+class _Header(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+
+
+def _usage(d: Delta) -> oa.Usage:
+    return oa.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+
+
+async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
+    parts: list[str] = []
+    last: Delta | None = None
+    try:
+        async for d in ticket.stream():
+            parts.append(d.text)
+            last = d
+    except EngineFailed as e:
+        return error_response(500, str(e), None)
+    except JobError as e:
+        return error_response(400, str(e), e.param)
+    if last is None or last.finish_reason is None:
+        return error_response(
+            503, "the request was cancelled (the server is shutting down)", None, retry_after=5
+        )
+    text = "".join(parts)
+    body: msgspec.Struct
+    if chat:
+        body = oa.ChatCompletion(
+            id=h.id,
+            object="chat.completion",
+            created=h.created,
+            model=h.model,
+            choices=[
+                oa.ChatChoice(
+                    index=0,
+                    message=oa.AssistantMessage(role="assistant", content=text),
+                    finish_reason=last.finish_reason,
+                )
+            ],
+            usage=_usage(last),
+        )
+    else:
+        body = oa.Completion(
+            id=h.id,
+            object="text_completion",
+            created=h.created,
+            model=h.model,
+            choices=[oa.CompletionChoice(index=0, text=text, finish_reason=last.finish_reason)],
+            usage=_usage(last),
+        )
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+def _chunk(
+    h: _Header, chat: bool, text: str | None, finish: str | None, role: bool = False
+) -> msgspec.Struct:
+    if chat:
+        delta = oa.ChunkDelta(role="assistant" if role else None, content=text)
+        return oa.ChatCompletionChunk(
+            id=h.id,
+            object="chat.completion.chunk",
+            created=h.created,
+            model=h.model,
+            choices=[oa.ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+        )
+    return oa.Completion(
+        id=h.id,
+        object="text_completion",
+        created=h.created,
+        model=h.model,
+        choices=[oa.CompletionChoice(index=0, text=text or "", finish_reason=finish)],
+    )
+
+
+async def _stream(
+    request: web.Request, ticket: Ticket, h: _Header, chat: bool, include_usage: bool
+) -> web.StreamResponse:
+    stream = EventStream(request)
+    try:
+        await stream.open()
+        if chat:
+            await stream.send(_chunk(h, chat, "", None, role=True))
+        last: Delta | None = None
+        try:
+            async for d in ticket.stream():
+                last = d
+                if d.text:
+                    await stream.send(_chunk(h, chat, d.text, None))
+                if d.finish_reason:
+                    await stream.send(_chunk(h, chat, None if chat else "", d.finish_reason))
+        except (EngineFailed, JobError) as e:
+            await stream.send(msgspec.json.decode(oa.error_body(str(e), "server_error", None)))
+        else:
+            if last is None or not last.finish_reason:  # cancelled by a drain, not the client
+                await stream.send(
+                    msgspec.json.decode(
+                        oa.error_body(
+                            "the request was cancelled (the server is shutting down)",
+                            "server_error",
+                            None,
+                        )
+                    )
+                )
+        if include_usage and last is not None and last.finish_reason:
+            usage = _usage(last)
+            await stream.send(
+                oa.ChatCompletionChunk(
+                    id=h.id,
+                    object="chat.completion.chunk",
+                    created=h.created,
+                    model=h.model,
+                    choices=[],
+                    usage=usage,
+                )
+                if chat
+                else oa.Completion(
+                    id=h.id,
+                    object="text_completion",
+                    created=h.created,
+                    model=h.model,
+                    choices=[],
+                    usage=usage,
+                )
+            )
+        await stream.done()
+    except ClientGone:
+        ticket.cancel()
+    return stream.response

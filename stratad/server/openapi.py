@@ -1,0 +1,171 @@
+"""The OpenAPI 3.1 description of the HTTP API, built from the msgspec schemas it validates with.
+
+The server serves it at /openapi.json; `docs/openapi.json` is the same document, kept in the
+repository and rewritten by `python -m stratad.server.openapi docs/openapi.json` (a test checks
+that the two agree).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from stratad import __version__
+from stratad.server import openai as oa
+
+_REF = "#/components/schemas/{name}"
+_TYPES: tuple[Any, ...] = (
+    oa.ChatCompletionRequest,
+    oa.CompletionRequest,
+    oa.ChatCompletion,
+    oa.ChatCompletionChunk,
+    oa.Completion,
+    oa.ModelList,
+    oa.ErrorResponse,
+    oa.Health,
+)
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=t.__name__)}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": _ref(oa.ErrorResponse)}},
+    }
+
+
+_ERRORS = {
+    "400": _error("Invalid request: the body names the field (`error.param`)."),
+    "401": _error("Missing or wrong API key (only when the server has one)."),
+    "403": _error("Host header not in the allow-list."),
+    "413": _error("Request body larger than server.max_body_bytes."),
+    "429": _error("Queue full; retry after the `Retry-After` header's seconds."),
+    "503": _error("Loading, draining or failed; retry after `Retry-After` seconds."),
+}
+
+
+def _completion_op(summary: str, request: type, response: type, chunk: type) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "security": [{}, {"bearer": []}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(request)}},
+        },
+        "responses": {
+            "200": {
+                "description": (
+                    "The completion; with `stream: true`, server-sent events: one"
+                    f" `data: <{chunk.__name__}>` frame per new piece of text, a last chunk"
+                    " with `usage` if `stream_options.include_usage`, then `data: [DONE]`."
+                ),
+                "content": {
+                    "application/json": {"schema": _ref(response)},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_ERRORS,
+        },
+    }
+
+
+def build_spec() -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Strata",
+            "version": __version__,
+            "description": (
+                "OpenAI-compatible completions from stratad. Extensions: `top_k`, `min_p`,"
+                " and `strata_prefix` (pin a shared prompt prefix's KV for reuse)."
+            ),
+        },
+        "paths": {
+            "/v1/chat/completions": {
+                "post": _completion_op(
+                    "Chat completion",
+                    oa.ChatCompletionRequest,
+                    oa.ChatCompletion,
+                    oa.ChatCompletionChunk,
+                )
+            },
+            "/v1/completions": {
+                "post": _completion_op(
+                    "Text completion", oa.CompletionRequest, oa.Completion, oa.Completion
+                )
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model",
+                    "security": [{}, {"bearer": []}],
+                    "responses": {
+                        "200": {
+                            "description": "One model.",
+                            "content": {"application/json": {"schema": _ref(oa.ModelList)}},
+                        },
+                        "401": _ERRORS["401"],
+                        "503": _ERRORS["503"],
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Readiness (no API key needed)",
+                    "responses": {
+                        code: {
+                            "description": what,
+                            "content": {"application/json": {"schema": _ref(oa.Health)}},
+                        }
+                        for code, what in (("200", "Serving."), ("503", "Loading or draining."))
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (text exposition format)",
+                    "responses": {"200": {"description": "Metrics.", "content": text}},
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {
+                        "200": {
+                            "description": "OpenAPI 3.1.",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def render() -> bytes:
+    """The document as stored in docs/openapi.json (sorted keys, two-space indent)."""
+    return msgspec.json.format(msgspec.json.encode(build_spec(), order="sorted"), indent=2) + b"\n"
+
+
+def main(argv: list[str]) -> int:
+    data = render()
+    if argv:
+        Path(argv[0]).write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,209 @@
+"""Starting the store: budget -> plan -> admission -> coverage line -> fill and pin.
+
+Everything the start depends on is an argument (the machine's readings default to the real
+ones), so that the log lines an operator greps for are asserted in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from stratad.config import Config, StoreConfig
+from stratad.model.spec import Model
+from stratad.store.admission import AdmissionPolicy, MemReader, admit, mem_available, mem_total
+from stratad.store.bandwidth import Bandwidths, measure_bandwidths
+from stratad.store.coverage import coverage, log_coverage, prompt_cost
+from stratad.store.lock import choose_locker
+from stratad.store.pinning import PinSettings, ProgressFn
+from stratad.store.plan import PlanInputs, RamBudget, ResidencyPlan, make_plan, ram_budget
+from stratad.store.profile import ExpertProfile, load_profile, uniform_profile
+from stratad.store.sizes import GiB, MiB
+from stratad.store.sources import ExpertSource, ModelExperts, PackExperts
+from stratad.store.store import ExpertStore
+
+log = logging.getLogger("stratad.store")
+
+BACKOFF_MAX_S = 10.0
+
+
+def open_source(config: StoreConfig, model: Model) -> ExpertSource:
+    """The pack's experts if `store.pack` is set, else the model file's, read in place."""
+    if config.pack:
+        return PackExperts(Path(config.pack))
+    return ModelExperts(model)
+
+
+def daemon_reserves(config: Config, dense_host_bytes: int) -> list[tuple[str, int]]:
+    """What the daemon holds in host RAM besides the resident set and the named store
+    reserves: dense weights kept on the host (0 when they live on the GPU) and the server's
+    host caches."""
+    return [
+        ("dense weights", dense_host_bytes),
+        ("server.conversation_cache_mib", config.server.conversation_cache_mib * MiB),
+        ("server.pinned_prefix_mib", config.server.pinned_prefix_mib * MiB),
+    ]
+
+
+def vram_slots(config: StoreConfig, device: torch.device, slot_bytes: int) -> int:
+    if config.expert_cache != "auto":
+        return int(config.expert_cache)
+    if device.type != "cuda" or not slot_bytes:
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(int(free - config.vram_reserve_gib * GiB), 0) // slot_bytes
+
+
+def plan_inputs(
+    source: ExpertSource,
+    profile: ExpertProfile,
+    slots: int,
+    ram_budget_bytes: int,
+) -> PlanInputs:
+    sizes = tuple(
+        source.layouts[layer].stride
+        for layer in range(source.n_layers)
+        for _ in range(source.n_experts)
+    )
+    return PlanInputs(
+        n_layers=source.n_layers,
+        n_experts=source.n_experts,
+        blob_bytes=sizes,
+        counts=profile.flat,
+        vram_budget=slots * max(sizes, default=0),
+        ram_budget=ram_budget_bytes,
+    )
+
+
+def describe_plan(plan: ResidencyPlan) -> str:
+    return (
+        f"residency plan {plan.hash}: {len(plan.vram)} experts start in VRAM"
+        f" ({plan.vram_bytes / GiB:.2f} GiB), {len(plan.ram)} keep a copy in RAM"
+        f" ({plan.ram_bytes / GiB:.2f} of {plan.ram_budget / GiB:.2f} GiB),"
+        f" {len(plan.file_only)} of {plan.n_total} are read from the file only"
+    )
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan as the configuration asks for it, before admission."""
+
+    inputs: PlanInputs
+    budget: RamBudget
+    plan: ResidencyPlan
+
+
+def plan_store(
+    config: StoreConfig,
+    source: ExpertSource,
+    *,
+    slots: int,
+    profile: ExpertProfile | None = None,
+    reserves: Sequence[tuple[str, int]] = (),
+    host_total: tuple[int, str] | None = None,
+) -> Planned:
+    """Budget and plan for `slots` VRAM slots: what `open_store` starts from, and what a dry
+    run (`stratactl check`) shows. Reads MemTotal (never MemAvailable) unless `host_total`."""
+    if profile is None and config.expert_profile:
+        profile = load_profile(Path(config.expert_profile), source.n_layers, source.n_experts)
+    profile = profile or uniform_profile(source.n_layers, source.n_experts)
+    total, total_name = host_total or mem_total()
+    configured = None if config.resident_budget_gib == "auto" else float(config.resident_budget_gib)
+    budget = ram_budget(
+        configured,
+        total,
+        [
+            ("resident_headroom_gib", int(config.resident_headroom_gib * GiB)),
+            ("reserve_runtime_gib", int(config.reserve_runtime_gib * GiB)),
+            *reserves,
+        ],
+        total_name,
+    )
+    inputs = plan_inputs(source, profile, slots, budget.bytes)
+    return Planned(inputs, budget, make_plan(inputs))
+
+
+def open_store(
+    config: StoreConfig,
+    source: ExpertSource,
+    *,
+    compute_device: torch.device,
+    cache_device: torch.device | None = None,
+    profile: ExpertProfile | None = None,
+    reserves: Sequence[tuple[str, int]] = (),
+    host_total: tuple[int, str] | None = None,
+    read_available: MemReader = mem_available,
+    bandwidths: Bandwidths | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    on_pin_progress: ProgressFn | None = None,
+) -> ExpertStore:
+    """Plan, admit and start the store. Raises `AdmissionRefused` (exit code 75) in strict
+    mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
+    headroom and the runtime reserve (see `daemon_reserves`)."""
+    cache_device = cache_device or compute_device
+    slot_bytes = max(lay.stride for lay in source.layouts)
+    planned = plan_store(
+        config,
+        source,
+        slots=vram_slots(config, cache_device, slot_bytes),
+        profile=profile,
+        reserves=reserves,
+        host_total=host_total,
+    )
+    inputs, plan = planned.inputs, planned.plan
+    log.info(planned.budget.describe())
+    log.info(describe_plan(plan))
+
+    bw = bandwidths or measure_bandwidths(source, compute_device)
+    log.info("measured bandwidths: %s", bw.describe())
+
+    def cost(p: ResidencyPlan) -> str:
+        cov = coverage(p, inputs.blob_bytes, inputs.counts)
+        return (
+            f"{cov.covered} of {cov.total} experts keep a copy in RAM or VRAM, expect up to"
+            f" {100 * prompt_cost(cov, bw):.0f}% less prompt speed on long prompts"
+        )
+
+    policy = AdmissionPolicy(
+        mode=config.on_short_ram,
+        wait_s=config.admission_wait_s,
+        backoff_s=config.admission_backoff_s,
+        backoff_max_s=max(BACKOFF_MAX_S, config.admission_backoff_s),
+        headroom_bytes=int(config.resident_headroom_gib * GiB),
+    )
+    admitted = admit(
+        plan,
+        lambda b: make_plan(replace(inputs, ram_budget=b)),
+        policy,
+        read_available,
+        cost=cost,
+        sleep=sleep,
+        clock=clock,
+    )
+    plan = admitted.plan
+    log_coverage(coverage(plan, inputs.blob_bytes, inputs.counts), bw, plan, source.label)
+
+    store = ExpertStore(
+        source,
+        plan,
+        cache_device=cache_device,
+        lock=choose_locker(config.lock, compute_device, plan.ram_bytes),
+        pin=PinSettings(config.pin_chunk_mib * MiB, config.pin_rate_gbps * 1e9),
+        policy=config.cache_policy,
+        admit_on_miss=config.admit_on_miss,
+        on_pin_progress=on_pin_progress,
+        counts=inputs.counts,
+        bandwidths=bw,
+        budget=planned.budget,
+        degraded=admitted.degraded,
+    )
+    store.start()
+    if config.ready_after_pinning:
+        store.pinner.wait()
+    return store

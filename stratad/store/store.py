@@ -1,0 +1,127 @@
+"""The expert store: one `get(layer, expert)` over three tiers, fastest first.
+
+VRAM slot (the adaptive cache) -> resident RAM copy (once pinned) -> the file. A miss is
+admitted into VRAM when `admit_on_miss` (the cache policy picks the victim), so that the slots
+follow what the conversation routes to. Every answer is counted by the tier it came from.
+
+`get` returns `MLPWeights` of QTensor views onto the tier's bytes. A view onto a VRAM slot is
+valid until a later `get` evicts that slot: use it (the reference engine dequantizes it)
+before asking for more experts than there are slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from stratad.model.spec import ExpertUnit
+from stratad.model.weights import MLPWeights
+from stratad.store.bandwidth import Bandwidths
+from stratad.store.cache import ExpertCache
+from stratad.store.lock import LockChoice
+from stratad.store.manifest import blob_view
+from stratad.store.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.plan import RamBudget, ResidencyPlan
+from stratad.store.sources import ExpertSource
+from stratad.store.tiers import ResidentRAM, VRAMSlots
+
+
+class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters for the control socket and /metrics."""
+
+    plan_hash: str
+    vram_hits: int
+    ram_hits: int
+    file_hits: int
+    evictions: int
+    file_reads: int  # every read of the file tier, pinning and start-up fills included
+    file_bytes: int
+    pinned_bytes: int
+    planned_ram_bytes: int
+    vram_slots: int
+
+
+class ExpertStore:
+    def __init__(
+        self,
+        source: ExpertSource,
+        plan: ResidencyPlan,
+        *,
+        cache_device: torch.device,
+        lock: LockChoice,
+        pin: PinSettings,
+        policy: str = "lfru",
+        admit_on_miss: bool = True,
+        on_pin_progress: ProgressFn | None = None,
+        counts: Sequence[int] = (),
+        bandwidths: Bandwidths | None = None,
+        budget: RamBudget | None = None,
+        degraded: bool = False,
+    ) -> None:
+        self.source = source
+        self.plan = plan
+        # How the plan came about, for the control socket's views: the profile's layer-major
+        # counts, the bandwidths measured at start, the RAM budget, and whether admission
+        # had to run a smaller plan.
+        self.counts = tuple(counts)
+        self.bandwidths = bandwidths
+        self.budget = budget
+        self.degraded = degraded
+        self.layouts = source.layouts
+        self.admit_on_miss = admit_on_miss
+        self.ram = ResidentRAM(plan.ram, [self.layouts[u.layer].stride for u in plan.ram])
+        self.slots = VRAMSlots(len(plan.vram), plan.slot_bytes, cache_device)
+        self.cache = ExpertCache(len(plan.vram), policy, initial=plan.vram, keep=plan.vram_only)
+        self.pinner = Pinner(self.ram, source, lock, pin, on_pin_progress)
+        self.hits = {"vram": 0, "ram": 0, "file": 0}
+
+    def start(self) -> None:
+        """Fill the VRAM slots with the plan's initial experts, then start pinning."""
+        staging = torch.empty(self.plan.slot_bytes, dtype=torch.uint8)
+        for slot, unit in enumerate(self.plan.vram):
+            self.source.read_into(unit.layer, unit.expert, staging)
+            self.slots.fill(slot, staging, self.layouts[unit.layer].nbytes)
+        self.pinner.start()
+
+    def get(self, layer: int, expert: int) -> MLPWeights:
+        unit = ExpertUnit(layer, expert)
+        layout = self.layouts[layer]
+        slot = self.cache.lookup(unit)
+        if slot is not None:
+            self.hits["vram"] += 1
+            return blob_view(self.slots.slot(slot), layout)
+        blob = self.ram.view(unit)
+        tier = "ram" if blob is not None else "file"
+        if blob is None:
+            blob = torch.empty(layout.stride, dtype=torch.uint8)
+            self.source.read_into(layer, expert, blob)
+        self.hits[tier] += 1
+        if self.admit_on_miss and self.slots.n:
+            slot, _ = self.cache.admit(unit)
+            if slot is not None:
+                async_copy = tier == "ram" and self.pinner.locker.gpu_registered
+                self.slots.fill(slot, blob, layout.nbytes, non_blocking=async_copy)
+                return blob_view(self.slots.slot(slot), layout)
+        return blob_view(blob, layout)
+
+    def stats(self) -> StoreStats:
+        reads = self.source.stats.snapshot()
+        return StoreStats(
+            plan_hash=self.plan.hash,
+            vram_hits=self.hits["vram"],
+            ram_hits=self.hits["ram"],
+            file_hits=self.hits["file"],
+            evictions=self.cache.evictions,
+            file_reads=reads.reads,
+            file_bytes=reads.bytes,
+            pinned_bytes=self.pinner.progress.pinned_bytes,
+            planned_ram_bytes=self.ram.nbytes,
+            vram_slots=self.slots.n,
+        )
+
+    def close(self) -> None:
+        self.pinner.stop()
+        self.ram.close()
+        self.source.close()

@@ -1,0 +1,162 @@
+"""Helpers of the server tests: the tiny-moe model, daemons shared by several test modules.
+
+A daemon started here lives until the test process ends (atexit), so the API, cancellation,
+load and fuzz modules share one tiny-moe daemon instead of paying for a start each.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from tests.daemon import running_daemon
+
+API_KEY = "test-key"
+_WORK = Path(tempfile.mkdtemp(prefix="strata-server-tests-"))
+_STACK = contextlib.ExitStack()
+atexit.register(_STACK.close)
+
+# One torch thread: on a shared 2-core machine, OpenMP's barriers stall when another process
+# holds a core, and a step then costs scheduler quanta instead of microseconds.
+CONFIGS = {
+    # the API, cancellation and load tests: a key, a short queue, a small body limit
+    "tiny": f"""
+[server]
+api_key = "{API_KEY}"
+max_queue = 8
+max_body_bytes = 1048576
+allowed_hosts = ["strata.test"]
+[control]
+socket = ""
+[engine]
+threads = 1
+""",
+    # the fuzz test: a short context and short default completions keep each example fast
+    "fuzz": """
+[model]
+max_context = 256
+[server]
+max_queue = 4
+default_max_tokens = 8
+[control]
+socket = ""
+[engine]
+threads = 1
+""",
+    "default": """
+[control]
+socket = ""
+[engine]
+threads = 1
+""",
+}
+
+
+@functools.cache
+def tiny_moe_path() -> Path:
+    """tiny-moe written once per test process, the way an operator would (`stratactl synth`)."""
+    path = _WORK / "tiny-moe.gguf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratactl", "synth", "tiny-moe", "-o", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0 or not path.is_file():  # the CLI is young: fall back to the writer
+        from stratad.model.synth import PRESETS, write_synth
+
+        write_synth(PRESETS["tiny-moe"], path, overwrite=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Daemon:
+    url: str
+    log: Path
+    api_key: str | None
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        kwargs.setdefault("api_key", self.api_key or "unused")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", **kwargs)
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        return request(self.url + path, headers=headers)
+
+    def post(
+        self, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return request(self.url + path, body, {**h, **(headers or {})})
+
+    def health(self) -> dict[str, Any]:
+        return dict(json.loads(self.get("/health")[1]))
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics: `name{labels}` -> value."""
+        out = {}
+        for line in self.get("/metrics")[1].decode().splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    def log_errors(self) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if " ERROR " in line]
+
+
+def request(
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _model_args(name: str) -> list[str]:
+    return [] if name == "default" else [str(tiny_moe_path())]
+
+
+@functools.cache
+def shared_daemon(name: str) -> Daemon:
+    """The daemon of config `name` (see CONFIGS), started on first use."""
+    folder = _WORK / name
+    folder.mkdir()
+    config = folder / "stratad.toml"
+    config.write_text(CONFIGS[name])
+    log = folder / "stratad.log"
+    url = _STACK.enter_context(running_daemon([*_model_args(name), "--config", str(config)], log))
+    return Daemon(url, log, API_KEY if "api_key" in CONFIGS[name] else None)
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.005) -> float:
+    """Poll until `predicate()` is true; return when that was (monotonic) or raise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(interval)

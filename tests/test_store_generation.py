@@ -1,0 +1,183 @@
+"""Generation through the expert store gives the reference engine's tokens, with experts served
+from every tier (VRAM slots on a second CPU "device", resident RAM, the file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from stratad.config import StoreConfig
+from stratad.engine.forward import ReferenceForward
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.store.bandwidth import Bandwidths
+from stratad.store.pack import write_pack
+from stratad.store.packed import load_pack
+from stratad.store.plan import GiB
+from stratad.store.profile import profile_from_counts, save_profile
+from stratad.store.sources import ExpertSource, ModelExperts, PackExperts
+from stratad.store.startup import open_source, open_store
+from stratad.store.store import ExpertStore
+from tests.test_store_fakes import tiny_hf_moe, tiny_moe_gguf
+
+NEW_TOKENS = 10
+
+
+def greedy(forward: ReferenceForward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after `prompt`, and the logits of every step [n, V]."""
+    cache = forward.new_cache(len(prompt) + n)
+    logits = forward(prompt, cache)[-1]
+    tokens, seen = [], []
+    for _ in range(n):
+        seen.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits = forward([tokens[-1]], cache)[-1]
+    return tokens, torch.stack(seen)
+
+
+class Reference:
+    def __init__(self, model: Model, prompt: list[int]) -> None:
+        self.model = model
+        self.prompt = prompt
+        forward = ReferenceForward(model)
+        self.tokens, self.logits = greedy(forward, prompt, NEW_TOKENS)
+        self.counts = forward.route_counts.tolist()
+
+
+@pytest.fixture(scope="module")
+def gguf_ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    model = load_model(tiny_moe_gguf(tmp_path_factory))
+    prompt = torch.randint(
+        0, model.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(3)
+    )
+    return Reference(model, prompt.tolist())
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    model = load_model(tiny_hf_moe(tmp_path_factory))
+    prompt = torch.randint(
+        0, model.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(3)
+    )
+    return Reference(model, prompt.tolist())
+
+
+def three_tiers(source: ExpertSource, profile: Path, **extra: object) -> StoreConfig:
+    """A quarter of the experts start in VRAM, a third more keep a RAM copy, the rest stay in
+    the file."""
+    stride = source.layouts[0].stride
+    n = source.n_layers * source.n_experts
+    return msgspec.convert(
+        {
+            "expert_cache": n // 4,
+            "resident_budget_gib": (n // 3) * stride / GiB,
+            "expert_profile": str(profile),
+            "lock": "auto",  # mlock on this CPU machine: a few hundred KiB, inside RLIMIT_MEMLOCK
+            "pin_rate_gbps": 0,
+            "ready_after_pinning": True,
+            **extra,
+        },
+        type=StoreConfig,
+    )
+
+
+def run_through_store(
+    ref: Reference, model: Model, source: ExpertSource, config: StoreConfig, **kw: object
+) -> ExpertStore:
+    store = open_store(
+        config,
+        source,
+        compute_device=torch.device("cpu"),
+        cache_device=torch.device("cpu"),  # the VRAM tier's logic, on a second CPU "device"
+        host_total=(64 * GiB, "MemTotal"),
+        read_available=lambda: 64 * GiB,
+        **kw,  # type: ignore[arg-type]
+    )
+    tokens, logits = greedy(ReferenceForward(model, experts=store), ref.prompt, NEW_TOKENS)
+    assert tokens == ref.tokens
+    assert torch.equal(logits, ref.logits)  # bit for bit: the same blocks, dequantized alike
+    return store
+
+
+def _profile(ref: Reference, tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    save_profile(profile_from_counts(ref.counts), path)
+    return path
+
+
+def _assert_every_tier_served(store: ExpertStore) -> None:
+    stats = store.stats()
+    plan = store.plan
+    assert plan.vram and plan.ram and plan.file_only
+    assert stats.vram_hits > 0 and stats.ram_hits > 0 and stats.file_hits > 0, stats
+    assert stats.pinned_bytes == stats.planned_ram_bytes == plan.ram_bytes
+    assert stats.plan_hash == plan.hash
+
+
+def test_gguf_in_place(gguf_ref: Reference, tmp_path: Path) -> None:
+    source = ModelExperts(gguf_ref.model)
+    config = three_tiers(source, _profile(gguf_ref, tmp_path))
+    store = run_through_store(gguf_ref, gguf_ref.model, source, config)
+    _assert_every_tier_served(store)
+    assert store.pinner.locker.name == "mlock"
+    store.close()
+
+
+def test_pack_without_admission_into_vram(gguf_ref: Reference, tmp_path: Path) -> None:
+    """From a pack: dense weights mapped from dense.bin, experts pread (and verified) from
+    experts.bin. Without admission the VRAM slots keep the plan's experts, so the file tier
+    keeps serving its share."""
+    pack = tmp_path / "tiny.pack"
+    write_pack(gguf_ref.model.source, pack)
+    model, _ = load_pack(pack)
+    source = open_source(StoreConfig(pack=str(pack)), model)
+    assert isinstance(source, PackExperts)
+    config = three_tiers(source, _profile(gguf_ref, tmp_path), admit_on_miss=False)
+    store = run_through_store(gguf_ref, model, source, config, bandwidths=Bandwidths(1e9, 1e10))
+    _assert_every_tier_served(store)
+    stats = store.stats()
+    assert stats.evictions == 0
+    assert stats.file_reads >= stats.file_hits + len(store.plan.vram) + len(store.plan.ram)
+    store.close()
+
+
+def test_full_coverage_float_experts_and_lru(hf_ref: Reference, tmp_path: Path) -> None:
+    """With every expert in RAM, every VRAM slot adapts (its expert has a RAM copy to fall
+    back on) and nothing is read from the file after the start."""
+    source = ModelExperts(hf_ref.model)
+    n = source.n_layers * source.n_experts
+    config = three_tiers(
+        source,
+        _profile(hf_ref, tmp_path),
+        cache_policy="lru",
+        resident_budget_gib=n * source.layouts[0].stride / GiB,
+    )
+    store = run_through_store(hf_ref, hf_ref.model, source, config)
+    stats = store.stats()
+    assert not store.plan.file_only and not store.cache.keep
+    assert stats.vram_hits > 0 and stats.ram_hits > 0 and stats.file_hits == 0, stats
+    assert stats.evictions > 0
+    store.close()
+
+
+def test_experts_not_yet_pinned_come_from_the_file(gguf_ref: Reference, tmp_path: Path) -> None:
+    """Ready before pinning, and pinning so slow that it has barely begun: the RAM tier's
+    experts are served from the file meanwhile, with the same tokens."""
+    source = ModelExperts(gguf_ref.model)
+    config = three_tiers(
+        source,
+        _profile(gguf_ref, tmp_path),
+        ready_after_pinning=False,
+        pin_rate_gbps=1e-6,
+        pin_chunk_mib=1,
+    )
+    store = run_through_store(
+        gguf_ref, gguf_ref.model, source, config, bandwidths=Bandwidths(1e9, 1e10)
+    )
+    stats = store.stats()
+    assert stats.pinned_bytes == 0 and stats.planned_ram_bytes > 0
+    assert stats.ram_hits == 0 and stats.vram_hits > 0 and stats.file_hits > 0
+    store.close()  # stops the pinner in its pacing wait
