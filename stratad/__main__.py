@@ -27,7 +27,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", help="bind address (server.host)")
     p.add_argument("--port", type=int, help="TCP port (server.port)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (engine.device)")
-    p.add_argument("--max-context", type=int, help="context tokens per sequence (model.max_context)")
+    p.add_argument(
+        "--max-context", type=int, help="context tokens per sequence (model.max_context)"
+    )
     p.add_argument("--control-socket", help="control socket path, empty for none (control.socket)")
     p.add_argument("--version", action="version", version=f"stratad {__version__}")
     return p.parse_args(argv)

@@ -27,7 +27,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 class ModelConfig(_Section, frozen=True):
     path: str = ""
-    """GGUF file or Hugging Face directory; empty serves the default model (SmolLM2-135M-Instruct)."""
+    """GGUF file, pack or Hugging Face directory; empty serves SmolLM2-135M-Instruct."""
     name: str = ""
     """Model id shown by /v1/models; empty uses the file name."""
     max_context: int = 4096
@@ -181,7 +181,9 @@ def apply_env(config: Config, env: Env) -> Config:
     if env.log_level:
         level = env.log_level.upper()
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"STRATA_LOG_LEVEL={env.log_level!r}: expected DEBUG/INFO/WARNING/ERROR")
+            raise ConfigError(
+                f"STRATA_LOG_LEVEL={env.log_level!r}: expected DEBUG, INFO, WARNING or ERROR"
+            )
         config = msgspec.structs.replace(config, log=LogConfig(level=level))  # type: ignore[arg-type]
     return config
 
