@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from stratad.engine.service import Engine
     from stratad.model.spec import ModelError
     from stratad.server.app import Server
+    from stratad.store.admission import AdmissionRefused
 
     # Operations: control socket, systemd notify/watchdog, drain (stratad/control/lifecycle.py)
     ops = Operations(config)
@@ -74,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[BaseException] = []
 
     def load() -> Any:
-        engine = Engine(config)
+        engine = Engine(config, on_pin_progress=ops.pin_progress_callback())
         ops.loaded(engine)
         return ops.wrap_backend(engine)
 
     def load_failed(e: BaseException) -> None:
-        if isinstance(e, (ModelError, RuntimeError, OSError)):
+        if isinstance(e, AdmissionRefused):
+            log.error("%s", e)
+        elif isinstance(e, (ModelError, RuntimeError, OSError)):
             log.error("cannot load the model: %s", e)
         else:
             log.error("cannot load the model", exc_info=e)
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     server.load_in_background(load, load_failed)
     ops.serve(server.app, config.server.host, config.server.port)
     if failed:
-        return 1
+        # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
+        return failed[0].exit_code if isinstance(failed[0], AdmissionRefused) else 1
     return 0
 
 

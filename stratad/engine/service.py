@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf
+from stratad.store.pinning import ProgressFn
+from stratad.store.startup import daemon_reserves, open_source, open_store
+from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
 
@@ -43,6 +47,16 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def _dense_host_bytes(model: Model, device: torch.device) -> int:
+    """Host RAM the dense (non-expert) weights take while serving: their float copies on
+    the CPU, nothing once they live on a GPU."""
+    if device.type != "cpu":
+        return 0
+    return sum(
+        math.prod(t.shape) * 4 for name, t in model.tensors.items() if ".experts." not in name
+    )
+
+
 def load_tokenizer(model: Model) -> Tokenizer:
     if model.source.is_dir():
         return tokenizer_from_hf(model.source)
@@ -53,7 +67,7 @@ class Engine:
     """`run` takes one job at a time (the scheduler's engine thread serialises them);
     `prepare` only tokenises and may run on any thread meanwhile."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, on_pin_progress: ProgressFn | None = None) -> None:
         path = Path(config.model.path) if config.model.path else default_model_path()
         device = pick_device(config.engine.device)
         dtype = (
@@ -66,7 +80,18 @@ class Engine:
         t0 = time.monotonic()
         self.model = load_model(path)
         self.tokenizer = load_tokenizer(self.model)
-        self.forward = ReferenceForward(self.model, device, dtype)
+        # MoE models read their experts through the store: planned tiers, paced pinning,
+        # coverage (stratad/store). Dense models need none.
+        self.store: ExpertStore | None = None
+        if self.model.spec.is_moe:
+            self.store = open_store(
+                config.store,
+                open_source(config.store, self.model),
+                compute_device=device,
+                reserves=daemon_reserves(config, _dense_host_bytes(self.model, device)),
+                on_pin_progress=on_pin_progress,
+            )
+        self.forward = ReferenceForward(self.model, device, dtype, experts=self.store)
         max_context = min(config.model.max_context, self.model.spec.context_length)
         server = config.server
         self.prefixes = PrefixStore(
