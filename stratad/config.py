@@ -68,6 +68,9 @@ class EngineConfig(_Section, frozen=True):
     """Compute dtype; auto is float32 on the CPU and bfloat16 on a GPU."""
     threads: int = 0
     """CPU threads for torch; 0 leaves torch's default."""
+    decode_timing: bool = False
+    """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
+    the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
 
 
 class ControlConfig(_Section, frozen=True):
@@ -178,6 +181,10 @@ def apply_env(config: Config, env: Env) -> Config:
         headroom = env.resident_headroom_gib
         store = msgspec.structs.replace(config.store, resident_headroom_gib=headroom)
         config = msgspec.structs.replace(config, store=store)
+    if env.decode_timing:
+        config = msgspec.structs.replace(
+            config, engine=msgspec.structs.replace(config.engine, decode_timing=True)
+        )
     if env.log_level:
         level = env.log_level.upper()
         if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -56,3 +56,11 @@ def test_seed_reproducible_and_distribution() -> None:
 def test_invalid_params(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Sampler(SamplingParams(**bad))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-8])
+def test_tiny_temperature_is_argmax_not_nan(temperature: float) -> None:
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=1e-30, seed=0))
+    probs = sampler.probabilities(LOGITS * 1e3)
+    assert torch.isfinite(probs).all() and probs[0] == 1.0
+    assert sampler.sample(LOGITS) == 0

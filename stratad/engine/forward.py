@@ -14,6 +14,7 @@ import torch
 from kernels.quant import QTensor
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
+from stratad.engine.timing import StageTimer
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
@@ -100,8 +101,10 @@ class ReferenceForward:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         experts: ExpertProvider | None = None,
+        timer: StageTimer | None = None,
     ) -> None:
         self.spec: ModelSpec = model.spec
+        self.timer = timer or StageTimer(enabled=False)
         self.device = torch.device(device)
         self.dtype = dtype
         # None: routed experts are dequantized once here; else fetched and dequantized per use.
@@ -135,20 +138,24 @@ class ReferenceForward:
         ids = torch.tensor(tokens, device=self.device)
         x = self.embed[ids]  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
+        stage = self.timer.stage
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(
-                i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin
-            )
+            with stage("attention"):
+                x = x + self._attention(
+                    i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin
+                )
             h = rms_norm(x, layer.ffn_norm, spec.rms_eps)
             if layer.dense is not None:
-                x = x + swiglu(h, layer.dense.gate, layer.dense.up, layer.dense.down)
+                with stage("mlp"):
+                    x = x + swiglu(h, layer.dense.gate, layer.dense.up, layer.dense.down)
             else:
                 x = x + self._moe(i, layer, h)
         cache.length = start + t
         cache.tokens.extend(tokens)
         if not all_logits:
             x = x[-1:]
-        return (rms_norm(x, self.norm, spec.rms_eps) @ self.lm_head.T).float()
+        with stage("head"):
+            return (rms_norm(x, self.norm, spec.rms_eps) @ self.lm_head.T).float()
 
     def _attention(
         self,
@@ -179,17 +186,22 @@ class ReferenceForward:
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         assert w.router is not None
-        spec = self.spec
-        weights, ids = route(x @ w.router.T, spec.n_experts_used, spec.norm_topk_prob)  # [T, k]
-        self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
+        spec, stage = self.spec, self.timer.stage
+        with stage("router"):
+            weights, ids = route(x @ w.router.T, spec.n_experts_used, spec.norm_topk_prob)
+            self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = swiglu(x[rows], *self._expert(i, w, e)).float()
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+            with stage("expert fetch"):  # from the store's tiers, dequantized
+                gate, up, down = self._expert(i, w, e)
+            with stage("experts"):
+                y = swiglu(x[rows], gate, up, down).float()
+                out.index_add_(0, rows, y * weights[rows, slot, None])
         if w.shared is not None and w.shared_gate is not None:
-            s = swiglu(x, w.shared.gate, w.shared.up, w.shared.down).float()
-            out += torch.sigmoid((x @ w.shared_gate.T).float()) * s
+            with stage("shared expert"):
+                s = swiglu(x, w.shared.gate, w.shared.up, w.shared.down).float()
+                out += torch.sigmoid((x @ w.shared_gate.T).float()) * s
         return out.to(x.dtype)
 
     def _expert(self, i: int, w: _Layer, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

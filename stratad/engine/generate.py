@@ -16,6 +16,7 @@ from stratad.engine.forward import ReferenceForward
 from stratad.engine.kv import KVCache
 from stratad.engine.prefix import PrefixStore
 from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -57,6 +58,7 @@ class Generator:
         self.cache: KVCache = forward.new_cache(max_context)
         self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
         self.cached_tokens = 0  # prompt tokens the last run reused instead of computing
+        self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
 
     def _reuse(self, prompt: list[int]) -> int:
         """Load the longest known prefix of `prompt` into the cache; return its length.
@@ -114,7 +116,8 @@ class Generator:
         text, emitted, n = "", 0, 0
         hold = max((len(s) for s in req.stop), default=0)
         while True:
-            token = sampler.sample(logits)
+            with self.timer.stage("sampling"):
+                token = sampler.sample(logits)
             n += 1
             if token in self.tokenizer.eos_ids and not req.ignore_eos:
                 yield GenerationEvent(token, text[emitted:] + decoder.flush(), "stop")

@@ -49,7 +49,10 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The filtered distribution [V] that `sample` draws from."""
         p = self.params
-        scores = logits.float().cpu() / p.temperature
+        logits = logits.float().cpu()
+        # Shift before dividing: a tiny temperature then sends the others to -inf, never
+        # inf - inf (NaN); the top token always keeps its mass.
+        scores = (logits - logits.max()) / p.temperature
         if p.top_k and p.top_k < scores.numel():
             kth = scores.topk(p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

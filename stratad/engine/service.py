@@ -16,6 +16,7 @@ from stratad.engine.forward import ReferenceForward
 from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
+from stratad.engine.timing import StageTimer
 from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
@@ -57,6 +58,12 @@ def _dense_host_bytes(model: Model, device: torch.device) -> int:
     )
 
 
+def _tier_shares(stats: object) -> str:
+    hits = {k: getattr(stats, f"{k}_hits", 0) for k in ("vram", "ram", "file")}
+    total = sum(hits.values()) or 1
+    return ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in hits.items())
+
+
 def load_tokenizer(model: Model) -> Tokenizer:
     if model.source.is_dir():
         return tokenizer_from_hf(model.source)
@@ -91,7 +98,11 @@ class Engine:
                 reserves=daemon_reserves(config, _dense_host_bytes(self.model, device)),
                 on_pin_progress=on_pin_progress,
             )
-        self.forward = ReferenceForward(self.model, device, dtype, experts=self.store)
+        self.timer = StageTimer(enabled=config.engine.decode_timing)
+        self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
+        self.forward = ReferenceForward(
+            self.model, device, dtype, experts=self.store, timer=self.timer
+        )
         max_context = min(config.model.max_context, self.model.spec.context_length)
         server = config.server
         self.prefixes = PrefixStore(
@@ -199,7 +210,11 @@ class Engine:
             pin=prepared.pin,
         )
         # one event per sampled token, the end-of-sequence token included
+        n = 0
         for n, event in enumerate(self.generator.run(req, cancelled), start=1):
+            if n == 1:  # prefill and the first sample are behind us: time decode steps only
+                self.timer.collect()
+                self.timer.reset()
             yield Delta(
                 text=event.text,
                 finish_reason=event.finish_reason,
@@ -207,6 +222,21 @@ class Engine:
                 completion_tokens=n,
                 cached_tokens=self.generator.cached_tokens,
             )
+        if self.timer.enabled and n > 1:
+            self._log_timing(n - 1)
+
+    def _log_timing(self, steps: int) -> None:
+        per_step = {k: v / steps for k, v in self.timer.collect().items()}
+        self.last_timing = per_step
+        total = sum(per_step.values())
+        stages = ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])
+        )
+        hits = ""
+        if self.store is not None:
+            st = self.store.stats()
+            hits = f"; expert reads by tier: {_tier_shares(st)}"
+        log.info("decode timing: %d steps, %.2f ms/step = %s (ms)%s", steps, total, stages, hits)
 
     def warm_up(self) -> None:
         """A short generation, so that the first request does not pay for lazy initialisation."""
@@ -221,7 +251,16 @@ class Engine:
     def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""
         store = self.prefixes
-        return [
+        timing = [
+            (
+                "strata:decode_stage_ms_per_step",
+                "last request's decode time per step, by stage",
+                {"stage": k},
+                v,
+            )
+            for k, v in self.last_timing.items()
+        ]
+        return timing + [
             (
                 "strata:prefix_cache_bytes",
                 "KV bytes held by prefix snapshots",

@@ -1,0 +1,34 @@
+"""STRATA_DECODE_TIMING: one log line per request with the time per decode step by stage,
+and the same figures on /metrics."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from stratad.model.synth import get_preset, write_synth
+from tests.daemon import running_daemon
+
+
+def test_decode_timing_log_and_metrics(tmp_path: Path) -> None:
+    model = tmp_path / "tiny-moe.gguf"
+    write_synth(get_preset("tiny-moe"), model)
+    log = tmp_path / "stratad.log"
+    with running_daemon([str(model)], log, env={"STRATA_DECODE_TIMING": "1"}) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        client.completions.create(model="m", prompt="Hello there", max_tokens=9, temperature=0)
+        with urllib.request.urlopen(f"{url}/metrics") as r:
+            metrics = r.read().decode()
+    lines = [x for x in log.read_text().splitlines() if "decode timing:" in x]
+    assert len(lines) == 1, log.read_text()
+    m = re.search(
+        r"decode timing: (\d+) steps, ([\d.]+) ms/step = (.*) \(ms\); expert reads", lines[0]
+    )
+    assert m and int(m.group(1)) == 8
+    stages = dict(s.rsplit(" ", 1) for s in m.group(3).split(", "))
+    assert {"attention", "router", "experts", "expert fetch", "head", "sampling"} <= set(stages)
+    assert abs(sum(float(v) for v in stages.values()) - float(m.group(2))) < 0.05
+    assert 'strata:decode_stage_ms_per_step{stage="experts"}' in metrics
