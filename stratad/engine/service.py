@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from stratad.config import Config
@@ -19,7 +20,7 @@ from stratad.engine.sampling import SamplingParams
 from stratad.engine.timing import StageTimer
 from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
-from stratad.model.loader import load_model
+from stratad.model.loader import is_pack, load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf
 from stratad.store.pinning import ProgressFn
@@ -91,9 +92,12 @@ class Engine:
         # coverage (stratad/store). Dense models need none.
         self.store: ExpertStore | None = None
         if self.model.spec.is_moe:
+            store_config = config.store
+            if is_pack(path) and not store_config.pack:  # read (and verify) its experts.bin
+                store_config = msgspec.structs.replace(store_config, pack=str(path))
             self.store = open_store(
-                config.store,
-                open_source(config.store, self.model),
+                store_config,
+                open_source(store_config, self.model),
                 compute_device=device,
                 reserves=daemon_reserves(config, _dense_host_bytes(self.model, device)),
                 on_pin_progress=on_pin_progress,

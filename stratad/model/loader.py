@@ -9,8 +9,12 @@ from stratad.model.spec import Model, ModelError
 
 
 def load_model(path: Path) -> Model:
-    """A GGUF file or a Hugging Face directory, by what `path` is."""
+    """A GGUF file, a pack (`stratactl pack`) or a Hugging Face directory, by what `path` is."""
     path = Path(path)
+    if is_pack(path):
+        from stratad.store.packed import load_pack
+
+        return load_pack(path)[0]
     if path.is_dir():
         from stratad.model.hf import load_hf
 
@@ -20,6 +24,10 @@ def load_model(path: Path) -> Model:
     from stratad.model.gguf import load_gguf
 
     return load_gguf(path)
+
+
+def is_pack(path: Path) -> bool:
+    return path.is_dir() and (path / "manifest.json").is_file()
 
 
 def arch_of(model: Model) -> type[Arch]:
