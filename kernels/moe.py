@@ -6,11 +6,13 @@ host-mapped page-locked RAM: a missed expert is then read in place over PCIe by 
 itself, with no host round trip and no copy. The routing ids stay on the device, so a
 decode step needs no synchronisation and can be captured in a graph.
 
-Weights are GGUF Q4_0 blocks ([N, K/32 blocks of 18 bytes], the format of the packs we
-write); gate/up are [F, H], down is [H, F]. Two launches per layer:
+Weights are Q4_0 in a split layout (`split_q4_0`): a GGUF block is 18 bytes, a stride that
+allows only byte loads, so each matrix keeps its fp16 scales first and its nibbles after,
+read as 32-bit words. The bytes per expert are those of the GGUF blocks; gate/up are
+[F, H], down is [H, F]. Two launches per layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
-  2. `_down_kernel`:    out[t] = sum_s weight[t, s] * (down_e @ act[t, s])
-The sum over slots runs inside one program, in slot order: the result is deterministic.
+  2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
+The slots are summed in a fixed order: the result is deterministic.
 
 Three tiers as everywhere in kernels/: Triton bodies, launchers (`moe_gate_up`, `moe_down`)
 that check inputs and build grids, and `fused_moe` (the operation). `fused_moe_ref` is the
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QTensor, QType
+from kernels.quant import QTensor
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 
@@ -45,30 +47,32 @@ class MoeConfig:
 
 @triton.jit
 def _q4_0_rows_dot(
-    w_ptr, row_bytes, rows, row_mask, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
+    w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
 ):
-    """[BLOCK_N] float32: rows `rows` of a Q4_0 matrix at byte address w_ptr, dot x [K]."""
+    """[BLOCK_N] float32: rows `rows` of a split-Q4_0 matrix [N, K] at byte address w_ptr,
+    dot x [K]. Nibbles are read as 32-bit words, four per block (see `split_q4_0`)."""
+    nb = K // 32
+    scales = w_ptr.to(tl.pointer_type(tl.float16))
+    words = (w_ptr + N * nb * 2).to(tl.pointer_type(tl.int32))
+    rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    bb = tl.arange(0, BLOCK_B)  # block index within a step
-    jj = tl.arange(0, 16)  # byte within a block's 16 packed bytes
-    row_base = w_ptr + rows[:, None].to(tl.int64) * row_bytes  # [BN, 1]
-    for b0 in range(0, K // 32, BLOCK_B):
-        blk = b0 + bb  # [BB]
-        bmask = row_mask[:, None] & (blk[None, :] < K // 32)  # [BN, BB]
-        bptr = row_base + blk[None, :] * 18  # [BN, BB]: each block's fp16 scale
-        lo = tl.load(bptr, mask=bmask, other=0).to(tl.uint16)
-        hi = tl.load(bptr + 1, mask=bmask, other=0).to(tl.uint16)
-        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, BB]
-        qptr = bptr[:, :, None] + 2 + jj[None, None, :]  # [BN, BB, 16]
-        q = tl.load(qptr, mask=bmask[:, :, None], other=0).to(tl.int32)
-        xoff = blk[:, None] * 32 + jj[None, :]  # [BB, 16]
-        xmask = blk[:, None] < K // 32
-        x_lo = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)  # values 0..15
-        x_hi = tl.load(x_ptr + xoff + 16, mask=xmask, other=0.0).to(tl.float32)  # 16..31
-        v_lo = ((q & 0xF) - 8).to(tl.float32)
-        v_hi = ((q >> 4) - 8).to(tl.float32)
-        part = tl.sum(v_lo * x_lo[None, :, :] + v_hi * x_hi[None, :, :], axis=2)  # [BN, BB]
-        acc += tl.sum(part * d, axis=1)
+    ww = tl.arange(0, 4)  # word within a block: bytes 4w..4w+3
+    for b0 in range(0, nb, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)  # [BB]
+        bmask = row_mask[:, None] & (blk[None, :] < nb)  # [BN, BB]
+        d = tl.load(scales + rows64[:, None] * nb + blk[None, :], mask=bmask, other=0.0)
+        wptr = words + rows64[:, None, None] * (nb * 4) + blk[None, :, None] * 4 + ww[None, None, :]
+        q = tl.load(wptr, mask=bmask[:, :, None], other=0)  # [BN, BB, 4] int32
+        xb = x_ptr + blk[:, None] * 32 + ww[None, :] * 4  # [BB, 4]: value 4w (+i, +16)
+        xmask = blk[:, None] < nb
+        part = tl.zeros([BLOCK_N, BLOCK_B, 4], dtype=tl.float32)
+        for i in tl.static_range(4):  # byte i of each word: values 4w+i (low), 4w+i+16 (high)
+            x_lo = tl.load(xb + i, mask=xmask, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + 16 + i, mask=xmask, other=0.0).to(tl.float32)
+            lo = ((q >> (8 * i)) & 0xF) - 8
+            hi = ((q >> (8 * i + 4)) & 0xF) - 8
+            part += lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
+        acc += tl.sum(tl.sum(part, axis=2) * d.to(tl.float32), axis=1)
     return acc
 
 
@@ -92,10 +96,9 @@ def _gate_up_kernel(
     up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < F
-    row_bytes = (H // 32) * 18
     x = x_ptr + t.to(tl.int64) * H
-    g = _q4_0_rows_dot(gate, row_bytes, rows, rmask, x, H, BLOCK_N, BLOCK_B)
-    u = _q4_0_rows_dot(up, row_bytes, rows, rmask, x, H, BLOCK_N, BLOCK_B)
+    g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
+    u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -106,29 +109,22 @@ def _down_kernel(
     ids_ptr,  # [T, k]
     weights_ptr,  # [T, k] float32 routing weights
     table_ptr,  # [E, 3] int64
-    out_ptr,  # [T, H]
+    part_ptr,  # [T * k, H] float32 out: each slot's weighted contribution
     H,
     F,
-    TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)
+    s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
-    row_bytes = (F // 32) * 18
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        s = t * TOP_K + slot
-        e = tl.load(ids_ptr + s).to(tl.int64)
-        w = tl.load(weights_ptr + s)
-        down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
-        y = _q4_0_rows_dot(
-            down, row_bytes, rows, rmask, act_ptr + s.to(tl.int64) * F, F, BLOCK_N, BLOCK_B
-        )
-        acc += w * y
-    tl.store(out_ptr + t.to(tl.int64) * H + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    w = tl.load(weights_ptr + s)
+    down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
+    act = act_ptr + s.to(tl.int64) * F
+    y = _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B)
+    tl.store(part_ptr + s.to(tl.int64) * H + rows, w * y, mask=rmask)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -184,27 +180,21 @@ def moe_down(
     out_dtype: torch.dtype,
     config: MoeConfig = MoeConfig(),
 ) -> torch.Tensor:
-    """act [T * k, F], ids/weights [T, k], table [E, 3] -> out [T, H]."""
+    """act [T * k, F], ids/weights [T, k], table [E, 3] -> out [T, H].
+
+    Each (token, slot) writes its weighted contribution; the slots are then summed in a fixed
+    order, so the result does not depend on scheduling (no atomics)."""
     t, k = ids.shape
     if act.shape[0] != t * k or weights.shape != ids.shape or weights.dtype != torch.float32:
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
-    out = torch.empty(t, hidden, dtype=out_dtype, device=act.device)
-    grid = (triton.cdiv(hidden, config.block_n), t)
+    part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
+    grid = (triton.cdiv(hidden, config.block_n), t * k)
     _down_kernel[grid](
-        act,
-        ids,
-        weights.contiguous(),
-        table,
-        out,
-        hidden,
-        act.shape[1],
-        TOP_K=k,
-        BLOCK_N=config.block_n,
-        BLOCK_B=config.block_b,
-        num_warps=config.num_warps,
+        act, ids, weights.contiguous(), table, part, hidden, act.shape[1],
+        BLOCK_N=config.block_n, BLOCK_B=config.block_b, num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
-    return out
+    )  # fmt: skip
+    return part.view(t, k, hidden).sum(1).to(out_dtype)
 
 
 def fused_moe(
@@ -223,8 +213,29 @@ def fused_moe(
 # --- reference ---------------------------------------------------------------------------
 
 
+def split_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks [N, K/32 * 18] -> the kernels' layout, flat bytes of the same size:
+    every block's fp16 scale [N, K/32], then every block's 16 nibble bytes [N, K/32, 16]."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q4_0_BYTES)
+    return torch.cat([b[:, :, :2].reshape(-1), b[:, :, 2:].reshape(-1)])
+
+
+def unsplit_q4_0(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `split_q4_0`: Q4_0 blocks [rows, cols/32 * 18]."""
+    nb = cols // Q4_0_BLOCK
+    scales = data[: rows * nb * 2].reshape(rows, nb, 2)
+    nibbles = data[rows * nb * 2 :].reshape(rows, nb, 16)
+    return torch.cat([scales, nibbles], dim=-1).reshape(rows, nb * Q4_0_BYTES)
+
+
+def split_q4_0_ok(rows: int, cols: int) -> bool:
+    """Whether the nibble words of a [rows, cols] matrix start 16-byte aligned."""
+    return cols % Q4_0_BLOCK == 0 and (rows * (cols // Q4_0_BLOCK) * 2) % 16 == 0
+
+
 def expert_table(experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """[E, 3] int64 addresses of (gate, up, down) Q4_0 block tensors, one triple per expert."""
+    """[E, 3] int64 addresses of (gate, up, down) split-Q4_0 matrices, one triple per expert."""
     return torch.tensor(
         [[g.data_ptr(), u.data_ptr(), d.data_ptr()] for g, u, d in experts], dtype=torch.int64
     )
@@ -236,7 +247,7 @@ def fused_moe_ref(
     weights: torch.Tensor,
     experts: list[tuple[QTensor, QTensor, QTensor]],
 ) -> torch.Tensor:
-    """Dequantize each routed expert and compute in float32, slot by slot."""
+    """Dequantize each routed expert (standard GGUF blocks) and compute in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     xf = x.float().cpu()
     for t in range(x.shape[0]):
@@ -245,10 +256,3 @@ def fused_moe_ref(
             h = torch.nn.functional.silu(gate @ xf[t]) * (up @ xf[t])
             out[t] += float(weights[t, s]) * (down @ h)
     return out.to(x.dtype)
-
-
-def q4_0_expert(qt: QTensor) -> torch.Tensor:
-    """The raw blocks of a Q4_0 weight, checked, as the kernels read them."""
-    if qt.qtype != QType.Q4_0:
-        raise ValueError(f"fused_moe reads Q4_0 experts, got {qt.qtype.name}")
-    return qt.data.contiguous()

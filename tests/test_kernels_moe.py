@@ -13,7 +13,14 @@ import pytest  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf import quants as gguf_quants  # noqa: E402
 
-from kernels.moe import expert_table, fused_moe, fused_moe_ref  # noqa: E402
+from kernels.moe import (  # noqa: E402
+    expert_table,
+    fused_moe,
+    fused_moe_ref,
+    split_q4_0,
+    split_q4_0_ok,
+    unsplit_q4_0,
+)
 from kernels.quant import QTensor, QType  # noqa: E402
 
 
@@ -33,8 +40,13 @@ def _case(t: int, k: int, e: int, h: int, f: int, device: str, seed: int = 0):  
     x = torch.randn(t, h, generator=gen).to(device)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
     weights = torch.rand(t, k, generator=gen).to(device)
-    table = expert_table([(g.data, u.data, d.data) for g, u, d in experts]).to(device)
+    split = [tuple(split_q4_0(w.data) for w in triple) for triple in experts]
+    table = expert_table(split).to(device)  # type: ignore[arg-type]
+    _KEEP.append(split)  # the table holds raw addresses: keep the bytes alive
     return x, ids, weights, table, experts
+
+
+_KEEP: list[object] = []
 
 
 @pytest.mark.parametrize(
@@ -51,21 +63,28 @@ def test_fused_moe_matches_reference(t: int, k: int, e: int, h: int, f: int) -> 
 def test_mixed_tiers_same_result() -> None:
     """Half the experts in one buffer, half in a copy elsewhere: same output."""
     x, ids, weights, table, experts = _case(2, 2, 4, 64, 64, "cpu", seed=3)
-    copies = [(g.data.clone(), u.data.clone(), d.data.clone()) for g, u, d in experts]
-    mixed = expert_table(
-        [copies[i] if i % 2 else (g.data, u.data, d.data) for i, (g, u, d) in enumerate(experts)]
-    )
+    a = [tuple(split_q4_0(w.data) for w in triple) for triple in experts]
+    b = [tuple(t.clone() for t in triple) for triple in a]
+    mixed = expert_table([b[i] if i % 2 else a[i] for i in range(len(a))])  # type: ignore[misc]
     assert torch.equal(fused_moe(x, ids, weights, table, 64), fused_moe(x, ids, weights, mixed, 64))
+
+
+def test_split_layout_round_trip() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = _q4_0(96, 160, gen, "cpu")
+    split = split_q4_0(w.data)
+    assert split.numel() == w.data.numel() and split_q4_0_ok(96, 160)
+    assert torch.equal(unsplit_q4_0(split, 96, 160), w.data)
+    assert not split_q4_0_ok(3, 32)  # 6 bytes of scales: the words would be misaligned
 
 
 @pytest.mark.gpu
 def test_fused_moe_gpu_real_shape_with_host_mapped_experts() -> None:
     """a3b geometry; half the experts in VRAM, half read in place from pinned host RAM."""
     x, ids, weights, _, experts = _case(1, 8, 16, 2048, 768, "cpu", seed=5)
-    vram = [(g.data.cuda(), u.data.cuda(), d.data.cuda()) for g, u, d in experts[:8]]
-    host = [
-        (g.data.pin_memory(), u.data.pin_memory(), d.data.pin_memory()) for g, u, d in experts[8:]
-    ]
+    split = [tuple(split_q4_0(w.data) for w in triple) for triple in experts]
+    vram = [tuple(t.cuda() for t in triple) for triple in split[:8]]
+    host = [tuple(t.pin_memory() for t in triple) for triple in split[8:]]
     table = expert_table(vram + host).cuda()
     got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 768)
     ref = fused_moe_ref(x.bfloat16(), ids, weights, experts)

@@ -118,3 +118,18 @@ def test_offload_refuses_dense(smollm_model: Model) -> None:
 
     with pytest.raises(ModelError, match="serves MoE models"):
         OffloadForward(smollm_model, torch.device("cpu"), OffloadConfig(expert_vram_bytes=0))
+
+
+def test_split_dequant_bit_exact() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    from kernels.moe import split_q4_0
+    from kernels.quant import QType, dequantize
+    from stratad.engine.experts import dequant_split
+
+    values = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    blocks = torch.from_numpy(gguf_quants.quantize(values.numpy(), GGMLQuantizationType.Q4_0))
+    want = dequantize(blocks, QType.Q4_0, (64, 96))
+    got = dequant_split(split_q4_0(blocks)[None], 64, 96)[0]
+    assert torch.equal(got, want)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.moe import split_q4_0, unsplit_q4_0
 from kernels.quant import QTensor, QType
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
@@ -26,6 +27,7 @@ class BlobLayout:
     ffn: int
     gate_bytes: int  # [F, H] blocks
     down_bytes: int  # [H, F] blocks
+    split: bool = False  # Q4_0 in the kernels' split layout (kernels.moe.split_q4_0)
 
     @property
     def up_offset(self) -> int:
@@ -40,11 +42,16 @@ class BlobLayout:
         return 2 * self.gate_bytes + self.down_bytes
 
     def views(self, blob: torch.Tensor) -> tuple[QTensor, QTensor, QTensor]:
-        """The (gate, up, down) weights inside a blob [nbytes] (any device)."""
+        """The (gate, up, down) weights inside a blob [nbytes] (any device), as GGUF blocks
+        (copies when the blob holds the split layout)."""
         f, h = self.ffn, self.hidden
-        g = blob[: self.gate_bytes].view(f, -1)
-        u = blob[self.up_offset : self.down_offset].view(f, -1)
-        d = blob[self.down_offset :].view(h, -1)
+        parts = blob[: self.gate_bytes], blob[self.up_offset : self.down_offset]
+        if self.split:
+            g, u = (unsplit_q4_0(p, f, h) for p in parts)
+            d = unsplit_q4_0(blob[self.down_offset :], h, f)
+        else:
+            g, u = (p.view(f, -1) for p in parts)
+            d = blob[self.down_offset :].view(h, -1)
         return (
             QTensor(g, self.qtype, (f, h)),
             QTensor(u, self.qtype, (f, h)),
@@ -83,6 +90,20 @@ def copy_expert(
 ) -> None:
     """Write one expert's blob into `out` [nbytes] (from the mapped model file)."""
     w = model_layers[layer].experts.expert(expert)
-    out[: layout.gate_bytes].copy_(w.gate.data.reshape(-1).view(torch.uint8))
-    out[layout.up_offset : layout.down_offset].copy_(w.up.data.reshape(-1).view(torch.uint8))
-    out[layout.down_offset :].copy_(w.down.data.reshape(-1).view(torch.uint8))
+
+    def raw(t: QTensor) -> torch.Tensor:
+        return split_q4_0(t.data) if layout.split else t.data.reshape(-1).view(torch.uint8)
+
+    out[: layout.gate_bytes].copy_(raw(w.gate))
+    out[layout.up_offset : layout.down_offset].copy_(raw(w.up))
+    out[layout.down_offset :].copy_(raw(w.down))
+
+
+def dequant_split(sections: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Float32 [n, rows, cols] from n split-Q4_0 matrices [n, bytes] (bit-exact with the
+    GGUF dequantization of the same blocks: d * (q - 8))."""
+    n, nb = sections.shape[0], cols // 32
+    scales = sections[:, : rows * nb * 2].contiguous().view(torch.float16).view(n, rows, nb)
+    nib = sections[:, rows * nb * 2 :].reshape(n, rows, nb, 16).to(torch.int16)
+    q = torch.cat([nib & 0xF, nib >> 4], dim=-1) - 8  # [n, rows, nb, 32]
+    return (scales.float()[..., None] * q.float()).view(n, rows, cols)

@@ -16,15 +16,21 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.moe import fused_moe
-from kernels.quant import QType, dequantize
-from stratad.engine.experts import BlobLayout, blob_layout, copy_expert, moe_layers
+from kernels.moe import fused_moe, split_q4_0_ok
+from kernels.quant import QType
+from stratad.engine.experts import (
+    BlobLayout,
+    blob_layout,
+    copy_expert,
+    dequant_split,
+    moe_layers,
+)
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -198,8 +204,14 @@ class OffloadForward:
         spec = self.spec = model.spec
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
-        self.layout = blob_layout(model)
-        if self.layout.qtype != QType.Q4_0:
+        layout = blob_layout(model)
+        if layout.qtype == QType.Q4_0 and all(
+            split_q4_0_ok(r, c)
+            for r, c in ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
+        ):
+            layout = replace(layout, split=True)
+        self.layout = layout
+        if not self.layout.split:
             raise ModelError(
                 f"{model.source}: the offload engine reads Q4_0 experts,"
                 f" not {self.layout.qtype.name}"
@@ -380,12 +392,11 @@ class OffloadForward:
 
     def _dequant_all(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [E, F, H], up, down [E, H, F]) of layer i from its staging buffer."""
-        lay, n, buf = self.layout, self.spec.n_experts, self._staging()[i % 2]
+        lay, buf = self.layout, self._staging()[i % 2]
         f, h = lay.ffn, lay.hidden
 
         def deq(lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
-            data = buf[:, lo:hi].reshape(n * rows, -1)
-            return dequantize(data, lay.qtype, (n * rows, cols)).view(n, rows, cols).to(self.dtype)
+            return dequant_split(buf[:, lo:hi], rows, cols).to(self.dtype)
 
         return (
             deq(0, lay.up_offset, f, h),
