@@ -14,8 +14,6 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
-import mmap
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,13 +22,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import fused_moe, split_q4_0_ok
 from kernels.quant import QType
-from stratad.engine.experts import (
-    BlobLayout,
-    blob_layout,
-    copy_expert,
-    dequant_split,
-    moe_layers,
-)
+from stratad.engine.experts import blob_layout, dequant_split
+from stratad.engine.grouped import grouped_swiglu
+from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -39,47 +33,6 @@ from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 
 log = logging.getLogger("stratad.engine")
-PAGE = mmap.PAGESIZE
-
-
-def grouped_swiglu(
-    xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """SwiGLU of rows grouped by expert: xs [N, H] with counts[e] rows for expert e, in order.
-
-    One grouped GEMM per projection where torch has one for this device and dtype; else a
-    loop over the experts that have rows.
-    """
-    if _grouped_mm_ok(xs):
-        try:
-            offs = counts.cumsum(0).to(torch.int32)
-            g = torch._grouped_mm(xs, gate.transpose(-2, -1), offs=offs)
-            u = torch._grouped_mm(xs, up.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(fn.silu(g) * u, down.transpose(-2, -1), offs=offs)
-        except (RuntimeError, TypeError) as err:  # an older torch or an unsupported shape
-            GROUPED_MM[0] = False
-            log.warning("grouped GEMM unavailable (%s): prefill falls back to a loop", err)
-    out = torch.empty((xs.shape[0], down.shape[1]), dtype=xs.dtype, device=xs.device)
-    begin = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            x = xs[begin : begin + n]
-            out[begin : begin + n] = (fn.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T
-            begin += n
-    return out
-
-
-def _grouped_mm_ok(xs: torch.Tensor) -> bool:
-    return (
-        xs.is_cuda
-        and xs.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(xs.device)[0] >= 9
-        and GROUPED_MM[0]
-    )
-
-
-GROUPED_MM = [True]  # switched off for the process if torch refuses the first call
 
 
 @dataclass(frozen=True)
@@ -136,59 +89,6 @@ def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> lis
             )
         )
     return out
-
-
-class HostExperts:
-    """Every expert blob in one host buffer [L, E, nbytes], page-locked for in-place reads."""
-
-    def __init__(self, model: Model, layout: BlobLayout) -> None:
-        spec = model.spec
-        self.layout = layout
-        # Page-aligned anonymous memory with each blob starting on a page: registration
-        # chunks hold whole blobs, so no copy ever spans two registrations.
-        self.stride = -(-layout.nbytes // PAGE) * PAGE
-        self._map = mmap.mmap(-1, spec.n_layers * spec.n_experts * self.stride)
-        arena = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.buffer = arena.view(spec.n_layers, spec.n_experts, self.stride)[..., : layout.nbytes]
-        self._registered: list[int] = []
-        layers = moe_layers(model)
-        t0 = time.monotonic()
-        for layer in range(spec.n_layers):
-            for e in range(spec.n_experts):
-                copy_expert(layers, layer, e, self.buffer[layer, e], layout)
-        log.info(
-            "experts: %.2f GiB read into RAM in %.1f s",
-            len(self._map) / 2**30,
-            time.monotonic() - t0,
-        )
-
-    @property
-    def registered(self) -> bool:
-        return bool(self._registered)
-
-    def pin(self, chunk_bytes: int = 1 << 30) -> None:
-        """Register the buffer with the GPU runtime in page-aligned chunks (mapped into the
-        device's address space: kernels may read it in place)."""
-        cudart = torch.cuda.cudart()
-        base, total = self.buffer.data_ptr(), len(self._map)
-        step = max(1, chunk_bytes // self.stride) * self.stride  # whole blobs per chunk
-        t0 = time.monotonic()
-        for off in range(0, total, step):
-            n = min(step, total - off)
-            torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, 0))
-            self._registered.append(base + off)
-        log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)
-
-    def close(self) -> None:
-        """Unregister (before the memory goes back to the system)."""
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class OffloadForward:
