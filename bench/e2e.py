@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     ceiling_both = (bw["pinned"] + cpu_bw) * 1e9 / missed if missed else float("inf")
 
     prefill = {}
-    resident = engine.slots_per_layer / spec.n_experts
+    resident = engine.n_slots / (spec.n_layers * spec.n_experts)
     for n in args.prefill_lens:
         tps = []
         for _ in range(args.repeats):
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     result = {
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
-        "slots_per_layer": engine.slots_per_layer,
+        "slots_per_layer": engine.n_slots // spec.n_layers,
         "n_experts": spec.n_experts,
         "blob_mib": engine.layout.nbytes / 2**20,
         "load_s": load_s,

@@ -68,6 +68,10 @@ class EngineConfig(_Section, frozen=True):
     """Compute dtype; auto is float32 on the CPU and bfloat16 on a GPU."""
     threads: int = 0
     """CPU threads for torch; 0 leaves torch's default."""
+    backend: Literal["auto", "reference", "offload"] = "auto"
+    """Forward pass: `offload` is the GPU engine for MoE models larger than VRAM (Q4_0 experts,
+    every expert in page-locked RAM, misses read in place); `reference` is the torch reference
+    (experts through the store, any device); `auto` picks offload for a Q4_0 MoE on a GPU."""
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from stratad.engine.forward import ReferenceForward
 from stratad.engine.kv import KVCache
 from stratad.engine.prefix import PrefixStore
 from stratad.engine.sampling import Sampler, SamplingParams
@@ -39,12 +39,22 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" | "length" | None while running
 
 
+class Forward(Protocol):
+    """What generation needs of a forward pass (the reference and the offload engine)."""
+
+    def new_cache(self, max_len: int) -> KVCache: ...
+
+    def __call__(
+        self, tokens: list[int], cache: KVCache, all_logits: bool = False
+    ) -> torch.Tensor: ...
+
+
 class Generator:
     """Runs requests one at a time on a forward pass, reusing the KV of known prefixes."""
 
     def __init__(
         self,
-        forward: ReferenceForward,
+        forward: Forward,
         tokenizer: Tokenizer,
         max_context: int,
         *,

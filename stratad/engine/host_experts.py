@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,7 @@ class HostExperts:
         arena = torch.frombuffer(self._map, dtype=torch.uint8)
         self.buffer = arena.view(spec.n_layers, spec.n_experts, self.stride)[..., : layout.nbytes]
         self._registered: list[int] = []
+        self._pinned = 0
         layers = moe_layers(model)
         t0 = time.monotonic()
         for layer in range(spec.n_layers):
@@ -43,17 +45,39 @@ class HostExperts:
     def registered(self) -> bool:
         return bool(self._registered)
 
-    def pin(self, chunk_bytes: int = 1 << 30) -> None:
-        """Register the buffer with the GPU runtime in page-aligned chunks (mapped into the
-        device's address space: kernels may read it in place)."""
+    @property
+    def nbytes(self) -> int:
+        return len(self._map)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned
+
+    def pin(
+        self,
+        chunk_bytes: int = 1 << 30,
+        rate_bytes_s: float = 0.0,
+        on_progress: Callable[[int, int, float, tuple[int, int]], None] | None = None,
+    ) -> None:
+        """Register the buffer with the GPU runtime (mapped into the device's address space:
+        kernels may read it in place), in chunks of whole blobs, at most `rate_bytes_s` on
+        average (0: no cap) so that a large pin does not stall the host."""
         cudart = torch.cuda.cudart()
         base, total = self.buffer.data_ptr(), len(self._map)
-        step = max(1, chunk_bytes // self.stride) * self.stride  # whole blobs per chunk
+        step = max(1, chunk_bytes // self.stride) * self.stride
+        n_chunks = -(-total // step)
         t0 = time.monotonic()
-        for off in range(0, total, step):
+        for k, off in enumerate(range(0, total, step)):
             n = min(step, total - off)
             torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, 0))
             self._registered.append(base + off)
+            self._pinned = off + n
+            if rate_bytes_s > 0:  # pace: never ahead of the capped average rate
+                ahead = self._pinned / rate_bytes_s - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+            if on_progress is not None:
+                on_progress(self._pinned, total, time.monotonic() - t0, (k + 1, n_chunks))
         log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)
 
     def close(self) -> None:
@@ -63,6 +87,7 @@ class HostExperts:
             for ptr in self._registered:
                 cudart.cudaHostUnregister(ptr)
             self._registered.clear()
+            self._pinned = 0
 
     def __del__(self) -> None:
         self.close()

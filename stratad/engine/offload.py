@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as fn
@@ -100,7 +101,11 @@ class OffloadForward:
         device: torch.device,
         config: OffloadConfig,
         host: HostExperts | None = None,
+        residents: list[list[int]] | None = None,
+        pin: dict[str, Any] | None = None,
     ) -> None:
+        """`residents`: each layer's experts that start in VRAM (e.g. from the store's
+        residency plan); by default an even share of `config.expert_vram_bytes`."""
         spec = self.spec = model.spec
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
@@ -127,8 +132,8 @@ class OffloadForward:
         )
         self.host = host or HostExperts(model, self.layout)
         if device.type == "cuda" and not self.host.registered:
-            self.host.pin()
-        self._init_slots()
+            self.host.pin(**(pin or {}))
+        self._init_slots(residents)
         self._init_rope()
         self.route_counts = torch.zeros(
             (spec.n_layers, spec.n_experts), dtype=torch.int64, device=device
@@ -137,39 +142,45 @@ class OffloadForward:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
-        self.hits = self.lookups = 0
+        self.hits = self.lookups = self.moves = 0
 
     # -- placement -----------------------------------------------------------------------
 
-    def _init_slots(self) -> None:
+    def _init_slots(self, residents: list[list[int]] | None) -> None:
+        """One pool of VRAM slots; each layer owns the slots its initial residents fill (the
+        plan's choice, or an even share of the budget by expert index)."""
         spec, nbytes = self.spec, self.layout.nbytes
-        per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // spec.n_layers)
-        self.slots_per_layer = per_layer
-        self.slots = torch.empty(
-            (spec.n_layers, max(per_layer, 1), nbytes), dtype=torch.uint8, device=self.device
-        )
-        residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
+        if residents is None:
+            per_layer = min(
+                spec.n_experts, self.config.expert_vram_bytes // nbytes // spec.n_layers
+            )
+            residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
+        self.n_slots = sum(len(r) for r in residents)
+        self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
+                                 device=self.device)  # fmt: skip
         self.policy = SlotPolicy(residents)
         self.slot_of: list[dict[int, int]] = []
         host = self.host.buffer
         table = torch.empty((spec.n_layers, spec.n_experts, 3), dtype=torch.int64)
         off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
+        s = 0
         for layer in range(spec.n_layers):
             slot_of = {}
             for e in range(spec.n_experts):
                 table[layer, e] = host[layer, e].data_ptr() + off
-            for s, e in enumerate(residents[layer]):
-                self.slots[layer, s].copy_(host[layer, e])
-                table[layer, e] = self.slots[layer, s].data_ptr() + off
+            for e in residents[layer]:
+                self.slots[s].copy_(host[layer, e])
+                table[layer, e] = self.slots[s].data_ptr() + off
                 slot_of[e] = s
+                s += 1
             self.slot_of.append(slot_of)
         self.table = table.to(self.device)
         self._off = off
         log.info(
-            "expert cache: %d of %d experts per layer in VRAM (%.2f GiB)",
-            per_layer,
-            spec.n_experts,
-            self.slots.nbytes / 2**30,
+            "expert cache: %d of %d experts in VRAM (%.2f GiB)",
+            self.n_slots,
+            spec.n_layers * spec.n_experts,
+            self.n_slots * nbytes / 2**30,
         )
 
     def _init_rope(self) -> None:
@@ -247,15 +258,21 @@ class OffloadForward:
     def _layer(
         self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        w, spec = self.layers[i], self.spec
-        x = x + self._attention(w, i, rms_norm(x, w.attn_norm, spec.rms_eps), pos, cache, start)
-        h = rms_norm(x, w.ffn_norm, spec.rms_eps)
-        weights, ids = self._route(w, h)
+        w, spec, stage = self.layers[i], self.spec, self.timer.stage
+        with stage("attention"):
+            h = rms_norm(x, w.attn_norm, spec.rms_eps)
+            x = x + self._attention(w, i, h, pos, cache, start)
+        with stage("router"):
+            h = rms_norm(x, w.ffn_norm, spec.rms_eps)
+            weights, ids = self._route(w, h)
         if start is None or h.shape[0] <= 8:
-            moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
+            with stage("experts (VRAM + in place)"):
+                moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
         else:
-            moe = self._prefill_moe(i, h, ids, weights)
-        shared = self._shared(w, h)
+            with stage("experts (staged)"):
+                moe = self._prefill_moe(i, h, ids, weights)
+        with stage("shared expert"):
+            shared = self._shared(w, h)
         x = x + (moe if shared is None else moe + shared)
         return x, ids
 
@@ -271,14 +288,14 @@ class OffloadForward:
         if self.side is None:
             for e in range(self.spec.n_experts):
                 s = slot_of.get(e)
-                buf[e].copy_(self.slots[i, s] if s is not None else host[e])
+                buf[e].copy_(self.slots[s] if s is not None else host[e])
             return None
         with torch.cuda.stream(self.side):
             if after is not None:
                 self.side.wait_event(after)  # the buffer's last reader has finished
             for e in range(self.spec.n_experts):
                 s = slot_of.get(e)
-                buf[e].copy_(self.slots[i, s] if s is not None else host[e], non_blocking=True)
+                buf[e].copy_(self.slots[s] if s is not None else host[e], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return done
@@ -425,7 +442,7 @@ class OffloadForward:
         for layer, experts in enumerate(host_ids):
             self.lookups += len(experts)
             self.hits += sum(1 for e in experts if e in self.slot_of[layer])
-            if self.config.adapt and self.slots_per_layer:
+            if self.config.adapt and self.n_slots:
                 for victim, admitted in self.policy.touch(layer, experts):
                     self._start_move(layer, victim, admitted)
 
@@ -435,18 +452,19 @@ class OffloadForward:
             self.policy.lru[layer][victim] = None
             self.policy.lru[layer].move_to_end(victim, last=False)
             return
+        self.moves += 1
         s = self.slot_of[layer].pop(victim)
         # 1. repoint the victim at its RAM copy (ordered after every kernel queued so far)
         self.table[layer, victim] = self._host_addr(layer, victim)
         if self.side is None:
-            self.slots[layer, s].copy_(self.host.buffer[layer, admitted])
+            self.slots[s].copy_(self.host.buffer[layer, admitted])
             self._pending.append((layer, admitted, s, None))
             return
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)  # no kernel still reads the slot
-            self.slots[layer, s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
+            self.slots[s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self._pending.append((layer, admitted, s, done))
@@ -458,7 +476,7 @@ class OffloadForward:
             if done is not None and not done.query():
                 keep.append((layer, e, s, done))
                 continue
-            self.table[layer, e] = self.slots[layer, s].data_ptr() + self._off.to(self.device)
+            self.table[layer, e] = self.slots[s].data_ptr() + self._off.to(self.device)
             self.slot_of[layer][e] = s
         self._pending = keep
 

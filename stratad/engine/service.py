@@ -13,8 +13,10 @@ import msgspec
 import torch
 
 from stratad.config import Config
+from stratad.engine.backend import OffloadTiers, choose_backend, open_offload
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.generate import GenerationRequest, Generator
+from stratad.engine.offload import OffloadForward
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.timing import StageTimer
@@ -88,26 +90,35 @@ class Engine:
         t0 = time.monotonic()
         self.model = load_model(path)
         self.tokenizer = load_tokenizer(self.model)
-        # MoE models read their experts through the store: planned tiers, paced pinning,
-        # coverage (stratad/store). Dense models need none.
-        self.store: ExpertStore | None = None
-        if self.model.spec.is_moe:
+        max_context = min(config.model.max_context, self.model.spec.context_length)
+        self.timer = StageTimer(enabled=config.engine.decode_timing)
+        self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
+        self.backend = choose_backend(config.engine.backend, self.model, device)
+        # MoE models read their experts through the store (planned tiers, paced pinning,
+        # coverage: stratad/store) or, on a GPU, run the offload engine from the same plan.
+        # Dense models need neither.
+        self.store: ExpertStore | OffloadTiers | None = None
+        self.forward: ReferenceForward | OffloadForward
+        expert_store: ExpertStore | None = None
+        if self.backend == "offload":
+            self.forward, self.store = open_offload(
+                config, self.model, device, dtype, max_context, self.timer, on_pin_progress
+            )
+        elif self.model.spec.is_moe:
             store_config = config.store
             if is_pack(path) and not store_config.pack:  # read (and verify) its experts.bin
                 store_config = msgspec.structs.replace(store_config, pack=str(path))
-            self.store = open_store(
+            self.store = expert_store = open_store(
                 store_config,
                 open_source(store_config, self.model),
                 compute_device=device,
                 reserves=daemon_reserves(config, _dense_host_bytes(self.model, device)),
                 on_pin_progress=on_pin_progress,
             )
-        self.timer = StageTimer(enabled=config.engine.decode_timing)
-        self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
-        self.forward = ReferenceForward(
-            self.model, device, dtype, experts=self.store, timer=self.timer
-        )
-        max_context = min(config.model.max_context, self.model.spec.context_length)
+        if self.backend == "reference":
+            self.forward = ReferenceForward(
+                self.model, device, dtype, experts=expert_store, timer=self.timer
+            )
         server = config.server
         self.prefixes = PrefixStore(
             conversation_bytes=server.conversation_cache_mib << 20,

@@ -1,0 +1,149 @@
+"""Which forward pass serves a model, and how the offload engine is started.
+
+`reference`: the torch reference forward; a MoE model's experts come through the expert store
+(`stratad.store`), on any device. `offload`: the GPU engine for MoE models larger than VRAM
+(`stratad.engine.offload`): every expert in page-locked RAM, the hottest in VRAM slots, misses
+read in place by the fused kernel. Both start from the same deterministic residency plan, so
+the plan hash, the coverage line and the control socket's views mean the same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from stratad.config import Config
+from stratad.engine.experts import blob_layout
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.timing import StageTimer
+from stratad.model.spec import Model, ModelError
+from stratad.store.admission import AdmissionPolicy, AdmissionRefused, admit, mem_available
+from stratad.store.bandwidth import Bandwidths, measure_bandwidths
+from stratad.store.coverage import coverage, log_coverage
+from stratad.store.pinning import PinProgress, ProgressFn
+from stratad.store.plan import ResidencyPlan, make_plan
+from stratad.store.sizes import GiB, MiB
+from stratad.store.startup import (
+    BACKOFF_MAX_S,
+    daemon_reserves,
+    describe_plan,
+    open_source,
+    plan_store,
+    vram_slots,
+)
+from stratad.store.store import StoreStats
+
+log = logging.getLogger("stratad.engine")
+
+
+def choose_backend(name: str, model: Model, device: torch.device) -> str:
+    """`auto` is the offload engine for a MoE model with Q4_0 experts on a GPU."""
+    if name != "auto":
+        if name == "offload" and not model.spec.is_moe:
+            raise ModelError(f"{model.source}: engine.backend=offload serves MoE models only")
+        if name == "offload" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ModelError(
+                "engine.backend=offload on the CPU runs its kernels in Triton's interpreter"
+                " (for tests): set TRITON_INTERPRET=1, or use a GPU"
+            )
+        return name
+    if device.type == "cuda" and model.spec.is_moe and blob_layout(model).qtype.name == "Q4_0":
+        return "offload"
+    return "reference"
+
+
+class OffloadTiers:
+    """The offload engine's tiers as the control socket sees a store (`plan`, `stats()`)."""
+
+    def __init__(
+        self,
+        plan: ResidencyPlan,
+        forward: OffloadForward,
+        source: Any,
+        counts: tuple[int, ...],
+        bandwidths: Bandwidths,
+        budget: Any,
+    ) -> None:
+        self.plan, self.forward, self.source = plan, forward, source
+        self.layouts = source.layouts
+        self.counts, self.bandwidths, self.budget = counts, bandwidths, budget
+        self.degraded = False
+
+    def stats(self) -> StoreStats:
+        f = self.forward
+        return StoreStats(
+            plan_hash=self.plan.hash, vram_hits=f.hits, ram_hits=f.lookups - f.hits,
+            file_hits=0, evictions=f.moves, file_reads=0, file_bytes=0,
+            pinned_bytes=f.host.pinned_bytes, planned_ram_bytes=f.host.nbytes,
+            vram_slots=f.n_slots,
+        )  # fmt: skip
+
+
+def open_offload(
+    config: Config,
+    model: Model,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_context: int,
+    timer: StageTimer,
+    on_pin_progress: ProgressFn | None = None,
+) -> tuple[OffloadForward, OffloadTiers]:
+    """Plan (the store's pure planner), admit (wait for the RAM), fill and pin, then build."""
+    store = config.store
+    source = open_source(store, model)
+    slot_bytes = max(lay.stride for lay in source.layouts)
+    planned = plan_store(store, source, slots=vram_slots(store, device, slot_bytes),
+                         reserves=daemon_reserves(config, 0))  # fmt: skip
+    plan, inputs = planned.plan, planned.inputs
+    log.info(planned.budget.describe())
+    log.info(describe_plan(plan))
+    policy = AdmissionPolicy(
+        mode=store.on_short_ram, wait_s=store.admission_wait_s,
+        backoff_s=store.admission_backoff_s,
+        backoff_max_s=max(BACKOFF_MAX_S, store.admission_backoff_s),
+        headroom_bytes=int(store.resident_headroom_gib * GiB),
+    )  # fmt: skip
+    plan = admit(plan, lambda b: make_plan(replace(inputs, ram_budget=b)), policy,
+                 mem_available).plan  # fmt: skip
+    if len(plan.ram) < plan.n_total:
+        raise AdmissionRefused(
+            f"the offload engine keeps every expert in page-locked RAM and reads misses in place,"
+            f" but the plan {plan.hash} has room for {len(plan.ram)} of {plan.n_total}"
+            f" ({plan.ram_bytes / GiB:.2f} of {sum(inputs.blob_bytes) / GiB:.2f} GiB): raise"
+            " store.resident_budget_gib or lower store.resident_headroom_gib, or set"
+            ' engine.backend = "reference" to read experts from the file'
+        )
+    bw = measure_bandwidths(source, device)
+    log_coverage(coverage(plan, inputs.blob_bytes, inputs.counts), bw, plan, source.label)
+    residents: list[list[int]] = [[] for _ in range(plan.n_layers)]
+    for unit in plan.vram:
+        residents[unit.layer].append(unit.expert)
+    layout = blob_layout(model)
+    cfg = OffloadConfig(
+        expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
+        dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
+        prefill_chunk=config.server.prefill_chunk,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    forward = OffloadForward(model, device, cfg, residents=[sorted(r) for r in residents],
+                             pin=_pin_settings(config, on_pin_progress))  # fmt: skip
+    forward.timer = timer
+    log.info("offload engine ready in %.1f s", time.monotonic() - t0)
+    return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, planned.budget)
+
+
+def _pin_settings(config: Config, on_progress: ProgressFn | None) -> dict[str, Any]:
+    def report(done: int, total: int, elapsed: float, chunks: tuple[int, int]) -> None:
+        if on_progress is not None:
+            on_progress(PinProgress(done, total, chunks[0], chunks[1], elapsed))
+
+    return {
+        "chunk_bytes": config.store.pin_chunk_mib * MiB,
+        "rate_bytes_s": config.store.pin_rate_gbps * 1e9,
+        "on_progress": report,
+    }

@@ -1,0 +1,75 @@
+"""The daemon on the offload engine (`engine.backend = "offload"`): same tokens as the reference
+engine, the plan and coverage on the control socket, and a clear refusal when the RAM budget
+cannot hold every expert. On the CPU its kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from stratad.engine.forward import ReferenceForward
+from stratad.model.loader import load_model
+from stratad.model.synth import get_preset, write_synth
+from stratad.model.tokenizer import tokenizer_from_gguf
+from tests.daemon import running_daemon
+
+ENV = {"TRITON_INTERPRET": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("offload") / "tiny-moe.gguf"
+    write_synth(get_preset("tiny-moe"), path)
+    return path
+
+
+def _config(path: Path, store: str) -> Path:
+    path.write_text(f'[engine]\nbackend = "offload"\ndevice = "cpu"\n[store]\n{store}\n')
+    return path
+
+
+def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
+    model = load_model(tiny)
+    tok = tokenizer_from_gguf(model.metadata)
+    ref = ReferenceForward(model)
+    cache = ref.new_cache(64)
+    logits = ref(tok.encode("Hello there"), cache)[-1]
+    want = []
+    for _ in range(4):
+        want.append(int(logits.argmax()))
+        logits = ref([want[-1]], cache)[-1]
+
+    config = _config(tmp_path / "stratad.toml", "expert_cache = 12")
+    sock = tmp_path / "ctl.sock"
+    args = [str(tiny), "--config", str(config), "--control-socket", str(sock)]
+    with running_daemon(args, tmp_path / "stratad.log", env=ENV) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model="m", prompt="Hello there", max_tokens=4, temperature=0)
+        ctl = [sys.executable, "-m", "stratactl"]
+        cov = subprocess.run([*ctl, "coverage", "--json", "--socket", str(sock)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.choices[0].text == tok.decode(want)
+    assert cov.returncode == 0, cov.stderr
+    coverage = json.loads(cov.stdout)
+    assert coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
+    assert json.loads(plan.stdout)["hash"] in (tmp_path / "stratad.log").read_text()
+
+
+def test_offload_refuses_when_ram_cannot_hold_every_expert(tiny: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path / "stratad.toml", "resident_budget_gib = 0.0005")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stratad", str(tiny), "--config", str(config), "--port", "0",
+         "--control-socket", ""],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **ENV},
+    )  # fmt: skip
+    assert proc.returncode == 75, proc.stderr
+    assert "the offload engine keeps every expert in page-locked RAM" in proc.stderr
+    assert "Traceback" not in proc.stderr
