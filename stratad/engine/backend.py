@@ -10,6 +10,7 @@ the plan hash, the coverage line and the control socket's views mean the same th
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -96,8 +97,7 @@ def open_offload(
     """Plan (the store's pure planner), admit (wait for the RAM), fill and pin, then build."""
     store = config.store
     source = open_source(store, model)
-    slot_bytes = max(lay.stride for lay in source.layouts)
-    planned = plan_store(store, source, slots=vram_slots(store, device, slot_bytes),
+    planned = plan_store(store, source, slots=_slots(config, model, device, dtype, max_context),
                          reserves=daemon_reserves(config, 0))  # fmt: skip
     plan, inputs = planned.plan, planned.inputs
     log.info(planned.budget.describe())
@@ -135,6 +135,30 @@ def open_offload(
     forward.timer = timer
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
     return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, planned.budget)
+
+
+def _slots(
+    config: Config, model: Model, device: torch.device, dtype: torch.dtype, max_context: int
+) -> int:
+    """VRAM slots for experts: the configured count, or (auto) what the free VRAM holds after
+    everything else the engine will allocate there: dense weights, the KV cache, the two
+    prefill staging buffers and `store.vram_reserve_gib` for activations and the runtime."""
+    store = config.store
+    layout = blob_layout(model)
+    if store.expert_cache != "auto" or device.type != "cuda":
+        return vram_slots(store, device, layout.nbytes)
+    spec, size = model.spec, torch.finfo(dtype).bits // 8
+    dense = sum(math.prod(t.shape) for n, t in model.tensors.items() if ".experts." not in n)
+    kv = 2 * spec.n_layers * max_context * spec.kv_dim * size
+    staging = 2 * spec.n_experts * layout.nbytes
+    free, _ = torch.cuda.mem_get_info(device)
+    left = free - dense * size - kv - staging - int(store.vram_reserve_gib * GiB)
+    log.info(
+        "VRAM for expert slots: %.2f GiB free - dense %.2f - KV %.2f - staging %.2f"
+        " - reserve %.2f = %.2f GiB", free / GiB, dense * size / GiB, kv / GiB, staging / GiB,
+        store.vram_reserve_gib, max(left, 0) / GiB,
+    )  # fmt: skip
+    return max(left, 0) // layout.nbytes
 
 
 def _pin_settings(config: Config, on_progress: ProgressFn | None) -> dict[str, Any]:
