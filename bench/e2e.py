@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         max_context=max(args.prefill_lens + [args.prompt_len + args.decode_tokens]) + 16,
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
+        pcie_frac=args.pcie_frac,
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)
@@ -213,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument(
+        "--pcie-frac",
+        type=float,
+        default=1.0,
+        help="share of decode misses read in place by the GPU; the CPU computes the rest",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)
     result = run(args)

@@ -92,15 +92,16 @@ def _gate_up_kernel(
     s = tl.program_id(1)  # (token, slot) pair
     t = s // TOP_K
     e = tl.load(ids_ptr + s).to(tl.int64)
-    gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
-    up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < F
-    x = x_ptr + t.to(tl.int64) * H
-    g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
-    u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
-    act = g / (1.0 + tl.exp(-g)) * u
-    tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
+    if e >= 0:  # a negative id: this slot is computed elsewhere (the CPU miss path)
+        gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
+        up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < F
+        x = x_ptr + t.to(tl.int64) * H
+        g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
+        u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
 
 @triton.jit
@@ -120,11 +121,13 @@ def _down_kernel(
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
     e = tl.load(ids_ptr + s).to(tl.int64)
-    w = tl.load(weights_ptr + s)
-    down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
-    act = act_ptr + s.to(tl.int64) * F
-    y = _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B)
-    tl.store(part_ptr + s.to(tl.int64) * H + rows, w * y, mask=rmask)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if e >= 0:  # skipped slots contribute zero
+        w = tl.load(weights_ptr + s)
+        down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
+        act = act_ptr + s.to(tl.int64) * F
+        y = w * _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B)
+    tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -205,7 +208,8 @@ def fused_moe(
     ffn: int,
     config: MoeConfig = MoeConfig(),
 ) -> torch.Tensor:
-    """The routed-expert output [T, H] of one layer, experts found through `table`."""
+    """The routed-expert output [T, H] of one layer, experts found through `table`. Slots
+    whose id is negative are skipped (they contribute zero: computed elsewhere)."""
     act = moe_gate_up(x, ids, table, ffn, config)
     return moe_down(act, ids, weights, table, x.shape[1], x.dtype, config)
 

@@ -72,6 +72,10 @@ class EngineConfig(_Section, frozen=True):
     """Forward pass: `offload` is the GPU engine for MoE models larger than VRAM (Q4_0 experts,
     every expert in page-locked RAM, misses read in place); `reference` is the torch reference
     (experts through the store, any device); `auto` picks offload for a Q4_0 MoE on a GPU."""
+    pcie_frac: Annotated[float, msgspec.Meta(ge=0, le=1)] | Literal["auto"] = "auto"
+    """Offload engine: share of the experts a decode step misses in VRAM that the GPU reads in
+    place over PCIe; the CPU computes the rest from RAM in parallel. `auto` balances the two by
+    the bandwidths measured at start (and keeps 1 when the CPU's share would be under 10%)."""
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""

@@ -90,3 +90,16 @@ def test_fused_moe_gpu_real_shape_with_host_mapped_experts() -> None:
     ref = fused_moe_ref(x.bfloat16(), ids, weights, experts)
     err = (got.float().cpu() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, f"relative error {err:.2e}"
+
+
+def test_negative_ids_are_skipped() -> None:
+    x, ids, weights, table, experts = _case(2, 3, 6, 64, 96, "cpu", seed=7)
+    skip = ids.clone()
+    skip[0, 1] = -1
+    skip[1, 2] = -1
+    kept = weights.clone()
+    kept[0, 1] = 0.0
+    kept[1, 2] = 0.0
+    got = fused_moe(x, skip, weights, table, 96)
+    ref = fused_moe_ref(x, ids, kept, experts)
+    assert (got - ref).norm() / ref.norm() < 1e-5

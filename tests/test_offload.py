@@ -133,3 +133,27 @@ def test_split_dequant_bit_exact() -> None:
     want = dequantize(blocks, QType.Q4_0, (64, 96))
     got = dequant_split(split_q4_0(blocks)[None], 64, 96)[0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pcie_frac", [0.0, 0.5, 1.0])
+def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float) -> None:
+    """Misses read in place by the kernel, computed on the CPU, or split between the two."""
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac)
+    tokens, logits = _greedy(off, PROMPT, 6)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
+    misses = off.lookups - off.hits
+    if pcie_frac == 0.0:
+        assert off.cpu_experts >= misses > 0  # every decode miss (prefill's too) on the CPU
+    elif pcie_frac == 1.0:
+        assert off.cpu_experts == 0
+    else:
+        assert 0 < off.cpu_experts
+
+
+def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
+    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=0.5)
+    ids = [[e for e in range(8) if e not in off.slot_of[0]][:2]] * 2  # 4 misses
+    assert off.cpu_slots(0, ids) == [(1, 0), (1, 1)]
+    assert off.cpu_slots(0, ids) == off.cpu_slots(0, ids)

@@ -133,8 +133,24 @@ def open_offload(
     forward = OffloadForward(model, device, cfg, residents=[sorted(r) for r in residents],
                              pin=_pin_settings(config, on_pin_progress))  # fmt: skip
     forward.timer = timer
+    forward.config = replace(cfg, pcie_frac=_pcie_frac(config.engine.pcie_frac, forward, bw))
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
     return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, planned.budget)
+
+
+def _pcie_frac(setting: float | str, forward: OffloadForward, bw: Bandwidths) -> float:
+    """The miss policy: the configured share, or one that lets PCIe and the CPU finish
+    together (and 1 when the CPU's share is too small to pay for a sync per layer)."""
+    if setting != "auto":
+        return float(setting)
+    cpu = forward.measure_cpu_expert_bps()
+    share = cpu / (cpu + bw.copy_bps)
+    frac = 1.0 if share < 0.1 else round(1.0 - share, 2)
+    log.info(
+        "miss policy: pcie_frac %.2f (resident copy %.2f GB/s, CPU experts %.2f GB/s)",
+        frac, bw.copy_bps / 1e9, cpu / 1e9,
+    )  # fmt: skip
+    return frac
 
 
 def _slots(

@@ -14,6 +14,7 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +46,14 @@ class OffloadConfig:
     graphs: bool = True  # capture the decode step as a CUDA graph
     adapt: bool = True  # move recently used experts into VRAM between steps
     moves_per_step: int = 8
+    # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
+    # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
+    # per layer (the host must see the routing), so it is not captured as a graph.
+    pcie_frac: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.pcie_frac <= 1.0:
+            raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
 
 
 @dataclass
@@ -142,7 +151,7 @@ class OffloadForward:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
-        self.hits = self.lookups = self.moves = 0
+        self.hits = self.lookups = self.moves = self.cpu_experts = 0
 
     # -- placement -----------------------------------------------------------------------
 
@@ -265,7 +274,9 @@ class OffloadForward:
         with stage("router"):
             h = rms_norm(x, w.ffn_norm, spec.rms_eps)
             weights, ids = self._route(w, h)
-        if start is None or h.shape[0] <= 8:
+        if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
+            moe = self._split_moe(i, h, ids, weights)
+        elif start is None or h.shape[0] <= 8:
             with stage("experts (VRAM + in place)"):
                 moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
         else:
@@ -275,6 +286,57 @@ class OffloadForward:
             shared = self._shared(w, h)
         x = x + (moe if shared is None else moe + shared)
         return x, ids
+
+    # -- the CPU miss path ------------------------------------------------------------------
+
+    def cpu_slots(self, i: int, ids: list[list[int]]) -> list[tuple[int, int]]:
+        """The (token, slot) pairs whose missed expert the CPU computes: the last
+        (1 - pcie_frac) of the misses, in slot order (deterministic)."""
+        misses = [(t, k) for t, row in enumerate(ids) for k, e in enumerate(row)
+                  if e not in self.slot_of[i]]  # fmt: skip
+        n_cpu = round(len(misses) * (1.0 - self.config.pcie_frac))
+        return misses[len(misses) - n_cpu :] if n_cpu else []
+
+    def _split_moe(self, i: int, h: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Hits and the GPU's share of misses in the fused kernel; the CPU computes the rest
+        from its RAM copy at the same time."""
+        stage = self.timer.stage
+        host_ids = ids.tolist()  # one synchronisation per layer: h and the weights are ready
+        cpu = self.cpu_slots(i, host_ids)
+        x, w = h.float().cpu(), weights.cpu()  # before queueing the kernel, not after it
+        gpu_ids = ids.clone()
+        if cpu:
+            t_idx, k_idx = zip(*cpu, strict=True)
+            gpu_ids[list(t_idx), list(k_idx)] = -1
+        with stage("experts (VRAM + in place)"):  # queued; runs while the CPU works below
+            moe = fused_moe(h.contiguous(), gpu_ids, weights, self.table[i], self.spec.expert_ffn)
+        if not cpu:
+            return moe
+        with stage("experts (CPU)"):
+            out = torch.zeros((h.shape[0], self.spec.hidden), dtype=torch.float32)
+            for t, k in cpu:
+                gate, up, down = self._cpu_expert(i, host_ids[t][k])
+                y = torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])
+                out[t] += w[t, k] * (down @ y)
+            moe = moe + out.to(device=moe.device, dtype=moe.dtype)
+        self.cpu_experts += len(cpu)
+        return moe
+
+    def measure_cpu_expert_bps(self, repeats: int = 3) -> float:
+        """Expert bytes per second the CPU turns into outputs (dequantize + matvec)."""
+        x = torch.randn(self.spec.hidden)
+        times = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            gate, up, down = self._cpu_expert(0, r % self.spec.n_experts)
+            _ = down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
+            times.append(time.perf_counter() - t0)
+        return self.layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]
+
+    def _cpu_expert(self, i: int, e: int) -> tuple[torch.Tensor, ...]:
+        """One expert's float32 weights from the RAM copy (dequantized per use)."""
+        return tuple(w.dequantize() for w in self.layout.views(self.host.buffer[i, e]))
 
     # -- prefill --------------------------------------------------------------------------
     # Each chunk streams every layer's experts into one of two staging buffers on a side
@@ -388,7 +450,7 @@ class OffloadForward:
         if cache.length + 1 > cache.capacity:
             raise ValueError("the KV cache is full")
         self._apply_moves()
-        if self.config.graphs and self.device.type == "cuda":
+        if self.config.graphs and self.device.type == "cuda" and self.config.pcie_frac == 1.0:
             logits, ids = self._replay(token, cache)
         else:
             tok = torch.tensor([token], device=self.device)
