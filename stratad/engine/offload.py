@@ -7,6 +7,8 @@ and the fused MoE kernel reads whichever it finds (VRAM, or host RAM in place ov
 Decode runs one token through all layers with no host synchronisation (routing ids stay
 on the device) and is captured once as a CUDA graph. Between steps, a per-layer LRU policy
 moves recently used experts into VRAM on a side stream, and only then repoints the table.
+With `pcie_frac` below 1, part of each step's misses is computed on the CPU from its RAM
+copy while the GPU reads the rest in place (one synchronisation per layer, no graph).
 Prefill runs in chunks: each layer's routed experts are copied into a staging area while
 the previous layer computes, dequantized to the compute dtype, and run as grouped GEMMs.
 """
@@ -23,7 +25,7 @@ import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import fused_moe, split_q4_0_ok
-from kernels.quant import QType
+from kernels.quant import QTensor, QType
 from stratad.engine.experts import blob_layout, dequant_split
 from stratad.engine.grouped import grouped_swiglu
 from stratad.engine.host_experts import HostExperts
@@ -33,6 +35,7 @@ from stratad.engine.slots import SlotPolicy, initial_residents
 from stratad.engine.timing import StageTimer
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
+from stratad.model.weights import MoEWeights
 
 log = logging.getLogger("stratad.engine")
 
@@ -71,31 +74,36 @@ class _Dense:
 
 
 def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> list[_Dense]:
+    """Everything but the routed experts, dequantized once into the compute dtype."""
+
+    def f(t: QTensor) -> torch.Tensor:
+        return t.dequantize().to(device=device, dtype=dtype)
+
+    def opt(t: QTensor | None) -> torch.Tensor | None:
+        return None if t is None else f(t)
+
     arch = ARCHS[model.spec.arch]
     out = []
     for i in range(model.spec.n_layers):
         w = arch.layer(model, i)
-        moe = w.mlp
-        assert not isinstance(moe, type(None))
-
-        def f(t):  # type: ignore[no-untyped-def]
-            return None if t is None else t.dequantize().to(device=device, dtype=dtype)
-
-        a = w.attn
-        bias = torch.cat([f(a.q_bias), f(a.k_bias), f(a.v_bias)]) if a.q_bias is not None else None
-        shared = moe.shared  # type: ignore[union-attr]
+        moe, a = w.mlp, w.attn
+        if not isinstance(moe, MoEWeights):
+            raise ModelError(f"{model.source}: layer {i} has no routed experts")
+        biases = (a.q_bias, a.k_bias, a.v_bias)
+        bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
+        shared = moe.shared
         out.append(
             _Dense(
                 attn_norm=f(w.attn_norm),
                 qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
                 qkv_bias=bias,
-                q_norm=f(a.q_norm),
-                k_norm=f(a.k_norm),
+                q_norm=opt(a.q_norm),
+                k_norm=opt(a.k_norm),
                 o=f(a.o),
                 ffn_norm=f(w.ffn_norm),
-                router=f(moe.router),  # type: ignore[union-attr]
+                router=f(moe.router),
                 shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
-                shared_gate=f(moe.shared_gate),  # type: ignore[union-attr]
+                shared_gate=opt(moe.shared_gate),
             )
         )
     return out
