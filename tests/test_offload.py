@@ -149,7 +149,7 @@ def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float) -> None:
     elif pcie_frac == 1.0:
         assert off.cpu_experts == 0
     else:
-        assert 0 < off.cpu_experts
+        assert off.cpu_experts > 0
 
 
 def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
