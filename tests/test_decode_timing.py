@@ -32,3 +32,5 @@ def test_decode_timing_log_and_metrics(tmp_path: Path) -> None:
     assert {"attention", "router", "experts", "expert fetch", "head", "sampling"} <= set(stages)
     assert abs(sum(float(v) for v in stages.values()) - float(m.group(2))) < 0.05
     assert 'strata:decode_stage_ms_per_step{stage="experts"}' in metrics
+    prefill = [x for x in log.read_text().splitlines() if "prefill timing:" in x]
+    assert len(prefill) == 1 and re.search(r"prefill timing: 2 tokens, [\d.]+ ms = ", prefill[0])

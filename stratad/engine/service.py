@@ -61,6 +61,12 @@ def _dense_host_bytes(model: Model, device: torch.device) -> int:
     )
 
 
+def _stages(ms: dict[str, float], unit: str = "ms") -> str:
+    """Stages by time, largest first: '12.40 ms = experts 8.10, attention 3.20 (ms)'."""
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
+    return f"{sum(ms.values()):.2f} {unit} = {parts} (ms)"
+
+
 def _tier_shares(stats: object) -> str:
     hits = {k: getattr(stats, f"{k}_hits", 0) for k in ("vram", "ram", "file")}
     total = sum(hits.values()) or 1
@@ -227,9 +233,10 @@ class Engine:
         # one event per sampled token, the end-of-sequence token included
         n = 0
         for n, event in enumerate(self.generator.run(req, cancelled), start=1):
-            if n == 1:  # prefill and the first sample are behind us: time decode steps only
-                self.timer.collect()
-                self.timer.reset()
+            if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
+                computed = len(prepared.prompt) - self.generator.cached_tokens
+                log.info("prefill timing: %d tokens, %s", computed, _stages(self.timer.collect()))
+                self.timer.reset()  # from here on: decode steps only
             yield Delta(
                 text=event.text,
                 finish_reason=event.finish_reason,
@@ -243,15 +250,10 @@ class Engine:
     def _log_timing(self, steps: int) -> None:
         per_step = {k: v / steps for k, v in self.timer.collect().items()}
         self.last_timing = per_step
-        total = sum(per_step.values())
-        stages = ", ".join(
-            f"{k} {v:.2f}" for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])
-        )
         hits = ""
         if self.store is not None:
-            st = self.store.stats()
-            hits = f"; expert reads by tier: {_tier_shares(st)}"
-        log.info("decode timing: %d steps, %.2f ms/step = %s (ms)%s", steps, total, stages, hits)
+            hits = f"; expert reads by tier: {_tier_shares(self.store.stats())}"
+        log.info("decode timing: %d steps, %s%s", steps, _stages(per_step, "ms/step"), hits)
 
     def warm_up(self) -> None:
         """A short generation, so that the first request does not pay for lazy initialisation."""
