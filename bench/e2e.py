@@ -83,6 +83,30 @@ def measure_cpu_expert(layout, host_buffer: torch.Tensor) -> float:  # type: ign
     return layout.nbytes / statistics.median(times[1:]) / 1e9
 
 
+def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Milliseconds by stage for one prefill and per decode step, timed eagerly (no graph:
+    every stage bracketed by events), to see which stage holds a figure back."""
+    from dataclasses import replace
+
+    from stratad.engine.timing import StageTimer
+
+    graphs, engine.config = engine.config.graphs, replace(engine.config, graphs=False)
+    engine.timer = StageTimer(enabled=True)
+    n = max(args.prefill_lens)
+    cache.length = 0
+    cache.tokens.clear()
+    logits = engine.prefill(prompt(min(n, 8192)), cache)
+    prefill = engine.timer.collect()
+    engine.timer.reset()
+    steps = 32
+    for _ in range(steps):
+        logits = engine.decode(int(logits.argmax()), cache)
+    decode = {k: v / steps for k, v in engine.timer.collect().items()}
+    engine.timer = StageTimer(enabled=False)
+    engine.config = replace(engine.config, graphs=graphs)
+    return {"prefill_8k_ms": prefill, "decode_ms_per_step": decode}
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(0)
     model = load_model(Path(args.model))
@@ -147,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         chunks = -(-n // args.prefill_chunk)
         moved = chunks * spec.n_layers * spec.n_experts * (1 - resident) * engine.layout.nbytes
         prefill[n] = (tps, n / (moved / (bw["pinned"] * 1e9)) if moved else float("inf"), moved)
+    timing = stage_timing(engine, cache, prompt, args) if args.timing else {}
     result = {
+        "timing": timing,
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
         "slots_per_layer": engine.n_slots // spec.n_layers,
@@ -193,6 +219,9 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"| decode hit rate | {r['hit_rate']:.1%} | | |",
         f"| decode MB missed per token | {r['missed_mb_per_token']:,.1f} | | |",
     ]
+    for name, stages in (r.get("timing") or {}).items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda x: -x[1]))
+        lines.append(f"| stages, {name} (ms) | {parts} | | |")
     for n, p in r["prefill"].items():
         lines.append(
             f"| prefill tok/s at {int(n):,} | {_spread(p['tps'])} | {p['ceiling']:,.0f} "
@@ -214,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument(
+        "--timing",
+        action="store_true",
+        help="also time each stage of one 8K prefill and 32 decode steps (no graph)",
+    )
     p.add_argument(
         "--pcie-frac",
         type=float,
