@@ -20,10 +20,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="stratad",
         description="Serve a (Mixture-of-Experts) language model over an OpenAI-compatible API.",
     )
-    p.add_argument("model", nargs="?", help="GGUF file or Hugging Face directory "
-                   "(default: the config's model.path, else SmolLM2-135M-Instruct)")
-    p.add_argument("--config", type=Path, help="TOML config file (default: $STRATA_CONFIG, "
-                   "else /etc/strata/stratad.toml if it exists)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="GGUF file or Hugging Face directory "
+        "(default: the config's model.path, else SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="TOML config file (default: $STRATA_CONFIG, "
+        "else /etc/strata/stratad.toml if it exists)",
+    )
     p.add_argument("--host", help="bind address (server.host)")
     p.add_argument("--port", type=int, help="TCP port (server.port)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (engine.device)")

@@ -76,6 +76,11 @@ class EngineConfig(_Section, frozen=True):
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU reads in
     place over PCIe; the CPU computes the rest from RAM in parallel. `auto` balances the two by
     the bandwidths measured at start (and keeps 1 when the CPU's share would be under 10%)."""
+    offload_prefill_chunk: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    """Prompt tokens per prefill chunk of the offload engine (instead of
+    server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so
+    a larger chunk moves fewer bytes per token; a cancelled request frees the engine within
+    one chunk."""
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""

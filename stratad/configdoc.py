@@ -54,8 +54,11 @@ def _docstrings() -> tuple[dict[tuple[str, str], tuple[str, str]], dict[str, str
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 doc = ""
                 nxt = body[i + 1] if i + 1 < len(body) else None
-                if (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                        and isinstance(nxt.value.value, str)):
+                if (
+                    isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
                     doc = _clean(nxt.value.value)
                 fields[(node.name, stmt.target.id)] = (ast.unparse(stmt.annotation), doc)
     return fields, classes
@@ -67,15 +70,21 @@ def _clean(text: str) -> str:
 
 def _type_text(annotation: str) -> str:
     """`Annotated[float, msgspec.Meta(ge=0)] | Literal['auto']` -> `float (>= 0) | "auto"`."""
+
     def annotated(m: re.Match[str]) -> str:
         base, meta = m[1], m[2]
-        bounds = [f"{'>=' if k == 'ge' else '>' if k == 'gt' else '<=' if k == 'le' else '<'} {v}"
-                  for k, v in re.findall(r"(ge|gt|le|lt)=([^,)]+)", meta)]
+        bounds = [
+            f"{'>=' if k == 'ge' else '>' if k == 'gt' else '<=' if k == 'le' else '<'} {v}"
+            for k, v in re.findall(r"(ge|gt|le|lt)=([^,)]+)", meta)
+        ]
         return f"{base} ({', '.join(bounds)})" if bounds else base
 
     text = re.sub(r"Annotated\[(\w+), msgspec\.Meta\(([^)]*)\)\]", annotated, annotation)
-    text = re.sub(r"Literal\[([^\]]*)\]",
-                  lambda m: " | ".join(v.strip().replace("'", '"') for v in m[1].split(",")), text)
+    text = re.sub(
+        r"Literal\[([^\]]*)\]",
+        lambda m: " | ".join(v.strip().replace("'", '"') for v in m[1].split(",")),
+        text,
+    )
     return text
 
 
@@ -136,14 +145,23 @@ def render_markdown() -> str:
             if docs.get(k.section):
                 lines += [docs[k.section], ""]
             lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        cells = [f"`{k.name}`", _cell(k.type), f"`{toml_value(k.default)}`",
-                 _cell(k.doc or "(undocumented)")]
+        cells = [
+            f"`{k.name}`",
+            _cell(k.type),
+            f"`{toml_value(k.default)}`",
+            _cell(k.doc or "(undocumented)"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
         if i + 1 == len(ks) or ks[i + 1].section != k.section:
             lines.append("")
-    lines += ["## Environment variables", "",
-              "Read in one place (`stratad/env.py`); each overrides the key it names.", "",
-              "| variable | meaning |", "| --- | --- |"]
+    lines += [
+        "## Environment variables",
+        "",
+        "Read in one place (`stratad/env.py`); each overrides the key it names.",
+        "",
+        "| variable | meaning |",
+        "| --- | --- |",
+    ]
     lines += [f"| `{name}` | {_cell(doc)} |" for name, doc in env_vars()]
     return "\n".join(lines) + "\n"
 
@@ -184,7 +202,8 @@ def _wrap(text: str, width: int = 96) -> list[str]:
 
 def undocumented() -> list[str]:
     return [f"{k.section}.{k.name}" for k in keys() if not k.doc] + [
-        name for name, doc in env_vars() if not doc]
+        name for name, doc in env_vars() if not doc
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"configdoc: undocumented: {', '.join(missing)}", file=sys.stderr)
         return 1
     outputs = {DOC_PATH: render_markdown(), EXAMPLE_PATH: render_example()}
-    stale = [path for path, text in outputs.items()
-             if not path.is_file() or path.read_text() != text]
+    stale = [
+        path for path, text in outputs.items() if not path.is_file() or path.read_text() != text
+    ]
     if args.write:
         for path in stale:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"configdoc: wrote {path.relative_to(ROOT)}")
         return 0
     for path in stale:
-        print(f"configdoc: {path.relative_to(ROOT)} is stale: run python -m stratad.configdoc"
-              " --write", file=sys.stderr)
+        print(
+            f"configdoc: {path.relative_to(ROOT)} is stale: run python -m stratad.configdoc"
+            " --write",
+            file=sys.stderr,
+        )
     return 1 if stale else 0
 
 

@@ -75,7 +75,8 @@ Request = (
     StatusRequest | CoverageRequest | PlanRequest | StatsRequest | ProfileSaveRequest | DrainRequest
 )
 VERBS: tuple[str, ...] = tuple(
-    str(t.__struct_config__.tag) for t in Request.__args__  # type: ignore[attr-defined]
+    str(t.__struct_config__.tag)
+    for t in Request.__args__  # type: ignore[attr-defined]
 )
 
 
@@ -230,7 +231,12 @@ class DrainReply(_Reply, frozen=True, tag="drain"):
 
 
 Reply = (
-    ErrorReply | StatusReply | CoverageReply | PlanReply | StatsReply | ProfileSaveReply
+    ErrorReply
+    | StatusReply
+    | CoverageReply
+    | PlanReply
+    | StatsReply
+    | ProfileSaveReply
     | DrainReply
 )
 

@@ -24,8 +24,15 @@ DRAIN_RETRY_AFTER_S = 30
 
 def _draining_response() -> web.Response:
     return web.json_response(
-        {"error": {"message": "the server is draining: it finishes in-flight requests and takes"
-                   " no new ones", "type": "server_error", "param": None, "code": "draining"}},
+        {
+            "error": {
+                "message": "the server is draining: it finishes in-flight requests and takes"
+                " no new ones",
+                "type": "server_error",
+                "param": None,
+                "code": "draining",
+            }
+        },
         status=503,
         headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
     )

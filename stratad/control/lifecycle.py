@@ -64,8 +64,13 @@ def engine_view(engine: Any) -> EngineView:
             free, total = torch.cuda.mem_get_info(info.device)
             return int(total - free), int(total)
 
-    return EngineView(model=info.model_id, arch=info.arch, device=str(info.device),
-                      moe=bool(spec.is_moe), vram=vram)
+    return EngineView(
+        model=info.model_id,
+        arch=info.arch,
+        device=str(info.device),
+        moe=bool(spec.is_moe),
+        vram=vram,
+    )
 
 
 class Operations:
@@ -135,8 +140,9 @@ class Operations:
             self.attach_store(view)
             pinner = getattr(view.store, "pinner", None)
             if pinner is not None:
-                threading.Thread(target=self._watch_pinning, args=(pinner,),
-                                 name="pin-progress", daemon=True).start()
+                threading.Thread(
+                    target=self._watch_pinning, args=(pinner,), name="pin-progress", daemon=True
+                ).start()
 
     def wrap_backend(self, backend: Any) -> Any:
         """The engine as the HTTP side should call it: counted for `stratactl stats`."""

@@ -152,8 +152,12 @@ class ControlServer:
         )
         self._thread.start()
         ready.wait()
-        log.info("control socket on %s (mode %o, group %s)", self.path, self.mode,
-                 _group_name(self.access.gid))
+        log.info(
+            "control socket on %s (mode %o, group %s)",
+            self.path,
+            self.mode,
+            _group_name(self.access.gid),
+        )
 
     def stop(self) -> None:
         loop, thread = self._loop, self._thread
@@ -245,8 +249,12 @@ class ControlServer:
             try:
                 line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
             except (ValueError, asyncio.LimitOverrunError):
-                await _send(writer, ErrorReply(
-                    code="too-large", error=f"request longer than {MAX_REQUEST_BYTES} bytes"))
+                await _send(
+                    writer,
+                    ErrorReply(
+                        code="too-large", error=f"request longer than {MAX_REQUEST_BYTES} bytes"
+                    ),
+                )
                 return  # the rest of that line is still on its way: no way to resynchronise
             except TimeoutError:
                 return
@@ -261,8 +269,12 @@ class ControlServer:
         except ProtocolError as e:
             return ErrorReply(code=e.code, error=str(e))
         if isinstance(request, (DrainRequest, ProfileSaveRequest)):
-            log.info("control socket: %s from uid %d (pid %d)",
-                     type(request).__struct_config__.tag, peer.uid, peer.pid)
+            log.info(
+                "control socket: %s from uid %d (pid %d)",
+                type(request).__struct_config__.tag,
+                peer.uid,
+                peer.pid,
+            )
         code: ErrorCode
         try:
             return await asyncio.get_running_loop().run_in_executor(
@@ -274,7 +286,6 @@ class ControlServer:
             log.exception("control socket: %s failed", type(request).__struct_config__.tag)
             code, message = "internal", f"{type(e).__name__}: {e}"
         return ErrorReply(code=code, error=message)
-
 
     def _dispatch(self, request: Request) -> object:
         p = self.provider

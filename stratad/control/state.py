@@ -98,8 +98,9 @@ class Meter:
 
     def stages(self) -> list[StageTiming]:
         with self._lock:
-            return [StageTiming(name=n, calls=c, total_ms=t * 1e3)
-                    for n, (c, t) in self._stages.items()]
+            return [
+                StageTiming(name=n, calls=c, total_ms=t * 1e3) for n, (c, t) in self._stages.items()
+            ]
 
 
 class DaemonState:

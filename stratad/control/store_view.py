@@ -38,9 +38,16 @@ def blob_sizes(layouts: Sequence[Any], n_experts: int) -> tuple[int, ...]:
     return tuple(lay.stride for lay in layouts for _ in range(n_experts))
 
 
-def plan_reply(plan: Any, sizes: Sequence[int], *, degraded: bool = False,
-               budget: Any = None, headroom_bytes: int = 0, mem_total: int = 0,
-               inputs: dict[str, str] | None = None) -> PlanReply:
+def plan_reply(
+    plan: Any,
+    sizes: Sequence[int],
+    *,
+    degraded: bool = False,
+    budget: Any = None,
+    headroom_bytes: int = 0,
+    mem_total: int = 0,
+    inputs: dict[str, str] | None = None,
+) -> PlanReply:
     """A `ResidencyPlan` as the `plan` verb's reply."""
     e = plan.n_experts
     file_only = plan.file_only
@@ -50,8 +57,9 @@ def plan_reply(plan: Any, sizes: Sequence[int], *, degraded: bool = False,
         moe=True,
         vram=Tier(experts=len(plan.vram), bytes=plan.vram_bytes),
         ram=Tier(experts=len(plan.ram), bytes=plan.ram_bytes),
-        file=Tier(experts=len(file_only),
-                  bytes=sum(sizes[u.layer * e + u.expert] for u in file_only)),
+        file=Tier(
+            experts=len(file_only), bytes=sum(sizes[u.layer * e + u.expert] for u in file_only)
+        ),
         vram_budget_bytes=plan.vram_budget,
         ram_budget_bytes=plan.ram_budget,
         headroom_bytes=headroom_bytes,
@@ -61,9 +69,14 @@ def plan_reply(plan: Any, sizes: Sequence[int], *, degraded: bool = False,
     )
 
 
-def coverage_reply(plan: Any, sizes: Sequence[int], counts: Sequence[int],
-                   bandwidths: Any = None, file_reads: int = 0,
-                   file_read_bytes: int = 0) -> CoverageReply:
+def coverage_reply(
+    plan: Any,
+    sizes: Sequence[int],
+    counts: Sequence[int],
+    bandwidths: Any = None,
+    file_reads: int = 0,
+    file_read_bytes: int = 0,
+) -> CoverageReply:
     """Coverage of a `ResidencyPlan`, per layer and overall, with the cost estimate."""
     from stratad.store.coverage import coverage, prompt_cost
 
@@ -77,29 +90,40 @@ def coverage_reply(plan: Any, sizes: Sequence[int], counts: Sequence[int],
         ram_per_layer[u.layer] += 1
     layers = []
     for layer, (covered, total) in enumerate(cov.per_layer):
-        row = counts[layer * e:(layer + 1) * e]
+        row = counts[layer * e : (layer + 1) * e]
         mass = sum(row)
         kept = sum(row[u.expert] for u in plan.covered if u.layer == layer)
-        layers.append(LayerCoverage(
-            layer=layer, experts=total, in_vram=vram_per_layer[layer],
-            in_ram=ram_per_layer[layer], file_only=total - covered,
-            routed_mass=kept / mass if mass else covered / max(total, 1)))
+        layers.append(
+            LayerCoverage(
+                layer=layer,
+                experts=total,
+                in_vram=vram_per_layer[layer],
+                in_ram=ram_per_layer[layer],
+                file_only=total - covered,
+                routed_mass=kept / mass if mass else covered / max(total, 1),
+            )
+        )
     slowdown = prompt_cost(cov, bandwidths) if bandwidths is not None else None
     cost = ""
     if not cov.complete:
-        cost = (f"{cov.file_units} experts ({cov.file_bytes / GiB:.2f} GiB) are read from the"
-                " file when routed")
+        cost = (
+            f"{cov.file_units} experts ({cov.file_bytes / GiB:.2f} GiB) are read from the"
+            " file when routed"
+        )
         if slowdown is not None:
-            cost += (f"; expect up to {100 * slowdown:.0f}% less prompt speed on long prompts"
-                     f" (measured {bandwidths.describe()})")
+            cost += (
+                f"; expect up to {100 * slowdown:.0f}% less prompt speed on long prompts"
+                f" (measured {bandwidths.describe()})"
+            )
     return CoverageReply(
         moe=True,
         experts=cov.total,
         in_vram=len(plan.vram),
         in_ram=len(plan.ram),
         in_file_only=cov.file_units,
-        routed_mass=(cov.mass_share if cov.mass_share is not None
-                     else cov.covered / max(cov.total, 1)),
+        routed_mass=(
+            cov.mass_share if cov.mass_share is not None else cov.covered / max(cov.total, 1)
+        ),
         complete=cov.complete,
         file_reads=file_reads,
         file_read_bytes=file_read_bytes,
@@ -112,8 +136,13 @@ def coverage_reply(plan: Any, sizes: Sequence[int], counts: Sequence[int],
 class ExpertStoreView:
     """`stratad.control.state.StoreView` over a running `ExpertStore` (duck-typed)."""
 
-    def __init__(self, store: Any, route_counts: Callable[[], list[list[int]]] | None = None,
-                 profile_path: str = "", headroom_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        route_counts: Callable[[], list[list[int]]] | None = None,
+        profile_path: str = "",
+        headroom_bytes: int = 0,
+    ) -> None:
         self.store = store
         self.route_counts = route_counts
         self.profile_path = profile_path
@@ -123,16 +152,24 @@ class ExpertStoreView:
         self.counts: Sequence[int] = getattr(store, "counts", None) or (0,) * plan.n_total
 
     def plan(self) -> PlanReply:
-        return plan_reply(self.store.plan, self.sizes,
-                          degraded=bool(getattr(self.store, "degraded", False)),
-                          budget=getattr(self.store, "budget", None),
-                          headroom_bytes=self.headroom_bytes)
+        return plan_reply(
+            self.store.plan,
+            self.sizes,
+            degraded=bool(getattr(self.store, "degraded", False)),
+            budget=getattr(self.store, "budget", None),
+            headroom_bytes=self.headroom_bytes,
+        )
 
     def coverage(self) -> CoverageReply:
         stats = self.store.stats()
-        return coverage_reply(self.store.plan, self.sizes, self.counts,
-                              getattr(self.store, "bandwidths", None),
-                              stats.file_reads, stats.file_bytes)
+        return coverage_reply(
+            self.store.plan,
+            self.sizes,
+            self.counts,
+            getattr(self.store, "bandwidths", None),
+            stats.file_reads,
+            stats.file_bytes,
+        )
 
     def tier_hits(self) -> dict[str, int]:
         s = self.store.stats()
@@ -151,8 +188,11 @@ class ExpertStoreView:
             raise Unavailable("this engine does not record routing counts")
         profile = profile_from_counts(self.route_counts())
         save_profile(profile, Path(target))
-        return ProfileSaveReply(path=str(target), experts=profile.n_layers * profile.n_experts,
-                                bytes=Path(target).stat().st_size)
+        return ProfileSaveReply(
+            path=str(target),
+            experts=profile.n_layers * profile.n_experts,
+            bytes=Path(target).stat().st_size,
+        )
 
 
 def store_view_of(engine: Any, config: Any) -> ExpertStoreView | None:
@@ -178,8 +218,12 @@ class DryPlan:
         self.coverage = coverage
 
 
-def dry_plan(config: Any, model_path: Path, vram_free_bytes: int | None,
-             host_total: tuple[int, str] | None = None) -> DryPlan:
+def dry_plan(
+    config: Any,
+    model_path: Path,
+    vram_free_bytes: int | None,
+    host_total: tuple[int, str] | None = None,
+) -> DryPlan:
     """The residency plan of `config` for this host, as the store would compute it at start.
 
     Mirrors `stratad.store.startup.open_store` up to `make_plan` (budget terms, VRAM slots,
@@ -206,17 +250,26 @@ def dry_plan(config: Any, model_path: Path, vram_free_bytes: int | None,
         dense_bytes = max(model_path.stat().st_size - expert_bytes, 0)
     try:
         n_layers, n_experts = source.n_layers, source.n_experts
-        profile = (load_profile(Path(store.expert_profile), n_layers, n_experts)
-                   if store.expert_profile else uniform_profile(n_layers, n_experts))
+        profile = (
+            load_profile(Path(store.expert_profile), n_layers, n_experts)
+            if store.expert_profile
+            else uniform_profile(n_layers, n_experts)
+        )
         total, total_name = host_total or mem_total()
-        configured = None if store.resident_budget_gib == "auto" else float(
-            store.resident_budget_gib)
+        configured = (
+            None if store.resident_budget_gib == "auto" else float(store.resident_budget_gib)
+        )
         on_gpu = config.engine.device != "cpu" and vram_free_bytes is not None
-        budget = ram_budget(configured, total, [
-            ("resident_headroom_gib", int(store.resident_headroom_gib * GiB)),
-            ("reserve_runtime_gib", int(store.reserve_runtime_gib * GiB)),
-            *daemon_reserves(config, 0 if on_gpu else dense_bytes),
-        ], total_name)
+        budget = ram_budget(
+            configured,
+            total,
+            [
+                ("resident_headroom_gib", int(store.resident_headroom_gib * GiB)),
+                ("reserve_runtime_gib", int(store.reserve_runtime_gib * GiB)),
+                *daemon_reserves(config, 0 if on_gpu else dense_bytes),
+            ],
+            total_name,
+        )
         slot_bytes = max(lay.stride for lay in source.layouts)
         if store.expert_cache != "auto":
             slots = int(store.expert_cache)
@@ -229,10 +282,18 @@ def dry_plan(config: Any, model_path: Path, vram_free_bytes: int | None,
     finally:
         source.close()
     return DryPlan(
-        plan_reply(plan, inputs.blob_bytes, budget=budget,
-                   headroom_bytes=int(store.resident_headroom_gib * GiB), mem_total=total,
-                   inputs={"source": str(store.pack or model_path),
-                           "profile": store.expert_profile or "(none: uniform)",
-                           "vram_slots": str(slots), "ram_budget": budget.describe()}),
+        plan_reply(
+            plan,
+            inputs.blob_bytes,
+            budget=budget,
+            headroom_bytes=int(store.resident_headroom_gib * GiB),
+            mem_total=total,
+            inputs={
+                "source": str(store.pack or model_path),
+                "profile": store.expert_profile or "(none: uniform)",
+                "vram_slots": str(slots),
+                "ram_budget": budget.describe(),
+            },
+        ),
         coverage_reply(plan, inputs.blob_bytes, inputs.counts),
     )

@@ -127,7 +127,7 @@ def open_offload(
     cfg = OffloadConfig(
         expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
         dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
-        prefill_chunk=config.server.prefill_chunk,
+        prefill_chunk=config.engine.offload_prefill_chunk,
     )  # fmt: skip
     t0 = time.monotonic()
     forward = OffloadForward(model, device, cfg, residents=[sorted(r) for r in residents],

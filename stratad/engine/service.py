@@ -134,7 +134,11 @@ class Engine:
             self.forward,
             self.tokenizer,
             max_context,
-            prefill_chunk=server.prefill_chunk,
+            prefill_chunk=(
+                config.engine.offload_prefill_chunk
+                if self.backend == "offload"
+                else server.prefill_chunk
+            ),
             prefix_store=self.prefixes,
         )
         self.info = EngineInfo(

@@ -103,18 +103,44 @@ PRESETS: Mapping[str, SynthPreset] = {
     p.name: p
     for p in (
         SynthPreset(
-            "tiny-moe", "qwen3moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2,
-            head_dim=64, ffn=128, n_experts=8, n_experts_used=2,
+            "tiny-moe",
+            "qwen3moe",
+            n_layers=4,
+            hidden=256,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            ffn=128,
+            n_experts=8,
+            n_experts_used=2,
         ),
         SynthPreset(
-            "tiny-dense", "llama", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2,
-            head_dim=64, ffn=512, rope_theta=10_000.0, rms_eps=1e-5,
-            attn_qtype=QType.F32, ffn_qtype=QType.Q8_0,
+            "tiny-dense",
+            "llama",
+            n_layers=4,
+            hidden=256,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            ffn=512,
+            rope_theta=10_000.0,
+            rms_eps=1e-5,
+            attn_qtype=QType.F32,
+            ffn_qtype=QType.Q8_0,
         ),
         # Qwen3-30B-A3B's geometry (its config.json), at Q4_0 experts / Q8_0 the rest.
         SynthPreset(
-            "a3b", "qwen3moe", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
-            head_dim=128, ffn=768, n_experts=128, n_experts_used=8, context_length=40960,
+            "a3b",
+            "qwen3moe",
+            n_layers=48,
+            hidden=2048,
+            n_heads=32,
+            n_kv_heads=4,
+            head_dim=128,
+            ffn=768,
+            n_experts=128,
+            n_experts_used=8,
+            context_length=40960,
             attn_qtype=QType.Q8_0,
         ),
     )
@@ -153,8 +179,9 @@ class SynthTensor:
     def nbytes(self) -> int:
         block, block_bytes = GGML_QUANT_SIZES[self.qtype]
         if self.cols % block:
-            raise ValueError(f"{self.name}: {self.cols} columns is not whole {self.qtype.name}"
-                             " blocks")
+            raise ValueError(
+                f"{self.name}: {self.cols} columns is not whole {self.qtype.name} blocks"
+            )
         return self.rows * (self.cols // block) * block_bytes
 
     @property
@@ -168,8 +195,14 @@ def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
     known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == p.arch)]
     plan: list[SynthTensor] = []
 
-    def add(kind: gguf.MODEL_TENSOR, layer: int, shape: tuple[int, ...], qtype: QType,
-            std: float, row_spread: float = 0.0) -> None:
+    def add(
+        kind: gguf.MODEL_TENSOR,
+        layer: int,
+        shape: tuple[int, ...],
+        qtype: QType,
+        std: float,
+        row_spread: float = 0.0,
+    ) -> None:
         assert kind in known, f"{p.arch} has no {kind.name} tensor"
         name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
         plan.append(SynthTensor(name, shape, qtype, std, row_spread))
@@ -189,8 +222,14 @@ def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
             add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
         add(T.FFN_NORM, i, (d,), QType.F32, 0.0)
         if p.is_moe:
-            add(T.FFN_GATE_INP, i, (e, d), p.router_qtype, p.router_gain * fan,
-                row_spread=p.router_row_spread)
+            add(
+                T.FFN_GATE_INP,
+                i,
+                (e, d),
+                p.router_qtype,
+                p.router_gain * fan,
+                row_spread=p.router_row_spread,
+            )
             add(T.FFN_GATE_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_UP_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_DOWN_EXP, i, (e, d, f), p.ffn_qtype, res * f**-0.5)
