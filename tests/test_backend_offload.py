@@ -73,3 +73,16 @@ def test_offload_refuses_when_ram_cannot_hold_every_expert(tiny: Path, tmp_path:
     assert proc.returncode == 75, proc.stderr
     assert "the offload engine keeps every expert in page-locked RAM" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_auto_backend_choice(tiny: Path, smollm_model) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from stratad.engine.backend import choose_backend, offload_supported
+
+    moe = load_model(tiny)
+    assert offload_supported(moe) and not offload_supported(smollm_model)
+    assert choose_backend("auto", moe, torch.device("cpu")) == "reference"  # a GPU picks offload
+    assert choose_backend("auto", smollm_model, torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="serves MoE models only"):
+        choose_backend("offload", smollm_model, torch.device("cpu"))

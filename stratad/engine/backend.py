@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kernels.moe import split_q4_0_ok
+from kernels.quant import QType
 from stratad.config import Config
 from stratad.engine.experts import blob_layout
 from stratad.engine.offload import OffloadConfig, OffloadForward
@@ -53,9 +55,18 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
                 " (for tests): set TRITON_INTERPRET=1, or use a GPU"
             )
         return name
-    if device.type == "cuda" and model.spec.is_moe and blob_layout(model).qtype.name == "Q4_0":
+    if device.type == "cuda" and offload_supported(model):
         return "offload"
     return "reference"
+
+
+def offload_supported(model: Model) -> bool:
+    """A MoE model whose experts are Q4_0 with rows the fused kernel reads as aligned words."""
+    spec = model.spec
+    if not spec.is_moe or blob_layout(model).qtype != QType.Q4_0:
+        return False
+    shapes = ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
+    return all(split_q4_0_ok(rows, cols) for rows, cols in shapes)
 
 
 class OffloadTiers:
