@@ -14,6 +14,7 @@ from stratad.model.spec import Model
 
 log = logging.getLogger("stratad.engine")
 PAGE = mmap.PAGESIZE
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class HostExperts:
@@ -58,6 +59,7 @@ class HostExperts:
         chunk_bytes: int = 1 << 30,
         rate_bytes_s: float = 0.0,
         on_progress: Callable[[int, int, float, tuple[int, int]], None] | None = None,
+        portable: bool = False,
     ) -> None:
         """Register the buffer with the GPU runtime (mapped into the device's address space:
         kernels may read it in place), in chunks of whole blobs, at most `rate_bytes_s` on
@@ -69,7 +71,9 @@ class HostExperts:
         t0 = time.monotonic()
         for k, off in enumerate(range(0, total, step)):
             n = min(step, total - off)
-            torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, 0))
+            # portable: page-locked for every GPU of the process (a pipeline over two GPUs)
+            flags = CUDA_HOST_REGISTER_PORTABLE if portable else 0
+            torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, flags))
             self._registered.append(base + off)
             self._pinned = off + n
             if rate_bytes_s > 0:  # pace: never ahead of the capped average rate

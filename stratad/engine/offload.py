@@ -73,8 +73,11 @@ class _Dense:
     shared_gate: torch.Tensor | None
 
 
-def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> list[_Dense]:
-    """Everything but the routed experts, dequantized once into the compute dtype."""
+def _dense_layers(
+    model: Model, device: torch.device, dtype: torch.dtype, layers: range
+) -> dict[int, _Dense]:
+    """Everything but the routed experts of these layers, dequantized once into the compute
+    dtype."""
 
     def f(t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=device, dtype=dtype)
@@ -83,8 +86,8 @@ def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> lis
         return None if t is None else f(t)
 
     arch = ARCHS[model.spec.arch]
-    out = []
-    for i in range(model.spec.n_layers):
+    out = {}
+    for i in layers:
         w = arch.layer(model, i)
         moe, a = w.mlp, w.attn
         if not isinstance(moe, MoEWeights):
@@ -92,19 +95,17 @@ def _dense_layers(model: Model, device: torch.device, dtype: torch.dtype) -> lis
         biases = (a.q_bias, a.k_bias, a.v_bias)
         bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
         shared = moe.shared
-        out.append(
-            _Dense(
-                attn_norm=f(w.attn_norm),
-                qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
-                qkv_bias=bias,
-                q_norm=opt(a.q_norm),
-                k_norm=opt(a.k_norm),
-                o=f(a.o),
-                ffn_norm=f(w.ffn_norm),
-                router=f(moe.router),
-                shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
-                shared_gate=opt(moe.shared_gate),
-            )
+        out[i] = _Dense(
+            attn_norm=f(w.attn_norm),
+            qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
+            qkv_bias=bias,
+            q_norm=opt(a.q_norm),
+            k_norm=opt(a.k_norm),
+            o=f(a.o),
+            ffn_norm=f(w.ffn_norm),
+            router=f(moe.router),
+            shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
+            shared_gate=opt(moe.shared_gate),
         )
     return out
 
@@ -120,10 +121,14 @@ class OffloadForward:
         host: HostExperts | None = None,
         residents: list[list[int]] | None = None,
         pin: dict[str, Any] | None = None,
+        layers: range | None = None,
     ) -> None:
         """`residents`: each layer's experts that start in VRAM (e.g. from the store's
-        residency plan); by default an even share of `config.expert_vram_bytes`."""
+        residency plan); by default an even share of `config.expert_vram_bytes`. `layers`:
+        the layers this engine runs (a pipeline stage, see `stratad.engine.stages`); the
+        first stage embeds, the last computes the logits."""
         spec = self.spec = model.spec
+        self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
         layout = blob_layout(model)
@@ -139,13 +144,18 @@ class OffloadForward:
                 f" not {self.layout.qtype.name}"
             )
         self.device, self.config, self.dtype = device, config, config.dtype
-        self.layers = _dense_layers(model, device, self.dtype)
-        self.embed = model.tensor("model.embed_tokens.weight").dequantize(self.dtype).to(device)
-        self.norm = model.tensor("model.norm.weight").dequantize(self.dtype).to(device)
+        self.layers = _dense_layers(model, device, self.dtype, self.layer_ids)
+        first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
+
+        def weight(name: str) -> torch.Tensor:
+            return model.tensor(name).dequantize(self.dtype).to(device)
+
+        empty = torch.empty(0, device=device)
+        self.embed = weight("model.embed_tokens.weight") if first else empty
+        self.norm = weight("model.norm.weight") if last else empty
+        head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         self.lm_head = (
-            self.embed
-            if spec.tie_embeddings
-            else (model.tensor("lm_head.weight").dequantize(self.dtype).to(device))
+            (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
         )
         self.host = host or HostExperts(model, self.layout)
         if device.type == "cuda" and not self.host.registered:
@@ -419,20 +429,31 @@ class OffloadForward:
     def _run(
         self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.embed[tokens]
+        x, ids = self.run_layers(self.embed[tokens], pos, cache, start)
+        return self.head(x), ids  # [1, V], [L, k] of the last token
+
+    def run_layers(
+        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, k] of the
+        last token). A prefill chunk streams each layer's experts while the previous computes."""
         all_ids = []
-        staged = start is not None and tokens.shape[0] > 8
+        staged = start is not None and x.shape[0] > 8
+        first, stop = self.layer_ids.start, self.layer_ids.stop
         if staged:
             self._ready: list[torch.cuda.Event | None] = [None] * self.spec.n_layers
             self._freed: list[torch.cuda.Event | None] = [None, None]
-            self._ready[0] = self._prefetch(0, None)
-        for i in range(self.spec.n_layers):
-            if staged and i + 1 < self.spec.n_layers:
+            self._ready[first] = self._prefetch(first, None)
+        for i in self.layer_ids:
+            if staged and i + 1 < stop:
                 self._ready[i + 1] = self._prefetch(i + 1, self._freed[(i + 1) % 2])
             x, ids = self._layer(i, x, pos, cache, start)
             all_ids.append(ids[-1])
-        logits = fn.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
-        return logits, torch.stack(all_ids)  # [1, V], [L, k] of the last token
+        return x, torch.stack(all_ids)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] of the last position."""
+        return fn.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
@@ -507,9 +528,10 @@ class OffloadForward:
 
     def _account(self, ids: torch.Tensor) -> None:
         """Count routing and plan VRAM moves for the experts this step used ([L, k])."""
-        self.route_counts.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+        own = self.route_counts[self.layer_ids.start : self.layer_ids.stop]
+        own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         host_ids = ids.cpu().tolist()  # the step's one synchronisation (with the sampler's)
-        for layer, experts in enumerate(host_ids):
+        for layer, experts in zip(self.layer_ids, host_ids, strict=True):
             self.lookups += len(experts)
             self.hits += sum(1 for e in experts if e in self.slot_of[layer])
             if self.config.adapt and self.n_slots:

@@ -1,0 +1,144 @@
+"""A pipeline of offload engines over several devices: a layer split.
+
+Stage s runs layers [K_s, K_{s+1}) on its device with its own dense weights, KV cache,
+expert slots and address table; every stage reads the same page-locked host copy of the
+experts. The hidden state crosses from one stage to the next once per step (or prefill
+chunk) with a plain copy: no peer-to-peer access is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from stratad.engine.kv import KVCache
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.model.spec import Model, ModelError
+
+log = logging.getLogger("stratad.engine")
+
+
+def parse_split(text: str, n_layers: int, n_stages: int) -> list[int]:
+    """'24' or '24,24' (layers per stage) -> stage boundaries [0, 24, 48]."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"layer_split={text!r}: expected layer counts like 24,24") from None
+    if len(counts) == n_stages - 1:
+        counts.append(n_layers - sum(counts))
+    if len(counts) != n_stages or any(c < 1 for c in counts) or sum(counts) != n_layers:
+        raise ValueError(
+            f"layer_split={text!r}: {n_stages} stages need {n_stages} positive counts"
+            f" summing to the model's {n_layers} layers"
+        )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def balanced_split(n_layers: int, capacities: Sequence[float]) -> list[int]:
+    """Boundaries giving each stage layers in proportion to its capacity (e.g. free VRAM),
+    at least one each; the same inputs give the same split."""
+    total = sum(capacities)
+    if total <= 0 or len(capacities) > n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over capacities {list(capacities)}")
+    bounds, acc = [0], 0.0
+    for i, cap in enumerate(capacities[:-1]):
+        acc += cap
+        lo = bounds[-1] + 1
+        hi = n_layers - (len(capacities) - 1 - i)
+        bounds.append(min(max(round(n_layers * acc / total), lo), hi))
+    bounds.append(n_layers)
+    return bounds
+
+
+class StagedForward:
+    """The offload engine as a pipeline of stages (one per device); same interface."""
+
+    def __init__(
+        self,
+        model: Model,
+        devices: Sequence[torch.device],
+        bounds: Sequence[int],
+        config: OffloadConfig,
+        residents: list[list[int]] | None = None,
+    ) -> None:
+        if len(bounds) != len(devices) + 1 or bounds[0] != 0 or bounds[-1] != model.spec.n_layers:
+            raise ModelError(
+                f"stage bounds {list(bounds)} do not cover {model.spec.n_layers} layers"
+            )
+        self.spec = model.spec
+        # each stage's share of the expert VRAM follows its share of the layers
+        self.stages: list[OffloadForward] = []
+        host = None
+        for device, lo, hi in zip(devices, bounds[:-1], bounds[1:], strict=True):
+            share = config.expert_vram_bytes * (hi - lo) // model.spec.n_layers
+            cfg = replace(config, expert_vram_bytes=share, graphs=False)
+            pin = {"portable": True}  # page-locked for every GPU of the process
+            stage = OffloadForward(model, torch.device(device), cfg, host=host,
+                                   residents=residents, layers=range(lo, hi), pin=pin)  # fmt: skip
+            host = stage.host
+            self.stages.append(stage)
+        self.config = config
+        self.layer_device = [s.device for s in self.stages for _ in s.layer_ids]
+        log.info(
+            "layer split: %s",
+            ", ".join(f"layers {s.layer_ids.start}-{s.layer_ids.stop - 1} on {s.device}"
+                      for s in self.stages),
+        )  # fmt: skip
+
+    @property
+    def hits(self) -> int:
+        return sum(s.hits for s in self.stages)
+
+    @property
+    def lookups(self) -> int:
+        return sum(s.lookups for s in self.stages)
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        n = max_len or self.config.max_context
+        shape = (n, self.spec.n_kv_heads, self.spec.head_dim)
+        dtype = self.config.dtype
+        k = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
+        v = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
+        return KVCache(k, v)
+
+    def _through(self, tokens: list[int], cache: KVCache, start: int | None) -> torch.Tensor:
+        """Every stage over `tokens` at positions cache.length.., handing x from one device
+        to the next; the logits [1, V] of the last token."""
+        first = self.stages[0]
+        x = first.embed[torch.tensor(tokens, device=first.device)]
+        for stage in self.stages:
+            x = x.to(stage.device)
+            pos = torch.arange(cache.length, cache.length + len(tokens), device=stage.device)
+            x, ids = stage.run_layers(x, pos, cache, start)
+            if start is None:
+                stage._account(ids)  # routing counts and cache moves of this stage's layers
+        return self.stages[-1].head(x)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        if all_logits:
+            raise ValueError("the offload engine returns the last token's logits only")
+        if cache.length + len(tokens) > cache.capacity:
+            raise ValueError(f"{cache.length + len(tokens)} tokens exceed the KV cache")
+        if len(tokens) == 1 and cache.length > 0:  # decode
+            for stage in self.stages:
+                stage._apply_moves()
+            last = self._through(tokens, cache, None)
+            cache.length += 1
+            cache.tokens.extend(tokens)
+            return last
+        chunk = self.config.prefill_chunk
+        logits: torch.Tensor | None = None
+        for b in range(0, len(tokens), chunk):
+            part = tokens[b : b + chunk]
+            logits = self._through(part, cache, cache.length)
+            cache.length += len(part)
+            cache.tokens.extend(part)
+        assert logits is not None
+        return logits

@@ -1,0 +1,66 @@
+"""The layer split: a pipeline of offload engines, here two stages on the CPU (the same code
+runs two stages on one GPU, or one per GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from stratad.engine.experts import blob_layout  # noqa: E402
+from stratad.engine.forward import ReferenceForward  # noqa: E402
+from stratad.engine.offload import OffloadConfig  # noqa: E402
+from stratad.engine.stages import StagedForward, balanced_split, parse_split  # noqa: E402
+from stratad.model.loader import load_model  # noqa: E402
+from stratad.model.spec import Model  # noqa: E402
+from stratad.model.synth import get_preset, write_synth  # noqa: E402
+
+PROMPT = list(range(100, 124))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    path = tmp_path_factory.mktemp("stages") / "tiny-moe.gguf"
+    write_synth(get_preset("tiny-moe"), path)
+    return load_model(path)
+
+
+def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    cache = forward.new_cache(128)
+    logits = forward(PROMPT, cache)[-1]
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = forward([out[-1]], cache)[-1]
+    return out
+
+
+def test_two_stages_same_tokens_as_one(tiny_moe: Model) -> None:
+    budget = 3 * tiny_moe.spec.n_layers * blob_layout(tiny_moe).nbytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16)
+    cpu = torch.device("cpu")
+    staged = StagedForward(tiny_moe, [cpu, cpu], [0, 1, 4], cfg)
+    assert [s.layer_ids for s in staged.stages] == [range(0, 1), range(1, 4)]
+    assert _greedy(staged, 6) == _greedy(ReferenceForward(tiny_moe), 6)
+    # each stage keeps slots and counts for its own layers only
+    assert all(not staged.stages[0].slot_of[i] for i in range(1, 4))
+    assert staged.stages[1].route_counts[0].sum() == 0 < staged.stages[1].route_counts[1].sum()
+    assert 0 < staged.hits < staged.lookups
+
+
+def test_split_parsing_and_balance() -> None:
+    assert parse_split("24", 48, 2) == [0, 24, 48]
+    assert parse_split("20,28", 48, 2) == [0, 20, 48]
+    with pytest.raises(ValueError, match="summing to the model's 48 layers"):
+        parse_split("20,20", 48, 2)
+    with pytest.raises(ValueError, match="expected layer counts"):
+        parse_split("a,b", 48, 2)
+    assert balanced_split(48, [20e9, 20e9]) == [0, 24, 48]
+    assert balanced_split(48, [10e9, 30e9]) == [0, 12, 48]
+    assert balanced_split(3, [1.0, 1000.0]) == [0, 1, 3]  # every stage gets a layer
+    assert balanced_split(48, [7e9, 9e9]) == balanced_split(48, [7e9, 9e9])
