@@ -68,6 +68,12 @@ class EngineConfig(_Section, frozen=True):
     """Compute dtype; auto is float32 on the CPU and bfloat16 on a GPU."""
     threads: int = 0
     """CPU threads for torch; 0 leaves torch's default."""
+    gpus: tuple[int, ...] = ()
+    """GPUs of a layer split for the offload engine, e.g. [0, 1]; empty runs on engine.device
+    alone. Each GPU runs a contiguous run of layers with its own expert cache."""
+    layer_split: str = "auto"
+    """Layers per GPU of the split, e.g. "20,28" (or "20": the rest go to the last); auto
+    divides them in proportion to each GPU's free VRAM."""
     backend: Literal["auto", "reference", "offload"] = "auto"
     """Forward pass: `offload` is the GPU engine for MoE models larger than VRAM (Q4_0 experts,
     every expert in page-locked RAM, misses read in place); `reference` is the torch reference

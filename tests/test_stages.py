@@ -64,3 +64,25 @@ def test_split_parsing_and_balance() -> None:
     assert balanced_split(48, [10e9, 30e9]) == [0, 12, 48]
     assert balanced_split(3, [1.0, 1000.0]) == [0, 1, 3]  # every stage gets a layer
     assert balanced_split(48, [7e9, 9e9]) == balanced_split(48, [7e9, 9e9])
+
+
+def test_stage_residents_hottest_of_own_layers() -> None:
+    from stratad.engine.backend import stage_residents
+
+    counts = [
+        0,
+        5,
+        1,
+        9,  # layer 0
+        7,
+        0,
+        0,
+        2,  # layer 1
+        3,
+        3,
+        8,
+        0,
+    ]  # layer 2
+    # stage 0: layer 0 with 2 slots; stage 1: layers 1-2 with 3 slots
+    assert stage_residents(counts, 4, [0, 1, 3], [2, 3]) == [[1, 3], [0], [0, 2]]
+    assert stage_residents([0] * 12, 4, [0, 1, 3], [2, 3]) == [[0, 1], [0, 1, 2], []]

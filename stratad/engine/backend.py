@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from kernels.quant import QType
 from stratad.config import Config
 from stratad.engine.experts import blob_layout
 from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.stages import StagedForward, balanced_split, parse_split
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 from stratad.store.admission import AdmissionPolicy, AdmissionRefused, admit, mem_available
@@ -75,7 +77,7 @@ class OffloadTiers:
     def __init__(
         self,
         plan: ResidencyPlan,
-        forward: OffloadForward,
+        forward: OffloadForward | StagedForward,
         source: Any,
         counts: tuple[int, ...],
         bandwidths: Bandwidths,
@@ -104,12 +106,17 @@ def open_offload(
     max_context: int,
     timer: StageTimer,
     on_pin_progress: ProgressFn | None = None,
-) -> tuple[OffloadForward, OffloadTiers]:
+) -> tuple[OffloadForward | StagedForward, OffloadTiers]:
     """Plan (the store's pure planner), admit (wait for the RAM), fill and pin, then build."""
     store = config.store
     source = open_source(store, model)
-    planned = plan_store(store, source, slots=_slots(config, model, device, dtype, max_context),
-                         reserves=daemon_reserves(config, 0))  # fmt: skip
+    devices, bounds = _devices(config, model, device)
+    n = model.spec.n_layers
+    slots = [
+        _slots(config, model, d, dtype, max_context, (hi - lo) / n)
+        for d, lo, hi in zip(devices, bounds[:-1], bounds[1:], strict=True)
+    ]
+    planned = plan_store(store, source, slots=sum(slots), reserves=daemon_reserves(config, 0))
     plan, inputs = planned.plan, planned.inputs
     log.info(planned.budget.describe())
     log.info(describe_plan(plan))
@@ -131,9 +138,6 @@ def open_offload(
         )
     bw = measure_bandwidths(source, device)
     log_coverage(coverage(plan, inputs.blob_bytes, inputs.counts), bw, plan, source.label)
-    residents: list[list[int]] = [[] for _ in range(plan.n_layers)]
-    for unit in plan.vram:
-        residents[unit.layer].append(unit.expert)
     layout = blob_layout(model)
     cfg = OffloadConfig(
         expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
@@ -141,15 +145,54 @@ def open_offload(
         prefill_chunk=config.engine.offload_prefill_chunk,
     )  # fmt: skip
     t0 = time.monotonic()
-    forward = OffloadForward(model, device, cfg, residents=[sorted(r) for r in residents],
-                             pin=_pin_settings(config, on_pin_progress))  # fmt: skip
+    forward: OffloadForward | StagedForward
+    if len(devices) == 1:
+        residents: list[list[int]] = [[] for _ in range(plan.n_layers)]
+        for unit in plan.vram:
+            residents[unit.layer].append(unit.expert)
+        forward = OffloadForward(model, device, cfg, residents=[sorted(r) for r in residents],
+                                 pin=_pin_settings(config, on_pin_progress))  # fmt: skip
+    else:
+        residents = stage_residents(inputs.counts, model.spec.n_experts, bounds, slots)
+        forward = StagedForward(model, devices, bounds, cfg, residents=residents)
     forward.timer = timer
-    forward.config = replace(cfg, pcie_frac=_pcie_frac(config.engine.pcie_frac, forward, bw))
+    forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
     return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, planned.budget)
 
 
-def _pcie_frac(setting: float | str, forward: OffloadForward, bw: Bandwidths) -> float:
+def _devices(
+    config: Config, model: Model, device: torch.device
+) -> tuple[list[torch.device], list[int]]:
+    """The devices of the engine and the layer bounds of each (one device: all layers)."""
+    gpus = config.engine.gpus
+    n = model.spec.n_layers
+    if len(gpus) < 2:
+        return [device], [0, n]
+    devices = [torch.device("cuda", g) for g in gpus]
+    if config.engine.layer_split != "auto":
+        return devices, parse_split(config.engine.layer_split, n, len(devices))
+    free = [float(torch.cuda.mem_get_info(d)[0]) for d in devices]
+    return devices, balanced_split(n, free)
+
+
+def stage_residents(
+    counts: Sequence[int], n_experts: int, bounds: Sequence[int], slots: Sequence[int]
+) -> list[list[int]]:
+    """Each stage's VRAM slots go to the hottest experts of its own layers (by the profile's
+    counts, ties by layer then expert): a pure function, so a split starts the same way."""
+    residents: list[list[int]] = [[] for _ in range(bounds[-1])]
+    for lo, hi, n in zip(bounds[:-1], bounds[1:], slots, strict=True):
+        units = [(layer, e) for layer in range(lo, hi) for e in range(n_experts)]
+        units.sort(key=lambda u: (-counts[u[0] * n_experts + u[1]], u[0], u[1]))
+        for layer, e in units[:n]:
+            residents[layer].append(e)
+    return [sorted(r) for r in residents]
+
+
+def _pcie_frac(
+    setting: float | str, forward: OffloadForward | StagedForward, bw: Bandwidths
+) -> float:
     """The miss policy: the configured share, or one that lets PCIe and the CPU finish
     together (and 1 when the CPU's share is too small to pay for a sync per layer)."""
     if setting != "auto":
@@ -165,7 +208,12 @@ def _pcie_frac(setting: float | str, forward: OffloadForward, bw: Bandwidths) ->
 
 
 def _slots(
-    config: Config, model: Model, device: torch.device, dtype: torch.dtype, max_context: int
+    config: Config,
+    model: Model,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_context: int,
+    layer_share: float = 1.0,
 ) -> int:
     """VRAM slots for experts: the configured count, or (auto) what the free VRAM holds after
     everything else the engine will allocate there: dense weights, the KV cache, the two
@@ -175,8 +223,10 @@ def _slots(
     if store.expert_cache != "auto" or device.type != "cuda":
         return vram_slots(store, device, layout.nbytes)
     spec, size = model.spec, torch.finfo(dtype).bits // 8
-    dense = sum(math.prod(t.shape) for n, t in model.tensors.items() if ".experts." not in n)
-    kv = 2 * spec.n_layers * max_context * spec.kv_dim * size
+    dense = layer_share * sum(
+        math.prod(t.shape) for n, t in model.tensors.items() if ".experts." not in n
+    )
+    kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * size
     staging = 2 * spec.n_experts * layout.nbytes
     free, _ = torch.cuda.mem_get_info(device)
     left = free - dense * size - kv - staging - int(store.vram_reserve_gib * GiB)
@@ -185,7 +235,7 @@ def _slots(
         " - reserve %.2f = %.2f GiB", free / GiB, dense * size / GiB, kv / GiB, staging / GiB,
         store.vram_reserve_gib, max(left, 0) / GiB,
     )  # fmt: skip
-    return max(left, 0) // layout.nbytes
+    return int(max(left, 0) // layout.nbytes)
 
 
 def _pin_settings(config: Config, on_progress: ProgressFn | None) -> dict[str, Any]:

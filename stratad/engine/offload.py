@@ -341,6 +341,9 @@ class OffloadForward:
         self.cpu_experts += len(cpu)
         return moe
 
+    def set_pcie_frac(self, frac: float) -> None:
+        self.config = replace(self.config, pcie_frac=frac)
+
     def measure_cpu_expert_bps(self, repeats: int = 3) -> float:
         """Expert bytes per second the CPU turns into outputs (dequantize + matvec)."""
         x = torch.randn(self.spec.hidden)

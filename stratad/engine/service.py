@@ -19,6 +19,7 @@ from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.offload import OffloadForward
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
+from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
 from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
@@ -104,7 +105,7 @@ class Engine:
         # coverage: stratad/store) or, on a GPU, run the offload engine from the same plan.
         # Dense models need neither.
         self.store: ExpertStore | OffloadTiers | None = None
-        self.forward: ReferenceForward | OffloadForward
+        self.forward: ReferenceForward | OffloadForward | StagedForward
         expert_store: ExpertStore | None = None
         if self.backend == "offload":
             self.forward, self.store = open_offload(

@@ -14,8 +14,10 @@ from dataclasses import replace
 
 import torch
 
+from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 
 log = logging.getLogger("stratad.engine")
@@ -90,6 +92,40 @@ class StagedForward:
             ", ".join(f"layers {s.layer_ids.start}-{s.layer_ids.stop - 1} on {s.device}"
                       for s in self.stages),
         )  # fmt: skip
+
+    @property
+    def timer(self) -> StageTimer:
+        return self.stages[0].timer
+
+    @timer.setter
+    def timer(self, timer: StageTimer) -> None:
+        for stage in self.stages:
+            stage.timer = timer
+
+    def set_pcie_frac(self, frac: float) -> None:
+        self.config = replace(self.config, pcie_frac=frac)
+        for stage in self.stages:
+            stage.config = replace(stage.config, pcie_frac=frac)
+
+    def measure_cpu_expert_bps(self) -> float:
+        return self.stages[0].measure_cpu_expert_bps()
+
+    @property
+    def host(self) -> HostExperts:
+        return self.stages[0].host
+
+    @property
+    def n_slots(self) -> int:
+        return sum(s.n_slots for s in self.stages)
+
+    @property
+    def moves(self) -> int:
+        return sum(s.moves for s in self.stages)
+
+    @property
+    def route_counts(self) -> torch.Tensor:
+        """[L, E]: each stage counts its own layers."""
+        return torch.stack([s.route_counts.cpu() for s in self.stages]).sum(0)
 
     @property
     def hits(self) -> int:
