@@ -94,8 +94,9 @@ class PrefixStore:
         ]
         snap = Snapshot(
             tokens=tokens,
-            k=torch.stack([k[:length] for k in cache.k]).to("cpu", copy=True),
-            v=torch.stack([v[:length] for v in cache.v]).to("cpu", copy=True),
+            # per layer to the host first: a layer split keeps layers on different devices
+            k=torch.stack([k[:length].to("cpu", copy=True) for k in cache.k]),
+            v=torch.stack([v[:length].to("cpu", copy=True) for v in cache.v]),
             pinned=pinned,
             used=next(self._clock),
         )
