@@ -70,19 +70,6 @@ def measure_inplace(model_spec, layout, host_buffer: torch.Tensor) -> float:  # 
     return k * layout.nbytes / statistics.median(times) / 1e9
 
 
-def measure_cpu_expert(layout, host_buffer: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
-    """GB/s of expert bytes the CPU turns into outputs (dequantize + matvec, all threads)."""
-    x = torch.randn(layout.hidden)
-    times = []
-    for e in range(6):
-        g, u, d = layout.views(host_buffer[0, e])
-        t0 = time.perf_counter()
-        h = torch.nn.functional.silu(g.dequantize() @ x) * (u.dequantize() @ x)
-        _ = d.dequantize() @ h
-        times.append(time.perf_counter() - t0)
-    return layout.nbytes / statistics.median(times[1:]) / 1e9
-
-
 def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     """Milliseconds by stage for one prefill and per decode step, timed eagerly (no graph:
     every stage bracketed by events), to see which stage holds a figure back."""
@@ -123,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     load_s = time.monotonic() - t0
     bw = measure_pcie()
     inplace = measure_inplace(spec, engine.layout, engine.host.buffer)
-    cpu_bw = measure_cpu_expert(engine.layout, engine.host.buffer)
+    cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     gen = torch.Generator().manual_seed(1)
 
     def prompt(n: int) -> list[int]:

@@ -10,11 +10,9 @@ the plan hash, the coverage line and the control socket's views mean the same th
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,18 +25,15 @@ from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.stages import StagedForward, balanced_split, parse_split
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
-from stratad.store.admission import AdmissionPolicy, AdmissionRefused, admit, mem_available
-from stratad.store.bandwidth import Bandwidths, measure_bandwidths
-from stratad.store.coverage import coverage, log_coverage
+from stratad.store.admission import AdmissionRefused
+from stratad.store.bandwidth import Bandwidths
 from stratad.store.pinning import PinProgress, ProgressFn
-from stratad.store.plan import ResidencyPlan, make_plan
+from stratad.store.plan import ResidencyPlan
 from stratad.store.sizes import GiB, MiB
 from stratad.store.startup import (
-    BACKOFF_MAX_S,
     daemon_reserves,
-    describe_plan,
     open_source,
-    plan_store,
+    plan_and_admit,
     vram_slots,
 )
 from stratad.store.store import StoreStats
@@ -116,18 +111,9 @@ def open_offload(
         _slots(config, model, d, dtype, max_context, (hi - lo) / n)
         for d, lo, hi in zip(devices, bounds[:-1], bounds[1:], strict=True)
     ]
-    planned = plan_store(store, source, slots=sum(slots), reserves=daemon_reserves(config, 0))
-    plan, inputs = planned.plan, planned.inputs
-    log.info(planned.budget.describe())
-    log.info(describe_plan(plan))
-    policy = AdmissionPolicy(
-        mode=store.on_short_ram, wait_s=store.admission_wait_s,
-        backoff_s=store.admission_backoff_s,
-        backoff_max_s=max(BACKOFF_MAX_S, store.admission_backoff_s),
-        headroom_bytes=int(store.resident_headroom_gib * GiB),
-    )  # fmt: skip
-    plan = admit(plan, lambda b: make_plan(replace(inputs, ram_budget=b)), policy,
-                 mem_available).plan  # fmt: skip
+    started = plan_and_admit(store, source, slots=sum(slots), compute_device=devices[0],
+                             reserves=daemon_reserves(config, 0))  # fmt: skip
+    plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
     if len(plan.ram) < plan.n_total:
         raise AdmissionRefused(
             f"the offload engine keeps every expert in page-locked RAM and reads misses in place,"
@@ -136,8 +122,6 @@ def open_offload(
             " store.resident_budget_gib or lower store.resident_headroom_gib, or set"
             ' engine.backend = "reference" to read experts from the file'
         )
-    bw = measure_bandwidths(source, device)
-    log_coverage(coverage(plan, inputs.blob_bytes, inputs.counts), bw, plan, source.label)
     layout = blob_layout(model)
     cfg = OffloadConfig(
         expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
@@ -158,7 +142,7 @@ def open_offload(
     forward.timer = timer
     forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
-    return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, planned.budget)
+    return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, started.planned.budget)
 
 
 def _devices(
@@ -223,9 +207,7 @@ def _slots(
     if store.expert_cache != "auto" or device.type != "cuda":
         return vram_slots(store, device, layout.nbytes)
     spec, size = model.spec, torch.finfo(dtype).bits // 8
-    dense = layer_share * sum(
-        math.prod(t.shape) for n, t in model.tensors.items() if ".experts." not in n
-    )
+    dense = layer_share * model.dense_values()
     kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * size
     staging = 2 * spec.n_experts * layout.nbytes
     free, _ = torch.cuda.mem_get_info(device)

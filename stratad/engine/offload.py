@@ -30,7 +30,7 @@ from stratad.engine.experts import blob_layout, dequant_split
 from stratad.engine.grouped import grouped_swiglu
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import apply_rope, rms_norm
+from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route, swiglu
 from stratad.engine.slots import SlotPolicy, initial_residents
 from stratad.engine.timing import StageTimer
 from stratad.model.archs import ARCHS
@@ -211,11 +211,8 @@ class OffloadForward:
         )
 
     def _init_rope(self) -> None:
-        d, n = self.spec.head_dim, self.config.max_context
-        inv = 1.0 / (self.spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
-        self.cos = ang.cos().float().to(self.device)
-        self.sin = ang.sin().float().to(self.device)
+        positions = torch.arange(self.config.max_context)
+        self.cos, self.sin = rope_tables(self.spec, positions, self.device)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache.allocate(
@@ -267,17 +264,14 @@ class OffloadForward:
         return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
     def _route(self, w: _Dense, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = fn.linear(h, w.router).float().softmax(-1)
-        weights, ids = probs.topk(self.spec.n_experts_used, dim=-1)
-        if self.spec.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids.to(torch.int32)
+        spec = self.spec
+        weights, ids = route(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
+        return weights, ids.to(torch.int32)  # the kernels read int32 ids
 
     def _shared(self, w: _Dense, h: torch.Tensor) -> torch.Tensor | None:
         if w.shared is None:
             return None
-        g, u, d = w.shared
-        s = fn.linear(fn.silu(fn.linear(h, g)) * fn.linear(h, u), d)
+        s = swiglu(h, *w.shared)
         if w.shared_gate is not None:
             s = s * torch.sigmoid(fn.linear(h, w.shared_gate))
         return s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,13 +52,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def _dense_host_bytes(model: Model, device: torch.device) -> int:
-    """Host RAM the dense (non-expert) weights take while serving: their float copies on
+    """Host RAM the dense (non-expert) weights take while serving: their float32 copies on
     the CPU, nothing once they live on a GPU."""
-    if device.type != "cpu":
-        return 0
-    return sum(
-        math.prod(t.shape) * 4 for name, t in model.tensors.items() if ".experts." not in name
-    )
+    return model.dense_values() * 4 if device.type == "cpu" else 0
 
 
 def _stages(ms: dict[str, float], unit: str = "ms") -> str:

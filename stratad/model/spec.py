@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class Model:
             for layer in range(self.spec.n_layers)
             for expert in range(self.spec.n_experts)
         ]
+
+    def dense_values(self) -> int:
+        """Values in every weight but the routed experts (what lives on the compute device)."""
+        return sum(math.prod(t.shape) for n, t in self.tensors.items() if ".experts." not in n)
 
     def tensor(self, name: str) -> QTensor:
         try:

@@ -128,12 +128,22 @@ def plan_store(
     return Planned(inputs, budget, make_plan(inputs))
 
 
-def open_store(
+@dataclass(frozen=True)
+class Admitted:
+    """The plan a start runs with, after admission, and what it was made from."""
+
+    planned: Planned  # the plan the configuration asked for
+    plan: ResidencyPlan  # the plan admitted (smaller when degraded)
+    degraded: bool
+    bandwidths: Bandwidths
+
+
+def plan_and_admit(
     config: StoreConfig,
     source: ExpertSource,
     *,
+    slots: int,
     compute_device: torch.device,
-    cache_device: torch.device | None = None,
     profile: ExpertProfile | None = None,
     reserves: Sequence[tuple[str, int]] = (),
     host_total: tuple[int, str] | None = None,
@@ -141,20 +151,11 @@ def open_store(
     bandwidths: Bandwidths | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
-    on_pin_progress: ProgressFn | None = None,
-) -> ExpertStore:
-    """Plan, admit and start the store. Raises `AdmissionRefused` (exit code 75) in strict
-    mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
-    headroom and the runtime reserve (see `daemon_reserves`)."""
-    cache_device = cache_device or compute_device
-    slot_bytes = max(lay.stride for lay in source.layouts)
+) -> Admitted:
+    """Budget -> plan -> measured bandwidths -> admission -> the coverage line: the start of
+    every engine that serves experts (the store's, and the offload engine's)."""
     planned = plan_store(
-        config,
-        source,
-        slots=vram_slots(config, cache_device, slot_bytes),
-        profile=profile,
-        reserves=reserves,
-        host_total=host_total,
+        config, source, slots=slots, profile=profile, reserves=reserves, host_total=host_total
     )
     inputs, plan = planned.inputs, planned.plan
     log.info(planned.budget.describe())
@@ -188,7 +189,43 @@ def open_store(
     )
     plan = admitted.plan
     log_coverage(coverage(plan, inputs.blob_bytes, inputs.counts), bw, plan, source.label)
+    return Admitted(planned, plan, admitted.degraded, bw)
 
+
+def open_store(
+    config: StoreConfig,
+    source: ExpertSource,
+    *,
+    compute_device: torch.device,
+    cache_device: torch.device | None = None,
+    profile: ExpertProfile | None = None,
+    reserves: Sequence[tuple[str, int]] = (),
+    host_total: tuple[int, str] | None = None,
+    read_available: MemReader = mem_available,
+    bandwidths: Bandwidths | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    on_pin_progress: ProgressFn | None = None,
+) -> ExpertStore:
+    """Plan, admit and start the store. Raises `AdmissionRefused` (exit code 75) in strict
+    mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
+    headroom and the runtime reserve (see `daemon_reserves`)."""
+    cache_device = cache_device or compute_device
+    slot_bytes = max(lay.stride for lay in source.layouts)
+    started = plan_and_admit(
+        config,
+        source,
+        slots=vram_slots(config, cache_device, slot_bytes),
+        compute_device=compute_device,
+        profile=profile,
+        reserves=reserves,
+        host_total=host_total,
+        read_available=read_available,
+        bandwidths=bandwidths,
+        sleep=sleep,
+        clock=clock,
+    )
+    plan = started.plan
     store = ExpertStore(
         source,
         plan,
@@ -198,10 +235,10 @@ def open_store(
         policy=config.cache_policy,
         admit_on_miss=config.admit_on_miss,
         on_pin_progress=on_pin_progress,
-        counts=inputs.counts,
-        bandwidths=bw,
-        budget=planned.budget,
-        degraded=admitted.degraded,
+        counts=started.planned.inputs.counts,
+        bandwidths=started.bandwidths,
+        budget=started.planned.budget,
+        degraded=started.degraded,
     )
     store.start()
     if config.ready_after_pinning:
