@@ -127,6 +127,7 @@ def open_offload(
         expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
         dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
+        cache_policy=config.store.cache_policy,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

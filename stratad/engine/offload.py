@@ -49,6 +49,7 @@ class OffloadConfig:
     graphs: bool = True  # capture the decode step as a CUDA graph
     adapt: bool = True  # move recently used experts into VRAM between steps
     moves_per_step: int = 8
+    cache_policy: str = "lru"  # the store's eviction policies (stratad.store.cache)
     # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
     # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
     # per layer (the host must see the routing), so it is not captured as a graph.
@@ -185,7 +186,7 @@ class OffloadForward:
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
                                  device=self.device)  # fmt: skip
-        self.policy = SlotPolicy(residents)
+        self.policy = SlotPolicy(residents, self.config.cache_policy)
         self.slot_of: list[dict[int, int]] = []
         host = self.host.buffer
         table = torch.empty((spec.n_layers, spec.n_experts, 3), dtype=torch.int64)
@@ -537,9 +538,7 @@ class OffloadForward:
 
     def _start_move(self, layer: int, victim: int, admitted: int) -> None:
         if len(self._pending) >= self.config.moves_per_step:
-            self.policy.lru[layer].pop(admitted, None)  # keep policy and table in step
-            self.policy.lru[layer][victim] = None
-            self.policy.lru[layer].move_to_end(victim, last=False)
+            self.policy.replace(layer, admitted, victim)  # keep policy and table in step
             return
         self.moves += 1
         s = self.slot_of[layer].pop(victim)

@@ -1,16 +1,18 @@
 """Which experts hold a VRAM slot: the initial placement and the recency policy that adapts it.
 
-Pure bookkeeping (no torch): the engine asks `admissions()` which missed experts to bring
-into VRAM and whom they replace, then moves the bytes itself. Each layer owns a fixed
-number of slots, so one hot layer cannot starve the others, and within a layer the least
-recently used resident expert gives way. The initial fill is a pure function of the
-profile, so a restart starts from the same place.
+Pure bookkeeping (no torch): the engine asks `touch()` which missed experts to bring into
+VRAM and whom they replace, then moves the bytes itself. Each layer owns a fixed number of
+slots, so one hot layer cannot starve the others; within a layer the store's eviction policy
+(`store.cache_policy`: LRU or LFRU) names the expert that gives way. The initial fill is a
+pure function of the profile, so a restart starts from the same place.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+
+from stratad.model.spec import ExpertUnit
+from stratad.store.cache import POLICIES, CachePolicy
 
 
 def initial_residents(
@@ -29,34 +31,41 @@ def initial_residents(
 
 
 class SlotPolicy:
-    """Per-layer LRU over a fixed number of slots; misses seen twice are admitted."""
+    """Per-layer slot ownership over the store's eviction policies (`stratad.store.cache`):
+    each layer keeps a fixed number of slots, and a miss takes the slot of the expert the
+    policy names as victim."""
 
-    def __init__(self, residents: list[list[int]], admit_after: int = 1) -> None:
-        self.lru: list[OrderedDict[int, None]] = [
-            OrderedDict((e, None) for e in layer) for layer in residents
-        ]
-        self.admit_after = admit_after
-        self.misses: list[dict[int, int]] = [{} for _ in residents]
+    def __init__(self, residents: list[list[int]], policy: str = "lru") -> None:
+        self.layers: list[CachePolicy] = []
+        self.members: list[set[int]] = []
+        for layer, experts in enumerate(residents):
+            p = POLICIES[policy](len(experts))
+            for e in experts:
+                p.insert(ExpertUnit(layer, e))
+            self.layers.append(p)
+            self.members.append(set(experts))
 
     def resident(self, layer: int, expert: int) -> bool:
-        return expert in self.lru[layer]
+        return expert in self.members[layer]
 
     def touch(self, layer: int, experts: Sequence[int]) -> list[tuple[int, int]]:
         """Record one step's routed experts; return (evicted, admitted) pairs to carry out."""
-        lru, misses = self.lru[layer], self.misses[layer]
+        policy, members = self.layers[layer], self.members[layer]
         moves: list[tuple[int, int]] = []
         for e in experts:
-            if e in lru:
-                lru.move_to_end(e)
+            if e in members:
+                policy.touch(ExpertUnit(layer, e))
                 continue
-            misses[e] = misses.get(e, 0) + 1
-            if misses[e] >= self.admit_after and lru:
-                victim, _ = lru.popitem(last=False)
-                if victim in experts:  # never evict what this step uses; try again later
-                    lru[victim] = None
-                    lru.move_to_end(victim, last=False)
-                    continue
-                del misses[e]
-                lru[e] = None
-                moves.append((victim, e))
+            victim = policy.victim()
+            if victim is None or victim.expert in experts:  # never evict what this step uses
+                continue
+            self.replace(layer, victim.expert, e)
+            moves.append((victim.expert, e))
         return moves
+
+    def replace(self, layer: int, out: int, into: int) -> None:
+        """`into` takes the slot of `out` (also to undo a move the engine could not make)."""
+        self.layers[layer].remove(ExpertUnit(layer, out))
+        self.members[layer].discard(out)
+        self.layers[layer].insert(ExpertUnit(layer, into))
+        self.members[layer].add(into)
