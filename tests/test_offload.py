@@ -145,15 +145,15 @@ def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float) -> None:
     assert (logits - ref_logits).abs().max() < 1e-3
     misses = off.lookups - off.hits
     if pcie_frac == 0.0:
-        assert off.cpu_experts >= misses > 0  # every decode miss (prefill's too) on the CPU
+        assert off.cpu.experts >= misses > 0  # every decode miss (prefill's too) on the CPU
     elif pcie_frac == 1.0:
-        assert off.cpu_experts == 0
+        assert off.cpu.experts == 0
     else:
-        assert off.cpu_experts > 0
+        assert off.cpu.experts > 0
 
 
 def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
     off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=0.5)
     ids = [[e for e in range(8) if e not in off.slot_of[0]][:2]] * 2  # 4 misses
-    assert off.cpu_slots(0, ids) == [(1, 0), (1, 1)]
-    assert off.cpu_slots(0, ids) == off.cpu_slots(0, ids)
+    assert off.cpu.slots(0, ids) == [(1, 0), (1, 1)]
+    assert off.cpu.slots(0, ids) == off.cpu.slots(0, ids)

@@ -16,7 +16,6 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,17 +24,18 @@ import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import fused_moe, split_q4_0_ok
-from kernels.quant import QTensor, QType
-from stratad.engine.experts import blob_layout, dequant_split
+from kernels.quant import QType
+from stratad.engine.cpu_misses import CpuMisses
+from stratad.engine.dense import DenseLayer, dense_layers
+from stratad.engine.experts import blob_layout
 from stratad.engine.grouped import grouped_swiglu
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route, swiglu
 from stratad.engine.slots import SlotPolicy, initial_residents
+from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
-from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
-from stratad.model.weights import MoEWeights
 
 log = logging.getLogger("stratad.engine")
 
@@ -58,57 +58,6 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
             raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
-
-
-@dataclass
-class _Dense:
-    attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    ffn_norm: torch.Tensor
-    router: torch.Tensor  # [E, H]
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    shared_gate: torch.Tensor | None
-
-
-def _dense_layers(
-    model: Model, device: torch.device, dtype: torch.dtype, layers: range
-) -> dict[int, _Dense]:
-    """Everything but the routed experts of these layers, dequantized once into the compute
-    dtype."""
-
-    def f(t: QTensor) -> torch.Tensor:
-        return t.dequantize().to(device=device, dtype=dtype)
-
-    def opt(t: QTensor | None) -> torch.Tensor | None:
-        return None if t is None else f(t)
-
-    arch = ARCHS[model.spec.arch]
-    out = {}
-    for i in layers:
-        w = arch.layer(model, i)
-        moe, a = w.mlp, w.attn
-        if not isinstance(moe, MoEWeights):
-            raise ModelError(f"{model.source}: layer {i} has no routed experts")
-        biases = (a.q_bias, a.k_bias, a.v_bias)
-        bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
-        shared = moe.shared
-        out[i] = _Dense(
-            attn_norm=f(w.attn_norm),
-            qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
-            qkv_bias=bias,
-            q_norm=opt(a.q_norm),
-            k_norm=opt(a.k_norm),
-            o=f(a.o),
-            ffn_norm=f(w.ffn_norm),
-            router=f(moe.router),
-            shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
-            shared_gate=opt(moe.shared_gate),
-        )
-    return out
 
 
 class OffloadForward:
@@ -145,7 +94,7 @@ class OffloadForward:
                 f" not {self.layout.qtype.name}"
             )
         self.device, self.config, self.dtype = device, config, config.dtype
-        self.layers = _dense_layers(model, device, self.dtype, self.layer_ids)
+        self.layers = dense_layers(model, device, self.dtype, self.layer_ids)
         first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
 
         def weight(name: str) -> torch.Tensor:
@@ -168,9 +117,11 @@ class OffloadForward:
         )
         self.timer = StageTimer(enabled=False)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staging = ExpertStaging(self)
+        self.cpu = CpuMisses(self)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
-        self.hits = self.lookups = self.moves = self.cpu_experts = 0
+        self.hits = self.lookups = self.moves = 0
 
     # -- placement -----------------------------------------------------------------------
 
@@ -224,7 +175,7 @@ class OffloadForward:
 
     def _attention(
         self,
-        w: _Dense,
+        w: DenseLayer,
         i: int,
         h: torch.Tensor,
         pos: torch.Tensor,
@@ -264,12 +215,12 @@ class OffloadForward:
             out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
         return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
-    def _route(self, w: _Dense, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
         weights, ids = route(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
         return weights, ids.to(torch.int32)  # the kernels read int32 ids
 
-    def _shared(self, w: _Dense, h: torch.Tensor) -> torch.Tensor | None:
+    def _shared(self, w: DenseLayer, h: torch.Tensor) -> torch.Tensor | None:
         if w.shared is None:
             return None
         s = swiglu(h, *w.shared)
@@ -288,7 +239,7 @@ class OffloadForward:
             h = rms_norm(x, w.ffn_norm, spec.rms_eps)
             weights, ids = self._route(w, h)
         if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
-            moe = self._split_moe(i, h, ids, weights)
+            moe = self.cpu.run(i, h, ids, weights)
         elif start is None or h.shape[0] <= 8:
             with stage("experts (VRAM + in place)"):
                 moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
@@ -300,104 +251,13 @@ class OffloadForward:
         x = x + (moe if shared is None else moe + shared)
         return x, ids
 
-    # -- the CPU miss path ------------------------------------------------------------------
-
-    def cpu_slots(self, i: int, ids: list[list[int]]) -> list[tuple[int, int]]:
-        """The (token, slot) pairs whose missed expert the CPU computes: the last
-        (1 - pcie_frac) of the misses, in slot order (deterministic)."""
-        misses = [(t, k) for t, row in enumerate(ids) for k, e in enumerate(row)
-                  if e not in self.slot_of[i]]  # fmt: skip
-        n_cpu = round(len(misses) * (1.0 - self.config.pcie_frac))
-        return misses[len(misses) - n_cpu :] if n_cpu else []
-
-    def _split_moe(self, i: int, h: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Hits and the GPU's share of misses in the fused kernel; the CPU computes the rest
-        from its RAM copy at the same time."""
-        stage = self.timer.stage
-        host_ids = ids.tolist()  # one synchronisation per layer: h and the weights are ready
-        cpu = self.cpu_slots(i, host_ids)
-        x, w = h.float().cpu(), weights.cpu()  # before queueing the kernel, not after it
-        gpu_ids = ids.clone()
-        if cpu:
-            t_idx, k_idx = zip(*cpu, strict=True)
-            gpu_ids[list(t_idx), list(k_idx)] = -1
-        with stage("experts (VRAM + in place)"):  # queued; runs while the CPU works below
-            moe = fused_moe(h.contiguous(), gpu_ids, weights, self.table[i], self.spec.expert_ffn)
-        if not cpu:
-            return moe
-        with stage("experts (CPU)"):
-            out = torch.zeros((h.shape[0], self.spec.hidden), dtype=torch.float32)
-            for t, k in cpu:
-                gate, up, down = self._cpu_expert(i, host_ids[t][k])
-                y = torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])
-                out[t] += w[t, k] * (down @ y)
-            moe = moe + out.to(device=moe.device, dtype=moe.dtype)
-        self.cpu_experts += len(cpu)
-        return moe
-
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)
 
-    def measure_cpu_expert_bps(self, repeats: int = 3) -> float:
-        """Expert bytes per second the CPU turns into outputs (dequantize + matvec)."""
-        x = torch.randn(self.spec.hidden)
-        times = []
-        for r in range(repeats + 1):
-            t0 = time.perf_counter()
-            gate, up, down = self._cpu_expert(0, r % self.spec.n_experts)
-            _ = down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
-            times.append(time.perf_counter() - t0)
-        return self.layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]
+    def measure_cpu_expert_bps(self) -> float:
+        return self.cpu.measure_bps()
 
-    def _cpu_expert(self, i: int, e: int) -> tuple[torch.Tensor, ...]:
-        """One expert's float32 weights from the RAM copy (dequantized per use)."""
-        return tuple(w.dequantize() for w in self.layout.views(self.host.buffer[i, e]))
-
-    # -- prefill --------------------------------------------------------------------------
-    # Each chunk streams every layer's experts into one of two staging buffers on a side
-    # stream while the previous layer computes; a chunk of more than a few tokens routes
-    # to most experts, so fetching all of them costs little more than the ones it needs.
-
-    def _prefetch(self, i: int, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """Start copying layer i's blobs into staging buffer i % 2 (side stream on a GPU)."""
-        buf = self._staging()[i % 2]
-        slot_of, host = self.slot_of[i], self.host.buffer[i]
-        if self.side is None:
-            for e in range(self.spec.n_experts):
-                s = slot_of.get(e)
-                buf[e].copy_(self.slots[s] if s is not None else host[e])
-            return None
-        with torch.cuda.stream(self.side):
-            if after is not None:
-                self.side.wait_event(after)  # the buffer's last reader has finished
-            for e in range(self.spec.n_experts):
-                s = slot_of.get(e)
-                buf[e].copy_(self.slots[s] if s is not None else host[e], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return done
-
-    def _staging(self) -> torch.Tensor:
-        if getattr(self, "_staging_buf", None) is None:
-            self._staging_buf = torch.empty(
-                (2, self.spec.n_experts, self.layout.nbytes), dtype=torch.uint8, device=self.device
-            )
-        return self._staging_buf
-
-    def _dequant_all(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [E, F, H], up, down [E, H, F]) of layer i from its staging buffer."""
-        lay, buf = self.layout, self._staging()[i % 2]
-        f, h = lay.ffn, lay.hidden
-
-        def deq(lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
-            return dequant_split(buf[:, lo:hi], rows, cols).to(self.dtype)
-
-        return (
-            deq(0, lay.up_offset, f, h),
-            deq(lay.up_offset, lay.down_offset, f, h),
-            deq(lay.down_offset, lay.nbytes, h, f),
-        )
+    # -- prefill: grouped GEMMs over experts staged by `ExpertStaging` ----------------------
 
     def _prefill_moe(
         self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -406,14 +266,7 @@ class OffloadForward:
         flat = ids.reshape(-1).long()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.spec.n_experts)
-        ready = self._ready[i]
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        gate, up, down = self._dequant_all(i)
-        if self.side is not None:  # staging i % 2 is free once dequantized
-            freed = torch.cuda.Event()
-            freed.record()
-            self._freed[i % 2] = freed
+        gate, up, down = self.staging.take(i)
         tokens = order // k
         xs = h[tokens]  # [T*k, H], grouped by expert
         rows = grouped_swiglu(xs, counts, gate, up, down)
@@ -437,14 +290,11 @@ class OffloadForward:
         last token). A prefill chunk streams each layer's experts while the previous computes."""
         all_ids = []
         staged = start is not None and x.shape[0] > 8
-        first, stop = self.layer_ids.start, self.layer_ids.stop
         if staged:
-            self._ready: list[torch.cuda.Event | None] = [None] * self.spec.n_layers
-            self._freed: list[torch.cuda.Event | None] = [None, None]
-            self._ready[first] = self._prefetch(first, None)
+            self.staging.begin(self.layer_ids.start)
         for i in self.layer_ids:
-            if staged and i + 1 < stop:
-                self._ready[i + 1] = self._prefetch(i + 1, self._freed[(i + 1) % 2])
+            if staged and i + 1 < self.layer_ids.stop:
+                self.staging.prefetch(i + 1)
             x, ids = self._layer(i, x, pos, cache, start)
             all_ids.append(ids[-1])
         return x, torch.stack(all_ids)

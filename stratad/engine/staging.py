@@ -1,0 +1,86 @@
+"""Prefill's expert staging: every expert of the next layer copied into VRAM while the
+current layer computes.
+
+A prefill chunk of more than a few tokens routes to nearly every expert, so each layer's blobs
+(from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
+a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
+for the layer after next.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from stratad.engine.experts import dequant_split
+
+if TYPE_CHECKING:
+    from stratad.engine.offload import OffloadForward
+
+
+class ExpertStaging:
+    def __init__(self, engine: OffloadForward) -> None:
+        self.engine = engine
+        self._buf: torch.Tensor | None = None  # [2, E, blob bytes], allocated on first use
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
+        self._freed: list[torch.cuda.Event | None] = [None, None]  # buffer -> last read done
+
+    def buffers(self) -> torch.Tensor:
+        if self._buf is None:
+            e = self.engine
+            self._buf = torch.empty(
+                (2, e.spec.n_experts, e.layout.nbytes), dtype=torch.uint8, device=e.device
+            )
+        return self._buf
+
+    def begin(self, layer: int) -> None:
+        """A new chunk: start with its first layer."""
+        self._ready.clear()
+        self._freed = [None, None]
+        self.prefetch(layer)
+
+    def prefetch(self, layer: int) -> None:
+        """Start copying the layer's blobs into buffer layer % 2 (on the side stream on a GPU,
+        after that buffer's previous reader)."""
+        e = self.engine
+        buf, after = self.buffers()[layer % 2], self._freed[layer % 2]
+        slot_of, host = e.slot_of[layer], e.host.buffer[layer]
+        sources = [e.slots[slot_of[x]] if x in slot_of else host[x] for x in range(len(buf))]
+        if e.side is None:
+            for dst, src in zip(buf, sources, strict=True):
+                dst.copy_(src)
+            self._ready[layer] = None
+            return
+        with torch.cuda.stream(e.side):
+            if after is not None:
+                e.side.wait_event(after)
+            for dst, src in zip(buf, sources, strict=True):
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self._ready[layer] = done
+
+    def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [E, F, H], up, down [E, H, F]) of the layer in the compute dtype; its
+        buffer is free again once this is queued."""
+        e = self.engine
+        ready = self._ready.get(layer)
+        if ready is not None:
+            torch.cuda.current_stream(e.device).wait_event(ready)
+        lay, buf = e.layout, self.buffers()[layer % 2]
+        f, h = lay.ffn, lay.hidden
+
+        def deq(lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
+            return dequant_split(buf[:, lo:hi], rows, cols).to(e.dtype)
+
+        out = (
+            deq(0, lay.up_offset, f, h),
+            deq(lay.up_offset, lay.down_offset, f, h),
+            deq(lay.down_offset, lay.nbytes, h, f),
+        )
+        if e.side is not None:
+            freed = torch.cuda.Event()
+            freed.record()
+            self._freed[layer % 2] = freed
+        return out
