@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,227 +30,41 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
 from stratad.model.default import default_model_path
+from stratad.model.synth_presets import (  # re-exported: the presets are part of this API
+    PRESETS,
+    VOCAB_SIZE,
+    SynthPreset,
+    SynthTensor,
+    UnknownPreset,
+    data_nbytes,
+    get_preset,
+    n_params,
+    tensor_plan,
+)
 
 # Values drawn per generator call. Part of the file format's definition: changing it changes
 # every file (but never the geometry).
-SLICE_VALUES = 1 << 21
-VOCAB_SIZE = 49152  # SmolLM2's, whose tokenizer every preset borrows
+
+__all__ = [
+    "PRESETS",
+    "SynthPreset",
+    "SynthTensor",
+    "UnknownPreset",
+    "data_nbytes",
+    "get_preset",
+    "n_params",
+    "tensor_plan",
+    "tokenizer_source",
+    "write_synth",
+    "write_tokenizer_gguf",
+]
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
-
-
-class UnknownPreset(ValueError):
-    """A preset name that is not in `PRESETS`; the message lists those that are."""
-
-
-@dataclass(frozen=True)
-class SynthPreset:
-    """The geometry and storage types of one synthetic model."""
-
-    name: str
-    arch: str  # GGUF architecture: "qwen3moe" (MoE, per-head q/k norm) or "llama" (dense)
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int  # one expert's FFN width for MoE presets, the dense FFN width otherwise
-    n_experts: int = 0
-    n_experts_used: int = 0
-    context_length: int = 4096
-    rope_theta: float = 1_000_000.0
-    rms_eps: float = 1e-6
-    embed_qtype: QType = QType.Q8_0  # token_embd and output
-    attn_qtype: QType = QType.F16
-    ffn_qtype: QType = QType.Q4_0  # the experts, or the dense FFN
-    router_qtype: QType = QType.F32  # llama.cpp's quantizer keeps ffn_gate_inp in F32 too
-    router_gain: float = 2.0  # spread of the router logits (1 would route almost uniformly)
-    # Log-normal per-expert gain of the router rows: at 0.15 over 128 experts (top-8) the
-    # hottest expert is picked about 2x as often as under uniform routing, the coldest 0.25x.
-    router_row_spread: float = 0.15
-    embed_std: float = 0.5  # below the layers' summed writes, so context moves the logits
-    logit_gain: float = 4.0  # spread of the output logits
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_experts > 0
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.arch == "qwen3moe"
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def residual_scale(self) -> float:
-        """Gain of every residual writer (attn_output, ffn_down): the stream stays O(1)."""
-        return (2.0 * self.n_layers) ** -0.5
-
-
-PRESETS: Mapping[str, SynthPreset] = {
-    p.name: p
-    for p in (
-        SynthPreset(
-            "tiny-moe",
-            "qwen3moe",
-            n_layers=4,
-            hidden=256,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            ffn=128,
-            n_experts=8,
-            n_experts_used=2,
-        ),
-        SynthPreset(
-            "tiny-dense",
-            "llama",
-            n_layers=4,
-            hidden=256,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            ffn=512,
-            rope_theta=10_000.0,
-            rms_eps=1e-5,
-            attn_qtype=QType.F32,
-            ffn_qtype=QType.Q8_0,
-        ),
-        # Qwen3-30B-A3B's geometry (its config.json), at Q4_0 experts / Q8_0 the rest.
-        SynthPreset(
-            "a3b",
-            "qwen3moe",
-            n_layers=48,
-            hidden=2048,
-            n_heads=32,
-            n_kv_heads=4,
-            head_dim=128,
-            ffn=768,
-            n_experts=128,
-            n_experts_used=8,
-            context_length=40960,
-            attn_qtype=QType.Q8_0,
-        ),
-    )
-}
-
-
-def get_preset(name: str) -> SynthPreset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise UnknownPreset(
-            f"unknown synth preset {name!r}; choose one of: {', '.join(PRESETS)}"
-        ) from None
-
-
-@dataclass(frozen=True)
-class SynthTensor:
-    """One tensor of the plan: its GGUF name, torch-order shape, type and initialisation."""
-
-    name: str
-    shape: tuple[int, ...]  # [cols] | [rows, cols] | [experts, rows, cols]
-    qtype: QType
-    std: float  # values ~ N(0, std^2); 0 means the constant 1 (norm weights)
-    row_spread: float = 0.0  # each row times exp(row_spread * N(0, 1))
-
-    @property
-    def cols(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def rows(self) -> int:
-        """Rows of the tensor flattened to [rows, cols]."""
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
-        if self.cols % block:
-            raise ValueError(
-                f"{self.name}: {self.cols} columns is not whole {self.qtype.name} blocks"
-            )
-        return self.rows * (self.cols // block) * block_bytes
-
-    @property
-    def rows_per_slice(self) -> int:
-        return max(1, SLICE_VALUES // self.cols)
-
-
-def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
-    """Every tensor of the preset, in file order (llama.cpp's converter order)."""
-    T = gguf.MODEL_TENSOR
-    known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == p.arch)]
-    plan: list[SynthTensor] = []
-
-    def add(
-        kind: gguf.MODEL_TENSOR,
-        layer: int,
-        shape: tuple[int, ...],
-        qtype: QType,
-        std: float,
-        row_spread: float = 0.0,
-    ) -> None:
-        assert kind in known, f"{p.arch} has no {kind.name} tensor"
-        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
-        plan.append(SynthTensor(name, shape, qtype, std, row_spread))
-
-    d, f, e = p.hidden, p.ffn, p.n_experts
-    fan = d**-0.5  # unit-variance outputs from a unit-RMS input
-    res = p.residual_scale
-    add(T.TOKEN_EMBD, -1, (VOCAB_SIZE, d), p.embed_qtype, p.embed_std)
-    for i in range(p.n_layers):
-        add(T.ATTN_NORM, i, (d,), QType.F32, 0.0)
-        add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
-        add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
-        add(T.ATTN_V, i, (p.kv_dim, d), p.attn_qtype, fan)
-        add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
-        if p.qk_norm:
-            add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
-            add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
-        add(T.FFN_NORM, i, (d,), QType.F32, 0.0)
-        if p.is_moe:
-            add(
-                T.FFN_GATE_INP,
-                i,
-                (e, d),
-                p.router_qtype,
-                p.router_gain * fan,
-                row_spread=p.router_row_spread,
-            )
-            add(T.FFN_GATE_EXP, i, (e, f, d), p.ffn_qtype, fan)
-            add(T.FFN_UP_EXP, i, (e, f, d), p.ffn_qtype, fan)
-            add(T.FFN_DOWN_EXP, i, (e, d, f), p.ffn_qtype, res * f**-0.5)
-        else:
-            add(T.FFN_GATE, i, (f, d), p.ffn_qtype, fan)
-            add(T.FFN_UP, i, (f, d), p.ffn_qtype, fan)
-            add(T.FFN_DOWN, i, (d, f), p.ffn_qtype, res * f**-0.5)
-    add(T.OUTPUT_NORM, -1, (d,), QType.F32, 0.0)
-    add(T.OUTPUT, -1, (VOCAB_SIZE, d), p.embed_qtype, p.logit_gain * fan)
-    return plan
-
-
-def data_nbytes(p: SynthPreset) -> int:
-    """Bytes of tensor data in the file (each tensor padded to GGUF's 32-byte alignment)."""
-    return sum(GGUFWriter.ggml_pad(t.nbytes, gguf.GGUF_DEFAULT_ALIGNMENT) for t in tensor_plan(p))
-
-
-def n_params(p: SynthPreset) -> int:
-    return sum(t.rows * t.cols for t in tensor_plan(p))
-
-
-# --- drawing and encoding ------------------------------------------------------------------
 
 
 def _slice_seed(seed: int, name: str, index: int) -> int:
