@@ -16,7 +16,7 @@ import pytest
 from stratad.engine.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.synth import get_preset, write_synth
-from stratad.model.tokenizer import tokenizer_from_gguf
+from stratad.model.tokenizer_build import tokenizer_from_gguf
 from tests.daemon import running_daemon
 
 ENV = {"TRITON_INTERPRET": "1"}

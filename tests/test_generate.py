@@ -7,7 +7,7 @@ import pytest
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.sampling import SamplingParams
-from stratad.model.tokenizer import tokenizer_from_gguf
+from stratad.model.tokenizer_build import tokenizer_from_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
 

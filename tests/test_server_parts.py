@@ -15,7 +15,7 @@ from stratad.engine.sampling import SamplingParams
 from stratad.engine.scheduler import Scheduler, Unavailable
 from stratad.jobs import Job, PreparedJob
 from stratad.model.loader import load_model
-from stratad.model.tokenizer import tokenizer_from_gguf
+from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.server.app import host_allowed
 from stratad.server.metrics import Registry, ServerMetrics
 from tests.server_helpers import tiny_moe_path

@@ -24,7 +24,8 @@ from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
 from stratad.model.loader import is_pack, load_model
 from stratad.model.spec import Model
-from stratad.model.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf
+from stratad.model.tokenizer import Tokenizer
+from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
 from stratad.store.pinning import ProgressFn
 from stratad.store.startup import daemon_reserves, open_source, open_store
 from stratad.store.store import ExpertStore
