@@ -1,25 +1,22 @@
 """kernels.gemv: the Triton quantized matmul against its torch reference, and the reference
 against an independent float64 dequantize-then-matmul (gguf-py's numpy dequantizer).
 
-Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported); triton itself is a hard dependency, so a missing triton fails here.
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is imported); triton itself is a hard dependency, so a
+missing triton fails here.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
 import torch
+import triton
+from gguf import quants as gguf_quants
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton  # noqa: E402
-from gguf import quants as gguf_quants  # noqa: E402
-
-from kernels.gemv import (  # noqa: E402
+from kernels.gemv import (
     GEMV_QTYPES,
     GemvConfig,
     default_gemv_config,
@@ -27,7 +24,7 @@ from kernels.gemv import (  # noqa: E402
     qmatmul,
     qmatmul_ref,
 )
-from kernels.quant import QTensor, QType, block_geometry, quantize, row_bytes  # noqa: E402
+from kernels.quant import QTensor, QType, block_geometry, quantize, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -2,36 +2,32 @@
 references on ragged shapes; the references against textbook formulas where they are not
 one already.
 
-Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported); triton itself is a hard dependency, so a missing triton fails here.
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is imported); triton itself is a hard dependency, so a
+missing triton fails here.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
+import pytest
 import torch
+import triton  # noqa: F401  (imported for the failure when it is missing)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import triton  # noqa: E402, F401  (imported for the failure when it is missing)
-
-from kernels.activation import (  # noqa: E402
+from kernels.activation import (
     ActivationConfig,
     silu_mul,
     silu_mul_packed,
     silu_mul_ref,
 )
-from kernels.attention import (  # noqa: E402
+from kernels.attention import (
     AttentionConfig,
     decode_attention,
     decode_attention_ref,
 )
-from kernels.norm import NormConfig, rmsnorm, rmsnorm_ref  # noqa: E402
-from kernels.rope import (  # noqa: E402
+from kernels.norm import NormConfig, rmsnorm, rmsnorm_ref
+from kernels.rope import (
     RopeConfig,
     RopeStyle,
     apply_rope,

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from gguf import GGMLQuantizationType  # noqa: E402
-from gguf import quants as gguf_quants  # noqa: E402
-
-from kernels.moe import (  # noqa: E402
+from kernels.moe import (
     expert_table,
     fused_moe,
     fused_moe_ref,
@@ -21,7 +15,7 @@ from kernels.moe import (  # noqa: E402
     split_q4_0_ok,
     unsplit_q4_0,
 )
-from kernels.quant import QTensor, QType  # noqa: E402
+from kernels.quant import QTensor, QType
 
 
 def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:

@@ -7,21 +7,15 @@ prefill/decode paths are all exercised; the GPU variants run the same checks on 
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from stratad.engine.forward import ReferenceForward  # noqa: E402
-from stratad.engine.offload import OffloadConfig, OffloadForward  # noqa: E402
-from stratad.engine.slots import SlotPolicy, initial_residents  # noqa: E402
-from stratad.model.loader import load_model  # noqa: E402
-from stratad.model.spec import Model  # noqa: E402
-from stratad.model.synth import get_preset, write_synth  # noqa: E402
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.slots import SlotPolicy, initial_residents
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.model.synth import get_preset, write_synth
 
 PROMPT = list(range(100, 124))  # a 16-token chunk (grouped GEMM path), then 8 (fused)
 

@@ -3,22 +3,16 @@ runs two stages on one GPU, or one per GPU)."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from stratad.engine.experts import blob_layout  # noqa: E402
-from stratad.engine.forward import ReferenceForward  # noqa: E402
-from stratad.engine.offload import OffloadConfig  # noqa: E402
-from stratad.engine.stages import StagedForward, balanced_split, parse_split  # noqa: E402
-from stratad.model.loader import load_model  # noqa: E402
-from stratad.model.spec import Model  # noqa: E402
-from stratad.model.synth import get_preset, write_synth  # noqa: E402
+from stratad.engine.experts import blob_layout
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.offload import OffloadConfig
+from stratad.engine.stages import StagedForward, balanced_split, parse_split
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.model.synth import get_preset, write_synth
 
 PROMPT = list(range(100, 124))
 
