@@ -24,6 +24,8 @@ apt_install() {
 }
 
 apt_install pkg-config libsystemd-dev cmake build-essential
+# Debian's own python3 splits venv support into a package; other Pythons carry it.
+python3 -c "import ensurepip" 2>/dev/null || apt_install python3-venv
 # Test tools for the operations tests: systemd-analyze/-sysusers/-tmpfiles verify the unit
 # files, shellcheck the container entrypoint, systemd-journal-remote writes a test journal.
 ((WITH_TEST)) && apt_install systemd shellcheck systemd-journal-remote
