@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
@@ -70,6 +71,68 @@ def measure_inplace(model_spec, layout, host_buffer: torch.Tensor) -> float:  # 
     return k * layout.nbytes / statistics.median(times) / 1e9
 
 
+def measure_fetch(model_spec, layout, host_buffer: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """GB/s of the expert fetch kernel copying all top-k experts from pinned RAM into VRAM."""
+    k = model_spec.n_experts_used
+    off = torch.tensor([0, layout.up_offset, layout.down_offset])
+    table = torch.stack([host_buffer[0, e].data_ptr() + off for e in range(model_spec.n_experts)])
+    table = table.cuda()
+    span = (
+        host_buffer.data_ptr(),
+        host_buffer.data_ptr() + host_buffer.shape[0] * host_buffer.stride(0),
+    )
+    staging = torch.empty((k, layout.nbytes), dtype=torch.uint8, device="cuda")
+    times = []
+    for r in range(12):
+        ids = torch.randperm(model_spec.n_experts)[:k].to(torch.int32)[None].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fetch_experts(ids, table, span, staging, layout.nbytes)
+        torch.cuda.synchronize()
+        if r >= 2:
+            times.append(time.perf_counter() - t0)
+    return k * layout.nbytes / statistics.median(times) / 1e9
+
+
+def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list[object]]]:  # type: ignore[no-untyped-def]
+    """The GPU kernels of 8 eager decode steps and of one 4K prefill chunk: the top 12 by
+    time, as [name, ms per step (or chunk), launches per step]."""
+    from dataclasses import replace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def top(prof, steps: int) -> list[list[object]]:  # type: ignore[no-untyped-def]
+        rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in rows) / steps / 1e3
+        out: list[list[object]] = [
+            ["(all kernels)", round(total, 3), sum(e.count for e in rows) / steps]
+        ]
+        for e in rows[:12]:
+            out.append([e.key[:70], round(e.device_time_total / steps / 1e3, 3), e.count / steps])
+        return out
+
+    graphs, engine.config = engine.config.graphs, replace(engine.config, graphs=False)
+    cache.length = 0
+    cache.tokens.clear()
+    logits = engine.prefill(prompt(1024), cache)
+    token = int(logits.argmax())
+    engine.decode(token, cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.decode(token, cache)
+        torch.cuda.synchronize()
+    decode = top(prof, 8)
+    cache.length = 0
+    cache.tokens.clear()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.prefill(prompt(4096), cache)
+        torch.cuda.synchronize()
+    engine.config = replace(engine.config, graphs=graphs)
+    return {"decode step": decode, "prefill chunk of 4,096": top(prof, 1)}
+
+
 def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     """Milliseconds by stage for one prefill and per decode step, timed eagerly (no graph:
     every stage bracketed by events), to see which stage holds a figure back."""
@@ -104,12 +167,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
         pcie_frac=args.pcie_frac,
+        gpu_miss=args.gpu_miss,
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
     inplace = measure_inplace(spec, engine.layout, engine.host.buffer)
+    fetch = measure_fetch(spec, engine.layout, engine.host.buffer)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     gen = torch.Generator().manual_seed(1)
 
@@ -159,8 +224,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         moved = chunks * spec.n_layers * spec.n_experts * (1 - resident) * engine.layout.nbytes
         prefill[n] = (tps, n / (moved / (bw["pinned"] * 1e9)) if moved else float("inf"), moved)
     timing = stage_timing(engine, cache, prompt, args) if args.timing else {}
+    kernels = kernel_profile(engine, cache, prompt) if args.profile else {}
     result = {
         "timing": timing,
+        "kernels": kernels,
+        "gpu_miss": args.gpu_miss,
+        "fetch_gbs": fetch,
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
         "slots_per_layer": engine.n_slots // spec.n_layers,
@@ -196,6 +265,7 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"{r['load_s']:.1f} s; expert blob {r['blob_mib']:.2f} MiB",
         f"- measured: H2D pinned {r['pcie_pinned_gbs']:.1f} GB/s, pageable "
         f"{r['pcie_pageable_gbs']:.1f} GB/s, in-place kernel read {r['inplace_gbs']:.1f} GB/s, "
+        f"fetch kernel {r['fetch_gbs']:.1f} GB/s (decode misses: {r['gpu_miss']}), "
         f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
         "",
         "| figure | median (min–max) | ceiling | ratio |",
@@ -215,6 +285,10 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
             f"(PCIe, {p['moved_gb']:.1f} GB moved) | "
             f"{statistics.median(p['tps']) / p['ceiling']:.0%} |"
         )
+    for name, rows in (r.get("kernels") or {}).items():
+        lines += ["", f"GPU kernels of one {name} (eager, torch.profiler):", "",
+                  "| kernel | ms | launches |", "| --- | --- | --- |"]  # fmt: skip
+        lines += [f"| {k} | {ms:.3f} | {n:g} |" for k, ms, n in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -240,6 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.0,
         help="share of decode misses read in place by the GPU; the CPU computes the rest",
+    )
+    p.add_argument(
+        "--gpu-miss",
+        choices=["copy", "in_place"],
+        default="copy",
+        help="how the GPU gets decode misses: fetch into VRAM, or read in place",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list the GPU kernels of a decode step and a prefill chunk",
     )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args(argv)

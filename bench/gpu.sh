@@ -33,7 +33,7 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
     # --timing adds one eager (un-captured) 8K prefill and 32 decode steps timed by stage
     for gib in ${E2E_VRAM_GIB:-4 24}; do
         python3 -m bench.e2e --model "$A3B" --expert-vram-gib "$gib" \
-            --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:---timing} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
+            --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:---timing --profile} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
             || echo "e2e with ${gib} GiB failed"
     done
 fi

@@ -8,8 +8,19 @@ Scores, softmax and the weighted sum are float32 (online softmax over blocks of 
 One program serves all query heads of one KV head, so each K/V row is read once per
 group rather than once per query head: decode attention is bound by reading the cache.
 
-Three tiers: `_decode_attention_kernel` (Triton), `decode_attention()` (launcher), and the
-torch reference `decode_attention_ref()`.
+Split-K ("flash-decoding"): a grid of (B, Hkv) alone is a handful of programs, each
+walking the whole sequence, so the cache capacity S is cut into pieces of `split_s`
+positions. `_decode_attention_split_kernel` runs on (B, Hkv, cdiv(S, split_s)) and writes,
+per (sequence, query head, piece), the float32 running max m, sum of exp l and
+unnormalised weighted sum acc [D] of its positions (a piece past seq_len writes m = -inf,
+l = 0 and nothing else). `_decode_attention_reduce_kernel` runs on (B, Hq) and merges the
+pieces that hold positions: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j with
+M = max_j m_j. When S fits in one piece, `_decode_attention_kernel` does it in one pass.
+The grids and every host-side value depend on shapes and the config only, never on the
+values of seq_lens, so a launch can be captured in a CUDA graph and replayed as they grow.
+
+Three tiers: the Triton kernels above, `decode_attention()` (launcher), and the torch
+reference `decode_attention_ref()`.
 """
 
 from __future__ import annotations
@@ -24,9 +35,68 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    block_s: int = 64  # cache positions per step
+    block_s: int = 64  # cache positions per step (a power of two)
+    split_s: int = 512  # cache positions per split program (a multiple of block_s)
     num_warps: int = 4
     num_stages: int = 2
+
+
+@triton.jit
+def _load_q(
+    q_ptr,
+    b,
+    kv_head,
+    stride_qb,
+    stride_qh,
+    scale,
+    mask,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The scaled float32 queries [BG, BD] of KV head `kv_head`'s group (zero where masked)."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    return tl.load(q_at, mask=mask, other=0.0).to(tl.float32) * scale
+
+
+@triton.jit
+def _attend(
+    q,  # [BG, BD] float32, scaled
+    k_base,  # K/V of one sequence and KV head at position 0
+    v_base,
+    stride_ks,
+    stride_vs,
+    start,
+    end,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Online softmax of q over positions [start, end): (max m [BG], sum of exp l [BG],
+    unnormalised weighted sum acc [BG, BD]); m = -inf, l = 0, acc = 0 when empty."""
+    d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)  # [BS]
+        kv_mask = (s[:, None] < end) & (d[None, :] < D)
+        rows = s[:, None].to(tl.int64)
+        k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BG, BS]
+        scores = tl.where(s[None, :] < end, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp(scores - m_new[:, None])  # [BG, BS]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -37,6 +107,7 @@ def _decode_attention_kernel(
     len_ptr,  # [B]
     out_ptr,  # [B, Hq, D]
     scale,
+    S,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -53,53 +124,131 @@ def _decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
+    """Single pass: one program per (sequence, KV head) over all its positions."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g  # [BG]
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_at, mask=q_mask, other=0.0).to(tl.float32) * scale  # [BG, BD]
-
-    seq_len = tl.load(len_ptr + b)
+    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, scale, q_mask, GROUP, BLOCK_G, BLOCK_D)
+    seq_len = tl.minimum(tl.load(len_ptr + b), S)  # past S counts as S, as in the reference
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, seq_len, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)  # [BS]
-        kv_mask = (s[:, None] < seq_len) & (d[None, :] < D)
-        rows = s[:, None].to(tl.int64)
-        k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BG, BS]
-        scores = tl.where(s[None, :] < seq_len, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp(scores - m_new[:, None])  # [BG, BS]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
+    _, l_i, acc = _attend(
+        q, k_base, v_base, stride_ks, stride_vs, 0, seq_len, D, BLOCK_G, BLOCK_D, BLOCK_S
+    )
     out = acc / l_i[:, None]
+    heads = kv_head * GROUP + g
     out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float | None = None,
-    config: AttentionConfig | None = None,
-) -> torch.Tensor:
-    """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [B, S, Hkv, D]
+    v_ptr,  # [B, S, Hkv, D]
+    len_ptr,  # [B]
+    m_ptr,  # [B, Hq, n_splits] float32
+    l_ptr,  # [B, Hq, n_splits] float32, strides of m
+    acc_ptr,  # [B, Hq, n_splits, D] float32
+    scale,
+    S,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_aj,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_S: tl.constexpr,
+):
+    """First pass: program (b, KV head, j) over positions [j * SPLIT_S, (j + 1) * SPLIT_S)
+    of sequence b, cut at seq_len. A piece past seq_len reads nothing and writes m = -inf,
+    l = 0 (the reduce kernel does not read it)."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    seq_len = tl.minimum(tl.load(len_ptr + b), S)
+    start = split * SPLIT_S
+    end = tl.minimum(start + SPLIT_S, seq_len)
+    live = tl.where(start < seq_len, GROUP, 0)  # query heads with positions here
+    work_mask = (g[:, None] < live) & (d[None, :] < D)
+    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, scale, work_mask, GROUP, BLOCK_G, BLOCK_D)
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    m_i, l_i, acc = _attend(
+        q, k_base, v_base, stride_ks, stride_vs, start, end, D, BLOCK_G, BLOCK_D, BLOCK_S
+    )
+    heads = kv_head * GROUP + g
+    ml_at = b * stride_mb + heads * stride_mh + split
+    tl.store(m_ptr + ml_at, m_i, mask=g < GROUP)
+    tl.store(l_ptr + ml_at, l_i, mask=g < GROUP)
+    acc_at = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_aj + d[None, :]
+    tl.store(acc_at, acc, mask=work_mask)
 
-    seq_lens [B] (integers, each in 1..S) is how many cache positions each sequence has
-    (the current token's K/V already written). `scale` defaults to 1 / sqrt(D).
-    """
+
+@triton.jit
+def _decode_attention_reduce_kernel(
+    len_ptr,  # [B]
+    m_ptr,  # [B, Hq, n_splits] float32
+    l_ptr,  # [B, Hq, n_splits] float32, strides of m
+    acc_ptr,  # [B, Hq, n_splits, D] float32
+    out_ptr,  # [B, Hq, D]
+    S,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_aj,
+    stride_ob,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_S: tl.constexpr,
+):
+    """Second pass: program (b, query head) merges the pieces of sequence b that hold
+    positions, the first cdiv(seq_len, SPLIT_S), rescaled to their common max."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    seq_len = tl.minimum(tl.load(len_ptr + b), S)
+    ml_base = b * stride_mb + head * stride_mh
+    acc_base = acc_ptr + b * stride_ab + head * stride_ah
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for split in range(0, tl.cdiv(seq_len, SPLIT_S)):
+        m_j = tl.load(m_ptr + ml_base + split)
+        l_j = tl.load(l_ptr + ml_base + split)
+        acc_j = tl.load(acc_base + split * stride_aj + d, mask=d < D, other=0.0)
+        m_new = tl.maximum(m_run, m_j)
+        alpha = tl.exp(m_run - m_new)  # rescales what was merged under the old max
+        beta = tl.exp(m_j - m_new)
+        l_run = l_run * alpha + l_j * beta
+        acc = acc * alpha + acc_j * beta
+        m_run = m_new
+    out = acc / l_run
+    out_at = out_ptr + b * stride_ob + head * stride_oh + d
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _check_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"expected q [B, Hq, D] and k, v [B, S, Hkv, D]; got {tuple(q.shape)}"
@@ -124,21 +273,34 @@ def decode_attention(
         )
     if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
         raise ValueError("q, caches and seq_lens must be on one device")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(
             "KV caches need a contiguous head dim (copying one per step would "
             "cost more than the attention)"
         )
-    cfg = config or AttentionConfig()
-    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    if B == 0:
-        return out
+
+
+def _check_config(cfg: AttentionConfig) -> None:
+    if cfg.block_s < 1 or cfg.block_s & (cfg.block_s - 1):
+        raise ValueError(f"block_s {cfg.block_s} is not a power of two")
+    if cfg.split_s < 1 or cfg.split_s % cfg.block_s:
+        raise ValueError(f"split_s {cfg.split_s} is not a multiple of block_s {cfg.block_s}")
+
+
+def _launch_single(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    cfg: AttentionConfig,
+) -> None:
+    B, Hq, D = q.shape
+    _, S, Hkv, _ = k_cache.shape
     group = Hq // Hkv
     _decode_attention_kernel[(B, Hkv)](
-        q, k_cache, v_cache, seq_lens.contiguous(), out,
-        1.0 / math.sqrt(D) if scale is None else scale,
+        q, k_cache, v_cache, seq_lens, out, scale, S,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -147,6 +309,75 @@ def decode_attention(
         BLOCK_D=triton.next_power_of_2(D), BLOCK_S=cfg.block_s,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+
+
+def _launch_split(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    cfg: AttentionConfig,
+) -> None:
+    B, Hq, D = q.shape
+    _, S, Hkv, _ = k_cache.shape
+    group = Hq // Hkv
+    n_splits = triton.cdiv(S, cfg.split_s)
+    # Partials of every piece; those past a sequence's length are never read.
+    m = torch.empty(B, Hq, n_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    _decode_attention_split_kernel[(B, Hkv, n_splits)](
+        q, k_cache, v_cache, seq_lens, m, l, acc, scale, S,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_D=block_d, BLOCK_S=cfg.block_s, SPLIT_S=cfg.split_s,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _decode_attention_reduce_kernel[(B, Hq)](
+        seq_lens, m, l, acc, out, S,
+        m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1),
+        D=D, BLOCK_D=block_d, SPLIT_S=cfg.split_s,
+        num_warps=1,  # reads n_splits * (D + 2) floats: a warp is plenty
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
+
+    seq_lens [B] (integers, each in 1..S) is how many cache positions each sequence has
+    (the current token's K/V already written); it is read on the device only, so the call
+    can be captured in a CUDA graph. `scale` defaults to 1 / sqrt(D). Caches longer than
+    `config.split_s` positions are split across programs (two kernels, see the module).
+    """
+    _check_inputs(q, k_cache, v_cache, seq_lens)
+    cfg = config or AttentionConfig()
+    _check_config(cfg)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    B, Hq, D = q.shape
+    S = k_cache.shape[1]
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    launch = _launch_single if triton.cdiv(S, cfg.split_s) <= 1 else _launch_split
+    launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg)
     return out
 
 

@@ -47,6 +47,8 @@ def _rope_kernel(
     x_ptr,  # [T, H, D]
     pos_ptr,  # [T]
     freq_ptr,  # [HALF]
+    cos_ptr,  # [P, HALF] float32 tables by position (TABLE), else unused
+    sin_ptr,
     out_ptr,  # [T, H, D]; the pass-through features are copied by the launcher
     H,
     stride_xt,
@@ -57,15 +59,21 @@ def _rope_kernel(
     NEOX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     i = tl.arange(0, BLOCK_HALF)  # [BP] pair index
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    inv_freq = tl.load(freq_ptr + i, mask=i < HALF, other=0.0)
-    angle = pos * inv_freq
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
+    if TABLE:
+        row = tl.load(pos_ptr + t).to(tl.int64) * HALF
+        cos = tl.load(cos_ptr + row + i, mask=i < HALF, other=1.0)[None, :]
+        sin = tl.load(sin_ptr + row + i, mask=i < HALF, other=0.0)[None, :]
+    else:
+        pos = tl.load(pos_ptr + t).to(tl.float32)
+        inv_freq = tl.load(freq_ptr + i, mask=i < HALF, other=0.0)
+        angle = pos * inv_freq
+        cos = tl.cos(angle)[None, :]
+        sin = tl.sin(angle)[None, :]
     if NEOX:
         first = i
         second = i + HALF
@@ -89,8 +97,10 @@ def rope(
     inv_freq: torch.Tensor,
     style: RopeStyle,
     config: RopeConfig | None = None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Rotate x [T, H, D] (may be a strided view) at positions [T] -> new tensor [T, H, D]."""
+    """Rotate x [T, H, D] (may be a strided view) at positions [T] -> new tensor [T, H, D].
+    With `tables` (see `rope_table`), cos and sin are read by position, not computed."""
     if x.dim() != 3:
         raise ValueError(f"x must be [T, H, D], got shape {tuple(x.shape)}")
     T, H, D = x.shape
@@ -116,13 +126,33 @@ def rope(
     cfg = config or RopeConfig()
     block_h = min(triton.next_power_of_2(H), cfg.block_h)
     grid = (T, triton.cdiv(H, block_h))
+    cos, sin = tables if tables is not None else (inv_freq, inv_freq)
     _rope_kernel[grid](
-        x, positions.contiguous(), inv_freq.contiguous(), out, H,
+        x, positions.contiguous(), inv_freq.contiguous(), cos, sin, out, H,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         HALF=half, NEOX=style == RopeStyle.NEOX, BLOCK_H=block_h,
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=cfg.num_warps,
+        BLOCK_HALF=triton.next_power_of_2(half), TABLE=tables is not None,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
+
+
+def rope_table(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    style: RopeStyle,
+    config: RopeConfig | None = None,
+) -> torch.Tensor:
+    """`rope` with the angles' cos and sin precomputed by position ([P, D/2] float32, e.g.
+    from float64 angles, which stay exact at long positions where float32 angles drift)."""
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be float32 [P, half], got {tuple(cos.shape)}")
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("cos and sin tables must be contiguous")
+    inv_freq = torch.empty(cos.shape[1], dtype=torch.float32, device=cos.device)
+    return rope(x, positions, inv_freq, style, config, tables=(cos, sin))
 
 
 def apply_rope(

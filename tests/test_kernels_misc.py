@@ -10,11 +10,13 @@ missing triton fails here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import triton  # noqa: F401  (imported for the failure when it is missing)
 
+from kernels import attention
 from kernels.activation import (
     ActivationConfig,
     silu_mul,
@@ -34,6 +36,7 @@ from kernels.rope import (
     rope,
     rope_inv_freq,
     rope_ref,
+    rope_table,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +105,23 @@ def test_rope(
     tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(out, rope_ref(x, positions, inv_freq, style), **tol)
     assert torch.equal(out[..., rotary:], x[..., rotary:])
+
+
+@pytest.mark.parametrize("style", list(RopeStyle))
+def test_rope_from_tables_matches_engine_reference(style: RopeStyle) -> None:
+    """cos/sin tables by position (float64 angles) give the engine's torch rotation."""
+    from stratad.engine.layers import apply_rope as engine_rope
+
+    x = randn(3, 4, 16, dtype=torch.float32, seed=4)
+    positions = torch.tensor([0, 9, 40000], device=DEVICE)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    ang = torch.arange(40001, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().float().to(DEVICE), ang.sin().float().to(DEVICE)
+    out = rope_table(x, positions, cos, sin, style, RopeConfig(block_h=2))
+    want = engine_rope(x, cos[positions], sin[positions], style == RopeStyle.INTERLEAVED)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        rope_table(x, positions, cos.double(), sin.double(), style)
 
 
 def test_rope_reference_by_complex_rotation() -> None:
@@ -214,6 +234,84 @@ def test_decode_attention_on_strided_caches() -> None:
     torch.testing.assert_close(decode_attention(q, head_major_k, head_major_v, lens), expected)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention(randn(2, 3, 16), k, v, lens)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (8, 2)])  # GQA groups 1 and 4
+@pytest.mark.parametrize(
+    ("s_max", "lens"),
+    [
+        # 5 pieces of 16, the last one 6 long: mid-piece, on a boundary, 1, S.
+        (70, [37, 32, 1, 70, 16, 17]),
+        (64, [64, 48, 1, 15]),  # S a whole number of pieces
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_attention_split(
+    hq: int, hkv: int, s_max: int, lens: list[int], dtype: torch.dtype
+) -> None:
+    """Split-K: pieces of split_s positions, merged by the reduce kernel, against the
+    reference and against the single pass (split_s >= S)."""
+    q, k, v, _ = attention_inputs(len(lens), hq, hkv, 16, s_max, dtype, seed=len(lens))
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    expected = decode_attention_ref(q, k, v, seq_lens)
+    out = decode_attention(q, k, v, seq_lens, config=AttentionConfig(block_s=8, split_s=16))
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    single = decode_attention(q, k, v, seq_lens, config=AttentionConfig(block_s=8, split_s=128))
+    torch.testing.assert_close(single, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("split_s", [16, 128], ids=["split", "single"])
+def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
+    """As in a CUDA graph replay: the same tensors, seq_lens changed in place between the
+    calls, give each call's answer."""
+    q, k, v, _ = attention_inputs(3, 4, 1, 16, 70, torch.float32, seed=14)
+    seq_lens = torch.tensor([5, 70, 33], device=DEVICE)
+    config = AttentionConfig(block_s=8, split_s=split_s)
+    first = decode_attention(q, k, v, seq_lens, config=config)
+    seq_lens.copy_(torch.tensor([70, 1, 48], device=DEVICE))
+    second = decode_attention(q, k, v, seq_lens, config=config)
+    for out, lens in ((first, [5, 70, 33]), (second, [70, 1, 48])):
+        expected = decode_attention_ref(q, k, v, torch.tensor(lens, device=DEVICE))
+        torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("split_s", "grids"),
+    [(16, [("split", (3, 2, 5)), ("reduce", (3, 8))]), (128, [("single", (3, 2))])],
+    ids=["split", "single"],
+)
+def test_decode_attention_launch_reads_no_values(
+    split_s: int, grids: list[tuple[str, tuple[int, ...]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch depends on shapes and the config only (so it can be captured in a CUDA
+    graph): on meta tensors, where reading any value raises, with the kernels recorded
+    rather than run, it launches grids of cdiv(S, split_s) pieces."""
+    launched: list[tuple[str, tuple[int, ...]]] = []
+
+    class Recorder:
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **kwargs: launched.append((self.label, grid))
+
+    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder("single"))
+    monkeypatch.setattr(attention, "_decode_attention_split_kernel", Recorder("split"))
+    monkeypatch.setattr(attention, "_decode_attention_reduce_kernel", Recorder("reduce"))
+    q = torch.empty(3, 8, 16, device="meta")
+    k = torch.empty(3, 70, 2, 16, device="meta")
+    seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
+    out = decode_attention(q, k, k, seq_lens, config=AttentionConfig(block_s=8, split_s=split_s))
+    assert out.shape == q.shape and launched == grids
+
+
+def test_decode_attention_config_checks() -> None:
+    q, k, v, lens = attention_inputs(1, 2, 2, 8, 4, torch.float32, seed=15)
+    with pytest.raises(ValueError, match="multiple of block_s"):
+        decode_attention(q, k, v, lens, config=AttentionConfig(block_s=16, split_s=24))
+    with pytest.raises(ValueError, match="power of two"):
+        decode_attention(q, k, v, lens, config=AttentionConfig(block_s=12, split_s=24))
 
 
 # --- real shapes on a GPU ---------------------------------------------------------------------

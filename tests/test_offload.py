@@ -45,13 +45,16 @@ def _offload(model: Model, slots_per_layer: int, device: str, **kw) -> OffloadFo
     return OffloadForward(model, torch.device(device), cfg)
 
 
+@pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("slots", [0, 3, 8])  # every expert from RAM, a mix, all in VRAM
-def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int) -> None:
+def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int, gpu_miss: str) -> None:
     ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
-    off = _offload(tiny_moe, slots, "cpu", graphs=False)
+    off = _offload(tiny_moe, slots, "cpu", graphs=False, gpu_miss=gpu_miss)
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
+    # the copy path staged the last step's misses; in place stages nothing
+    assert bool(off._fetch_buf.any()) == (gpu_miss == "copy" and slots < 8)
     if slots == 8:
         assert off.hit_rate == 1.0
     if slots == 0:
@@ -85,10 +88,11 @@ def test_slot_policy_lru() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("slots", [0, 3, 8])
-def test_tokens_match_reference_gpu(tiny_moe: Model, slots: int) -> None:
+def test_tokens_match_reference_gpu(tiny_moe: Model, slots: int, gpu_miss: str) -> None:
     ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
-    off = _offload(tiny_moe, slots, "cuda")
+    off = _offload(tiny_moe, slots, "cuda", gpu_miss=gpu_miss)
     tokens, logits = _greedy(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
@@ -129,11 +133,12 @@ def test_split_dequant_bit_exact() -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("pcie_frac", [0.0, 0.5, 1.0])
-def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float) -> None:
-    """Misses read in place by the kernel, computed on the CPU, or split between the two."""
+def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float, gpu_miss: str) -> None:
+    """Misses fetched or read in place by the GPU, computed on the CPU, or split between."""
     ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
-    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac)
+    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac, gpu_miss=gpu_miss)
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3

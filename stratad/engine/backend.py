@@ -210,7 +210,11 @@ def _slots(
     spec, size = model.spec, torch.finfo(dtype).bits // 8
     dense = layer_share * model.dense_values()
     kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * size
-    staging = 2 * spec.n_experts * layout.nbytes
+    # two layers of blobs in flight, and one layer dequantized for the grouped GEMMs
+    staging = (
+        2 * spec.n_experts * layout.nbytes
+        + 3 * spec.n_experts * spec.hidden * spec.expert_ffn * size
+    )
     free, _ = torch.cuda.mem_get_info(device)
     left = free - dense * size - kv - staging - int(store.vram_reserve_gib * GiB)
     log.info(

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.moe import fused_moe
 from stratad.engine.layers import swiglu
 
 if TYPE_CHECKING:
@@ -47,8 +46,7 @@ class CpuMisses:
         if cpu:
             t_idx, k_idx = zip(*cpu, strict=True)
             gpu_ids[list(t_idx), list(k_idx)] = -1  # the kernel skips these slots
-        with stage("experts (VRAM + in place)"):  # queued; runs while the CPU works below
-            moe = fused_moe(h.contiguous(), gpu_ids, weights, e.table[layer], e.spec.expert_ffn)
+        moe = e.gpu_experts(layer, h, gpu_ids, weights)  # queued; runs while the CPU works
         if not cpu:
             return moe
         with stage("experts (CPU)"):

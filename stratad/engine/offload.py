@@ -23,8 +23,12 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.attention import AttentionConfig, decode_attention
+from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe, split_q4_0_ok
+from kernels.norm import rmsnorm
 from kernels.quant import QType
+from kernels.rope import RopeStyle, rope_table
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.experts import blob_layout
@@ -54,10 +58,22 @@ class OffloadConfig:
     # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
     # per layer (the host must see the routing), so it is not captured as a graph.
     pcie_frac: float = 1.0
+    # How the GPU gets a decode step's missed experts: "copy" them from RAM into VRAM staging
+    # with one fetch kernel per layer (wide loads keep the link busy), then compute from VRAM;
+    # or read them "in_place" over PCIe from the fused MoE kernel itself.
+    gpu_miss: str = "copy"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
             raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
+        if self.gpu_miss not in GPU_MISS_PATHS:
+            raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
+
+
+GPU_MISS_PATHS = ("copy", "in_place")
+# Decode attention: 256 cache positions per program, so a 1K context already spreads over
+# four programs per KV head and a 32K one over 128.
+DECODE_ATTN = AttentionConfig(block_s=64, split_s=256)
 
 
 class OffloadForward:
@@ -94,6 +110,8 @@ class OffloadForward:
                 f" not {self.layout.qtype.name}"
             )
         self.device, self.config, self.dtype = device, config, config.dtype
+        # one Triton kernel per norm on a GPU (the torch reference is six launches)
+        self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
         self.layers = dense_layers(model, device, self.dtype, self.layer_ids)
         first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
 
@@ -111,6 +129,7 @@ class OffloadForward:
         if device.type == "cuda" and not self.host.registered:
             self.host.pin(**(pin or {}))
         self._init_slots(residents)
+        self._init_fetch()
         self._init_rope()
         self.route_counts = torch.zeros(
             (spec.n_layers, spec.n_experts), dtype=torch.int64, device=device
@@ -162,6 +181,15 @@ class OffloadForward:
             self.n_slots * nbytes / 2**30,
         )
 
+    def _init_fetch(self) -> None:
+        """VRAM staging for one decode token's missed experts (the copy miss path)."""
+        nbytes, k = self.layout.nbytes, self.spec.n_experts_used
+        host = self.host.buffer
+        self._host_span = (host.data_ptr(), host.data_ptr() + host.shape[0] * host.stride(0))
+        aligned = nbytes % 16 == 0 and host.data_ptr() % 16 == 0
+        rows = k if aligned and self.config.gpu_miss == "copy" else 0
+        self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
+
     def _init_rope(self) -> None:
         positions = torch.arange(self.config.max_context)
         self.cos, self.sin = rope_tables(self.spec, positions, self.device)
@@ -186,33 +214,35 @@ class OffloadForward:
         spec, t = self.spec, h.shape[0]
         qkv = fn.linear(h, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
+        norm = self.norm_fn
         if spec.qk_norm == "full":
-            q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
         q = q.reshape(t, spec.n_heads, spec.head_dim)
         k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
         v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":
-            q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        cos, sin = self.cos[pos], self.sin[pos]
-        q = apply_rope(q, cos, sin, spec.rope_interleaved)
-        k = apply_rope(k, cos, sin, spec.rope_interleaved)
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        if self.device.type != "cpu":  # one kernel each, reading the tables by position
+            style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
+            q = rope_table(q, pos, self.cos, self.sin, style)
+            k = rope_table(k, pos, self.cos, self.sin, style)
+        else:
+            cos, sin = self.cos[pos], self.sin[pos]
+            q = apply_rope(q, cos, sin, spec.rope_interleaved)
+            k = apply_rope(k, cos, sin, spec.rope_interleaved)
         cache.k[i].index_copy_(0, pos, k)
         cache.v[i].index_copy_(0, pos, v)
+        if start is None:  # decode: split-K over the static cache, its length on the device
+            lens = pos[-1:] + 1
+            out = decode_attention(q, cache.k[i][None], cache.v[i][None], lens, config=DECODE_ATTN)
+            return fn.linear(out.reshape(t, spec.q_dim), w.o)
         rep = spec.n_heads // spec.n_kv_heads
-        if start is None:  # decode: the whole static cache, masked beyond the position
-            keys, values = cache.k[i], cache.v[i]
-            mask = (torch.arange(keys.shape[0], device=h.device) <= pos[-1])[None, None, :]
-        else:
-            keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
-            mask = None
+        keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
-        if start is not None:  # a prefill chunk: causal, aligned to the end of the keys
-            bias = causal_lower_right(t, start + t)
-            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-        else:
-            out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
+        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
         return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,16 +263,15 @@ class OffloadForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         w, spec, stage = self.layers[i], self.spec, self.timer.stage
         with stage("attention"):
-            h = rms_norm(x, w.attn_norm, spec.rms_eps)
+            h = self.norm_fn(x, w.attn_norm, spec.rms_eps)
             x = x + self._attention(w, i, h, pos, cache, start)
         with stage("router"):
-            h = rms_norm(x, w.ffn_norm, spec.rms_eps)
+            h = self.norm_fn(x, w.ffn_norm, spec.rms_eps)
             weights, ids = self._route(w, h)
         if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
             moe = self.cpu.run(i, h, ids, weights)
         elif start is None or h.shape[0] <= 8:
-            with stage("experts (VRAM + in place)"):
-                moe = fused_moe(h.contiguous(), ids, weights, self.table[i], spec.expert_ffn)
+            moe = self.gpu_experts(i, h, ids, weights)
         else:
             with stage("experts (staged)"):
                 moe = self._prefill_moe(i, h, ids, weights)
@@ -250,6 +279,22 @@ class OffloadForward:
             shared = self._shared(w, h)
         x = x + (moe if shared is None else moe + shared)
         return x, ids
+
+    def gpu_experts(
+        self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
+        skipped): hits from their VRAM slots, misses by the configured path."""
+        stage, table = self.timer.stage, self.table[i]
+        name = "experts (VRAM + in place)"
+        if ids.numel() <= self._fetch_buf.shape[0]:
+            with stage("experts (PCIe fetch)"):
+                ids, table = fetch_experts(
+                    ids, table, self._host_span, self._fetch_buf, self.layout.nbytes
+                )
+            name = "experts (VRAM)"
+        with stage(name):
+            return fused_moe(h.contiguous(), ids, weights, table, self.spec.expert_ffn)
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)

@@ -4,7 +4,9 @@ current layer computes.
 A prefill chunk of more than a few tokens routes to nearly every expert, so each layer's blobs
 (from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
 a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
-for the layer after next.
+for the layer after next. On a GPU the dequantization is one Triton launch per projection
+(`kernels.dequant`) into three output buffers reused by every layer: the layer's grouped GEMMs
+read them on the same stream before the next layer's launches overwrite them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.dequant import DEQUANT_DTYPES, dequant_q4_0_split
 from stratad.engine.experts import dequant_split
 
 if TYPE_CHECKING:
@@ -25,6 +28,19 @@ class ExpertStaging:
         self._buf: torch.Tensor | None = None  # [2, E, blob bytes], allocated on first use
         self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
         self._freed: list[torch.cuda.Event | None] = [None, None]  # buffer -> last read done
+        self._out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # GPU only
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [E, F, H], up, down [E, H, F]) in the compute dtype, allocated on first use."""
+        if self._out is None:
+            e = self.engine
+            f, h = e.layout.ffn, e.layout.hidden
+
+            def empty(rows: int, cols: int) -> torch.Tensor:
+                return torch.empty((e.spec.n_experts, rows, cols), dtype=e.dtype, device=e.device)
+
+            self._out = (empty(f, h), empty(f, h), empty(h, f))
+        return self._out
 
     def buffers(self) -> torch.Tensor:
         if self._buf is None:
@@ -63,7 +79,8 @@ class ExpertStaging:
 
     def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [E, F, H], up, down [E, H, F]) of the layer in the compute dtype; its
-        buffer is free again once this is queued."""
+        buffer is free again once this is queued. On a GPU they are the reused `outputs()`:
+        valid until the next call."""
         e = self.engine
         ready = self._ready.get(layer)
         if ready is not None:
@@ -71,13 +88,18 @@ class ExpertStaging:
         lay, buf = e.layout, self.buffers()[layer % 2]
         f, h = lay.ffn, lay.hidden
 
-        def deq(lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
-            return dequant_split(buf[:, lo:hi], rows, cols).to(e.dtype)
+        fast = buf.is_cuda and e.dtype in DEQUANT_DTYPES
+        outs = self.outputs() if fast else None
+
+        def deq(k: int, lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
+            if outs is None:  # the CPU: torch (Triton would run in its slow interpreter)
+                return dequant_split(buf[:, lo:hi], rows, cols).to(e.dtype)
+            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, e.dtype, out=outs[k])
 
         out = (
-            deq(0, lay.up_offset, f, h),
-            deq(lay.up_offset, lay.down_offset, f, h),
-            deq(lay.down_offset, lay.nbytes, h, f),
+            deq(0, 0, lay.up_offset, f, h),
+            deq(1, lay.up_offset, lay.down_offset, f, h),
+            deq(2, lay.down_offset, lay.nbytes, h, f),
         )
         if e.side is not None:
             freed = torch.cuda.Event()
