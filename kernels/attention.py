@@ -219,27 +219,33 @@ def _decode_attention_reduce_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_S: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     """Second pass: program (b, query head) merges the pieces of sequence b that hold
-    positions, the first cdiv(seq_len, SPLIT_S), rescaled to their common max."""
+    positions, the first cdiv(seq_len, SPLIT_S), rescaled to their common max, BLOCK_J
+    pieces at a time (a 32K context in 64-position pieces is 512 of them)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     seq_len = tl.minimum(tl.load(len_ptr + b), S)
+    n_live = tl.cdiv(seq_len, SPLIT_S)
     ml_base = b * stride_mb + head * stride_mh
     acc_base = acc_ptr + b * stride_ab + head * stride_ah
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for split in range(0, tl.cdiv(seq_len, SPLIT_S)):
-        m_j = tl.load(m_ptr + ml_base + split)
-        l_j = tl.load(l_ptr + ml_base + split)
-        acc_j = tl.load(acc_base + split * stride_aj + d, mask=d < D, other=0.0)
-        m_new = tl.maximum(m_run, m_j)
+    for j0 in range(0, n_live, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        live = j < n_live  # every live piece has a position: its m is finite
+        m_j = tl.load(m_ptr + ml_base + j, mask=live, other=float("-inf"))
+        l_j = tl.load(l_ptr + ml_base + j, mask=live, other=0.0)
+        acc_at = acc_base + j[:, None].to(tl.int64) * stride_aj + d[None, :]
+        acc_j = tl.load(acc_at, mask=live[:, None] & (d[None, :] < D), other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_j, axis=0))
         alpha = tl.exp(m_run - m_new)  # rescales what was merged under the old max
-        beta = tl.exp(m_j - m_new)
-        l_run = l_run * alpha + l_j * beta
-        acc = acc * alpha + acc_j * beta
+        beta = tl.exp(m_j - m_new)  # [BJ]; 0 for pieces past the length
+        l_run = l_run * alpha + tl.sum(l_j * beta, axis=0)
+        acc = acc * alpha + tl.sum(acc_j * beta[:, None], axis=0)
         m_run = m_new
     out = acc / l_run
     out_at = out_ptr + b * stride_ob + head * stride_oh + d
@@ -345,8 +351,8 @@ def _launch_split(
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1),
-        D=D, BLOCK_D=block_d, SPLIT_S=cfg.split_s,
-        num_warps=1,  # reads n_splits * (D + 2) floats: a warp is plenty
+        D=D, BLOCK_D=block_d, SPLIT_S=cfg.split_s, BLOCK_J=16,
+        num_warps=2,  # reads n_splits * (D + 2) floats, 16 pieces at a time
     )  # fmt: skip
 
 
