@@ -82,6 +82,11 @@ class EngineConfig(_Section, frozen=True):
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU reads in
     place over PCIe; the CPU computes the rest from RAM in parallel. `auto` balances the two by
     the bandwidths measured at start (and keeps 1 when the CPU's share would be under 10%)."""
+    gpu_miss: Literal["copy", "in_place"] = "copy"
+    """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
+    fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
+    link near the copy engine's rate), then the fused kernel reads VRAM; `in_place`: the
+    fused kernel reads them over PCIe itself (no staging VRAM, about half the rate)."""
     offload_prefill_chunk: Annotated[int, msgspec.Meta(ge=16)] = 4096
     """Prompt tokens per prefill chunk of the offload engine (instead of
     server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so

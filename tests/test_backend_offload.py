@@ -29,8 +29,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _config(path: Path, store: str) -> Path:
-    path.write_text(f'[engine]\nbackend = "offload"\ndevice = "cpu"\n[store]\n{store}\n')
+def _config(path: Path, store: str, engine: str = "") -> Path:
+    path.write_text(
+        f'[engine]\nbackend = "offload"\ndevice = "cpu"\n{engine}\n[store]\n{store}\n'
+    )
     return path
 
 
@@ -45,7 +47,8 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
         want.append(int(logits.argmax()))
         logits = ref([want[-1]], cache)[-1]
 
-    config = _config(tmp_path / "stratad.toml", "expert_cache = 12")
+    # misses read in place here; the default (fetched into VRAM) is tested in test_offload.py
+    config = _config(tmp_path / "stratad.toml", "expert_cache = 12", 'gpu_miss = "in_place"')
     sock = tmp_path / "ctl.sock"
     args = [str(tiny), "--config", str(config), "--control-socket", str(sock)]
     with running_daemon(args, tmp_path / "stratad.log", env=ENV) as url:
@@ -60,7 +63,9 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
     assert cov.returncode == 0, cov.stderr
     coverage = json.loads(cov.stdout)
     assert coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
-    assert json.loads(plan.stdout)["hash"] in (tmp_path / "stratad.log").read_text()
+    log = (tmp_path / "stratad.log").read_text()
+    assert json.loads(plan.stdout)["hash"] in log
+    assert "decode misses: the GPU takes 100% (read in place)" in log
 
 
 def test_offload_refuses_when_ram_cannot_hold_every_expert(tiny: Path, tmp_path: Path) -> None:

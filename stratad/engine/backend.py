@@ -127,7 +127,7 @@ def open_offload(
         expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=max_context,
         dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
-        cache_policy=config.store.cache_policy,
+        cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
@@ -142,6 +142,11 @@ def open_offload(
         forward = StagedForward(model, devices, bounds, cfg, residents=residents)
     forward.timer = timer
     forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
+    log.info(
+        "decode misses: the GPU takes %.0f%% (%s), the CPU the rest",
+        100 * forward.config.pcie_frac,
+        "fetched into VRAM" if cfg.gpu_miss == "copy" else "read in place",
+    )
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
     return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, started.planned.budget)
 
