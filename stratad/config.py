@@ -76,12 +76,13 @@ class EngineConfig(_Section, frozen=True):
     divides them in proportion to each GPU's free VRAM."""
     backend: Literal["auto", "reference", "offload"] = "auto"
     """Forward pass: `offload` is the GPU engine for MoE models larger than VRAM (Q4_0 experts,
-    every expert in page-locked RAM, misses read in place); `reference` is the torch reference
+    every expert in page-locked RAM, misses fetched over PCIe); `reference` is the torch reference
     (experts through the store, any device); `auto` picks offload for a Q4_0 MoE on a GPU."""
     pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
-    """Offload engine: share of the experts a decode step misses in VRAM that the GPU reads in
-    place over PCIe; the CPU computes the rest from RAM in parallel. `auto` balances the two by
-    the bandwidths measured at start (and keeps 1 when the CPU's share would be under 10%)."""
+    """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
+    over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel. `auto` balances
+    the two by the bandwidths measured at start (and keeps 1 when the CPU's share would be
+    under 10%)."""
     gpu_miss: Literal["copy", "in_place"] = "copy"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the

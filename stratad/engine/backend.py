@@ -3,7 +3,7 @@
 `reference`: the torch reference forward; a MoE model's experts come through the expert store
 (`stratad.store`), on any device. `offload`: the GPU engine for MoE models larger than VRAM
 (`stratad.engine.offload`): every expert in page-locked RAM, the hottest in VRAM slots, misses
-read in place by the fused kernel. Both start from the same deterministic residency plan, so
+fetched over PCIe (`engine.gpu_miss`). Both start from the same deterministic residency plan, so
 the plan hash, the coverage line and the control socket's views mean the same thing.
 """
 
@@ -116,7 +116,7 @@ def open_offload(
     plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
     if len(plan.ram) < plan.n_total:
         raise AdmissionRefused(
-            f"the offload engine keeps every expert in page-locked RAM and reads misses in place,"
+            f"the offload engine keeps every expert in page-locked RAM and fetches misses from it,"
             f" but the plan {plan.hash} has room for {len(plan.ram)} of {plan.n_total}"
             f" ({plan.ram_bytes / GiB:.2f} of {sum(inputs.blob_bytes) / GiB:.2f} GiB): raise"
             " store.resident_budget_gib or lower store.resident_headroom_gib, or set"
