@@ -1,14 +1,16 @@
 """The GPU engine for models larger than the GPU: dense weights in VRAM, experts tiered.
 
 Every routed expert has a blob in page-locked host RAM; a fixed set of VRAM slots caches
-some of them. A per-(layer, expert) address table on the device says where each blob is,
-and the fused MoE kernel reads whichever it finds (VRAM, or host RAM in place over PCIe).
+some of them. A per-(layer, expert) address table on the device says where each blob is.
+A decode step gets its misses by `gpu_miss`: "copy" (a fetch kernel copies the missed blobs
+into VRAM staging, then the fused MoE kernel reads VRAM only) or "in_place" (the fused
+kernel reads the host copy over PCIe itself).
 
 Decode runs one token through all layers with no host synchronisation (routing ids stay
 on the device) and is captured once as a CUDA graph. Between steps, a per-layer LRU policy
 moves recently used experts into VRAM on a side stream, and only then repoints the table.
 With `pcie_frac` below 1, part of each step's misses is computed on the CPU from its RAM
-copy while the GPU reads the rest in place (one synchronisation per layer, no graph).
+copy while the GPU takes the rest (one synchronisation per layer, no graph).
 Prefill runs in chunks: each layer's routed experts are copied into a staging area while
 the previous layer computes, dequantized to the compute dtype, and run as grouped GEMMs.
 """
