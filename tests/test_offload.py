@@ -87,6 +87,14 @@ def test_slot_policy_lru() -> None:
     assert policy.resident(0, 0) and policy.resident(0, 3) and not policy.resident(0, 1)
 
 
+def test_slot_policy_admits_at_most_the_budget() -> None:
+    policy = SlotPolicy([[0, 1, 2]])
+    assert policy.touch(0, [3, 4, 5], admit=1) == [(0, 3)]  # 4 and 5 stay out this step
+    assert policy.resident(0, 3) and not policy.resident(0, 4)
+    assert policy.touch(0, [1, 6], admit=0) == []  # the hit still counts as recent use
+    assert policy.touch(0, [7], admit=None) == [(2, 7)]  # 1 was touched, so 2 is the oldest
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("slots", [0, 3, 8])

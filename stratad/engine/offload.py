@@ -428,47 +428,62 @@ class OffloadForward:
         own = self.route_counts[self.layer_ids.start : self.layer_ids.stop]
         own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         host_ids = ids.cpu().tolist()  # the step's one synchronisation (with the sampler's)
+        repoint: list[tuple[int, int, int]] = []
         for layer, experts in zip(self.layer_ids, host_ids, strict=True):
             self.lookups += len(experts)
             self.hits += sum(1 for e in experts if e in self.slot_of[layer])
             if self.config.adapt and self.n_slots:
-                for victim, admitted in self.policy.touch(layer, experts):
-                    self._start_move(layer, victim, admitted)
+                room = max(0, self.config.moves_per_step - len(self._pending))
+                for victim, admitted in self.policy.touch(layer, experts, admit=room):
+                    if (base := self._start_move(layer, victim, admitted)) is not None:
+                        repoint.append((layer, victim, base))
+        # the victims read their RAM copy from the next step on (ordered after this step)
+        self._write_table(repoint)
 
-    def _start_move(self, layer: int, victim: int, admitted: int) -> None:
-        if len(self._pending) >= self.config.moves_per_step:
+    def _start_move(self, layer: int, victim: int, admitted: int) -> int | None:
+        """Start copying `admitted` into the victim's slot; the victim's RAM address for the
+        table, or None if the victim's own copy is still in flight (the move is undone)."""
+        if victim not in self.slot_of[layer]:
             self.policy.replace(layer, admitted, victim)  # keep policy and table in step
-            return
+            return None
         self.moves += 1
         s = self.slot_of[layer].pop(victim)
-        # 1. repoint the victim at its RAM copy (ordered after every kernel queued so far)
-        self.table[layer, victim] = self._host_addr(layer, victim)
         if self.side is None:
             self.slots[s].copy_(self.host.buffer[layer, admitted])
             self._pending.append((layer, admitted, s, None))
-            return
-        ready = torch.cuda.Event()
-        ready.record()
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)  # no kernel still reads the slot
-            self.slots[s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        self._pending.append((layer, admitted, s, done))
+        else:
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)  # no kernel queued so far still reads the slot
+                self.slots[s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self._pending.append((layer, admitted, s, done))
+        return int(self.host.buffer[layer, victim].data_ptr())
 
     def _apply_moves(self) -> None:
         """Repoint the table at slots whose copies have finished (never waits)."""
         keep: list[tuple[int, int, int, torch.cuda.Event | None]] = []
+        repoint: list[tuple[int, int, int]] = []
         for layer, e, s, done in self._pending:
             if done is not None and not done.query():
                 keep.append((layer, e, s, done))
                 continue
-            self.table[layer, e] = self.slots[s].data_ptr() + self._off.to(self.device)
+            repoint.append((layer, e, int(self.slots[s].data_ptr())))
             self.slot_of[layer][e] = s
         self._pending = keep
+        self._write_table(repoint)
 
-    def _host_addr(self, layer: int, expert: int) -> torch.Tensor:
-        return (self.host.buffer[layer, expert].data_ptr() + self._off).to(self.device)
+    def _write_table(self, rows: list[tuple[int, int, int]]) -> None:
+        """Point (layer, expert) at the blob at each base address: one small copy and one
+        indexed write for all of a step's changes."""
+        if not rows:
+            return
+        r = torch.tensor(rows, dtype=torch.int64)
+        addrs = r[:, 2:] + self._off[None, :]  # [n, 3]: gate, up, down
+        packed = torch.cat([r[:, :2], addrs], dim=1).to(self.device, non_blocking=False)
+        self.table[packed[:, 0], packed[:, 1]] = packed[:, 2:]
 
     @property
     def hit_rate(self) -> float:

@@ -48,13 +48,18 @@ class SlotPolicy:
     def resident(self, layer: int, expert: int) -> bool:
         return expert in self.members[layer]
 
-    def touch(self, layer: int, experts: Sequence[int]) -> list[tuple[int, int]]:
-        """Record one step's routed experts; return (evicted, admitted) pairs to carry out."""
+    def touch(
+        self, layer: int, experts: Sequence[int], admit: int | None = None
+    ) -> list[tuple[int, int]]:
+        """Record one step's routed experts; return (evicted, admitted) pairs to carry out, at
+        most `admit` of them (misses past that stay out of VRAM this step)."""
         policy, members = self.layers[layer], self.members[layer]
         moves: list[tuple[int, int]] = []
         for e in experts:
             if e in members:
                 policy.touch(ExpertUnit(layer, e))
+                continue
+            if admit is not None and len(moves) >= admit:
                 continue
             victim = policy.victim()
             if victim is None or victim.expert in experts:  # never evict what this step uses
