@@ -20,6 +20,7 @@ import torch
 
 from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe
+from kernels.tuning import KernelConfigs, load_configs
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
 
@@ -168,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         graphs=not args.no_graphs,
         pcie_frac=args.pcie_frac,
         gpu_miss=args.gpu_miss,
+        kernels=load_configs(args.kernel_table) if args.kernel_table else KernelConfigs(),
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)

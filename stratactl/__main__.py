@@ -19,6 +19,7 @@ VERB_MODULES = (
     "stratactl.check",  # check [--after-restart]
     "stratactl.logs",  # logs
     "stratactl.tables",  # tables select
+    "stratactl.tune",  # tune (writes a table)
     "stratactl.synth",
     "stratactl.pack",
 )

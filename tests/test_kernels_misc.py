@@ -351,7 +351,9 @@ def test_misc_kernels_real_shapes_gpu() -> None:
 @pytest.mark.gpu
 def test_decode_attention_engine_config_long_cache_gpu() -> None:
     """The offload engine's decode attention on a3b's heads over a 32K static cache, 1K long."""
-    from stratad.engine.offload import DECODE_ATTN
+    from kernels.tuning import KernelConfigs
+
+    engine = KernelConfigs().attention
 
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 32784, 4, 128, device="cuda", dtype=torch.bfloat16)
@@ -359,7 +361,7 @@ def test_decode_attention_engine_config_long_cache_gpu() -> None:
     for n in (1, 1024, 32784):
         lens = torch.tensor([n], device="cuda")
         torch.testing.assert_close(
-            decode_attention(q, k, v, lens, config=DECODE_ATTN),
+            decode_attention(q, k, v, lens, config=engine),
             decode_attention_ref(q, k, v, lens),
             **TOL[torch.bfloat16],
         )

@@ -21,6 +21,7 @@ from kernels.moe import split_q4_0_ok
 from kernels.quant import QType
 from stratad.config import Config
 from stratad.engine.experts import blob_layout
+from stratad.engine.kernel_table import kernel_configs
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.stages import StagedForward, balanced_split, parse_split
 from stratad.engine.timing import StageTimer
@@ -128,6 +129,7 @@ def open_offload(
         dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
+        kernels=kernel_configs(device.type),
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import AttentionConfig, decode_attention
+from kernels.attention import decode_attention
 from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe, split_q4_0_ok
 from kernels.norm import rmsnorm
 from kernels.quant import QType
 from kernels.rope import RopeStyle, rope_table
+from kernels.tuning import KernelConfigs
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.experts import blob_layout
@@ -64,6 +65,7 @@ class OffloadConfig:
     # with one fetch kernel per layer (wide loads keep the link busy), then compute from VRAM;
     # or read them "in_place" over PCIe from the fused MoE kernel itself.
     gpu_miss: str = "copy"
+    kernels: KernelConfigs = KernelConfigs()  # launch settings (a tuning table's, or defaults)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
@@ -73,12 +75,6 @@ class OffloadConfig:
 
 
 GPU_MISS_PATHS = ("copy", "in_place")
-# Decode attention: 64 cache positions per program, so a 1K context already spreads over
-# 16 programs per KV head (each a short serial loop: the kernel is latency-bound at decode).
-# Steps of 16 positions keep the [group, positions, head dim] products in registers (steps
-# of 64 spilled them: 1 ms per layer). Measured on the H200: 110 us per layer at split 256.
-DECODE_ATTN = AttentionConfig(block_s=16, split_s=64, num_warps=8)
-
 
 class OffloadForward:
     """Forward pass of a MoE model on one GPU with experts tiered between VRAM and RAM."""
@@ -238,7 +234,8 @@ class OffloadForward:
         cache.v[i].index_copy_(0, pos, v)
         if start is None:  # decode: split-K over the static cache, its length on the device
             lens = pos[-1:] + 1
-            out = decode_attention(q, cache.k[i][None], cache.v[i][None], lens, config=DECODE_ATTN)
+            kv = cache.k[i][None], cache.v[i][None]
+            out = decode_attention(q, *kv, lens, config=self.config.kernels.attention)
             return fn.linear(out.reshape(t, spec.q_dim), w.o)
         rep = spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
@@ -293,12 +290,12 @@ class OffloadForward:
         name = "experts (VRAM + in place)"
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
-                ids, table = fetch_experts(
-                    ids, table, self._host_span, self._fetch_buf, self.layout.nbytes
-                )
+                span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
+                ids, table = fetch_experts(ids, table, span, buf, self.layout.nbytes, cfg)
             name = "experts (VRAM)"
         with stage(name):
-            return fused_moe(h.contiguous(), ids, weights, table, self.spec.expert_ffn)
+            return fused_moe(h.contiguous(), ids, weights, table, self.spec.expert_ffn,
+                             self.config.kernels.moe)  # fmt: skip
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)

@@ -94,7 +94,8 @@ class ExpertStaging:
         def deq(k: int, lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
             if outs is None:  # the CPU: torch (Triton would run in its slow interpreter)
                 return dequant_split(buf[:, lo:hi], rows, cols).to(e.dtype)
-            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, e.dtype, out=outs[k])
+            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, e.dtype, out=outs[k],
+                                      config=e.config.kernels.dequant)  # fmt: skip
 
         out = (
             deq(0, 0, lay.up_offset, f, h),

@@ -1,0 +1,82 @@
+"""The launch settings of the offload engine's kernels, and the tuning-table file that holds them.
+
+A table (`kernels.tables` names and selects it) is JSON:
+
+    {"key": "sm90-cuda-13.0",
+     "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
+                 "dequant": {...}},
+     "shapes": {...}, "measured_us": {...}}     # what it was tuned on, for the reader
+
+A kernel missing from "kernels" keeps its defaults; an unknown kernel or setting, or a value
+that is not a positive integer, is refused with the file and the key named, since a table
+that half-applies is worse than none.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kernels.attention import AttentionConfig
+from kernels.dequant import DequantConfig
+from kernels.expert_fetch import FetchConfig
+from kernels.moe import MoeConfig
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    moe: MoeConfig = MoeConfig()
+    fetch: FetchConfig = FetchConfig()
+    # decode over a static cache: 64 positions per program, 16 per step (64 spilled registers)
+    attention: AttentionConfig = AttentionConfig(block_s=16, split_s=64, num_warps=8)
+    dequant: DequantConfig = DequantConfig()
+
+
+KERNELS = tuple(f.name for f in fields(KernelConfigs))
+
+
+class TuningTableError(ValueError):
+    pass
+
+
+def configs_from_json(data: Any, source: str = "table") -> KernelConfigs:
+    """The settings a table's JSON holds, on top of the defaults."""
+    kernels = data.get("kernels") if isinstance(data, dict) else None
+    if not isinstance(kernels, dict):
+        raise TuningTableError(f"{source}: no \"kernels\" object")
+    out = KernelConfigs()
+    for name, settings in kernels.items():
+        if name not in KERNELS:
+            raise TuningTableError(
+                f"{source}: unknown kernel {name!r} (known: {', '.join(KERNELS)})"
+            )
+        default = getattr(out, name)
+        known = {f.name for f in fields(default)}
+        if not isinstance(settings, dict):
+            raise TuningTableError(f"{source}: kernels.{name} is not an object")
+        for key, value in settings.items():
+            if key not in known:
+                raise TuningTableError(
+                    f"{source}: unknown setting kernels.{name}.{key}"
+                    f" (known: {', '.join(sorted(known))})"
+                )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TuningTableError(
+                    f"{source}: kernels.{name}.{key} = {value!r} is not a positive integer"
+                )
+        out = replace(out, **{name: replace(default, **settings)})
+    return out
+
+
+def configs_to_json(configs: KernelConfigs) -> dict[str, dict[str, int]]:
+    return {name: asdict(getattr(configs, name)) for name in KERNELS}
+
+
+def load_configs(path: Path) -> KernelConfigs:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise TuningTableError(f"{path}: cannot read the table ({err})") from err
+    return configs_from_json(data, str(path))

@@ -1,0 +1,116 @@
+"""`stratactl tune`: measure the offload engine's kernels on this GPU and write a tuning table.
+
+Candidate launch settings of each kernel (fused MoE, expert fetch, decode attention, prefill
+dequantization) run at a model's shapes; the fastest that reproduces the default's result is
+kept. The table is named for this GPU stack (`<arch>-<backend>-<version>.json`), where
+`stratactl tables select` and the daemon look for it; the daemon reads it at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from kernels import tables
+from stratactl.client import fail, print_json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("tune", help="measure the kernels on this GPU; write a tuning table",
+                              description=__doc__)  # fmt: skip
+    shapes = p.add_mutually_exclusive_group()
+    shapes.add_argument("--model", type=Path, help="take the shapes from this model (GGUF/pack)")
+    shapes.add_argument("--preset", default="a3b",
+                        help="or from a synthetic preset's geometry (default a3b)")  # fmt: skip
+    p.add_argument("--stack", metavar="ARCH-BACKEND-VERSION",
+                   help="name the table for this stack instead of detecting it")  # fmt: skip
+    p.add_argument("--out", type=Path, default=tables.STATE_DIR,
+                   help=f"directory to write the table to (default {tables.STATE_DIR})")
+    p.add_argument("--kernels", default=",".join(("moe", "fetch", "attention", "dequant")),
+                   help="comma-separated subset to tune (the others keep their defaults)")
+    p.add_argument("--quick", action="store_true", help="two settings per kernel (a smoke run)")
+    p.add_argument("--json", action="store_true", help="print the table written as JSON")
+    p.set_defaults(run=run)
+
+
+def _stack(args: argparse.Namespace) -> tables.Stack | str:
+    if args.stack:
+        stack = tables.parse_name(f"{args.stack}.json")
+        hint = "expected ARCH-BACKEND-VERSION, e.g. sm90-cuda-12.8"
+        return stack or f"--stack {args.stack!r}: {hint}"
+    try:
+        found = tables.detect(rocm_path=os.environ.get("ROCM_PATH"),
+                              cuda_path=os.environ.get("CUDA_HOME"),
+                              hsa_override=os.environ.get("HSA_OVERRIDE_GFX_VERSION"))  # fmt: skip
+    except tables.TableError as err:
+        return str(err)
+    if not found.stacks:
+        return f"{'; '.join(found.notes)}: nothing to tune (pass --stack to name one)"
+    return found.stacks[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    stack = _stack(args)
+    if isinstance(stack, str):
+        return fail(stack)
+    import torch  # the measurement needs the GPU runtime; other verbs start without it
+
+    from kernels.tuning import KERNELS, configs_to_json
+    from stratad.engine.tuner import tune
+    from stratad.model.spec import ModelError
+
+    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = sorted(set(wanted) - set(KERNELS))
+    if unknown:
+        return fail(f"--kernels: unknown {', '.join(unknown)} (known: {', '.join(KERNELS)})")
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        device = torch.device("cpu")  # the interpreter: for tests, not for a real table
+    else:
+        return fail("no GPU: tuning measures the kernels on the GPU that will run them")
+    try:
+        shapes = _shapes(args)
+    except (ModelError, ValueError) as err:
+        return fail(str(err))
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    say(f"tuning for {stack.key} at {shapes}")
+    best, measured = tune(shapes, device, wanted, quick=args.quick, progress=say)
+    table = {"key": stack.key, "kernels": configs_to_json(best), "measured_us": measured,
+             "shapes": shapes.__dict__, "device": _device_name(torch, device)}  # fmt: skip
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / stack.file_name
+        path.write_text(json.dumps(table, indent=1) + "\n")
+    except OSError as err:
+        return fail(f"cannot write the table in {args.out}: {err}")
+    if args.json:
+        print_json({"path": str(path), **table})
+    else:
+        print(f"wrote {path}")
+    return 0
+
+
+def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from stratad.engine.tuner import Shapes
+
+    if args.model is not None:
+        from stratad.model.loader import load_model
+
+        spec = load_model(args.model).spec
+        if not spec.is_moe:
+            raise ValueError(f"{args.model}: not a mixture-of-experts model: nothing to tune")
+        return Shapes.of(spec)
+    from stratad.model.synth_presets import get_preset
+
+    p = get_preset(args.preset)
+    if not p.is_moe:
+        raise ValueError(f"preset {args.preset}: not a mixture-of-experts model")
+    return Shapes(p.hidden, p.ffn, p.n_experts_used, p.n_heads, p.n_kv_heads, p.head_dim)
+
+
+def _device_name(torch, device) -> str:  # type: ignore[no-untyped-def]
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"

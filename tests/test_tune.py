@@ -1,0 +1,126 @@
+"""`stratactl tune` writes a tuning table for a stack; the daemon's selection reads it back;
+bad tables are refused with the key named; the engine runs with a table's settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import tables
+from kernels.attention import AttentionConfig
+from kernels.expert_fetch import FetchConfig
+from kernels.tuning import KernelConfigs, TuningTableError, configs_from_json, load_configs
+from stratad.engine.kernel_table import configs_for
+
+STACK = "sm90-cuda-12.8"
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from stratad.model.loader import load_model
+    from stratad.model.synth import get_preset, write_synth
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
+    write_synth(get_preset("tiny-moe"), path)
+    return load_model(path)
+
+
+def _ctl(*args: str, interpret: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "stratactl", *args], capture_output=True,
+                          text=True, timeout=600, env=env)  # fmt: skip
+
+
+def test_tune_writes_a_table_that_selection_and_the_daemon_read(tmp_path: Path) -> None:
+    out = tmp_path / "tables"
+    r = _ctl("tune", "--preset", "tiny-moe", "--stack", STACK, "--out", str(out), "--quick",
+             "--kernels", "fetch,dequant", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    written = json.loads(r.stdout)
+    path = out / f"{STACK}.json"
+    assert written["path"] == str(path) and written["key"] == STACK
+    assert set(written["measured_us"]) == {"fetch", "dequant"}  # only what was asked
+    assert "fetch 2/2" in r.stderr and "dequant:" in r.stderr  # progress per candidate
+    sel = _ctl("tables", "select", "--stack", STACK, "--tables-dir", str(out))
+    assert sel.returncode == 0 and str(path) in sel.stdout
+    configs, level, message = configs_for(tables.parse_name(path.name), [out])  # type: ignore[arg-type]
+    assert level == logging.INFO and str(path) in message
+    assert configs == load_configs(path)
+
+
+def test_tune_refuses_bad_input(tmp_path: Path) -> None:
+    r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), "--kernels", "moe,gemm")
+    assert r.returncode == 1 and "unknown gemm" in r.stderr
+    r = _ctl("tune", "--stack", "h100", "--out", str(tmp_path))
+    assert r.returncode == 1 and "expected ARCH-BACKEND-VERSION" in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
+def test_tune_without_a_gpu_says_so(tmp_path: Path) -> None:
+    r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), interpret=False)
+    assert r.returncode == 1 and "no GPU" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kernels", "match"),
+    [
+        ({"gemm": {}}, "unknown kernel 'gemm'"),
+        ({"moe": {"block_m": 4}}, "unknown setting kernels.moe.block_m"),
+        ({"fetch": {"block": 0}}, "kernels.fetch.block = 0 is not a positive integer"),
+        ({"attention": {"split_s": True}}, "is not a positive integer"),
+    ],
+)
+def test_bad_tables_are_refused_with_the_key_named(kernels: dict, match: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(TuningTableError, match=match):
+        configs_from_json({"key": STACK, "kernels": kernels}, "t.json")
+
+
+def test_a_partial_table_keeps_the_other_defaults() -> None:
+    got = configs_from_json({"kernels": {"fetch": {"chunk": 32768}}})
+    assert got == replace(KernelConfigs(), fetch=FetchConfig(chunk=32768))
+
+
+def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: Path) -> None:
+    stack = tables.parse_name(f"{STACK}.json")
+    assert stack is not None
+    configs, level, message = configs_for(stack, [tmp_path])
+    assert configs == KernelConfigs() and level == logging.WARNING
+    assert "no tuning table for sm90-cuda-12.8" in message
+    (tmp_path / f"{STACK}.json").write_text('{"kernels": {"moe": {"block_m": 4}}}')
+    configs, level, message = configs_for(stack, [tmp_path])
+    assert configs == KernelConfigs() and level == logging.WARNING
+    assert "kernels.moe.block_m" in message and "refused" in message
+
+
+def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ignore[no-untyped-def]
+    from stratad.engine.experts import blob_layout
+    from stratad.engine.forward import ReferenceForward
+    from stratad.engine.offload import OffloadConfig, OffloadForward
+
+    model = tiny_moe_model
+    settings = replace(KernelConfigs(), attention=AttentionConfig(block_s=8, split_s=8),
+                       fetch=FetchConfig(chunk=4096, block=256))  # fmt: skip
+    budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, graphs=False,
+                        kernels=settings)  # fmt: skip
+    off, ref = OffloadForward(model, torch.device("cpu"), cfg), ReferenceForward(model)
+    prompt = list(range(100, 110))
+    a, b = off.new_cache(64), ref.new_cache(64)
+    got, want = off(prompt, a)[-1], ref(prompt, b)[-1]
+    for _ in range(2):
+        tok = int(want.argmax())
+        assert int(got.argmax()) == tok
+        got, want = off([tok], a)[-1], ref([tok], b)[-1]
+    assert (got - want).abs().max() < 1e-3
