@@ -88,6 +88,11 @@ class EngineConfig(_Section, frozen=True):
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
     link near the copy engine's rate), then the fused kernel reads VRAM; `in_place`: the
     fused kernel reads them over PCIe itself (no staging VRAM, about half the rate)."""
+    expert_prefetch: bool = False
+    """Offload engine, decode: guess each layer's experts one layer early (the next router
+    applied to the current hidden state) and copy the guessed misses into VRAM while the
+    current layer computes. A wrong guess costs link time, never tokens. Needs gpu_miss =
+    "copy"; off by default until measured."""
     offload_prefill_chunk: Annotated[int, msgspec.Meta(ge=16)] = 4096
     """Prompt tokens per prefill chunk of the offload engine (instead of
     server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so
@@ -96,6 +101,10 @@ class EngineConfig(_Section, frozen=True):
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
+
+    def __post_init__(self) -> None:
+        if self.expert_prefetch and self.gpu_miss != "copy":
+            raise ValueError('expert_prefetch needs gpu_miss = "copy": it copies its guesses')
 
 
 class ControlConfig(_Section, frozen=True):

@@ -119,3 +119,11 @@ def test_bad_config_is_named(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "unknown field `prot`" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prefetch_without_the_copy_path_is_refused_at_parse() -> None:
+    from stratad.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match='expert_prefetch needs gpu_miss = "copy"'):
+        parse_config('[engine]\nexpert_prefetch = true\ngpu_miss = "in_place"\n', "s.toml")
+    assert parse_config("[engine]\nexpert_prefetch = true\n").engine.expert_prefetch

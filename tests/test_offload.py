@@ -61,6 +61,25 @@ def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int, gpu_miss: str) 
         assert off.hit_rate == 0.0
 
 
+@pytest.mark.parametrize("slots", [0, 3])
+def test_prefetch_keeps_tokens_and_fills_its_buffers(tiny_moe: Model, slots: int) -> None:
+    """Guessing each layer's experts one layer early changes where blobs come from, never the
+    result; the guessed misses land in the prefetch buffers."""
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    off = _offload(tiny_moe, slots, "cpu", graphs=False, prefetch=True)
+    assert off.prefetch.enabled
+    tokens, logits = _greedy(off, PROMPT, 6)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
+    assert off.prefetch.buf.any()  # guesses that missed VRAM were copied ahead
+    assert not off.prefetch._guess  # every guess was taken by the layer it was for
+
+
+def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:
+    off = _offload(tiny_moe, 3, "cpu", graphs=False, prefetch=True, gpu_miss="in_place")
+    assert not off.prefetch.enabled and off.prefetch.buf.numel() == 0
+
+
 def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
     off = _offload(tiny_moe, 2, "cpu", graphs=False, moves_per_step=4)
     ref_tokens, _ = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)

@@ -39,6 +39,7 @@ from stratad.engine.grouped import grouped_swiglu
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route, swiglu
+from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slots import SlotPolicy, initial_residents
 from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
@@ -66,6 +67,9 @@ class OffloadConfig:
     # or read them "in_place" over PCIe from the fused MoE kernel itself.
     gpu_miss: str = "copy"
     kernels: KernelConfigs = KernelConfigs()  # launch settings (a tuning table's, or defaults)
+    # Guess each layer's experts one layer early and copy the misses ahead (see prefetch.py);
+    # needs gpu_miss "copy".
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
@@ -138,6 +142,7 @@ class OffloadForward:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.staging = ExpertStaging(self)
         self.cpu = CpuMisses(self)
+        self.prefetch = ExpertPrefetch(self)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
         self.hits = self.lookups = self.moves = 0
@@ -269,6 +274,9 @@ class OffloadForward:
         with stage("router"):
             h = self.norm_fn(x, w.ffn_norm, spec.rms_eps)
             weights, ids = self._route(w, h)
+        if h.shape[0] == 1:
+            with stage("expert prefetch"):
+                self.prefetch.start(i + 1, x)  # guess the next layer's experts from x now
         if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
             moe = self.cpu.run(i, h, ids, weights)
         elif start is None or h.shape[0] <= 8:
@@ -286,7 +294,7 @@ class OffloadForward:
     ) -> torch.Tensor:
         """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
         skipped): hits from their VRAM slots, misses by the configured path."""
-        stage, table = self.timer.stage, self.table[i]
+        stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
