@@ -38,18 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _stack(args: argparse.Namespace) -> tables.Stack | str:
     if args.stack:
-        stack = tables.parse_name(f"{args.stack}.json")
+        named = tables.parse_name(f"{args.stack}.json")
         hint = "expected ARCH-BACKEND-VERSION, e.g. sm90-cuda-12.8"
-        return stack or f"--stack {args.stack!r}: {hint}"
-    try:
-        found = tables.detect(rocm_path=os.environ.get("ROCM_PATH"),
-                              cuda_path=os.environ.get("CUDA_HOME"),
-                              hsa_override=os.environ.get("HSA_OVERRIDE_GFX_VERSION"))  # fmt: skip
-    except tables.TableError as err:
-        return str(err)
-    if not found.stacks:
-        return f"{'; '.join(found.notes)}: nothing to tune (pass --stack to name one)"
-    return found.stacks[0]
+        return named or f"--stack {args.stack!r}: {hint}"
+    from stratad.engine.kernel_table import this_stack  # the daemon's choice, torch imported
+
+    found = this_stack()
+    return found if not isinstance(found, str) else f"{found} (pass --stack to name one)"
 
 
 def run(args: argparse.Namespace) -> int:

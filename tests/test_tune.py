@@ -68,9 +68,14 @@ def test_tune_refuses_bad_input(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
 def test_tune_without_a_gpu_says_so(tmp_path: Path) -> None:
+    from stratad.engine.kernel_table import kernel_configs, this_stack
+
     r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), interpret=False)
     assert r.returncode == 1 and "no GPU" in r.stderr and "Traceback" not in r.stderr
+    r = _ctl("tune", "--out", str(tmp_path))  # nothing to name the table for
+    assert r.returncode == 1 and "pass --stack" in r.stderr
     assert not list(tmp_path.iterdir())
+    assert isinstance(this_stack(), str) and kernel_configs("cpu") == KernelConfigs()
 
 
 @pytest.mark.parametrize(
