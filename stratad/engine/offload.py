@@ -80,6 +80,7 @@ class OffloadConfig:
 
 GPU_MISS_PATHS = ("copy", "in_place")
 
+
 class OffloadForward:
     """Forward pass of a MoE model on one GPU with experts tiered between VRAM and RAM."""
 
