@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         pcie_frac=args.pcie_frac,
         gpu_miss=args.gpu_miss,
         kernels=load_configs(args.kernel_table) if args.kernel_table else KernelConfigs(),
+        prefetch=args.prefetch,
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)
@@ -231,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "timing": timing,
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,
+        "prefetch": args.prefetch,
         "fetch_gbs": fetch,
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
@@ -267,7 +269,8 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"{r['load_s']:.1f} s; expert blob {r['blob_mib']:.2f} MiB",
         f"- measured: H2D pinned {r['pcie_pinned_gbs']:.1f} GB/s, pageable "
         f"{r['pcie_pageable_gbs']:.1f} GB/s, in-place kernel read {r['inplace_gbs']:.1f} GB/s, "
-        f"fetch kernel {r['fetch_gbs']:.1f} GB/s (decode misses: {r['gpu_miss']}), "
+        f"fetch kernel {r['fetch_gbs']:.1f} GB/s (decode misses: {r['gpu_miss']}"
+        f"{', prefetch' if r.get('prefetch') else ''}), "
         f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
         "",
         "| figure | median (min–max) | ceiling | ratio |",
