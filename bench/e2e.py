@@ -297,7 +297,7 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
@@ -331,8 +331,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also list the GPU kernels of a decode step and a prefill chunk",
     )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="guess each layer's experts one layer early (engine.expert_prefetch)",
+    )
+    p.add_argument(
+        "--kernel-table",
+        type=Path,
+        help="launch settings from this tuning table (stratactl tune); else the defaults",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     result = run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,20 @@
+"""The GPU benchmark drivers run only on a GPU; here, their command lines are checked so that a
+flag the code reads but the parser lacks fails in CI rather than on the GPU machine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import bench.e2e
+
+
+def test_every_argument_e2e_reads_is_parsed() -> None:
+    source = Path(bench.e2e.__file__).read_text()
+    used = set(re.findall(r"\bargs\.([a-z_]+)", source))
+    parsed = {a.dest for a in bench.e2e.parser()._actions}
+    assert used and used <= parsed, f"read but not parsed: {sorted(used - parsed)}"
+    args = bench.e2e.parser().parse_args(
+        ["--model", "m.gguf", "--prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
+    )
+    assert args.prefetch and args.kernel_table == Path("t.json") and args.gpu_miss == "in_place"
