@@ -126,6 +126,17 @@ def test_tokens_match_reference_gpu(tiny_moe: Model, slots: int, gpu_miss: str) 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_prefetch_tokens_match_reference_gpu(tiny_moe: Model, graphs: bool) -> None:
+    """The prefetch stream inside the captured decode graph (and eagerly)."""
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    off = _offload(tiny_moe, 3, "cuda", graphs=graphs, prefetch=True)
+    tokens, logits = _greedy(off, PROMPT, 16)
+    assert tokens == ref_tokens
+    assert (logits.cpu() - ref_logits).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
 def test_bf16_logits_within_tolerance_gpu(tiny_moe: Model) -> None:
     from stratad.engine.experts import blob_layout
 
