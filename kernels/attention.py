@@ -15,7 +15,8 @@ per (sequence, query head, piece), the float32 running max m, sum of exp l and
 unnormalised weighted sum acc [D] of its positions (a piece past seq_len writes m = -inf,
 l = 0 and nothing else). `_decode_attention_reduce_kernel` runs on (B, Hq) and merges the
 pieces that hold positions: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j with
-M = max_j m_j. When S fits in one piece, `_decode_attention_kernel` does it in one pass.
+M = max_j m_j. When S fits in one piece, that piece is the whole answer: the first kernel
+normalises it and writes the output itself (WHOLE), and there is no second launch.
 The grids and every host-side value depend on shapes and the config only, never on the
 values of seq_lens, so a launch can be captured in a CUDA graph and replayed as they grow.
 
@@ -100,50 +101,6 @@ def _attend(
 
 
 @triton.jit
-def _decode_attention_kernel(
-    q_ptr,  # [B, Hq, D]
-    k_ptr,  # [B, S, Hkv, D]
-    v_ptr,  # [B, S, Hkv, D]
-    len_ptr,  # [B]
-    out_ptr,  # [B, Hq, D]
-    scale,
-    S,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_oh,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Single pass: one program per (sequence, KV head) over all its positions."""
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, scale, q_mask, GROUP, BLOCK_G, BLOCK_D)
-    seq_len = tl.minimum(tl.load(len_ptr + b), S)  # past S counts as S, as in the reference
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-    _, l_i, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, 0, seq_len, D, BLOCK_G, BLOCK_D, BLOCK_S
-    )
-    out = acc / l_i[:, None]
-    heads = kv_head * GROUP + g
-    out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
 def _decode_attention_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [B, S, Hkv, D]
@@ -152,6 +109,7 @@ def _decode_attention_split_kernel(
     m_ptr,  # [B, Hq, n_splits] float32
     l_ptr,  # [B, Hq, n_splits] float32, strides of m
     acc_ptr,  # [B, Hq, n_splits, D] float32
+    out_ptr,  # [B, Hq, D]: written directly when WHOLE
     scale,
     S,
     stride_qb,
@@ -167,16 +125,19 @@ def _decode_attention_split_kernel(
     stride_ab,
     stride_ah,
     stride_aj,
+    stride_ob,
+    stride_oh,
     D: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SPLIT_S: tl.constexpr,
+    WHOLE: tl.constexpr,  # one piece holds the whole cache: normalise, write out, no reduce
 ):
-    """First pass: program (b, KV head, j) over positions [j * SPLIT_S, (j + 1) * SPLIT_S)
-    of sequence b, cut at seq_len. A piece past seq_len reads nothing and writes m = -inf,
-    l = 0 (the reduce kernel does not read it)."""
+    """Program (b, KV head, j) over positions [j * SPLIT_S, (j + 1) * SPLIT_S) of sequence
+    b, cut at seq_len. A piece past seq_len reads nothing and writes m = -inf, l = 0 (the
+    reduce kernel does not read it)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,6 +155,10 @@ def _decode_attention_split_kernel(
         q, k_base, v_base, stride_ks, stride_vs, start, end, D, BLOCK_G, BLOCK_D, BLOCK_S
     )
     heads = kv_head * GROUP + g
+    if WHOLE:
+        out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=work_mask)
+        return
     ml_at = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + ml_at, m_i, mask=g < GROUP)
     tl.store(l_ptr + ml_at, l_i, mask=g < GROUP)
@@ -293,31 +258,7 @@ def _check_config(cfg: AttentionConfig) -> None:
         raise ValueError(f"split_s {cfg.split_s} is not a multiple of block_s {cfg.block_s}")
 
 
-def _launch_single(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    cfg: AttentionConfig,
-) -> None:
-    B, Hq, D = q.shape
-    _, S, Hkv, _ = k_cache.shape
-    group = Hq // Hkv
-    _decode_attention_kernel[(B, Hkv)](
-        q, k_cache, v_cache, seq_lens, out, scale, S,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_S=cfg.block_s,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-
-
-def _launch_split(
+def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -330,22 +271,28 @@ def _launch_split(
     _, S, Hkv, _ = k_cache.shape
     group = Hq // Hkv
     n_splits = triton.cdiv(S, cfg.split_s)
-    # Partials of every piece; those past a sequence's length are never read.
-    m = torch.empty(B, Hq, n_splits, dtype=torch.float32, device=q.device)
+    whole = n_splits == 1
+    # Partials of every piece (none when one piece is the whole cache); those past a
+    # sequence's length are never read.
+    n_part = 0 if whole else n_splits
+    m = torch.empty(B, Hq, n_part, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(B, Hq, n_splits, D, dtype=torch.float32, device=q.device)
+    acc = torch.empty(B, Hq, n_part, D, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
     _decode_attention_split_kernel[(B, Hkv, n_splits)](
-        q, k_cache, v_cache, seq_lens, m, l, acc, scale, S,
+        q, k_cache, v_cache, seq_lens, m, l, acc, out, scale, S,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1),
         D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
         BLOCK_D=block_d, BLOCK_S=cfg.block_s, SPLIT_S=cfg.split_s,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WHOLE=whole, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if whole:
+        return
     _decode_attention_reduce_kernel[(B, Hq)](
         seq_lens, m, l, acc, out, S,
         m.stride(0), m.stride(1),
@@ -377,13 +324,11 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     B, Hq, D = q.shape
-    S = k_cache.shape[1]
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    launch = _launch_single if triton.cdiv(S, cfg.split_s) <= 1 else _launch_split
-    launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg)
+    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg)
     return out
 
 

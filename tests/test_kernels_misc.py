@@ -282,7 +282,10 @@ def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
 
 @pytest.mark.parametrize(
     ("split_s", "grids"),
-    [(16, [("split", (3, 2, 5)), ("reduce", (3, 8))]), (128, [("single", (3, 2))])],
+    [
+        (16, [("split", (3, 2, 5)), ("reduce", (3, 8))]),
+        (128, [("split", (3, 2, 1))]),
+    ],  # one piece: one launch, no reduce
     ids=["split", "single"],
 )
 def test_decode_attention_launch_reads_no_values(
@@ -300,7 +303,6 @@ def test_decode_attention_launch_reads_no_values(
         def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
             return lambda *args, **kwargs: launched.append((self.label, grid))
 
-    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder("single"))
     monkeypatch.setattr(attention, "_decode_attention_split_kernel", Recorder("split"))
     monkeypatch.setattr(attention, "_decode_attention_reduce_kernel", Recorder("reduce"))
     q = torch.empty(3, 8, 16, device="meta")
