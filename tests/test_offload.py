@@ -85,7 +85,7 @@ def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
     ref_tokens, _ = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
     tokens, _ = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
-    held = sum(len(s) for s in off.slot_of) + len(off._pending)  # pending: copy in flight
+    held = sum(len(s) for s in off.slot_of) + len(off.slot_moves.pending)  # pending: copy in flight
     assert held == 2 * tiny_moe.spec.n_layers  # every slot holds (or is receiving) one expert
     assert off.slot_of != [
         dict(zip(r, range(2), strict=True)) for r in initial_residents(tiny_moe.spec.n_layers, 8, 2)

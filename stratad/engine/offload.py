@@ -33,13 +33,14 @@ from kernels.quant import QType
 from kernels.rope import RopeStyle, rope_table
 from kernels.tuning import KernelConfigs
 from stratad.engine.cpu_misses import CpuMisses
+from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.experts import blob_layout
-from stratad.engine.grouped import grouped_swiglu
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route, swiglu
 from stratad.engine.prefetch import ExpertPrefetch
+from stratad.engine.slot_moves import SlotMoves
 from stratad.engine.slots import SlotPolicy, initial_residents
 from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
@@ -144,8 +145,8 @@ class OffloadForward:
         self.staging = ExpertStaging(self)
         self.cpu = CpuMisses(self)
         self.prefetch = ExpertPrefetch(self)
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []
+        self.graph = DecodeGraph(self)
+        self.slot_moves = SlotMoves(self)
         self.hits = self.lookups = self.moves = 0
 
     # -- placement -----------------------------------------------------------------------
@@ -284,7 +285,7 @@ class OffloadForward:
             moe = self.gpu_experts(i, h, ids, weights)
         else:
             with stage("experts (staged)"):
-                moe = self._prefill_moe(i, h, ids, weights)
+                moe = self.staging.moe(i, h, ids, weights)
         with stage("shared expert"):
             shared = self._shared(w, h)
         x = x + (moe if shared is None else moe + shared)
@@ -311,24 +312,6 @@ class OffloadForward:
 
     def measure_cpu_expert_bps(self) -> float:
         return self.cpu.measure_bps()
-
-    # -- prefill: grouped GEMMs over experts staged by `ExpertStaging` ----------------------
-
-    def _prefill_moe(
-        self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        t, k = ids.shape
-        flat = ids.reshape(-1).long()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.spec.n_experts)
-        gate, up, down = self.staging.take(i)
-        tokens = order // k
-        xs = h[tokens]  # [T*k, H], grouped by expert
-        rows = grouped_swiglu(xs, counts, gate, up, down)
-        scaled = rows.float() * weights.reshape(-1)[order, None]
-        out = torch.zeros((t, self.spec.hidden), dtype=torch.float32, device=self.device)
-        out.index_add_(0, tokens, scaled)
-        return out.to(self.dtype)
 
     # -- the passes -----------------------------------------------------------------------
 
@@ -381,16 +364,16 @@ class OffloadForward:
         """Logits [V] after one more token."""
         if cache.length + 1 > cache.capacity:
             raise ValueError("the KV cache is full")
-        self._apply_moves()
+        self.slot_moves.apply()
         if self.config.graphs and self.device.type == "cuda" and self.config.pcie_frac == 1.0:
-            logits, ids = self._replay(token, cache)
+            logits, ids = self.graph.replay(token, cache)
         else:
             tok = torch.tensor([token], device=self.device)
             pos = torch.tensor([cache.length], device=self.device)
             logits, ids = self._run(tok, pos, cache, None)
         cache.length += 1
         cache.tokens.append(token)
-        self._account(ids)
+        self.slot_moves.account(ids)
         return logits[0]
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -400,96 +383,6 @@ class OffloadForward:
         if len(tokens) == 1 and cache.length > 0:
             return self.decode(tokens[0], cache)[None]
         return self.prefill(tokens, cache)[None]
-
-    # -- graph capture --------------------------------------------------------------------
-
-    def _replay(self, token: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._graph is None or self._graph_cache is not cache:
-            self._capture(cache)
-        self._tok.fill_(token)
-        self._pos.fill_(cache.length)
-        assert self._graph is not None
-        self._graph.replay()
-        return self._out_logits, self._out_ids
-
-    def _capture(self, cache: KVCache) -> None:
-        self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._pos.fill_(cache.length)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
-            for _ in range(2):
-                self._run(self._tok, self._pos, cache, None)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._out_logits, self._out_ids = self._run(self._tok, self._pos, cache, None)
-        self._graph, self._graph_cache = graph, cache
-
-    # -- adapting the cache ---------------------------------------------------------------
-
-    def _account(self, ids: torch.Tensor) -> None:
-        """Count routing and plan VRAM moves for the experts this step used ([L, k])."""
-        own = self.route_counts[self.layer_ids.start : self.layer_ids.stop]
-        own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
-        host_ids = ids.cpu().tolist()  # the step's one synchronisation (with the sampler's)
-        repoint: list[tuple[int, int, int]] = []
-        for layer, experts in zip(self.layer_ids, host_ids, strict=True):
-            self.lookups += len(experts)
-            self.hits += sum(1 for e in experts if e in self.slot_of[layer])
-            if self.config.adapt and self.n_slots:
-                room = max(0, self.config.moves_per_step - len(self._pending))
-                for victim, admitted in self.policy.touch(layer, experts, admit=room):
-                    if (base := self._start_move(layer, victim, admitted)) is not None:
-                        repoint.append((layer, victim, base))
-        # the victims read their RAM copy from the next step on (ordered after this step)
-        self._write_table(repoint)
-
-    def _start_move(self, layer: int, victim: int, admitted: int) -> int | None:
-        """Start copying `admitted` into the victim's slot; the victim's RAM address for the
-        table, or None if the victim's own copy is still in flight (the move is undone)."""
-        if victim not in self.slot_of[layer]:
-            self.policy.replace(layer, admitted, victim)  # keep policy and table in step
-            return None
-        self.moves += 1
-        s = self.slot_of[layer].pop(victim)
-        if self.side is None:
-            self.slots[s].copy_(self.host.buffer[layer, admitted])
-            self._pending.append((layer, admitted, s, None))
-        else:
-            ready = torch.cuda.Event()
-            ready.record()
-            with torch.cuda.stream(self.side):
-                self.side.wait_event(ready)  # no kernel queued so far still reads the slot
-                self.slots[s].copy_(self.host.buffer[layer, admitted], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            self._pending.append((layer, admitted, s, done))
-        return int(self.host.buffer[layer, victim].data_ptr())
-
-    def _apply_moves(self) -> None:
-        """Repoint the table at slots whose copies have finished (never waits)."""
-        keep: list[tuple[int, int, int, torch.cuda.Event | None]] = []
-        repoint: list[tuple[int, int, int]] = []
-        for layer, e, s, done in self._pending:
-            if done is not None and not done.query():
-                keep.append((layer, e, s, done))
-                continue
-            repoint.append((layer, e, int(self.slots[s].data_ptr())))
-            self.slot_of[layer][e] = s
-        self._pending = keep
-        self._write_table(repoint)
-
-    def _write_table(self, rows: list[tuple[int, int, int]]) -> None:
-        """Point (layer, expert) at the blob at each base address: one small copy and one
-        indexed write for all of a step's changes."""
-        if not rows:
-            return
-        r = torch.tensor(rows, dtype=torch.int64)
-        addrs = r[:, 2:] + self._off[None, :]  # [n, 3]: gate, up, down
-        packed = torch.cat([r[:, :2], addrs], dim=1).to(self.device, non_blocking=False)
-        self.table[packed[:, 0], packed[:, 1]] = packed[:, 2:]
 
     @property
     def hit_rate(self) -> float:

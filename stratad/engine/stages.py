@@ -153,7 +153,7 @@ class StagedForward:
             pos = torch.arange(cache.length, cache.length + len(tokens), device=stage.device)
             x, ids = stage.run_layers(x, pos, cache, start)
             if start is None:
-                stage._account(ids)  # routing counts and cache moves of this stage's layers
+                stage.slot_moves.account(ids)  # this stage's routing counts, cache moves
         return self.stages[-1].head(x)
 
     @torch.inference_mode()
@@ -164,7 +164,7 @@ class StagedForward:
             raise ValueError(f"{cache.length + len(tokens)} tokens exceed the KV cache")
         if len(tokens) == 1 and cache.length > 0:  # decode
             for stage in self.stages:
-                stage._apply_moves()
+                stage.slot_moves.apply()
             last = self._through(tokens, cache, None)
             cache.length += 1
             cache.tokens.extend(tokens)

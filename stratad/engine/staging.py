@@ -4,9 +4,10 @@ current layer computes.
 A prefill chunk of more than a few tokens routes to nearly every expert, so each layer's blobs
 (from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
 a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
-for the layer after next. On a GPU the dequantization is one Triton launch per projection
-(`kernels.dequant`) into three output buffers reused by every layer: the layer's grouped GEMMs
-read them on the same stream before the next layer's launches overwrite them.
+for the layer after next, and `moe` runs the chunk through them as grouped GEMMs. On a GPU
+the dequantization is one Triton launch per projection (`kernels.dequant`) into three output
+buffers reused by every layer: the layer's grouped GEMMs read them on the same stream before
+the next layer's launches overwrite them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from kernels.dequant import DEQUANT_DTYPES, dequant_q4_0_split
 from stratad.engine.experts import dequant_split
+from stratad.engine.grouped import grouped_swiglu
 
 if TYPE_CHECKING:
     from stratad.engine.offload import OffloadForward
@@ -107,3 +109,22 @@ class ExpertStaging:
             freed.record()
             self._freed[layer % 2] = freed
         return out
+
+    def moe(
+        self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's routed-expert output [T, H] for a chunk: its rows grouped by expert,
+        one grouped GEMM per projection over the staged experts."""
+        e = self.engine
+        t, k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=e.spec.n_experts)
+        gate, up, down = self.take(layer)
+        tokens = order // k
+        xs = h[tokens]  # [T*k, H], grouped by expert
+        rows = grouped_swiglu(xs, counts, gate, up, down)
+        scaled = rows.float() * weights.reshape(-1)[order, None]
+        out = torch.zeros((t, e.spec.hidden), dtype=torch.float32, device=e.device)
+        out.index_add_(0, tokens, scaled)
+        return out.to(e.dtype)
