@@ -55,8 +55,13 @@ def running_daemon(
                 time.sleep(0.3)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGTERM, then SIGKILL if the daemon has not exited within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.daemon import free_port
+from tests.daemon import free_port, stop
 from tests.server_helpers import CONFIGS, Daemon, request
 
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
@@ -70,11 +70,7 @@ def loading_seen(
                 time.sleep(0.05)
             yield Daemon(url, log, None), seen
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 @pytest.fixture(scope="module")
