@@ -13,14 +13,21 @@ WITH_TEST=0
 
 apt_install() {
     # Debian packages the Python packages build against (systemd-python: libsystemd).
-    if command -v apt-get >/dev/null && [[ $(id -u) == 0 ]]; then
-        local missing=()
-        for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
-        if ((${#missing[@]})); then
-            echo "install: apt-get install ${missing[*]}"
-            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    command -v apt-get >/dev/null || return 0
+    local missing=() as_root=()
+    for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    ((${#missing[@]})) || return 0
+    if [[ $(id -u) != 0 ]]; then
+        if ! sudo -n true 2>/dev/null; then
+            echo "install: WARNING: missing Debian packages ${missing[*]}; the build below may" \
+                "fail without them: run 'apt-get install ${missing[*]}' as root" >&2
+            return 0
         fi
+        as_root=(sudo -n)
     fi
+    echo "install: apt-get install ${missing[*]}"
+    "${as_root[@]}" apt-get update -qq
+    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 }
 
 apt_install pkg-config libsystemd-dev cmake build-essential
