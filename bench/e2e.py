@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         return torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
 
     cache = engine.new_cache()
-    decode_tps, hit_rates = [], []
+    decode_tps, hit_rates, guessed = [], [], []
     for _ in range(args.repeats):
         cache.length = 0
         cache.tokens.clear()
@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         logits = engine.decode(token, cache)  # the first step captures the graph
         torch.cuda.synchronize()
         engine.hits = engine.lookups = 0
+        engine.prefetch.reset_score()
         t = time.perf_counter()
         for _ in range(args.decode_tokens):
             token = int(logits.argmax())
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         torch.cuda.synchronize()
         decode_tps.append(args.decode_tokens / (time.perf_counter() - t))
         hit_rates.append(engine.hit_rate)
+        guessed.append(engine.prefetch.accuracy())
     hit = statistics.median(hit_rates)
     per_token = spec.n_layers * spec.n_experts_used * engine.layout.nbytes
     missed = (1 - hit) * per_token
@@ -235,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "cpu_expert_gbs": cpu_bw,
         "decode_tps": decode_tps,
         "hit_rate": hit,
+        "prefetch_guessed": statistics.median(guessed),
         "missed_mb_per_token": missed / 1e6,
         "decode_ceiling_pcie": ceiling_pcie,
         "decode_ceiling_both": ceiling_both,
@@ -268,6 +271,7 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"(PCIe alone {r['decode_ceiling_pcie']:,.1f}) | "
         f"{statistics.median(d) / r['decode_ceiling_both']:.0%} |",
         f"| decode hit rate | {r['hit_rate']:.1%} | | |",
+        f"| decode experts guessed by prefetch | {r.get('prefetch_guessed', 0):.1%} | | |",
         f"| decode MB missed per token | {r['missed_mb_per_token']:,.1f} | | |",
     ]
     for name, stages in (r.get("timing") or {}).items():

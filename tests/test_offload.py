@@ -73,6 +73,11 @@ def test_prefetch_keeps_tokens_and_fills_its_buffers(tiny_moe: Model, slots: int
     assert (logits - ref_logits).abs().max() < 1e-3
     assert off.prefetch.buf.any()  # guesses that missed VRAM were copied ahead
     assert not off.prefetch._guess  # every guess was taken by the layer it was for
+    # every decode step guessed every layer but the first; the score counts their experts
+    spec = tiny_moe.spec
+    right, total = off.prefetch.score.tolist()
+    assert total == 6 * (spec.n_layers - 1) * spec.n_experts_used and 0 <= right <= total
+    assert off.prefetch.accuracy() == right / total
 
 
 def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:

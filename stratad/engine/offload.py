@@ -7,8 +7,9 @@ into VRAM staging, then the fused MoE kernel reads VRAM only) or "in_place" (the
 kernel reads the host copy over PCIe itself).
 
 Decode runs one token through all layers with no host synchronisation (routing ids stay
-on the device) and is captured once as a CUDA graph. Between steps, a per-layer LRU policy
-moves recently used experts into VRAM on a side stream, and only then repoints the table.
+on the device) and is captured once as a CUDA graph. While the next step runs, a per-layer
+LRU policy moves recently used experts into VRAM on a side stream, and only then repoints
+the table.
 With `pcie_frac` below 1, part of each step's misses is computed on the CPU from its RAM
 copy while the GPU takes the rest (one synchronisation per layer, no graph).
 Prefill runs in chunks: each layer's routed experts are copied into a staging area while
@@ -296,7 +297,7 @@ class OffloadForward:
     ) -> torch.Tensor:
         """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
         skipped): hits from their VRAM slots, misses by the configured path."""
-        stage, table = self.timer.stage, self.prefetch.table(i)
+        stage, table = self.timer.stage, self.prefetch.table(i, ids)
         name = "experts (VRAM + in place)"
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
@@ -373,7 +374,7 @@ class OffloadForward:
             logits, ids = self._run(tok, pos, cache, None)
         cache.length += 1
         cache.tokens.append(token)
-        self.slot_moves.account(ids)
+        self.slot_moves.step(ids)
         return logits[0]
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -386,4 +387,6 @@ class OffloadForward:
 
     @property
     def hit_rate(self) -> float:
+        """VRAM hits over routed experts of the decode steps so far (accounts the last)."""
+        self.slot_moves.flush()
         return self.hits / self.lookups if self.lookups else 0.0

@@ -38,6 +38,8 @@ class ExpertPrefetch:
         on_gpu = self.enabled and e.device.type == "cuda"
         self.stream = torch.cuda.Stream(e.device) if on_gpu else None
         self._guess: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (ids, table rows)
+        # on the device (the captured step updates them): routed experts that were guessed, all
+        self.score = torch.zeros(2, dtype=torch.int64, device=e.device)
 
     def start(self, layer: int, x: torch.Tensor) -> None:
         """Guess `layer`'s experts from the hidden state x [1, H] and start copying the misses."""
@@ -61,15 +63,26 @@ class ExpertPrefetch:
             rows.record_stream(main)
         self._guess[layer] = (ids, rows)
 
-    def table(self, layer: int) -> torch.Tensor:
-        """The layer's address table, the guessed experts pointing at their prefetched copy."""
+    def table(self, layer: int, routed: torch.Tensor) -> torch.Tensor:
+        """The layer's address table, the guessed experts pointing at their prefetched copy;
+        `routed` [1, k], the layer's actual experts, only counts how many were guessed."""
         e = self.engine
         guess = self._guess.pop(layer, None)
         if guess is None:
             return e.table[layer]
         ids, rows = guess
+        right = (routed[0][:, None] == ids[0][None, :]).any(1).sum()
+        self.score += torch.stack([right, torch.zeros_like(right) + routed.shape[1]])
         if self.stream is not None:
             torch.cuda.current_stream(e.device).wait_stream(self.stream)
         table = e.table[layer].clone()
         table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
         return table
+
+    def accuracy(self) -> float:
+        """The share of routed experts that were guessed, since the last `reset_score`."""
+        right, total = self.score.tolist()
+        return right / total if total else 0.0
+
+    def reset_score(self) -> None:
+        self.score.zero_()

@@ -153,7 +153,7 @@ class StagedForward:
             pos = torch.arange(cache.length, cache.length + len(tokens), device=stage.device)
             x, ids = stage.run_layers(x, pos, cache, start)
             if start is None:
-                stage.slot_moves.account(ids)  # this stage's routing counts, cache moves
+                stage.slot_moves.step(ids)  # this stage's routing counts, cache moves
         return self.stages[-1].head(x)
 
     @torch.inference_mode()
