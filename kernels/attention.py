@@ -9,16 +9,20 @@ One program serves all query heads of one KV head, so each K/V row is read once 
 group rather than once per query head: decode attention is bound by reading the cache.
 
 Split-K ("flash-decoding"): a grid of (B, Hkv) alone is a handful of programs, each
-walking the whole sequence, so the cache capacity S is cut into pieces of `split_s`
-positions. `_decode_attention_split_kernel` runs on (B, Hkv, cdiv(S, split_s)) and writes,
-per (sequence, query head, piece), the float32 running max m, sum of exp l and
-unnormalised weighted sum acc [D] of its positions (a piece past seq_len writes m = -inf,
-l = 0 and nothing else). `_decode_attention_reduce_kernel` runs on (B, Hq) and merges the
-pieces that hold positions: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j with
-M = max_j m_j. When S fits in one piece, that piece is the whole answer: the first kernel
-normalises it and writes the output itself (WHOLE), and there is no second launch.
-The grids and every host-side value depend on shapes and the config only, never on the
-values of seq_lens, so a launch can be captured in a CUDA graph and replayed as they grow.
+walking the whole sequence, so the sequence is cut into P pieces, P = min(cdiv(S, split_s),
+max_splits) for a cache of S positions. The pieces share the sequence's *current* length:
+each holds cdiv(seq_len, P) positions rounded up to whole steps of block_s, so a short
+sequence in a long cache is still spread over the GPU and no program walks empty positions
+(a grid sized by S alone would launch hundreds of programs per head that do nothing).
+`_decode_attention_split_kernel` runs on (B, Hkv, P) and writes, per (sequence, query
+head, piece), the float32 running max m, sum of exp l and unnormalised weighted sum acc [D]
+of its positions (a piece past seq_len writes m = -inf, l = 0 and nothing else).
+`_decode_attention_reduce_kernel` runs on (B, Hq) and merges the pieces that hold
+positions: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j with M = max_j m_j.
+When P is 1, that piece is the whole answer: the first kernel normalises it and writes the
+output itself (WHOLE), and there is no second launch. The grids and every host-side value
+depend on shapes and the config only, never on the values of seq_lens, so a launch can be
+captured in a CUDA graph and replayed as they grow.
 
 Three tiers: the Triton kernels above, `decode_attention()` (launcher), and the torch
 reference `decode_attention_ref()`.
@@ -37,7 +41,8 @@ import triton.language as tl
 @dataclass(frozen=True)
 class AttentionConfig:
     block_s: int = 64  # cache positions per step (a power of two)
-    split_s: int = 512  # cache positions per split program (a multiple of block_s)
+    split_s: int = 512  # a cache of S positions is cut into cdiv(S, split_s) pieces...
+    max_splits: int = 64  # ...at most this many per sequence and KV head
     num_warps: int = 4
     num_stages: int = 2
 
@@ -101,6 +106,12 @@ def _attend(
 
 
 @triton.jit
+def _piece(seq_len, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Positions per piece: the length shared by N_SPLITS pieces, in whole steps."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, N_SPLITS), BLOCK_S), 1) * BLOCK_S
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [B, S, Hkv, D]
@@ -132,20 +143,21 @@ def _decode_attention_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    SPLIT_S: tl.constexpr,
+    N_SPLITS: tl.constexpr,
     WHOLE: tl.constexpr,  # one piece holds the whole cache: normalise, write out, no reduce
 ):
-    """Program (b, KV head, j) over positions [j * SPLIT_S, (j + 1) * SPLIT_S) of sequence
-    b, cut at seq_len. A piece past seq_len reads nothing and writes m = -inf, l = 0 (the
-    reduce kernel does not read it)."""
+    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). A piece
+    past seq_len reads nothing and writes m = -inf, l = 0 (the reduce kernel does not read
+    it)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     seq_len = tl.minimum(tl.load(len_ptr + b), S)
-    start = split * SPLIT_S
-    end = tl.minimum(start + SPLIT_S, seq_len)
+    piece = _piece(seq_len, N_SPLITS, BLOCK_S)
+    start = split * piece
+    end = tl.minimum(start + piece, seq_len)
     live = tl.where(start < seq_len, GROUP, 0)  # query heads with positions here
     work_mask = (g[:, None] < live) & (d[None, :] < D)
     q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, scale, work_mask, GROUP, BLOCK_G, BLOCK_D)
@@ -183,17 +195,17 @@ def _decode_attention_reduce_kernel(
     stride_oh,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    N_SPLITS: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
     """Second pass: program (b, query head) merges the pieces of sequence b that hold
-    positions, the first cdiv(seq_len, SPLIT_S), rescaled to their common max, BLOCK_J
-    pieces at a time (a 32K context in 64-position pieces is 512 of them)."""
+    positions, rescaled to their common max, BLOCK_J pieces at a time."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     seq_len = tl.minimum(tl.load(len_ptr + b), S)
-    n_live = tl.cdiv(seq_len, SPLIT_S)
+    n_live = tl.cdiv(seq_len, _piece(seq_len, N_SPLITS, BLOCK_S))
     ml_base = b * stride_mb + head * stride_mh
     acc_base = acc_ptr + b * stride_ab + head * stride_ah
     m_run = float("-inf")
@@ -256,6 +268,8 @@ def _check_config(cfg: AttentionConfig) -> None:
         raise ValueError(f"block_s {cfg.block_s} is not a power of two")
     if cfg.split_s < 1 or cfg.split_s % cfg.block_s:
         raise ValueError(f"split_s {cfg.split_s} is not a multiple of block_s {cfg.block_s}")
+    if cfg.max_splits < 1:
+        raise ValueError(f"max_splits {cfg.max_splits} is not positive")
 
 
 def _launch(
@@ -270,7 +284,7 @@ def _launch(
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
     group = Hq // Hkv
-    n_splits = triton.cdiv(S, cfg.split_s)
+    n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
     whole = n_splits == 1
     # Partials of every piece (none when one piece is the whole cache); those past a
     # sequence's length are never read.
@@ -288,7 +302,7 @@ def _launch(
         acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1),
         D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_D=block_d, BLOCK_S=cfg.block_s, SPLIT_S=cfg.split_s,
+        BLOCK_D=block_d, BLOCK_S=cfg.block_s, N_SPLITS=n_splits,
         WHOLE=whole, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if whole:
@@ -298,7 +312,7 @@ def _launch(
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1),
-        D=D, BLOCK_D=block_d, SPLIT_S=cfg.split_s, BLOCK_J=16,
+        D=D, BLOCK_D=block_d, BLOCK_S=cfg.block_s, N_SPLITS=n_splits, BLOCK_J=16,
         num_warps=2,  # reads n_splits * (D + 2) floats, 16 pieces at a time
     )  # fmt: skip
 

@@ -252,7 +252,8 @@ def test_decode_attention_split(
     hq: int, hkv: int, s_max: int, lens: list[int], dtype: torch.dtype
 ) -> None:
     """Split-K: pieces of split_s positions, merged by the reduce kernel, against the
-    reference and against the single pass (split_s >= S)."""
+    reference and against the single pass (split_s >= S); and with the piece count capped
+    (max_splits), so that each piece holds a share of the current length."""
     q, k, v, _ = attention_inputs(len(lens), hq, hkv, 16, s_max, dtype, seed=len(lens))
     seq_lens = torch.tensor(lens, device=DEVICE)
     expected = decode_attention_ref(q, k, v, seq_lens)
@@ -263,6 +264,10 @@ def test_decode_attention_split(
     torch.testing.assert_close(out, expected, **TOL[dtype])
     single = decode_attention(q, k, v, seq_lens, config=AttentionConfig(block_s=8, split_s=512))
     torch.testing.assert_close(single, expected, **TOL[dtype])
+    for cap in (2, 3):
+        capped = AttentionConfig(block_s=8, split_s=split_s, max_splits=cap)
+        out = decode_attention(q, k, v, seq_lens, config=capped)
+        torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("split_s", [16, 128], ids=["split", "single"])
@@ -281,19 +286,23 @@ def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("split_s", "grids"),
+    ("split_s", "max_splits", "grids"),
     [
-        (16, [("split", (3, 2, 5)), ("reduce", (3, 8))]),
-        (128, [("split", (3, 2, 1))]),
+        (16, 64, [("split", (3, 2, 5)), ("reduce", (3, 8))]),
+        (16, 2, [("split", (3, 2, 2)), ("reduce", (3, 8))]),  # capped
+        (128, 64, [("split", (3, 2, 1))]),
     ],  # one piece: one launch, no reduce
-    ids=["split", "single"],
+    ids=["split", "capped", "single"],
 )
 def test_decode_attention_launch_reads_no_values(
-    split_s: int, grids: list[tuple[str, tuple[int, ...]]], monkeypatch: pytest.MonkeyPatch
+    split_s: int,
+    max_splits: int,
+    grids: list[tuple[str, tuple[int, ...]]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The launch depends on shapes and the config only (so it can be captured in a CUDA
     graph): on meta tensors, where reading any value raises, with the kernels recorded
-    rather than run, it launches grids of cdiv(S, split_s) pieces."""
+    rather than run, it launches grids of min(cdiv(S, split_s), max_splits) pieces."""
     launched: list[tuple[str, tuple[int, ...]]] = []
 
     class Recorder:
@@ -308,7 +317,8 @@ def test_decode_attention_launch_reads_no_values(
     q = torch.empty(3, 8, 16, device="meta")
     k = torch.empty(3, 70, 2, 16, device="meta")
     seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
-    out = decode_attention(q, k, k, seq_lens, config=AttentionConfig(block_s=8, split_s=split_s))
+    config = AttentionConfig(block_s=8, split_s=split_s, max_splits=max_splits)
+    out = decode_attention(q, k, k, seq_lens, config=config)
     assert out.shape == q.shape and launched == grids
 
 
@@ -318,6 +328,8 @@ def test_decode_attention_config_checks() -> None:
         decode_attention(q, k, v, lens, config=AttentionConfig(block_s=16, split_s=24))
     with pytest.raises(ValueError, match="power of two"):
         decode_attention(q, k, v, lens, config=AttentionConfig(block_s=12, split_s=24))
+    with pytest.raises(ValueError, match="max_splits 0 is not positive"):
+        decode_attention(q, k, v, lens, config=AttentionConfig(block_s=8, max_splits=0))
 
 
 # --- real shapes on a GPU ---------------------------------------------------------------------
