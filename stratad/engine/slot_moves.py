@@ -40,8 +40,9 @@ class SlotMoves:
         if ids.is_cuda:
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
-            copied: torch.cuda.Event | None = torch.cuda.Event()
-            copied.record()
+            event = torch.cuda.Event()
+            event.record()
+            copied: torch.cuda.Event | None = event
         else:
             host, copied = ids.clone(), None
         last, self._last = self._last, (host, copied, resident)
