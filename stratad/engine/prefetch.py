@@ -71,8 +71,8 @@ class ExpertPrefetch:
         if guess is None:
             return e.table[layer]
         ids, rows = guess
-        right = (routed[0][:, None] == ids[0][None, :]).any(1).sum()
-        self.score += torch.stack([right, torch.zeros_like(right) + routed.shape[1]])
+        self.score[0] += (routed[0][:, None] == ids[0][None, :]).any(1).sum()
+        self.score[1] += routed.numel()
         if self.stream is not None:
             torch.cuda.current_stream(e.device).wait_stream(self.stream)
         table = e.table[layer].clone()
