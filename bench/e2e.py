@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,7 +53,9 @@ def measure_pcie(gib: float = 1.0) -> dict[str, float]:
     return out
 
 
-def measure_miss_reads(model_spec, layout, host_buffer: torch.Tensor) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def measure_miss_reads(  # type: ignore[no-untyped-def]
+    model_spec, layout, host_buffer: torch.Tensor, aligned: bool
+) -> dict[str, float]:
     """GB/s of each GPU miss path over all top-k experts of a step in pinned RAM: the fused
     MoE kernel reading them in place, and the fetch kernel copying them into VRAM."""
     k = model_spec.n_experts_used
@@ -67,7 +70,9 @@ def measure_miss_reads(model_spec, layout, host_buffer: torch.Tensor) -> dict[st
     x = torch.randn(1, model_spec.hidden, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((1, k), 1.0 / k, device="cuda")
     paths = {
-        "inplace": lambda ids: fused_moe(x, ids, weights, table, model_spec.expert_ffn),
+        "inplace": lambda ids: fused_moe(
+            x, ids, weights, table, model_spec.expert_ffn, aligned=aligned
+        ),
         "fetch": lambda ids: fetch_experts(ids, table, span, staging, layout.nbytes),
     }
     rates = {}
@@ -88,7 +93,6 @@ def measure_miss_reads(model_spec, layout, host_buffer: torch.Tensor) -> dict[st
 def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list[object]]]:  # type: ignore[no-untyped-def]
     """The GPU kernels of 8 eager decode steps and of one 4K prefill chunk: the top 12 by
     time, as [name, ms per step (or chunk), launches per step]."""
-    from dataclasses import replace
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -127,7 +131,6 @@ def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list
 def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     """Milliseconds by stage for one prefill and per decode step, timed eagerly (no graph:
     every stage bracketed by events), to see which stage holds a figure back."""
-    from dataclasses import replace
 
     from stratad.engine.timing import StageTimer
 
@@ -152,6 +155,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(0)
     model = load_model(Path(args.model))
     spec = model.spec
+    configs = load_configs(args.kernel_table) if args.kernel_table else KernelConfigs()
+    if args.prefetch_programs:
+        programs = args.prefetch_programs
+        configs = replace(configs, prefetch=replace(configs.prefetch, programs=programs))
     cfg = OffloadConfig(
         expert_vram_bytes=int(args.expert_vram_gib * 2**30),
         max_context=max(args.prefill_lens + [args.prompt_len + args.decode_tokens]) + 16,
@@ -159,14 +166,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         graphs=not args.no_graphs,
         pcie_frac=args.pcie_frac,
         gpu_miss=args.gpu_miss,
-        kernels=load_configs(args.kernel_table) if args.kernel_table else KernelConfigs(),
+        kernels=configs,
         prefetch=args.prefetch,
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
-    reads = measure_miss_reads(spec, engine.layout, engine.host.buffer)
+    reads = measure_miss_reads(spec, engine.layout, engine.host.buffer, engine._aligned)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     gen = torch.Generator().manual_seed(1)
 
@@ -225,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,
         "prefetch": args.prefetch,
+        "prefetch_programs": configs.prefetch.programs,
         "fetch_gbs": reads["fetch"],
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
@@ -263,7 +271,8 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"- measured: H2D pinned {r['pcie_pinned_gbs']:.1f} GB/s, pageable "
         f"{r['pcie_pageable_gbs']:.1f} GB/s, in-place kernel read {r['inplace_gbs']:.1f} GB/s, "
         f"fetch kernel {r['fetch_gbs']:.1f} GB/s (decode misses: {r['gpu_miss']}"
-        f"{', prefetch' if r.get('prefetch') else ''}), "
+        + (f", prefetch on {r['prefetch_programs']} programs per blob" if r.get("prefetch") else "")
+        + "), "
         f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
         "",
         "| figure | median (min–max) | ceiling | ratio |",
@@ -330,6 +339,11 @@ def parser() -> argparse.ArgumentParser:
         "--prefetch",
         action="store_true",
         help="guess each layer's experts one layer early (engine.expert_prefetch)",
+    )
+    p.add_argument(
+        "--prefetch-programs",
+        type=int,
+        help="programs per blob of the prefetch copy (kernels.prefetch.programs)",
     )
     p.add_argument(
         "--kernel-table",

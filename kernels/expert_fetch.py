@@ -30,9 +30,12 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class FetchConfig:
-    chunk: int = 64 * 1024  # bytes of one blob per program
+    chunk: int = 64 * 1024  # bytes of one blob per program step
     block: int = 2048  # 32-bit words per load step (8 KiB)
     num_warps: int = 4
+    # at most this many programs per blob, each copying every programs-th chunk: a copy that
+    # overlaps compute on a stream of its own (engine.prefetch) leaves the SMs to the compute
+    programs: int = 1024
 
 
 @triton.jit
@@ -45,7 +48,8 @@ def _fetch_kernel(
     host_lo,
     host_hi,
     stage_stride,
-    NWORDS,  # blob bytes / 4
+    N16,  # blob bytes / 16
+    N_CHUNKS,  # cdiv(blob bytes, chunk)
     CHUNK_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -64,13 +68,16 @@ def _fetch_kernel(
                 tl.store(step_ptr + s64 * 3, base)
                 tl.store(step_ptr + s64 * 3 + 1, base + (up - gate))
                 tl.store(step_ptr + s64 * 3 + 2, base + (down - gate))
-            src_words = gate.to(tl.pointer_type(tl.int32))
-            dst_words = base.to(tl.pointer_type(tl.int32))
-            lo = c * CHUNK_WORDS
-            for w0 in range(lo, lo + CHUNK_WORDS, BLOCK):
-                w = w0 + tl.arange(0, BLOCK)
-                mask = w < NWORDS
-                tl.store(dst_words + w, tl.load(src_words + w, mask=mask), mask=mask)
+            # blobs and staging rows are 16-byte aligned (the launcher checks): say so, so that
+            # each thread moves 16 bytes per load, not 4
+            src_words = tl.multiple_of(gate.to(tl.pointer_type(tl.int32)), 16)
+            dst_words = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
+            for part in range(c, N_CHUNKS, tl.num_programs(1)):
+                lo = part * CHUNK_WORDS
+                for w0 in range(lo, lo + CHUNK_WORDS, BLOCK):
+                    w = tl.multiple_of(w0, BLOCK) + tl.arange(0, BLOCK)
+                    mask = w < N16 * 4  # whole 16-byte pieces: the loads stay 16 bytes wide
+                    tl.store(dst_words + w, tl.load(src_words + w, mask=mask), mask=mask)
         elif c == 0:
             tl.store(step_ptr + s64 * 3, gate)
             tl.store(step_ptr + s64 * 3 + 1, up)
@@ -115,10 +122,11 @@ def fetch_experts(
     slot_ids = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     if n == 0:
         return slot_ids, step
-    grid = (n, triton.cdiv(blob_bytes, config.chunk))
+    chunks = triton.cdiv(blob_bytes, config.chunk)
+    grid = (n, min(chunks, config.programs))
     _fetch_kernel[grid](
         ids, table, step, slot_ids, staging.data_ptr(), host[0], host[1], staging.stride(0),
-        blob_bytes // 4, CHUNK_WORDS=config.chunk // 4, BLOCK=config.block,
+        blob_bytes // 16, chunks, CHUNK_WORDS=config.chunk // 4, BLOCK=config.block,
         num_warps=config.num_warps,
     )  # fmt: skip
     return slot_ids, step

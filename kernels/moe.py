@@ -47,32 +47,45 @@ class MoeConfig:
 
 @triton.jit
 def _q4_0_rows_dot(
-    w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    N,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """[BLOCK_N] float32: rows `rows` of a split-Q4_0 matrix [N, K] at byte address w_ptr,
-    dot x [K]. Nibbles are read as 32-bit words, four per block (see `split_q4_0`)."""
+    dot x [K]. Nibbles are read as 32-bit words, four per block (see `split_q4_0`); ALIGNED:
+    they start on 16 bytes, so a block's four words are one 16-byte load."""
     nb = K // 32
     scales = w_ptr.to(tl.pointer_type(tl.float16))
     words = (w_ptr + N * nb * 2).to(tl.pointer_type(tl.int32))
+    if ALIGNED:
+        words = tl.multiple_of(words, 16)
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     ww = tl.arange(0, 4)  # word within a block: bytes 4w..4w+3
+    ii = tl.arange(0, 4)  # byte within a word: its low nibble is value 4w+i, its high 4w+i+16
+    xo = ww[:, None] * 4 + ii[None, :]  # [4, 4]
+    shift = (ii * 8)[None, None, None, :]
     for b0 in range(0, nb, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)  # [BB]
         bmask = row_mask[:, None] & (blk[None, :] < nb)  # [BN, BB]
         d = tl.load(scales + rows64[:, None] * nb + blk[None, :], mask=bmask, other=0.0)
         wptr = words + rows64[:, None, None] * (nb * 4) + blk[None, :, None] * 4 + ww[None, None, :]
         q = tl.load(wptr, mask=bmask[:, :, None], other=0)  # [BN, BB, 4] int32
-        xb = x_ptr + blk[:, None] * 32 + ww[None, :] * 4  # [BB, 4]: value 4w (+i, +16)
-        xmask = blk[:, None] < nb
-        part = tl.zeros([BLOCK_N, BLOCK_B, 4], dtype=tl.float32)
-        for i in tl.static_range(4):  # byte i of each word: values 4w+i (low), 4w+i+16 (high)
-            x_lo = tl.load(xb + i, mask=xmask, other=0.0).to(tl.float32)
-            x_hi = tl.load(xb + 16 + i, mask=xmask, other=0.0).to(tl.float32)
-            lo = ((q >> (8 * i)) & 0xF) - 8
-            hi = ((q >> (8 * i + 4)) & 0xF) - 8
-            part += lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
-        acc += tl.sum(tl.sum(part, axis=2) * d.to(tl.float32), axis=1)
+        xb = x_ptr + blk[:, None, None] * 32 + xo[None, :, :]  # [BB, 4, 4]: value 4w+i
+        xmask = (blk < nb)[:, None, None]
+        x_lo = tl.load(xb, mask=xmask, other=0.0).to(tl.float32)
+        x_hi = tl.load(xb + 16, mask=xmask, other=0.0).to(tl.float32)
+        byte = q[:, :, :, None] >> shift  # [BN, BB, 4, 4]
+        lo = ((byte & 0xF) - 8).to(tl.float32)
+        hi = (((byte >> 4) & 0xF) - 8).to(tl.float32)
+        part = tl.sum(tl.sum(lo * x_lo[None] + hi * x_hi[None], axis=3), axis=2)  # [BN, BB]
+        acc += tl.sum(part * d.to(tl.float32), axis=1)
     return acc
 
 
@@ -87,6 +100,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair
@@ -98,8 +112,8 @@ def _gate_up_kernel(
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < F
         x = x_ptr + t.to(tl.int64) * H
-        g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
-        u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B)
+        g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B, ALIGNED)
+        u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B, ALIGNED)
         act = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -115,6 +129,7 @@ def _down_kernel(
     F,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
@@ -126,7 +141,7 @@ def _down_kernel(
         w = tl.load(weights_ptr + s)
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
         act = act_ptr + s.to(tl.int64) * F
-        y = w * _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B)
+        y = w * _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B, ALIGNED)
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -150,8 +165,10 @@ def moe_gate_up(
     table: torch.Tensor,
     ffn: int,
     config: MoeConfig = MoeConfig(),
+    aligned: bool = False,
 ) -> torch.Tensor:
-    """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32."""
+    """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32. `aligned`: the caller
+    vouches that every address in `table` is 16-byte aligned (see `fused_moe`)."""
     _check(x, ids, table)
     t, h = x.shape
     if h % 32 or ffn % 32:
@@ -168,6 +185,7 @@ def moe_gate_up(
         TOP_K=ids.shape[1],
         BLOCK_N=config.block_n,
         BLOCK_B=config.block_b,
+        ALIGNED=aligned and split_q4_0_ok(ffn, h),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -182,6 +200,7 @@ def moe_down(
     hidden: int,
     out_dtype: torch.dtype,
     config: MoeConfig = MoeConfig(),
+    aligned: bool = False,
 ) -> torch.Tensor:
     """act [T * k, F], ids/weights [T, k], table [E, 3] -> out [T, H].
 
@@ -194,7 +213,8 @@ def moe_down(
     grid = (triton.cdiv(hidden, config.block_n), t * k)
     _down_kernel[grid](
         act, ids, weights.contiguous(), table, part, hidden, act.shape[1],
-        BLOCK_N=config.block_n, BLOCK_B=config.block_b, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, BLOCK_B=config.block_b,
+        ALIGNED=aligned and split_q4_0_ok(hidden, act.shape[1]), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden).sum(1).to(out_dtype)
@@ -207,11 +227,14 @@ def fused_moe(
     table: torch.Tensor,
     ffn: int,
     config: MoeConfig = MoeConfig(),
+    aligned: bool = False,
 ) -> torch.Tensor:
     """The routed-expert output [T, H] of one layer, experts found through `table`. Slots
-    whose id is negative are skipped (they contribute zero: computed elsewhere)."""
-    act = moe_gate_up(x, ids, table, ffn, config)
-    return moe_down(act, ids, weights, table, x.shape[1], x.dtype, config)
+    whose id is negative are skipped (they contribute zero: computed elsewhere). `aligned`:
+    the caller vouches that every address in `table` is 16-byte aligned; where the shapes
+    keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time."""
+    act = moe_gate_up(x, ids, table, ffn, config, aligned)
+    return moe_down(act, ids, weights, table, x.shape[1], x.dtype, config, aligned)
 
 
 # --- reference ---------------------------------------------------------------------------

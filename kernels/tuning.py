@@ -4,7 +4,7 @@ A table (`kernels.tables` names and selects it) is JSON:
 
     {"key": "sm90-cuda-13.0",
      "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
-                 "dequant": {...}},
+                 "dequant": {...}, "prefetch": {...}},
      "shapes": {...}, "measured_us": {...}}     # what it was tuned on, for the reader
 
 A kernel missing from "kernels" keeps its defaults; an unknown kernel or setting, or a value
@@ -32,9 +32,14 @@ class KernelConfigs:
     # decode over a static cache: 64 positions per program, 16 per step (64 spilled registers)
     attention: AttentionConfig = AttentionConfig(block_s=16, split_s=64, num_warps=8)
     dequant: DequantConfig = DequantConfig()
+    # the speculative copy (engine.prefetch) beside the compute: few programs, see its docs
+    prefetch: FetchConfig = FetchConfig(programs=4)
 
 
 KERNELS = tuple(f.name for f in fields(KernelConfigs))
+# what `stratactl tune` measures; the prefetch copy's worth shows only beside the compute it
+# overlaps (bench.e2e --prefetch), so a table sets it by hand
+TUNED = ("moe", "fetch", "attention", "dequant")
 
 
 class TuningTableError(ValueError):

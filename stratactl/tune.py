@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="name the table for this stack instead of detecting it")  # fmt: skip
     p.add_argument("--out", type=Path, default=tables.STATE_DIR,
                    help=f"directory to write the table to (default {tables.STATE_DIR})")
-    p.add_argument("--kernels", default=",".join(("moe", "fetch", "attention", "dequant")),
+    p.add_argument("--kernels", default="moe,fetch,attention,dequant",
                    help="comma-separated subset to tune (the others keep their defaults)")
     p.add_argument("--quick", action="store_true", help="two settings per kernel (a smoke run)")
     p.add_argument("--json", action="store_true", help="print the table written as JSON")
@@ -53,14 +53,14 @@ def run(args: argparse.Namespace) -> int:
         return fail(stack)
     import torch  # the measurement needs the GPU runtime; other verbs start without it
 
-    from kernels.tuning import KERNELS, configs_to_json
+    from kernels.tuning import TUNED, configs_to_json
     from stratad.engine.tuner import tune
     from stratad.model.spec import ModelError
 
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    unknown = sorted(set(wanted) - set(KERNELS))
+    unknown = sorted(set(wanted) - set(TUNED))
     if unknown:
-        return fail(f"--kernels: unknown {', '.join(unknown)} (known: {', '.join(KERNELS)})")
+        return fail(f"--kernels: cannot tune {', '.join(unknown)} (known: {', '.join(TUNED)})")
     if torch.cuda.is_available():
         device = torch.device("cuda")
     elif os.environ.get("TRITON_INTERPRET") == "1":

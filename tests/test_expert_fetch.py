@@ -12,6 +12,7 @@ from kernels.expert_fetch import FetchConfig, fetch_experts, fetch_experts_ref
 from kernels.moe import fused_moe, split_q4_0
 
 SMALL = FetchConfig(chunk=256, block=16)  # several programs per blob even for tiny blobs
+FEW = FetchConfig(chunk=256, block=16, programs=3)  # each program copies every third chunk
 
 
 def _blobs(e: int, h: int, f: int, seed: int) -> torch.Tensor:
@@ -42,15 +43,15 @@ def _setup(e: int, h: int, f: int, resident: set[int], seed: int = 0):  # type: 
     return host, vram, _table(rows, gate_bytes), (lo, lo + host.numel())
 
 
-@pytest.mark.parametrize(("t", "k"), [(1, 4), (3, 2)])
-def test_fetch_copies_misses_and_keeps_hits(t: int, k: int) -> None:
+@pytest.mark.parametrize(("t", "k", "config"), [(1, 4, SMALL), (3, 2, SMALL), (2, 3, FEW)])
+def test_fetch_copies_misses_and_keeps_hits(t: int, k: int, config: FetchConfig) -> None:
     e, h, f = 6, 64, 96
     host, _, table, span = _setup(e, h, f, resident={1, 4}, seed=t)
     gen = torch.Generator().manual_seed(k)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     ids[0, -1] = -1  # computed elsewhere
     staging = torch.zeros((t * k, host.shape[1] + 64), dtype=torch.uint8)
-    slot_ids, step = fetch_experts(ids, table, span, staging, host.shape[1], SMALL)
+    slot_ids, step = fetch_experts(ids, table, span, staging, host.shape[1], config)
     want_ids, want_step = fetch_experts_ref(ids, table, span, staging.data_ptr(), staging.stride(0))
     assert torch.equal(slot_ids, want_ids)
     valid = want_ids.reshape(-1) >= 0

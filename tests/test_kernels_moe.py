@@ -44,11 +44,14 @@ _KEEP: list[object] = []
 
 
 @pytest.mark.parametrize(
-    ("t", "k", "e", "h", "f"), [(1, 2, 4, 64, 96), (3, 2, 5, 96, 32), (2, 4, 8, 256, 160)]
+    ("t", "k", "e", "h", "f", "aligned"),
+    [(1, 2, 4, 64, 96, False), (3, 2, 5, 96, 32, False), (2, 4, 8, 256, 160, True)],
 )
-def test_fused_moe_matches_reference(t: int, k: int, e: int, h: int, f: int) -> None:
+def test_fused_moe_matches_reference(
+    t: int, k: int, e: int, h: int, f: int, aligned: bool
+) -> None:
     x, ids, weights, table, experts = _case(t, k, e, h, f, "cpu")
-    got = fused_moe(x, ids, weights, table, f)
+    got = fused_moe(x, ids, weights, table, f, aligned=aligned)  # each matrix a tensor
     ref = fused_moe_ref(x, ids, weights, experts)
     err = (got - ref).norm() / ref.norm()
     assert err < 1e-5, f"relative error {err:.2e}"
@@ -73,14 +76,15 @@ def test_split_layout_round_trip() -> None:
 
 
 @pytest.mark.gpu
-def test_fused_moe_gpu_real_shape_with_host_mapped_experts() -> None:
+@pytest.mark.parametrize("aligned", [False, True])
+def test_fused_moe_gpu_real_shape_with_host_mapped_experts(aligned: bool) -> None:
     """a3b geometry; half the experts in VRAM, half read in place from pinned host RAM."""
     x, ids, weights, _, experts = _case(1, 8, 16, 2048, 768, "cpu", seed=5)
     split = [tuple(split_q4_0(w.data) for w in triple) for triple in experts]
     vram = [tuple(t.cuda() for t in triple) for triple in split[:8]]
     host = [tuple(t.pin_memory() for t in triple) for triple in split[8:]]
     table = expert_table(vram + host).cuda()
-    got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 768)
+    got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 768, aligned=aligned)
     ref = fused_moe_ref(x.bfloat16(), ids, weights, experts)
     err = (got.float().cpu() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, f"relative error {err:.2e}"

@@ -60,7 +60,9 @@ def test_tune_writes_a_table_that_selection_and_the_daemon_read(tmp_path: Path) 
 
 def test_tune_refuses_bad_input(tmp_path: Path) -> None:
     r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), "--kernels", "moe,gemm")
-    assert r.returncode == 1 and "unknown gemm" in r.stderr
+    assert r.returncode == 1 and "cannot tune gemm" in r.stderr
+    r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), "--kernels", "prefetch")
+    assert r.returncode == 1 and "cannot tune prefetch" in r.stderr  # set by hand, see tuning.py
     r = _ctl("tune", "--stack", "h100", "--out", str(tmp_path))
     assert r.returncode == 1 and "expected ARCH-BACKEND-VERSION" in r.stderr
     assert not list(tmp_path.iterdir())
@@ -129,3 +131,11 @@ def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ig
         assert int(got.argmax()) == tok
         got, want = off([tok], a)[-1], ref([tok], b)[-1]
     assert (got - want).abs().max() < 1e-3
+
+
+def test_a_candidate_must_clearly_beat_the_default() -> None:
+    from stratad.engine.tuner import _pick
+
+    assert _pick([(10.0, "default"), (9.8, "a"), (9.9, "b")], margin=0.03) == (10.0, "default")
+    assert _pick([(10.0, "default"), (9.5, "a"), (9.0, "b")], margin=0.03) == (9.0, "b")
+    assert _pick([(float("inf"), "default"), (5.0, "a")], margin=0.03) == (5.0, "a")

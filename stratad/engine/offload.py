@@ -194,8 +194,11 @@ class OffloadForward:
         nbytes, k = self.layout.nbytes, self.spec.n_experts_used
         host = self.host.buffer
         self._host_span = (host.data_ptr(), host.data_ptr() + host.shape[0] * host.stride(0))
-        aligned = nbytes % 16 == 0 and host.data_ptr() % 16 == 0
-        rows = k if aligned and self.config.gpu_miss == "copy" else 0
+        strides = (host.data_ptr(), *host.stride()[:-1])
+        # every blob (host rows, VRAM slots, staging rows) starts on 16 bytes: the kernels
+        # may load 16 bytes at a time
+        self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in strides)
+        rows = k if self._aligned and self.config.gpu_miss == "copy" else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
 
     def _init_rope(self) -> None:
@@ -279,7 +282,7 @@ class OffloadForward:
             weights, ids = self._route(w, h)
         if h.shape[0] == 1:
             with stage("expert prefetch"):
-                self.prefetch.start(i + 1, x)  # guess the next layer's experts from x now
+                self.prefetch.after_route(i, x, ids)  # guess the next layer's experts now
         if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
             moe = self.cpu.run(i, h, ids, weights)
         elif start is None or h.shape[0] <= 8:
@@ -297,7 +300,7 @@ class OffloadForward:
     ) -> torch.Tensor:
         """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
         skipped): hits from their VRAM slots, misses by the configured path."""
-        stage, table = self.timer.stage, self.prefetch.table(i, ids)
+        stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
@@ -306,7 +309,7 @@ class OffloadForward:
             name = "experts (VRAM)"
         with stage(name):
             return fused_moe(h.contiguous(), ids, weights, table, self.spec.expert_ffn,
-                             self.config.kernels.moe)  # fmt: skip
+                             self.config.kernels.moe, self._aligned)  # fmt: skip
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)
@@ -336,6 +339,7 @@ class OffloadForward:
                 self.staging.prefetch(i + 1)
             x, ids = self._layer(i, x, pos, cache, start)
             all_ids.append(ids[-1])
+        self.prefetch.finish()
         return x, torch.stack(all_ids)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,17 +5,29 @@ fetch cannot overlap anything of that layer, and the link idles while every laye
 This guesses them one layer early: as soon as layer i has routed, layer i+1's router is
 applied to the hidden state as it stands (its input lacks layer i's expert output and layer
 i+1's attention, which the residual stream usually outweighs). The guessed experts that miss
-VRAM are copied into a prefetch buffer on a stream of their own while layer i computes. When
-layer i+1 routes, its table is the layer's table with the guessed experts pointing at the
-prefetch buffer, so the fetch kernel only copies the misses that were not guessed.
+VRAM are copied into a prefetch buffer while layer i computes. When layer i+1 routes, its
+table is the layer's table with the guessed experts pointing at the prefetch buffer, so the
+fetch kernel only copies the misses that were not guessed.
+
+Three streams, so that neither the link nor the compute waits on the other's bookkeeping:
+
+    main   ... route(i) ──────────── experts(i) ... route(i+1) ─ wait(copy i+1) ─ experts(i+1)
+    guess        └─ score(i), guess(i+1), table(i+1) ─┐
+    copy                        copy(i) ... ──────────└─ copy(i+1) into buf[(i+1) % 2] ─ event
+
+The copy stream runs one layer's copy after another, so the link stays busy; the main stream
+waits only for the event of the layer it is about to compute (never for the copy of the
+next). The copy runs on at most `kernels.prefetch.programs` programs per blob, which leave
+the SMs to the main stream's kernels.
 
 A wrong guess costs link time, never correctness: an expert not prefetched is fetched as
-usual. Two buffers alternate by layer parity; the prefetch for layer i+1 starts after layer
-i has routed, which is after layer i-1 (the previous reader of the same buffer) computed.
+usual. Two buffers alternate by layer parity; the copy for layer i+1 starts after layer i
+has routed, which is after layer i-1 (the previous reader of the same buffer) computed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +40,13 @@ if TYPE_CHECKING:
     from stratad.engine.offload import OffloadForward
 
 
+@dataclass
+class _Guess:
+    ids: torch.Tensor  # [1, k] int32, the guessed experts
+    table: torch.Tensor  # [E, 3] the layer's table, the guessed misses at their copies
+    copied: torch.cuda.Event | None  # recorded on the copy stream after the copy (GPU only)
+
+
 class ExpertPrefetch:
     def __init__(self, engine: OffloadForward) -> None:
         self.engine = engine
@@ -36,48 +55,85 @@ class ExpertPrefetch:
         self.enabled = rows > 0
         self.buf = torch.zeros((2, rows, e.layout.nbytes), dtype=torch.uint8, device=e.device)
         on_gpu = self.enabled and e.device.type == "cuda"
-        self.stream = torch.cuda.Stream(e.device) if on_gpu else None
-        self._guess: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (ids, table rows)
+        self.guess_stream = torch.cuda.Stream(e.device) if on_gpu else None
+        self.copy_stream = torch.cuda.Stream(e.device) if on_gpu else None
+        self._guess: dict[int, _Guess] = {}  # layer -> its guess, until the layer takes it
         # on the device (the captured step updates them): routed experts that were guessed, all
         self.score = torch.zeros(2, dtype=torch.int64, device=e.device)
 
-    def start(self, layer: int, x: torch.Tensor) -> None:
-        """Guess `layer`'s experts from the hidden state x [1, H] and start copying the misses."""
+    def after_route(self, layer: int, x: torch.Tensor, routed: torch.Tensor) -> None:
+        """`layer` has routed one token to `routed` [1, k] from the hidden state x [1, H]:
+        score that layer's guess, guess the next layer's experts and start copying them."""
         e = self.engine
-        if not self.enabled or layer >= e.layer_ids.stop:
+        if not self.enabled or e.config.pcie_frac < 1.0:
             return
-        w, spec = e.layers[layer], e.spec
+        nxt = layer + 1 if layer + 1 < e.layer_ids.stop else None
+        if self.guess_stream is None or self.copy_stream is None:  # eager, on one stream
+            self._score(layer, routed)
+            if nxt is not None:
+                ids, table = self._plan(nxt, x)
+                self._copy(nxt, ids, table, None)
+            return
+        main = torch.cuda.current_stream(e.device)
+        self.guess_stream.wait_stream(main)  # x and routed are ready; buf[nxt % 2] was read
+        with torch.cuda.stream(self.guess_stream):
+            self._score(layer, routed)
+            planned = self._plan(nxt, x) if nxt is not None else None
+        x.record_stream(self.guess_stream)
+        routed.record_stream(self.guess_stream)
+        if nxt is None or planned is None:
+            return
+        ids, table = planned
+        self.copy_stream.wait_stream(self.guess_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self._copy(nxt, ids, table, torch.cuda.Event())
+        for t in (ids, table):
+            t.record_stream(self.copy_stream)
+            t.record_stream(main)
+
+    def _plan(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The guessed experts of `layer` and a copy of its table for the copy to fill in."""
+        e, spec = self.engine, self.engine.spec
+        w = e.layers[layer]
         h = e.norm_fn(x, w.ffn_norm, spec.rms_eps)
         _, ids = route(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
-        ids = ids.to(torch.int32)
-        args = (e.table[layer], e._host_span, self.buf[layer % 2], e.layout.nbytes,
-                e.config.kernels.fetch)  # fmt: skip
-        if self.stream is None:
-            _, rows = fetch_experts(ids, *args)
-        else:
-            main = torch.cuda.current_stream(e.device)
-            self.stream.wait_stream(main)  # the guess is computed; the buffer's reader is done
-            with torch.cuda.stream(self.stream):
-                _, rows = fetch_experts(ids, *args)
-            ids.record_stream(self.stream)
-            rows.record_stream(main)
-        self._guess[layer] = (ids, rows)
+        return ids.to(torch.int32), e.table[layer].clone()
 
-    def table(self, layer: int, routed: torch.Tensor) -> torch.Tensor:
-        """The layer's address table, the guessed experts pointing at their prefetched copy;
-        `routed` [1, k], the layer's actual experts, only counts how many were guessed."""
+    def _copy(
+        self, layer: int, ids: torch.Tensor, table: torch.Tensor, event: torch.cuda.Event | None
+    ) -> None:
+        e = self.engine
+        cfg = e.config.kernels.prefetch
+        _, rows = fetch_experts(ids, e.table[layer], e._host_span, self.buf[layer % 2],
+                                e.layout.nbytes, cfg)  # fmt: skip
+        table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
+        if event is not None:
+            event.record()
+        self._guess[layer] = _Guess(ids, table, event)
+
+    def _score(self, layer: int, routed: torch.Tensor) -> None:
+        guess = self._guess.get(layer)
+        if guess is not None:
+            self.score[0] += (routed[0][:, None] == guess.ids[0][None, :]).any(1).sum()
+            self.score[1] += routed.numel()
+
+    def table(self, layer: int) -> torch.Tensor:
+        """The layer's address table, the guessed experts pointing at their prefetched copy
+        (the current stream waits for that layer's copy, and only for it)."""
         e = self.engine
         guess = self._guess.pop(layer, None)
         if guess is None:
             return e.table[layer]
-        ids, rows = guess
-        self.score[0] += (routed[0][:, None] == ids[0][None, :]).any(1).sum()
-        self.score[1] += routed.numel()
-        if self.stream is not None:
-            torch.cuda.current_stream(e.device).wait_stream(self.stream)
-        table = e.table[layer].clone()
-        table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
-        return table
+        if guess.copied is not None:
+            torch.cuda.current_stream(e.device).wait_event(guess.copied)
+        return guess.table
+
+    def finish(self) -> None:
+        """End of a pass: the current stream joins the side streams (a captured graph must)."""
+        if self.guess_stream is not None and self.copy_stream is not None:
+            main = torch.cuda.current_stream(self.engine.device)
+            main.wait_stream(self.guess_stream)
+            main.wait_stream(self.copy_stream)
 
     def accuracy(self) -> float:
         """The share of routed experts that were guessed, since the last `reset_score`."""
