@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         pcie_frac=args.pcie_frac,
         gpu_miss=args.gpu_miss,
         kernels=configs,
-        prefetch=args.prefetch,
+        prefetch=not args.no_prefetch and args.gpu_miss == "copy",
     )
     t0 = time.monotonic()
     engine = OffloadForward(model, torch.device("cuda"), cfg)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "timing": timing,
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,
-        "prefetch": args.prefetch,
+        "prefetch": engine.prefetch.enabled,
         "prefetch_programs": configs.prefetch.programs,
         "fetch_gbs": reads["fetch"],
         "model": str(args.model),
@@ -336,9 +336,10 @@ def parser() -> argparse.ArgumentParser:
         help="also list the GPU kernels of a decode step and a prefill chunk",
     )
     p.add_argument(
-        "--prefetch",
+        "--no-prefetch",
         action="store_true",
-        help="guess each layer's experts one layer early (engine.expert_prefetch)",
+        help="do not guess experts one layer early (engine.expert_prefetch = false); on by "
+        "default with the copy miss path, as in the daemon",
     )
     p.add_argument(
         "--prefetch-programs",

@@ -68,24 +68,22 @@ def _q4_0_rows_dot(
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     ww = tl.arange(0, 4)  # word within a block: bytes 4w..4w+3
-    ii = tl.arange(0, 4)  # byte within a word: its low nibble is value 4w+i, its high 4w+i+16
-    xo = ww[:, None] * 4 + ii[None, :]  # [4, 4]
-    shift = (ii * 8)[None, None, None, :]
     for b0 in range(0, nb, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)  # [BB]
         bmask = row_mask[:, None] & (blk[None, :] < nb)  # [BN, BB]
         d = tl.load(scales + rows64[:, None] * nb + blk[None, :], mask=bmask, other=0.0)
         wptr = words + rows64[:, None, None] * (nb * 4) + blk[None, :, None] * 4 + ww[None, None, :]
         q = tl.load(wptr, mask=bmask[:, :, None], other=0)  # [BN, BB, 4] int32
-        xb = x_ptr + blk[:, None, None] * 32 + xo[None, :, :]  # [BB, 4, 4]: value 4w+i
-        xmask = (blk < nb)[:, None, None]
-        x_lo = tl.load(xb, mask=xmask, other=0.0).to(tl.float32)
-        x_hi = tl.load(xb + 16, mask=xmask, other=0.0).to(tl.float32)
-        byte = q[:, :, :, None] >> shift  # [BN, BB, 4, 4]
-        lo = ((byte & 0xF) - 8).to(tl.float32)
-        hi = (((byte >> 4) & 0xF) - 8).to(tl.float32)
-        part = tl.sum(tl.sum(lo * x_lo[None] + hi * x_hi[None], axis=3), axis=2)  # [BN, BB]
-        acc += tl.sum(part * d.to(tl.float32), axis=1)
+        xb = x_ptr + blk[:, None] * 32 + ww[None, :] * 4  # [BB, 4]: value 4w (+i, +16)
+        xmask = blk[:, None] < nb
+        part = tl.zeros([BLOCK_N, BLOCK_B, 4], dtype=tl.float32)
+        for i in tl.static_range(4):  # byte i of each word: values 4w+i (low), 4w+i+16 (high)
+            x_lo = tl.load(xb + i, mask=xmask, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + 16 + i, mask=xmask, other=0.0).to(tl.float32)
+            lo = ((q >> (8 * i)) & 0xF) - 8
+            hi = ((q >> (8 * i + 4)) & 0xF) - 8
+            part += lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
+        acc += tl.sum(tl.sum(part, axis=2) * d.to(tl.float32), axis=1)
     return acc
 
 

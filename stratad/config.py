@@ -88,11 +88,11 @@ class EngineConfig(_Section, frozen=True):
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
     link near the copy engine's rate), then the fused kernel reads VRAM; `in_place`: the
     fused kernel reads them over PCIe itself (no staging VRAM, about half the rate)."""
-    expert_prefetch: bool = False
+    expert_prefetch: bool | Literal["auto"] = "auto"
     """Offload engine, decode: guess each layer's experts one layer early (the next router
     applied to the current hidden state) and copy the guessed misses into VRAM while the
-    current layer computes. A wrong guess costs link time, never tokens. Needs gpu_miss =
-    "copy"; off by default until measured."""
+    current layer computes. A wrong guess costs link time, never tokens. `auto` turns it on
+    with gpu_miss = "copy" (true needs it) while some experts live outside VRAM."""
     offload_prefill_chunk: Annotated[int, msgspec.Meta(ge=16)] = 4096
     """Prompt tokens per prefill chunk of the offload engine (instead of
     server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so
@@ -103,8 +103,15 @@ class EngineConfig(_Section, frozen=True):
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
 
     def __post_init__(self) -> None:
-        if self.expert_prefetch and self.gpu_miss != "copy":
+        if self.expert_prefetch is True and self.gpu_miss != "copy":
             raise ValueError('expert_prefetch needs gpu_miss = "copy": it copies its guesses')
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether the offload engine guesses and copies experts ahead (expert_prefetch)."""
+        return self.expert_prefetch is True or (
+            self.expert_prefetch == "auto" and self.gpu_miss == "copy"
+        )
 
 
 class ControlConfig(_Section, frozen=True):

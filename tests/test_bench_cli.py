@@ -15,6 +15,6 @@ def test_every_argument_e2e_reads_is_parsed() -> None:
     parsed = {a.dest for a in bench.e2e.parser()._actions}
     assert used and used <= parsed, f"read but not parsed: {sorted(used - parsed)}"
     args = bench.e2e.parser().parse_args(
-        ["--model", "m.gguf", "--prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
+        ["--model", "m.gguf", "--no-prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
     )
-    assert args.prefetch and args.kernel_table == Path("t.json") and args.gpu_miss == "in_place"
+    assert args.no_prefetch and args.kernel_table == Path("t.json") and args.gpu_miss == "in_place"

@@ -83,6 +83,8 @@ def test_prefetch_keeps_tokens_and_fills_its_buffers(tiny_moe: Model, slots: int
 def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:
     off = _offload(tiny_moe, 3, "cpu", graphs=False, prefetch=True, gpu_miss="in_place")
     assert not off.prefetch.enabled and off.prefetch.buf.numel() == 0
+    every = _offload(tiny_moe, 8, "cpu", graphs=False, prefetch=True)  # all 8 in VRAM
+    assert not every.prefetch.enabled and every.prefetch.buf.numel() == 0
 
 
 def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:

@@ -129,7 +129,7 @@ def open_offload(
         dtype=dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
-        kernels=kernel_configs(device.type), prefetch=config.engine.expert_prefetch,
+        kernels=kernel_configs(device.type), prefetch=config.engine.prefetch,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
@@ -219,7 +219,7 @@ def _slots(
     kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * size
     # prefill: two layers of blobs in flight and one dequantized for the grouped GEMMs;
     # decode: top-k blobs of fetch staging, and two layers' guesses when prefetching
-    fetched = (3 if config.engine.expert_prefetch else 1) * spec.n_experts_used * layout.nbytes
+    fetched = (3 if config.engine.prefetch else 1) * spec.n_experts_used * layout.nbytes
     dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * size
     staging = 2 * spec.n_experts * layout.nbytes + dequantized + fetched
     free, _ = torch.cuda.mem_get_info(device)

@@ -51,7 +51,9 @@ class ExpertPrefetch:
     def __init__(self, engine: OffloadForward) -> None:
         self.engine = engine
         e = engine
-        rows = e.spec.n_experts_used if e.config.prefetch and e._fetch_buf.shape[0] else 0
+        every = e.spec.n_layers * e.spec.n_experts
+        wanted = e.config.prefetch and e._fetch_buf.shape[0] and e.n_slots < every
+        rows = e.spec.n_experts_used if wanted else 0  # nothing to guess when all are in VRAM
         self.enabled = rows > 0
         self.buf = torch.zeros((2, rows, e.layout.nbytes), dtype=torch.uint8, device=e.device)
         on_gpu = self.enabled and e.device.type == "cuda"
