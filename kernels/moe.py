@@ -196,14 +196,12 @@ def moe_down(
     weights: torch.Tensor,
     table: torch.Tensor,
     hidden: int,
-    out_dtype: torch.dtype,
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
 ) -> torch.Tensor:
-    """act [T * k, F], ids/weights [T, k], table [E, 3] -> out [T, H].
-
-    Each (token, slot) writes its weighted contribution; the slots are then summed in a fixed
-    order, so the result does not depend on scheduling (no atomics)."""
+    """act [T * k, F], ids/weights [T, k], table [E, 3] -> parts [T, k, H] float32: each
+    (token, slot)'s weighted contribution (no atomics: the caller sums the slots in a fixed
+    order, so the result does not depend on scheduling)."""
     t, k = ids.shape
     if act.shape[0] != t * k or weights.shape != ids.shape or weights.dtype != torch.float32:
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
@@ -215,7 +213,7 @@ def moe_down(
         ALIGNED=aligned and split_q4_0_ok(hidden, act.shape[1]), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    return part.view(t, k, hidden).sum(1).to(out_dtype)
+    return part.view(t, k, hidden)
 
 
 def fused_moe(
@@ -231,8 +229,22 @@ def fused_moe(
     whose id is negative are skipped (they contribute zero: computed elsewhere). `aligned`:
     the caller vouches that every address in `table` is 16-byte aligned; where the shapes
     keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time."""
+    return fused_moe_parts(x, ids, weights, table, ffn, config, aligned).sum(1).to(x.dtype)
+
+
+def fused_moe_parts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    table: torch.Tensor,
+    ffn: int,
+    config: MoeConfig = MoeConfig(),
+    aligned: bool = False,
+) -> torch.Tensor:
+    """`fused_moe` before its sum over the slots: [T, k, H] float32, each slot's weighted
+    output (`kernels.norm.add_rmsnorm` sums them into the residual stream)."""
     act = moe_gate_up(x, ids, table, ffn, config, aligned)
-    return moe_down(act, ids, weights, table, x.shape[1], x.dtype, config, aligned)
+    return moe_down(act, ids, weights, table, x.shape[1], config, aligned)
 
 
 # --- reference ---------------------------------------------------------------------------

@@ -5,7 +5,8 @@ once to the output dtype), not Hugging Face's (which rounds the normalized value
 input dtype before the weight multiply); the two differ by one rounding in half precision.
 
 Three tiers: `_rmsnorm_kernel` (Triton), `rmsnorm()` (launcher and operation: any leading
-dims), and the torch reference `rmsnorm_ref()`.
+dims), and the torch reference `rmsnorm_ref()`; likewise `add_rmsnorm` (the residual add,
+the sum of a block's parts and the next norm in one launch) and `add_rmsnorm_ref`.
 """
 
 from __future__ import annotations
@@ -84,3 +85,71 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (xf * rstd * weight.float()).to(x.dtype)
+
+
+# --- residual add, fused -----------------------------------------------------------------
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr,  # [T, D] the residual stream
+    parts_ptr,  # [T, P, D] what the block adds to it (e.g. each routed slot's output)
+    w_ptr,  # [D]
+    sum_ptr,  # [T, D] out: x + the parts, in x's dtype
+    out_ptr,  # [T, D] out: RMSNorm of the sum
+    D,
+    P,
+    stride_pt,
+    stride_pp,
+    eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    add = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for p in range(P):  # in order: the result does not depend on scheduling
+        part = tl.load(parts_ptr + row * stride_pt + p * stride_pp + cols, mask=mask, other=0.0)
+        add += part.to(tl.float32)
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + add).to(sum_ptr.dtype.element_ty)  # rounded once, as the stream is stored
+    tl.store(sum_ptr + row * D + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, (sf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_FUSED_D = 16384  # one row in registers
+
+
+def add_rmsnorm(
+    x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x [T, D] plus the parts [T, P, D] summed in float32 (rounded once
+    to x's dtype), and its RMSNorm with weight [D]: (sum, normed), in one launch. Decode adds
+    every layer's routed slots (`kernels.moe.fused_moe_parts`) this way into the stream and
+    norms it for the next block."""
+    t, d = x.shape
+    if parts.dim() != 3 or parts.shape[0] != t or parts.shape[2] != d or parts.stride(2) != 1:
+        raise ValueError(f"parts must be [T, P, D] with contiguous rows, got {tuple(parts.shape)}")
+    if weight.shape != (d,) or d > MAX_FUSED_D:
+        raise ValueError(f"weight {tuple(weight.shape)} for rows of {d} (at most {MAX_FUSED_D})")
+    if not (x.device == parts.device == weight.device):
+        raise ValueError("x, parts and weight must be on one device")
+    x = x.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    if t and d:
+        block_d = triton.next_power_of_2(d)
+        _add_rmsnorm_kernel[(t,)](
+            x, parts, weight.contiguous(), total, out, d, parts.shape[1], parts.stride(0),
+            parts.stride(1), eps, BLOCK_D=block_d, num_warps=4 if block_d <= 4096 else 8,
+        )  # fmt: skip
+    return total, out
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = (x.float() + parts.float().sum(1)).to(x.dtype)
+    return total, rmsnorm_ref(total, weight, eps)

@@ -28,7 +28,7 @@ from kernels.attention import (
     decode_attention,
     decode_attention_ref,
 )
-from kernels.norm import NormConfig, rmsnorm, rmsnorm_ref
+from kernels.norm import NormConfig, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from kernels.rope import (
     RopeConfig,
     RopeStyle,
@@ -81,6 +81,30 @@ def test_rmsnorm_reference_and_leading_dims() -> None:
     )
     with pytest.raises(ValueError, match="weight"):
         rmsnorm(x, w[:39], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize(("rows", "parts", "dim"), [(1, 8, 64), (3, 1, 100), (2, 3, 256)])
+def test_add_rmsnorm(rows: int, parts: int, dim: int, dtype: torch.dtype) -> None:
+    """The residual add of a block's parts (float32 slot outputs, or one part in the stream's
+    dtype) fused with the next norm, against the reference and against the unfused ops."""
+    x = randn(rows, dim, dtype=dtype, seed=dim)
+    w = randn(dim, dtype=dtype, seed=2)
+    p = randn(rows, parts, dim, seed=parts) if parts > 1 else randn(rows, 1, dim, dtype=dtype)
+    total, normed = add_rmsnorm(x, p, w, 1e-6)
+    want_total, want_normed = add_rmsnorm_ref(x, p, w, 1e-6)
+    assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
+    torch.testing.assert_close(total, want_total, **TOL[dtype])
+    torch.testing.assert_close(normed, want_normed, **TOL[dtype])
+    torch.testing.assert_close(normed, rmsnorm(total, w, 1e-6), **TOL[dtype])  # the sum it kept
+
+
+def test_add_rmsnorm_rejects_bad_shapes() -> None:
+    x, w = randn(2, 32), randn(32)
+    with pytest.raises(ValueError, match=r"\[T, P, D\]"):
+        add_rmsnorm(x, randn(2, 32), w, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rmsnorm(x, randn(2, 1, 32), w[:31], 1e-6)
 
 
 # --- RoPE -----------------------------------------------------------------------------------
@@ -340,6 +364,10 @@ def test_misc_kernels_real_shapes_gpu() -> None:
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), **TOL[torch.bfloat16])
+    parts = torch.randn(8, 8, 4096, device="cuda")
+    for got, want in zip(add_rmsnorm(x, parts, w, 1e-6), add_rmsnorm_ref(x, parts, w, 1e-6),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
     gate, up = torch.randn(2, 8, 1408, device="cuda", dtype=torch.bfloat16).unbind(0)
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), **TOL[torch.bfloat16])
     q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)

@@ -35,8 +35,9 @@ class CpuMisses:
     def run(
         self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """The layer's routed-expert output [T, H]: hits and the GPU's share of misses in the
-        fused kernel, the CPU's share computed meanwhile."""
+        """The layer's routed-expert outputs [T, P, H] float32 (the engine sums them): hits
+        and the GPU's share of misses in the fused kernel, the CPU's share computed meanwhile
+        (one more part)."""
         e = self.engine
         stage = e.timer.stage
         host_ids = ids.tolist()  # one synchronisation per layer: h and the weights are ready
@@ -46,16 +47,15 @@ class CpuMisses:
         if cpu:
             t_idx, k_idx = zip(*cpu, strict=True)
             gpu_ids[list(t_idx), list(k_idx)] = -1  # the kernel skips these slots
-        moe = e.gpu_experts(layer, h, gpu_ids, weights)  # queued; runs while the CPU works
+        parts = e.gpu_experts(layer, h, gpu_ids, weights)  # queued; runs while the CPU works
         if not cpu:
-            return moe
+            return parts
         with stage("experts (CPU)"):
             out = torch.zeros((h.shape[0], e.spec.hidden), dtype=torch.float32)
             for t, k in cpu:
                 out[t] += w[t, k] * swiglu(x[t], *self.expert(layer, host_ids[t][k]))
-            moe = moe + out.to(device=moe.device, dtype=moe.dtype)
         self.experts += len(cpu)
-        return moe
+        return torch.cat([parts, out.to(parts.device)[:, None]], dim=1)
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's float32 (gate, up, down) from the RAM copy (dequantized per use)."""

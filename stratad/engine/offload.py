@@ -27,11 +27,13 @@ import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.attention import decode_attention
+from kernels.attn_input import attn_input
 from kernels.expert_fetch import fetch_experts
-from kernels.moe import fused_moe, split_q4_0_ok
-from kernels.norm import rmsnorm
+from kernels.moe import fused_moe_parts, split_q4_0_ok
+from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.quant import QType
 from kernels.rope import RopeStyle, rope_table
+from kernels.router import route_topk
 from kernels.tuning import KernelConfigs
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
@@ -119,6 +121,8 @@ class OffloadForward:
         self.device, self.config, self.dtype = device, config, config.dtype
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
+        # softmax, top-k and renormalisation in one kernel (torch: six launches per layer)
+        self.route_fn = route_topk if device.type != "cpu" else route
         self.layers = dense_layers(model, device, self.dtype, self.layer_ids)
         first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
 
@@ -149,6 +153,7 @@ class OffloadForward:
         self.graph = DecodeGraph(self)
         self.slot_moves = SlotMoves(self)
         self.hits = self.lookups = self.moves = 0
+        self._lens = torch.zeros(1, dtype=torch.int64, device=device)  # set by each decode pass
 
     # -- placement -----------------------------------------------------------------------
 
@@ -202,8 +207,15 @@ class OffloadForward:
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
 
     def _init_rope(self) -> None:
+        spec = self.spec
         positions = torch.arange(self.config.max_context)
-        self.cos, self.sin = rope_tables(self.spec, positions, self.device)
+        self.cos, self.sin = rope_tables(spec, positions, self.device)
+        # decode's attention input in one kernel (kernels.attn_input) where it applies
+        d = spec.head_dim
+        self._fused_input = (
+            self.device.type != "cpu" and spec.qk_norm in ("head", "none")
+            and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
+        )  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache.allocate(
@@ -224,6 +236,14 @@ class OffloadForward:
         """h [T, H] at positions pos [T]; start is None in the captured decode step."""
         spec, t = self.spec, h.shape[0]
         qkv = fn.linear(h, w.qkv, w.qkv_bias)
+        if start is None and self._fused_input:  # norms, rotation, cache write: one kernel
+            style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
+            norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
+            q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i], style,  # type: ignore[arg-type]
+                           spec.rms_eps)  # fmt: skip
+            kv = cache.k[i][None], cache.v[i][None]
+            out = decode_attention(q, *kv, self._lens, config=self.config.kernels.attention)
+            return fn.linear(out.reshape(t, spec.q_dim), w.o)
         q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
         norm = self.norm_fn
         if spec.qk_norm == "full":
@@ -244,9 +264,8 @@ class OffloadForward:
         cache.k[i].index_copy_(0, pos, k)
         cache.v[i].index_copy_(0, pos, v)
         if start is None:  # decode: split-K over the static cache, its length on the device
-            lens = pos[-1:] + 1
             kv = cache.k[i][None], cache.v[i][None]
-            out = decode_attention(q, *kv, lens, config=self.config.kernels.attention)
+            out = decode_attention(q, *kv, self._lens, config=self.config.kernels.attention)
             return fn.linear(out.reshape(t, spec.q_dim), w.o)
         rep = spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
@@ -259,7 +278,8 @@ class OffloadForward:
 
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        weights, ids = route(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
+        logits = fn.linear(h, w.router)
+        weights, ids = self.route_fn(logits, spec.n_experts_used, spec.norm_topk_prob)
         return weights, ids.to(torch.int32)  # the kernels read int32 ids
 
     def _shared(self, w: DenseLayer, h: torch.Tensor) -> torch.Tensor | None:
@@ -270,36 +290,60 @@ class OffloadForward:
             s = s * torch.sigmoid(fn.linear(h, w.shared_gate))
         return s
 
-    def _layer(
-        self, i: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+    def _add_norm(
+        self, x: torch.Tensor, parts: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        w, spec, stage = self.layers[i], self.spec, self.timer.stage
+        """The stream x [T, H] plus the previous block's parts [T, P, H] (None: nothing to
+        add), and its norm with `weight`: one kernel on a GPU."""
+        eps = self.spec.rms_eps
+        if parts is None:
+            return x, self.norm_fn(x, weight, eps)
+        if self.device.type != "cpu":
+            return add_rmsnorm(x, parts, weight, eps)
+        x = (x.float() + parts.float().sum(1)).to(x.dtype)
+        return x, rms_norm(x, weight, eps)
+
+    def _layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        parts: torch.Tensor | None,
+        pos: torch.Tensor,
+        cache: KVCache,
+        start: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i on the stream x [T, H] once the previous layer's `parts` are added to it:
+        (the stream after attention, this layer's expert parts [T, P, H] still to add, ids).
+        Each residual add is fused with the norm that follows it."""
+        w, stage = self.layers[i], self.timer.stage
         with stage("attention"):
-            h = self.norm_fn(x, w.attn_norm, spec.rms_eps)
-            x = x + self._attention(w, i, h, pos, cache, start)
+            x, h = self._add_norm(x, parts, w.attn_norm)
+            attn = self._attention(w, i, h, pos, cache, start)
         with stage("router"):
-            h = self.norm_fn(x, w.ffn_norm, spec.rms_eps)
+            x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
             weights, ids = self._route(w, h)
         if h.shape[0] == 1:
             with stage("expert prefetch"):
                 self.prefetch.after_route(i, x, ids)  # guess the next layer's experts now
         if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
-            moe = self.cpu.run(i, h, ids, weights)
+            parts = self.cpu.run(i, h, ids, weights)
         elif start is None or h.shape[0] <= 8:
-            moe = self.gpu_experts(i, h, ids, weights)
+            parts = self.gpu_experts(i, h, ids, weights)
         else:
             with stage("experts (staged)"):
-                moe = self.staging.moe(i, h, ids, weights)
+                parts = self.staging.moe(i, h, ids, weights)[:, None]
         with stage("shared expert"):
             shared = self._shared(w, h)
-        x = x + (moe if shared is None else moe + shared)
-        return x, ids
+        if shared is not None:
+            parts = torch.cat([parts, shared[:, None].to(parts.dtype)], dim=1)
+        return x, parts, ids
 
     def gpu_experts(
         self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
-        skipped): hits from their VRAM slots, misses by the configured path."""
+        skipped): hits from their VRAM slots, misses by the configured path. Each slot's
+        weighted output, [T, k, H] float32 (the next `_add_norm` sums them)."""
         stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
         if ids.numel() <= self._fetch_buf.shape[0]:
@@ -308,8 +352,8 @@ class OffloadForward:
                 ids, table = fetch_experts(ids, table, span, buf, self.layout.nbytes, cfg)
             name = "experts (VRAM)"
         with stage(name):
-            return fused_moe(h.contiguous(), ids, weights, table, self.spec.expert_ffn,
-                             self.config.kernels.moe, self._aligned)  # fmt: skip
+            return fused_moe_parts(h.contiguous(), ids, weights, table, self.spec.expert_ffn,
+                                   self.config.kernels.moe, self._aligned)  # fmt: skip
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)
@@ -334,12 +378,17 @@ class OffloadForward:
         staged = start is not None and x.shape[0] > 8
         if staged:
             self.staging.begin(self.layer_ids.start)
+        if start is None:  # decode: the cache's length once for every layer's attention
+            self._lens = pos[-1:] + 1
+        parts = None
         for i in self.layer_ids:
             if staged and i + 1 < self.layer_ids.stop:
                 self.staging.prefetch(i + 1)
-            x, ids = self._layer(i, x, pos, cache, start)
+            x, parts, ids = self._layer(i, x, parts, pos, cache, start)
             all_ids.append(ids[-1])
         self.prefetch.finish()
+        assert parts is not None
+        x = (x.float() + parts.float().sum(1)).to(x.dtype)  # the last layer's experts
         return x, torch.stack(all_ids)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
-from stratad.engine.layers import route
 
 if TYPE_CHECKING:
     from stratad.engine.offload import OffloadForward
@@ -98,7 +97,7 @@ class ExpertPrefetch:
         e, spec = self.engine, self.engine.spec
         w = e.layers[layer]
         h = e.norm_fn(x, w.ffn_norm, spec.rms_eps)
-        _, ids = route(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
+        _, ids = e.route_fn(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
         return ids.to(torch.int32), e.table[layer].clone()
 
     def _copy(

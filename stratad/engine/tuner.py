@@ -52,7 +52,7 @@ class Shapes:
 def candidates(default: KernelConfigs) -> dict[str, list[Any]]:
     """The settings tried per kernel, the default first."""
     moe = [MoeConfig(block_n=n, block_b=b, num_warps=w)
-           for n in (16, 32, 64) for b in (4, 8) for w in (4, 8)]  # fmt: skip
+           for n in (8, 16, 32) for b in (8, 16, 32) for w in (2, 4, 8)]  # fmt: skip
     fetch = [FetchConfig(chunk=c << 10, block=b, num_warps=w)
              for c in (32, 64, 128) for b in (1024, 2048) for w in (4, 8)]  # fmt: skip
     attention = [replace(default.attention, split_s=s, max_splits=m, num_warps=w)

@@ -1,0 +1,158 @@
+"""Decode attention's input in one launch: from a token's fused q|k|v projection, per-head
+RMSNorm of q and k (Qwen3's qk-norm, optional), RoPE by position tables, the new key and
+value written into the KV cache at their position, and the rotated queries returned.
+
+Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
+a few microseconds of launch for a few kilobytes of work. One program per (token, head):
+q heads, then k heads, then v heads, as they lie in the projection's row. Each step rounds
+to the compute dtype where the unfused ops store (after the norm, after the rotation), so
+the two paths agree to a rounding.
+
+Three tiers: `_attn_input_kernel` (Triton), `attn_input` (launcher), `attn_input_ref`
+(the unfused torch composition).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.norm import rmsnorm_ref
+from kernels.rope import RopeStyle
+
+
+@triton.jit
+def _attn_input_kernel(
+    qkv_ptr,  # [T, (HQ + 2 HKV) * D]
+    pos_ptr,  # [T] int
+    qw_ptr,  # [D] q-norm weight (NORM)
+    kw_ptr,  # [D] k-norm weight (NORM)
+    cos_ptr,  # [P, HALF] float32, by position
+    sin_ptr,
+    q_ptr,  # [T, HQ, D] out
+    k_cache_ptr,  # [S, HKV, D]
+    v_cache_ptr,  # [S, HKV, D]
+    stride_t,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    NEOX: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    if NEOX:
+        first = i
+        second = i + HALF
+    else:
+        first = 2 * i
+        second = 2 * i + 1
+    src = qkv_ptr + t * stride_t + h * D
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    x1 = tl.load(src + first)
+    x2 = tl.load(src + second)
+    dtype = x1.dtype
+    if h >= HQ + HKV:  # a value head: into the cache as it is
+        dst = v_cache_ptr + (pos * HKV + (h - HQ - HKV)) * D
+        tl.store(dst + first, x1)
+        tl.store(dst + second, x2)
+    else:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if NORM:
+            if h < HQ:
+                w1 = tl.load(qw_ptr + first).to(tl.float32)
+                w2 = tl.load(qw_ptr + second).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + first).to(tl.float32)
+                w2 = tl.load(kw_ptr + second).to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / D + eps)
+            a = (a * rstd * w1).to(dtype).to(tl.float32)  # stored by the unfused norm
+            b = (b * rstd * w2).to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + pos * HALF + i)
+        sin = tl.load(sin_ptr + pos * HALF + i)
+        y1 = (a * cos - b * sin).to(dtype)
+        y2 = (b * cos + a * sin).to(dtype)
+        if h < HQ:
+            tl.store(q_ptr + (t * HQ + h) * D + first, y1)
+            tl.store(q_ptr + (t * HQ + h) * D + second, y2)
+        else:
+            dst = k_cache_ptr + (pos * HKV + (h - HQ)) * D
+            tl.store(dst + first, y1)
+            tl.store(dst + second, y2)
+
+
+def attn_input(
+    qkv: torch.Tensor,
+    pos: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    style: RopeStyle,
+    eps: float,
+) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] at positions pos [T] -> rotated q [T, Hq, D]; the rotated k
+    and the v go into k_cache/v_cache [S, Hkv, D] at pos. `norms`: per-head (q, k) RMSNorm
+    weights [D], or None. cos/sin: float32 [P, D/2] tables by position (full rotation)."""
+    s, hkv, d = k_cache.shape
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous [S, Hkv, D] of one shape")
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or (qkv.shape[1] - 2 * hkv * d) % d:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (Hq + 2 Hkv) * {d}]")
+    hq = (qkv.shape[1] - 2 * hkv * d) // d
+    if cos.shape != sin.shape or cos.shape[1] * 2 != d or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32 [P, {d // 2}], got {tuple(cos.shape)}")
+    if d & (d - 1) or hq < 1:
+        raise ValueError(f"head dim {d} must be a power of two, with at least one q head")
+    if pos.shape != (qkv.shape[0],) or pos.is_floating_point():
+        raise ValueError(f"pos must be integers [{qkv.shape[0]}]")
+    if qkv.dtype != k_cache.dtype or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("qkv and the cache must share a dtype; the tables must be contiguous")
+    q = torch.empty((qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
+    if qkv.shape[0]:
+        qw, kw = norms if norms is not None else (cos, cos)  # unread without NORM
+        _attn_input_kernel[(qkv.shape[0], hq + 2 * hkv)](
+            qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache, qkv.stride(0), eps,
+            HQ=hq, HKV=hkv, D=d, HALF=d // 2, NEOX=RopeStyle(style) == RopeStyle.NEOX,
+            NORM=norms is not None, num_warps=1 if d <= 128 else 2,
+        )  # fmt: skip
+    return q
+
+
+def attn_input_ref(
+    qkv: torch.Tensor,
+    pos: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    style: RopeStyle,
+    eps: float,
+) -> torch.Tensor:
+    """The unfused composition, in torch."""
+    _, hkv, d = k_cache.shape
+    t = qkv.shape[0]
+    q, k, v = qkv.split([qkv.shape[1] - 2 * hkv * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(t, -1, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+    if norms is not None:
+        q, k = rmsnorm_ref(q, norms[0], eps), rmsnorm_ref(k, norms[1], eps)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        xf = x.float()
+        if RopeStyle(style) == RopeStyle.NEOX:
+            a, b = xf[..., : d // 2], xf[..., d // 2 :]
+            return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
+
+    k_cache.index_copy_(0, pos, rotate(k))
+    v_cache.index_copy_(0, pos, v)
+    return rotate(q)
