@@ -151,6 +151,15 @@ def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[
     return {"prefill_8k_ms": prefill, "decode_ms_per_step": decode}
 
 
+def context_needed(args: argparse.Namespace) -> int:
+    """The KV cache every run asks for: the longest prompt (the profile's prefill chunk is
+    4,096), plus room for the decode steps that follow one (timing takes 32)."""
+    longest = [*args.prefill_lens, args.prompt_len + args.decode_tokens]
+    if args.profile:
+        longest.append(4096)
+    return max(longest) + 64
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(0)
     model = load_model(Path(args.model))
@@ -161,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         configs = replace(configs, prefetch=replace(configs.prefetch, programs=programs))
     cfg = OffloadConfig(
         expert_vram_bytes=int(args.expert_vram_gib * 2**30),
-        max_context=max(args.prefill_lens + [args.prompt_len + args.decode_tokens]) + 16,
+        max_context=context_needed(args),
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
         pcie_frac=args.pcie_frac,

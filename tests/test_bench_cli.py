@@ -18,3 +18,11 @@ def test_every_argument_e2e_reads_is_parsed() -> None:
         ["--model", "m.gguf", "--no-prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
     )
     assert args.no_prefetch and args.kernel_table == Path("t.json") and args.gpu_miss == "in_place"
+
+
+def test_the_cache_fits_every_prompt_the_run_makes() -> None:
+    """--profile prefills a 4,096-token chunk even when the prefill lengths are shorter."""
+    short = ["--model", "m.gguf", "--prefill-lens", "1024"]
+    assert bench.e2e.context_needed(bench.e2e.parser().parse_args(short)) >= 1024 + 256
+    profiled = bench.e2e.parser().parse_args([*short, "--profile"])
+    assert bench.e2e.context_needed(profiled) >= 4096 + 8

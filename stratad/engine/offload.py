@@ -203,7 +203,8 @@ class OffloadForward:
         # every blob (host rows, VRAM slots, staging rows) starts on 16 bytes: the kernels
         # may load 16 bytes at a time
         self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in strides)
-        rows = k if self._aligned and self.config.gpu_miss == "copy" else 0
+        every = self.n_slots == self.spec.n_layers * self.spec.n_experts  # nothing to miss
+        rows = k if self._aligned and self.config.gpu_miss == "copy" and not every else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
 
     def _init_rope(self) -> None:
