@@ -8,8 +8,7 @@ import torch
 
 from kernels.attn_input import attn_input, attn_input_ref
 from kernels.rope import RopeStyle
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernel_cases import DEVICE
 
 
 def _case(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, seed: int = 0):  # type: ignore[no-untyped-def]

@@ -1,6 +1,6 @@
-"""The small Triton kernels (RMSNorm, RoPE, SiLU-gate, decode attention) against their torch
-references on ragged shapes; the references against textbook formulas where they are not
-one already.
+"""The small Triton kernels (RoPE, SiLU-gate, decode attention; RMSNorm has
+tests/test_kernels_norm.py) against their torch references on ragged shapes; the references
+against textbook formulas where they are not one already.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
 tests/conftest.py before triton is imported); triton itself is a hard dependency, so a
@@ -28,7 +28,6 @@ from kernels.attention import (
     decode_attention,
     decode_attention_ref,
 )
-from kernels.norm import NormConfig, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from kernels.rope import (
     RopeConfig,
     RopeStyle,
@@ -38,74 +37,7 @@ from kernels.rope import (
     rope_ref,
     rope_table,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-# Tolerances: float32 results differ from the reference by summation order and libm vs
-# libdevice (a few ulp); half-precision results by one rounding of the output.
-TOL = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
-    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
-}
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-
-
-# --- RMSNorm --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize(("rows", "dim"), [(1, 8), (3, 100), (5, 256)])
-@pytest.mark.parametrize("block_d", [4096, 32])  # one pass, or several steps across a row
-def test_rmsnorm(rows: int, dim: int, dtype: torch.dtype, block_d: int) -> None:
-    x = randn(rows, dim, dtype=dtype, seed=dim) * 3
-    w = randn(dim, dtype=dtype, seed=1)
-    out = rmsnorm(x, w, 1e-6, NormConfig(block_d=block_d))
-    assert out.dtype == dtype and out.shape == x.shape
-    torch.testing.assert_close(out, rmsnorm_ref(x, w, 1e-6), **TOL[dtype])
-
-
-def test_rmsnorm_reference_and_leading_dims() -> None:
-    x = randn(2, 3, 40, seed=2)
-    w = randn(40, seed=3)
-    textbook = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
-    torch.testing.assert_close(rmsnorm_ref(x, w, 1e-5), textbook)
-    torch.testing.assert_close(rmsnorm(x, w, 1e-5), textbook)
-    # eps matters on a zero row: no NaN, just zeros.
-    assert torch.equal(
-        rmsnorm(torch.zeros(1, 40, device=DEVICE), w, 1e-5), torch.zeros(1, 40, device=DEVICE)
-    )
-    with pytest.raises(ValueError, match="weight"):
-        rmsnorm(x, w[:39], 1e-5)
-
-
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize(("rows", "parts", "dim"), [(1, 8, 64), (3, 1, 100), (2, 3, 256)])
-def test_add_rmsnorm(rows: int, parts: int, dim: int, dtype: torch.dtype) -> None:
-    """The residual add of a block's parts (float32 slot outputs, or one part in the stream's
-    dtype) fused with the next norm, against the reference and against the unfused ops."""
-    x = randn(rows, dim, dtype=dtype, seed=dim)
-    w = randn(dim, dtype=dtype, seed=2)
-    p = randn(rows, parts, dim, seed=parts) if parts > 1 else randn(rows, 1, dim, dtype=dtype)
-    total, normed = add_rmsnorm(x, p, w, 1e-6)
-    want_total, want_normed = add_rmsnorm_ref(x, p, w, 1e-6)
-    assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
-    torch.testing.assert_close(total, want_total, **TOL[dtype])
-    torch.testing.assert_close(normed, want_normed, **TOL[dtype])
-    torch.testing.assert_close(normed, rmsnorm(total, w, 1e-6), **TOL[dtype])  # the sum it kept
-
-
-def test_add_rmsnorm_rejects_bad_shapes() -> None:
-    x, w = randn(2, 32), randn(32)
-    with pytest.raises(ValueError, match=r"\[T, P, D\]"):
-        add_rmsnorm(x, randn(2, 32), w, 1e-6)
-    with pytest.raises(ValueError, match="weight"):
-        add_rmsnorm(x, randn(2, 1, 32), w[:31], 1e-6)
-
+from tests.kernel_cases import DEVICE, FLOATS, TOL, randn
 
 # --- RoPE -----------------------------------------------------------------------------------
 
@@ -361,13 +293,6 @@ def test_decode_attention_config_checks() -> None:
 
 @pytest.mark.gpu
 def test_misc_kernels_real_shapes_gpu() -> None:
-    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6), **TOL[torch.bfloat16])
-    parts = torch.randn(8, 8, 4096, device="cuda")
-    for got, want in zip(add_rmsnorm(x, parts, w, 1e-6), add_rmsnorm_ref(x, parts, w, 1e-6),
-                         strict=True):  # fmt: skip
-        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
     gate, up = torch.randn(2, 8, 1408, device="cuda", dtype=torch.bfloat16).unbind(0)
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), **TOL[torch.bfloat16])
     q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
