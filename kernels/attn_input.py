@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.norm import rmsnorm_ref
-from kernels.rope import RopeStyle
+from kernels.rope import RopeStyle, rope_pairs, rope_rotate
 
 
 @triton.jit
@@ -45,12 +45,7 @@ def _attn_input_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
-    if NEOX:
-        first = i
-        second = i + HALF
-    else:
-        first = 2 * i
-        second = 2 * i + 1
+    first, second = rope_pairs(i, HALF, NEOX)
     src = qkv_ptr + t * stride_t + h * D
     pos = tl.load(pos_ptr + t).to(tl.int64)
     x1 = tl.load(src + first)
@@ -75,8 +70,8 @@ def _attn_input_kernel(
             b = (b * rstd * w2).to(dtype).to(tl.float32)
         cos = tl.load(cos_ptr + pos * HALF + i)
         sin = tl.load(sin_ptr + pos * HALF + i)
-        y1 = (a * cos - b * sin).to(dtype)
-        y2 = (b * cos + a * sin).to(dtype)
+        y1, y2 = rope_rotate(a, b, cos, sin)
+        y1, y2 = y1.to(dtype), y2.to(dtype)
         if h < HQ:
             tl.store(q_ptr + (t * HQ + h) * D + first, y1)
             tl.store(q_ptr + (t * HQ + h) * D + second, y2)

@@ -12,6 +12,7 @@ read as 32-bit words. The bytes per expert are those of the GGUF blocks; gate/up
 [F, H], down is [H, F]. Two launches per layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
+     (the offload engine sums the parts into the residual stream: `kernels.norm.add_rmsnorm`)
 The slots are summed in a fixed order: the result is deterministic.
 
 Three tiers as everywhere in kernels/: Triton bodies, launchers (`moe_gate_up`, `moe_down`)
@@ -231,22 +232,9 @@ def fused_moe(
     whose id is negative are skipped (they contribute zero: computed elsewhere). `aligned`:
     the caller vouches that every address in `table` is 16-byte aligned; where the shapes
     keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time."""
-    return fused_moe_parts(x, ids, weights, table, ffn, config, aligned).sum(1).to(x.dtype)
-
-
-def fused_moe_parts(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    table: torch.Tensor,
-    ffn: int,
-    config: MoeConfig = MoeConfig(),
-    aligned: bool = False,
-) -> torch.Tensor:
-    """`fused_moe` before its sum over the slots: [T, k, H] float32, each slot's weighted
-    output (`kernels.norm.add_rmsnorm` sums them into the residual stream)."""
     act = moe_gate_up(x, ids, table, ffn, config, aligned)
-    return moe_down(act, ids, weights, table, x.shape[1], config, aligned)
+    parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned)
+    return parts.sum(1).to(x.dtype)
 
 
 # --- reference ---------------------------------------------------------------------------

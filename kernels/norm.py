@@ -128,7 +128,7 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream x [T, D] plus the parts [T, P, D] summed in float32 (rounded once
     to x's dtype), and its RMSNorm with weight [D]: (sum, normed), in one launch. Decode adds
-    every layer's routed slots (`kernels.moe.fused_moe_parts`) this way into the stream and
+    every layer's routed slots (`kernels.moe.moe_down`'s parts) this way into the stream and
     norms it for the next block."""
     t, d = x.shape
     if parts.dim() != 3 or parts.shape[0] != t or parts.shape[2] != d or parts.stride(2) != 1:
@@ -148,8 +148,13 @@ def add_rmsnorm(
     return total, out
 
 
+def add_parts(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x [T, D] plus parts [T, P, D] summed in float32, rounded once to x's dtype (torch)."""
+    return (x.float() + parts.float().sum(1)).to(x.dtype)
+
+
 def add_rmsnorm_ref(
     x: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    total = (x.float() + parts.float().sum(1)).to(x.dtype)
+    total = add_parts(x, parts)
     return total, rmsnorm_ref(total, weight, eps)

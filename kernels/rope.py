@@ -43,6 +43,25 @@ def rope_inv_freq(
 
 
 @triton.jit
+def rope_pairs(i, HALF: tl.constexpr, NEOX: tl.constexpr):
+    """The features rotated together as pair i: (i, i + HALF) in NeoX's halves, (2i, 2i + 1)
+    interleaved."""
+    if NEOX:
+        first = i
+        second = i + HALF
+    else:
+        first = 2 * i
+        second = 2 * i + 1
+    return first, second
+
+
+@triton.jit
+def rope_rotate(a, b, cos, sin):
+    """Pair (a, b) rotated by the angle whose cos and sin are given (float32)."""
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,  # [T, H, D]
     pos_ptr,  # [T]
@@ -74,19 +93,13 @@ def _rope_kernel(
         angle = pos * inv_freq
         cos = tl.cos(angle)[None, :]
         sin = tl.sin(angle)[None, :]
-    if NEOX:
-        first = i
-        second = i + HALF
-    else:
-        first = 2 * i
-        second = 2 * i + 1
+    first, second = rope_pairs(i, HALF, NEOX)
     mask = (heads[:, None] < H) & (i[None, :] < HALF)  # [BH, BP]
     x_at = x_ptr + t * stride_xt + heads[:, None] * stride_xh
     out_at = out_ptr + t * stride_ot + heads[:, None] * stride_oh
     x1 = tl.load(x_at + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_at + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * cos - x2 * sin
-    y2 = x2 * cos + x1 * sin
+    y1, y2 = rope_rotate(x1, x2, cos, sin)
     tl.store(out_at + first[None, :], y1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_at + second[None, :], y2.to(out_ptr.dtype.element_ty), mask=mask)
 

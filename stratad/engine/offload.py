@@ -24,15 +24,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as fn
-from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import decode_attention
-from kernels.attn_input import attn_input
 from kernels.expert_fetch import fetch_experts
-from kernels.moe import fused_moe_parts, split_q4_0_ok
-from kernels.norm import add_rmsnorm, rmsnorm
+from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
+from kernels.norm import add_parts, add_rmsnorm, rmsnorm
 from kernels.quant import QType
-from kernels.rope import RopeStyle, rope_table
 from kernels.router import route_topk
 from kernels.tuning import KernelConfigs
 from stratad.engine.cpu_misses import CpuMisses
@@ -41,7 +37,8 @@ from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.experts import blob_layout
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route, swiglu
+from stratad.engine.layers import rms_norm, route, swiglu
+from stratad.engine.offload_attention import OffloadAttention
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slot_moves import SlotMoves
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -141,7 +138,7 @@ class OffloadForward:
             self.host.pin(**(pin or {}))
         self._init_slots(residents)
         self._init_fetch()
-        self._init_rope()
+        self.attention = OffloadAttention(self)
         self.route_counts = torch.zeros(
             (spec.n_layers, spec.n_experts), dtype=torch.int64, device=device
         )
@@ -153,7 +150,6 @@ class OffloadForward:
         self.graph = DecodeGraph(self)
         self.slot_moves = SlotMoves(self)
         self.hits = self.lookups = self.moves = 0
-        self._lens = torch.zeros(1, dtype=torch.int64, device=device)  # set by each decode pass
 
     # -- placement -----------------------------------------------------------------------
 
@@ -199,24 +195,13 @@ class OffloadForward:
         nbytes, k = self.layout.nbytes, self.spec.n_experts_used
         host = self.host.buffer
         self._host_span = (host.data_ptr(), host.data_ptr() + host.shape[0] * host.stride(0))
-        strides = (host.data_ptr(), *host.stride()[:-1])
         # every blob (host rows, VRAM slots, staging rows) starts on 16 bytes: the kernels
         # may load 16 bytes at a time
-        self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in strides)
+        offsets = (host.data_ptr(), *host.stride()[:-1])
+        self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in offsets)
         every = self.n_slots == self.spec.n_layers * self.spec.n_experts  # nothing to miss
         rows = k if self._aligned and self.config.gpu_miss == "copy" and not every else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
-
-    def _init_rope(self) -> None:
-        spec = self.spec
-        positions = torch.arange(self.config.max_context)
-        self.cos, self.sin = rope_tables(spec, positions, self.device)
-        # decode's attention input in one kernel (kernels.attn_input) where it applies
-        d = spec.head_dim
-        self._fused_input = (
-            self.device.type != "cpu" and spec.qk_norm in ("head", "none")
-            and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
-        )  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache.allocate(
@@ -224,58 +209,6 @@ class OffloadForward:
         )
 
     # -- one layer ------------------------------------------------------------------------
-
-    def _attention(
-        self,
-        w: DenseLayer,
-        i: int,
-        h: torch.Tensor,
-        pos: torch.Tensor,
-        cache: KVCache,
-        start: int | None,
-    ) -> torch.Tensor:
-        """h [T, H] at positions pos [T]; start is None in the captured decode step."""
-        spec, t = self.spec, h.shape[0]
-        qkv = fn.linear(h, w.qkv, w.qkv_bias)
-        if start is None and self._fused_input:  # norms, rotation, cache write: one kernel
-            style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
-            norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
-            q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i], style,  # type: ignore[arg-type]
-                           spec.rms_eps)  # fmt: skip
-            kv = cache.k[i][None], cache.v[i][None]
-            out = decode_attention(q, *kv, self._lens, config=self.config.kernels.attention)
-            return fn.linear(out.reshape(t, spec.q_dim), w.o)
-        q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
-        norm = self.norm_fn
-        if spec.qk_norm == "full":
-            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        q = q.reshape(t, spec.n_heads, spec.head_dim)
-        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
-        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
-        if spec.qk_norm == "head":
-            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        if self.device.type != "cpu":  # one kernel each, reading the tables by position
-            style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
-            q = rope_table(q, pos, self.cos, self.sin, style)
-            k = rope_table(k, pos, self.cos, self.sin, style)
-        else:
-            cos, sin = self.cos[pos], self.sin[pos]
-            q = apply_rope(q, cos, sin, spec.rope_interleaved)
-            k = apply_rope(k, cos, sin, spec.rope_interleaved)
-        cache.k[i].index_copy_(0, pos, k)
-        cache.v[i].index_copy_(0, pos, v)
-        if start is None:  # decode: split-K over the static cache, its length on the device
-            kv = cache.k[i][None], cache.v[i][None]
-            out = decode_attention(q, *kv, self._lens, config=self.config.kernels.attention)
-            return fn.linear(out.reshape(t, spec.q_dim), w.o)
-        rep = spec.n_heads // spec.n_kv_heads
-        keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
-        qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
-        kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
-        vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
-        bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
-        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-        return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
@@ -301,7 +234,7 @@ class OffloadForward:
             return x, self.norm_fn(x, weight, eps)
         if self.device.type != "cpu":
             return add_rmsnorm(x, parts, weight, eps)
-        x = (x.float() + parts.float().sum(1)).to(x.dtype)
+        x = add_parts(x, parts)
         return x, rms_norm(x, weight, eps)
 
     def _layer(
@@ -319,7 +252,7 @@ class OffloadForward:
         w, stage = self.layers[i], self.timer.stage
         with stage("attention"):
             x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self._attention(w, i, h, pos, cache, start)
+            attn = self.attention(w, i, h, pos, cache, start)
         with stage("router"):
             x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
             weights, ids = self._route(w, h)
@@ -353,8 +286,9 @@ class OffloadForward:
                 ids, table = fetch_experts(ids, table, span, buf, self.layout.nbytes, cfg)
             name = "experts (VRAM)"
         with stage(name):
-            return fused_moe_parts(h.contiguous(), ids, weights, table, self.spec.expert_ffn,
-                                   self.config.kernels.moe, self._aligned)  # fmt: skip
+            moe, aligned = self.config.kernels.moe, self._aligned
+            act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, moe, aligned)
+            return moe_down(act, ids, weights, table, self.spec.hidden, moe, aligned)
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)
@@ -379,8 +313,8 @@ class OffloadForward:
         staged = start is not None and x.shape[0] > 8
         if staged:
             self.staging.begin(self.layer_ids.start)
-        if start is None:  # decode: the cache's length once for every layer's attention
-            self._lens = pos[-1:] + 1
+        if start is None:
+            self.attention.begin_decode(pos)
         parts = None
         for i in self.layer_ids:
             if staged and i + 1 < self.layer_ids.stop:
@@ -389,7 +323,7 @@ class OffloadForward:
             all_ids.append(ids[-1])
         self.prefetch.finish()
         assert parts is not None
-        x = (x.float() + parts.float().sum(1)).to(x.dtype)  # the last layer's experts
+        x = add_parts(x, parts)  # the last layer's experts
         return x, torch.stack(all_ids)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

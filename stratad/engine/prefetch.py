@@ -50,9 +50,8 @@ class ExpertPrefetch:
     def __init__(self, engine: OffloadForward) -> None:
         self.engine = engine
         e = engine
-        every = e.spec.n_layers * e.spec.n_experts
-        wanted = e.config.prefetch and e._fetch_buf.shape[0] and e.n_slots < every
-        rows = e.spec.n_experts_used if wanted else 0  # nothing to guess when all are in VRAM
+        # the copy path's staging (none when every expert is in VRAM: nothing to guess)
+        rows = e.spec.n_experts_used if e.config.prefetch and e._fetch_buf.shape[0] else 0
         self.enabled = rows > 0
         self.buf = torch.zeros((2, rows, e.layout.nbytes), dtype=torch.uint8, device=e.device)
         on_gpu = self.enabled and e.device.type == "cuda"

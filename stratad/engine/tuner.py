@@ -66,7 +66,7 @@ def candidates(default: KernelConfigs) -> dict[str, list[Any]]:
             for k, v in found.items()}  # fmt: skip
 
 
-def _time_us(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _time_us(run: Callable[[], object], device: torch.device, budget_ms: int) -> float:
     """Microseconds per call. On the GPU the calls are captured in a CUDA/HIP graph and
     replayed, as the engine's decode step runs them: timed from Python, a launch's own
     overhead (tens of microseconds) would outweigh the kernel and rank settings at random."""
@@ -76,7 +76,7 @@ def _time_us(run: Callable[[], object], device: torch.device, repeats: int) -> f
         return (time.perf_counter() - t0) * 1e6
     import triton.testing
 
-    ms = triton.testing.do_bench_cudagraph(run, rep=max(repeats, 20), return_mode="median")
+    ms = triton.testing.do_bench_cudagraph(run, rep=budget_ms, return_mode="median")
     return float(ms) * 1e3
 
 
@@ -151,7 +151,7 @@ def tune(
     device: torch.device,
     kernels: Iterable[str] = TUNED,
     quick: bool = False,
-    repeats: int = 20,
+    budget_ms: int = 20,  # of replays per candidate on the GPU
     progress: Progress = print,
     margin: float = 0.03,
 ) -> tuple[KernelConfigs, dict[str, dict[str, object]]]:
@@ -171,7 +171,7 @@ def tune(
         for n, cfg in enumerate(tried, 1):
             try:
                 ok = match(run(cfg), want)
-                us = _time_us(partial(run, cfg), device, repeats) if ok else float("inf")
+                us = _time_us(partial(run, cfg), device, budget_ms) if ok else float("inf")
             except Exception as err:  # a setting this compiler refuses (resources, layout)
                 progress(f"{name} {n}/{len(tried)} {_fmt(cfg)}: refused ({err.__class__.__name__})")
                 continue

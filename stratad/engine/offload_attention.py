@@ -1,0 +1,102 @@
+"""The offload engine's attention block: the qkv projection, q/k norms, RoPE from position
+tables, the KV-cache write, and attention itself.
+
+Decode attends split-K over the static cache, its length read on the device (so one
+captured graph serves every position); where the model allows, the norms, the rotation and
+the cache write are one kernel (`kernels.attn_input`). A prefill chunk attends with torch's
+scaled_dot_product_attention over the cache up to its end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as fn
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.attention import decode_attention
+from kernels.attn_input import attn_input
+from kernels.rope import RopeStyle, rope_table
+from stratad.engine.dense import DenseLayer
+from stratad.engine.kv import KVCache
+from stratad.engine.layers import apply_rope, rope_tables
+
+if TYPE_CHECKING:
+    from stratad.engine.offload import OffloadForward
+
+
+class OffloadAttention:
+    def __init__(self, engine: OffloadForward) -> None:
+        self.engine = e = engine
+        spec = e.spec
+        self.cos, self.sin = rope_tables(spec, torch.arange(e.config.max_context), e.device)
+        self.style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
+        d = spec.head_dim
+        # decode's input in one kernel: per-head norms or none, full rotation, D a power of 2
+        self.fused_input = (
+            e.device.type != "cpu" and spec.qk_norm in ("head", "none")
+            and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
+        )  # fmt: skip
+        self.lens = torch.zeros(1, dtype=torch.int64, device=e.device)
+
+    def begin_decode(self, pos: torch.Tensor) -> None:
+        """A decode pass at positions pos: the cache's length, once for every layer."""
+        self.lens = pos[-1:] + 1
+
+    def __call__(
+        self,
+        w: DenseLayer,
+        i: int,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        cache: KVCache,
+        start: int | None,
+    ) -> torch.Tensor:
+        """Layer i's attention output [T, H] for h [T, H] at positions pos [T]; start is
+        None in the (captured) decode step, else the chunk's first position."""
+        e, spec, t = self.engine, self.engine.spec, h.shape[0]
+        qkv = fn.linear(h, w.qkv, w.qkv_bias)
+        if start is None and self.fused_input:
+            norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
+            q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
+                           self.style, spec.rms_eps)  # fmt: skip
+        else:
+            q = self._input(w, i, qkv, pos, cache)
+        if start is None:  # decode: split-K over the static cache
+            kv = cache.k[i][None], cache.v[i][None]
+            out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention)
+            return fn.linear(out.reshape(t, spec.q_dim), w.o)
+        rep = spec.n_heads // spec.n_kv_heads
+        keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
+        qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
+        kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
+        vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
+        bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
+        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+        return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
+
+    def _input(
+        self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """Rotated q [T, Hq, D]; k and v written into the cache at pos (op by op)."""
+        e, spec, t = self.engine, self.engine.spec, qkv.shape[0]
+        q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
+        norm = e.norm_fn
+        if spec.qk_norm == "full":
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        q = q.reshape(t, spec.n_heads, spec.head_dim)
+        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
+        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        if e.device.type != "cpu":  # one kernel each, reading the tables by position
+            q = rope_table(q, pos, self.cos, self.sin, self.style)
+            k = rope_table(k, pos, self.cos, self.sin, self.style)
+        else:
+            cos, sin = self.cos[pos], self.sin[pos]
+            q = apply_rope(q, cos, sin, spec.rope_interleaved)
+            k = apply_rope(k, cos, sin, spec.rope_interleaved)
+        cache.k[i].index_copy_(0, pos, k)
+        cache.v[i].index_copy_(0, pos, v)
+        return q
