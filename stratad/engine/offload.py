@@ -27,7 +27,7 @@ import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
 from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
-from kernels.norm import add_parts, add_rmsnorm, rmsnorm
+from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.quant import QType
 from kernels.router import route_topk
 from kernels.tuning import KernelConfigs
@@ -232,7 +232,7 @@ class OffloadForward:
         eps = self.spec.rms_eps
         if parts is None:
             return x, self.norm_fn(x, weight, eps)
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and x.shape[-1] <= MAX_FUSED_D:
             return add_rmsnorm(x, parts, weight, eps)
         x = add_parts(x, parts)
         return x, rms_norm(x, weight, eps)
