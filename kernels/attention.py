@@ -3,7 +3,7 @@
 q [B, Hq, D] attends to the first seq_lens[b] positions of k/v caches [B, S, Hkv, D]
 (any strides with a contiguous last dim, so a slot of a larger cache pool is a view).
 Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llama.cpp do.
-Scores, softmax and the weighted sum are float32 (online softmax over blocks of S).
+Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
 One program serves all query heads of one KV head, so each K/V row is read once per
 group rather than once per query head: decode attention is bound by reading the cache.
@@ -14,17 +14,20 @@ max_splits) for a cache of S positions. The pieces share the sequence's *current
 each holds cdiv(seq_len, P) positions rounded up to whole steps of block_s, so a short
 sequence in a long cache is still spread over the GPU and no program walks empty positions
 (a grid sized by S alone would launch hundreds of programs per head that do nothing).
-`_decode_attention_split_kernel` runs on (B, Hkv, P) and writes, per (sequence, query
-head, piece), the float32 running max m, sum of exp l and unnormalised weighted sum acc [D]
-of its positions (a piece past seq_len writes m = -inf, l = 0 and nothing else).
-`_decode_attention_reduce_kernel` runs on (B, Hq) and merges the pieces that hold
-positions: out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j with M = max_j m_j.
-When P is 1, that piece is the whole answer: the first kernel normalises it and writes the
-output itself (WHOLE), and there is no second launch. The grids and every host-side value
-depend on shapes and the config only, never on the values of seq_lens, so a launch can be
-captured in a CUDA graph and replayed as they grow.
 
-Three tiers: the Triton kernels above, `decode_attention()` (launcher), and the torch
+`_decode_attention_kernel` runs on (B, Hkv, P). Per step of block_s positions, the group's
+scores and the weighted sum are two tensor-core dots (the group padded to 16 rows), in
+float32 accumulation, with the softmax in base 2. Each program writes, per query head, the
+float32 running max m, sum l and unnormalised weighted sum acc [D] of its piece (a piece
+past seq_len writes m = -inf, l = 0 and nothing else), then counts itself done on a
+per-(sequence, KV head) counter. The program that counts last merges the pieces that hold
+positions, out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j with M = max_j m_j, and
+sets the counter back to zero: one launch per call, no second kernel. When P is 1 that
+piece is the whole answer and the program writes it directly. The grid and every
+host-side value depend on shapes and the config only, never on the values of seq_lens, so
+a launch can be captured in a CUDA graph and replayed as they grow.
+
+Three tiers: the Triton kernel above, `decode_attention()` (launcher), and the torch
 reference `decode_attention_ref()`.
 """
 
@@ -37,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+_LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
+_MERGE_J = 8  # pieces merged per step
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -48,59 +54,45 @@ class AttentionConfig:
 
 
 @triton.jit
-def _load_q(
-    q_ptr,
-    b,
-    kv_head,
-    stride_qb,
-    stride_qh,
-    scale,
-    mask,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The scaled float32 queries [BG, BD] of KV head `kv_head`'s group (zero where masked)."""
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    return tl.load(q_at, mask=mask, other=0.0).to(tl.float32) * scale
-
-
-@triton.jit
 def _attend(
-    q,  # [BG, BD] float32, scaled
+    q,  # [BG, BD] in the dot's dtype (rows past the group are zero)
     k_base,  # K/V of one sequence and KV head at position 0
     v_base,
     stride_ks,
     stride_vs,
     start,
     end,
+    scale,  # the softmax scale times log2(e): scores are in base-2 units
     D: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    """Online softmax of q over positions [start, end): (max m [BG], sum of exp l [BG],
-    unnormalised weighted sum acc [BG, BD]); m = -inf, l = 0, acc = 0 when empty."""
+    """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
+    unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
+    acc = 0 when empty. Both products are tensor-core dots with float32 accumulation
+    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16)."""
     d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         kv_mask = (s[:, None] < end) & (d[None, :] < D)
         rows = s[:, None].to(tl.int64)
         k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BG, BS]
+        v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BG, BS]
         scores = tl.where(s[None, :] < end, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp(scores - m_new[:, None])  # [BG, BS]
+        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(scores - m_new[:, None])  # [BG, BS]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return m_i, l_i, acc
 
@@ -112,7 +104,48 @@ def _piece(seq_len, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _decode_attention_split_kernel(
+def _merge(
+    m_ptr,
+    l_ptr,
+    ml_base,  # [BH] offsets of the group's heads in m and l
+    acc_base,  # [BH] pointers to the group's heads' partial sums
+    stride_aj,
+    n_live,
+    rows,  # [BH] heads of the group
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # >= the number of pieces
+    MERGE_J: tl.constexpr,
+):
+    """The group's output [BH, BD] from its live pieces' partials, rescaled to their common
+    max: sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j with M = max_j m_j. The loads
+    bypass L1 (.cg): other programs wrote these partials during this launch."""
+    d = tl.arange(0, BLOCK_D)
+    jn = tl.arange(0, BLOCK_N)
+    live = rows[:, None] & (jn[None, :] < n_live)  # every live piece has a position
+    m_all = tl.load(m_ptr + ml_base[:, None] + jn[None, :], mask=live, other=float("-inf"),
+                    cache_modifier=".cg")  # fmt: skip
+    l_all = tl.load(l_ptr + ml_base[:, None] + jn[None, :], mask=live, other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+    m_max = tl.where(rows, tl.max(m_all, axis=1), 0.0)  # [BH]
+    l_sum = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for j0 in range(0, n_live, MERGE_J):
+        j = j0 + tl.arange(0, MERGE_J)
+        here = rows[:, None] & (j[None, :] < n_live)  # [BH, MJ]
+        m_j = tl.load(m_ptr + ml_base[:, None] + j[None, :], mask=here, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        w = tl.exp2(m_j - m_max[:, None])  # [BH, MJ]; 0 where not live
+        at = acc_base[:, None, None] + j[None, :, None].to(tl.int64) * stride_aj
+        part = tl.load(at + d[None, None, :], mask=here[:, :, None] & (d[None, None, :] < D),
+                       other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(w[:, :, None] * part, axis=1)
+    return acc / tl.where(rows, l_sum, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_attention_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [B, S, Hkv, D]
     v_ptr,  # [B, S, Hkv, D]
@@ -120,7 +153,8 @@ def _decode_attention_split_kernel(
     m_ptr,  # [B, Hq, n_splits] float32
     l_ptr,  # [B, Hq, n_splits] float32, strides of m
     acc_ptr,  # [B, Hq, n_splits, D] float32
-    out_ptr,  # [B, Hq, D]: written directly when WHOLE
+    count_ptr,  # [B * Hkv] int32, zero between launches
+    out_ptr,  # [B, Hq, D]
     scale,
     S,
     stride_qb,
@@ -138,17 +172,22 @@ def _decode_attention_split_kernel(
     stride_aj,
     stride_ob,
     stride_oh,
+    H_KV,
     D: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # >= GROUP and >= 16 (a dot's rows)
+    BLOCK_H: tl.constexpr,  # next power of two of GROUP (the merge's rows)
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     N_SPLITS: tl.constexpr,
-    WHOLE: tl.constexpr,  # one piece holds the whole cache: normalise, write out, no reduce
+    BLOCK_N: tl.constexpr,  # next power of two of N_SPLITS
+    MERGE_J: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). A piece
-    past seq_len reads nothing and writes m = -inf, l = 0 (the reduce kernel does not read
-    it)."""
+    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
+    piece it writes the output; with more it writes its partials, and the last program of
+    (b, KV head) to finish, counted on count_ptr, merges them and sets the count back to 0.
+    A piece past seq_len reads nothing and writes m = -inf, l = 0 (the merge skips it)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,75 +197,41 @@ def _decode_attention_split_kernel(
     piece = _piece(seq_len, N_SPLITS, BLOCK_S)
     start = split * piece
     end = tl.minimum(start + piece, seq_len)
-    live = tl.where(start < seq_len, GROUP, 0)  # query heads with positions here
-    work_mask = (g[:, None] < live) & (d[None, :] < D)
-    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, scale, work_mask, GROUP, BLOCK_G, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
+    q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_at, mask=q_mask, other=0.0)
+    q = q.to(tl.float32) if DOT_F32 else q.to(k_ptr.dtype.element_ty)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     m_i, l_i, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, start, end, D, BLOCK_G, BLOCK_D, BLOCK_S
-    )
-    heads = kv_head * GROUP + g
-    if WHOLE:
+        q, k_base, v_base, stride_ks, stride_vs, start, end, scale, D, BLOCK_G, BLOCK_D,
+        BLOCK_S, DOT_F32,
+    )  # fmt: skip
+    if N_SPLITS == 1:
         out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=work_mask)
+        tl.store(out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         return
     ml_at = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + ml_at, m_i, mask=g < GROUP)
     tl.store(l_ptr + ml_at, l_i, mask=g < GROUP)
     acc_at = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + split * stride_aj + d[None, :]
-    tl.store(acc_at, acc, mask=work_mask)
-
-
-@triton.jit
-def _decode_attention_reduce_kernel(
-    len_ptr,  # [B]
-    m_ptr,  # [B, Hq, n_splits] float32
-    l_ptr,  # [B, Hq, n_splits] float32, strides of m
-    acc_ptr,  # [B, Hq, n_splits, D] float32
-    out_ptr,  # [B, Hq, D]
-    S,
-    stride_mb,
-    stride_mh,
-    stride_ab,
-    stride_ah,
-    stride_aj,
-    stride_ob,
-    stride_oh,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    N_SPLITS: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-):
-    """Second pass: program (b, query head) merges the pieces of sequence b that hold
-    positions, rescaled to their common max, BLOCK_J pieces at a time."""
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    seq_len = tl.minimum(tl.load(len_ptr + b), S)
-    n_live = tl.cdiv(seq_len, _piece(seq_len, N_SPLITS, BLOCK_S))
-    ml_base = b * stride_mb + head * stride_mh
-    acc_base = acc_ptr + b * stride_ab + head * stride_ah
-    m_run = float("-inf")
-    l_run = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j0 in range(0, n_live, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        live = j < n_live  # every live piece has a position: its m is finite
-        m_j = tl.load(m_ptr + ml_base + j, mask=live, other=float("-inf"))
-        l_j = tl.load(l_ptr + ml_base + j, mask=live, other=0.0)
-        acc_at = acc_base + j[:, None].to(tl.int64) * stride_aj + d[None, :]
-        acc_j = tl.load(acc_at, mask=live[:, None] & (d[None, :] < D), other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_j, axis=0))
-        alpha = tl.exp(m_run - m_new)  # rescales what was merged under the old max
-        beta = tl.exp(m_j - m_new)  # [BJ]; 0 for pieces past the length
-        l_run = l_run * alpha + tl.sum(l_j * beta, axis=0)
-        acc = acc * alpha + tl.sum(acc_j * beta[:, None], axis=0)
-        m_run = m_new
-    out = acc / l_run
-    out_at = out_ptr + b * stride_ob + head * stride_oh + d
-    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(acc_at, acc, mask=q_mask)
+    # every thread's stores, then one release-acquire count: the last program sees them all
+    tl.debug_barrier()
+    count_at = count_ptr + b * H_KV + kv_head
+    if tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu") == N_SPLITS - 1:
+        tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        h = tl.arange(0, BLOCK_H)
+        rows = h < GROUP
+        group_heads = kv_head * GROUP + h
+        out = _merge(
+            m_ptr, l_ptr, b * stride_mb + group_heads * stride_mh,
+            acc_ptr + b * stride_ab + group_heads * stride_ah, stride_aj,
+            tl.cdiv(seq_len, piece), rows, D, BLOCK_H, BLOCK_D, BLOCK_N, MERGE_J,
+        )  # fmt: skip
+        out_at = out_ptr + b * stride_ob + group_heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (d[None, :] < D))
 
 
 def _check_inputs(
@@ -280,41 +285,42 @@ def _launch(
     out: torch.Tensor,
     scale: float,
     cfg: AttentionConfig,
+    counts: torch.Tensor,
 ) -> None:
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
     group = Hq // Hkv
     n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
-    whole = n_splits == 1
     # Partials of every piece (none when one piece is the whole cache); those past a
     # sequence's length are never read.
-    n_part = 0 if whole else n_splits
+    n_part = 0 if n_splits == 1 else n_splits
     m = torch.empty(B, Hq, n_part, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, Hq, n_part, D, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(D)
-    _decode_attention_split_kernel[(B, Hkv, n_splits)](
-        q, k_cache, v_cache, seq_lens, m, l, acc, out, scale, S,
+    interpreted = q.device.type == "cpu"  # a dot's operands at least 16 wide on a GPU
+    block_s = cfg.block_s if interpreted else max(cfg.block_s, 16)
+    block_h = triton.next_power_of_2(group)
+    _decode_attention_kernel[(B, Hkv, n_splits)](
+        q, k_cache, v_cache, seq_lens, m, l, acc, counts, out, scale * _LOG2E, S,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1),
-        D=D, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_D=block_d, BLOCK_S=cfg.block_s, N_SPLITS=n_splits,
-        WHOLE=whole, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        out.stride(0), out.stride(1), Hkv,
+        D=D, GROUP=group, BLOCK_G=block_h if interpreted else max(block_h, 16), BLOCK_H=block_h,
+        BLOCK_D=triton.next_power_of_2(D) if interpreted else max(triton.next_power_of_2(D), 16),
+        BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
+        MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if whole:
-        return
-    _decode_attention_reduce_kernel[(B, Hq)](
-        seq_lens, m, l, acc, out, S,
-        m.stride(0), m.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1),
-        D=D, BLOCK_D=block_d, BLOCK_S=cfg.block_s, N_SPLITS=n_splits, BLOCK_J=16,
-        num_warps=2,  # reads n_splits * (D + 2) floats, 16 pieces at a time
-    )  # fmt: skip
+
+
+def attention_counts(batch: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed per-(sequence, KV head) counts `decode_attention(counts=)` takes; the
+    kernel leaves them zero, so one buffer serves every call in a stream, and a CUDA graph
+    that captures the calls replays them."""
+    return torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
 
 
 def decode_attention(
@@ -324,13 +330,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float | None = None,
     config: AttentionConfig | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
     seq_lens [B] (integers, each in 1..S) is how many cache positions each sequence has
     (the current token's K/V already written); it is read on the device only, so the call
     can be captured in a CUDA graph. `scale` defaults to 1 / sqrt(D). Caches longer than
-    `config.split_s` positions are split across programs (two kernels, see the module).
+    `config.split_s` positions are split across programs (see the module). `counts`
+    (`attention_counts`) is the kernel's zeroed scratch; without it each call allocates
+    one. Calls running at once on different streams need their own.
     """
     _check_inputs(q, k_cache, v_cache, seq_lens)
     cfg = config or AttentionConfig()
@@ -338,11 +347,19 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if counts is None:
+        counts = attention_counts(B, Hkv, q.device)
+    elif counts.dtype != torch.int32 or counts.numel() < B * Hkv or counts.device != q.device:
+        raise ValueError(
+            f"counts must be int32 on {q.device} with at least {B * Hkv} entries, got "
+            f"{counts.dtype} [{counts.numel()}] on {counts.device}"
+        )
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg)
+    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts)
     return out
 
 

@@ -25,6 +25,7 @@ from kernels.activation import (
 )
 from kernels.attention import (
     AttentionConfig,
+    attention_counts,
     decode_attention,
     decode_attention_ref,
 )
@@ -199,7 +200,7 @@ def test_decode_attention_on_strided_caches() -> None:
         # 5 pieces of 16, the last one 6 long: mid-piece, on a boundary, 1, S.
         (70, [37, 32, 1, 70, 16, 17]),
         (64, [64, 48, 1, 15]),  # S a whole number of pieces
-        # 38 pieces: the reduce kernel merges them 16 at a time (three blocks, the last partial)
+        # 38 pieces: the last program merges them 8 at a time (five blocks, the last partial)
         (300, [300, 256, 129, 2]),
     ],
 )
@@ -207,7 +208,7 @@ def test_decode_attention_on_strided_caches() -> None:
 def test_decode_attention_split(
     hq: int, hkv: int, s_max: int, lens: list[int], dtype: torch.dtype
 ) -> None:
-    """Split-K: pieces of split_s positions, merged by the reduce kernel, against the
+    """Split-K: pieces of split_s positions, merged by the last program, against the
     reference and against the single pass (split_s >= S); and with the piece count capped
     (max_splits), so that each piece holds a share of the current length."""
     q, k, v, _ = attention_inputs(len(lens), hq, hkv, 16, s_max, dtype, seed=len(lens))
@@ -242,40 +243,45 @@ def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("split_s", "max_splits", "grids"),
-    [
-        (16, 64, [("split", (3, 2, 5)), ("reduce", (3, 8))]),
-        (16, 2, [("split", (3, 2, 2)), ("reduce", (3, 8))]),  # capped
-        (128, 64, [("split", (3, 2, 1))]),
-    ],  # one piece: one launch, no reduce
+    ("split_s", "max_splits", "grid"),
+    [(16, 64, (3, 2, 5)), (16, 2, (3, 2, 2)), (128, 64, (3, 2, 1))],
     ids=["split", "capped", "single"],
 )
 def test_decode_attention_launch_reads_no_values(
-    split_s: int,
-    max_splits: int,
-    grids: list[tuple[str, tuple[int, ...]]],
-    monkeypatch: pytest.MonkeyPatch,
+    split_s: int, max_splits: int, grid: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The launch depends on shapes and the config only (so it can be captured in a CUDA
-    graph): on meta tensors, where reading any value raises, with the kernels recorded
-    rather than run, it launches grids of min(cdiv(S, split_s), max_splits) pieces."""
-    launched: list[tuple[str, tuple[int, ...]]] = []
+    graph): on meta tensors, where reading any value raises, with the kernel recorded
+    rather than run, it launches one grid of min(cdiv(S, split_s), max_splits) pieces."""
+    launched: list[tuple[int, ...]] = []
 
     class Recorder:
-        def __init__(self, label: str) -> None:
-            self.label = label
-
         def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            return lambda *args, **kwargs: launched.append((self.label, grid))
+            return lambda *args, **kwargs: launched.append(grid)
 
-    monkeypatch.setattr(attention, "_decode_attention_split_kernel", Recorder("split"))
-    monkeypatch.setattr(attention, "_decode_attention_reduce_kernel", Recorder("reduce"))
+    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder())
     q = torch.empty(3, 8, 16, device="meta")
     k = torch.empty(3, 70, 2, 16, device="meta")
     seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
     config = AttentionConfig(block_s=8, split_s=split_s, max_splits=max_splits)
     out = decode_attention(q, k, k, seq_lens, config=config)
-    assert out.shape == q.shape and launched == grids
+    assert out.shape == q.shape and launched == [grid]
+
+
+def test_decode_attention_counts_left_zero() -> None:
+    """The last program of each (sequence, KV head) merges and sets its count back to zero,
+    so one counts buffer serves call after call (and graph replay after replay)."""
+    q, k, v, lens = attention_inputs(3, 8, 2, 16, 70, torch.float32, seed=16)
+    counts = attention_counts(3, 2, DEVICE)
+    config = AttentionConfig(block_s=8, split_s=8)  # 9 pieces: merged 8 at a time
+    for _ in range(2):
+        out = decode_attention(q, k, v, lens, config=config, counts=counts)
+        torch.testing.assert_close(out, decode_attention_ref(q, k, v, lens), **TOL[torch.float32])
+        assert counts.tolist() == [0] * 6
+    with pytest.raises(ValueError, match="at least 6 entries"):
+        decode_attention(q, k, v, lens, counts=attention_counts(1, 2, DEVICE))
+    with pytest.raises(ValueError, match="int32"):
+        decode_attention(q, k, v, lens, counts=torch.zeros(6, dtype=torch.int64, device=DEVICE))
 
 
 def test_decode_attention_config_checks() -> None:

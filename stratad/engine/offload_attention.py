@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import decode_attention
+from kernels.attention import attention_counts, decode_attention
 from kernels.attn_input import attn_input
 from kernels.rope import RopeStyle, rope_table
 from stratad.engine.dense import DenseLayer
@@ -39,6 +39,7 @@ class OffloadAttention:
             and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=e.device)
+        self.counts = attention_counts(1, spec.n_kv_heads, e.device)  # the kernel's scratch
 
     def begin_decode(self, pos: torch.Tensor) -> None:
         """A decode pass at positions pos: the cache's length, once for every layer."""
@@ -65,7 +66,8 @@ class OffloadAttention:
             q = self._input(w, i, qkv, pos, cache)
         if start is None:  # decode: split-K over the static cache
             kv = cache.k[i][None], cache.v[i][None]
-            out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention)
+            out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention,
+                                   counts=self.counts)  # fmt: skip
             return fn.linear(out.reshape(t, spec.q_dim), w.o)
         rep = spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
