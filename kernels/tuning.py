@@ -22,6 +22,7 @@ from typing import Any
 from kernels.attention import AttentionConfig
 from kernels.dequant import DequantConfig
 from kernels.expert_fetch import FetchConfig
+from kernels.linear import LinearConfig
 from kernels.moe import MoeConfig
 
 
@@ -35,12 +36,13 @@ class KernelConfigs:
     dequant: DequantConfig = DequantConfig()
     # the speculative copy (engine.prefetch) beside the compute: few programs, see its docs
     prefetch: FetchConfig = FetchConfig(programs=4)
+    linear: LinearConfig = LinearConfig()  # decode's dense projections
 
 
 KERNELS = tuple(f.name for f in fields(KernelConfigs))
 # what `stratactl tune` measures; the prefetch copy's worth shows only beside the compute it
 # overlaps (bench.e2e --prefetch), so a table sets it by hand
-TUNED = ("moe", "fetch", "attention", "dequant")
+TUNED = ("moe", "fetch", "attention", "dequant", "linear")
 
 
 class TuningTableError(ValueError):

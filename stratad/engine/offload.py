@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
+from kernels.linear import MAX_TOKENS, decode_linear
 from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.quant import QType
@@ -120,6 +121,9 @@ class OffloadForward:
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
         # softmax, top-k and renormalisation in one kernel (torch: six launches per layer)
         self.route_fn = route_topk if device.type != "cpu" else route
+        # decode's projections read their weights near HBM's rate in a GEMV kernel (cuBLAS's
+        # M = 1 path reached about a third of it on an H200); prefill's chunks stay GEMMs
+        self.gemv = device.type != "cpu" and self.dtype in (torch.float16, torch.bfloat16)
         self.layers = dense_layers(model, device, self.dtype, self.layer_ids)
         first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
 
@@ -210,9 +214,17 @@ class OffloadForward:
 
     # -- one layer ------------------------------------------------------------------------
 
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens, else torch."""
+        if self.gemv and x.shape[0] <= MAX_TOKENS and weight.stride(1) == 1:
+            return decode_linear(x, weight, bias, self.config.kernels.linear)
+        return fn.linear(x, weight, bias)
+
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        logits = fn.linear(h, w.router)
+        logits = self.linear(h, w.router)
         weights, ids = self.route_fn(logits, spec.n_experts_used, spec.norm_topk_prob)
         return weights, ids.to(torch.int32)  # the kernels read int32 ids
 
@@ -221,7 +233,7 @@ class OffloadForward:
             return None
         s = swiglu(h, *w.shared)
         if w.shared_gate is not None:
-            s = s * torch.sigmoid(fn.linear(h, w.shared_gate))
+            s = s * torch.sigmoid(self.linear(h, w.shared_gate))
         return s
 
     def _add_norm(
@@ -328,7 +340,7 @@ class OffloadForward:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] of the last position."""
-        return fn.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
+        return self.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:

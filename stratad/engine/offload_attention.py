@@ -57,7 +57,7 @@ class OffloadAttention:
         """Layer i's attention output [T, H] for h [T, H] at positions pos [T]; start is
         None in the (captured) decode step, else the chunk's first position."""
         e, spec, t = self.engine, self.engine.spec, h.shape[0]
-        qkv = fn.linear(h, w.qkv, w.qkv_bias)
+        qkv = e.linear(h, w.qkv, w.qkv_bias)
         if start is None and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
@@ -68,7 +68,7 @@ class OffloadAttention:
             kv = cache.k[i][None], cache.v[i][None]
             out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention,
                                    counts=self.counts)  # fmt: skip
-            return fn.linear(out.reshape(t, spec.q_dim), w.o)
+            return e.linear(out.reshape(t, spec.q_dim), w.o)
         rep = spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
@@ -76,7 +76,7 @@ class OffloadAttention:
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
         bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
         out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-        return fn.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
+        return e.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
 
     def _input(
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
 
@@ -96,7 +95,7 @@ class ExpertPrefetch:
         e, spec = self.engine, self.engine.spec
         w = e.layers[layer]
         h = e.norm_fn(x, w.ffn_norm, spec.rms_eps)
-        _, ids = e.route_fn(fn.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
+        _, ids = e.route_fn(e.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
         return ids.to(torch.int32), e.table[layer].clone()
 
     def _copy(

@@ -2,10 +2,11 @@
 fastest that give the default's result (`stratactl tune` writes them as a tuning table).
 
 Each kernel runs at a model's decode shapes (one token, top-k experts, a 1K context in a 4K
-cache) and prefill's dequantization shape, timed in a CUDA graph as decode runs it. The
-default settings run first: their output is the reference every candidate must match (bit
-for bit where the kernel only moves or converts bytes; within rounding where the summation
-order changes), and a candidate replaces the default only if it is clearly faster.
+cache, the qkv projection) and prefill's dequantization shape, timed in a CUDA graph as
+decode runs it. The default settings run first: their output is the reference every
+candidate must match (bit for bit where the kernel only moves or converts bytes; within
+rounding where the summation order changes), and a candidate replaces the default only if
+it is clearly faster.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from kernels.attention import decode_attention
 from kernels.dequant import DequantConfig, dequant_q4_0_split
 from kernels.expert_fetch import FetchConfig, fetch_experts
+from kernels.linear import LinearConfig, decode_linear
 from kernels.moe import MoeConfig, fused_moe
 from kernels.tuning import TUNED, KernelConfigs
 from stratad.model.spec import ModelSpec
@@ -45,6 +47,10 @@ class Shapes:
                    spec.n_kv_heads, spec.head_dim)  # fmt: skip
 
     @property
+    def qkv_rows(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    @property
     def gate_bytes(self) -> int:
         return self.ffn * (self.hidden // 32) * 18
 
@@ -59,9 +65,10 @@ def candidates(default: KernelConfigs) -> dict[str, list[Any]]:
                  for s in (32, 64, 128) for m in (16, 32, 64) for w in (4, 8)]  # fmt: skip
     dequant = [DequantConfig(block_r=r, block_b=b, num_warps=w)
                for r in (8, 16, 32) for b in (4, 8) for w in (4, 8)]  # fmt: skip
-    found: dict[str, list[Any]] = {
-        "moe": moe, "fetch": fetch, "attention": attention, "dequant": dequant
-    }
+    linear = [LinearConfig(block_n=n, block_k=k, num_warps=w)
+              for n in (2, 4, 8, 16) for k in (128, 256, 512) for w in (2, 4, 8)]  # fmt: skip
+    found: dict[str, list[Any]] = {"moe": moe, "fetch": fetch, "attention": attention,
+                                   "dequant": dequant, "linear": linear}  # fmt: skip
     return {k: [getattr(default, k)] + [c for c in v if c != getattr(default, k)]
             for k, v in found.items()}  # fmt: skip
 
@@ -123,6 +130,7 @@ def _benches(
     q = torch.randn(1, s.n_heads, s.head_dim, generator=gen).to(device, dtype)
     kv = torch.randn(2, 1, s.cache, s.n_kv_heads, s.head_dim, generator=gen).to(device, dtype)
     lens = torch.tensor([s.context], device=device)
+    qkv = torch.randn(s.qkv_rows, s.hidden, generator=gen).to(device, dtype) / s.hidden**0.5
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool((a.float() - b.float()).norm() <= 1e-2 * b.float().norm())
@@ -143,6 +151,7 @@ def _benches(
             lambda cfg: dequant_q4_0_split(vram[:, :gb], s.ffn, s.hidden, dtype, config=cfg),
             torch.equal,
         ),
+        "linear": (lambda cfg: decode_linear(x, qkv, config=cfg), close),  # the qkv projection
     }
 
 

@@ -1,0 +1,118 @@
+"""Decode's dense projections: out [T, N] = x [T, K] @ W[N, K]^T (+ bias) for a few tokens.
+
+At decode a projection is a matrix-vector product bound by reading W once: each program
+owns block_n rows of W and walks K in steps of block_k, keeping per-lane float32 partial
+sums [T, block_n, block_k] and reducing them once at the end (a reduction per step would
+put a shuffle tree in the loop). Many programs of a few rows each keep enough loads in
+flight to read W near the memory's rate, which a GEMM library's M = 1 path may not.
+
+Three tiers: `_linear_kernel` (Triton), `decode_linear()` (launcher: checks, grid) and the
+torch reference `decode_linear_ref()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 8  # more rows than this are a GEMM's work (prefill): use torch
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int = 8  # rows of W per program
+    block_k: int = 256  # reduction step (a power of two)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N] or x_ptr when there is none
+    out_ptr,  # [T, N]
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_wn,
+    stride_ot,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks in the loop
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    x_rows = x_ptr + t[:, None] * stride_xt  # [BT, 1]
+    acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)  # [BT, BN]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    out_at = out_ptr + t[:, None] * stride_ot + n[None, :]
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=(t[:, None] < T) & (n[None, :] < N))
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias [N]) -> [T, N] in x's dtype, T <= MAX_TOKENS;
+    float32 accumulation. The weight's rows need a contiguous K."""
+    cfg = config or LinearConfig()
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected x [T, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    T, K = x.shape
+    N = weight.shape[0]
+    if T > MAX_TOKENS:
+        raise ValueError(f"{T} tokens: decode_linear takes at most {MAX_TOKENS} (use a GEMM)")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {N} output rows")
+    if cfg.block_k < 1 or cfg.block_k & (cfg.block_k - 1) or cfg.block_n < 1:
+        raise ValueError(f"block_k {cfg.block_k} is not a power of two (or block_n < 1)")
+    if not (x.device == weight.device and (bias is None or bias.device == x.device)):
+        raise ValueError("x, weight and bias must be on one device")
+    if weight.stride(1) != 1:
+        raise ValueError("the weight's rows need a contiguous K (a copy would cost more)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return out
+    block_n = triton.next_power_of_2(cfg.block_n)
+    _linear_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, x if bias is None else bias, out, T, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k, EVEN=N % block_n == 0 and K % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def decode_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
