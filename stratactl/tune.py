@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="name the table for this stack instead of detecting it")  # fmt: skip
     p.add_argument("--out", type=Path, default=tables.STATE_DIR,
                    help=f"directory to write the table to (default {tables.STATE_DIR})")
-    p.add_argument("--kernels", default="moe,fetch,attention,dequant",
+    p.add_argument("--kernels", default="moe,fetch,attention,dequant,linear",
                    help="comma-separated subset to tune (the others keep their defaults)")
     p.add_argument("--quick", action="store_true", help="two settings per kernel (a smoke run)")
     p.add_argument("--json", action="store_true", help="print the table written as JSON")
