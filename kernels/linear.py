@@ -97,6 +97,8 @@ def decode_linear(
         raise ValueError("the weight's rows need a contiguous K (a copy would cost more)")
     if x.stride(1) != 1:
         x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # read as [N] with stride 1
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return out

@@ -4,7 +4,7 @@ A table (`kernels.tables` names and selects it) is JSON:
 
     {"key": "sm90-cuda-13.0",
      "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
-                 "dequant": {...}, "prefetch": {...}},
+                 "dequant": {...}, "prefetch": {...}, "linear": {...}},
      "shapes": {...}, "measured_us": {...}}     # what it was tuned on, for the reader
 
 A kernel missing from "kernels" keeps its defaults; an unknown kernel or setting, or a value

@@ -34,12 +34,15 @@ def test_decode_linear(
 
 
 def test_decode_linear_reference_and_views() -> None:
-    """The reference is torch's linear; a weight that is a row slice of a larger matrix
-    and a strided x are read in place."""
+    """The reference is torch's linear; a weight that is a row slice of a larger matrix,
+    a strided x and a strided bias give torch's answer."""
     x = randn(2, 48, seed=1)
     w = randn(40, 48, seed=2)
     bias = randn(40, seed=3)
     torch.testing.assert_close(decode_linear_ref(x, w, bias), fn.linear(x, w, bias))
+    strided_bias = randn(80, seed=5)[::2]  # a bias with stride 2
+    out = decode_linear(x, w, strided_bias)
+    torch.testing.assert_close(out, fn.linear(x, w, strided_bias), **SUM_TOL[torch.float32])
     rows = w[8:24]  # strides of the parent
     wide = randn(2, 96, seed=4)[:, ::2]  # x with a non-unit stride
     out = decode_linear(wide, rows)
