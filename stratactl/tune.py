@@ -104,7 +104,8 @@ def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     p = get_preset(args.preset)
     if not p.is_moe:
         raise ValueError(f"preset {args.preset}: not a mixture-of-experts model")
-    return Shapes(p.hidden, p.ffn, p.n_experts_used, p.n_heads, p.n_kv_heads, p.head_dim)
+    return Shapes(p.hidden, p.ffn, p.n_experts_used, p.n_heads, p.n_kv_heads, p.head_dim,
+                  p.n_experts)  # fmt: skip
 
 
 def _device_name(torch, device) -> str:  # type: ignore[no-untyped-def]

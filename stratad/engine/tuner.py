@@ -2,7 +2,7 @@
 fastest that give the default's result (`stratactl tune` writes them as a tuning table).
 
 Each kernel runs at a model's decode shapes (one token, top-k experts, a 1K context in a 4K
-cache, the qkv projection over copies that outgrow L2) and prefill's dequantization shape,
+cache, a layer's projections over copies that outgrow L2) and prefill's dequantization shape,
 timed in a CUDA graph as decode runs it. The default settings run first: their output is
 the reference every candidate must match (bit for bit where the kernel only moves or
 converts bytes; within rounding where the summation order changes), and a candidate
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionConfig, decode_attention
+from kernels.attention import AttentionConfig, attention_counts, decode_attention
 from kernels.dequant import DequantConfig, dequant_q4_0_split
 from kernels.expert_fetch import FetchConfig, fetch_experts
 from kernels.linear import LinearConfig, decode_linear
@@ -38,13 +38,14 @@ class Shapes:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    n_experts: int = 128  # the router's rows
     context: int = 1024
     cache: int = 4096  # the daemon's default max_context
 
     @classmethod
     def of(cls, spec: ModelSpec) -> Shapes:
         return cls(spec.hidden, spec.expert_ffn, spec.n_experts_used, spec.n_heads,
-                   spec.n_kv_heads, spec.head_dim)  # fmt: skip
+                   spec.n_kv_heads, spec.head_dim, spec.n_experts)  # fmt: skip
 
     @property
     def qkv_rows(self) -> int:
@@ -95,18 +96,22 @@ def _pick(times: list[tuple[float, Any]], margin: float) -> tuple[float, Any]:
     return (us, cfg) if us < (1 - margin) * times[0][0] else times[0]
 
 
-def _cold_copies(
-    rows: int, cols: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator
-) -> list[torch.Tensor]:
-    """Copies of a [rows, cols] weight that together outgrow the GPU's L2 three times over:
-    decode reads each layer's projection once per step, from HBM, and a kernel timed on one
-    weight replayed from L2 ranks settings by a rate decode never sees."""
-    w = (torch.randn(rows, cols, generator=gen) / cols**0.5).to(device, dtype)
+def _cold_projections(
+    s: Shapes, device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> list[tuple[torch.Tensor, ...]]:
+    """A layer's decode projections (qkv, o, router), in copies that together outgrow the
+    GPU's L2 three times over: decode reads each layer's weights once per step, from HBM,
+    and a kernel timed on one weight replayed from L2 ranks settings by a rate decode never
+    sees."""
+    q_dim = s.n_heads * s.head_dim
+    shapes = ((s.qkv_rows, s.hidden), (s.hidden, q_dim), (s.n_experts, s.hidden))
+    layer = tuple((torch.randn(r, c, generator=gen) / c**0.5).to(device, dtype) for r, c in shapes)
     if device.type != "cuda":
-        return [w]
+        return [layer]
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    n = min(64, max(2, -(-3 * l2 // (w.numel() * w.element_size()))))
-    return [w] + [w.clone() for _ in range(n - 1)]
+    size = sum(w.numel() * w.element_size() for w in layer)
+    n = min(64, max(2, -(-3 * l2 // size)))
+    return [layer] + [tuple(w.clone() for w in layer) for _ in range(n - 1)]
 
 
 def _q4_0_blobs(n: int, s: Shapes, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -145,7 +150,9 @@ def _benches(
     q = torch.randn(1, s.n_heads, s.head_dim, generator=gen).to(device, dtype)
     kv = torch.randn(2, 1, s.cache, s.n_kv_heads, s.head_dim, generator=gen).to(device, dtype)
     lens = torch.tensor([s.context], device=device)
-    qkv = _cold_copies(s.qkv_rows, s.hidden, device, dtype, gen)
+    counts = attention_counts(1, s.n_kv_heads, device)
+    layers = _cold_projections(s, device, dtype, gen)
+    attn_out = torch.randn(1, s.n_heads * s.head_dim, generator=gen).to(device, dtype)
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool((a.float() - b.float()).norm() <= 1e-2 * b.float().norm())
@@ -155,18 +162,28 @@ def _benches(
         fetch_experts(ids, htable, span, staging, 3 * gb, cfg)
         return staging.clone()
 
+    def projections(cfg: LinearConfig) -> torch.Tensor:
+        """Every copy's qkv, o and router in turn; the last copy's outputs."""
+        for qkv, o, router in layers:
+            outs = (decode_linear(x, qkv, config=cfg), decode_linear(attn_out, o, config=cfg),
+                    decode_linear(x, router, config=cfg))  # fmt: skip
+        return torch.cat(outs, dim=1)
+
     def moe(cfg: MoeConfig, _blobs: object = vram) -> torch.Tensor:
         return fused_moe(x, ids, weights, vtable, s.ffn, cfg, aligned=gb % 16 == 0)
 
     return {
         "moe": (moe, close),
         "fetch": (fetch, torch.equal),
-        "attention": (lambda cfg: decode_attention(q, kv[0], kv[1], lens, config=cfg), close),
+        "attention": (
+            lambda cfg: decode_attention(q, kv[0], kv[1], lens, config=cfg, counts=counts),
+            close,
+        ),
         "dequant": (
             lambda cfg: dequant_q4_0_split(vram[:, :gb], s.ffn, s.hidden, dtype, config=cfg),
             torch.equal,
         ),
-        "linear": (lambda cfg: [decode_linear(x, w, config=cfg) for w in qkv][-1], close),
+        "linear": (projections, close),
     }
 
 
