@@ -1,4 +1,5 @@
-"""Speculative expert prefetch for decode (`engine.expert_prefetch`, off by default).
+"""Speculative expert prefetch for decode (`engine.expert_prefetch`: `auto`, the default, is on
+with the copy path while some experts live outside VRAM).
 
 A decode step's misses for layer i+1 are known only after layer i+1's router, so their
 fetch cannot overlap anything of that layer, and the link idles while every layer computes.
