@@ -25,7 +25,7 @@ MAX_TOKENS = 8  # more rows than this are a GEMM's work (prefill): use torch
 class LinearConfig:
     # 4 rows x 1024 per step: a3b's qkv, o and router with a cold L2 in 18.0 us per layer on
     # an H200 (8 x 256: 28.7 us; cuBLAS 23.1 us), and its 201 MB output head at cuBLAS's rate
-    block_n: int = 4  # rows of W per program
+    block_n: int = 4  # rows of W per program (rounded up to a power of two)
     block_k: int = 1024  # reduction step (a power of two)
     num_warps: int = 4
     num_stages: int = 3
