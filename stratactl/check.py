@@ -143,10 +143,17 @@ def check_pack(config: Config) -> Result | None:
                   f" {len(manifest.blobs)} expert blobs, {gib(size)}")
 
 
-def vram_free(config: Config, root: Path) -> int | None:
-    """Free VRAM of the configured GPU, from sysfs (AMD) or nvidia-smi; None if unknown."""
+def vram_free_all(config: Config, root: Path) -> list[int | None]:
+    """Free VRAM of each GPU the engine runs on (`engine.gpus` when they split the layers,
+    else the configured device): what the daemon reads before it allocates."""
+    if len(config.engine.gpus) >= 2:
+        return [vram_free(root, g) for g in config.engine.gpus]
     device = config.engine.device
-    index = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+    return [vram_free(root, int(device.split(":")[1]) if device.startswith("cuda:") else 0)]
+
+
+def vram_free(root: Path, index: int) -> int | None:
+    """Free VRAM of GPU `index`, from sysfs (AMD) or nvidia-smi; None if unknown."""
     cards = sorted((root / "sys/class/drm").glob("card*/device/mem_info_vram_total"))
     if cards and index < len(cards):
         try:
@@ -171,7 +178,7 @@ def check_plan(config: Config, info: ModelInfo, root: Path) -> tuple[Any, Result
     from stratad.control.store_view import dry_plan  # imports torch (store planning code)
 
     try:
-        dry = dry_plan(config, info.path, vram_free(config, root))
+        dry = dry_plan(config, info.path, vram_free_all(config, root))
     except Exception as e:
         return None, Result("plan", "fail", f"cannot compute the residency plan: {e}")
     p, c = dry.plan, dry.coverage

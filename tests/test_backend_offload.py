@@ -51,10 +51,15 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
     config = _config(tmp_path / "stratad.toml", "expert_cache = 12", 'gpu_miss = "in_place"')
     sock = tmp_path / "ctl.sock"
     args = [str(tiny), "--config", str(config), "--control-socket", str(sock)]
+    ctl = [sys.executable, "-m", "stratactl"]
+    checked_config = tmp_path / "check.toml"  # the same settings, with the model named
+    checked_config.write_text(f'[model]\npath = "{tiny}"\n' + config.read_text())
+    check = subprocess.run([*ctl, "check", "--json", "--config", str(checked_config)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **ENV})  # fmt: skip
     with running_daemon(args, tmp_path / "stratad.log", env=ENV) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         r = client.completions.create(model="m", prompt="Hello there", max_tokens=4, temperature=0)
-        ctl = [sys.executable, "-m", "stratactl"]
         cov = subprocess.run([*ctl, "coverage", "--json", "--socket", str(sock)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],
@@ -64,7 +69,11 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
     coverage = json.loads(cov.stdout)
     assert coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
     log = (tmp_path / "stratad.log").read_text()
-    assert json.loads(plan.stdout)["hash"] in log
+    daemon_hash = json.loads(plan.stdout)["hash"]
+    assert daemon_hash in log
+    # the pre-start check places the same experts (one placement function for both)
+    checked = next(c for c in json.loads(check.stdout)["checks"] if c["name"] == "plan")
+    assert checked["detail"].startswith(f"plan {daemon_hash}:"), checked
     assert "decode misses: the GPU takes 100% (read in place)" in log
 
 
@@ -83,7 +92,7 @@ def test_offload_refuses_when_ram_cannot_hold_every_expert(tiny: Path, tmp_path:
 def test_auto_backend_choice(tiny: Path, smollm_model) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from stratad.engine.backend import choose_backend, offload_supported
+    from stratad.engine.placement import choose_backend, offload_supported
 
     moe = load_model(tiny)
     assert offload_supported(moe) and not offload_supported(smollm_model)
@@ -91,3 +100,28 @@ def test_auto_backend_choice(tiny: Path, smollm_model) -> None:  # type: ignore[
     assert choose_backend("auto", smollm_model, torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="serves MoE models only"):
         choose_backend("offload", smollm_model, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_check_and_daemon_place_alike_with_auto_slots_and_a_split(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Two stages (layers 0-1 and 2-3, both on GPU 0) with auto slots: the plan hash that
+    `stratactl check` prints is the one the daemon runs."""
+    config = tmp_path / "stratad.toml"
+    config.write_text(
+        f'[model]\npath = "{tiny}"\n[engine]\nbackend = "offload"\ngpus = [0, 0]\n'
+        'layer_split = "2"\n[store]\nexpert_cache = "auto"\n'
+    )
+    ctl = [sys.executable, "-m", "stratactl"]
+    check = subprocess.run([*ctl, "check", "--json", "--config", str(config)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    sock = tmp_path / "ctl.sock"
+    args = ["--config", str(config), "--control-socket", str(sock)]
+    with running_daemon(args, tmp_path / "stratad.log", env={}):
+        plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    daemon_hash = json.loads(plan.stdout)["hash"]
+    checked = next(c for c in json.loads(check.stdout)["checks"] if c["name"] == "plan")
+    assert checked["detail"].startswith(f"plan {daemon_hash}:"), checked
+    assert "layers 0-1 on cuda:0, layers 2-3 on cuda:0" in (tmp_path / "stratad.log").read_text()

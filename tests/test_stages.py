@@ -60,23 +60,46 @@ def test_split_parsing_and_balance() -> None:
     assert balanced_split(48, [7e9, 9e9]) == balanced_split(48, [7e9, 9e9])
 
 
-def test_stage_residents_hottest_of_own_layers() -> None:
-    from stratad.engine.backend import stage_residents
+def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> None:
+    """A split where both stages get a non-zero share: each allocates slots for its own
+    layers (2 per layer here), never for the other stage's."""
+    n = tiny_moe.spec.n_layers
+    budget = 2 * n * blob_layout(tiny_moe).nbytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16)
+    cpu = torch.device("cpu")
+    staged = StagedForward(tiny_moe, [cpu, cpu], [0, 2, n], cfg)
+    for stage in staged.stages:
+        assert stage.n_slots == 2 * len(stage.layer_ids)
+        assert [len(stage.slot_of[i]) for i in range(n)] == [
+            2 if i in stage.layer_ids else 0 for i in range(n)
+        ]
+    assert staged.n_slots == 2 * n
 
-    counts = [
-        0,
-        5,
-        1,
-        9,  # layer 0
-        7,
-        0,
-        0,
-        2,  # layer 1
-        3,
-        3,
-        8,
-        0,
-    ]  # layer 2
+
+def test_place_gives_each_stage_the_hottest_of_its_own_layers() -> None:
+    from stratad.store.plan import PlanInputs, Stage, place
+
+    counts = (0, 5, 1, 9,  7, 0, 0, 2,  3, 3, 8, 0)  # layers 0, 1, 2 of 4 experts  # fmt: skip
+    inputs = PlanInputs(3, 4, (4096,) * 12, counts, vram_budget=5 * 4096, ram_budget=0)
     # stage 0: layer 0 with 2 slots; stage 1: layers 1-2 with 3 slots
-    assert stage_residents(counts, 4, [0, 1, 3], [2, 3]) == [[1, 3], [0], [0, 2]]
-    assert stage_residents([0] * 12, 4, [0, 1, 3], [2, 3]) == [[0, 1], [0, 1, 2], []]
+    split = place(inputs, [Stage(range(0, 1), 2), Stage(range(1, 3), 3)])
+    assert split.residents() == [[1, 3], [0], [0, 2]]
+    assert split.bounds == (0, 1, 3)
+    # one device ranks every layer together; the split is part of the hash
+    whole = place(inputs)
+    assert whole.residents() == split.residents() and whole.hash != split.hash
+    other = place(inputs, [Stage(range(0, 1), 1), Stage(range(1, 3), 4)])
+    assert other.residents() == [[3], [0], [0, 1, 2]]
+    # no profile: ties by expert, then layer, within each stage
+    flat = replace_counts(inputs, (0,) * 12)
+    assert place(flat, [Stage(range(0, 1), 2), Stage(range(1, 3), 3)]).residents() == [
+        [0, 1], [0, 1], [0],
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="do not cover 3 layers"):
+        place(inputs, [Stage(range(0, 1), 2), Stage(range(2, 3), 3)])
+
+
+def replace_counts(inputs, counts):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    return replace(inputs, counts=counts)

@@ -17,7 +17,7 @@ from stratad.config import Config, StoreConfig, apply_env
 from stratad.env import Env
 from stratad.store.admission import EXIT_SHORT_RAM, AdmissionRefused
 from stratad.store.bandwidth import Bandwidths
-from stratad.store.plan import GiB, make_plan
+from stratad.store.plan import GiB, place
 from stratad.store.profile import profile_from_counts
 from stratad.store.startup import daemon_reserves, open_store, plan_inputs
 from stratad.store.store import ExpertStore
@@ -82,7 +82,7 @@ def messages(caplog: pytest.LogCaptureFixture, level: int | None = None) -> list
 
 def full_plan_hash() -> str:
     src = source()
-    return make_plan(plan_inputs(src, PROFILE, 0, GiB)).hash
+    return place(plan_inputs(src, PROFILE, 0, GiB)).hash
 
 
 def test_full_coverage_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -167,7 +167,7 @@ def test_short_ram_degrades_to_a_smaller_deterministic_plan(
     plan = store.plan
     # MemAvailable 1.5 - headroom 1 = 0.5 GiB granted: 18 blobs of 27 MiB, hottest first.
     src = source()
-    assert plan == make_plan(plan_inputs(src, PROFILE, 0, GiB // 2))
+    assert plan == place(plan_inputs(src, PROFILE, 0, GiB // 2))
     assert (len(plan.ram), plan.ram_budget) == (18, GiB // 2)
     assert store.degraded and store.bandwidths == BANDWIDTHS and store.counts == PROFILE.flat
     h, h_full = plan.hash, full_plan_hash()

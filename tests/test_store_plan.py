@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stratad.model.spec import ExpertUnit
 from stratad.store.cache import ExpertCache
-from stratad.store.plan import GiB, PlanInputs, make_plan, ram_budget
+from stratad.store.plan import GiB, PlanInputs, place, ram_budget
 from stratad.store.profile import (
     ProfileError,
     load_profile,
@@ -47,15 +47,15 @@ def plan_inputs(draw: st.DrawFn) -> PlanInputs:
 @settings(max_examples=150, deadline=None, database=None)
 @given(plan_inputs())
 def test_same_inputs_same_plan(inputs: PlanInputs) -> None:
-    a = make_plan(inputs)
-    b = make_plan(PlanInputs(**{**inputs.__dict__}))
+    a = place(inputs)
+    b = place(PlanInputs(**{**inputs.__dict__}))
     assert a == b and a.hash == b.hash and len(a.hash) == 12
 
 
 @settings(max_examples=150, deadline=None, database=None)
 @given(plan_inputs())
 def test_budgets_hold_and_tiers_partition(inputs: PlanInputs) -> None:
-    plan = make_plan(inputs)
+    plan = place(inputs)
     size = {
         ExpertUnit(i // inputs.n_experts, i % inputs.n_experts): s
         for i, s in enumerate(inputs.blob_bytes)
@@ -70,12 +70,12 @@ def test_budgets_hold_and_tiers_partition(inputs: PlanInputs) -> None:
 @settings(max_examples=150, deadline=None, database=None)
 @given(plan_inputs(), st.data())
 def test_monotone_in_both_budgets(inputs: PlanInputs, data: st.DataObject) -> None:
-    plan = make_plan(inputs)
-    more_ram = make_plan(
+    plan = place(inputs)
+    more_ram = place(
         replace(inputs, ram_budget=inputs.ram_budget + data.draw(st.integers(0, 8 * PAGE)))
     )
     assert set(plan.ram) <= set(more_ram.ram) and plan.vram == more_ram.vram
-    more_vram = make_plan(
+    more_vram = place(
         replace(inputs, vram_budget=inputs.vram_budget + data.draw(st.integers(0, 8 * PAGE)))
     )
     assert set(plan.vram) <= set(more_vram.vram)
@@ -85,7 +85,7 @@ def test_monotone_in_both_budgets(inputs: PlanInputs, data: st.DataObject) -> No
 @settings(max_examples=150, deadline=None, database=None)
 @given(plan_inputs())
 def test_hotter_experts_sit_in_faster_tiers(inputs: PlanInputs) -> None:
-    plan = make_plan(inputs)
+    plan = place(inputs)
     e = inputs.n_experts
     rank = {
         u: RANK[plan.tier(u)]
@@ -108,7 +108,7 @@ def test_plan_hash_is_stable_across_processes() -> None:
         vram_budget=2 * PAGE,
         ram_budget=4 * PAGE,
     )
-    plan = make_plan(inputs)
+    plan = place(inputs)
     assert plan.vram == (ExpertUnit(1, 2), ExpertUnit(0, 0))
     assert plan.ram == (ExpertUnit(0, 3), ExpertUnit(1, 0), ExpertUnit(1, 1), ExpertUnit(0, 1))
     assert plan.file_only == (ExpertUnit(0, 2), ExpertUnit(1, 3))

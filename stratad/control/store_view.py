@@ -221,77 +221,51 @@ class DryPlan:
 def dry_plan(
     config: Any,
     model_path: Path,
-    vram_free_bytes: int | None,
+    free_vram: Sequence[int | None],
     host_total: tuple[int, str] | None = None,
 ) -> DryPlan:
-    """The residency plan of `config` for this host, as the store would compute it at start.
+    """The residency plan of `config` for this host, as the daemon computes it at start.
 
-    Mirrors `stratad.store.startup.open_store` up to `make_plan` (budget terms, VRAM slots,
-    profile); the expert source is opened for its layouts only (a GGUF is mapped, not read).
-    Dense weights count as a host reserve at their file size when the engine runs on the CPU.
+    The same calls as the daemon's start (`stratad.engine.placement.start_plan`, then the
+    store's `plan_store`), up to admission: the engine that would run, its layer split and
+    VRAM slots from `free_vram` (each GPU's free bytes, None: no GPU seen), the budget terms
+    and the profile. The model is mapped, not read.
     """
+    import torch
+
+    from stratad.engine import placement
+    from stratad.model.loader import load_model
     from stratad.store.admission import mem_total
-    from stratad.store.plan import make_plan, ram_budget
-    from stratad.store.profile import load_profile, uniform_profile
-    from stratad.store.startup import daemon_reserves, plan_inputs
+    from stratad.store.startup import open_source, plan_store, slot_bytes
 
-    store = config.store
-    if store.pack:
-        from stratad.store.sources import PackExperts
-
-        source: Any = PackExperts(Path(store.pack))
-        dense_bytes = source.manifest.dense_nbytes
-    else:
-        from stratad.model.loader import load_model
-        from stratad.store.sources import ModelExperts
-
-        source = ModelExperts(load_model(model_path))
-        expert_bytes = sum(lay.nbytes for lay in source.layouts) * source.n_experts
-        dense_bytes = max(model_path.stat().st_size - expert_bytes, 0)
+    host_total = host_total or mem_total()
+    model = load_model(model_path)
+    on_gpu = config.engine.device != "cpu" and any(f is not None for f in free_vram)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    store = placement.store_config(config, model_path)
+    source = open_source(store, model)
     try:
-        n_layers, n_experts = source.n_layers, source.n_experts
-        profile = (
-            load_profile(Path(store.expert_profile), n_layers, n_experts)
-            if store.expert_profile
-            else uniform_profile(n_layers, n_experts)
+        start = placement.start_plan(config, model, device, free_vram, slot_bytes(source))
+        planned = plan_store(
+            store, source, stages=start.stages, reserves=start.reserves, host_total=host_total
         )
-        total, total_name = host_total or mem_total()
-        configured = (
-            None if store.resident_budget_gib == "auto" else float(store.resident_budget_gib)
-        )
-        on_gpu = config.engine.device != "cpu" and vram_free_bytes is not None
-        budget = ram_budget(
-            configured,
-            total,
-            [
-                ("resident_headroom_gib", int(store.resident_headroom_gib * GiB)),
-                ("reserve_runtime_gib", int(store.reserve_runtime_gib * GiB)),
-                *daemon_reserves(config, 0 if on_gpu else dense_bytes),
-            ],
-            total_name,
-        )
-        slot_bytes = max(lay.stride for lay in source.layouts)
-        if store.expert_cache != "auto":
-            slots = int(store.expert_cache)
-        elif on_gpu and vram_free_bytes is not None:
-            slots = max(int(vram_free_bytes - store.vram_reserve_gib * GiB), 0) // slot_bytes
-        else:
-            slots = 0
-        inputs = plan_inputs(source, profile, slots, budget.bytes)
-        plan = make_plan(inputs)
     finally:
         source.close()
+    plan, inputs, budget = planned.plan, planned.inputs, planned.budget
+    slots = "+".join(str(s.slots) for s in start.stages)
     return DryPlan(
         plan_reply(
             plan,
             inputs.blob_bytes,
             budget=budget,
             headroom_bytes=int(store.resident_headroom_gib * GiB),
-            mem_total=total,
+            mem_total=host_total[0],
             inputs={
                 "source": str(store.pack or model_path),
                 "profile": store.expert_profile or "(none: uniform)",
-                "vram_slots": str(slots),
+                "engine": start.backend,
+                "vram_slots": slots,
+                "layer_split": ",".join(map(str, plan.bounds)),
                 "ram_budget": budget.describe(),
             },
         ),

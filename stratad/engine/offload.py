@@ -158,14 +158,14 @@ class OffloadForward:
     # -- placement -----------------------------------------------------------------------
 
     def _init_slots(self, residents: list[list[int]] | None) -> None:
-        """One pool of VRAM slots; each layer owns the slots its initial residents fill (the
-        plan's choice, or an even share of the budget by expert index)."""
-        spec, nbytes = self.spec, self.layout.nbytes
+        """One pool of VRAM slots; each of this engine's layers owns the slots its initial
+        residents fill (the plan's choice, or an even share of the budget by expert index)."""
+        spec, nbytes, own = self.spec, self.layout.nbytes, self.layer_ids
         if residents is None:
-            per_layer = min(
-                spec.n_experts, self.config.expert_vram_bytes // nbytes // spec.n_layers
-            )
+            per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // len(own))
             residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
+        # a stage holds slots for its own layers only (the others' residents are elsewhere)
+        residents = [r if layer in own else [] for layer, r in enumerate(residents)]
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
                                  device=self.device)  # fmt: skip
@@ -190,7 +190,7 @@ class OffloadForward:
         log.info(
             "expert cache: %d of %d experts in VRAM (%.2f GiB)",
             self.n_slots,
-            spec.n_layers * spec.n_experts,
+            len(own) * spec.n_experts,
             self.n_slots * nbytes / 2**30,
         )
 
@@ -203,7 +203,7 @@ class OffloadForward:
         # may load 16 bytes at a time
         offsets = (host.data_ptr(), *host.stride()[:-1])
         self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in offsets)
-        every = self.n_slots == self.spec.n_layers * self.spec.n_experts  # nothing to miss
+        every = self.n_slots == len(self.layer_ids) * self.spec.n_experts  # nothing to miss
         rows = k if self._aligned and self.config.gpu_miss == "copy" and not every else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
 

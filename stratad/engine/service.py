@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import torch
 
 from stratad.config import Config
-from stratad.engine.backend import OffloadTiers, choose_backend, open_offload
+from stratad.engine import placement
+from stratad.engine.backend import OffloadTiers, free_vram, open_offload
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.offload import OffloadForward
@@ -22,18 +22,15 @@ from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
 from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
-from stratad.model.loader import is_pack, load_model
+from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
 from stratad.store.pinning import ProgressFn
-from stratad.store.startup import daemon_reserves, open_source, open_store
+from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -50,12 +47,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"engine.device={name!r} but no GPU is visible to torch")
     return device
-
-
-def _dense_host_bytes(model: Model, device: torch.device) -> int:
-    """Host RAM the dense (non-expert) weights take while serving: their float32 copies on
-    the CPU, nothing once they live on a GPU."""
-    return model.dense_values() * 4 if device.type == "cpu" else 0
 
 
 def _stages(ms: dict[str, float], unit: str = "ms") -> str:
@@ -83,40 +74,36 @@ class Engine:
     def __init__(self, config: Config, on_pin_progress: ProgressFn | None = None) -> None:
         path = Path(config.model.path) if config.model.path else default_model_path()
         device = pick_device(config.engine.device)
-        dtype = (
-            (torch.float32 if device.type == "cpu" else torch.bfloat16)
-            if config.engine.dtype == "auto"
-            else _DTYPES[config.engine.dtype]
-        )
         if config.engine.threads:
             torch.set_num_threads(config.engine.threads)
         t0 = time.monotonic()
         self.model = load_model(path)
         self.tokenizer = load_tokenizer(self.model)
-        max_context = min(config.model.max_context, self.model.spec.context_length)
         self.timer = StageTimer(enabled=config.engine.decode_timing)
         self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
-        self.backend = choose_backend(config.engine.backend, self.model, device)
         # MoE models read their experts through the store (planned tiers, paced pinning,
-        # coverage: stratad/store) or, on a GPU, run the offload engine from the same plan.
-        # Dense models need neither.
+        # coverage: stratad/store) or, on a GPU, run the offload engine from the same plan;
+        # both place them with the plan `stratactl check` computes. Dense models need neither.
+        store_config = placement.store_config(config, path)
+        source = open_source(store_config, self.model) if self.model.spec.is_moe else None
+        start = placement.start_plan(config, self.model, device, free_vram(config, device),
+                                     slot_bytes(source) if source else 0)  # fmt: skip
+        self.backend, dtype, max_context = start.backend, start.dtype, start.max_context
         self.store: ExpertStore | OffloadTiers | None = None
         self.forward: ReferenceForward | OffloadForward | StagedForward
         expert_store: ExpertStore | None = None
-        if self.backend == "offload":
+        if source is not None and self.backend == "offload":
             self.forward, self.store = open_offload(
-                config, self.model, device, dtype, max_context, self.timer, on_pin_progress
+                config, self.model, start, source, self.timer, on_pin_progress
             )
-        elif self.model.spec.is_moe:
-            store_config = config.store
-            if is_pack(path) and not store_config.pack:  # read (and verify) its experts.bin
-                store_config = msgspec.structs.replace(store_config, pack=str(path))
+        elif source is not None:
             self.store = expert_store = open_store(
                 store_config,
-                open_source(store_config, self.model),
+                source,
                 compute_device=device,
-                reserves=daemon_reserves(config, _dense_host_bytes(self.model, device)),
+                reserves=start.reserves,
                 on_pin_progress=on_pin_progress,
+                stages=start.stages,
             )
         if self.backend == "reference":
             self.forward = ReferenceForward(

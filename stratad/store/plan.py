@@ -7,8 +7,10 @@ prompt tokens/s with it). Here the RAM budget is a configured number, or MemTota
 reserves, and the plan is a function of (blob sizes, profile, budgets): same inputs, same plan,
 same hash.
 
-Placement: rank every expert hottest first (profile count, ties by expert then layer so that
-equal experts spread over the layers). VRAM takes the first `vram_budget // slot_bytes`. RAM
+Placement (`place`, the one function that decides it, for the daemon, a layer split and
+`stratactl check` alike): rank every expert hottest first (profile count, ties by expert then
+layer so that equal experts spread over the layers). Each device (`Stage`: the layers it runs
+and its VRAM slots) takes the first experts of the ranking that belong to its own layers. RAM
 then takes a prefix of the others, hottest first, and with what is left a prefix of the VRAM
 ones (a copy that survives their eviction from the adaptive cache). Prefixes, not best-fit,
 so that a larger budget only ever adds experts.
@@ -56,6 +58,18 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One device's share of a placement: the layers it runs and its VRAM slots."""
+
+    layers: range
+    slots: int
+
+    def __post_init__(self) -> None:
+        if self.slots < 0:
+            raise ValueError(f"{self.slots} VRAM slots for layers {self.layers}")
+
+
+@dataclass(frozen=True)
 class ResidencyPlan:
     n_layers: int
     n_experts: int
@@ -65,6 +79,7 @@ class ResidencyPlan:
     vram_budget: int
     ram_budget: int
     ram_bytes: int  # what the resident copies take (<= ram_budget)
+    stages: tuple[Stage, ...] = ()  # the per-device split (one stage: every layer)
     hash: str = field(default="", compare=False)
 
     @property
@@ -99,6 +114,18 @@ class ResidencyPlan:
             return "vram"
         return "ram" if unit in self.ram_set else "file"
 
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """The layer split as boundaries: (0, n_layers) on one device."""
+        return (0, *(s.layers.stop for s in self.stages))
+
+    def residents(self) -> list[list[int]]:
+        """Each layer's experts that start in VRAM, by expert index (the engine's slots)."""
+        out: list[list[int]] = [[] for _ in range(self.n_layers)]
+        for unit in self.vram:
+            out[unit.layer].append(unit.expert)
+        return [sorted(r) for r in out]
+
     @cached_property
     def file_only(self) -> tuple[ExpertUnit, ...]:
         covered = self.covered
@@ -127,21 +154,60 @@ def _prefix(order: Sequence[int], sizes: Sequence[int], budget: int) -> list[int
 
 
 def plan_hash(plan: ResidencyPlan) -> str:
-    """12 hex digits over what the plan places (not over how it was asked for)."""
+    """12 hex digits over what the plan places (not over how it was asked for); a layer
+    split is part of it (one device hashes as it always did)."""
     h = hashlib.sha256(b"strata-plan-v1")
     h.update(f"{plan.n_layers},{plan.n_experts},{plan.slot_bytes};".encode())
+    if len(plan.stages) > 1:
+        h.update(("split:" + ",".join(map(str, plan.bounds)) + ";").encode())
     for name, units in (("vram", plan.vram), ("ram", plan.ram)):
         h.update(name.encode() + b":" + ",".join(f"{u.layer}.{u.expert}" for u in units).encode())
     return h.hexdigest()[:12]
 
 
-def make_plan(inputs: PlanInputs) -> ResidencyPlan:
-    e, sizes = inputs.n_experts, inputs.blob_bytes
-    order = rank(inputs)
+def slot_count(
+    expert_cache: int | str, free_bytes: int | None, reserve_bytes: int, slot_bytes: int
+) -> int:
+    """VRAM slots of one device: `store.expert_cache` when it is a number; auto: what the
+    free VRAM reading holds after `reserve_bytes` (none without a reading)."""
+    if expert_cache != "auto":
+        return int(expert_cache)
+    if free_bytes is None or slot_bytes <= 0:
+        return 0
+    return max(free_bytes - reserve_bytes, 0) // slot_bytes
+
+
+def one_stage(inputs: PlanInputs) -> Stage:
+    """All layers on one device, with the slots `inputs.vram_budget` holds."""
     slot = inputs.slot_bytes
-    n_slots = min(inputs.vram_budget // slot, len(order)) if slot else 0
-    vram = order[:n_slots]
-    ram = _prefix(order[n_slots:] + vram, sizes, inputs.ram_budget)
+    n = len(inputs.counts)
+    return Stage(range(inputs.n_layers), min(inputs.vram_budget // slot, n) if slot else 0)
+
+
+def place(inputs: PlanInputs, stages: Sequence[Stage] | None = None) -> ResidencyPlan:
+    """Tiers for every expert and the per-device split: the one placement function.
+
+    `stages` must cover the layers in order; each takes the hottest experts of its own
+    layers into its slots (None: one device, `one_stage(inputs)`)."""
+    e, sizes = inputs.n_experts, inputs.blob_bytes
+    split = tuple(stages) if stages is not None else (one_stage(inputs),)
+    if (
+        not split
+        or split[0].layers.start != 0
+        or split[-1].layers.stop != inputs.n_layers
+        or any(a.layers.stop != b.layers.start for a, b in zip(split, split[1:], strict=False))
+    ):
+        covered = [s.layers for s in split]
+        raise ValueError(f"stages {covered} do not cover {inputs.n_layers} layers")
+    order = rank(inputs)
+    vram: list[int] = []
+    for stage in split:
+        lo, hi = stage.layers.start * e, stage.layers.stop * e
+        vram += [i for i in order if lo <= i < hi][: stage.slots]
+    taken = set(vram)
+    position = {i: n for n, i in enumerate(order)}
+    vram.sort(key=position.__getitem__)  # hottest first across the devices
+    ram = _prefix([i for i in order if i not in taken] + vram, sizes, inputs.ram_budget)
 
     def units(idx: list[int]) -> tuple[ExpertUnit, ...]:
         return tuple(ExpertUnit(i // e, i % e) for i in idx)
@@ -149,12 +215,13 @@ def make_plan(inputs: PlanInputs) -> ResidencyPlan:
     plan = ResidencyPlan(
         n_layers=inputs.n_layers,
         n_experts=e,
-        slot_bytes=slot,
+        slot_bytes=inputs.slot_bytes,
         vram=units(vram),
         ram=units(ram),
         vram_budget=inputs.vram_budget,
         ram_budget=inputs.ram_budget,
         ram_bytes=sum(sizes[i] for i in ram),
+        stages=split,
     )
     return replace(plan, hash=plan_hash(plan))
 

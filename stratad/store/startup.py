@@ -21,7 +21,15 @@ from stratad.store.bandwidth import Bandwidths, measure_bandwidths
 from stratad.store.coverage import coverage, log_coverage, prompt_cost
 from stratad.store.lock import choose_locker
 from stratad.store.pinning import PinSettings, ProgressFn
-from stratad.store.plan import PlanInputs, RamBudget, ResidencyPlan, make_plan, ram_budget
+from stratad.store.plan import (
+    PlanInputs,
+    RamBudget,
+    ResidencyPlan,
+    Stage,
+    place,
+    ram_budget,
+    slot_count,
+)
 from stratad.store.profile import ExpertProfile, load_profile, uniform_profile
 from stratad.store.sizes import GiB, MiB
 from stratad.store.sources import ExpertSource, ModelExperts, PackExperts
@@ -51,12 +59,14 @@ def daemon_reserves(config: Config, dense_host_bytes: int) -> list[tuple[str, in
 
 
 def vram_slots(config: StoreConfig, device: torch.device, slot_bytes: int) -> int:
-    if config.expert_cache != "auto":
-        return int(config.expert_cache)
-    if device.type != "cuda" or not slot_bytes:
-        return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(int(free - config.vram_reserve_gib * GiB), 0) // slot_bytes
+    """The store's VRAM slots on `device` (its free VRAM read now, in auto mode)."""
+    free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    return slot_count(config.expert_cache, free, int(config.vram_reserve_gib * GiB), slot_bytes)
+
+
+def slot_bytes(source: ExpertSource) -> int:
+    """One VRAM slot of the store holds any of the source's blobs."""
+    return max(lay.stride for lay in source.layouts)
 
 
 def plan_inputs(
@@ -102,13 +112,14 @@ def plan_store(
     config: StoreConfig,
     source: ExpertSource,
     *,
-    slots: int,
+    stages: Sequence[Stage],
     profile: ExpertProfile | None = None,
     reserves: Sequence[tuple[str, int]] = (),
     host_total: tuple[int, str] | None = None,
 ) -> Planned:
-    """Budget and plan for `slots` VRAM slots: what `open_store` starts from, and what a dry
-    run (`stratactl check`) shows. Reads MemTotal (never MemAvailable) unless `host_total`."""
+    """Budget and plan for the devices' `stages` (layers and VRAM slots of each): what a
+    start runs from, and what a dry run (`stratactl check`) shows. Reads MemTotal (never
+    MemAvailable) unless `host_total`."""
     if profile is None and config.expert_profile:
         profile = load_profile(Path(config.expert_profile), source.n_layers, source.n_experts)
     profile = profile or uniform_profile(source.n_layers, source.n_experts)
@@ -124,8 +135,8 @@ def plan_store(
         ],
         total_name,
     )
-    inputs = plan_inputs(source, profile, slots, budget.bytes)
-    return Planned(inputs, budget, make_plan(inputs))
+    inputs = plan_inputs(source, profile, sum(s.slots for s in stages), budget.bytes)
+    return Planned(inputs, budget, place(inputs, stages))
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,7 @@ def plan_and_admit(
     config: StoreConfig,
     source: ExpertSource,
     *,
-    slots: int,
+    stages: Sequence[Stage],
     compute_device: torch.device,
     profile: ExpertProfile | None = None,
     reserves: Sequence[tuple[str, int]] = (),
@@ -155,7 +166,7 @@ def plan_and_admit(
     """Budget -> plan -> measured bandwidths -> admission -> the coverage line: the start of
     every engine that serves experts (the store's, and the offload engine's)."""
     planned = plan_store(
-        config, source, slots=slots, profile=profile, reserves=reserves, host_total=host_total
+        config, source, stages=stages, profile=profile, reserves=reserves, host_total=host_total
     )
     inputs, plan = planned.inputs, planned.plan
     log.info(planned.budget.describe())
@@ -180,7 +191,7 @@ def plan_and_admit(
     )
     admitted = admit(
         plan,
-        lambda b: make_plan(replace(inputs, ram_budget=b)),
+        lambda b: place(replace(inputs, ram_budget=b), stages),
         policy,
         read_available,
         cost=cost,
@@ -206,16 +217,20 @@ def open_store(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     on_pin_progress: ProgressFn | None = None,
+    stages: Sequence[Stage] | None = None,
 ) -> ExpertStore:
-    """Plan, admit and start the store. Raises `AdmissionRefused` (exit code 75) in strict
+    """Plan, admit and start the store (on `stages`, or one stage with the slots the
+    cache device holds now). Raises `AdmissionRefused` (exit code 75) in strict
     mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
     headroom and the runtime reserve (see `daemon_reserves`)."""
     cache_device = cache_device or compute_device
-    slot_bytes = max(lay.stride for lay in source.layouts)
+    if stages is None:
+        slots = vram_slots(config, cache_device, slot_bytes(source))
+        stages = (Stage(range(source.n_layers), slots),)
     started = plan_and_admit(
         config,
         source,
-        slots=vram_slots(config, cache_device, slot_bytes),
+        stages=stages,
         compute_device=compute_device,
         profile=profile,
         reserves=reserves,

@@ -1,0 +1,163 @@
+"""What a start places, computed once for the daemon and for `stratactl check`.
+
+The engine that will run (`choose_backend`), the layer split over the GPUs, each device's
+VRAM slots and the host reserves are functions of the configuration, the model and the free
+VRAM readings, and nothing else. The daemon and the dry run both call `start_plan` and hand
+its stages to the store's one placement function (`stratad.store.plan.place`), so the plan
+hash that `check` prints is the one the daemon runs, with auto slots and with a split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+
+from kernels.moe import split_q4_0_ok
+from kernels.quant import QType
+from stratad.config import Config, StoreConfig
+from stratad.engine.experts import blob_layout
+from stratad.engine.stages import balanced_split, parse_split
+from stratad.model.loader import is_pack
+from stratad.model.spec import Model, ModelError, ModelSpec
+from stratad.store.plan import Stage, slot_count
+from stratad.store.sizes import GiB
+from stratad.store.startup import daemon_reserves
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_backend(name: str, model: Model, device: torch.device) -> str:
+    """`auto` is the offload engine for a MoE model with Q4_0 experts on a GPU."""
+    if name != "auto":
+        if name == "offload" and not model.spec.is_moe:
+            raise ModelError(f"{model.source}: engine.backend=offload serves MoE models only")
+        if name == "offload" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ModelError(
+                "engine.backend=offload on the CPU runs its kernels in Triton's interpreter"
+                " (for tests): set TRITON_INTERPRET=1, or use a GPU"
+            )
+        return name
+    if device.type == "cuda" and offload_supported(model):
+        return "offload"
+    return "reference"
+
+
+def offload_supported(model: Model) -> bool:
+    """A MoE model whose experts are Q4_0 with rows the fused kernel reads as aligned words."""
+    spec = model.spec
+    if not spec.is_moe or blob_layout(model).qtype != QType.Q4_0:
+        return False
+    shapes = ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
+    return all(split_q4_0_ok(rows, cols) for rows, cols in shapes)
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """`engine.dtype`: auto is float32 on the CPU, bfloat16 on a GPU."""
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[setting]
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """Everything a start plans from, besides the expert source and the host's MemTotal."""
+
+    backend: str  # "offload" or "reference"
+    devices: tuple[torch.device, ...]  # one per stage
+    stages: tuple[Stage, ...]  # layers and VRAM slots of each device
+    reserves: tuple[tuple[str, int], ...]  # host RAM besides the resident set
+    dtype: torch.dtype
+    max_context: int
+
+
+def store_config(config: Config, path: Path) -> StoreConfig:
+    """`config.store`, with `pack` set when the model path is a pack (its experts.bin is
+    read and verified)."""
+    if is_pack(path) and not config.store.pack:
+        return msgspec.structs.replace(config.store, pack=str(path))
+    return config.store
+
+
+def start_plan(
+    config: Config,
+    model: Model,
+    device: torch.device,
+    free_vram: Sequence[int | None],
+    source_slot_bytes: int,
+) -> StartPlan:
+    """The start's plan inputs for `device`; `free_vram`: each GPU's free bytes before the
+    engine allocates (one per `engine.gpus`, or one for `device`; None: no reading);
+    `source_slot_bytes`: the largest blob stride of the expert source (the store's slot)."""
+    spec = model.spec
+    backend = choose_backend(config.engine.backend, model, device)
+    dtype = compute_dtype(config.engine.dtype, device)
+    max_context = min(config.model.max_context, spec.context_length)
+    store = config.store
+    gpus = config.engine.gpus if backend == "offload" and device.type == "cuda" else []
+    if len(gpus) >= 2:
+        devices = tuple(torch.device("cuda", g) for g in gpus)
+        frees = list(free_vram)
+        if len(frees) != len(devices):
+            raise ValueError(f"{len(frees)} VRAM readings for {len(devices)} GPUs")
+        bounds = split_bounds(config.engine.layer_split, spec.n_layers, frees)
+    else:
+        devices, bounds = (device,), [0, spec.n_layers]
+        frees = [free_vram[0] if free_vram else None]
+    if device.type != "cuda":
+        frees = [None] * len(devices)
+    reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
+    stages = []
+    if backend == "offload":
+        blob = blob_layout(model).nbytes
+        size = torch.finfo(dtype).bits // 8
+        for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
+            engine = offload_vram_bytes(spec, model.dense_values(), blob, size, max_context,
+                                        config.engine.prefetch, (hi - lo) / n)  # fmt: skip
+            # a configured count is the total, shared by the stages as their layers
+            slots = (
+                cache * hi // n - cache * lo // n
+                if cache != "auto"
+                else slot_count(cache, free, reserve + engine, blob)
+            )
+            stages.append(Stage(range(lo, hi), slots))
+        dense_host = 0
+    else:
+        stages.append(Stage(range(n), slot_count(cache, frees[0], reserve, source_slot_bytes)))
+        dense_host = model.dense_values() * 4 if device.type == "cpu" else 0
+    return StartPlan(
+        backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host)),
+        dtype, max_context,
+    )  # fmt: skip
+
+
+def split_bounds(setting: str, n_layers: int, free: Sequence[int | None]) -> list[int]:
+    """The layer split: the configured counts, or (auto) in proportion to free VRAM."""
+    if setting != "auto":
+        return parse_split(setting, n_layers, len(free))
+    return balanced_split(n_layers, [float(f or 0) for f in free])
+
+
+def offload_vram_bytes(
+    spec: ModelSpec,
+    dense_values: int,
+    blob_bytes: int,
+    dtype_bytes: int,
+    max_context: int,
+    prefetch: bool,
+    layer_share: float = 1.0,
+) -> int:
+    """What the offload engine allocates in VRAM besides its expert slots, for the share of
+    the layers one device runs: dense weights, the KV cache, the two prefill staging buffers
+    (two layers of blobs in flight, one dequantized for the grouped GEMMs) and the decode
+    fetch staging (top-k blobs, and two layers' guesses when prefetching)."""
+    dense = layer_share * dense_values * dtype_bytes
+    kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * dtype_bytes
+    fetched = (3 if prefetch else 1) * spec.n_experts_used * blob_bytes
+    dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * dtype_bytes
+    staging = 2 * spec.n_experts * blob_bytes + dequantized + fetched
+    return int(dense + kv + staging)
