@@ -39,6 +39,16 @@ class KernelConfigs:
     linear: LinearConfig = LinearConfig()  # decode's dense projections
 
 
+# Triton's interpreter (the CPU, in tests) runs each program as numpy operations, so fewer and
+# wider programs run faster: a tiny model's expert matrices in one or two programs and one
+# reduction step, and attention in two pieces (still merged) rather than one per 64 positions
+# of the cache, cut an interpreted decode step 5-20 fold. The kernels' own tests run the GPU
+# defaults against their references.
+INTERPRETED = KernelConfigs(
+    moe=MoeConfig(block_n=128, block_b=8),
+    attention=AttentionConfig(block_s=32, split_s=64, max_splits=2),
+)
+
 KERNELS = tuple(f.name for f in fields(KernelConfigs))
 # what `stratactl tune` measures; the prefetch copy's worth shows only beside the compute it
 # overlaps (bench.e2e --prefetch), so a table sets it by hand

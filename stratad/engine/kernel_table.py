@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kernels import tables
-from kernels.tuning import KernelConfigs, TuningTableError, load_configs
+from kernels.tuning import INTERPRETED, KernelConfigs, TuningTableError, load_configs
 
 log = logging.getLogger("stratad.engine")
 
@@ -59,9 +59,10 @@ def this_stack() -> tables.Stack | str:
 
 
 def kernel_configs(device_type: str) -> KernelConfigs:
-    """The settings for the GPU this process runs on (defaults on the CPU, without a line)."""
+    """The settings for the GPU this process runs on (on the CPU, the interpreter's, without
+    a line)."""
     if device_type == "cpu":
-        return KernelConfigs()
+        return INTERPRETED
     stack = this_stack()
     if isinstance(stack, str):
         log.warning("kernel tuning table: %s; %s", stack, tables.COST)
