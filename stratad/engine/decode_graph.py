@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stratad.engine.kv import KVCache
+from stratad.engine.passes import Decode
 
 if TYPE_CHECKING:
     from stratad.engine.offload import OffloadForward
@@ -43,9 +44,9 @@ class DecodeGraph:
         stream.wait_stream(torch.cuda.current_stream(e.device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
             for _ in range(2):
-                e._run(self._tok, self._pos, cache, None)
+                e._run(self._tok, self._pos, cache, Decode())
         torch.cuda.current_stream(e.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._logits, self._ids = e._run(self._tok, self._pos, cache, None)
+            self._logits, self._ids = e._run(self._tok, self._pos, cache, Decode())
         self._graph, self._cache = graph, cache

@@ -40,6 +40,7 @@ from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
+from stratad.engine.passes import Chunk, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slot_moves import SlotMoves
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -256,7 +257,7 @@ class OffloadForward:
         parts: torch.Tensor | None,
         pos: torch.Tensor,
         cache: KVCache,
-        start: int | None,
+        step: Pass,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i on the stream x [T, H] once the previous layer's `parts` are added to it:
         (the stream after attention, this layer's expert parts [T, P, H] still to add, ids).
@@ -264,16 +265,16 @@ class OffloadForward:
         w, stage = self.layers[i], self.timer.stage
         with stage("attention"):
             x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self.attention(w, i, h, pos, cache, start)
+            attn = self.attention(w, i, h, pos, cache, step)
         with stage("router"):
             x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
             weights, ids = self._route(w, h)
-        if h.shape[0] == 1:
+        if step.tokens == 1:
             with stage("expert prefetch"):
                 self.prefetch.after_route(i, x, ids)  # guess the next layer's experts now
-        if (start is None or h.shape[0] <= 8) and self.config.pcie_frac < 1.0:
+        if step.fused and self.config.pcie_frac < 1.0:
             parts = self.cpu.run(i, h, ids, weights)
-        elif start is None or h.shape[0] <= 8:
+        elif step.fused:
             parts = self.gpu_experts(i, h, ids, weights)
         else:
             with stage("experts (staged)"):
@@ -311,27 +312,26 @@ class OffloadForward:
     # -- the passes -----------------------------------------------------------------------
 
     def _run(
-        self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+        self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, step: Pass
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, ids = self.run_layers(self.embed[tokens], pos, cache, start)
+        x, ids = self.run_layers(self.embed[tokens], pos, cache, step)
         return self.head(x), ids  # [1, V], [L, k] of the last token
 
     def run_layers(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, start: int | None
+        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, step: Pass
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, k] of the
         last token). A prefill chunk streams each layer's experts while the previous computes."""
         all_ids = []
-        staged = start is not None and x.shape[0] > 8
-        if staged:
+        if step.staged:
             self.staging.begin(self.layer_ids.start)
-        if start is None:
+        if step.decode:
             self.attention.begin_decode(pos)
         parts = None
         for i in self.layer_ids:
-            if staged and i + 1 < self.layer_ids.stop:
+            if step.staged and i + 1 < self.layer_ids.stop:
                 self.staging.prefetch(i + 1)
-            x, parts, ids = self._layer(i, x, parts, pos, cache, start)
+            x, parts, ids = self._layer(i, x, parts, pos, cache, step)
             all_ids.append(ids[-1])
         self.prefetch.finish()
         assert parts is not None
@@ -354,7 +354,7 @@ class OffloadForward:
             start = cache.length
             ids = torch.tensor(part, device=self.device)
             pos = torch.arange(start, start + len(part), device=self.device)
-            logits, _ = self._run(ids, pos, cache, start)
+            logits, _ = self._run(ids, pos, cache, Chunk(start, len(part)))
             cache.length += len(part)
             cache.tokens.extend(part)
         assert logits is not None
@@ -371,7 +371,7 @@ class OffloadForward:
         else:
             tok = torch.tensor([token], device=self.device)
             pos = torch.tensor([cache.length], device=self.device)
-            logits, ids = self._run(tok, pos, cache, None)
+            logits, ids = self._run(tok, pos, cache, Decode())
         cache.length += 1
         cache.tokens.append(token)
         self.slot_moves.step(ids)

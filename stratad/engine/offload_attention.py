@@ -21,6 +21,7 @@ from kernels.rope import RopeStyle, rope_table
 from stratad.engine.dense import DenseLayer
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rope_tables
+from stratad.engine.passes import Decode, Pass
 
 if TYPE_CHECKING:
     from stratad.engine.offload import OffloadForward
@@ -52,24 +53,23 @@ class OffloadAttention:
         h: torch.Tensor,
         pos: torch.Tensor,
         cache: KVCache,
-        start: int | None,
+        step: Pass,
     ) -> torch.Tensor:
-        """Layer i's attention output [T, H] for h [T, H] at positions pos [T]; start is
-        None in the (captured) decode step, else the chunk's first position."""
+        """Layer i's attention output [T, H] for h [T, H] at positions pos [T]."""
         e, spec, t = self.engine, self.engine.spec, h.shape[0]
         qkv = e.linear(h, w.qkv, w.qkv_bias)
-        if start is None and self.fused_input:
+        if step.decode and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
                            self.style, spec.rms_eps)  # fmt: skip
         else:
             q = self._input(w, i, qkv, pos, cache)
-        if start is None:  # decode: split-K over the static cache
+        if isinstance(step, Decode):  # split-K over the static cache
             kv = cache.k[i][None], cache.v[i][None]
             out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention,
                                    counts=self.counts)  # fmt: skip
             return e.linear(out.reshape(t, spec.q_dim), w.o)
-        rep = spec.n_heads // spec.n_kv_heads
+        start, rep = step.start, spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]

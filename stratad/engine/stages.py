@@ -17,6 +17,7 @@ import torch
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.passes import Chunk, Decode, Pass
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 
@@ -143,7 +144,7 @@ class StagedForward:
         v = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
         return KVCache(k, v)
 
-    def _through(self, tokens: list[int], cache: KVCache, start: int | None) -> torch.Tensor:
+    def _through(self, tokens: list[int], cache: KVCache, step: Pass) -> torch.Tensor:
         """Every stage over `tokens` at positions cache.length.., handing x from one device
         to the next; the logits [1, V] of the last token."""
         first = self.stages[0]
@@ -151,8 +152,8 @@ class StagedForward:
         for stage in self.stages:
             x = x.to(stage.device)
             pos = torch.arange(cache.length, cache.length + len(tokens), device=stage.device)
-            x, ids = stage.run_layers(x, pos, cache, start)
-            if start is None:
+            x, ids = stage.run_layers(x, pos, cache, step)
+            if step.decode:
                 stage.slot_moves.step(ids)  # this stage's routing counts, cache moves
         return self.stages[-1].head(x)
 
@@ -165,7 +166,7 @@ class StagedForward:
         if len(tokens) == 1 and cache.length > 0:  # decode
             for stage in self.stages:
                 stage.slot_moves.apply()
-            last = self._through(tokens, cache, None)
+            last = self._through(tokens, cache, Decode())
             cache.length += 1
             cache.tokens.extend(tokens)
             return last
@@ -173,7 +174,7 @@ class StagedForward:
         logits: torch.Tensor | None = None
         for b in range(0, len(tokens), chunk):
             part = tokens[b : b + chunk]
-            logits = self._through(part, cache, cache.length)
+            logits = self._through(part, cache, Chunk(cache.length, len(part)))
             cache.length += len(part)
             cache.tokens.extend(part)
         assert logits is not None
