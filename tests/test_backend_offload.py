@@ -1,6 +1,7 @@
 """The daemon on the offload engine (`engine.backend = "offload"`): same tokens as the reference
-engine, the plan and coverage on the control socket, and a clear refusal when the RAM budget
-cannot hold every expert. On the CPU its kernels run in Triton's interpreter."""
+engine with experts in all three tiers (VRAM slots, page-locked RAM, the file), the plan and
+coverage on the control socket, the plan hash `stratactl check` prints. On the CPU its kernels
+run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
         want.append(int(logits.argmax()))
         logits = ref([want[-1]], cache)[-1]
 
-    # misses read in place here; the default (fetched into VRAM) is tested in test_offload.py
-    config = _config(tmp_path / "stratad.toml", "expert_cache = 12", 'gpu_miss = "in_place"')
+    # misses read in place here; the default (fetched into VRAM) is tested in test_offload.py.
+    # The RAM budget holds 16 of the 32 blobs (56 KiB apart): 12 experts start in VRAM, 16
+    # others keep a RAM copy, 4 are read from the file when routed.
+    store = "expert_cache = 12\nresident_budget_gib = 0.00086"
+    config = _config(tmp_path / "stratad.toml", store, 'gpu_miss = "in_place"')
     sock = tmp_path / "ctl.sock"
     args = [str(tiny), "--config", str(config), "--control-socket", str(sock)]
     ctl = [sys.executable, "-m", "stratactl"]
@@ -65,9 +69,10 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
         plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.choices[0].text == tok.decode(want)
-    assert cov.returncode == 0, cov.stderr
+    assert cov.returncode == 3, cov.stderr  # "not yet": the coverage is incomplete
     coverage = json.loads(cov.stdout)
-    assert coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
+    assert not coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
+    assert coverage["in_file_only"] == 4 and coverage["file_reads"] > 0, coverage
     log = (tmp_path / "stratad.log").read_text()
     daemon_hash = json.loads(plan.stdout)["hash"]
     assert daemon_hash in log
@@ -75,18 +80,6 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
     checked = next(c for c in json.loads(check.stdout)["checks"] if c["name"] == "plan")
     assert checked["detail"].startswith(f"plan {daemon_hash}:"), checked
     assert "decode misses: the GPU takes 100% (read in place)" in log
-
-
-def test_offload_refuses_when_ram_cannot_hold_every_expert(tiny: Path, tmp_path: Path) -> None:
-    config = _config(tmp_path / "stratad.toml", "resident_budget_gib = 0.0005")
-    proc = subprocess.run(
-        [sys.executable, "-m", "stratad", str(tiny), "--config", str(config), "--port", "0",
-         "--control-socket", ""],
-        capture_output=True, text=True, timeout=180, env={**os.environ, **ENV},
-    )  # fmt: skip
-    assert proc.returncode == 75, proc.stderr
-    assert "the offload engine keeps every expert in page-locked RAM" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_auto_backend_choice(tiny: Path, smollm_model) -> None:  # type: ignore[no-untyped-def]

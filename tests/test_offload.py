@@ -39,13 +39,13 @@ def _greedy(forward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
     return out, logits
 
 
-def _offload(model: Model, slots_per_layer: int, device: str, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
+def _offload(model: Model, slots_per_layer: int, device: str, ram=None, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
     from stratad.engine.experts import blob_layout
 
     budget = slots_per_layer * model.spec.n_layers * blob_layout(model).nbytes
     kw.setdefault("kernels", INTERPRETED if device == "cpu" else KernelConfigs())
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16, **kw)
-    return OffloadForward(model, torch.device(device), cfg)
+    return OffloadForward(model, torch.device(device), cfg, ram=ram)
 
 
 @pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
@@ -82,6 +82,32 @@ def test_prefetch_keeps_tokens_and_fills_its_buffers(tiny_moe: Model, slots: int
     right, total = off.prefetch.score.tolist()
     assert total == 6 * (spec.n_layers - 1) * spec.n_experts_used and 0 <= right <= total
     assert off.prefetch.accuracy() == right / total
+
+
+@pytest.mark.parametrize(
+    ("slots", "gpu_miss", "pcie_frac"),
+    [(0, "copy", 1.0), (3, "in_place", 1.0), (3, "copy", 0.5)],
+)
+def test_file_tier_same_tokens(
+    tiny_moe: Model, slots: int, gpu_miss: str, pcie_frac: float
+) -> None:
+    """Odd experts have no RAM copy: the staged prefill and each fused step read them from
+    the file, the slots never take them in, and the tokens stay the reference's."""
+    spec = tiny_moe.spec
+    ram = [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    off = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False, gpu_miss=gpu_miss,
+                   pcie_frac=pcie_frac, prefetch=True)  # fmt: skip
+    assert off.files.enabled and not off.prefetch.enabled  # no address to guess from
+    tokens, logits = _greedy(off, PROMPT, 6)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
+    reads = off.host.file_reads
+    assert reads > 0 and off.host.file_bytes == reads * off.layout.nbytes
+    # a slot holds an expert with a RAM copy, or one that started there (held for good)
+    start = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False).slot_of
+    for layer, slot_of in enumerate(off.slot_of):
+        assert all(x % 2 == 0 or x in start[layer] for x in slot_of)
 
 
 def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:
@@ -134,6 +160,20 @@ def test_tokens_match_reference_gpu(tiny_moe: Model, slots: int, gpu_miss: str) 
     tokens, logits = _greedy(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
+def test_file_tier_tokens_match_reference_gpu(tiny_moe: Model, gpu_miss: str) -> None:
+    """Odd experts only in the file, read into page-locked rows the kernels read in place."""
+    spec = tiny_moe.spec
+    ram = [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    off = _offload(tiny_moe, 3, "cuda", ram=ram, gpu_miss=gpu_miss, prefetch=True)
+    tokens, logits = _greedy(off, PROMPT, 16)
+    assert tokens == ref_tokens
+    assert (logits.cpu() - ref_logits).abs().max() < 1e-2
+    assert off.host.file_reads > 0
 
 
 @pytest.mark.gpu

@@ -23,11 +23,10 @@ from stratad.engine.placement import StartPlan
 from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
-from stratad.store.admission import AdmissionRefused
 from stratad.store.bandwidth import Bandwidths
 from stratad.store.pinning import PinProgress, ProgressFn
 from stratad.store.plan import ResidencyPlan
-from stratad.store.sizes import GiB, MiB
+from stratad.store.sizes import MiB
 from stratad.store.sources import ExpertSource
 from stratad.store.startup import plan_and_admit
 from stratad.store.store import StoreStats
@@ -55,17 +54,19 @@ class OffloadTiers:
         counts: tuple[int, ...],
         bandwidths: Bandwidths,
         budget: Any,
+        degraded: bool = False,
     ) -> None:
         self.plan, self.forward, self.source = plan, forward, source
         self.layouts = source.layouts
         self.counts, self.bandwidths, self.budget = counts, bandwidths, budget
-        self.degraded = False
+        self.degraded = degraded  # admission ran a smaller plan than configured
 
     def stats(self) -> StoreStats:
         f = self.forward
+        host = f.host
         return StoreStats(
             plan_hash=self.plan.hash, vram_hits=f.hits, ram_hits=f.lookups - f.hits,
-            file_hits=0, evictions=f.moves, file_reads=0, file_bytes=0,
+            file_hits=0, evictions=f.moves, file_reads=host.file_reads, file_bytes=host.file_bytes,
             pinned_bytes=f.host.pinned_bytes, planned_ram_bytes=f.host.nbytes,
             vram_slots=f.n_slots,
         )  # fmt: skip
@@ -84,14 +85,9 @@ def open_offload(
     started = plan_and_admit(config.store, source, stages=start.stages,
                              compute_device=start.devices[0], reserves=start.reserves)  # fmt: skip
     plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
-    if len(plan.ram) < plan.n_total:
-        raise AdmissionRefused(
-            f"the offload engine keeps every expert in page-locked RAM and fetches misses from it,"
-            f" but the plan {plan.hash} has room for {len(plan.ram)} of {plan.n_total}"
-            f" ({plan.ram_bytes / GiB:.2f} of {sum(inputs.blob_bytes) / GiB:.2f} GiB): raise"
-            " store.resident_budget_gib or lower store.resident_headroom_gib, or set"
-            ' engine.backend = "reference" to read experts from the file'
-        )
+    ram: list[list[int]] = [[] for _ in range(plan.n_layers)]
+    for unit in plan.ram:  # the RAM tier; the rest are read from the file when routed
+        ram[unit.layer].append(unit.expert)
     layout = blob_layout(model)
     device = start.devices[0]
     cfg = OffloadConfig(
@@ -104,10 +100,11 @@ def open_offload(
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
     if len(start.devices) == 1:
-        forward = OffloadForward(model, device, cfg, residents=plan.residents(),
+        forward = OffloadForward(model, device, cfg, residents=plan.residents(), ram=ram,
                                  pin=_pin_settings(config, on_pin_progress))  # fmt: skip
     else:
-        forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents())
+        forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
+                                ram=ram)  # fmt: skip
     forward.timer = timer
     forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
     log.info(
@@ -116,7 +113,9 @@ def open_offload(
         "fetched into VRAM" if cfg.gpu_miss == "copy" else "read in place",
     )
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
-    return forward, OffloadTiers(plan, forward, source, inputs.counts, bw, started.planned.budget)
+    tiers = OffloadTiers(plan, forward, source, inputs.counts, bw, started.planned.budget,
+                         started.degraded)  # fmt: skip
+    return forward, tiers
 
 
 def _pcie_frac(

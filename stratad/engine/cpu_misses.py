@@ -23,6 +23,8 @@ class CpuMisses:
     def __init__(self, engine: OffloadForward) -> None:
         self.engine = engine
         self.experts = 0  # expert computations done on the CPU so far
+        # a blob only the file holds is read into this, on the host
+        self._scratch = torch.empty(engine.layout.nbytes, dtype=torch.uint8)
 
     def slots(self, layer: int, ids: list[list[int]]) -> list[tuple[int, int]]:
         """The (token, slot) pairs whose missed expert the CPU computes."""
@@ -60,7 +62,7 @@ class CpuMisses:
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's float32 (gate, up, down) from the RAM copy (dequantized per use)."""
         e = self.engine
-        g, u, d = e.layout.views(e.host.buffer[layer, expert])
+        g, u, d = e.layout.views(e.host.read(layer, expert, self._scratch))
         return g.dequantize(), u.dequantize(), d.dequantize()
 
     def measure_bps(self, repeats: int = 3) -> float:

@@ -1,11 +1,13 @@
-"""The host copy of every expert blob, page-locked so kernels can read it in place."""
+"""The host copies of the expert blobs the plan keeps in RAM, page-locked so kernels can read
+them in place; the others stay in the model file and are read from it on use (`file_read`),
+counted as file reads."""
 
 from __future__ import annotations
 
 import logging
 import mmap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,29 +20,62 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class HostExperts:
-    """Every expert blob in one host buffer [L, E, nbytes], page-locked for in-place reads."""
+    """The RAM tier: one host buffer [rows, nbytes] holding the blobs of `ram` (each layer's
+    experts with a RAM copy; None: every expert), page-locked for in-place reads. The others
+    are read from the model file into a caller's buffer (`file_read`)."""
 
-    def __init__(self, model: Model, layout: BlobLayout) -> None:
+    def __init__(
+        self, model: Model, layout: BlobLayout, ram: Sequence[Sequence[int]] | None = None
+    ) -> None:
         spec = model.spec
         self.layout = layout
+        every = range(spec.n_experts)
+        self.row_of: list[dict[int, int]] = []
+        n = 0
+        for layer in range(spec.n_layers):
+            experts = sorted(ram[layer]) if ram is not None else every
+            self.row_of.append({e: n + i for i, e in enumerate(experts)})
+            n += len(experts)
+        self.complete = n == spec.n_layers * spec.n_experts
         # Page-aligned anonymous memory with each blob starting on a page: registration
         # chunks hold whole blobs, so no copy ever spans two registrations.
         self.stride = -(-layout.nbytes // PAGE) * PAGE
-        self._map = mmap.mmap(-1, spec.n_layers * spec.n_experts * self.stride)
+        self._map = mmap.mmap(-1, max(n, 1) * self.stride)
         arena = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.buffer = arena.view(spec.n_layers, spec.n_experts, self.stride)[..., : layout.nbytes]
+        self.buffer = arena.view(max(n, 1), self.stride)[:, : layout.nbytes]
         self._registered: list[int] = []
         self._pinned = 0
-        layers = moe_layers(model)
+        self._layers = moe_layers(model)
+        self.file_reads = self.file_bytes = 0
         t0 = time.monotonic()
-        for layer in range(spec.n_layers):
-            for e in range(spec.n_experts):
-                copy_expert(layers, layer, e, self.buffer[layer, e], layout)
+        for layer, rows in enumerate(self.row_of):
+            for e, row in rows.items():
+                copy_expert(self._layers, layer, e, self.buffer[row], layout)
         log.info(
-            "experts: %.2f GiB read into RAM in %.1f s",
-            len(self._map) / 2**30,
-            time.monotonic() - t0,
-        )
+            "experts: %.2f GiB read into RAM in %.1f s (%d of %d blobs; the rest are read"
+            " from the file on use)", n * self.stride / 2**30, time.monotonic() - t0, n,
+            spec.n_layers * spec.n_experts,
+        )  # fmt: skip
+
+    def has(self, layer: int, expert: int) -> bool:
+        return expert in self.row_of[layer]
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """The RAM copy [nbytes] of a blob the plan keeps in RAM."""
+        return self.buffer[self.row_of[layer][expert]]
+
+    def file_read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """Read a blob from the model file into out [nbytes] (the kernels' layout)."""
+        copy_expert(self._layers, layer, expert, out, self.layout)
+        self.file_reads += 1
+        self.file_bytes += self.layout.nbytes
+        return out
+
+    def read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
+        """The blob from RAM, else read from the file into `out`."""
+        if self.has(layer, expert):
+            return self.blob(layer, expert)
+        return self.file_read(layer, expert, out)
 
     @property
     def registered(self) -> bool:

@@ -36,11 +36,12 @@ from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.experts import blob_layout
+from stratad.engine.file_misses import FileMisses
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
-from stratad.engine.passes import Chunk, Decode, Pass
+from stratad.engine.passes import FUSED_MAX_TOKENS, Chunk, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slot_moves import SlotMoves
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -96,9 +97,12 @@ class OffloadForward:
         residents: list[list[int]] | None = None,
         pin: dict[str, Any] | None = None,
         layers: range | None = None,
+        ram: list[list[int]] | None = None,
     ) -> None:
         """`residents`: each layer's experts that start in VRAM (e.g. from the store's
-        residency plan); by default an even share of `config.expert_vram_bytes`. `layers`:
+        residency plan); by default an even share of `config.expert_vram_bytes`. `ram`: each
+        layer's experts with a RAM copy (the plan's; None: every expert), the others are read
+        from the file when routed. `layers`:
         the layers this engine runs (a pipeline stage, see `stratad.engine.stages`); the
         first stage embeds, the last computes the logits."""
         spec = self.spec = model.spec
@@ -138,9 +142,12 @@ class OffloadForward:
         self.lm_head = (
             (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
         )
-        self.host = host or HostExperts(model, self.layout)
+        self.host = host or HostExperts(model, self.layout, ram)
         if device.type == "cuda" and not self.host.registered:
             self.host.pin(**(pin or {}))
+        self._off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
+        fused_rows = FUSED_MAX_TOKENS * spec.n_experts_used
+        self.files = FileMisses(self.host, fused_rows, self._off, device)
         self._init_slots(residents)
         self._init_fetch()
         self.attention = OffloadAttention(self)
@@ -170,24 +177,26 @@ class OffloadForward:
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
                                  device=self.device)  # fmt: skip
-        self.policy = SlotPolicy(residents, self.config.cache_policy)
+        host, off = self.host, self._off
+        # a slot's expert without a RAM copy stays in VRAM; one only the file holds is never
+        # admitted (there is no RAM copy to move in from)
+        self.policy = SlotPolicy(residents, self.config.cache_policy, ram=host.row_of)
         self.slot_of: list[dict[int, int]] = []
-        host = self.host.buffer
         table = torch.empty((spec.n_layers, spec.n_experts, 3), dtype=torch.int64)
-        off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
         s = 0
         for layer in range(spec.n_layers):
             slot_of = {}
             for e in range(spec.n_experts):
-                table[layer, e] = host[layer, e].data_ptr() + off
+                base = host.blob(layer, e).data_ptr() if host.has(layer, e) else self.files.address
+                table[layer, e] = base + off
             for e in residents[layer]:
-                self.slots[s].copy_(host[layer, e])
+                self.slots[s].copy_(host.read(layer, e, scratch))
                 table[layer, e] = self.slots[s].data_ptr() + off
                 slot_of[e] = s
                 s += 1
             self.slot_of.append(slot_of)
         self.table = table.to(self.device)
-        self._off = off
         log.info(
             "expert cache: %d of %d experts in VRAM (%.2f GiB)",
             self.n_slots,
@@ -272,6 +281,8 @@ class OffloadForward:
         if step.tokens == 1:
             with stage("expert prefetch"):
                 self.prefetch.after_route(i, x, ids)  # guess the next layer's experts now
+        if step.fused:
+            self.files.before(i, ids, self.slot_of[i], self.table)  # the file tier's reads
         if step.fused and self.config.pcie_frac < 1.0:
             parts = self.cpu.run(i, h, ids, weights)
         elif step.fused:
@@ -366,7 +377,9 @@ class OffloadForward:
         if cache.length + 1 > cache.capacity:
             raise ValueError("the KV cache is full")
         self.slot_moves.apply()
-        if self.config.graphs and self.device.type == "cuda" and self.config.pcie_frac == 1.0:
+        # a graph replays without the host, which must read the file tier's routed experts
+        graph = self.config.pcie_frac == 1.0 and not self.files.enabled
+        if self.config.graphs and self.device.type == "cuda" and graph:
             logits, ids = self.graph.replay(token, cache)
         else:
             tok = torch.tensor([token], device=self.device)

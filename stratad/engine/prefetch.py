@@ -50,8 +50,10 @@ class ExpertPrefetch:
     def __init__(self, engine: OffloadForward) -> None:
         self.engine = engine
         e = engine
-        # the copy path's staging (none when every expert is in VRAM: nothing to guess)
-        rows = e.spec.n_experts_used if e.config.prefetch and e._fetch_buf.shape[0] else 0
+        # the copy path's staging (none when every expert is in VRAM: nothing to guess; none
+        # with a file tier, whose experts have no address to copy from before the step)
+        guess = e.config.prefetch and e._fetch_buf.shape[0] and not e.files.enabled
+        rows = e.spec.n_experts_used if guess else 0
         self.enabled = rows > 0
         self.buf = torch.zeros((2, rows, e.layout.nbytes), dtype=torch.uint8, device=e.device)
         on_gpu = self.enabled and e.device.type == "cuda"

@@ -85,18 +85,18 @@ class SlotMoves:
         e.moves += 1
         s = e.slot_of[layer].pop(victim)
         if e.side is None:
-            e.slots[s].copy_(e.host.buffer[layer, admitted])
+            e.slots[s].copy_(e.host.blob(layer, admitted))
             self.pending.append((layer, admitted, s, None))
         else:
             ready = torch.cuda.Event()
             ready.record()
             with torch.cuda.stream(e.side):
                 e.side.wait_event(ready)  # no kernel queued so far still reads the slot
-                e.slots[s].copy_(e.host.buffer[layer, admitted], non_blocking=True)
+                e.slots[s].copy_(e.host.blob(layer, admitted), non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
             self.pending.append((layer, admitted, s, done))
-        return int(e.host.buffer[layer, victim].data_ptr())
+        return int(e.host.blob(layer, victim).data_ptr())
 
     def apply(self) -> None:
         """Repoint the table at slots whose copies have finished (never waits)."""

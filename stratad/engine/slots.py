@@ -9,7 +9,7 @@ pure function of the profile, so a restart starts from the same place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from stratad.model.spec import ExpertUnit
 from stratad.store.cache import POLICIES, CachePolicy
@@ -35,15 +35,28 @@ class SlotPolicy:
     each layer keeps a fixed number of slots, and a miss takes the slot of the expert the
     policy names as victim."""
 
-    def __init__(self, residents: list[list[int]], policy: str = "lru") -> None:
+    def __init__(
+        self,
+        residents: list[list[int]],
+        policy: str = "lru",
+        ram: Sequence[Container[int]] | None = None,
+    ) -> None:
+        """`ram`: each layer's experts with a RAM copy (None: all). A resident without one is
+        held for good (evicted, it would have nowhere to be read from but the file); an
+        expert without one is never admitted (there is no RAM copy to move in)."""
         self.layers: list[CachePolicy] = []
         self.members: list[set[int]] = []
+        self.ram = ram
         for layer, experts in enumerate(residents):
-            p = POLICIES[policy](len(experts))
-            for e in experts:
+            movable = [e for e in experts if self.in_ram(layer, e)]
+            p = POLICIES[policy](len(movable))
+            for e in movable:
                 p.insert(ExpertUnit(layer, e))
             self.layers.append(p)
             self.members.append(set(experts))
+
+    def in_ram(self, layer: int, expert: int) -> bool:
+        return self.ram is None or expert in self.ram[layer]
 
     def resident(self, layer: int, expert: int) -> bool:
         return expert in self.members[layer]
@@ -57,9 +70,10 @@ class SlotPolicy:
         moves: list[tuple[int, int]] = []
         for e in experts:
             if e in members:
-                policy.touch(ExpertUnit(layer, e))
+                if self.in_ram(layer, e):
+                    policy.touch(ExpertUnit(layer, e))
                 continue
-            if admit is not None and len(moves) >= admit:
+            if (admit is not None and len(moves) >= admit) or not self.in_ram(layer, e):
                 continue
             victim = policy.victim()
             if victim is None or victim.expert in experts:  # never evict what this step uses

@@ -69,6 +69,7 @@ class StagedForward:
         bounds: Sequence[int],
         config: OffloadConfig,
         residents: list[list[int]] | None = None,
+        ram: list[list[int]] | None = None,
     ) -> None:
         if len(bounds) != len(devices) + 1 or bounds[0] != 0 or bounds[-1] != model.spec.n_layers:
             raise ModelError(
@@ -83,7 +84,8 @@ class StagedForward:
             cfg = replace(config, expert_vram_bytes=share, graphs=False)
             pin = {"portable": True}  # page-locked for every GPU of the process
             stage = OffloadForward(model, torch.device(device), cfg, host=host,
-                                   residents=residents, layers=range(lo, hi), pin=pin)  # fmt: skip
+                                   residents=residents, layers=range(lo, hi), pin=pin,
+                                   ram=ram)  # fmt: skip
             host = stage.host
             self.stages.append(stage)
         self.config = config

@@ -31,6 +31,10 @@ class ExpertStaging:
         self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
         self._freed: list[torch.cuda.Event | None] = [None, None]  # buffer -> last read done
         self._out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # GPU only
+        # the file tier's blobs on their way in: [2, E, blob bytes] page-locked, and the copy
+        # that last read each half
+        self._bounce: torch.Tensor | None = None
+        self._bounce_free: list[torch.cuda.Event | None] = [None, None]
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [E, F, H], up, down [E, H, F]) in the compute dtype, allocated on first use."""
@@ -63,8 +67,16 @@ class ExpertStaging:
         after that buffer's previous reader)."""
         e = self.engine
         buf, after = self.buffers()[layer % 2], self._freed[layer % 2]
-        slot_of, host = e.slot_of[layer], e.host.buffer[layer]
-        sources = [e.slots[slot_of[x]] if x in slot_of else host[x] for x in range(len(buf))]
+        slot_of, host = e.slot_of[layer], e.host
+        files = [x for x in range(len(buf)) if x not in slot_of and not host.has(layer, x)]
+        bounce = self._read_files(layer, files)
+        row_of = {x: r for r, x in enumerate(files)}
+        sources = [
+            e.slots[slot_of[x]] if x in slot_of
+            else bounce[row_of[x]] if x in row_of
+            else host.blob(layer, x)
+            for x in range(len(buf))
+        ]  # fmt: skip
         if e.side is None:
             for dst, src in zip(buf, sources, strict=True):
                 dst.copy_(src)
@@ -78,6 +90,27 @@ class ExpertStaging:
             done = torch.cuda.Event()
             done.record()
         self._ready[layer] = done
+        if files:
+            self._bounce_free[layer % 2] = done
+
+    def _read_files(self, layer: int, experts: list[int]) -> torch.Tensor:
+        """The layer's experts that only the file holds, read on the host (while the GPU
+        computes the previous layer) into page-locked rows of bounce buffer layer % 2, once
+        that buffer's last copy has left."""
+        e = self.engine
+        if not experts:
+            return torch.empty(0, dtype=torch.uint8)
+        if self._bounce is None:
+            pin = e.device.type == "cuda"
+            self._bounce = torch.empty((2, e.spec.n_experts, e.layout.nbytes), dtype=torch.uint8,
+                                       pin_memory=pin)  # fmt: skip
+        freed = self._bounce_free[layer % 2]
+        if freed is not None:
+            freed.synchronize()
+        rows = self._bounce[layer % 2]
+        for row, x in enumerate(experts):
+            e.host.file_read(layer, x, rows[row])
+        return rows[: len(experts)]
 
     def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [E, F, H], up, down [E, H, F]) of the layer in the compute dtype; its
