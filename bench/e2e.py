@@ -22,8 +22,10 @@ import torch
 from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe
 from kernels.tuning import KernelConfigs, load_configs
+from stratad.engine.experts import blob_layout
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
+from stratad.model.spec import Model
 
 
 def _spread(xs: list[float]) -> str:
@@ -60,7 +62,8 @@ def measure_miss_reads(  # type: ignore[no-untyped-def]
     MoE kernel reading them in place, and the fetch kernel copying them into VRAM."""
     k = model_spec.n_experts_used
     off = torch.tensor([0, layout.up_offset, layout.down_offset])
-    table = torch.stack([host_buffer[0, e].data_ptr() + off for e in range(model_spec.n_experts)])
+    rows = min(model_spec.n_experts, host_buffer.shape[0])
+    table = torch.stack([host_buffer[e].data_ptr() + off for e in range(rows)])
     table = table.cuda()
     span = (
         host_buffer.data_ptr(),
@@ -160,6 +163,40 @@ def context_needed(args: argparse.Namespace) -> int:
     return max(longest) + 64
 
 
+def ram_tier(
+    model: Model, cfg: OffloadConfig, frac: float
+) -> tuple[list[list[int]] | None, dict[str, object]]:
+    """Each layer's experts with a RAM copy when RAM holds `frac` of the blobs (None: all),
+    placed as the daemon places them, and the cost its coverage WARNING predicts."""
+    if frac >= 1.0:
+        return None, {}
+    from stratad.store.bandwidth import measure_bandwidths
+    from stratad.store.coverage import coverage, prompt_cost
+    from stratad.store.plan import PlanInputs, place
+    from stratad.store.sources import ModelExperts
+
+    spec, source = model.spec, ModelExperts(model)
+    n = spec.n_layers * spec.n_experts
+    sizes = tuple(lay.stride for lay in source.layouts for _ in range(spec.n_experts))
+    slots = min(spec.n_experts, cfg.expert_vram_bytes // blob_layout(model).nbytes // spec.n_layers)
+    inputs = PlanInputs(spec.n_layers, spec.n_experts, sizes, (0,) * n,
+                        vram_budget=slots * spec.n_layers * max(sizes),
+                        ram_budget=int(frac * sum(sizes)))  # fmt: skip
+    plan = place(inputs)
+    ram: list[list[int]] = [[] for _ in range(spec.n_layers)]
+    for unit in plan.ram:
+        ram[unit.layer].append(unit.expert)
+    cov = coverage(plan, inputs.blob_bytes, inputs.counts)
+    bw = measure_bandwidths(source, torch.device("cuda"))
+    return ram, {
+        "ram_frac": frac,
+        "covered": cov.covered,
+        "experts": cov.total,
+        "file_gbs": bw.file_bps / 1e9,
+        "predicted_prompt_loss": prompt_cost(cov, bw),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(0)
     model = load_model(Path(args.model))
@@ -178,8 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         kernels=configs,
         prefetch=not args.no_prefetch and args.gpu_miss == "copy",
     )
+    ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
-    engine = OffloadForward(model, torch.device("cuda"), cfg)
+    engine = OffloadForward(model, torch.device("cuda"), cfg, ram=ram)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
     reads = measure_miss_reads(spec, engine.layout, engine.host.buffer, engine._aligned)
@@ -237,6 +275,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     timing = stage_timing(engine, cache, prompt, args) if args.timing else {}
     kernels = kernel_profile(engine, cache, prompt) if args.profile else {}
     result = {
+        "coverage": warning,
+        "file_reads": engine.host.file_reads,
         "timing": timing,
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,
@@ -283,6 +323,13 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         + (f", prefetch on {r['prefetch_programs']} programs per blob" if r.get("prefetch") else "")
         + "), "
         f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
+        *(
+            [f"- RAM holds {c['covered']} of {c['experts']} experts ({c['ram_frac']:.0%} of the"
+             f" blobs), the rest read from the file ({c['file_gbs']:.2f} GB/s measured); the"
+             f" coverage WARNING predicts up to {c['predicted_prompt_loss']:.0%} less prompt"
+             f" speed; {r['file_reads']:,} file reads"]
+            if (c := r.get("coverage")) else []
+        ),  # fmt: skip
         "",
         "| figure | median (min–max) | ceiling | ratio |",
         "| --- | --- | --- | --- |",
@@ -359,6 +406,13 @@ def parser() -> argparse.ArgumentParser:
         "--kernel-table",
         type=Path,
         help="launch settings from this tuning table (stratactl tune); else the defaults",
+    )
+    p.add_argument(
+        "--ram-frac",
+        type=float,
+        default=1.0,
+        help="RAM holds this share of the expert blobs (as the daemon's plan places them);"
+        " the rest are read from the model file on use",
     )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     return p
