@@ -132,7 +132,8 @@ class StoreConfig(_Section, frozen=True):
     expert_profile: str = ""
     """Routing profile (JSON) that places the hottest experts first; empty treats all alike."""
     expert_cache: Annotated[int, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
-    """VRAM slots for experts: a number, or auto (free VRAM after vram_reserve_gib; 0 on a CPU)."""
+    """VRAM slots for experts: a number (the total over a layer split's GPUs), or auto (each
+    GPU's free VRAM after the engine's own buffers and vram_reserve_gib; 0 on a CPU)."""
     vram_reserve_gib: Annotated[float, msgspec.Meta(ge=0)] = 1.5
     """VRAM left for activations, KV cache and the runtime when expert_cache is auto."""
     cache_policy: Literal["lfru", "lru"] = "lfru"
