@@ -19,10 +19,11 @@ class FileMisses:
     def __init__(
         self, host: HostExperts, rows: int, offsets: torch.Tensor, device: torch.device
     ) -> None:
-        """`rows`: the most experts one layer of a fused pass routes to (tokens x top-k);
-        `offsets` [3]: the (gate, up, down) offsets inside a blob, as the table holds them."""
+        """`rows`: the most experts one layer of a fused pass routes to (tokens x top-k), 0
+        when the file holds no expert that a step could route to; `offsets` [3]: the (gate,
+        up, down) offsets inside a blob, as the table holds them."""
         self.host, self.offsets, self.device = host, offsets, device
-        n = 0 if host.complete else rows
+        n = rows
         pin = device.type == "cuda"  # mapped for the device: the kernels read it in place
         self.rows = torch.zeros((max(n, 1), host.layout.nbytes), dtype=torch.uint8,
                                 pin_memory=pin)  # fmt: skip

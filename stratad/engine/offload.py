@@ -146,8 +146,6 @@ class OffloadForward:
         if device.type == "cuda" and not self.host.registered:
             self.host.pin(**(pin or {}))
         self._off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
-        fused_rows = FUSED_MAX_TOKENS * spec.n_experts_used
-        self.files = FileMisses(self.host, fused_rows, self._off, device)
         self._init_slots(residents)
         self._init_fetch()
         self.attention = OffloadAttention(self)
@@ -174,6 +172,14 @@ class OffloadForward:
             residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
         # a stage holds slots for its own layers only (the others' residents are elsewhere)
         residents = [r if layer in own else [] for layer, r in enumerate(residents)]
+        # the file tier: this engine's experts with neither a RAM copy nor a slot held for good
+        # (a resident without a RAM copy is never evicted)
+        file_only = any(
+            not self.host.has(layer, x) and x not in residents[layer]
+            for layer in own for x in range(spec.n_experts)
+        )  # fmt: skip
+        rows = FUSED_MAX_TOKENS * spec.n_experts_used if file_only else 0
+        self.files = FileMisses(self.host, rows, self._off, self.device)
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
                                  device=self.device)  # fmt: skip
