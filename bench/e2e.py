@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
+from bench.ram_tier import ram_tier
 from kernels.expert_fetch import fetch_experts
 from kernels.moe import fused_moe
 from kernels.tuning import KernelConfigs, load_configs
-from stratad.engine.experts import blob_layout
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
-from stratad.model.spec import Model
 
 
 def _spread(xs: list[float]) -> str:
@@ -161,40 +160,6 @@ def context_needed(args: argparse.Namespace) -> int:
     if args.profile:
         longest.append(4096)
     return max(longest) + 64
-
-
-def ram_tier(
-    model: Model, cfg: OffloadConfig, frac: float
-) -> tuple[list[list[int]] | None, dict[str, object]]:
-    """Each layer's experts with a RAM copy when RAM holds `frac` of the blobs (None: all),
-    placed as the daemon places them, and the cost its coverage WARNING predicts."""
-    if frac >= 1.0:
-        return None, {}
-    from stratad.store.bandwidth import measure_bandwidths
-    from stratad.store.coverage import coverage, prompt_cost
-    from stratad.store.plan import PlanInputs, place
-    from stratad.store.sources import ModelExperts
-
-    spec, source = model.spec, ModelExperts(model)
-    n = spec.n_layers * spec.n_experts
-    sizes = tuple(lay.stride for lay in source.layouts for _ in range(spec.n_experts))
-    slots = min(spec.n_experts, cfg.expert_vram_bytes // blob_layout(model).nbytes // spec.n_layers)
-    inputs = PlanInputs(spec.n_layers, spec.n_experts, sizes, (0,) * n,
-                        vram_budget=slots * spec.n_layers * max(sizes),
-                        ram_budget=int(frac * sum(sizes)))  # fmt: skip
-    plan = place(inputs)
-    ram: list[list[int]] = [[] for _ in range(spec.n_layers)]
-    for unit in plan.ram:
-        ram[unit.layer].append(unit.expert)
-    cov = coverage(plan, inputs.blob_bytes, inputs.counts)
-    bw = measure_bandwidths(source, torch.device("cuda"))
-    return ram, {
-        "ram_frac": frac,
-        "covered": cov.covered,
-        "experts": cov.total,
-        "file_gbs": bw.file_bps / 1e9,
-        "predicted_prompt_loss": prompt_cost(cov, bw),
-    }
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:

@@ -85,9 +85,7 @@ def open_offload(
     started = plan_and_admit(config.store, source, stages=start.stages,
                              compute_device=start.devices[0], reserves=start.reserves)  # fmt: skip
     plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
-    ram: list[list[int]] = [[] for _ in range(plan.n_layers)]
-    for unit in plan.ram:  # the RAM tier; the rest are read from the file when routed
-        ram[unit.layer].append(unit.expert)
+    ram = plan.in_ram()  # the RAM tier; the rest are read from the file when routed
     layout = blob_layout(model)
     device = start.devices[0]
     cfg = OffloadConfig(

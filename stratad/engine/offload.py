@@ -19,7 +19,7 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.quant import QType
 from kernels.router import route_topk
-from kernels.tuning import KernelConfigs
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
@@ -41,6 +40,7 @@ from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
+from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.passes import FUSED_MAX_TOKENS, Chunk, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slot_moves import SlotMoves
@@ -50,39 +50,6 @@ from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 
 log = logging.getLogger("stratad.engine")
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    expert_vram_bytes: int  # VRAM for expert slots (the cache)
-    max_context: int = 4096
-    prefill_chunk: int = 4096
-    dtype: torch.dtype = torch.bfloat16
-    graphs: bool = True  # capture the decode step as a CUDA graph
-    adapt: bool = True  # move recently used experts into VRAM between steps
-    moves_per_step: int = 8
-    cache_policy: str = "lru"  # the store's eviction policies (stratad.store.cache)
-    # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
-    # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
-    # per layer (the host must see the routing), so it is not captured as a graph.
-    pcie_frac: float = 1.0
-    # How the GPU gets a decode step's missed experts: "copy" them from RAM into VRAM staging
-    # with one fetch kernel per layer (wide loads keep the link busy), then compute from VRAM;
-    # or read them "in_place" over PCIe from the fused MoE kernel itself.
-    gpu_miss: str = "copy"
-    kernels: KernelConfigs = KernelConfigs()  # launch settings (a tuning table's, or defaults)
-    # Guess each layer's experts one layer early and copy the misses ahead (see prefetch.py);
-    # needs gpu_miss "copy".
-    prefetch: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.pcie_frac <= 1.0:
-            raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
-        if self.gpu_miss not in GPU_MISS_PATHS:
-            raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
-
-
-GPU_MISS_PATHS = ("copy", "in_place")
 
 
 class OffloadForward:

@@ -121,10 +121,11 @@ class ResidencyPlan:
 
     def residents(self) -> list[list[int]]:
         """Each layer's experts that start in VRAM, by expert index (the engine's slots)."""
-        out: list[list[int]] = [[] for _ in range(self.n_layers)]
-        for unit in self.vram:
-            out[unit.layer].append(unit.expert)
-        return [sorted(r) for r in out]
+        return _by_layer(self.vram, self.n_layers)
+
+    def in_ram(self) -> list[list[int]]:
+        """Each layer's experts with a RAM copy, by expert index (the engine's RAM tier)."""
+        return _by_layer(self.ram, self.n_layers)
 
     @cached_property
     def file_only(self) -> tuple[ExpertUnit, ...]:
@@ -135,6 +136,13 @@ class ResidencyPlan:
             for e in range(self.n_experts)
             if ExpertUnit(layer, e) not in covered
         )
+
+
+def _by_layer(units: Sequence[ExpertUnit], n_layers: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(n_layers)]
+    for unit in units:
+        out[unit.layer].append(unit.expert)
+    return [sorted(r) for r in out]
 
 
 def rank(inputs: PlanInputs) -> list[int]:
