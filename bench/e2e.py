@@ -112,19 +112,19 @@ def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list
     graphs, engine.config = engine.config.graphs, replace(engine.config, graphs=False)
     cache.length = 0
     cache.tokens.clear()
-    logits = engine.prefill(prompt(1024), cache)
+    logits = engine(prompt(1024), cache)[0]
     token = int(logits.argmax())
-    engine.decode(token, cache)
+    engine([token], cache)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
-            engine.decode(token, cache)
+            engine([token], cache)
         torch.cuda.synchronize()
     decode = top(prof, 8)
     cache.length = 0
     cache.tokens.clear()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.prefill(prompt(4096), cache)
+        engine(prompt(4096), cache)
         torch.cuda.synchronize()
     engine.config = replace(engine.config, graphs=graphs)
     return {"decode step": decode, "prefill chunk of 4,096": top(prof, 1)}
@@ -141,12 +141,12 @@ def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[
     n = max(args.prefill_lens)
     cache.length = 0
     cache.tokens.clear()
-    logits = engine.prefill(prompt(min(n, 8192)), cache)
+    logits = engine(prompt(min(n, 8192)), cache)[0]
     prefill = engine.timer.collect()
     engine.timer.reset()
     steps = 32
     for _ in range(steps):
-        logits = engine.decode(int(logits.argmax()), cache)
+        logits = engine([int(logits.argmax())], cache)[0]
     decode = {k: v / steps for k, v in engine.timer.collect().items()}
     engine.timer = StageTimer(enabled=False)
     engine.config = replace(engine.config, graphs=graphs)
@@ -197,10 +197,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     for _ in range(args.repeats):
         cache.length = 0
         cache.tokens.clear()
-        logits = engine.prefill(prompt(args.prompt_len), cache)
+        logits = engine(prompt(args.prompt_len), cache)[0]
         engine.hits = engine.lookups = 0
         token = int(logits.argmax())
-        logits = engine.decode(token, cache)  # the first step captures the graph
+        logits = engine([token], cache)[0]  # the first step captures the graph
         torch.cuda.synchronize()
         engine.slot_moves.flush()  # the capture step's accounting stays out of the window
         engine.hits = engine.lookups = 0
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         t = time.perf_counter()
         for _ in range(args.decode_tokens):
             token = int(logits.argmax())
-            logits = engine.decode(token, cache)
+            logits = engine([token], cache)[0]
         torch.cuda.synchronize()
         decode_tps.append(args.decode_tokens / (time.perf_counter() - t))
         hit_rates.append(engine.hit_rate)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             p = prompt(n)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            engine.prefill(p, cache)
+            engine(p, cache)
             torch.cuda.synchronize()
             tps.append(n / (time.perf_counter() - t))
         chunks = -(-n // args.prefill_chunk)

@@ -1,52 +1,81 @@
-"""The offload engine's decode step captured once as a CUDA graph and replayed per token.
+"""The offload engine's decode step captured as a CUDA graph and replayed per token.
 
-The step's inputs (token, position) live in two device tensors the graph reads, and its
-outputs (logits, routed ids) in the tensors the capture produced. Attention reads the length
-on the device, so one capture serves every position of one KV cache; a new cache is captured
-anew.
+The step's inputs (B tokens, their positions) live in two device tensors the graph reads,
+and its outputs (logits, routed ids) in the tensors the capture produced. Attention reads
+the lengths on the device, so one capture serves every position of the same B caches: a
+batch whose sequences stay the same replays one graph for all of its steps. The last few
+captures are kept (each holds its own intermediate buffers); a new set of caches is
+captured anew.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from stratad.engine.kv import KVCache
-from stratad.engine.passes import Decode
 
-if TYPE_CHECKING:
-    from stratad.engine.offload import OffloadForward
+KEPT = 4  # captures kept, least recently replayed dropped first
+
+Step = Callable[
+    [torch.Tensor, torch.Tensor, Sequence[KVCache]], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+@dataclass
+class _Capture:
+    caches: tuple[KVCache, ...]  # held, so that their identity stays theirs
+    graph: torch.cuda.CUDAGraph
+    tok: torch.Tensor
+    pos: torch.Tensor
+    logits: torch.Tensor
+    ids: torch.Tensor
 
 
 class DecodeGraph:
-    def __init__(self, engine: OffloadForward) -> None:
-        self.engine = engine
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._cache: KVCache | None = None
+    def __init__(self, step: Step, device: torch.device) -> None:
+        """`step(tokens [B], positions [B], caches)` -> (logits [B, V], ids): the eager pass
+        the graph records."""
+        self.step, self.device = step, device
+        self._captures: OrderedDict[tuple[int, ...], _Capture] = OrderedDict()
+        self.captured = 0  # captures made so far
 
-    def replay(self, token: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [1, V], routed ids [layers, k]) of one step, in the graph's own tensors."""
-        if self._graph is None or self._cache is not cache:
-            self._capture(cache)
-        self._tok.fill_(token)
-        self._pos.fill_(cache.length)
-        assert self._graph is not None
-        self._graph.replay()
-        return self._logits, self._ids
+    def replay(
+        self, tokens: list[int], caches: Sequence[KVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, V], routed ids) of one step, in the graph's own tensors."""
+        key = tuple(id(c) for c in caches)
+        cap = self._captures.get(key)
+        if cap is None or any(a is not b for a, b in zip(cap.caches, caches, strict=True)):
+            cap = self._capture(tuple(caches))
+            self._captures[key] = cap
+            while len(self._captures) > KEPT:
+                self._captures.popitem(last=False)
+        self._captures.move_to_end(key)
+        if len(caches) == 1:  # no host-to-device copy for the common case
+            cap.tok.fill_(tokens[0])
+            cap.pos.fill_(caches[0].length)
+        else:
+            cap.tok.copy_(torch.tensor(tokens))
+            cap.pos.copy_(torch.tensor([c.length for c in caches]))
+        cap.graph.replay()
+        return cap.logits, cap.ids
 
-    def _capture(self, cache: KVCache) -> None:
-        e = self.engine
-        self._tok = torch.zeros(1, dtype=torch.long, device=e.device)
-        self._pos = torch.zeros(1, dtype=torch.long, device=e.device)
-        self._pos.fill_(cache.length)
-        stream = torch.cuda.Stream(e.device)
-        stream.wait_stream(torch.cuda.current_stream(e.device))
+    def _capture(self, caches: tuple[KVCache, ...]) -> _Capture:
+        b, device = len(caches), self.device
+        tok = torch.zeros(b, dtype=torch.long, device=device)
+        pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
             for _ in range(2):
-                e._run(self._tok, self._pos, cache, Decode())
-        torch.cuda.current_stream(e.device).wait_stream(stream)
+                self.step(tok, pos, caches)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._logits, self._ids = e._run(self._tok, self._pos, cache, Decode())
-        self._graph, self._cache = graph, cache
+            logits, ids = self.step(tok, pos, caches)
+        self.captured += 1
+        return _Capture(caches, graph, tok, pos, logits, ids)

@@ -6,12 +6,14 @@ offloaded experts) is tested against it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kernels.quant import QTensor
+from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
 from stratad.engine.timing import StageTimer
@@ -128,6 +130,11 @@ class ReferenceForward:
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache.allocate(self.spec, max_len, self.device, self.dtype)
+
+    def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        """A batch, one sequence after another: the reference defines each sequence alone."""
+        check_batch(seqs)
+        return [self(s.tokens, s.cache, s.all_logits) for s in seqs]
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:

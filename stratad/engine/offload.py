@@ -6,10 +6,12 @@ A decode step gets its misses by `gpu_miss`: "copy" (a fetch kernel copies the m
 into VRAM staging, then the fused MoE kernel reads VRAM only) or "in_place" (the fused
 kernel reads the host copy over PCIe itself).
 
-Decode runs one token through all layers with no host synchronisation (routing ids stay
-on the device) and is captured once as a CUDA graph. While the next step runs, a per-layer
-LRU policy moves recently used experts into VRAM on a side stream, and only then repoints
-the table.
+The forward takes a batch (`stratad.engine.batch`): B sequences, each with its own KV
+cache and new tokens. A decode step runs one token per sequence through all layers with no
+host synchronisation (routing ids stay on the device), captured as a CUDA graph per set of
+caches; the routed experts of all B tokens are read once per step. While the next step
+runs, a per-layer LRU policy moves recently used experts into VRAM on a side stream, and
+only then repoints the table.
 With `pcie_frac` below 1, part of each step's misses is computed on the CPU from its RAM
 copy while the GPU takes the rest (one synchronisation per layer, no graph).
 Prefill runs in chunks: each layer's routed experts are copied into a staging area while
@@ -19,6 +21,7 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +34,7 @@ from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.quant import QType
 from kernels.router import route_topk
+from stratad.engine.batch import Seq, run_batch
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
@@ -41,7 +45,7 @@ from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
 from stratad.engine.offload_config import OffloadConfig
-from stratad.engine.passes import FUSED_MAX_TOKENS, Chunk, Decode, Pass
+from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slot_moves import SlotMoves
 from stratad.engine.slots import SlotPolicy, initial_residents
@@ -124,7 +128,7 @@ class OffloadForward:
         self.staging = ExpertStaging(self)
         self.cpu = CpuMisses(self)
         self.prefetch = ExpertPrefetch(self)
-        self.graph = DecodeGraph(self)
+        self.graph = DecodeGraph(self._decode_pass, device)
         self.slot_moves = SlotMoves(self)
         self.hits = self.lookups = self.moves = 0
 
@@ -238,7 +242,7 @@ class OffloadForward:
         x: torch.Tensor,
         parts: torch.Tensor | None,
         pos: torch.Tensor,
-        cache: KVCache,
+        caches: Sequence[KVCache],
         step: Pass,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i on the stream x [T, H] once the previous layer's `parts` are added to it:
@@ -247,7 +251,7 @@ class OffloadForward:
         w, stage = self.layers[i], self.timer.stage
         with stage("attention"):
             x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self.attention(w, i, h, pos, cache, step)
+            attn = self.attention(w, i, h, pos, caches, step)
         with stage("router"):
             x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
             weights, ids = self._route(w, h)
@@ -295,17 +299,31 @@ class OffloadForward:
 
     # -- the passes -----------------------------------------------------------------------
 
-    def _run(
-        self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, step: Pass
+    @property
+    def prefill_chunk(self) -> int:
+        return self.config.prefill_chunk
+
+    def run(
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache], step: Pass
+    ) -> torch.Tensor:
+        """Hidden states [T, H] of a pass after this engine's layers (see `batch.Layers`)."""
+        device = self.device
+        x = self.embed[torch.tensor(tokens, device=device)]
+        x, _ = self.run_layers(x, torch.tensor(pos, device=device), caches, step)
+        return x
+
+    def _decode_pass(
+        self, tokens: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, ids = self.run_layers(self.embed[tokens], pos, cache, step)
-        return self.head(x), ids  # [1, V], [L, k] of the last token
+        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence."""
+        x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)))
+        return self.head(x), ids.reshape(ids.shape[0], -1)
 
     def run_layers(
-        self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache, step: Pass
+        self, x: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache], step: Pass
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, k] of the
-        last token). A prefill chunk streams each layer's experts while the previous computes."""
+        """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, T, k]).
+        A staged pass streams each layer's experts while the previous layer computes."""
         all_ids = []
         if step.staged:
             self.staging.begin(self.layer_ids.start)
@@ -315,61 +333,39 @@ class OffloadForward:
         for i in self.layer_ids:
             if step.staged and i + 1 < self.layer_ids.stop:
                 self.staging.prefetch(i + 1)
-            x, parts, ids = self._layer(i, x, parts, pos, cache, step)
-            all_ids.append(ids[-1])
+            x, parts, ids = self._layer(i, x, parts, pos, caches, step)
+            all_ids.append(ids)
         self.prefetch.finish()
         assert parts is not None
         x = add_parts(x, parts)  # the last layer's experts
         return x, torch.stack(all_ids)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [1, V] of the last position."""
-        return self.linear(rms_norm(x[-1:], self.norm, self.spec.rms_eps), self.lm_head).float()
+        """Logits [R, V] float32 of the hidden rows x [R, H]."""
+        return self.linear(rms_norm(x, self.norm, self.spec.rms_eps), self.lm_head).float()
 
-    @torch.inference_mode()
-    def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
-        """Logits [V] after the prompt (appended to the cache in chunks)."""
-        if cache.length + len(tokens) > cache.capacity:
-            raise ValueError(f"{cache.length + len(tokens)} tokens exceed the KV cache")
-        chunk = self.config.prefill_chunk
-        logits = None
-        for b in range(0, len(tokens), chunk):
-            part = tokens[b : b + chunk]
-            start = cache.length
-            ids = torch.tensor(part, device=self.device)
-            pos = torch.arange(start, start + len(part), device=self.device)
-            logits, _ = self._run(ids, pos, cache, Chunk(start, len(part)))
-            cache.length += len(part)
-            cache.tokens.extend(part)
-        assert logits is not None
-        return logits[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Logits [V] after one more token."""
-        if cache.length + 1 > cache.capacity:
-            raise ValueError("the KV cache is full")
+    def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """Logits [B, V] after one more token of each sequence (see `batch.Layers`)."""
         self.slot_moves.apply()
         # a graph replays without the host, which must read the file tier's routed experts
         graph = self.config.pcie_frac == 1.0 and not self.files.enabled
         if self.config.graphs and self.device.type == "cuda" and graph:
-            logits, ids = self.graph.replay(token, cache)
+            logits, ids = self.graph.replay(tokens, caches)
         else:
-            tok = torch.tensor([token], device=self.device)
-            pos = torch.tensor([cache.length], device=self.device)
-            logits, ids = self._run(tok, pos, cache, Decode())
-        cache.length += 1
-        cache.tokens.append(token)
+            tok = torch.tensor(tokens, device=self.device)
+            pos = torch.tensor([c.length for c in caches], device=self.device)
+            logits, ids = self._decode_pass(tok, pos, caches)
         self.slot_moves.step(ids)
-        return logits[0]
+        return logits
+
+    @torch.inference_mode()
+    def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        """One step of a batch: each sequence's logits ([1, V], or [T, V] if it asks)."""
+        return run_batch(self, seqs)
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """The ReferenceForward interface: logits [1, V] of the last token."""
-        if all_logits:
-            raise ValueError("the offload engine returns the last token's logits only")
-        if len(tokens) == 1 and cache.length > 0:
-            return self.decode(tokens[0], cache)[None]
-        return self.prefill(tokens, cache)[None]
+        """The ReferenceForward interface: logits [1, V] of the last token ([T, V] of all)."""
+        return self.step([Seq(cache, tokens, all_logits)])[0]
 
     @property
     def hit_rate(self) -> float:

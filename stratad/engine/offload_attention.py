@@ -9,6 +9,7 @@ scaled_dot_product_attention over the cache up to its end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +44,8 @@ class OffloadAttention:
         self.counts = attention_counts(1, spec.n_kv_heads, e.device)  # the kernel's scratch
 
     def begin_decode(self, pos: torch.Tensor) -> None:
-        """A decode pass at positions pos: the cache's length, once for every layer."""
-        self.lens = pos[-1:] + 1
+        """A decode pass at positions pos [B]: each cache's length, once for every layer."""
+        self.lens = pos + 1
 
     def __call__(
         self,
@@ -52,12 +53,32 @@ class OffloadAttention:
         i: int,
         h: torch.Tensor,
         pos: torch.Tensor,
-        cache: KVCache,
+        caches: Sequence[KVCache],
         step: Pass,
     ) -> torch.Tensor:
-        """Layer i's attention output [T, H] for h [T, H] at positions pos [T]."""
-        e, spec, t = self.engine, self.engine.spec, h.shape[0]
+        """Layer i's attention output [T, H] for h [T, H] at positions pos [T]: the qkv and
+        output projections over every row of the pass, attention per sequence."""
+        e, spec = self.engine, self.engine.spec
         qkv = e.linear(h, w.qkv, w.qkv_bias)
+        outs = [
+            self._one(w, i, qkv[rows], pos[rows], cache, step, b)
+            for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return e.linear(out.reshape(h.shape[0], spec.q_dim), w.o)
+
+    def _one(
+        self,
+        w: DenseLayer,
+        i: int,
+        qkv: torch.Tensor,
+        pos: torch.Tensor,
+        cache: KVCache,
+        step: Pass,
+        b: int,
+    ) -> torch.Tensor:
+        """Sequence b's attention [T, Hq, D] for its rows qkv [T, qkv] at positions pos [T]."""
+        e, spec = self.engine, self.engine.spec
         if step.decode and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
@@ -65,18 +86,16 @@ class OffloadAttention:
         else:
             q = self._input(w, i, qkv, pos, cache)
         if isinstance(step, Decode):  # split-K over the static cache
-            kv = cache.k[i][None], cache.v[i][None]
-            out = decode_attention(q, *kv, self.lens, config=e.config.kernels.attention,
-                                   counts=self.counts)  # fmt: skip
-            return e.linear(out.reshape(t, spec.q_dim), w.o)
-        start, rep = step.start, spec.n_heads // spec.n_kv_heads
+            kv, cfg = (cache.k[i][None], cache.v[i][None]), e.config.kernels.attention
+            return decode_attention(q, *kv, self.lens[b : b + 1], config=cfg, counts=self.counts)
+        t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
         bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
         out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-        return e.linear(out[0].transpose(0, 1).reshape(t, spec.q_dim), w.o)
+        return out[0].transpose(0, 1)
 
     def _input(
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache

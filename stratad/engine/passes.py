@@ -1,52 +1,87 @@
-"""What one pass of the offload engine computes: a decode step or a chunk of a prompt.
+"""What one pass of the offload engine computes: a decode step or a chunk of prompts.
 
-A pass object replaces the old sentinel (`start=None` meant decode) and the token-count
-thresholds spread over the engine: each helper asks the pass what it is.
+A pass covers a batch: B sequences, each with its own KV cache and its own new tokens, laid
+out one after the other in the pass's rows. A pass object replaces the old sentinel
+(`start=None` meant decode) and the token-count thresholds spread over the engine: each
+helper asks the pass what it is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A chunk of at most this many tokens routes to few experts: the fused kernels read each
-# routed expert where it is (VRAM slot, or a miss path). Longer chunks route to nearly every
+# A pass of at most this many tokens routes to few experts: the fused kernels read each
+# routed expert where it is (VRAM slot, or a miss path). Longer passes route to nearly every
 # expert of a layer, so the layer's experts are staged whole and run as grouped GEMMs.
 FUSED_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
-class Decode:
-    """One new token through the static cache. Its position is read on the device, so one
-    captured graph serves every step of a cache; its routing moves experts between steps."""
-
-    tokens: int = 1
-
-    decode = True
-    staged = False
-
-    @property
-    def fused(self) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """`tokens` prompt tokens at positions start.., attending over the cache up to their end."""
+class Span:
+    """One sequence's share of a chunk: `tokens` new tokens at positions start.."""
 
     start: int
     tokens: int
 
-    decode = False
+
+@dataclass(frozen=True)
+class Decode:
+    """One new token for each of `seqs` sequences (row b is sequence b). The positions are
+    read on the device, so one captured graph serves every step of the same caches."""
+
+    seqs: int = 1
+
+    decode = True
+
+    @property
+    def tokens(self) -> int:
+        return self.seqs
 
     @property
     def staged(self) -> bool:
-        """Every expert of a layer staged into VRAM for grouped GEMMs (a long chunk)."""
+        return self.tokens > FUSED_MAX_TOKENS
+
+    @property
+    def fused(self) -> bool:
+        return not self.staged
+
+    def rows(self) -> list[slice]:
+        """Each sequence's rows of the pass."""
+        return [slice(b, b + 1) for b in range(self.seqs)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens of one or more sequences, each attending over its cache up to its end."""
+
+    spans: tuple[Span, ...]
+
+    decode = False
+
+    @classmethod
+    def one(cls, start: int, tokens: int) -> Chunk:
+        return cls((Span(start, tokens),))
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.spans)
+
+    @property
+    def staged(self) -> bool:
+        """Every expert of a layer staged into VRAM for grouped GEMMs (a long pass)."""
         return self.tokens > FUSED_MAX_TOKENS
 
     @property
     def fused(self) -> bool:
         """The routed experts through the fused kernels, as a decode step reads them."""
         return not self.staged
+
+    def rows(self) -> list[slice]:
+        out, at = [], 0
+        for s in self.spans:
+            out.append(slice(at, at + s.tokens))
+            at += s.tokens
+        return out
 
 
 Pass = Decode | Chunk

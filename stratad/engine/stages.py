@@ -14,10 +14,11 @@ from dataclasses import replace
 
 import torch
 
+from stratad.engine.batch import Seq, run_batch
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.offload import OffloadConfig, OffloadForward
-from stratad.engine.passes import Chunk, Decode, Pass
+from stratad.engine.passes import Decode, Pass
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 
@@ -146,38 +147,35 @@ class StagedForward:
         v = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
         return KVCache(k, v)
 
-    def _through(self, tokens: list[int], cache: KVCache, step: Pass) -> torch.Tensor:
-        """Every stage over `tokens` at positions cache.length.., handing x from one device
-        to the next; the logits [1, V] of the last token."""
+    @property
+    def prefill_chunk(self) -> int:
+        return self.config.prefill_chunk
+
+    def run(
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache], step: Pass
+    ) -> torch.Tensor:
+        """Every stage over a pass, handing x from one device to the next (`batch.Layers`)."""
         first = self.stages[0]
         x = first.embed[torch.tensor(tokens, device=first.device)]
         for stage in self.stages:
             x = x.to(stage.device)
-            pos = torch.arange(cache.length, cache.length + len(tokens), device=stage.device)
-            x, ids = stage.run_layers(x, pos, cache, step)
+            x, ids = stage.run_layers(x, torch.tensor(pos, device=stage.device), caches, step)
             if step.decode:
-                stage.slot_moves.step(ids)  # this stage's routing counts, cache moves
-        return self.stages[-1].head(x)
+                stage.slot_moves.step(ids.reshape(ids.shape[0], -1))  # its counts and moves
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages[-1].head(x.to(self.stages[-1].device))
+
+    def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        for stage in self.stages:
+            stage.slot_moves.apply()
+        x = self.run(tokens, [c.length for c in caches], caches, Decode(len(caches)))
+        return self.head(x)
 
     @torch.inference_mode()
+    def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        return run_batch(self, seqs)
+
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        if all_logits:
-            raise ValueError("the offload engine returns the last token's logits only")
-        if cache.length + len(tokens) > cache.capacity:
-            raise ValueError(f"{cache.length + len(tokens)} tokens exceed the KV cache")
-        if len(tokens) == 1 and cache.length > 0:  # decode
-            for stage in self.stages:
-                stage.slot_moves.apply()
-            last = self._through(tokens, cache, Decode())
-            cache.length += 1
-            cache.tokens.extend(tokens)
-            return last
-        chunk = self.config.prefill_chunk
-        logits: torch.Tensor | None = None
-        for b in range(0, len(tokens), chunk):
-            part = tokens[b : b + chunk]
-            logits = self._through(part, cache, Chunk(cache.length, len(part)))
-            cache.length += len(part)
-            cache.tokens.extend(part)
-        assert logits is not None
-        return logits
+        return self.step([Seq(cache, tokens, all_logits)])[0]

@@ -1,0 +1,103 @@
+"""Decode throughput of the offload engine with B sequences per step.
+
+    python -m bench.batch_decode --model a3b.gguf --expert-vram-gib 4 --batches 1,2,4,8
+
+Each of B sequences gets its own random prompt of --prompt-len tokens (prefilled as one
+batch), then the whole batch decodes --decode-tokens steps. Printed per B: the aggregate
+tokens/s (B x steps over the time) and the step time, each the median of --repeats with
+the spread.
+A step reads each routed expert once for all of its tokens, so the ceiling of B sequences
+is B times the one-sequence rate (every token routed to the same experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.tuning import KernelConfigs, load_configs
+from stratad.engine.batch import Seq
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.model.loader import load_model
+
+
+def _spread(xs: list[float]) -> dict[str, object]:
+    return {"median": statistics.median(xs), "spread": [min(xs), max(xs)]}
+
+
+def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[str, object]:
+    spec = engine.spec
+    gen = torch.Generator().manual_seed(b)
+    caches = [engine.new_cache(args.prompt_len + args.decode_tokens + 8) for _ in range(b)]
+    tps, step_ms = [], []
+    for _ in range(args.repeats):
+        for c in caches:
+            c.truncate(0)
+        prompts = [torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=gen).tolist()
+                   for _ in range(b)]  # fmt: skip
+        logits = engine.step([Seq(c, p) for c, p in zip(caches, prompts, strict=True)])
+        tokens = [int(lg[-1].argmax()) for lg in logits]
+        logits = engine.step([Seq(c, [t]) for c, t in zip(caches, tokens, strict=True)])  # capture
+        torch.cuda.synchronize()
+        engine.slot_moves.flush()
+        t = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            tokens = [int(lg[-1].argmax()) for lg in logits]
+            logits = engine.step([Seq(c, [x]) for c, x in zip(caches, tokens, strict=True)])
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        tps.append(b * args.decode_tokens / dt)
+        step_ms.append(1e3 * dt / args.decode_tokens)
+    return {"batch": b, "tok_s": _spread(tps), "step_ms": _spread(step_ms)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.batch_decode", description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--expert-vram-gib", type=float, default=4.0)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--kernel-table", type=Path)
+    p.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = p.parse_args()
+    configs = load_configs(args.kernel_table) if args.kernel_table else KernelConfigs()
+    cfg = OffloadConfig(
+        expert_vram_bytes=int(args.expert_vram_gib * 2**30),
+        max_context=args.prompt_len + args.decode_tokens + 8,
+        prefill_chunk=4096,
+        graphs=not args.no_graphs,
+        kernels=configs,
+    )
+    engine = OffloadForward(load_model(Path(args.model)), torch.device("cuda"), cfg)
+    rows = [measure(engine, b, args) for b in args.batches]
+    one = next((r for r in rows if r["batch"] == 1), None)
+    print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.n_slots} slots, graphs"
+          f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts")
+    print("| B | tok/s (all sequences) | ms/step | ceiling (B x B=1) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        t, s = r["tok_s"], r["step_ms"]
+        assert isinstance(t, dict) and isinstance(s, dict)
+        ceiling = ""
+        if one is not None:
+            t1 = one["tok_s"]
+            assert isinstance(t1, dict)
+            ceiling = f"{r['batch'] * t1['median']:,.1f}"  # type: ignore[operator]
+        lo, hi = t["spread"]  # type: ignore[misc]
+        print(f"| {r['batch']} | {t['median']:,.1f} ({lo:,.1f}–{hi:,.1f}) | "
+              f"{s['median']:.2f} | {ceiling} |")  # fmt: skip
+    if args.json:
+        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": given, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The batched forward: B sequences per step, each token stream equal to running it alone.
+
+The reference engine defines every sequence's greedy tokens, run one sequence at a time. The
+offload engine runs them as one batch: their prompts packed into shared prefill chunks
+(staged and fused), then decode steps of every sequence still running, so the batch shrinks
+as sequences finish (B = 5 down to 1), across the VRAM, RAM and file tiers and each miss path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.tuning import INTERPRETED, KernelConfigs
+from stratad.engine.batch import Seq, check_batch, chunks
+from stratad.engine.experts import blob_layout
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.stages import StagedForward
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.model.synth import get_preset, write_synth
+
+# ragged: a one-token prompt, prompts shorter and longer than a 16-token chunk
+PROMPTS = [list(range(100, 103)), list(range(200, 207)), [300], list(range(400, 420)),
+           list(range(500, 511))]  # fmt: skip
+STEPS = [4, 2, 5, 3, 1]  # tokens each sequence generates: the batch shrinks as they finish
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
+    write_synth(get_preset("tiny-moe"), path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_moe: Model) -> list[list[int]]:
+    """Each sequence's greedy tokens from the reference engine, one sequence at a time."""
+    ref = ReferenceForward(tiny_moe)
+    out = []
+    for prompt, n in zip(PROMPTS, STEPS, strict=True):
+        cache = ref.new_cache(64)
+        logits, tokens = ref(prompt, cache)[-1], []
+        for _ in range(n):
+            tokens.append(int(logits.argmax()))
+            logits = ref([tokens[-1]], cache)[-1]
+        out.append(tokens)
+    return out
+
+
+def batched(engine, which: list[int]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Greedy tokens of the sequences `which`, all run in one batch."""
+    caches = [engine.new_cache(64) for _ in which]
+    logits = engine.step([Seq(c, PROMPTS[b]) for c, b in zip(caches, which, strict=True)])
+    out = [[int(lg[-1].argmax())] for lg in logits]
+    while live := [i for i, b in enumerate(which) if len(out[i]) < STEPS[b]]:
+        logits = engine.step([Seq(caches[i], [out[i][-1]]) for i in live])
+        for i, lg in zip(live, logits, strict=True):
+            out[i].append(int(lg[-1].argmax()))
+    return out
+
+
+def _offload(model: Model, device: str, ram: bool = True, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
+    spec = model.spec
+    budget = 3 * spec.n_layers * blob_layout(model).nbytes  # 3 of 8 experts per layer in VRAM
+    kw.setdefault("kernels", INTERPRETED if device == "cpu" else KernelConfigs())
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16, **kw)
+    # odd experts only in the file: the three tiers in one batch
+    copies = None if ram else [[x for x in range(spec.n_experts) if x % 2 == 0]] * spec.n_layers
+    return OffloadForward(model, torch.device(device), cfg, ram=copies)
+
+
+def test_chunks_pack_in_order() -> None:
+    assert list(chunks([3, 7, 1, 20, 11], 16)) == [
+        [(0, 0, 3), (1, 0, 7), (2, 0, 1), (3, 0, 5)],
+        [(3, 5, 15), (4, 0, 1)],
+        [(4, 1, 10)],
+    ]
+    assert list(chunks([4], 16)) == [[(0, 0, 4)]]
+
+
+def test_bad_batches_refused(tiny_moe: Model) -> None:
+    ref = ReferenceForward(tiny_moe)
+    cache = ref.new_cache(4)
+    with pytest.raises(ValueError, match="share a KV cache"):
+        check_batch([Seq(cache, [1]), Seq(cache, [2])])
+    with pytest.raises(ValueError, match="5 tokens exceed the KV cache of 4"):
+        check_batch([Seq(cache, [1] * 5)])
+    with pytest.raises(ValueError, match="no new tokens"):
+        check_batch([Seq(cache, [])])
+
+
+@pytest.mark.parametrize(
+    ("which", "kw"),
+    [
+        ([0, 1, 2, 3, 4], {"gpu_miss": "copy", "ram": False}),  # B = 5, three tiers
+        ([0, 2], {"gpu_miss": "in_place", "pcie_frac": 0.5}),  # a fused chunk of two prompts
+    ],
+    ids=["b5-files-copy", "b2-cpu-misses"],
+)
+def test_batch_tokens_equal_alone_cpu(
+    tiny_moe: Model, alone: list[list[int]], which: list[int], kw: dict[str, object]
+) -> None:
+    engine = _offload(tiny_moe, "cpu", graphs=False, **kw)  # type: ignore[arg-type]
+    assert batched(engine, which) == [alone[b] for b in which]
+    if not kw.get("ram", True):
+        assert engine.host.file_reads > 0
+
+
+def test_verify_window_logits_cpu(tiny_moe: Model) -> None:
+    """A sequence asking for every new token's logits (a drafted window to verify) gets the
+    reference's, next to a sequence in decode."""
+    ref, engine = ReferenceForward(tiny_moe), _offload(tiny_moe, "cpu")
+    r_cache, a, b = ref.new_cache(64), engine.new_cache(64), engine.new_cache(64)
+    ref(PROMPTS[0], r_cache)
+    engine.step([Seq(a, PROMPTS[0]), Seq(b, PROMPTS[1])])
+    want = ref([7, 8, 9], r_cache, all_logits=True)
+    got, _ = engine.step([Seq(a, [7, 8, 9], all_logits=True), Seq(b, [5])])
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-3
+
+
+def test_staged_batch_cpu(tiny_moe: Model, alone: list[list[int]]) -> None:
+    """A layer split runs the batch through both stages."""
+    budget = 2 * tiny_moe.spec.n_layers * blob_layout(tiny_moe).nbytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+                        kernels=INTERPRETED)  # fmt: skip
+    cpu = torch.device("cpu")
+    staged = StagedForward(tiny_moe, [cpu, cpu], [0, tiny_moe.spec.n_layers // 2,
+                                                  tiny_moe.spec.n_layers], cfg)  # fmt: skip
+    assert batched(staged, [0, 2]) == [alone[0], alone[2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("ram", [True, False])
+def test_batch_tokens_equal_alone_gpu(
+    tiny_moe: Model, alone: list[list[int]], graphs: bool, ram: bool
+) -> None:
+    engine = _offload(tiny_moe, "cuda", ram=ram, graphs=graphs)
+    assert batched(engine, [0, 1, 2, 3, 4]) == alone
+    if graphs and ram:  # one capture per set of caches the batch held (4, 3, 2 and 1)
+        assert engine.graph.captured == 4
