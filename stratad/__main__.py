@@ -14,6 +14,10 @@ from stratad.env import Env
 
 log = logging.getLogger("stratad")
 
+# A model or pack that cannot be served as it is (a damaged blob, an unsupported tensor type):
+# EX_DATAERR. Restarting would fail the same way, so the unit's RestartPreventExitStatus lists it.
+EXIT_BAD_MODEL = 65
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from stratad.model.spec import ModelError
     from stratad.server.app import Server
     from stratad.store.admission import AdmissionRefused
+    from stratad.store.manifest import PackError
 
     # Operations: control socket, systemd notify/watchdog, drain (stratad/control/lifecycle.py)
     ops = Operations(config)
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     def load_failed(e: BaseException) -> None:
         if isinstance(e, AdmissionRefused):
             log.error("%s", e)
-        elif isinstance(e, (ModelError, RuntimeError, OSError)):
+        elif isinstance(e, (ModelError, PackError, RuntimeError, OSError)):
             log.error("cannot load the model: %s", e)
         else:
             log.error("cannot load the model", exc_info=e)
@@ -101,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ops.serve(server.app, config.server.host, config.server.port)
     if failed:
         # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
-        return failed[0].exit_code if isinstance(failed[0], AdmissionRefused) else 1
+        if isinstance(failed[0], AdmissionRefused):
+            return failed[0].exit_code
+        return EXIT_BAD_MODEL if isinstance(failed[0], (ModelError, PackError)) else 1
     return 0
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from stratad.config import Config
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layout, kernel_layout
+from stratad.engine.host_experts import HostExperts
 from stratad.engine.kernel_table import kernel_configs
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import StartPlan
@@ -97,12 +98,14 @@ def open_offload(
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
+    # the RAM tier, read through the store's source: a pack's checksums are verified here
+    host = HostExperts(source, kernel_layout(model), ram)
     if len(start.devices) == 1:
-        forward = OffloadForward(model, device, cfg, residents=plan.residents(), ram=ram,
+        forward = OffloadForward(model, device, cfg, residents=plan.residents(), host=host,
                                  pin=_pin_settings(config, on_pin_progress))  # fmt: skip
     else:
         forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
-                                ram=ram)  # fmt: skip
+                                host=host)  # fmt: skip
     forward.timer = timer
     forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
     log.info(

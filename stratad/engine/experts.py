@@ -7,15 +7,16 @@ matrices at fixed offsets from one address.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.moe import split_q4_0, unsplit_q4_0
+from kernels.moe import split_q4_0, split_q4_0_ok, unsplit_q4_0
 from kernels.quant import QTensor, QType
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
+from stratad.store.manifest import ExpertLayout
 
 
 @dataclass(frozen=True)
@@ -85,18 +86,27 @@ def blob_layout(model: Model) -> BlobLayout:
     )
 
 
-def copy_expert(
-    model_layers: list[MoEWeights], layer: int, expert: int, out: torch.Tensor, layout: BlobLayout
+def kernel_layout(model: Model) -> BlobLayout:
+    """The blob layout the fast engine's kernels read: Q4_0 in the split layout."""
+    layout = blob_layout(model)
+    spec = model.spec
+    shapes = ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
+    if layout.qtype != QType.Q4_0 or not all(split_q4_0_ok(r, c) for r, c in shapes):
+        raise ModelError(
+            f"{model.source}: the offload engine reads Q4_0 experts, not {layout.qtype.name}"
+        )
+    return replace(layout, split=True)
+
+
+def from_stored(
+    raw: torch.Tensor, stored: ExpertLayout, out: torch.Tensor, layout: BlobLayout
 ) -> None:
-    """Write one expert's blob into `out` [nbytes] (from the mapped model file)."""
-    w = model_layers[layer].experts.expert(expert)
-
-    def raw(t: QTensor) -> torch.Tensor:
-        return split_q4_0(t.data) if layout.split else t.data.reshape(-1).view(torch.uint8)
-
-    out[: layout.gate_bytes].copy_(raw(w.gate))
-    out[layout.up_offset : layout.down_offset].copy_(raw(w.up))
-    out[layout.down_offset :].copy_(raw(w.down))
+    """Write into out [nbytes] the kernels' blob of an expert read in the store's layout
+    (raw: its bytes as `stratactl pack` writes them, e.g. read from experts.bin)."""
+    ends = (layout.up_offset, layout.down_offset, layout.nbytes)
+    for start, end, t in zip((0, *ends[:2]), ends, stored.projections, strict=True):
+        data = raw[t.offset : t.offset + t.nbytes].view(t.shape[0], -1)
+        out[start:end].copy_(split_q4_0(data) if layout.split else data.reshape(-1))
 
 
 def dequant_split(sections: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -1,6 +1,10 @@
 """The host copies of the expert blobs the plan keeps in RAM, page-locked so kernels can read
 them in place; the others stay in the model file and are read from it on use (`file_read`),
-counted as file reads."""
+counted as file reads.
+
+Every blob comes through the store's `ExpertSource` (a pack's experts.bin, whose checksums
+are verified on each blob's first read, or the model file read in place) and is turned into
+the kernels' layout on the way (`experts.from_stored`)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from stratad.engine.experts import BlobLayout, copy_expert, moe_layers
-from stratad.model.spec import Model
+from stratad.engine.experts import BlobLayout, from_stored
+from stratad.store.sources import ExpertSource
 
 log = logging.getLogger("stratad.engine")
 PAGE = mmap.PAGESIZE
@@ -22,21 +26,22 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 class HostExperts:
     """The RAM tier: one host buffer [rows, nbytes] holding the blobs of `ram` (each layer's
     experts with a RAM copy; None: every expert), page-locked for in-place reads. The others
-    are read from the model file into a caller's buffer (`file_read`)."""
+    are read from `source` into a caller's buffer (`file_read`). A blob that fails its
+    checksum raises `BlobCorrupt`, naming it."""
 
     def __init__(
-        self, model: Model, layout: BlobLayout, ram: Sequence[Sequence[int]] | None = None
+        self, source: ExpertSource, layout: BlobLayout, ram: Sequence[Sequence[int]] | None = None
     ) -> None:
-        spec = model.spec
-        self.layout = layout
-        every = range(spec.n_experts)
+        self.source, self.layout = source, layout
+        every = range(source.n_experts)
         self.row_of: list[dict[int, int]] = []
         n = 0
-        for layer in range(spec.n_layers):
+        for layer in range(source.n_layers):
             experts = sorted(ram[layer]) if ram is not None else every
             self.row_of.append({e: n + i for i, e in enumerate(experts)})
             n += len(experts)
-        self.complete = n == spec.n_layers * spec.n_experts
+        total = source.n_layers * source.n_experts
+        self.complete = n == total
         # Page-aligned anonymous memory with each blob starting on a page: registration
         # chunks hold whole blobs, so no copy ever spans two registrations.
         self.stride = -(-layout.nbytes // PAGE) * PAGE
@@ -45,17 +50,22 @@ class HostExperts:
         self.buffer = arena.view(max(n, 1), self.stride)[:, : layout.nbytes]
         self._registered: list[int] = []
         self._pinned = 0
-        self._layers = moe_layers(model)
+        self._raw = torch.empty(max(lay.nbytes for lay in source.layouts), dtype=torch.uint8)
         self.file_reads = self.file_bytes = 0
         t0 = time.monotonic()
         for layer, rows in enumerate(self.row_of):
             for e, row in rows.items():
-                copy_expert(self._layers, layer, e, self.buffer[row], layout)
+                self._copy(layer, e, self.buffer[row])
         log.info(
-            "experts: %.2f GiB read into RAM in %.1f s (%d of %d blobs; the rest are read"
-            " from the file on use)", n * self.stride / 2**30, time.monotonic() - t0, n,
-            spec.n_layers * spec.n_experts,
+            "experts: %.2f GiB read into RAM from %s in %.1f s (%d of %d blobs; the rest are"
+            " read from the file on use)", n * self.stride / 2**30, source.label,
+            time.monotonic() - t0, n, total,
         )  # fmt: skip
+
+    def _copy(self, layer: int, expert: int, out: torch.Tensor) -> None:
+        """Read a blob from the source (verified there) into out [nbytes], kernel layout."""
+        self.source.read_into(layer, expert, self._raw)
+        from_stored(self._raw, self.source.layouts[layer], out, self.layout)
 
     def has(self, layer: int, expert: int) -> bool:
         return expert in self.row_of[layer]
@@ -66,7 +76,7 @@ class HostExperts:
 
     def file_read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
         """Read a blob from the model file into out [nbytes] (the kernels' layout)."""
-        copy_expert(self._layers, layer, expert, out, self.layout)
+        self._copy(layer, expert, out)
         self.file_reads += 1
         self.file_bytes += self.layout.nbytes
         return out

@@ -30,15 +30,14 @@ import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
 from kernels.linear import MAX_TOKENS, decode_linear
-from kernels.moe import moe_down, moe_gate_up, split_q4_0_ok
+from kernels.moe import moe_down, moe_gate_up
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
-from kernels.quant import QType
 from kernels.router import route_topk
 from stratad.engine.batch import Seq, run_batch
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import kernel_layout
 from stratad.engine.file_misses import FileMisses
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
@@ -52,6 +51,7 @@ from stratad.engine.slots import SlotPolicy, initial_residents
 from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
+from stratad.store.sources import ModelExperts
 
 log = logging.getLogger("stratad.engine")
 
@@ -80,18 +80,7 @@ class OffloadForward:
         self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
-        layout = blob_layout(model)
-        if layout.qtype == QType.Q4_0 and all(
-            split_q4_0_ok(r, c)
-            for r, c in ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
-        ):
-            layout = replace(layout, split=True)
-        self.layout = layout
-        if not self.layout.split:
-            raise ModelError(
-                f"{model.source}: the offload engine reads Q4_0 experts,"
-                f" not {self.layout.qtype.name}"
-            )
+        self.layout = kernel_layout(model)
         self.device, self.config, self.dtype = device, config, config.dtype
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
@@ -113,7 +102,7 @@ class OffloadForward:
         self.lm_head = (
             (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
         )
-        self.host = host or HostExperts(model, self.layout, ram)
+        self.host = host or HostExperts(ModelExperts(model), self.layout, ram)
         if device.type == "cuda" and not self.host.registered:
             self.host.pin(**(pin or {}))
         self._off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])

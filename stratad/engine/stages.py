@@ -71,6 +71,7 @@ class StagedForward:
         config: OffloadConfig,
         residents: list[list[int]] | None = None,
         ram: list[list[int]] | None = None,
+        host: HostExperts | None = None,
     ) -> None:
         if len(bounds) != len(devices) + 1 or bounds[0] != 0 or bounds[-1] != model.spec.n_layers:
             raise ModelError(
@@ -79,7 +80,6 @@ class StagedForward:
         self.spec = model.spec
         # each stage's share of the expert VRAM follows its share of the layers
         self.stages: list[OffloadForward] = []
-        host = None
         for device, lo, hi in zip(devices, bounds[:-1], bounds[1:], strict=True):
             share = config.expert_vram_bytes * (hi - lo) // model.spec.n_layers
             cfg = replace(config, expert_vram_bytes=share, graphs=False)
