@@ -208,9 +208,9 @@ def _decode_attention_kernel(
         q, k_base, v_base, stride_ks, stride_vs, start, end, scale, D, BLOCK_G, BLOCK_D,
         BLOCK_S, DOT_F32,
     )  # fmt: skip
-    if N_SPLITS == 1:
-        out_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
+        whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(whole_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         return
     ml_at = b * stride_mb + heads * stride_mh + split
     tl.store(m_ptr + ml_at, m_i, mask=g < GROUP)
