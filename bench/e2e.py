@@ -245,6 +245,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "timing": timing,
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,
+        "decode_tokens": args.decode_tokens,
+        "prompt_len": args.prompt_len,
         "prefetch": engine.prefetch.enabled,
         "prefetch_programs": configs.prefetch.programs,
         "fetch_gbs": reads["fetch"],
@@ -298,7 +300,8 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         "",
         "| figure | median (min–max) | ceiling | ratio |",
         "| --- | --- | --- | --- |",
-        f"| decode tok/s (256 after 1K) | {_spread(d)} | {r['decode_ceiling_both']:,.1f} "
+        f"| decode tok/s ({r.get('decode_tokens', 256)} after {r.get('prompt_len', 1024):,})"
+        f" | {_spread(d)} | {r['decode_ceiling_both']:,.1f} "
         f"(PCIe alone {r['decode_ceiling_pcie']:,.1f}) | "
         f"{statistics.median(d) / r['decode_ceiling_both']:.0%} |",
         f"| decode hit rate | {r['hit_rate']:.1%} | | |",
