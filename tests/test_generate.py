@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from stratad.engine.forward import ReferenceForward
-from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.sampling import SamplingParams
 from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.sequence import GenerationRequest
 
 GREEDY = SamplingParams(temperature=0.0)
 

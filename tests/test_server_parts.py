@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from stratad.engine.forward import ReferenceForward
-from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
-from stratad.engine.scheduler import Scheduler, Unavailable
-from stratad.jobs import Job, PreparedJob
 from stratad.model.loader import load_model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.jobs import Job, PreparedJob
+from stratad.runtime.scheduler import Scheduler, Unavailable
+from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed
 from stratad.server.metrics import Registry, ServerMetrics
 from tests.server_helpers import tiny_moe_path

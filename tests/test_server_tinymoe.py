@@ -289,7 +289,7 @@ def test_openapi_served_equals_repo_copy(daemon: Daemon) -> None:
 
 def test_server_imports_no_torch() -> None:
     code = (
-        "import sys, stratad.server.app, stratad.server.openapi, stratad.engine.scheduler;"
+        "import sys, stratad.server.app, stratad.server.openapi, stratad.runtime.scheduler;"
         " sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from stratad.control.state import DaemonState
-from stratad.jobs import Delta, Job
+from stratad.runtime.jobs import Delta, Job
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

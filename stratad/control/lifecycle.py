@@ -120,7 +120,7 @@ class Operations:
     def install(self, app: web.Application, scheduler: Any = None) -> None:
         """Hook into the HTTP app before it starts: request counting, drain, STOPPING=1.
 
-        `scheduler` (duck-typed `stratad.engine.scheduler.Scheduler`) is told about a drain
+        `scheduler` (duck-typed `stratad.runtime.scheduler.Scheduler`) is told about a drain
         so that /health and /metrics agree, and gives the queue length to `status`.
         """
         app.middlewares.append(gate_middleware(self.state))

@@ -14,18 +14,19 @@ from stratad.config import Config
 from stratad.engine import placement
 from stratad.engine.backend import OffloadTiers, free_vram, open_offload
 from stratad.engine.forward import ReferenceForward
-from stratad.engine.generate import GenerationRequest, Generator
 from stratad.engine.offload import OffloadForward
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
-from stratad.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
 from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
+from stratad.runtime.generate import Generator
+from stratad.runtime.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
+from stratad.runtime.sequence import GenerationRequest
 from stratad.store.pinning import ProgressFn
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore

@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from stratad.config import ServerConfig
-from stratad.engine.scheduler import Backend, Scheduler, Ticket
+from stratad.runtime.scheduler import Backend, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.completions import Completions
 from stratad.server.errors import error_response

@@ -3,7 +3,7 @@
 Each request's job is cancelled when its client goes away: aiohttp cancels the handler (the
 daemon runs with `handler_cancellation`), a watcher polls the connection in case it does not,
 and a failed SSE write says so too. The engine then stops within one prefill chunk or one
-decode step (see `stratad.engine.scheduler`).
+decode step (see `stratad.runtime.scheduler`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import msgspec
 from aiohttp import web
 
 from stratad.config import ServerConfig
-from stratad.engine.scheduler import EngineFailed, Refused, Scheduler, Ticket
-from stratad.jobs import Delta, Job, JobError
+from stratad.runtime.jobs import Delta, Job, JobError
+from stratad.runtime.scheduler import EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.errors import error_response, param_of
 from stratad.server.metrics import ServerMetrics

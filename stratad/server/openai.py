@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from stratad.jobs import ChatMessage, Job
+from stratad.runtime.jobs import ChatMessage, Job
 
 MAX_STOP = 4
 MIN_TEMPERATURE = 1e-5  # lower temperatures are served greedily

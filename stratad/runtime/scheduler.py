@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Protocol
 
-from stratad.jobs import Delta, Job, JobError, PreparedJob
+from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
 
 log = logging.getLogger("stratad.scheduler")
 

@@ -1,0 +1,106 @@
+"""One request's generation as state a step advances: the prompt still to compute, then one
+sampled token per step until a stop condition.
+
+A `Sequence` owns its KV cache while it runs. `next_tokens` says what its next forward
+computes (a chunk of the prompt, or the last sampled token); `computed` records that the
+forward ran; `sample` turns the logits of its last position into the next `GenerationEvent`
+(the token, the text it completes, and why generation ended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stratad.engine.kv import KVCache
+from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.model.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    pin: int = 0  # leading prompt tokens to keep as a pinned prefix snapshot
+
+
+@dataclass
+class GenerationEvent:
+    """One step of output: the new token, the text it completes, and why generation ended."""
+
+    token: int  # the sampled token (the end-of-sequence token too)
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+
+
+class Sequence:
+    def __init__(
+        self, req: GenerationRequest, cache: KVCache, tokenizer: Tokenizer, max_context: int
+    ) -> None:
+        """`cache` already holds the first `cache.length` prompt tokens (a reused prefix)."""
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if len(req.prompt) + 1 > max_context:
+            raise ValueError(
+                f"prompt of {len(req.prompt)} tokens does not fit the context of {max_context}"
+            )
+        self.req, self.cache = req, cache
+        self.pos = cache.length  # prompt tokens in the cache
+        self.budget = min(req.max_tokens, max_context - len(req.prompt))
+        self.sampler = Sampler(req.sampling)
+        self.decoder = StreamDecoder(tokenizer)
+        self.eos = tokenizer.eos_ids
+        self.hold = max((len(s) for s in req.stop), default=0)
+        self.text, self.emitted, self.sampled = "", 0, 0
+        self.token: int | None = None  # the last sampled token, not yet in the cache
+        self.finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.req.prompt)
+
+    def next_tokens(self, chunk: int) -> list[int]:
+        """What the next forward computes: up to `chunk` prompt tokens (a chunk ends at the
+        pin, so that its KV can be snapshotted as it is), else the last sampled token."""
+        if self.prefilling:
+            end = min(self.pos + chunk, len(self.req.prompt))
+            if self.pos < self.req.pin < end:
+                end = self.req.pin
+            return self.req.prompt[self.pos : end]
+        assert self.token is not None
+        return [self.token]
+
+    def computed(self, n: int) -> None:
+        """The forward appended `n` prompt tokens that `next_tokens` gave."""
+        self.pos += n
+
+    def sample(self, logits: torch.Tensor) -> GenerationEvent:
+        """The next event from the logits [V] of the last position."""
+        token = self.token = self.sampler.sample(logits)
+        self.sampled += 1
+        if token in self.eos and not self.req.ignore_eos:
+            return self._end(token, self.text[self.emitted :] + self.decoder.flush(), "stop")
+        self.text += self.decoder.feed(token)
+        cut = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
+        if cut is not None:
+            return self._end(token, self.text[self.emitted : cut], "stop")
+        if self.sampled >= self.budget:
+            return self._end(token, self.text[self.emitted :] + self.decoder.flush(), "length")
+        # hold back text that could still turn into a stop string
+        safe = len(self.text) - (self.hold - 1 if self.hold else 0)
+        text = self.text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return GenerationEvent(token, text)
+
+    def _end(self, token: int, text: str, reason: str) -> GenerationEvent:
+        self.finish_reason = reason
+        return GenerationEvent(token, text, reason)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    found = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    return min(found) if found else None

@@ -1,0 +1,67 @@
+"""The step loop: several requests advanced together, one batched forward per step, each
+request's tokens equal to running it alone through the generator on the reference engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.tuning import INTERPRETED
+from stratad.engine.experts import blob_layout
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.prefix import PrefixStore
+from stratad.engine.sampling import SamplingParams
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.model.tokenizer import Tokenizer
+from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.sequence import GenerationRequest, Sequence
+from stratad.runtime.step import StepLoop
+from tests.test_store_fakes import tiny_moe_gguf
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Tokenizer]:
+    model = load_model(tiny_moe_gguf(tmp_path_factory))
+    return model, tokenizer_from_gguf(model.metadata)
+
+
+def _requests(tok: Tokenizer) -> list[GenerationRequest]:
+    texts = ["Hello there", "The capital of France is a city that", "A"]
+    return [
+        GenerationRequest(tok.encode(t, add_special=True), max_tokens=n, sampling=GREEDY,
+                          ignore_eos=True)
+        for t, n in zip(texts, (4, 2, 6), strict=True)
+    ]  # fmt: skip
+
+
+def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None:
+    model, tok = tiny
+    reqs = _requests(tok)
+    alone = Generator(ReferenceForward(model), tok, max_context=64, prefill_chunk=8)
+    want = [[e.token for e in alone.run(r)] for r in reqs]
+
+    budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=8,
+                        kernels=INTERPRETED, graphs=False)  # fmt: skip
+    engine = OffloadForward(model, torch.device("cpu"), cfg)
+    loop = StepLoop(engine, prefill_chunk=8, prefixes=PrefixStore(0, 0))
+    seqs = [Sequence(r, engine.new_cache(64), tok, 64) for r in reqs]
+    for s in seqs:
+        loop.add(s)
+    got: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
+    sizes = []
+    while loop.running:
+        sizes.append(len(loop.running))
+        for s, event in loop.step():
+            got[seqs.index(s)].append(event.token)
+    assert [got[i] for i in range(len(seqs))] == want
+    assert [s.finish_reason for s in seqs] == ["length"] * 3
+    assert sizes[0] == 3 and sizes[-1] == 1  # the batch shrinks as requests finish
+    with pytest.raises(ValueError, match="one running sequence"):
+        loop.add(seqs[0])
+        loop.add(Sequence(reqs[0], seqs[0].cache, tok, 64))
