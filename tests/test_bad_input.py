@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
+from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.model.loader import load_model
 from stratad.model.spec import ModelError
 
@@ -102,7 +103,8 @@ def test_daemon_reports_one_line(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1
+    # a model that cannot be served as it is: the exit code the unit never restarts
+    assert proc.returncode == EXIT_BAD_MODEL
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "has type Q5_0" in errors[0], proc.stderr
