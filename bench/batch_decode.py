@@ -44,7 +44,7 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
         tokens = [int(lg[-1].argmax()) for lg in logits]
         logits = engine.step([Seq(c, [t]) for c, t in zip(caches, tokens, strict=True)])  # capture
         torch.cuda.synchronize()
-        engine.slot_moves.flush()
+        engine.experts.flush()
         t = time.perf_counter()
         for _ in range(args.decode_tokens):
             tokens = [int(lg[-1].argmax()) for lg in logits]
@@ -79,7 +79,7 @@ def main() -> None:
     engine = OffloadForward(load_model(Path(args.model)), torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]
     one = next((r for r in rows if r["batch"] == 1), None)
-    print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.n_slots} slots, graphs"
+    print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"
           f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts")
     print("| B | tok/s (all sequences) | ms/step | ceiling (B x B=1) |")
     print("| --- | --- | --- | --- |")

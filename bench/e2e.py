@@ -198,12 +198,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         cache.length = 0
         cache.tokens.clear()
         logits = engine(prompt(args.prompt_len), cache)[0]
-        engine.hits = engine.lookups = 0
+        engine.experts.hits = engine.experts.lookups = 0
         token = int(logits.argmax())
         logits = engine([token], cache)[0]  # the first step captures the graph
         torch.cuda.synchronize()
-        engine.slot_moves.flush()  # the capture step's accounting stays out of the window
-        engine.hits = engine.lookups = 0
+        engine.experts.flush()  # the capture step's accounting stays out of the window
+        engine.experts.hits = engine.experts.lookups = 0
         engine.prefetch.reset_score()
         t = time.perf_counter()
         for _ in range(args.decode_tokens):
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             logits = engine([token], cache)[0]
         torch.cuda.synchronize()
         decode_tps.append(args.decode_tokens / (time.perf_counter() - t))
-        hit_rates.append(engine.hit_rate)
+        hit_rates.append(engine.experts.hit_rate)
         guessed.append(engine.prefetch.accuracy())
     hit = statistics.median(hit_rates)
     per_token = spec.n_layers * spec.n_experts_used * engine.layout.nbytes
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     ceiling_both = (bw["pinned"] + cpu_bw) * 1e9 / missed if missed else float("inf")
 
     prefill = {}
-    resident = engine.n_slots / (spec.n_layers * spec.n_experts)
+    resident = engine.experts.n_slots / (spec.n_layers * spec.n_experts)
     for n in args.prefill_lens:
         tps = []
         for _ in range(args.repeats):
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "fetch_gbs": reads["fetch"],
         "model": str(args.model),
         "expert_vram_gib": args.expert_vram_gib,
-        "slots_per_layer": engine.n_slots // spec.n_layers,
+        "slots_per_layer": engine.experts.n_slots // spec.n_layers,
         "n_experts": spec.n_experts,
         "blob_mib": engine.layout.nbytes / 2**20,
         "load_s": load_s,

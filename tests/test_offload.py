@@ -60,9 +60,9 @@ def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int, gpu_miss: str) 
     assert bool(off._fetch_buf.any()) == (gpu_miss == "copy" and slots < 8)
     assert off.cpu.experts == 0  # pcie_frac 1: the GPU takes every miss
     if slots == 8:
-        assert off.hit_rate == 1.0
+        assert off.experts.hit_rate == 1.0
     if slots == 0:
-        assert off.hit_rate == 0.0
+        assert off.experts.hit_rate == 0.0
 
 
 @pytest.mark.parametrize("slots", [0, 3])
@@ -104,9 +104,12 @@ def test_file_tier_same_tokens(
     assert (logits - ref_logits).abs().max() < 1e-3
     reads = off.host.file_reads
     assert reads > 0 and off.host.file_bytes == reads * off.layout.nbytes
+    table = off.experts
+    table.flush()  # the decode lookups by tier: each read from the file was counted as such
+    assert 0 < table.file_lookups <= table.lookups - table.hits
     # a slot holds an expert with a RAM copy, or one that started there (held for good)
-    start = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False).slot_of
-    for layer, slot_of in enumerate(off.slot_of):
+    start = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False).experts.slot_of
+    for layer, slot_of in enumerate(off.experts.slot_of):
         assert all(x % 2 == 0 or x in start[layer] for x in slot_of)
 
 
@@ -122,9 +125,10 @@ def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
     ref_tokens, _ = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
     tokens, _ = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
-    held = sum(len(s) for s in off.slot_of) + len(off.slot_moves.pending)  # pending: copy in flight
+    # pending: a copy in flight
+    held = sum(len(s) for s in off.experts.slot_of) + len(off.experts.pending)
     assert held == 2 * tiny_moe.spec.n_layers  # every slot holds (or is receiving) one expert
-    assert off.slot_of != [
+    assert off.experts.slot_of != [
         dict(zip(r, range(2), strict=True)) for r in initial_residents(tiny_moe.spec.n_layers, 8, 2)
     ]
 
@@ -231,7 +235,7 @@ def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float, gpu_miss: 
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
-    misses = off.lookups - off.hits
+    misses = off.experts.lookups - off.experts.hits
     if pcie_frac == 0.0:
         assert off.cpu.experts >= misses > 0  # every decode miss (prefill's too) on the CPU
     else:
@@ -240,6 +244,6 @@ def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float, gpu_miss: 
 
 def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
     off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=0.5)
-    ids = [[e for e in range(8) if e not in off.slot_of[0]][:2]] * 2  # 4 misses
-    assert off.cpu.slots(0, ids) == [(1, 0), (1, 1)]
-    assert off.cpu.slots(0, ids) == off.cpu.slots(0, ids)
+    ids = [[e for e in range(8) if e not in off.experts.slot_of[0]][:2]] * 2  # 4 misses
+    assert off.cpu.slots(0, ids, 0.5) == [(1, 0), (1, 1)]
+    assert off.cpu.slots(0, ids, 0.5) == off.cpu.slots(0, ids, 0.5)

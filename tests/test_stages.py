@@ -44,9 +44,9 @@ def test_two_stages_same_tokens_as_one(tiny_moe: Model) -> None:
     assert [s.layer_ids for s in staged.stages] == [range(0, 1), range(1, 4)]
     assert _greedy(staged, 6) == _greedy(ReferenceForward(tiny_moe), 6)
     # each stage keeps slots and counts for its own layers only
-    assert all(not staged.stages[0].slot_of[i] for i in range(1, 4))
+    assert all(not staged.stages[0].experts.slot_of[i] for i in range(1, 4))
     assert staged.stages[1].route_counts[0].sum() == 0 < staged.stages[1].route_counts[1].sum()
-    assert 0 < staged.hits < staged.lookups
+    assert 0 < sum(t.hits for t in staged.tables) < sum(t.lookups for t in staged.tables)
 
 
 def test_split_parsing_and_balance() -> None:
@@ -72,11 +72,11 @@ def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> No
     cpu = torch.device("cpu")
     staged = StagedForward(tiny_moe, [cpu, cpu], [0, 2, n], cfg)
     for stage in staged.stages:
-        assert stage.n_slots == 2 * len(stage.layer_ids)
-        assert [len(stage.slot_of[i]) for i in range(n)] == [
+        assert stage.experts.n_slots == 2 * len(stage.layer_ids)
+        assert [len(stage.experts.slot_of[i]) for i in range(n)] == [
             2 if i in stage.layer_ids else 0 for i in range(n)
         ]
-    assert staged.n_slots == 2 * n
+    assert sum(t.n_slots for t in staged.tables) == 2 * n
 
 
 def test_place_gives_each_stage_the_hottest_of_its_own_layers() -> None:

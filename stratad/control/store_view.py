@@ -200,11 +200,11 @@ def store_view_of(engine: Any, config: Any) -> ExpertStoreView | None:
     store = getattr(engine, "store", None)
     if store is None:
         return None
-    forward = getattr(engine, "forward", None)
-    counts = getattr(forward, "route_counts", None)
+    forward: Any = getattr(engine, "forward", None)
+    counted = hasattr(forward, "route_counts")  # read when asked (a split sums its stages then)
     return ExpertStoreView(
         store,
-        route_counts=(lambda: counts.tolist()) if counts is not None else None,
+        route_counts=(lambda: forward.route_counts.tolist()) if counted else None,
         profile_path=config.store.expert_profile,
         headroom_bytes=int(config.store.resident_headroom_gib * GiB),
     )

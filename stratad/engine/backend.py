@@ -45,7 +45,8 @@ def free_vram(config: Config, device: torch.device) -> list[int | None]:
 
 
 class OffloadTiers:
-    """The offload engine's tiers as the control socket sees a store (`plan`, `stats()`)."""
+    """The offload engine's tiers as the control socket sees a store (`plan`, `stats()`): the
+    counters are its expert tables' own (decode lookups by tier, moves, slots)."""
 
     def __init__(
         self,
@@ -63,13 +64,15 @@ class OffloadTiers:
         self.degraded = degraded  # admission ran a smaller plan than configured
 
     def stats(self) -> StoreStats:
-        f = self.forward
-        host = f.host
+        tables, host = self.forward.tables, self.forward.host
+        hits, lookups = sum(t.hits for t in tables), sum(t.lookups for t in tables)
+        files = sum(t.file_lookups for t in tables)
         return StoreStats(
-            plan_hash=self.plan.hash, vram_hits=f.hits, ram_hits=f.lookups - f.hits,
-            file_hits=0, evictions=f.moves, file_reads=host.file_reads, file_bytes=host.file_bytes,
-            pinned_bytes=f.host.pinned_bytes, planned_ram_bytes=f.host.nbytes,
-            vram_slots=f.n_slots,
+            plan_hash=self.plan.hash, vram_hits=hits, ram_hits=lookups - hits - files,
+            file_hits=files,
+            evictions=sum(t.moves for t in tables), file_reads=host.file_reads,
+            file_bytes=host.file_bytes, pinned_bytes=host.pinned_bytes,
+            planned_ram_bytes=host.nbytes, vram_slots=sum(t.n_slots for t in tables),
         )  # fmt: skip
 
 

@@ -9,51 +9,58 @@ step with a CPU share synchronises once per layer and is not captured as a graph
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from stratad.engine.expert_table import ExpertTable
 from stratad.engine.layers import swiglu
+from stratad.engine.timing import StageTimer
 
-if TYPE_CHECKING:
-    from stratad.engine.offload import OffloadForward
+GpuExperts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CpuMisses:
-    def __init__(self, engine: OffloadForward) -> None:
-        self.engine = engine
+    def __init__(self, experts: ExpertTable, hidden: int) -> None:
+        self.table, self.hidden = experts, hidden
         self.experts = 0  # expert computations done on the CPU so far
         # a blob only the file holds is read into this, on the host
-        self._scratch = torch.empty(engine.layout.nbytes, dtype=torch.uint8)
+        self._scratch = torch.empty(experts.layout.nbytes, dtype=torch.uint8)
 
-    def slots(self, layer: int, ids: list[list[int]]) -> list[tuple[int, int]]:
-        """The (token, slot) pairs whose missed expert the CPU computes."""
-        resident = self.engine.slot_of[layer]
+    def slots(self, layer: int, ids: list[list[int]], pcie_frac: float) -> list[tuple[int, int]]:
+        """The (token, slot) pairs whose missed expert the CPU computes: the last
+        (1 - pcie_frac) of the misses in slot order."""
+        resident = self.table.slot_of[layer]
         misses = [(t, k) for t, row in enumerate(ids) for k, e in enumerate(row)
                   if e not in resident]  # fmt: skip
-        n_cpu = round(len(misses) * (1.0 - self.engine.config.pcie_frac))
+        n_cpu = round(len(misses) * (1.0 - pcie_frac))
         return misses[len(misses) - n_cpu :] if n_cpu else []
 
     def run(
-        self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        h: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        pcie_frac: float,
+        gpu_experts: GpuExperts,
+        timer: StageTimer,
     ) -> torch.Tensor:
         """The layer's routed-expert outputs [T, P, H] float32 (the engine sums them): hits
-        and the GPU's share of misses in the fused kernel, the CPU's share computed meanwhile
-        (one more part)."""
-        e = self.engine
-        stage = e.timer.stage
+        and the GPU's share of misses by `gpu_experts` (the fused kernels), the CPU's share
+        computed meanwhile (one more part)."""
         host_ids = ids.tolist()  # one synchronisation per layer: h and the weights are ready
-        cpu = self.slots(layer, host_ids)
+        cpu = self.slots(layer, host_ids, pcie_frac)
         x, w = h.float().cpu(), weights.cpu()  # before queueing the kernel, not after it
         gpu_ids = ids.clone()
         if cpu:
             t_idx, k_idx = zip(*cpu, strict=True)
             gpu_ids[list(t_idx), list(k_idx)] = -1  # the kernel skips these slots
-        parts = e.gpu_experts(layer, h, gpu_ids, weights)  # queued; runs while the CPU works
+        parts = gpu_experts(layer, h, gpu_ids, weights)  # queued; runs while the CPU works
         if not cpu:
             return parts
-        with stage("experts (CPU)"):
-            out = torch.zeros((h.shape[0], e.spec.hidden), dtype=torch.float32)
+        with timer.stage("experts (CPU)"):
+            out = torch.zeros((h.shape[0], self.hidden), dtype=torch.float32)
             for t, k in cpu:
                 out[t] += w[t, k] * swiglu(x[t], *self.expert(layer, host_ids[t][k]))
         self.experts += len(cpu)
@@ -61,17 +68,17 @@ class CpuMisses:
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's float32 (gate, up, down) from the RAM copy (dequantized per use)."""
-        e = self.engine
-        g, u, d = e.layout.views(e.host.read(layer, expert, self._scratch))
+        t = self.table
+        g, u, d = t.layout.views(t.host.read(layer, expert, self._scratch))
         return g.dequantize(), u.dequantize(), d.dequantize()
 
     def measure_bps(self, repeats: int = 3) -> float:
         """Expert bytes per second the CPU turns into outputs (dequantize + matvec)."""
-        spec = self.engine.spec
-        x = torch.randn(spec.hidden)
+        x = torch.randn(self.hidden)
+        n_experts = self.table.table.shape[1]
         times = []
         for r in range(repeats + 1):  # the first one warms up
             t0 = time.perf_counter()
-            swiglu(x, *self.expert(0, r % spec.n_experts))
+            swiglu(x, *self.expert(self.table.layers.start, r % n_experts))
             times.append(time.perf_counter() - t0)
-        return self.engine.layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]
+        return self.table.layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]

@@ -37,6 +37,7 @@ from stratad.engine.batch import Seq, run_batch
 from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
+from stratad.engine.expert_table import ExpertTable
 from stratad.engine.experts import kernel_layout
 from stratad.engine.file_misses import FileMisses
 from stratad.engine.host_experts import HostExperts
@@ -46,8 +47,7 @@ from stratad.engine.offload_attention import OffloadAttention
 from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
-from stratad.engine.slot_moves import SlotMoves
-from stratad.engine.slots import SlotPolicy, initial_residents
+from stratad.engine.slots import initial_residents
 from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
@@ -105,33 +105,30 @@ class OffloadForward:
         self.host = host or HostExperts(ModelExperts(model), self.layout, ram)
         if device.type == "cuda" and not self.host.registered:
             self.host.pin(**(pin or {}))
-        self._off = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
-        self._init_slots(residents)
+        self.experts = self._init_table(residents)
+        self.side = self.experts.side
         self._init_fetch()
-        self.attention = OffloadAttention(self)
-        self.route_counts = torch.zeros(
-            (spec.n_layers, spec.n_experts), dtype=torch.int64, device=device
-        )
+        self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
         self.timer = StageTimer(enabled=False)
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staging = ExpertStaging(self)
-        self.cpu = CpuMisses(self)
-        self.prefetch = ExpertPrefetch(self)
+        self.staging = ExpertStaging(self.experts, self.dtype, config.kernels.dequant)
+        self.cpu = CpuMisses(self.experts, spec.hidden)
+        # guesses need the copy path's staging (none when every expert is in VRAM: nothing to
+        # guess) and no file tier (its experts have no address to copy from before the step)
+        guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.files.enabled
+        self.prefetch = ExpertPrefetch(self.experts, self._guess_route, spec.n_experts_used,
+                                       config.kernels.prefetch, self._host_span, guess)  # fmt: skip
         self.graph = DecodeGraph(self._decode_pass, device)
-        self.slot_moves = SlotMoves(self)
-        self.hits = self.lookups = self.moves = 0
 
     # -- placement -----------------------------------------------------------------------
 
-    def _init_slots(self, residents: list[list[int]] | None) -> None:
-        """One pool of VRAM slots; each of this engine's layers owns the slots its initial
-        residents fill (the plan's choice, or an even share of the budget by expert index)."""
+    def _init_table(self, residents: list[list[int]] | None) -> ExpertTable:
+        """The VRAM slots and the address table; each of this engine's layers owns the slots
+        its initial residents fill (the plan's choice, or an even share of the budget by
+        expert index)."""
         spec, nbytes, own = self.spec, self.layout.nbytes, self.layer_ids
         if residents is None:
             per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // len(own))
             residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
-        # a stage holds slots for its own layers only (the others' residents are elsewhere)
-        residents = [r if layer in own else [] for layer, r in enumerate(residents)]
         # the file tier: this engine's experts with neither a RAM copy nor a slot held for good
         # (a resident without a RAM copy is never evicted)
         file_only = any(
@@ -139,36 +136,10 @@ class OffloadForward:
             for layer in own for x in range(spec.n_experts)
         )  # fmt: skip
         rows = FUSED_MAX_TOKENS * spec.n_experts_used if file_only else 0
-        self.files = FileMisses(self.host, rows, self._off, self.device)
-        self.n_slots = sum(len(r) for r in residents)
-        self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8,
-                                 device=self.device)  # fmt: skip
-        host, off = self.host, self._off
-        # a slot's expert without a RAM copy stays in VRAM; one only the file holds is never
-        # admitted (there is no RAM copy to move in from)
-        self.policy = SlotPolicy(residents, self.config.cache_policy, ram=host.row_of)
-        self.slot_of: list[dict[int, int]] = []
-        table = torch.empty((spec.n_layers, spec.n_experts, 3), dtype=torch.int64)
-        scratch = torch.empty(nbytes, dtype=torch.uint8)
-        s = 0
-        for layer in range(spec.n_layers):
-            slot_of = {}
-            for e in range(spec.n_experts):
-                base = host.blob(layer, e).data_ptr() if host.has(layer, e) else self.files.address
-                table[layer, e] = base + off
-            for e in residents[layer]:
-                self.slots[s].copy_(host.read(layer, e, scratch))
-                table[layer, e] = self.slots[s].data_ptr() + off
-                slot_of[e] = s
-                s += 1
-            self.slot_of.append(slot_of)
-        self.table = table.to(self.device)
-        log.info(
-            "expert cache: %d of %d experts in VRAM (%.2f GiB)",
-            self.n_slots,
-            len(own) * spec.n_experts,
-            self.n_slots * nbytes / 2**30,
-        )
+        offsets = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
+        self.files = FileMisses(self.host, rows, offsets, self.device)
+        return ExpertTable(self.host, self.layout, own, residents, self.device, self.config,
+                           self.files.address)  # fmt: skip
 
     def _init_fetch(self) -> None:
         """VRAM staging for one decode token's missed experts (the copy miss path)."""
@@ -179,9 +150,17 @@ class OffloadForward:
         # may load 16 bytes at a time
         offsets = (host.data_ptr(), *host.stride()[:-1])
         self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in offsets)
-        every = self.n_slots == len(self.layer_ids) * self.spec.n_experts  # nothing to miss
-        rows = k if self._aligned and self.config.gpu_miss == "copy" and not every else 0
+        nothing_to_miss = self.experts.complete
+        rows = k if self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
+
+    def _guess_route(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The experts [1, k] int32 that `layer`'s router picks for the hidden state x [1, H]
+        as it stands (the prefetch's guess)."""
+        spec, w = self.spec, self.layers[layer]
+        h = self.norm_fn(x, w.ffn_norm, spec.rms_eps)
+        _, ids = self.route_fn(self.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
+        return ids.to(torch.int32)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache.allocate(
@@ -246,11 +225,12 @@ class OffloadForward:
             weights, ids = self._route(w, h)
         if step.tokens == 1:
             with stage("expert prefetch"):
-                self.prefetch.after_route(i, x, ids)  # guess the next layer's experts now
+                self.prefetch.after_route(i, x, ids, self.config.pcie_frac)  # guess layer i+1
         if step.fused:
-            self.files.before(i, ids, self.slot_of[i], self.table)  # the file tier's reads
+            self.files.before(i, ids, self.experts.slot_of[i], self.experts.table)  # its reads
         if step.fused and self.config.pcie_frac < 1.0:
-            parts = self.cpu.run(i, h, ids, weights)
+            parts = self.cpu.run(i, h, ids, weights, self.config.pcie_frac, self.gpu_experts,
+                                 self.timer)  # fmt: skip
         elif step.fused:
             parts = self.gpu_experts(i, h, ids, weights)
         else:
@@ -279,6 +259,15 @@ class OffloadForward:
             moe, aligned = self.config.kernels.moe, self._aligned
             act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, moe, aligned)
             return moe_down(act, ids, weights, table, self.spec.hidden, moe, aligned)
+
+    @property
+    def tables(self) -> list[ExpertTable]:
+        return [self.experts]
+
+    @property
+    def route_counts(self) -> torch.Tensor:
+        """[L, E] routed experts counted per decode step (the profile the store plans from)."""
+        return self.experts.route_counts
 
     def set_pcie_frac(self, frac: float) -> None:
         self.config = replace(self.config, pcie_frac=frac)
@@ -335,7 +324,7 @@ class OffloadForward:
 
     def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         """Logits [B, V] after one more token of each sequence (see `batch.Layers`)."""
-        self.slot_moves.apply()
+        self.experts.apply()
         # a graph replays without the host, which must read the file tier's routed experts
         graph = self.config.pcie_frac == 1.0 and not self.files.enabled
         if self.config.graphs and self.device.type == "cuda" and graph:
@@ -344,7 +333,7 @@ class OffloadForward:
             tok = torch.tensor(tokens, device=self.device)
             pos = torch.tensor([c.length for c in caches], device=self.device)
             logits, ids = self._decode_pass(tok, pos, caches)
-        self.slot_moves.step(ids)
+        self.experts.step(ids)
         return logits
 
     @torch.inference_mode()
@@ -355,9 +344,3 @@ class OffloadForward:
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """The ReferenceForward interface: logits [1, V] of the last token ([T, V] of all)."""
         return self.step([Seq(cache, tokens, all_logits)])[0]
-
-    @property
-    def hit_rate(self) -> float:
-        """VRAM hits over routed experts of the decode steps so far (accounts the last)."""
-        self.slot_moves.flush()
-        return self.hits / self.lookups if self.lookups else 0.0

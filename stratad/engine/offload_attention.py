@@ -9,8 +9,7 @@ scaled_dot_product_attention over the cache up to its end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as fn
@@ -22,26 +21,33 @@ from kernels.rope import RopeStyle, rope_table
 from stratad.engine.dense import DenseLayer
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rope_tables
+from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.passes import Decode, Pass
+from stratad.model.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from stratad.engine.offload import OffloadForward
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class OffloadAttention:
-    def __init__(self, engine: OffloadForward) -> None:
-        self.engine = e = engine
-        spec = e.spec
-        self.cos, self.sin = rope_tables(spec, torch.arange(e.config.max_context), e.device)
+    def __init__(
+        self, spec: ModelSpec, device: torch.device, config: OffloadConfig, linear: Linear,
+        norm: Norm,
+    ) -> None:  # fmt: skip
+        """`linear(x, weight, bias)` and `norm(x, weight, eps)`: the engine's projections
+        (GEMV for a few tokens) and RMS norm."""
+        self.spec, self.device, self.linear, self.norm = spec, device, linear, norm
+        self.config = config.kernels.attention
+        self.cos, self.sin = rope_tables(spec, torch.arange(config.max_context), device)
         self.style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
         d = spec.head_dim
         # decode's input in one kernel: per-head norms or none, full rotation, D a power of 2
         self.fused_input = (
-            e.device.type != "cpu" and spec.qk_norm in ("head", "none")
+            device.type != "cpu" and spec.qk_norm in ("head", "none")
             and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
         )  # fmt: skip
-        self.lens = torch.zeros(1, dtype=torch.int64, device=e.device)
-        self.counts = attention_counts(1, spec.n_kv_heads, e.device)  # the kernel's scratch
+        self.lens = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counts = attention_counts(1, spec.n_kv_heads, device)  # the kernel's scratch
 
     def begin_decode(self, pos: torch.Tensor) -> None:
         """A decode pass at positions pos [B]: each cache's length, once for every layer."""
@@ -58,14 +64,14 @@ class OffloadAttention:
     ) -> torch.Tensor:
         """Layer i's attention output [T, H] for h [T, H] at positions pos [T]: the qkv and
         output projections over every row of the pass, attention per sequence."""
-        e, spec = self.engine, self.engine.spec
-        qkv = e.linear(h, w.qkv, w.qkv_bias)
+        spec = self.spec
+        qkv = self.linear(h, w.qkv, w.qkv_bias)
         outs = [
             self._one(w, i, qkv[rows], pos[rows], cache, step, b)
             for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
         ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return e.linear(out.reshape(h.shape[0], spec.q_dim), w.o)
+        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, None)
 
     def _one(
         self,
@@ -78,7 +84,7 @@ class OffloadAttention:
         b: int,
     ) -> torch.Tensor:
         """Sequence b's attention [T, Hq, D] for its rows qkv [T, qkv] at positions pos [T]."""
-        e, spec = self.engine, self.engine.spec
+        spec = self.spec
         if step.decode and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
@@ -86,8 +92,9 @@ class OffloadAttention:
         else:
             q = self._input(w, i, qkv, pos, cache)
         if isinstance(step, Decode):  # split-K over the static cache
-            kv, cfg = (cache.k[i][None], cache.v[i][None]), e.config.kernels.attention
-            return decode_attention(q, *kv, self.lens[b : b + 1], config=cfg, counts=self.counts)
+            kv = cache.k[i][None], cache.v[i][None]
+            lens = self.lens[b : b + 1]
+            return decode_attention(q, *kv, lens, config=self.config, counts=self.counts)
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
         keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
@@ -101,9 +108,9 @@ class OffloadAttention:
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """Rotated q [T, Hq, D]; k and v written into the cache at pos (op by op)."""
-        e, spec, t = self.engine, self.engine.spec, qkv.shape[0]
+        spec, t = self.spec, qkv.shape[0]
         q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
-        norm = e.norm_fn
+        norm = self.norm
         if spec.qk_norm == "full":
             q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
         q = q.reshape(t, spec.n_heads, spec.head_dim)
@@ -111,7 +118,7 @@ class OffloadAttention:
         v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":
             q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        if e.device.type != "cpu":  # one kernel each, reading the tables by position
+        if self.device.type != "cpu":  # one kernel each, reading the tables by position
             q = rope_table(q, pos, self.cos, self.sin, self.style)
             k = rope_table(k, pos, self.cos, self.sin, self.style)
         else:

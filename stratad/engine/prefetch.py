@@ -28,15 +28,13 @@ has routed, which is after layer i-1 (the previous reader of the same buffer) co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.expert_fetch import fetch_experts
-
-if TYPE_CHECKING:
-    from stratad.engine.offload import OffloadForward
+from kernels.expert_fetch import FetchConfig, fetch_experts
+from stratad.engine.expert_table import ExpertTable
 
 
 @dataclass
@@ -47,36 +45,48 @@ class _Guess:
 
 
 class ExpertPrefetch:
-    def __init__(self, engine: OffloadForward) -> None:
-        self.engine = engine
-        e = engine
-        # the copy path's staging (none when every expert is in VRAM: nothing to guess; none
-        # with a file tier, whose experts have no address to copy from before the step)
-        guess = e.config.prefetch and e._fetch_buf.shape[0] and not e.files.enabled
-        rows = e.spec.n_experts_used if guess else 0
-        self.enabled = rows > 0
-        self.buf = torch.zeros((2, rows, e.layout.nbytes), dtype=torch.uint8, device=e.device)
-        on_gpu = self.enabled and e.device.type == "cuda"
-        self.guess_stream = torch.cuda.Stream(e.device) if on_gpu else None
-        self.copy_stream = torch.cuda.Stream(e.device) if on_gpu else None
+    def __init__(
+        self,
+        experts: ExpertTable,
+        route: Callable[[int, torch.Tensor], torch.Tensor],
+        k: int,
+        config: FetchConfig,
+        host_span: tuple[int, int],
+        enabled: bool,
+    ) -> None:
+        """`route(layer, x)`: the experts [1, k] int32 that layer's router picks for the
+        hidden state x [1, H] (the guess); `host_span`: the RAM copy's address range, which
+        the copy kernel reads; `enabled`: guess at all (the engine's copy path is on and no
+        expert of a step lives only in the file)."""
+        self.experts, self.route, self.config, self.host_span = experts, route, config, host_span
+        rows = k if enabled else 0
+        self.enabled = enabled
+        device = experts.device
+        self.buf = torch.zeros((2, rows, experts.layout.nbytes), dtype=torch.uint8, device=device)
+        on_gpu = self.enabled and device.type == "cuda"
+        self.guess_stream = torch.cuda.Stream(device) if on_gpu else None
+        self.copy_stream = torch.cuda.Stream(device) if on_gpu else None
         self._guess: dict[int, _Guess] = {}  # layer -> its guess, until the layer takes it
         # on the device (the captured step updates them): routed experts that were guessed, all
-        self.score = torch.zeros(2, dtype=torch.int64, device=e.device)
+        self.score = torch.zeros(2, dtype=torch.int64, device=device)
 
-    def after_route(self, layer: int, x: torch.Tensor, routed: torch.Tensor) -> None:
+    def after_route(
+        self, layer: int, x: torch.Tensor, routed: torch.Tensor, pcie_frac: float
+    ) -> None:
         """`layer` has routed one token to `routed` [1, k] from the hidden state x [1, H]:
-        score that layer's guess, guess the next layer's experts and start copying them."""
-        e = self.engine
-        if not self.enabled or e.config.pcie_frac < 1.0:
+        score that layer's guess, guess the next layer's experts and start copying them
+        (not with a CPU share of the misses: the host reads the routing then)."""
+        if not self.enabled or pcie_frac < 1.0:
             return
-        nxt = layer + 1 if layer + 1 < e.layer_ids.stop else None
+        device = self.experts.device
+        nxt = layer + 1 if layer + 1 < self.experts.layers.stop else None
         if self.guess_stream is None or self.copy_stream is None:  # eager, on one stream
             self._score(layer, routed)
             if nxt is not None:
                 ids, table = self._plan(nxt, x)
                 self._copy(nxt, ids, table, None)
             return
-        main = torch.cuda.current_stream(e.device)
+        main = torch.cuda.current_stream(device)
         self.guess_stream.wait_stream(main)  # x and routed are ready; buf[nxt % 2] was read
         with torch.cuda.stream(self.guess_stream):
             self._score(layer, routed)
@@ -95,19 +105,14 @@ class ExpertPrefetch:
 
     def _plan(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The guessed experts of `layer` and a copy of its table for the copy to fill in."""
-        e, spec = self.engine, self.engine.spec
-        w = e.layers[layer]
-        h = e.norm_fn(x, w.ffn_norm, spec.rms_eps)
-        _, ids = e.route_fn(e.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
-        return ids.to(torch.int32), e.table[layer].clone()
+        return self.route(layer, x), self.experts.table[layer].clone()
 
     def _copy(
         self, layer: int, ids: torch.Tensor, table: torch.Tensor, event: torch.cuda.Event | None
     ) -> None:
-        e = self.engine
-        cfg = e.config.kernels.prefetch
-        _, rows = fetch_experts(ids, e.table[layer], e._host_span, self.buf[layer % 2],
-                                e.layout.nbytes, cfg)  # fmt: skip
+        t = self.experts
+        _, rows = fetch_experts(ids, t.table[layer], self.host_span, self.buf[layer % 2],
+                                t.layout.nbytes, self.config)  # fmt: skip
         table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
         if event is not None:
             event.record()
@@ -122,18 +127,17 @@ class ExpertPrefetch:
     def table(self, layer: int) -> torch.Tensor:
         """The layer's address table, the guessed experts pointing at their prefetched copy
         (the current stream waits for that layer's copy, and only for it)."""
-        e = self.engine
         guess = self._guess.pop(layer, None)
         if guess is None:
-            return e.table[layer]
+            return self.experts.table[layer]
         if guess.copied is not None:
-            torch.cuda.current_stream(e.device).wait_event(guess.copied)
+            torch.cuda.current_stream(self.experts.device).wait_event(guess.copied)
         return guess.table
 
     def finish(self) -> None:
         """End of a pass: the current stream joins the side streams (a captured graph must)."""
         if self.guess_stream is not None and self.copy_stream is not None:
-            main = torch.cuda.current_stream(self.engine.device)
+            main = torch.cuda.current_stream(self.experts.device)
             main.wait_stream(self.guess_stream)
             main.wait_stream(self.copy_stream)
 

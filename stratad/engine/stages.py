@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from stratad.engine.batch import Seq, run_batch
+from stratad.engine.expert_table import ExpertTable
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
 from stratad.engine.offload import OffloadConfig, OffloadForward
@@ -119,25 +120,14 @@ class StagedForward:
         return self.stages[0].host
 
     @property
-    def n_slots(self) -> int:
-        return sum(s.n_slots for s in self.stages)
-
-    @property
-    def moves(self) -> int:
-        return sum(s.moves for s in self.stages)
+    def tables(self) -> list[ExpertTable]:
+        """Each stage's slots, address table and counters."""
+        return [s.experts for s in self.stages]
 
     @property
     def route_counts(self) -> torch.Tensor:
         """[L, E]: each stage counts its own layers."""
-        return torch.stack([s.route_counts.cpu() for s in self.stages]).sum(0)
-
-    @property
-    def hits(self) -> int:
-        return sum(s.hits for s in self.stages)
-
-    @property
-    def lookups(self) -> int:
-        return sum(s.lookups for s in self.stages)
+        return torch.stack([t.route_counts.cpu() for t in self.tables]).sum(0)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         n = max_len or self.config.max_context
@@ -161,7 +151,7 @@ class StagedForward:
             x = x.to(stage.device)
             x, ids = stage.run_layers(x, torch.tensor(pos, device=stage.device), caches, step)
             if step.decode:
-                stage.slot_moves.step(ids.reshape(ids.shape[0], -1))  # its counts and moves
+                stage.experts.step(ids.reshape(ids.shape[0], -1))  # its counts and moves
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +159,7 @@ class StagedForward:
 
     def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         for stage in self.stages:
-            stage.slot_moves.apply()
+            stage.experts.apply()
         x = self.run(tokens, [c.length for c in caches], caches, Decode(len(caches)))
         return self.head(x)
 

@@ -12,21 +12,20 @@ the next layer's launches overwrite them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kernels.dequant import DEQUANT_DTYPES, dequant_q4_0_split
+from kernels.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
+from stratad.engine.expert_table import ExpertTable
 from stratad.engine.experts import dequant_split
 from stratad.engine.grouped import grouped_swiglu
 
-if TYPE_CHECKING:
-    from stratad.engine.offload import OffloadForward
-
 
 class ExpertStaging:
-    def __init__(self, engine: OffloadForward) -> None:
-        self.engine = engine
+    def __init__(self, experts: ExpertTable, dtype: torch.dtype, dequant: DequantConfig) -> None:
+        """`experts`: where each blob is (VRAM slot, RAM copy, the file) and the side stream
+        the copies run on; `dtype`: the compute dtype the blobs are dequantized to."""
+        self.experts, self.dtype, self.dequant = experts, dtype, dequant
+        self.n_experts = experts.table.shape[1]
         self._buf: torch.Tensor | None = None  # [2, E, blob bytes], allocated on first use
         self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
         self._freed: list[torch.cuda.Event | None] = [None, None]  # buffer -> last read done
@@ -39,20 +38,20 @@ class ExpertStaging:
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [E, F, H], up, down [E, H, F]) in the compute dtype, allocated on first use."""
         if self._out is None:
-            e = self.engine
+            e = self.experts
             f, h = e.layout.ffn, e.layout.hidden
 
             def empty(rows: int, cols: int) -> torch.Tensor:
-                return torch.empty((e.spec.n_experts, rows, cols), dtype=e.dtype, device=e.device)
+                return torch.empty((self.n_experts, rows, cols), dtype=self.dtype, device=e.device)
 
             self._out = (empty(f, h), empty(f, h), empty(h, f))
         return self._out
 
     def buffers(self) -> torch.Tensor:
         if self._buf is None:
-            e = self.engine
+            e = self.experts
             self._buf = torch.empty(
-                (2, e.spec.n_experts, e.layout.nbytes), dtype=torch.uint8, device=e.device
+                (2, self.n_experts, e.layout.nbytes), dtype=torch.uint8, device=e.device
             )
         return self._buf
 
@@ -65,7 +64,7 @@ class ExpertStaging:
     def prefetch(self, layer: int) -> None:
         """Start copying the layer's blobs into buffer layer % 2 (on the side stream on a GPU,
         after that buffer's previous reader)."""
-        e = self.engine
+        e = self.experts
         buf, after = self.buffers()[layer % 2], self._freed[layer % 2]
         slot_of, host = e.slot_of[layer], e.host
         files = [x for x in range(len(buf)) if x not in slot_of and not host.has(layer, x)]
@@ -97,12 +96,12 @@ class ExpertStaging:
         """The layer's experts that only the file holds, read on the host (while the GPU
         computes the previous layer) into page-locked rows of bounce buffer layer % 2, once
         that buffer's last copy has left."""
-        e = self.engine
+        e = self.experts
         if not experts:
             return torch.empty(0, dtype=torch.uint8)
         if self._bounce is None:
             pin = e.device.type == "cuda"
-            self._bounce = torch.empty((2, e.spec.n_experts, e.layout.nbytes), dtype=torch.uint8,
+            self._bounce = torch.empty((2, self.n_experts, e.layout.nbytes), dtype=torch.uint8,
                                        pin_memory=pin)  # fmt: skip
         freed = self._bounce_free[layer % 2]
         if freed is not None:
@@ -116,21 +115,21 @@ class ExpertStaging:
         """(gate [E, F, H], up, down [E, H, F]) of the layer in the compute dtype; its
         buffer is free again once this is queued. On a GPU they are the reused `outputs()`:
         valid until the next call."""
-        e = self.engine
+        e = self.experts
         ready = self._ready.get(layer)
         if ready is not None:
             torch.cuda.current_stream(e.device).wait_event(ready)
         lay, buf = e.layout, self.buffers()[layer % 2]
         f, h = lay.ffn, lay.hidden
 
-        fast = buf.is_cuda and e.dtype in DEQUANT_DTYPES
+        fast = buf.is_cuda and self.dtype in DEQUANT_DTYPES
         outs = self.outputs() if fast else None
 
         def deq(k: int, lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
             if outs is None:  # the CPU: torch (Triton would run in its slow interpreter)
-                return dequant_split(buf[:, lo:hi], rows, cols).to(e.dtype)
-            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, e.dtype, out=outs[k],
-                                      config=e.config.kernels.dequant)  # fmt: skip
+                return dequant_split(buf[:, lo:hi], rows, cols).to(self.dtype)
+            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, self.dtype, out=outs[k],
+                                      config=self.dequant)  # fmt: skip
 
         out = (
             deq(0, 0, lay.up_offset, f, h),
@@ -148,16 +147,16 @@ class ExpertStaging:
     ) -> torch.Tensor:
         """The layer's routed-expert output [T, H] for a chunk: its rows grouped by expert,
         one grouped GEMM per projection over the staged experts."""
-        e = self.engine
+        e = self.experts
         t, k = ids.shape
         flat = ids.reshape(-1).long()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=e.spec.n_experts)
+        counts = torch.bincount(flat, minlength=self.n_experts)
         gate, up, down = self.take(layer)
         tokens = order // k
         xs = h[tokens]  # [T*k, H], grouped by expert
         rows = grouped_swiglu(xs, counts, gate, up, down)
         scaled = rows.float() * weights.reshape(-1)[order, None]
-        out = torch.zeros((t, e.spec.hidden), dtype=torch.float32, device=e.device)
+        out = torch.zeros((t, e.layout.hidden), dtype=torch.float32, device=e.device)
         out.index_add_(0, tokens, scaled)
-        return out.to(e.dtype)
+        return out.to(self.dtype)

@@ -1,0 +1,191 @@
+"""An engine's experts on the device: the VRAM slots, the per-(layer, expert) address table,
+the eviction policy, the moves between decode steps and the counters.
+
+Each layer owns the slots its initial residents fill. The table says where each expert's
+blob is for the kernels: its VRAM slot, its page-locked RAM copy, or (an expert only the
+file holds) the file tier's bounce rows.
+
+Between decode steps (`step`): each step's routed ids are copied to the host without
+waiting, and are accounted while the *next* step runs on the GPU, so the bookkeeping never
+holds the GPU idle. The per-layer policy (`SlotPolicy`) names whom each miss replaces, at
+most `moves_per_step` copies being in flight. A move repoints the victim at its RAM copy
+(ordered after the steps already queued, which may still read its slot), copies the
+admitted expert into the slot on the side stream, and repoints the table at the slot only
+once that copy has finished (`apply`, before the next step; it never waits). Hits are
+counted against the residency the step itself read, so the deferral does not blur them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from stratad.engine.experts import BlobLayout
+from stratad.engine.host_experts import HostExperts
+from stratad.engine.offload_config import OffloadConfig
+from stratad.engine.slots import SlotPolicy
+
+log = logging.getLogger("stratad.engine")
+
+
+class ExpertTable:
+    def __init__(
+        self,
+        host: HostExperts,
+        layout: BlobLayout,
+        layers: range,
+        residents: list[list[int]],
+        device: torch.device,
+        config: OffloadConfig,
+        unread_address: int,
+    ) -> None:
+        """`residents`: each layer's experts that start in VRAM (only `layers` are this
+        engine's); `unread_address`: where the table points experts that only the file holds
+        until a step reads them."""
+        n_layers, n_experts = len(host.row_of), host.source.n_experts
+        self.host, self.layout, self.layers, self.device = host, layout, layers, device
+        self.config = config
+        residents = [r if layer in layers else [] for layer, r in enumerate(residents)]
+        nbytes = layout.nbytes
+        self.n_slots = sum(len(r) for r in residents)
+        self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8, device=device)
+        # a slot's expert without a RAM copy stays in VRAM; one only the file holds is never
+        # admitted (there is no RAM copy to move in from)
+        self.policy = SlotPolicy(residents, config.cache_policy, ram=host.row_of)
+        self.offsets = torch.tensor([0, layout.up_offset, layout.down_offset])
+        self.slot_of: list[dict[int, int]] = []
+        table = torch.empty((n_layers, n_experts, 3), dtype=torch.int64)
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
+        s = 0
+        for layer in range(n_layers):
+            slot_of = {}
+            for e in range(n_experts):
+                base = host.blob(layer, e).data_ptr() if host.has(layer, e) else unread_address
+                table[layer, e] = base + self.offsets
+            for e in residents[layer]:
+                self.slots[s].copy_(host.read(layer, e, scratch))
+                table[layer, e] = self.slots[s].data_ptr() + self.offsets
+                slot_of[e] = s
+                s += 1
+            self.slot_of.append(slot_of)
+        self.table = table.to(device)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.route_counts = torch.zeros((n_layers, n_experts), dtype=torch.int64, device=device)
+        # routed experts of decode steps: all, found in VRAM, read from the file
+        self.hits = self.lookups = self.file_lookups = self.moves = 0
+        self.pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []  # copies in flight
+        # the last step, not yet accounted: its ids on the host, their copy's event, and the
+        # experts that step found in VRAM
+        self._last: tuple[torch.Tensor, torch.cuda.Event | None, list[frozenset[int]]] | None
+        self._last = None
+        log.info(
+            "expert cache: %d of %d experts in VRAM (%.2f GiB)",
+            self.n_slots, len(layers) * n_experts, self.n_slots * nbytes / 2**30,
+        )  # fmt: skip
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of these layers holds a slot: nothing to miss."""
+        return self.n_slots == len(self.layers) * self.table.shape[1]
+
+    @property
+    def hit_rate(self) -> float:
+        """VRAM hits over routed experts of the decode steps so far (accounts the last)."""
+        self.flush()
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def step(self, ids: torch.Tensor) -> None:
+        """After a decode step is queued: count its routing ([layers, n] on the device, n
+        routed experts per layer), start copying its ids to the host, and account the step
+        before it (finished by now, or finishing while this one runs)."""
+        own = self.route_counts[self.layers.start : self.layers.stop]
+        own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
+        resident = [frozenset(self.slot_of[layer]) for layer in self.layers]
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            copied: torch.cuda.Event | None = event
+        else:
+            host, copied = ids.clone(), None
+        last, self._last = self._last, (host, copied, resident)
+        if last is not None:
+            self._account(*last)
+
+    def flush(self) -> None:
+        """Account the last step now (waits for it)."""
+        last, self._last = self._last, None
+        if last is not None:
+            self._account(*last)
+
+    def _account(
+        self, ids: torch.Tensor, copied: torch.cuda.Event | None, resident: list[frozenset[int]]
+    ) -> None:
+        """Count hits and plan VRAM moves for the experts one step used (on the host)."""
+        if copied is not None:
+            copied.synchronize()
+        repoint: list[tuple[int, int, int]] = []
+        cfg = self.config
+        for layer, experts, vram in zip(self.layers, ids.tolist(), resident, strict=True):
+            self.lookups += len(experts)
+            self.hits += sum(1 for x in experts if x in vram)
+            ram = self.host.row_of[layer]
+            self.file_lookups += sum(1 for x in experts if x not in vram and x not in ram)
+            if cfg.adapt and self.n_slots:
+                room = max(0, cfg.moves_per_step - len(self.pending))
+                for victim, admitted in self.policy.touch(layer, experts, admit=room):
+                    if (base := self._start(layer, victim, admitted)) is not None:
+                        repoint.append((layer, victim, base))
+        # the victims read their RAM copy from the next step queued on (ordered after the
+        # steps already queued)
+        self._write(repoint)
+
+    def _start(self, layer: int, victim: int, admitted: int) -> int | None:
+        """Start copying `admitted` into the victim's slot; the victim's RAM address for the
+        table, or None if the victim's own copy is still in flight (the move is undone)."""
+        if victim not in self.slot_of[layer]:
+            self.policy.replace(layer, admitted, victim)  # keep policy and table in step
+            return None
+        self.moves += 1
+        s = self.slot_of[layer].pop(victim)
+        blob = self.host.blob(layer, admitted)
+        if self.side is None:
+            self.slots[s].copy_(blob)
+            self.pending.append((layer, admitted, s, None))
+        else:
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)  # no kernel queued so far still reads the slot
+                self.slots[s].copy_(blob, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self.pending.append((layer, admitted, s, done))
+        return int(self.host.blob(layer, victim).data_ptr())
+
+    def apply(self) -> None:
+        """Repoint the table at slots whose copies have finished (never waits)."""
+        keep: list[tuple[int, int, int, torch.cuda.Event | None]] = []
+        repoint: list[tuple[int, int, int]] = []
+        for layer, x, s, done in self.pending:
+            if done is not None and not done.query():
+                keep.append((layer, x, s, done))
+                continue
+            repoint.append((layer, x, int(self.slots[s].data_ptr())))
+            self.slot_of[layer][x] = s
+        self.pending = keep
+        self._write(repoint)
+
+    def _write(self, rows: list[tuple[int, int, int]]) -> None:
+        """Point (layer, expert) at the blob at each base address: one small copy and one
+        indexed write for all of a step's changes."""
+        if not rows:
+            return
+        r = torch.tensor(rows, dtype=torch.int64)
+        packed = torch.cat([r[:, :2], r[:, 2:] + self.offsets[None, :]], dim=1)
+        if self.device.type == "cuda":  # from page-locked memory, so the host does not wait
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        self.table[packed[:, 0], packed[:, 1]] = packed[:, 2:]
