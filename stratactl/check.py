@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kernels import tables
+from stratactl.check_pack import MANIFEST, check_pack, pack_dir, pack_header
 from stratactl.client import (
     Client,
     ClientError,
@@ -64,6 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__)
     p.add_argument("--after-restart", action="store_true",
                    help="also compare the running daemon's plan and coverage with the dry plan")
+    p.add_argument("--verify", action="store_true",
+                   help="also read every expert blob of the pack and check its checksum")
     p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)
     add_socket_args(p)
 
@@ -84,6 +87,8 @@ def check_config(args: argparse.Namespace) -> tuple[Config | None, Result]:
 
 
 def read_model_info(path: Path) -> ModelInfo:
+    if (path / MANIFEST).is_file():  # a pack (`stratactl pack`)
+        return ModelInfo(path, *pack_header(path))
     if path.is_dir():
         cfg = json.loads((path / "config.json").read_text())
         n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -125,22 +130,12 @@ def check_model(config: Config) -> tuple[ModelInfo | None, Result]:
                         f" {gib(info.nbytes)}")
 
 
-def check_pack(config: Config) -> Result | None:
-    if not config.store.pack:
+def pack_result(config: Config, verify: bool) -> Result | None:
+    pack = pack_dir(config)
+    if pack is None:
         return None
-    from stratad.store.manifest import EXPERTS_NAME, PackError, read_manifest  # imports torch
-
-    pack = Path(config.store.pack)
-    try:
-        manifest = read_manifest(pack)
-        size = (pack / EXPERTS_NAME).stat().st_size
-    except (PackError, OSError) as e:
-        return Result("pack", "fail", str(e))
-    if size != manifest.experts_nbytes:
-        return Result("pack", "fail", f"{pack / EXPERTS_NAME}: {size:,} bytes, the manifest says"
-                      f" {manifest.experts_nbytes:,} (truncated or replaced?)")
-    return Result("pack", "ok", f"{pack}: format {manifest.format_version},"
-                  f" {len(manifest.blobs)} expert blobs, {gib(size)}")
+    status, detail = check_pack(pack, verify)
+    return Result("pack", status, detail)
 
 
 def vram_free_all(config: Config, root: Path) -> list[int | None]:
@@ -339,7 +334,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Result], Any]:
         return results, None
     info, result = check_model(config)
     results.append(result)
-    pack = check_pack(config)
+    pack = pack_result(config, getattr(args, "verify", False))
     if pack is not None:
         results.append(pack)
     gpu, gpu_result = check_gpu(config, args.root)

@@ -158,6 +158,38 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return msgspec.json.format(msgspec.json.encode(manifest), indent=1)
 
 
+def check_blobs(manifest: Manifest, experts_nbytes: int, label: str) -> None:
+    """Raise `PackError` naming the first blob that experts.bin cannot hold as the manifest
+    says: the list must cover each (layer, expert) once, in order, each blob aligned, of its
+    layer's size, inside the file (else a read would return bytes that are not its expert)."""
+    spec = manifest.spec
+    want = spec.n_layers * spec.n_experts
+    if len(manifest.blobs) != want:
+        raise PackError(
+            f"{label}: the manifest lists {len(manifest.blobs)} expert blobs, the model has"
+            f" {want} ({spec.n_layers} layers x {spec.n_experts} experts)"
+        )
+    if len(manifest.layouts) != spec.n_layers:
+        raise PackError(f"{label}: {len(manifest.layouts)} blob layouts for {spec.n_layers} layers")
+    for i, b in enumerate(manifest.blobs):
+        layer, expert = divmod(i, spec.n_experts)
+        where = f"{label}: the blob of layer {layer}, expert {expert}"
+        if (b.layer, b.expert) != (layer, expert):
+            raise PackError(f"{where} is listed as layer {b.layer}, expert {b.expert}")
+        if b.offset % BLOB_ALIGN:
+            raise PackError(f"{where} starts at {b.offset:,}, not a multiple of {BLOB_ALIGN}")
+        if b.nbytes != manifest.layouts[layer].nbytes:
+            raise PackError(
+                f"{where} has {b.nbytes:,} bytes, its layer's layout"
+                f" {manifest.layouts[layer].nbytes:,}"
+            )
+        if b.offset + b.nbytes > experts_nbytes:
+            raise PackError(
+                f"{where} ends at byte {b.offset + b.nbytes:,}, past the end of the file"
+                f" ({experts_nbytes:,} bytes)"
+            )
+
+
 def read_manifest(pack_dir: Path) -> Manifest:
     """The manifest of a pack directory; an unknown format version is refused by name."""
     path = Path(pack_dir) / MANIFEST_NAME

@@ -25,6 +25,7 @@ from stratad.store.manifest import (
     METADATA_NAME,
     Manifest,
     PackError,
+    check_blobs,
     read_manifest,
     tensor_view,
 )
@@ -79,6 +80,7 @@ def load_pack(pack_dir: Path) -> tuple[Model, Manifest]:
     manifest = read_manifest(pack_dir)
     dense = map_file(pack_dir / DENSE_NAME, manifest.dense_nbytes)
     experts = map_file(pack_dir / EXPERTS_NAME, manifest.experts_nbytes)
+    check_blobs(manifest, manifest.experts_nbytes, str(pack_dir / EXPERTS_NAME))
     tensors = {d.name: tensor_view(dense, d.tensor) for d in manifest.dense}
     tensors |= _expert_stacks(manifest, experts)
     try:

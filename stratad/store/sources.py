@@ -26,6 +26,7 @@ from stratad.store.manifest import (
     ExpertLayout,
     Manifest,
     PackError,
+    check_blobs,
     encoded,
     expert_layout,
     read_manifest,
@@ -100,12 +101,16 @@ class PackExperts:
         except OSError as e:
             raise PackError(f"{self.path}: cannot open: {e.strerror}") from None
         size = os.fstat(self._fd).st_size
-        if size != self.manifest.experts_nbytes:
+        try:
+            if size != self.manifest.experts_nbytes:
+                raise PackError(
+                    f"{self.path}: {size:,} bytes, the manifest says"
+                    f" {self.manifest.experts_nbytes:,} (truncated or replaced?)"
+                )
+            check_blobs(self.manifest, size, str(self.path))
+        except PackError:
             os.close(self._fd)
-            raise PackError(
-                f"{self.path}: {size:,} bytes, the manifest says"
-                f" {self.manifest.experts_nbytes:,} (truncated or replaced?)"
-            )
+            raise
 
     def read_into(self, layer: int, expert: int, out: torch.Tensor) -> None:
         blob = self.manifest.blob(layer, expert)

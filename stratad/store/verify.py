@@ -1,0 +1,40 @@
+"""Every checksum of a pack on request (`stratactl check --verify`): each blob of experts.bin
+read and its CRC-32 checked, each one that fails named. (Its structure is checked at every
+open: `manifest.check_blobs`.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stratad.store.manifest import Manifest
+from stratad.store.sources import BlobCorrupt, PackExperts
+
+
+def verify_checksums(
+    pack_dir: Path,
+    manifest: Manifest,
+    on_progress: Callable[[int, int, float], None] | None = None,
+) -> list[str]:
+    """Read every blob of the pack and check its CRC-32: the messages of those that fail
+    (empty when the pack is intact). `on_progress(done, total, elapsed_s)` now and then."""
+    source = PackExperts(Path(pack_dir), manifest)
+    buf = torch.empty(max(lay.nbytes for lay in manifest.layouts), dtype=torch.uint8)
+    failed: list[str] = []
+    total, t0, last = len(manifest.blobs), time.monotonic(), 0.0
+    try:
+        for i, b in enumerate(manifest.blobs):
+            try:
+                source.read_into(b.layer, b.expert, buf)
+            except BlobCorrupt as e:
+                failed.append(str(e))
+            now = time.monotonic()
+            if on_progress is not None and (now - last > 2.0 or i + 1 == total):
+                on_progress(i + 1, total, now - t0)
+                last = now
+    finally:
+        source.close()
+    return failed
