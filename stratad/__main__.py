@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         ops.stop()
 
     server.load_in_background(load, load_failed)
-    ops.serve(server.app, config.server.host, config.server.port)
+    host, port = config.server.host, config.server.port
+    try:
+        ops.serve(server.app, host, port)
+    except OSError as e:  # the port is taken, the address is not this host's or not a name
+        log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
+        return 1
     if failed:
         # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
         if isinstance(failed[0], AdmissionRefused):

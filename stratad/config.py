@@ -7,6 +7,7 @@ in the file is an error at start, not a silently ignored setting.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -30,15 +31,15 @@ class ModelConfig(_Section, frozen=True):
     """GGUF file, pack or Hugging Face directory; empty serves SmolLM2-135M-Instruct."""
     name: str = ""
     """Model id shown by /v1/models; empty uses the file name."""
-    max_context: int = 4096
+    max_context: Annotated[int, msgspec.Meta(ge=2)] = 4096
     """Tokens of context per sequence (prompt plus completion); capped by the model's own."""
 
 
 class ServerConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     """Bind address of the HTTP server."""
-    port: int = 8080
-    """TCP port of the HTTP server."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+    """TCP port of the HTTP server (0: any free port)."""
     api_key: str = ""
     """If set, requests need `Authorization: Bearer <api_key>`."""
     max_body_bytes: int = 4 * 1024 * 1024
@@ -181,11 +182,23 @@ class Config(_Section, frozen=True):
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
 
 
+def _invalid(e: msgspec.ValidationError, prefix: str = "") -> str:
+    """msgspec's "Expected `int` <= 65535 - at `$.server.port`" as "server.port: expected
+    an int <= 65535"."""
+    text = str(e)
+    m = re.fullmatch(r"(.*) - at `\$\.(.+)`", text)
+    if m is None:
+        return text
+    what = m.group(1)[:1].lower() + m.group(1)[1:]
+    what = re.sub(r"`(int|float|str|bool)`", r"\1", what)
+    return f"{prefix}{m.group(2)}: {what}"
+
+
 def parse_config(text: str, source: str = "<config>") -> Config:
     try:
         return msgspec.toml.decode(text, type=Config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source}: {_invalid(e)}") from None
     except msgspec.DecodeError as e:
         raise ConfigError(f"{source}: not valid TOML: {e}") from None
 
@@ -246,5 +259,5 @@ def override(config: Config, section: str, **values: object) -> Config:
     try:
         updated = msgspec.convert(msgspec.structs.asdict(current) | values, type=type(current))
     except msgspec.ValidationError as e:
-        raise ConfigError(f"[{section}] {e}") from None
+        raise ConfigError(_invalid(e, f"{section}.")) from None
     return msgspec.structs.replace(config, **{section: updated})

@@ -133,3 +133,46 @@ def test_prefetch_without_the_copy_path_is_refused_at_parse() -> None:
     assert parse_config("").engine.prefetch
     assert not parse_config('[engine]\ngpu_miss = "in_place"\n').engine.prefetch
     assert not parse_config("[engine]\nexpert_prefetch = false\n").engine.prefetch
+
+
+def _stratad(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stratad", *args, "--control-socket", ""],
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "70000"], "server.port: expected int <= 65535"),
+        (["--max-context", "0"], "model.max_context: expected int >= 2"),
+    ],
+)
+def test_start_up_config_errors_are_one_line(args: list[str], message: str) -> None:
+    proc = _stratad(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"stratad: {message}"
+
+
+def test_a_port_it_cannot_take_is_one_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = _stratad("--port", str(port))
+    unknown = _stratad("--host", "no-such-host.invalid", "--port", "0")
+    for proc, needle in ((busy, "address already in use"), (unknown, "no-such-host.invalid")):
+        errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(errors) == 1 and "cannot listen on" in errors[0] and needle in errors[0]
+
+
+def test_a_config_json_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    proc = _stratad(str(model), "--port", "0")
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert proc.returncode == EXIT_BAD_MODEL and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "not UTF-8 text" in errors[0]

@@ -21,9 +21,13 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (byte {e.start}): not a config.json") from None
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON: {e}") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read: {e.strerror}") from None
     if not isinstance(config, dict):
         raise ModelError(f"{path}: expected a JSON object")
     return config
