@@ -127,7 +127,9 @@ def request(
     headers: dict[str, str] | None = None,
     timeout: float = 120,
 ) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, headers=headers or {})
+    # a body goes as JSON, as every OpenAI client sends it (urllib's default is a form)
+    sent = {"Content-Type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(url, data=body, headers=sent | (headers or {}))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

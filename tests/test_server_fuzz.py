@@ -10,6 +10,8 @@ the time.
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -166,6 +168,33 @@ def test_no_route_or_method_gets_a_5xx(method: str, path: str) -> None:
         except urllib.error.HTTPError as e:
             status = e.code
     assert status < 500
+
+
+def _raw(daemon: Daemon, data: bytes, hang_up: bool = False) -> bytes:
+    """Send raw bytes to the daemon; its answer (nothing when we hang up first)."""
+    host, port = urllib.parse.urlsplit(daemon.url).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        if hang_up:
+            return b""
+        return sock.recv(4096)
+
+
+def test_hostile_bodies_get_a_4xx_or_a_quiet_close(daemon: Daemon) -> None:
+    deep = b'{"prompt": "hi", "ignored": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    status, answer = daemon.post("/v1/completions", deep)
+    assert status == 400 and b"nests JSON too deeply" in answer
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n")  # fmt: skip
+    gz = _raw(daemon, head + b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nhello")
+    assert gz.startswith(b"HTTP/1.1 400") and b"cannot read the request body" in gz, gz
+    _raw(daemon, head + b"Content-Length: 500\r\n\r\n{\"prompt\"", hang_up=True)
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):
+        status, answer = daemon.post("/v1/completions", b'{"prompt": "hi"}',
+                                     {"Content-Type": kind})  # fmt: skip
+        assert status == 415 and b"must be JSON" in answer
+    time.sleep(0.5)  # the hang-up reaches the daemon
+    assert b"the client went away" in daemon.log.read_bytes()
 
 
 def test_log_has_no_errors(daemon: Daemon) -> None:

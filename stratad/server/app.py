@@ -27,6 +27,14 @@ from stratad.server.errors import error_response
 from stratad.server.metrics import Collector, ServerMetrics
 from stratad.server.openapi import render as render_openapi
 
+FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+CLIENT_CLOSED = 499  # a request whose client left before it was read (nginx's code)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 log = logging.getLogger("stratad.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -179,6 +187,13 @@ class Server:
                 )
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
+        # the types a web page may post cross-site without asking first: JSON only here
+        typed = request.headers.get("Content-Type") is not None
+        if request.method == "POST" and typed and request.content_type in FORM_TYPES:
+            return error_response(
+                415, f"the body must be JSON (Content-Type: application/json), not"
+                f" {request.content_type}", None,
+            )  # fmt: skip
         length = request.content_length
         if length is not None and length > self.config.max_body_bytes:
             return error_response(
@@ -186,6 +201,15 @@ class Server:
             )
         try:
             return await handler(request)
+        except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a plain body
+            request.content.feed_eof()  # the rest of the stream is not read (nor logged)
+            response = error_response(400, f"cannot read the request body: {_one_line(e)}", None)
+            response.force_close()
+            return response
+        except ConnectionResetError:  # the client hung up while it sent the body
+            log.info("%s %s: the client went away before its body arrived", request.method,
+                     request.path)  # fmt: skip
+            return web.Response(status=CLIENT_CLOSED)
         except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 while reading, ...
             if e.status < 400:
                 raise

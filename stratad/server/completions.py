@@ -69,6 +69,8 @@ class Completions:
             return error_response(400, str(e), param_of(str(e)))
         except msgspec.DecodeError as e:
             return error_response(400, f"the body is not valid JSON: {e}", None)
+        except RecursionError:  # JSON nested deeper than the decoder goes, anywhere in it
+            return error_response(400, "the body nests JSON too deeply to read", None)
         except oa.RequestError as e:
             return error_response(400, str(e), e.param)
         engine = self.scheduler.engine
