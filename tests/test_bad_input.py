@@ -176,3 +176,18 @@ def test_a_config_json_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert proc.returncode == EXIT_BAD_MODEL and "Traceback" not in proc.stderr, proc.stderr
     assert len(errors) == 1 and "not UTF-8 text" in errors[0]
+
+
+def test_top_k_as_a_whole_float() -> None:
+    """JSON Schema's integer admits 0.0: top_k 0.0 and 3.0 are taken, 2.5 refused by name."""
+    import msgspec
+
+    from stratad.server import openai as oa
+
+    def top_k(raw: bytes) -> int:
+        body = b'{"prompt": "x", "top_k": ' + raw + b"}"
+        return oa.completion_job(msgspec.json.decode(body, type=oa.CompletionRequest)).top_k
+
+    assert (top_k(b"0.0"), top_k(b"3.0"), top_k(b"5")) == (0, 3, 5)
+    with pytest.raises(oa.RequestError, match="top_k must be a whole number, not 2.5"):
+        top_k(b"2.5")

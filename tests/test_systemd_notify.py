@@ -3,6 +3,7 @@ pinning progress that the store reports turning into STATUS= lines (real sockets
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
@@ -104,6 +105,15 @@ def test_pinning_progress_becomes_status_lines(listener: tuple[str, socket.socke
     ]
     status = ops.state.status()
     assert status.pinning is not None and status.pinning.fraction == 1.0
+
+
+def test_pinning_done_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The store's callback and the watcher thread both report the end: one log line."""
+    ops = Operations(Config(), SystemdEnv())
+    with caplog.at_level(logging.INFO, logger="stratad"):
+        ops.pinning_progress(1 << 30, 1 << 30)
+        ops.pinning_progress(1 << 30, 1 << 30)
+    assert [r.getMessage() for r in caplog.records].count("pinning done: 1.00 GiB page-locked") == 1
 
 
 def test_key_events_are_classified() -> None:

@@ -81,6 +81,7 @@ class Operations:
         self.notifier = Notifier(self.sd_env)
         self.control: ControlServer | None = None
         self._last_status = 0.0
+        self._pinned = False  # "pinning done" said (the pinner may report its end twice)
         self._watchdog_task: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,7 +184,8 @@ class Operations:
                 f"pinning experts: {done / 2**30:.1f} of {total / 2**30:.1f} GiB ({pct:.0f}%)"
                 f"{eta_text}"
             )
-        if finished:
+        if finished and not self._pinned:
+            self._pinned = True
             log.info("pinning done: %.2f GiB page-locked", total / 2**30, extra=event("pinning"))
             if self.state.state == "pinning":
                 self.state.set_state("loading" if self._stop is None else "serving")

@@ -24,6 +24,8 @@ Tokens = Annotated[int, msgspec.Meta(ge=1, le=TOKENS_MAX)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0, description="0 is greedy")]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=TOKENS_MAX, description="0 or -1 disables")]
+# JSON Schema's integer admits 0.0; a whole number written as a float is taken as one
+TopKFloat = Annotated[float, msgspec.Meta(ge=-1, le=TOKENS_MAX)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="only 0 is supported")]
@@ -73,7 +75,7 @@ class _Sampling(_Struct, frozen=True):
     max_tokens: Tokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: TopK = 0
+    top_k: TopK | TopKFloat = 0
     min_p: MinP = 0.0
     seed: Seed | None = None
     stop: Stop = None
@@ -117,12 +119,14 @@ def _common(req: _Sampling) -> dict[str, object]:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options needs stream=true", "stream_options")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if not float(req.top_k).is_integer():
+        raise RequestError(f"top_k must be a whole number, not {req.top_k}", "top_k")
     return {
         # The sampler computes in float32: a temperature or top_p that underflows there turns
         # the distribution into NaN. Below these floors both already mean "the top token".
         "temperature": req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0,
         "top_p": max(req.top_p, MIN_TOP_P),
-        "top_k": max(req.top_k, 0),
+        "top_k": max(int(req.top_k), 0),
         "min_p": req.min_p,
         "seed": req.seed,
         "stop": stop,
