@@ -197,5 +197,13 @@ def test_hostile_bodies_get_a_4xx_or_a_quiet_close(daemon: Daemon) -> None:
     assert b"the client went away" in daemon.log.read_bytes()
 
 
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(daemon: Daemon) -> None:
+    """2 MB of text cannot fit the context: refused by its byte count, before the tokenizer
+    would hold the GIL over it."""
+    body = json.dumps({"prompt": "word " * 400_000}).encode()
+    status, answer = daemon.post("/v1/completions", body)
+    assert status == 400 and b"bytes of text, more than the context" in answer, answer[:300]
+
+
 def test_log_has_no_errors(daemon: Daemon) -> None:
     assert daemon.log_errors() == []

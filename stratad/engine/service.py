@@ -171,6 +171,19 @@ class Engine:
         Raises `JobError` (naming the field) for what the client must change.
         """
         field = "messages" if job.messages is not None else "prompt"
+        # refused before tokenizing (which holds the GIL for seconds on megabytes of text):
+        # the context's tokens cannot stand for more bytes than this
+        if job.messages is None:
+            text = job.prompt or ""
+        else:
+            text = "".join(m.content for m in job.messages)
+        nbytes, most = len(text.encode()), self.info.max_context * self.tokenizer.max_token_bytes
+        if nbytes > most:
+            raise JobError(
+                f"the prompt has {nbytes:,} bytes of text, more than the context of"
+                f" {self.info.max_context} tokens can hold (at most {most:,} bytes)",
+                field,
+            )
         prompt = self.tokenize(job)
         if not prompt:
             raise JobError("the prompt is empty", field)

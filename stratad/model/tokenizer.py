@@ -52,6 +52,11 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @property
+    def max_token_bytes(self) -> int:
+        """The most text bytes one token stands for: n tokens never hold more than n times it."""
+        return max((len(p) for p in self._pieces), default=1) or 1
+
+    @property
     def vocab_size(self) -> int:
         return len(self._pieces)
 
