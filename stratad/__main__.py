@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> Any:
         engine = Engine(config, on_pin_progress=ops.pin_progress_callback())
         ops.loaded(engine)
-        return ops.wrap_backend(engine)
+        return engine
 
     def load_failed(e: BaseException) -> None:
         if isinstance(e, AdmissionRefused):

@@ -2,20 +2,19 @@
 
 `gate_middleware` counts the API requests in flight and, once a drain has begun, refuses new
 ones with 503 and `Retry-After` (and answers `/health` with 503, so a load balancer moves on)
-while the ones in flight finish. `MeteredBackend` wraps the engine to count tokens and time
-the two stages every request has (prompt, then generation).
+while the ones in flight finish. `meter_ticket` counts each finished request's tokens and
+times the two stages every request has (prompt, then generation), from the scheduler's own
+account of it.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from stratad.control.state import DaemonState
-from stratad.runtime.jobs import Delta, Job
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -58,29 +57,13 @@ def gate_middleware(state: DaemonState) -> Any:
     return gate
 
 
-class MeteredBackend:
-    """The engine, counted: tokens per request, time to the first token, generation time."""
-
-    def __init__(self, backend: Any, state: DaemonState) -> None:
-        self._backend = backend
-        self._meter = state.meter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-    def run(self, job: Job, cancelled: Callable[[], bool]) -> Iterator[Delta]:
-        t0 = time.monotonic()
-        first: float | None = None
-        last: Delta | None = None
-        try:
-            for delta in self._backend.run(job, cancelled):
-                if first is None:
-                    first = time.monotonic()
-                    self._meter.stage("prompt", first - t0)
-                last = delta
-                yield delta
-        finally:
-            if first is not None:
-                self._meter.stage("generation", time.monotonic() - first)
-            if last is not None:
-                self._meter.tokens(last.prompt_tokens, last.completion_tokens)
+def meter_ticket(state: DaemonState, ticket: Any) -> None:
+    """A finished `stratad.runtime.scheduler.Ticket` into the control socket's meter."""
+    if ticket.started is None:  # cancelled while it waited: never ran
+        return
+    meter = state.meter
+    if ticket.first_token is not None:
+        meter.stage("prompt", ticket.first_token - ticket.started)
+        meter.stage("generation", ticket.finished - ticket.first_token)
+    if ticket.last is not None:
+        meter.tokens(ticket.last.prompt_tokens, ticket.last.completion_tokens)

@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from stratad.config import Config
-from stratad.control.gate import MeteredBackend, gate_middleware
+from stratad.control.gate import gate_middleware, meter_ticket
 from stratad.control.server import ControlError, ControlServer, parse_mode, resolve_group
 from stratad.control.state import DaemonState, EngineView, StoreView
 from stratad.control.store_view import store_view_of
@@ -128,6 +128,7 @@ class Operations:
         app.on_shutdown.append(self._on_shutdown)
         self._scheduler = scheduler
         if scheduler is not None:
+            scheduler.listeners.append(lambda ticket: meter_ticket(self.state, ticket))
             self.state.queue_depth = lambda: int(scheduler.waiting)
             self.state.on_drain = lambda: setattr(scheduler, "state", "draining")
 
@@ -144,10 +145,6 @@ class Operations:
                 threading.Thread(
                     target=self._watch_pinning, args=(pinner,), name="pin-progress", daemon=True
                 ).start()
-
-    def wrap_backend(self, backend: Any) -> Any:
-        """The engine as the HTTP side should call it: counted for `stratactl stats`."""
-        return MeteredBackend(backend, self.state)
 
     # ---- the expert store (adapter: stratad.control.store_view) ---------------------------
 

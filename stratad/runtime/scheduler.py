@@ -127,7 +127,9 @@ class Scheduler:
 
     def __init__(self, max_queue: int, on_finished: Callable[[Ticket], None] | None = None) -> None:
         self.max_queue = max_queue
-        self.on_finished = on_finished
+        # what every finished ticket is reported to (the HTTP metrics, the control socket's
+        # meter): one account of each request, taken where it ran
+        self.listeners: list[Callable[[Ticket], None]] = [on_finished] if on_finished else []
         self.state = "loading"  # loading -> ready -> draining; or failed
         self.held: str | None = None  # e.g. "pinning": loaded, but not to serve yet
         self.engine: Backend | None = None
@@ -232,8 +234,8 @@ class Scheduler:
             finally:
                 ticket.finished = time.monotonic()
                 self.running = None
+                self._after(ticket)  # accounted before its client sees the end
                 ticket._push(None)
-                self._after(ticket)
 
     def _run(self, ticket: Ticket) -> None:
         assert self.engine is not None
@@ -268,8 +270,8 @@ class Scheduler:
                 ticket.last.completion_tokens if ticket.last else 0,
                 1000 * max(ticket.finished - ticket.cancelled_at, 0.0),
             )
-        if self.on_finished is not None:
+        for listener in self.listeners:
             try:
-                self.on_finished(ticket)
+                listener(ticket)
             except Exception:
                 log.exception("recording a finished request failed")
