@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("profile-save", help="write the expert routing profile to a file",
                               description="Ask the daemon to write its expert routing profile.")
     p.add_argument("path", nargs="?", default="",
-                   help="file the daemon writes (default: its configured profile path)")
+                   help="file the daemon writes, in the directory of store.expert_profile"
+                   " (default: store.expert_profile itself)")
     add_socket_args(p)
     p = subparsers.add_parser(
         "drain", help="finish in-flight requests, refuse new ones (503)",

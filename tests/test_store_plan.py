@@ -197,3 +197,31 @@ def test_lfru_protects_reused_experts_from_a_scan() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown cache policy 'mru'"):
         ExpertCache(2, "mru")
+
+
+def test_profile_save_writes_only_beside_the_configured_profile(tmp_path: Path) -> None:
+    from stratad.control.provider import Unavailable
+    from stratad.control.store_view import profile_target
+
+    home = tmp_path / "profiles"
+    home.mkdir()
+    configured = str(home / "a3b.json")
+    assert profile_target("", configured) == home / "a3b.json"
+    assert profile_target("other.json", configured) == home / "other.json"
+    assert profile_target(str(home / "x.json"), configured) == home / "x.json"
+    for bad in ("/etc/cron.d/evil", "../evil.json", str(tmp_path / "evil.json"), ".."):
+        with pytest.raises(Unavailable, match="writes only in"):
+            profile_target(bad, configured)
+    (home / "link").symlink_to(tmp_path)  # a symlinked directory out of it is refused too
+    with pytest.raises(Unavailable, match="writes only in"):
+        profile_target("link/evil.json", configured)
+    with pytest.raises(Unavailable, match="store.expert_profile is not set"):
+        profile_target("p.json", "")
+
+
+def test_a_failed_profile_save_leaves_no_tmp(tmp_path: Path) -> None:
+    target = tmp_path / "p.json"
+    target.mkdir()  # os.replace onto a directory fails
+    with pytest.raises(OSError):
+        save_profile(profile_from_counts([[1, 2], [3, 4]]), target)
+    assert not (tmp_path / "p.json.tmp").exists()

@@ -181,18 +181,33 @@ class ExpertStoreView:
     def save_profile(self, path: str) -> ProfileSaveReply:
         from stratad.store.profile import profile_from_counts, save_profile
 
-        target = path or self.profile_path
-        if not target:
-            raise Unavailable("no path given and store.expert_profile is not set")
+        target = profile_target(path, self.profile_path)
         if self.route_counts is None:
             raise Unavailable("this engine does not record routing counts")
         profile = profile_from_counts(self.route_counts())
-        save_profile(profile, Path(target))
+        save_profile(profile, target)
         return ProfileSaveReply(
             path=str(target),
             experts=profile.n_layers * profile.n_experts,
             bytes=Path(target).stat().st_size,
         )
+
+
+def profile_target(path: str, configured: str) -> Path:
+    """Where `profile-save` writes: `store.expert_profile`, or a file the peer names in that
+    file's directory (a relative name is taken there). The daemon writes with its own rights,
+    so a peer never picks a directory."""
+    if not configured:
+        raise Unavailable("store.expert_profile is not set: profile-save writes only beside it")
+    home = Path(configured).parent
+    target = Path(path) if path else Path(configured)
+    if not target.is_absolute():
+        target = home / target
+    if target.parent.resolve() != home.resolve() or target.name in ("", ".", ".."):
+        raise Unavailable(
+            f"{path}: profile-save writes only in {home} (the directory of store.expert_profile)"
+        )
+    return target
 
 
 def store_view_of(engine: Any, config: Any) -> ExpertStoreView | None:

@@ -67,8 +67,12 @@ def save_profile(profile: ExpertProfile, path: Path) -> None:
     """Write atomically (a reader never sees half a file)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(msgspec.json.encode(profile))
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(msgspec.json.encode(profile))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left behind
+        raise
 
 
 def load_profile(path: Path, n_layers: int, n_experts: int) -> ExpertProfile:
