@@ -18,7 +18,7 @@ from kernels.tuning import INTERPRETED, KernelConfigs
 from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.engine.experts import blob_layout, kernel_layout
 from stratad.engine.forward import ReferenceForward
-from stratad.engine.host_experts import HostExperts
+from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.store.manifest import EXPERTS_NAME, read_manifest
 from stratad.store.pack import write_pack
@@ -52,7 +52,9 @@ def _damaged(pack: Path, tmp_path: Path, layer: int, expert: int) -> Path:
 
 def _engine(pack: Path, device: str, ram: list[list[int]] | None) -> OffloadForward:
     model, _ = load_pack(pack)
-    host = HostExperts(PackExperts(pack), kernel_layout(model), ram)
+    host = HostExperts(
+        PackExperts(pack), kernel_layout(model), ram, default_lock(torch.device(device))
+    )
     budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
     kernels = INTERPRETED if device == "cpu" else KernelConfigs()
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,

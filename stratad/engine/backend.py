@@ -2,8 +2,9 @@
 
 `reference`: the torch reference forward; a MoE model's experts come through the expert store
 (`stratad.store`), on any device. `offload`: the GPU engine for MoE models larger than VRAM
-(`stratad.engine.offload`): every expert in page-locked RAM, the hottest in VRAM slots, misses
-fetched over PCIe (`engine.gpu_miss`). Both start from the same deterministic residency plan, so
+(`stratad.engine.offload`): the hottest experts in VRAM slots, the plan's RAM copies in the
+store's page-locked arena (pinned at a paced rate while the engine loads), the rest read from
+the model file on a miss; misses cross PCIe (`engine.gpu_miss`). Both start from the same deterministic residency plan, so
 the plan hash, the coverage line and the control socket's views mean the same thing.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from stratad.config import Config
 from stratad.engine.experts import blob_layout, kernel_layout
-from stratad.engine.host_experts import HostExperts
+from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kernel_table import kernel_configs
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import StartPlan
@@ -25,7 +26,7 @@ from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
-from stratad.store.pinning import PinProgress, ProgressFn
+from stratad.store.pinning import Pinner, PinSettings, ProgressFn
 from stratad.store.plan import ResidencyPlan
 from stratad.store.sizes import MiB
 from stratad.store.sources import ExpertSource
@@ -62,6 +63,11 @@ class OffloadTiers:
         self.layouts = source.layouts
         self.counts, self.bandwidths, self.budget = counts, bandwidths, budget
         self.degraded = degraded  # admission ran a smaller plan than configured
+
+    @property
+    def pinner(self) -> Pinner:
+        """The RAM tier's pinner (the control socket follows its progress)."""
+        return self.forward.host.pinner
 
     def stats(self) -> StoreStats:
         tables, host = self.forward.tables, self.forward.host
@@ -101,11 +107,19 @@ def open_offload(
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
-    # the RAM tier, read through the store's source: a pack's checksums are verified here
-    host = HostExperts(source, kernel_layout(model), ram)
+    # the RAM tier, read through the store's source (a pack's checksums are verified there),
+    # filled and page-locked by the store's paced pinner while the engine loads
+    lock = default_lock(device)
+    if lock.locker.gpu_registered and config.store.lock not in ("auto", "gpu"):
+        log.warning(
+            "store.lock = %s: the GPU engine registers its RAM tier with the GPU"
+            " runtime all the same (its kernels read it in place)",
+            config.store.lock,
+        )
+    pin = PinSettings(config.store.pin_chunk_mib * MiB, config.store.pin_rate_gbps * 1e9)
+    host = HostExperts(source, kernel_layout(model), ram, lock, pin, on_pin_progress)
     if len(start.devices) == 1:
-        forward = OffloadForward(model, device, cfg, residents=plan.residents(), host=host,
-                                 pin=_pin_settings(config, on_pin_progress))  # fmt: skip
+        forward = OffloadForward(model, device, cfg, residents=plan.residents(), host=host)
     else:
         forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
                                 host=host)  # fmt: skip
@@ -137,15 +151,3 @@ def _pcie_frac(
         frac, bw.copy_bps / 1e9, cpu / 1e9,
     )  # fmt: skip
     return frac
-
-
-def _pin_settings(config: Config, on_progress: ProgressFn | None) -> dict[str, Any]:
-    def report(done: int, total: int, elapsed: float, chunks: tuple[int, int]) -> None:
-        if on_progress is not None:
-            on_progress(PinProgress(done, total, chunks[0], chunks[1], elapsed))
-
-    return {
-        "chunk_bytes": config.store.pin_chunk_mib * MiB,
-        "rate_bytes_s": config.store.pin_rate_gbps * 1e9,
-        "on_progress": report,
-    }

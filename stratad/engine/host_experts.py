@@ -1,71 +1,108 @@
-"""The host copies of the expert blobs the plan keeps in RAM, page-locked so kernels can read
-them in place; the others stay in the model file and are read from it on use (`file_read`),
-counted as file reads.
+"""The GPU engine's RAM tier: the store's arena (`store.tiers.ResidentRAM`), filled and
+page-locked by the store's paced pinner (`store.pinning.Pinner`) on its background thread, in
+the kernels' layout; the experts without a RAM copy are read from the model file on use
+(`file_read`), counted as file reads.
 
 Every blob comes through the store's `ExpertSource` (a pack's experts.bin, whose checksums
 are verified on each blob's first read, or the model file read in place) and is turned into
-the kernels' layout on the way (`experts.from_stored`)."""
+the kernels' layout on the way (`KernelBlobs`). The kernels read RAM copies in place, so the
+engine waits for the pinner (`wait`) before it builds its address table; it loads its dense
+weights meanwhile."""
 
 from __future__ import annotations
 
-import logging
-import mmap
-import time
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Sequence
 
 import torch
 
 from stratad.engine.experts import BlobLayout, from_stored
+from stratad.model.spec import ExpertUnit
+from stratad.store.lock import CudaHostLocker, LockChoice, NoLocker
+from stratad.store.pinning import Pinner, PinSettings, ProgressFn
 from stratad.store.sources import ExpertSource
+from stratad.store.tiers import PAGE, ResidentRAM
 
-log = logging.getLogger("stratad.engine")
-PAGE = mmap.PAGESIZE
-CUDA_HOST_REGISTER_PORTABLE = 1
+UNPACED = PinSettings(chunk_bytes=1 << 30, rate_bps=0.0)
+
+
+class PinError(RuntimeError):
+    """The RAM tier could not be page-locked for the GPU, which reads it in place."""
+
+
+class KernelBlobs:
+    """`source` read in the kernels' layout: each blob converted as it is read (any thread:
+    the pinner and the engine's file reads each get their own scratch)."""
+
+    def __init__(self, source: ExpertSource, layout: BlobLayout) -> None:
+        self.source, self.layout = source, layout
+        self._raw_bytes = max(lay.nbytes for lay in source.layouts)
+        self._local = threading.local()
+
+    def read_into(self, layer: int, expert: int, out: torch.Tensor) -> None:
+        raw = getattr(self._local, "raw", None)
+        if raw is None:
+            raw = self._local.raw = torch.empty(self._raw_bytes, dtype=torch.uint8)
+        self.source.read_into(layer, expert, raw)  # verified there
+        from_stored(raw, self.source.layouts[layer], out, self.layout)
+
+
+def default_lock(device: torch.device) -> LockChoice:
+    """Registered with the GPU runtime on a GPU (its kernels read the copies in place)."""
+    return LockChoice(CudaHostLocker() if device.type == "cuda" else NoLocker(), None)
 
 
 class HostExperts:
-    """The RAM tier: one host buffer [rows, nbytes] holding the blobs of `ram` (each layer's
-    experts with a RAM copy; None: every expert), page-locked for in-place reads. The others
-    are read from `source` into a caller's buffer (`file_read`). A blob that fails its
-    checksum raises `BlobCorrupt`, naming it."""
+    """The RAM copies of `ram` (each layer's experts with one; None: every expert), one
+    page-strided row each, `buffer` [rows, nbytes]. Pinning starts at construction; `wait`
+    returns once every row is filled and locked, and raises the first blob that failed its
+    checks (`BlobCorrupt`, naming it) or a `PinError`."""
 
     def __init__(
-        self, source: ExpertSource, layout: BlobLayout, ram: Sequence[Sequence[int]] | None = None
+        self,
+        source: ExpertSource,
+        layout: BlobLayout,
+        ram: Sequence[Sequence[int]] | None = None,
+        lock: LockChoice | None = None,
+        settings: PinSettings = UNPACED,
+        on_progress: ProgressFn | None = None,
     ) -> None:
         self.source, self.layout = source, layout
+        self.blobs = KernelBlobs(source, layout)
         every = range(source.n_experts)
-        self.row_of: list[dict[int, int]] = []
-        n = 0
-        for layer in range(source.n_layers):
-            experts = sorted(ram[layer]) if ram is not None else every
-            self.row_of.append({e: n + i for i, e in enumerate(experts)})
-            n += len(experts)
-        total = source.n_layers * source.n_experts
-        self.complete = n == total
-        # Page-aligned anonymous memory with each blob starting on a page: registration
-        # chunks hold whole blobs, so no copy ever spans two registrations.
+        units = [
+            ExpertUnit(layer, e)
+            for layer in range(source.n_layers)
+            for e in (sorted(ram[layer]) if ram is not None else every)
+        ]
+        self.row_of: list[dict[int, int]] = [{} for _ in range(source.n_layers)]
+        for row, u in enumerate(units):
+            self.row_of[u.layer][u.expert] = row
+        self.complete = len(units) == source.n_layers * source.n_experts
+        # each row starts on a page: a pinned chunk holds whole rows, so no copy ever spans
+        # two registrations
         self.stride = -(-layout.nbytes // PAGE) * PAGE
-        self._map = mmap.mmap(-1, max(n, 1) * self.stride)
-        arena = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.buffer = arena.view(max(n, 1), self.stride)[:, : layout.nbytes]
-        self._registered: list[int] = []
-        self._pinned = 0
-        self._raw = torch.empty(max(lay.nbytes for lay in source.layouts), dtype=torch.uint8)
+        self.ram = ResidentRAM(units, [self.stride] * len(units))
+        self.buffer = self.ram.buf.view(len(units), self.stride)[:, : layout.nbytes]
         self.file_reads = self.file_bytes = 0
-        t0 = time.monotonic()
-        for layer, rows in enumerate(self.row_of):
-            for e, row in rows.items():
-                self._copy(layer, e, self.buffer[row])
-        log.info(
-            "experts: %.2f GiB read into RAM from %s in %.1f s (%d of %d blobs; the rest are"
-            " read from the file on use)", n * self.stride / 2**30, source.label,
-            time.monotonic() - t0, n, total,
-        )  # fmt: skip
+        self.pinner = Pinner(self.ram, self.blobs, lock or LockChoice(NoLocker(), None),
+                             settings, on_progress, on_bad_blob="stop")  # fmt: skip
+        self.pinner.start()
+        self._checked = False
 
-    def _copy(self, layer: int, expert: int, out: torch.Tensor) -> None:
-        """Read a blob from the source (verified there) into out [nbytes], kernel layout."""
-        self.source.read_into(layer, expert, self._raw)
-        from_stored(self._raw, self.source.layouts[layer], out, self.layout)
+    def wait(self) -> None:
+        """Until the pinner is done; raises what it could not do."""
+        self.pinner.wait()
+        if self._checked:
+            return
+        if self.pinner.error is not None:
+            raise self.pinner.error
+        if self.gpu_registered and self.ram.locked_bytes < self.ram.nbytes:
+            raise PinError(
+                f"only {self.ram.locked_bytes:,} of {self.ram.nbytes:,} bytes of the experts'"
+                " RAM copies could be registered with the GPU, whose kernels read them in place"
+            )
+        self._checked = True
 
     def has(self, layer: int, expert: int) -> bool:
         return expert in self.row_of[layer]
@@ -76,7 +113,7 @@ class HostExperts:
 
     def file_read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
         """Read a blob from the model file into out [nbytes] (the kernels' layout)."""
-        self._copy(layer, expert, out)
+        self.blobs.read_into(layer, expert, out)
         self.file_reads += 1
         self.file_bytes += self.layout.nbytes
         return out
@@ -88,55 +125,22 @@ class HostExperts:
         return self.file_read(layer, expert, out)
 
     @property
-    def registered(self) -> bool:
-        return bool(self._registered)
+    def gpu_registered(self) -> bool:
+        """Whether the copies are registered with the GPU runtime (its kernels read them)."""
+        return self.pinner.choice.locker.gpu_registered
 
     @property
     def nbytes(self) -> int:
-        return len(self._map)
+        return self.ram.nbytes
 
     @property
     def pinned_bytes(self) -> int:
-        return self._pinned
-
-    def pin(
-        self,
-        chunk_bytes: int = 1 << 30,
-        rate_bytes_s: float = 0.0,
-        on_progress: Callable[[int, int, float, tuple[int, int]], None] | None = None,
-        portable: bool = False,
-    ) -> None:
-        """Register the buffer with the GPU runtime (mapped into the device's address space:
-        kernels may read it in place), in chunks of whole blobs, at most `rate_bytes_s` on
-        average (0: no cap) so that a large pin does not stall the host."""
-        cudart = torch.cuda.cudart()
-        base, total = self.buffer.data_ptr(), len(self._map)
-        step = max(1, chunk_bytes // self.stride) * self.stride
-        n_chunks = -(-total // step)
-        t0 = time.monotonic()
-        for k, off in enumerate(range(0, total, step)):
-            n = min(step, total - off)
-            # portable: page-locked for every GPU of the process (a pipeline over two GPUs)
-            flags = CUDA_HOST_REGISTER_PORTABLE if portable else 0
-            torch.cuda.check_error(cudart.cudaHostRegister(base + off, n, flags))
-            self._registered.append(base + off)
-            self._pinned = off + n
-            if rate_bytes_s > 0:  # pace: never ahead of the capped average rate
-                ahead = self._pinned / rate_bytes_s - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-            if on_progress is not None:
-                on_progress(self._pinned, total, time.monotonic() - t0, (k + 1, n_chunks))
-        log.info("experts: %.2f GiB page-locked in %.1f s", total / 2**30, time.monotonic() - t0)
+        return self.pinner.progress.pinned_bytes
 
     def close(self) -> None:
-        """Unregister (before the memory goes back to the system)."""
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
-            self._pinned = 0
+        """Stop pinning and unlock (before the memory goes back to the system)."""
+        self.pinner.stop()
+        self.ram.close()
 
     def __del__(self) -> None:
         self.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.nn.functional as fn
@@ -40,7 +39,7 @@ from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.expert_table import ExpertTable
 from stratad.engine.experts import kernel_layout
 from stratad.engine.file_misses import FileMisses
-from stratad.engine.host_experts import HostExperts
+from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
@@ -66,7 +65,6 @@ class OffloadForward:
         config: OffloadConfig,
         host: HostExperts | None = None,
         residents: list[list[int]] | None = None,
-        pin: dict[str, Any] | None = None,
         layers: range | None = None,
         ram: list[list[int]] | None = None,
     ) -> None:
@@ -82,6 +80,9 @@ class OffloadForward:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
         self.layout = kernel_layout(model)
         self.device, self.config, self.dtype = device, config, config.dtype
+        # the RAM tier pins on its own thread while the dense weights load
+        self.host = host or HostExperts(ModelExperts(model), self.layout, ram,
+                                        default_lock(device))  # fmt: skip
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
         # softmax, top-k and renormalisation in one kernel (torch: six launches per layer)
@@ -102,9 +103,12 @@ class OffloadForward:
         self.lm_head = (
             (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
         )
-        self.host = host or HostExperts(ModelExperts(model), self.layout, ram)
-        if device.type == "cuda" and not self.host.registered:
-            self.host.pin(**(pin or {}))
+        self.host.wait()
+        if device.type == "cuda" and not self.host.gpu_registered:
+            raise ValueError(
+                "the GPU engine reads its RAM tier in place: build HostExperts"
+                " with a lock that registers it with the GPU (default_lock)"
+            )
         self.experts = self._init_table(residents)
         self.side = self.experts.side
         self._init_fetch()

@@ -84,9 +84,9 @@ class StagedForward:
         for device, lo, hi in zip(devices, bounds[:-1], bounds[1:], strict=True):
             share = config.expert_vram_bytes * (hi - lo) // model.spec.n_layers
             cfg = replace(config, expert_vram_bytes=share, graphs=False)
-            pin = {"portable": True}  # page-locked for every GPU of the process
+            # the RAM tier is page-locked for every GPU of the process (portable)
             stage = OffloadForward(model, torch.device(device), cfg, host=host,
-                                   residents=residents, layers=range(lo, hi), pin=pin,
+                                   residents=residents, layers=range(lo, hi),
                                    ram=ram)  # fmt: skip
             host = stage.host
             self.stages.append(stage)

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -79,7 +79,12 @@ class BlobReader(Protocol):
 
 
 class Pinner:
-    """Fills `ram` from `source` chunk by chunk, locking each chunk first."""
+    """Fills `ram` from `source` chunk by chunk, locking each chunk first.
+
+    A blob that fails its checks (`PackError`) is, by `on_bad_blob`: "skip", named and left
+    to the file tier (which raises it on use; `failed` lists it); "stop", the end of pinning,
+    kept in `error` for the owner to raise (an engine whose every RAM copy must be there).
+    """
 
     def __init__(
         self,
@@ -88,8 +93,10 @@ class Pinner:
         lock: LockChoice,
         settings: PinSettings,
         on_progress: ProgressFn | None = None,
+        on_bad_blob: Literal["skip", "stop"] = "skip",
     ) -> None:
         self.ram = ram
+        self.on_bad_blob = on_bad_blob
         self.source = source
         self.choice = lock
         self.locker = lock.locker
@@ -150,6 +157,8 @@ class Pinner:
             try:
                 self.source.read_into(unit.layer, unit.expert, self.ram.slot(i))
             except PackError as e:  # named and left to the file tier, which raises it on use
+                if self.on_bad_blob == "stop":
+                    raise
                 log.error(
                     "resident copy of layer %d, expert %d skipped: %s", unit.layer, unit.expert, e
                 )
@@ -194,6 +203,8 @@ class Pinner:
                 pinned / max(elapsed, 1e-9) / 1e9,
                 where,
             )
+        except PackError as e:  # on_bad_blob = "stop": the owner raises it
+            self.error = e
         except BaseException as e:  # never die silently on a background thread
             self.error = e
             log.exception("pinning the resident set failed; its experts are read from the file")
