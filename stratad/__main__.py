@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     server.load_in_background(load, load_failed)
     host, port = config.server.host, config.server.port
     try:
-        ops.serve(server.app, host, port)
+        ops.serve(server.app)
     except OSError as e:  # the port is taken, the address is not this host's or not a name
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
         return 1

@@ -60,6 +60,23 @@ class ServerConfig(_Section, frozen=True):
     """Host memory for prefixes pinned with the `strata_prefix` request extension."""
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """On SIGTERM: how long running and queued requests may take before they are cancelled."""
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
+    """A connection with no request under way closes after this long: kept alive between
+    requests, or from the connect (or the last answer) to a complete request head, which
+    bounds a client that sends its headers slowly."""
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """A request body must arrive within this long of its head; a slower one gets 408 and the
+    connection closes."""
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 512
+    """Open HTTP connections at most (lowered to what the open-file limit leaves, with a
+    WARNING); one more is answered 503 and closed."""
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 1 << 20
+    """Bytes of a streamed answer that may wait for a client that reads slowly, in the daemon
+    and in the kernel's send buffer each (the kernel caps the latter at net.core.wmem_max); past
+    this the stream waits for the client (see send_timeout_s)."""
+    send_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """A stream whose client has read nothing of a full send buffer for this long is
+    cancelled (its request stops, the connection closes)."""
 
 
 class EngineConfig(_Section, frozen=True):

@@ -56,6 +56,19 @@ socket = ""
 [engine]
 threads = 1
 """,
+    # the connection limits and timeouts, short enough to be seen in a test
+    "limits": """
+[server]
+idle_timeout_s = 1.0
+body_timeout_s = 1.0
+max_connections = 6
+send_buffer_bytes = 16384
+send_timeout_s = 1.0
+[control]
+socket = ""
+[engine]
+threads = 1
+""",
     "default": """
 [control]
 socket = ""

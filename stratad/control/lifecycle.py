@@ -5,7 +5,7 @@
     server = Server(...)
     ops.install(server.app, server.scheduler)   # request counting, drain, STOPPING=1
     ... the model loads (on a thread) ...; ops.loaded(engine)
-    ops.serve(app, host, port)       # listen; READY=1 once the model serves; WATCHDOG=1 pings;
+    ops.serve(app)                   # listen; READY=1 once the model serves; WATCHDOG=1 pings;
                                      # SIGTERM: STOPPING=1, the app drains, the socket closes
 
 The watchdog is pinged from the HTTP event loop itself, so a wedged loop stops the pings and
@@ -33,6 +33,7 @@ from stratad.control.server import ControlError, ControlServer, parse_mode, reso
 from stratad.control.state import DaemonState, EngineView, StoreView
 from stratad.control.store_view import store_view_of
 from stratad.protocol import Progress
+from stratad.server.listener import CappedSite, connection_cap, handler_args, quiet_accept_errors
 from stratad.systemd import EVENT_FIELD, Notifier, SystemdEnv, classify, event, journal_handler
 
 log = logging.getLogger("stratad")
@@ -215,11 +216,12 @@ class Operations:
             self.notifier.watchdog()
             await asyncio.sleep(interval_s)
 
-    def serve(self, app: web.Application, host: str, port: int) -> None:
-        """Serve HTTP until SIGTERM/SIGINT (or `stop()`), then shut down (the app's
-        on_shutdown hooks run: in-flight requests finish), then close the control socket."""
+    def serve(self, app: web.Application) -> None:
+        """Serve HTTP (server.host, server.port) until SIGTERM/SIGINT (or `stop()`), then shut
+        down (the app's on_shutdown hooks run: in-flight requests finish), then close the
+        control socket."""
         try:
-            asyncio.run(self._serve(app, host, port))
+            asyncio.run(self._serve(app))
         finally:
             self.close()
 
@@ -233,15 +235,18 @@ class Operations:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> None:
+    async def _serve(self, app: web.Application) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(app, handle_signals=False)
+        quiet_accept_errors(self._loop, log)
+        sc = self.config.server
+        host, port = sc.host, sc.port
+        runner = web.AppRunner(app, handle_signals=False, **handler_args(sc))
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await CappedSite(runner, host, port, connection_cap(sc.max_connections)).start()
             # The model may still be loading on a thread (the app answers 503 meanwhile):
             # READY=1 once it serves.
             while not self._serving_ready() and not stop.is_set():

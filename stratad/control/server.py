@@ -38,6 +38,7 @@ from stratad.protocol import (
     decode_request,
     encode,
 )
+from stratad.server.listener import quiet_accept_errors
 
 log = logging.getLogger("stratad.control")
 
@@ -204,6 +205,7 @@ class ControlServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
+        quiet_accept_errors(loop, log)
         server = loop.run_until_complete(
             asyncio.start_unix_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES)
         )

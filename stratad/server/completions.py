@@ -40,6 +40,7 @@ class Completions:
     def __init__(self, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
+        self.config = config
         self.default_max_tokens = config.default_max_tokens or None
 
     def unavailable(self) -> web.Response:
@@ -62,7 +63,15 @@ class Completions:
         return treq, oa.completion_job(treq)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
+        except TimeoutError:
+            response = error_response(
+                408, f"the request body did not arrive within {self.config.body_timeout_s:g} s"
+                " (server.body_timeout_s)", None,
+            )  # fmt: skip
+            response.force_close()
+            return response
         try:
             req, job = self._decode(body, chat)
         except msgspec.ValidationError as e:
@@ -97,7 +106,10 @@ class Completions:
             )
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                response = await _stream(request, ticket, header, chat, include_usage)
+                stream = EventStream(
+                    request, self.config.send_buffer_bytes, self.config.send_timeout_s
+                )
+                response = await _stream(stream, ticket, header, chat, include_usage)
             else:
                 response = await _collect(ticket, header, chat)
             done = True
@@ -184,9 +196,8 @@ def _chunk(
 
 
 async def _stream(
-    request: web.Request, ticket: Ticket, h: _Header, chat: bool, include_usage: bool
+    stream: EventStream, ticket: Ticket, h: _Header, chat: bool, include_usage: bool
 ) -> web.StreamResponse:
-    stream = EventStream(request)
     try:
         await stream.open()
         if chat:

@@ -1,10 +1,18 @@
 """Server-sent events for streamed completions: `data: <json>` frames, then `data: [DONE]`.
 
 A write to a client that has gone away raises `ClientGone`; the handler then cancels the job.
+So does a client that stops reading: once `send_buffer_bytes` of events wait in the daemon for
+it, a write waits for it to take them, and after `send_timeout_s` of that the stream is given up
+(`ClientStalled`) and the connection aborted, so that neither the job nor the buffer is held for
+a reader that never comes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import socket
 from typing import Any
 
 import msgspec
@@ -13,13 +21,24 @@ from aiohttp import web
 DONE = b"data: [DONE]\n\n"
 
 
+log = logging.getLogger("stratad.server")
+
+
 class ClientGone(Exception):
     """The client closed the connection while we were streaming to it."""
 
 
+class ClientStalled(ClientGone):
+    """The client took nothing of a full send buffer for the send timeout."""
+
+
 class EventStream:
-    def __init__(self, request: web.Request) -> None:
+    def __init__(
+        self, request: web.Request, send_buffer_bytes: int = 1 << 20, send_timeout_s: float = 30.0
+    ) -> None:
         self.request = request
+        self.send_buffer_bytes = send_buffer_bytes
+        self.send_timeout_s = send_timeout_s
         self.response = web.StreamResponse(
             status=200,
             headers={
@@ -30,6 +49,13 @@ class EventStream:
         )
 
     async def open(self) -> None:
+        transport = self.request.transport
+        if transport is not None:  # writes wait for the client past this many queued bytes
+            transport.set_write_buffer_limits(high=self.send_buffer_bytes)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # and the kernel's buffer is bounded alike (not autotuned)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         try:
             await self.response.prepare(self.request)
         except (ConnectionError, RuntimeError) as e:
@@ -41,15 +67,30 @@ class EventStream:
     async def done(self) -> None:
         await self._write(DONE)
         try:
-            await self.response.write_eof()
+            await asyncio.wait_for(self.response.write_eof(), self.send_timeout_s)
         except (ConnectionError, RuntimeError) as e:
             raise ClientGone() from e
+        except TimeoutError:
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise ClientStalled() from None
 
     async def _write(self, data: bytes) -> None:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             raise ClientGone()
         try:
-            await self.response.write(data)
+            await asyncio.wait_for(self._send(transport, data), self.send_timeout_s)
         except (ConnectionError, RuntimeError) as e:  # aiohttp: ClientConnectionResetError
             raise ClientGone() from e
+        except TimeoutError:
+            queued = transport.get_write_buffer_size()
+            log.info("stream given up: its client read nothing of %d queued bytes for %.0f s",
+                     queued, self.send_timeout_s)  # fmt: skip
+            transport.abort()
+            raise ClientStalled() from None
+
+    async def _send(self, transport: asyncio.Transport, data: bytes) -> None:
+        await self.response.write(data)
+        if transport.get_write_buffer_size() > self.send_buffer_bytes:
+            await self.request.writer.drain()  # returns once the client took enough

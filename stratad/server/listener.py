@@ -1,0 +1,157 @@
+"""Where HTTP connections arrive: the listening site, its connection cap, its timeouts, and
+accept errors logged once in a while instead of once per attempt.
+
+A client must not hold the daemon's sockets for free: a connection with no request under way
+closes after `server.idle_timeout_s` (aiohttp's keep-alive timer, which also runs from the
+connect to a complete request head, so a slow-header client is bounded by it too); a body gets
+`server.body_timeout_s` (`stratad.server.completions`); a stream whose client stops reading
+gets `server.send_timeout_s` (`stratad.server.sse`). Past `server.max_connections` open
+connections a new one is answered 503 and closed at once, so the cap, set under the open-file
+limit, keeps descriptors for /health's answers, the control socket and the model's files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_server import Server as WebServer
+
+from stratad.config import ServerConfig
+
+log = logging.getLogger("stratad.server")
+
+FD_RESERVE = 64  # descriptors left to the rest of the daemon under the open-file limit
+LOG_EVERY_S = 10.0  # at most one line per this many seconds per kind of trouble
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def handler_args(config: ServerConfig) -> dict[str, Any]:
+    """aiohttp's per-connection settings (`web.AppRunner(app, **handler_args(config))`)."""
+    return {
+        "keepalive_timeout": config.idle_timeout_s,
+        # after an answer that left the body unread (413, 408): read and drop it this long
+        "lingering_time": min(config.body_timeout_s, 10.0),
+    }
+
+
+class RateLimitedLog:
+    """One log line per `every_s` for a recurring trouble, with how often it happened."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = LOG_EVERY_S) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._last = -float("inf")
+        self._count = 0
+
+    def __call__(self, level: int, message: str, *args: object) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        repeats = f" ({self._count} times in {self.every_s:.0f} s)" if self._count > 1 else ""
+        self.logger.log(level, message + repeats, *args)
+        self._last, self._count = now, 0
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, logger: logging.Logger) -> None:
+    """Log a loop's accept failures from exhausted resources (EMFILE, ...) one line at a time.
+
+    asyncio reports each such failure with a traceback and retries the accept a second later;
+    under a low open-file limit that is a traceback per listening socket per second, which
+    buries the log. Other exceptions go to the default handler.
+    """
+    say = RateLimitedLog(logger)
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            say(logging.WARNING, "cannot accept connections: %s (the open-file limit is %d)",
+                exc.strerror or exc, _nofile())  # fmt: skip
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def _nofile() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def connection_cap(configured: int) -> int:
+    """`server.max_connections`, lowered to what the open-file limit leaves (with a WARNING)."""
+    soft = _nofile()
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    room = max(soft - _open_fds() - FD_RESERVE, 1)
+    if room < configured:
+        log.warning(
+            "server.max_connections = %d, but the open-file limit (%d) leaves room for %d:"
+            " at most %d connections (raise LimitNOFILE)", configured, soft, room, room,
+        )  # fmt: skip
+        return room
+    return configured
+
+
+_BUSY_BODY = (
+    b'{"error":{"message":"too many open connections; retry later","type":"server_error",'
+    b'"param":null,"code":"too_many_connections"}}'
+)
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY)
+) + _BUSY_BODY
+
+
+class _Busy(asyncio.Protocol):
+    """A connection over the cap: 503, then close, without reading the request."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(BUSY)
+        transport.close()
+
+
+class CappedSite(web.BaseSite):
+    """A TCP site that answers connections past `max_connections` with 503 and closes them."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, max_connections: int) -> None:
+        super().__init__(runner)
+        self.host, self.port = host, port
+        self.max_connections = max_connections
+        self.refused = 0
+        self._say = RateLimitedLog(log)
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert isinstance(server, WebServer)
+
+        def connection() -> asyncio.Protocol:
+            if len(server.connections) >= self.max_connections:
+                self.refused += 1
+                self._say(logging.WARNING, "refused a connection: %d are open"
+                          " (server.max_connections)", self.max_connections)  # fmt: skip
+                return _Busy()
+            return server()
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(connection, self.host, self.port, backlog=128,
+                                                reuse_address=True)  # fmt: skip
