@@ -2,8 +2,8 @@
 
 The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in
 registers, so a weight is read once in its compressed size (the point for a model larger
-than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q4_K,
-Q5_K, Q6_K. Dequantization follows `kernels/quant.py` (llama.cpp's formulas) in float32;
+than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K. Dequantization follows `kernels/quant.py` (llama.cpp's formulas) in float32;
 the products are accumulated in float32.
 
 Three tiers: `_gemv_kernel` (Triton), `gemv()` (launcher: checks, grid), `qmatmul()` (the
@@ -24,12 +24,15 @@ from kernels.quant import QTensor, QType, block_geometry
 # GGUF type ids as compile-time constants: the kernel is specialized per type.
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
 Q4_1: tl.constexpr = tl.constexpr(int(QType.Q4_1))
+Q5_0: tl.constexpr = tl.constexpr(int(QType.Q5_0))
+Q5_1: tl.constexpr = tl.constexpr(int(QType.Q5_1))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 GEMV_QTYPES: frozenset[QType] = frozenset(
-    {QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K}
+    {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0}
+    | {QType.Q4_K, QType.Q5_K, QType.Q6_K}
 )
 
 
@@ -82,6 +85,14 @@ def _k_scale_min(sc_ptr, sub, mask):
 
 
 @triton.jit
+def _q5_values(qh_ptr, j, mask):
+    """Q5_0/Q5_1 quants 0..31 of values j (0..31): the 4 bytes of 5th bits at qh_ptr, then
+    16 bytes of nibbles (values 0-15 low, 16-31 high)."""
+    q = (_load_u8(qh_ptr + 4 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+    return q | (((_load_u8(qh_ptr + j // 8, mask) >> (j % 8)) & 1) << 4)
+
+
+@triton.jit
 def _dequant_q45_k(row_ptr, ks, mask, FIVE_BIT: tl.constexpr):
     """Q4_K (144-byte blocks) or Q5_K (176: a 32-byte plane of 5th bits before the qs)."""
     if FIVE_BIT:
@@ -125,6 +136,13 @@ def _dequant_tile(row_ptr, ks, mask, QTYPE: tl.constexpr):
         m = _load_f16(blk + 2, mask)
         q = (_load_u8(blk + 4 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
         w = d * q.to(tl.float32) + m
+    elif QTYPE == Q5_0:  # d | qh (bit j: value j's 5th bit) | qs as Q4_0's
+        blk = row_ptr + (ks // 32) * 22
+        w = _load_f16(blk, mask) * (_q5_values(blk + 2, ks % 32, mask) - 16).to(tl.float32)
+    elif QTYPE == Q5_1:  # d | m | qh | qs
+        blk = row_ptr + (ks // 32) * 24
+        w = _load_f16(blk, mask) * _q5_values(blk + 4, ks % 32, mask).to(tl.float32)
+        w = w + _load_f16(blk + 2, mask)
     elif QTYPE == Q4_K:
         w = _dequant_q45_k(row_ptr, ks, mask, False)
     elif QTYPE == Q5_K:

@@ -6,10 +6,13 @@ host-mapped page-locked RAM: a missed expert is then read in place over PCIe by 
 itself, with no host round trip and no copy. The routing ids stay on the device, so a
 decode step needs no synchronisation and can be captured in a graph.
 
-Weights are Q4_0 in a split layout (`split_q4_0`): a GGUF block is 18 bytes, a stride that
-allows only byte loads, so each matrix keeps its fp16 scales first and its nibbles after,
-read as 32-bit words. The bytes per expert are those of the GGUF blocks; gate/up are
-[F, H], down is [H, F]. Two launches per layer:
+Each projection has its own GGUF type (`ExpertFormat`: a Q4_K_M file mixes Q4_K gate/up
+with Q6_K or Q5_0 down). Q4_0 is read in a split layout (`split_q4_0`): a GGUF block is 18
+bytes, a stride that allows only byte loads, so each matrix keeps its fp16 scales first and
+its nibbles after, read as 32-bit words. The other types (`MOE_QTYPES`) are read as GGUF
+blocks, dequantized in registers by the GEMV kernel's tile decoder (`kernels.gemv`). The bytes
+per expert are those of the GGUF blocks; gate/up are [F, H], down is [H, F]. Two launches per
+layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
      (the offload engine sums the parts into the residual stream: `kernels.norm.add_rmsnorm`)
@@ -28,9 +31,34 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QTensor
+from kernels.gemv import GEMV_QTYPES, _dequant_tile
+from kernels.quant import QTensor, QType, row_bytes
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
+Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
+# the types the fused kernels read: Q4_0 split, the rest as GGUF blocks
+MOE_QTYPES: frozenset[QType] = GEMV_QTYPES
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """The GGUF type of each projection of an expert as the kernels read it."""
+
+    gate: QType = QType.Q4_0
+    up: QType = QType.Q4_0
+    down: QType = QType.Q4_0
+
+    def __post_init__(self) -> None:
+        for name in ("gate", "up", "down"):
+            qtype = getattr(self, name)
+            if qtype not in MOE_QTYPES:
+                raise ValueError(f"the fused MoE kernels do not read {qtype.name} ({name})")
+
+    def aligned(self, hidden: int, ffn: int) -> bool:
+        """Whether the Q4_0 projections' nibble words start 16-byte aligned (in a 16-byte
+        aligned blob): then the kernels load 16 bytes at a time."""
+        shapes = ((self.gate, ffn, hidden), (self.up, ffn, hidden), (self.down, hidden, ffn))
+        return all(q != QType.Q4_0 or split_q4_0_ok(r, c) for q, r, c in shapes)
 
 
 @dataclass(frozen=True)
@@ -41,6 +69,7 @@ class MoeConfig:
     # Q4_0 blocks (of 32 columns) per reduction step: 32 keeps more loads in flight (the
     # H200's graph-timed tuning at a3b's shapes: 25.9 against 28.7 us with 8)
     block_b: int = 32
+    block_k: int = 256  # columns per reduction step of the GGUF-block types
     num_warps: int = 4
     num_stages: int = 2
 
@@ -91,6 +120,54 @@ def _q4_0_rows_dot(
 
 
 @triton.jit
+def _blocks_rows_dot(
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    ROW_BYTES,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N] float32: rows `rows` of a matrix of GGUF blocks (ROW_BYTES per row) at byte
+    address w_ptr, dot x [K]."""
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        w = _dequant_tile(row_ptr, ks, row_mask[:, None] & (ks < K), QTYPE)  # [BN, BK]
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # [1, BK]
+        acc += tl.sum(w * x, axis=1)
+    return acc
+
+
+@triton.jit
+def _rows_dot(
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    N,
+    ROW_BYTES,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K]."""
+    if QTYPE == Q4_0:
+        acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
+    else:
+        acc = _blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, QTYPE, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H] activations (normed hidden states)
     ids_ptr,  # [T, k] int: routed experts
@@ -98,9 +175,14 @@ def _gate_up_kernel(
     act_ptr,  # [T * k, F] float32 out
     H,
     F,
+    GATE_ROW,  # bytes per row of gate / up (GGUF-block types)
+    UP_ROW,
     TOP_K: tl.constexpr,
+    Q_GATE: tl.constexpr,
+    Q_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -113,8 +195,9 @@ def _gate_up_kernel(
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < F
         x = x_ptr + t.to(tl.int64) * H
-        g = _q4_0_rows_dot(gate, rows, rmask, x, H, F, BLOCK_N, BLOCK_B, ALIGNED)
-        u = _q4_0_rows_dot(up, rows, rmask, x, H, F, BLOCK_N, BLOCK_B, ALIGNED)
+        g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, Q_GATE, BLOCK_N, BLOCK_B, BLOCK_K,
+                      ALIGNED)  # fmt: skip
+        u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED)
         act = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -128,8 +211,11 @@ def _down_kernel(
     part_ptr,  # [T * k, H] float32 out: each slot's weighted contribution
     H,
     F,
+    DOWN_ROW,
+    Q_DOWN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -142,7 +228,8 @@ def _down_kernel(
         w = tl.load(weights_ptr + s)
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
         act = act_ptr + s.to(tl.int64) * F
-        y = w * _q4_0_rows_dot(down, rows, rmask, act, F, H, BLOCK_N, BLOCK_B, ALIGNED)
+        y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, Q_DOWN, BLOCK_N, BLOCK_B,
+                          BLOCK_K, ALIGNED)  # fmt: skip
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -167,29 +254,24 @@ def moe_gate_up(
     ffn: int,
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
+    fmt: ExpertFormat = ExpertFormat(),
 ) -> torch.Tensor:
     """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32. `aligned`: the caller
-    vouches that every address in `table` is 16-byte aligned (see `fused_moe`)."""
+    vouches that every address in `table` is 16-byte aligned (see `fused_moe`); `fmt`: the
+    projections' types."""
     _check(x, ids, table)
     t, h = x.shape
-    if h % 32 or ffn % 32:
-        raise ValueError(f"Q4_0 rows need multiples of 32 columns (H={h}, F={ffn})")
+    # raises for a row length the types' blocks do not divide
+    gate_row, up_row = row_bytes(fmt.gate, h), row_bytes(fmt.up, h)
     act = torch.empty(t * ids.shape[1], ffn, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(ffn, config.block_n), t * ids.shape[1])
     _gate_up_kernel[grid](
-        x,
-        ids,
-        table,
-        act,
-        h,
-        ffn,
-        TOP_K=ids.shape[1],
-        BLOCK_N=config.block_n,
-        BLOCK_B=config.block_b,
-        ALIGNED=aligned and split_q4_0_ok(ffn, h),
-        num_warps=config.num_warps,
+        x, ids, table, act, h, ffn, gate_row, up_row,
+        TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), BLOCK_N=config.block_n,
+        BLOCK_B=config.block_b, BLOCK_K=config.block_k,
+        ALIGNED=aligned and fmt.aligned(h, ffn), num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
+    )  # fmt: skip
     return act
 
 
@@ -201,6 +283,7 @@ def moe_down(
     hidden: int,
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
+    fmt: ExpertFormat = ExpertFormat(),
 ) -> torch.Tensor:
     """act [T * k, F], ids/weights [T, k], table [E, 3] -> parts [T, k, H] float32: each
     (token, slot)'s weighted contribution (no atomics: the caller sums the slots in a fixed
@@ -210,11 +293,12 @@ def moe_down(
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
+    ffn = act.shape[1]
     _down_kernel[grid](
-        act, ids, weights.contiguous(), table, part, hidden, act.shape[1],
-        BLOCK_N=config.block_n, BLOCK_B=config.block_b,
-        ALIGNED=aligned and split_q4_0_ok(hidden, act.shape[1]), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        act, ids, weights.contiguous(), table, part, hidden, ffn, row_bytes(fmt.down, ffn),
+        Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
+        BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden)
 
@@ -227,13 +311,15 @@ def fused_moe(
     ffn: int,
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
+    fmt: ExpertFormat = ExpertFormat(),
 ) -> torch.Tensor:
     """The routed-expert output [T, H] of one layer, experts found through `table`. Slots
     whose id is negative are skipped (they contribute zero: computed elsewhere). `aligned`:
     the caller vouches that every address in `table` is 16-byte aligned; where the shapes
-    keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time."""
-    act = moe_gate_up(x, ids, table, ffn, config, aligned)
-    parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned)
+    keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time.
+    `fmt`: each projection's type."""
+    act = moe_gate_up(x, ids, table, ffn, config, aligned, fmt)
+    parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned, fmt)
     return parts.sum(1).to(x.dtype)
 
 

@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from kernels.moe import (
+    ExpertFormat,
     expert_table,
     fused_moe,
     fused_moe_ref,
@@ -15,7 +16,7 @@ from kernels.moe import (
     split_q4_0_ok,
     unsplit_q4_0,
 )
-from kernels.quant import QTensor, QType
+from kernels.quant import QTensor, QType, quantize
 
 
 def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:
@@ -101,3 +102,50 @@ def test_negative_ids_are_skipped() -> None:
     got = fused_moe(x, skip, weights, table, 96)
     ref = fused_moe_ref(x, ids, kept, experts)
     assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor:
+    values = torch.randn(rows, cols, generator=gen) / cols**0.5
+    return QTensor(quantize(values, qtype), qtype, (rows, cols))
+
+
+# (gate, up, down): a Q4_K_M file's mixes (Q6_K down; Q5_0/Q8_0 down where the expert's
+# ffn is no multiple of 256), a Q8_0 file, Q4_0 gate/up (split) beside GGUF-block down
+MIXES = [
+    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    (QType.Q4_K, QType.Q4_K, QType.Q5_0),
+    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q5_K, QType.Q4_1, QType.Q5_1),
+    (QType.Q4_0, QType.Q4_0, QType.Q4_K),
+]
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: "-".join(q.name for q in m))
+def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType]) -> None:
+    """Each projection of its own GGUF type, read as the engine holds it (Q4_0 split, the
+    others as blocks): equal to dequantizing the blocks and computing in float32."""
+    t, k, e, h = 2, 2, 3, 256
+    f = 256 if mix[2] in (QType.Q6_K, QType.Q4_K) else 96
+    gen = torch.Generator().manual_seed(11)
+    shapes = ((f, h), (f, h), (h, f))
+    experts = [
+        tuple(_blocks(q, r, c, gen) for q, (r, c) in zip(mix, shapes, strict=True))
+        for _ in range(e)
+    ]
+    held = [
+        tuple(split_q4_0(w.data) if w.qtype == QType.Q4_0 else w.data.reshape(-1) for w in tr)
+        for tr in experts
+    ]
+    table = expert_table(held)  # type: ignore[arg-type]
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    fmt = ExpertFormat(*mix)
+    got = fused_moe(x, ids, weights, table, f, fmt=fmt)
+    ref = fused_moe_ref(x, ids, weights, experts)  # type: ignore[arg-type]
+    assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+def test_expert_format_refuses_a_type_without_a_kernel() -> None:
+    with pytest.raises(ValueError, match="IQ3_S"):
+        ExpertFormat(QType.IQ3_S, QType.IQ3_S, QType.Q4_K)

@@ -1,0 +1,40 @@
+"""kernels/dequant_blocks.py: many matrices of GGUF blocks dequantized in one launch, bit for
+bit against the torch dequantization (`kernels.quant.dequantize`) in each output dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.dequant_blocks import BlocksConfig, dequant_blocks, dequant_blocks_ref
+from kernels.quant import QType, quantize
+
+CASES = [
+    (QType.Q4_K, 5, 256),
+    (QType.Q6_K, 3, 512),
+    (QType.Q8_0, 4, 96),
+    (QType.Q4_1, 7, 64),
+    (QType.Q5_K, 2, 256),
+]
+
+
+@pytest.mark.parametrize(("qtype", "rows", "cols"), CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch_dequantization(
+    qtype: QType, rows: int, cols: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(4)
+    n = 3
+    blocks = quantize(torch.randn(n, rows, cols, generator=gen), qtype)  # [n, rows, bytes]
+    # a column slice of a wider buffer, as the engine's blobs hold each projection
+    wide = torch.zeros(n, rows * blocks.shape[-1] + 48, dtype=torch.uint8)
+    wide[:, 16 : 16 + rows * blocks.shape[-1]] = blocks.reshape(n, -1)
+    sections = wide[:, 16 : 16 + rows * blocks.shape[-1]]
+    got = dequant_blocks(sections, qtype, rows, cols, dtype, BlocksConfig(block_r=4, block_c=64))
+    want = dequant_blocks_ref(sections, qtype, rows, cols).to(dtype)
+    assert torch.equal(got, want)
+
+
+def test_refuses_a_wrong_size() -> None:
+    with pytest.raises(ValueError, match="takes"):
+        dequant_blocks(torch.zeros(2, 100, dtype=torch.uint8), QType.Q8_0, 2, 64, torch.float32)
