@@ -55,11 +55,12 @@ def measure_pcie(gib: float = 1.0) -> dict[str, float]:
 
 
 def measure_miss_reads(  # type: ignore[no-untyped-def]
-    model_spec, layout, host_buffer: torch.Tensor, aligned: bool
+    model_spec, layouts, host_buffer: torch.Tensor, aligned: bool
 ) -> dict[str, float]:
     """GB/s of each GPU miss path over all top-k experts of a step in pinned RAM: the fused
     MoE kernel reading them in place, and the fetch kernel copying them into VRAM."""
     k = model_spec.n_experts_used
+    layout, slot_bytes = layouts[0], layouts.slot_bytes
     off = torch.tensor([0, layout.up_offset, layout.down_offset])
     rows = min(model_spec.n_experts, host_buffer.shape[0])
     table = torch.stack([host_buffer[e].data_ptr() + off for e in range(rows)])
@@ -68,14 +69,14 @@ def measure_miss_reads(  # type: ignore[no-untyped-def]
         host_buffer.data_ptr(),
         host_buffer.data_ptr() + host_buffer.shape[0] * host_buffer.stride(0),
     )
-    staging = torch.empty((k, layout.nbytes), dtype=torch.uint8, device="cuda")
+    staging = torch.empty((k, slot_bytes), dtype=torch.uint8, device="cuda")
     x = torch.randn(1, model_spec.hidden, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((1, k), 1.0 / k, device="cuda")
     paths = {
         "inplace": lambda ids: fused_moe(
-            x, ids, weights, table, model_spec.expert_ffn, aligned=aligned
+            x, ids, weights, table, model_spec.expert_ffn, aligned=aligned, fmt=layout.fmt
         ),
-        "fetch": lambda ids: fetch_experts(ids, table, span, staging, layout.nbytes),
+        "fetch": lambda ids: fetch_experts(ids, table, span, staging, slot_bytes),
     }
     rates = {}
     for name, run in paths.items():
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     engine = OffloadForward(model, torch.device("cuda"), cfg, ram=ram)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
-    reads = measure_miss_reads(spec, engine.layout, engine.host.buffer, engine._aligned)
+    reads = measure_miss_reads(spec, engine.layouts, engine.host.buffer, engine._aligned)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     gen = torch.Generator().manual_seed(1)
 
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         hit_rates.append(engine.experts.hit_rate)
         guessed.append(engine.prefetch.accuracy())
     hit = statistics.median(hit_rates)
-    per_token = spec.n_layers * spec.n_experts_used * engine.layout.nbytes
+    per_token = spec.n_layers * spec.n_experts_used * engine.layouts.mean_nbytes
     missed = (1 - hit) * per_token
     # The ceiling is what the link allows (the copy engine's pinned rate), not what our own
     # kernel reaches reading in place: that one is reported beside it as a measurement.
@@ -235,7 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             torch.cuda.synchronize()
             tps.append(n / (time.perf_counter() - t))
         chunks = -(-n // args.prefill_chunk)
-        moved = chunks * spec.n_layers * spec.n_experts * (1 - resident) * engine.layout.nbytes
+        blobs = chunks * spec.n_layers * spec.n_experts * (1 - resident)
+        moved = blobs * engine.layouts.mean_nbytes
         prefill[n] = (tps, n / (moved / (bw["pinned"] * 1e9)) if moved else float("inf"), moved)
     timing = stage_timing(engine, cache, prompt, args) if args.timing else {}
     kernels = kernel_profile(engine, cache, prompt) if args.profile else {}
@@ -254,7 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "expert_vram_gib": args.expert_vram_gib,
         "slots_per_layer": engine.experts.n_slots // spec.n_layers,
         "n_experts": spec.n_experts,
-        "blob_mib": engine.layout.nbytes / 2**20,
+        "blob_mib": engine.layouts.mean_nbytes / 2**20,
+        "expert_types": [q.name for q in engine.layouts.qtypes()],
         "load_s": load_s,
         "pcie_pinned_gbs": bw["pinned"],
         "pcie_pageable_gbs": bw["pageable"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layouts
 from stratad.engine.offload import OffloadConfig
 from stratad.model.spec import Model
 
@@ -25,7 +25,8 @@ def ram_tier(
     spec, source = model.spec, ModelExperts(model)
     n = spec.n_layers * spec.n_experts
     sizes = tuple(lay.stride for lay in source.layouts for _ in range(spec.n_experts))
-    slots = min(spec.n_experts, cfg.expert_vram_bytes // blob_layout(model).nbytes // spec.n_layers)
+    per_layer = cfg.expert_vram_bytes // blob_layouts(model).slot_bytes // spec.n_layers
+    slots = min(spec.n_experts, per_layer)
     inputs = PlanInputs(spec.n_layers, spec.n_experts, sizes, (0,) * n,
                         vram_budget=slots * spec.n_layers * max(sizes),
                         ram_budget=int(frac * sum(sizes)))  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
 from stratad.engine.batch import Seq, check_batch, chunks
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layouts
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.stages import StagedForward
@@ -63,7 +63,7 @@ def batched(engine, which: list[int]) -> list[list[int]]:  # type: ignore[no-unt
 
 def _offload(model: Model, device: str, ram: bool = True, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
     spec = model.spec
-    budget = 3 * spec.n_layers * blob_layout(model).nbytes  # 3 of 8 experts per layer in VRAM
+    budget = 3 * spec.n_layers * blob_layouts(model).slot_bytes  # 3 of 8 experts per layer in VRAM
     kw.setdefault("kernels", INTERPRETED if device == "cpu" else KernelConfigs())
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16, **kw)
     # odd experts only in the file: the three tiers in one batch
@@ -123,7 +123,7 @@ def test_verify_window_logits_cpu(tiny_moe: Model) -> None:
 
 def test_staged_batch_cpu(tiny_moe: Model, alone: list[list[int]]) -> None:
     """A layer split runs the batch through both stages."""
-    budget = 2 * tiny_moe.spec.n_layers * blob_layout(tiny_moe).nbytes
+    budget = 2 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
                         kernels=INTERPRETED)  # fmt: skip
     cpu = torch.device("cpu")

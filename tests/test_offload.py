@@ -40,9 +40,9 @@ def _greedy(forward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
 
 
 def _offload(model: Model, slots_per_layer: int, device: str, ram=None, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
-    from stratad.engine.experts import blob_layout
+    from stratad.engine.experts import blob_layouts
 
-    budget = slots_per_layer * model.spec.n_layers * blob_layout(model).nbytes
+    budget = slots_per_layer * model.spec.n_layers * blob_layouts(model).slot_bytes
     kw.setdefault("kernels", INTERPRETED if device == "cpu" else KernelConfigs())
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16, **kw)
     return OffloadForward(model, torch.device(device), cfg, ram=ram)
@@ -103,7 +103,7 @@ def test_file_tier_same_tokens(
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
     reads = off.host.file_reads
-    assert reads > 0 and off.host.file_bytes == reads * off.layout.nbytes
+    assert reads > 0 and off.host.file_bytes == reads * off.layouts[0].nbytes
     table = off.experts
     table.flush()  # the decode lookups by tier: each read from the file was counted as such
     assert 0 < table.file_lookups <= table.lookups - table.hits
@@ -193,10 +193,10 @@ def test_prefetch_tokens_match_reference_gpu(tiny_moe: Model, graphs: bool) -> N
 
 @pytest.mark.gpu
 def test_bf16_logits_within_tolerance_gpu(tiny_moe: Model) -> None:
-    from stratad.engine.experts import blob_layout
+    from stratad.engine.experts import blob_layouts
 
     ref = ReferenceForward(tiny_moe)
-    budget = 3 * tiny_moe.spec.n_layers * blob_layout(tiny_moe).nbytes
+    budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
     off = OffloadForward(tiny_moe, torch.device("cuda"), OffloadConfig(expert_vram_bytes=budget))
     want = ref(PROMPT, ref.new_cache(128))[-1]
     got = off(PROMPT, off.new_cache(128))[-1].float().cpu()

@@ -16,7 +16,7 @@ import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
 from stratad.__main__ import EXIT_BAD_MODEL
-from stratad.engine.experts import blob_layout, kernel_layout
+from stratad.engine.experts import blob_layouts, kernel_layouts
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.offload import OffloadConfig, OffloadForward
@@ -53,9 +53,9 @@ def _damaged(pack: Path, tmp_path: Path, layer: int, expert: int) -> Path:
 def _engine(pack: Path, device: str, ram: list[list[int]] | None) -> OffloadForward:
     model, _ = load_pack(pack)
     host = HostExperts(
-        PackExperts(pack), kernel_layout(model), ram, default_lock(torch.device(device))
+        PackExperts(pack), kernel_layouts(model), ram, default_lock(torch.device(device))
     )
-    budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
+    budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     kernels = INTERPRETED if device == "cpu" else KernelConfigs()
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
                         kernels=kernels, graphs=False)  # fmt: skip

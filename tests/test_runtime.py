@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layouts
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.prefix import PrefixStore
@@ -45,7 +45,7 @@ def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None
     alone = Generator(ReferenceForward(model), tok, max_context=64, prefill_chunk=8)
     want = [[e.token for e in alone.run(r)] for r in reqs]
 
-    budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
+    budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=8,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     engine = OffloadForward(model, torch.device("cpu"), cfg)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layouts
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.offload import OffloadConfig
 from stratad.engine.stages import StagedForward, balanced_split, parse_split
@@ -36,7 +36,7 @@ def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def test_two_stages_same_tokens_as_one(tiny_moe: Model) -> None:
-    budget = 3 * tiny_moe.spec.n_layers * blob_layout(tiny_moe).nbytes
+    budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")
@@ -66,7 +66,7 @@ def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> No
     """A split where both stages get a non-zero share: each allocates slots for its own
     layers (2 per layer here), never for the other stage's."""
     n = tiny_moe.spec.n_layers
-    budget = 2 * n * blob_layout(tiny_moe).nbytes
+    budget = 2 * n * blob_layouts(tiny_moe).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")

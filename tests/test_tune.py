@@ -118,14 +118,14 @@ def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: P
 
 
 def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ignore[no-untyped-def]
-    from stratad.engine.experts import blob_layout
+    from stratad.engine.experts import blob_layouts
     from stratad.engine.forward import ReferenceForward
     from stratad.engine.offload import OffloadConfig, OffloadForward
 
     model = tiny_moe_model
     settings = replace(KernelConfigs(), attention=AttentionConfig(block_s=8, split_s=8),
                        fetch=FetchConfig(chunk=4096, block=256))  # fmt: skip
-    budget = 3 * model.spec.n_layers * blob_layout(model).nbytes
+    budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, graphs=False,
                         kernels=settings)  # fmt: skip
     off, ref = OffloadForward(model, torch.device("cpu"), cfg), ReferenceForward(model)

@@ -4,8 +4,9 @@
 (`stratad.store`), on any device. `offload`: the GPU engine for MoE models larger than VRAM
 (`stratad.engine.offload`): the hottest experts in VRAM slots, the plan's RAM copies in the
 store's page-locked arena (pinned at a paced rate while the engine loads), the rest read from
-the model file on a miss; misses cross PCIe (`engine.gpu_miss`). Both start from the same deterministic residency plan, so
-the plan hash, the coverage line and the control socket's views mean the same thing.
+the model file on a miss; misses cross PCIe (`engine.gpu_miss`). Both start from the same
+deterministic residency plan, so the plan hash, the coverage line and the control socket's views
+mean the same thing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from stratad.config import Config
-from stratad.engine.experts import blob_layout, kernel_layout
+from stratad.engine.experts import kernel_layouts
 from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kernel_table import kernel_configs
 from stratad.engine.offload import OffloadConfig, OffloadForward
@@ -96,10 +97,14 @@ def open_offload(
                              compute_device=start.devices[0], reserves=start.reserves)  # fmt: skip
     plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
     ram = plan.in_ram()  # the RAM tier; the rest are read from the file when routed
-    layout = blob_layout(model)
+    layouts = kernel_layouts(model)
+    log.info(
+        "experts hold %s: the fused kernels read them (Q4_0 split, the rest as GGUF blocks)",
+        ", ".join(q.name for q in layouts.qtypes()),
+    )
     device = start.devices[0]
     cfg = OffloadConfig(
-        expert_vram_bytes=len(plan.vram) * layout.nbytes, max_context=start.max_context,
+        expert_vram_bytes=len(plan.vram) * layouts.slot_bytes, max_context=start.max_context,
         dtype=start.dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
@@ -117,7 +122,7 @@ def open_offload(
             config.store.lock,
         )
     pin = PinSettings(config.store.pin_chunk_mib * MiB, config.store.pin_rate_gbps * 1e9)
-    host = HostExperts(source, kernel_layout(model), ram, lock, pin, on_pin_progress)
+    host = HostExperts(source, layouts, ram, lock, pin, on_pin_progress)
     if len(start.devices) == 1:
         forward = OffloadForward(model, device, cfg, residents=plan.residents(), host=host)
     else:

@@ -25,7 +25,7 @@ class CpuMisses:
         self.table, self.hidden = experts, hidden
         self.experts = 0  # expert computations done on the CPU so far
         # a blob only the file holds is read into this, on the host
-        self._scratch = torch.empty(experts.layout.nbytes, dtype=torch.uint8)
+        self._scratch = torch.empty(experts.layouts.slot_bytes, dtype=torch.uint8)
 
     def slots(self, layer: int, ids: list[list[int]], pcie_frac: float) -> list[tuple[int, int]]:
         """The (token, slot) pairs whose missed expert the CPU computes: the last
@@ -69,7 +69,7 @@ class CpuMisses:
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One expert's float32 (gate, up, down) from the RAM copy (dequantized per use)."""
         t = self.table
-        g, u, d = t.layout.views(t.host.read(layer, expert, self._scratch))
+        g, u, d = t.layouts[layer].views(t.host.read(layer, expert, self._scratch))
         return g.dequantize(), u.dequantize(), d.dequantize()
 
     def measure_bps(self, repeats: int = 3) -> float:
@@ -81,4 +81,5 @@ class CpuMisses:
             t0 = time.perf_counter()
             swiglu(x, *self.expert(self.table.layers.start, r % n_experts))
             times.append(time.perf_counter() - t0)
-        return self.table.layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]
+        layout = self.table.layouts[self.table.layers.start]
+        return layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]

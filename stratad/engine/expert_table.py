@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from stratad.engine.experts import BlobLayout
+from stratad.engine.experts import ExpertLayouts
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.slots import SlotPolicy
@@ -33,7 +33,7 @@ class ExpertTable:
     def __init__(
         self,
         host: HostExperts,
-        layout: BlobLayout,
+        layouts: ExpertLayouts,
         layers: range,
         residents: list[list[int]],
         device: torch.device,
@@ -44,16 +44,16 @@ class ExpertTable:
         engine's); `unread_address`: where the table points experts that only the file holds
         until a step reads them."""
         n_layers, n_experts = len(host.row_of), host.source.n_experts
-        self.host, self.layout, self.layers, self.device = host, layout, layers, device
+        self.host, self.layouts, self.layers, self.device = host, layouts, layers, device
         self.config = config
         residents = [r if layer in layers else [] for layer, r in enumerate(residents)]
-        nbytes = layout.nbytes
+        nbytes = layouts.slot_bytes
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8, device=device)
         # a slot's expert without a RAM copy stays in VRAM; one only the file holds is never
         # admitted (there is no RAM copy to move in from)
         self.policy = SlotPolicy(residents, config.cache_policy, ram=host.row_of)
-        self.offsets = torch.tensor([0, layout.up_offset, layout.down_offset])
+        self.offsets = layouts.offsets()  # [L, 3]
         self.slot_of: list[dict[int, int]] = []
         table = torch.empty((n_layers, n_experts, 3), dtype=torch.int64)
         scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -62,10 +62,10 @@ class ExpertTable:
             slot_of = {}
             for e in range(n_experts):
                 base = host.blob(layer, e).data_ptr() if host.has(layer, e) else unread_address
-                table[layer, e] = base + self.offsets
+                table[layer, e] = base + self.offsets[layer]
             for e in residents[layer]:
                 self.slots[s].copy_(host.read(layer, e, scratch))
-                table[layer, e] = self.slots[s].data_ptr() + self.offsets
+                table[layer, e] = self.slots[s].data_ptr() + self.offsets[layer]
                 slot_of[e] = s
                 s += 1
             self.slot_of.append(slot_of)
@@ -184,7 +184,7 @@ class ExpertTable:
         if not rows:
             return
         r = torch.tensor(rows, dtype=torch.int64)
-        packed = torch.cat([r[:, :2], r[:, 2:] + self.offsets[None, :]], dim=1)
+        packed = torch.cat([r[:, :2], r[:, 2:] + self.offsets[r[:, 0]]], dim=1)
         if self.device.type == "cuda":  # from page-locked memory, so the host does not wait
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)

@@ -2,7 +2,9 @@
 
 This is the unit every tier holds: a VRAM slot, the resident RAM copy and the pack file all
 store the same bytes, so moving an expert is one copy and a kernel finds its three
-matrices at fixed offsets from one address.
+matrices at fixed offsets from one address. Each projection keeps its GGUF type (Q4_0 in the
+kernels' split layout); the types, and so the offsets, may change from layer to layer, and
+every tier gives a blob the same row (`ExpertLayouts.slot_bytes`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.moe import split_q4_0, split_q4_0_ok, unsplit_q4_0
-from kernels.quant import QTensor, QType
+from kernels.moe import MOE_QTYPES, ExpertFormat, split_q4_0, split_q4_0_ok, unsplit_q4_0
+from kernels.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
@@ -21,14 +23,15 @@ from stratad.store.manifest import ExpertLayout
 
 @dataclass(frozen=True)
 class BlobLayout:
-    """Byte offsets of the three matrices inside one expert blob."""
+    """Byte offsets and GGUF types of the three matrices inside one layer's expert blob."""
 
-    qtype: QType
+    qtypes: tuple[QType, QType, QType]  # gate, up, down
     hidden: int
     ffn: int
     gate_bytes: int  # [F, H] blocks
-    down_bytes: int  # [H, F] blocks
-    split: bool = False  # Q4_0 in the kernels' split layout (kernels.moe.split_q4_0)
+    up_bytes: int  # [F, H]
+    down_bytes: int  # [H, F]
+    split: bool = False  # Q4_0 projections in the kernels' split layout (kernels.moe.split_q4_0)
 
     @property
     def up_offset(self) -> int:
@@ -36,28 +39,80 @@ class BlobLayout:
 
     @property
     def down_offset(self) -> int:
-        return 2 * self.gate_bytes
+        return self.gate_bytes + self.up_bytes
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.gate_bytes + self.down_bytes
+        return self.gate_bytes + self.up_bytes + self.down_bytes
+
+    @property
+    def fmt(self) -> ExpertFormat:
+        """What the fused kernels read (Q4_0 split, the rest as blocks)."""
+        return ExpertFormat(*self.qtypes)
+
+    def spans(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(start, end, rows, cols) of gate, up and down inside a blob."""
+        f, h = self.ffn, self.hidden
+        return (
+            (0, self.up_offset, f, h),
+            (self.up_offset, self.down_offset, f, h),
+            (self.down_offset, self.nbytes, h, f),
+        )
+
+    def is_split(self, qtype: QType) -> bool:
+        return self.split and qtype == QType.Q4_0
 
     def views(self, blob: torch.Tensor) -> tuple[QTensor, QTensor, QTensor]:
-        """The (gate, up, down) weights inside a blob [nbytes] (any device), as GGUF blocks
-        (copies when the blob holds the split layout)."""
-        f, h = self.ffn, self.hidden
-        parts = blob[: self.gate_bytes], blob[self.up_offset : self.down_offset]
-        if self.split:
-            g, u = (unsplit_q4_0(p, f, h) for p in parts)
-            d = unsplit_q4_0(blob[self.down_offset :], h, f)
-        else:
-            g, u = (p.view(f, -1) for p in parts)
-            d = blob[self.down_offset :].view(h, -1)
-        return (
-            QTensor(g, self.qtype, (f, h)),
-            QTensor(u, self.qtype, (f, h)),
-            QTensor(d, self.qtype, (h, f)),
-        )
+        """The (gate, up, down) weights inside a blob [>= nbytes] (any device), as GGUF
+        blocks (copies where the blob holds the split layout)."""
+        out = []
+        for (lo, hi, rows, cols), qtype in zip(self.spans(), self.qtypes, strict=True):
+            part = blob[lo:hi]
+            data = unsplit_q4_0(part, rows, cols) if self.is_split(qtype) else part.view(rows, -1)
+            out.append(QTensor(data, qtype, (rows, cols)))
+        return out[0], out[1], out[2]
+
+
+@dataclass(frozen=True)
+class ExpertLayouts:
+    """Every layer's blob layout (a Q4_K_M file's down projections change type from layer to
+    layer) and the row that every tier (VRAM slot, RAM copy, staging and bounce rows) gives
+    one blob: the largest blob, rounded up to 16 bytes so the kernels may load 16 at a time."""
+
+    layers: tuple[BlobLayout, ...]
+
+    def __getitem__(self, layer: int) -> BlobLayout:
+        return self.layers[layer]
+
+    @property
+    def slot_bytes(self) -> int:
+        return -(-max(lay.nbytes for lay in self.layers) // 16) * 16
+
+    @property
+    def mean_nbytes(self) -> float:
+        """The bytes a routed expert moves, on average over the layers."""
+        return sum(lay.nbytes for lay in self.layers) / len(self.layers)
+
+    @property
+    def hidden(self) -> int:
+        return self.layers[0].hidden
+
+    @property
+    def ffn(self) -> int:
+        return self.layers[0].ffn
+
+    @property
+    def offsets_aligned(self) -> bool:
+        """Whether every projection starts 16 bytes into a 16-byte aligned blob."""
+        return all(lay.up_offset % 16 == 0 and lay.down_offset % 16 == 0 for lay in self.layers)
+
+    def offsets(self) -> torch.Tensor:
+        """[L, 3] int64: each layer's (gate, up, down) byte offsets inside its blobs."""
+        return torch.tensor([[0, lay.up_offset, lay.down_offset] for lay in self.layers])
+
+    def qtypes(self) -> list[QType]:
+        """The types the experts hold, by name."""
+        return sorted({q for lay in self.layers for q in lay.qtypes}, key=lambda q: q.name)
 
 
 def moe_layers(model: Model) -> list[MoEWeights]:
@@ -68,45 +123,68 @@ def moe_layers(model: Model) -> list[MoEWeights]:
     return layers  # type: ignore[return-value]
 
 
-def blob_layout(model: Model) -> BlobLayout:
-    stack = moe_layers(model)[0].experts
-    qtypes = {stack.gate.qtype, stack.up.qtype, stack.down.qtype}
-    if len(qtypes) != 1:
-        raise ModelError(
-            f"{model.source}: experts mix tensor types {sorted(q.name for q in qtypes)}"
+def blob_layouts(model: Model) -> ExpertLayouts:
+    """The experts' layouts as the model stores them (GGUF blocks)."""
+    out = []
+    for mlp in moe_layers(model):
+        one = mlp.experts.expert(0)
+        out.append(
+            BlobLayout(
+                qtypes=(one.gate.qtype, one.up.qtype, one.down.qtype),
+                hidden=model.spec.hidden,
+                ffn=model.spec.expert_ffn,
+                gate_bytes=one.gate.nbytes,
+                up_bytes=one.up.nbytes,
+                down_bytes=one.down.nbytes,
+            )
         )
-    qtype = qtypes.pop()
-    one = stack.expert(0)
-    return BlobLayout(
-        qtype=qtype,
-        hidden=model.spec.hidden,
-        ffn=model.spec.expert_ffn,
-        gate_bytes=one.gate.nbytes,
-        down_bytes=one.down.nbytes,
-    )
+    return ExpertLayouts(tuple(out))
 
 
-def kernel_layout(model: Model) -> BlobLayout:
-    """The blob layout the fast engine's kernels read: Q4_0 in the split layout."""
-    layout = blob_layout(model)
-    spec = model.spec
-    shapes = ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
-    if layout.qtype != QType.Q4_0 or not all(split_q4_0_ok(r, c) for r, c in shapes):
-        raise ModelError(
-            f"{model.source}: the offload engine reads Q4_0 experts, not {layout.qtype.name}"
-        )
-    return replace(layout, split=True)
+def fast_path_refusal(model: Model) -> str | None:
+    """Why the fused kernels cannot read this model's experts (None: they can)."""
+    if not model.spec.is_moe:
+        return "not a mixture-of-experts model"
+    for layer, lay in enumerate(blob_layouts(model).layers):
+        for (_, _, rows, cols), qtype in zip(lay.spans(), lay.qtypes, strict=True):
+            if qtype not in MOE_QTYPES:
+                return f"layer {layer} holds {qtype.name} experts"
+            if qtype == QType.Q4_0 and not split_q4_0_ok(rows, cols):
+                return f"Q4_0 experts of {rows} x {cols} (the kernels read aligned words)"
+    return None
+
+
+def kernel_layouts(model: Model) -> ExpertLayouts:
+    """The blob layouts the fast engine's kernels read: Q4_0 projections in the split layout,
+    the other types as GGUF blocks."""
+    why = fast_path_refusal(model)
+    if why is not None:
+        raise ModelError(f"{model.source}: the offload engine cannot read it: {why}")
+    return ExpertLayouts(tuple(replace(lay, split=True) for lay in blob_layouts(model).layers))
 
 
 def from_stored(
     raw: torch.Tensor, stored: ExpertLayout, out: torch.Tensor, layout: BlobLayout
 ) -> None:
-    """Write into out [nbytes] the kernels' blob of an expert read in the store's layout
+    """Write into out [>= nbytes] the kernels' blob of an expert read in the store's layout
     (raw: its bytes as `stratactl pack` writes them, e.g. read from experts.bin)."""
-    ends = (layout.up_offset, layout.down_offset, layout.nbytes)
-    for start, end, t in zip((0, *ends[:2]), ends, stored.projections, strict=True):
+    parts = zip(layout.spans(), stored.projections, layout.qtypes, strict=True)
+    for (start, end, _, _), t, qtype in parts:
         data = raw[t.offset : t.offset + t.nbytes].view(t.shape[0], -1)
-        out[start:end].copy_(split_q4_0(data) if layout.split else data.reshape(-1))
+        out[start:end].copy_(split_q4_0(data) if layout.is_split(qtype) else data.reshape(-1))
+
+
+def dequant_blobs(
+    blobs: torch.Tensor, layout: BlobLayout, projection: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """One projection (0 gate, 1 up, 2 down) of n blobs [n, >= nbytes] as [n, rows, cols] in
+    `dtype`, in torch (any device; bit-exact with the GGUF dequantization)."""
+    lo, hi, rows, cols = layout.spans()[projection]
+    qtype = layout.qtypes[projection]
+    part = blobs[:, lo:hi]
+    if layout.is_split(qtype):
+        return dequant_split(part, rows, cols).to(dtype)
+    return dequantize(part.contiguous(), qtype, (part.shape[0], rows, cols)).to(dtype)
 
 
 def dequant_split(sections: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

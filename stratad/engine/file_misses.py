@@ -17,15 +17,16 @@ from stratad.engine.host_experts import HostExperts
 
 class FileMisses:
     def __init__(
-        self, host: HostExperts, rows: int, offsets: torch.Tensor, device: torch.device
+        self, host: HostExperts, rows: int, device: torch.device
     ) -> None:
         """`rows`: the most experts one layer of a fused pass routes to (tokens x top-k), 0
-        when the file holds no expert that a step could route to; `offsets` [3]: the (gate,
-        up, down) offsets inside a blob, as the table holds them."""
-        self.host, self.offsets, self.device = host, offsets, device
+        when the file holds no expert that a step could route to."""
+        self.host, self.device = host, device
+        # [L, 3] each layer's (gate, up, down) offsets inside a blob, as the table holds them
+        self.offsets = host.layouts.offsets()
         n = rows
         pin = device.type == "cuda"  # mapped for the device: the kernels read it in place
-        self.rows = torch.zeros((max(n, 1), host.layout.nbytes), dtype=torch.uint8,
+        self.rows = torch.zeros((max(n, 1), host.layouts.slot_bytes), dtype=torch.uint8,
                                 pin_memory=pin)  # fmt: skip
         self.enabled = n > 0
 
@@ -53,5 +54,5 @@ class FileMisses:
         for row, expert in enumerate(wanted):
             host.file_read(layer, expert, self.rows[row])
         base = torch.tensor([int(self.rows[r].data_ptr()) for r in range(len(wanted))])
-        addrs = base[:, None] + self.offsets[None, :]  # [n, 3]
+        addrs = base[:, None] + self.offsets[layer][None, :]  # [n, 3]
         table[layer, torch.tensor(wanted)] = addrs.to(self.device)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stratad.engine.experts import BlobLayout, from_stored
+from stratad.engine.experts import ExpertLayouts, from_stored
 from stratad.model.spec import ExpertUnit
 from stratad.store.lock import CudaHostLocker, LockChoice, NoLocker
 from stratad.store.pinning import Pinner, PinSettings, ProgressFn
@@ -34,8 +34,8 @@ class KernelBlobs:
     """`source` read in the kernels' layout: each blob converted as it is read (any thread:
     the pinner and the engine's file reads each get their own scratch)."""
 
-    def __init__(self, source: ExpertSource, layout: BlobLayout) -> None:
-        self.source, self.layout = source, layout
+    def __init__(self, source: ExpertSource, layouts: ExpertLayouts) -> None:
+        self.source, self.layouts = source, layouts
         self._raw_bytes = max(lay.nbytes for lay in source.layouts)
         self._local = threading.local()
 
@@ -44,7 +44,7 @@ class KernelBlobs:
         if raw is None:
             raw = self._local.raw = torch.empty(self._raw_bytes, dtype=torch.uint8)
         self.source.read_into(layer, expert, raw)  # verified there
-        from_stored(raw, self.source.layouts[layer], out, self.layout)
+        from_stored(raw, self.source.layouts[layer], out, self.layouts[layer])
 
 
 def default_lock(device: torch.device) -> LockChoice:
@@ -61,14 +61,14 @@ class HostExperts:
     def __init__(
         self,
         source: ExpertSource,
-        layout: BlobLayout,
+        layouts: ExpertLayouts,
         ram: Sequence[Sequence[int]] | None = None,
         lock: LockChoice | None = None,
         settings: PinSettings = UNPACED,
         on_progress: ProgressFn | None = None,
     ) -> None:
-        self.source, self.layout = source, layout
-        self.blobs = KernelBlobs(source, layout)
+        self.source, self.layouts = source, layouts
+        self.blobs = KernelBlobs(source, layouts)
         every = range(source.n_experts)
         units = [
             ExpertUnit(layer, e)
@@ -81,9 +81,9 @@ class HostExperts:
         self.complete = len(units) == source.n_layers * source.n_experts
         # each row starts on a page: a pinned chunk holds whole rows, so no copy ever spans
         # two registrations
-        self.stride = -(-layout.nbytes // PAGE) * PAGE
+        self.stride = -(-layouts.slot_bytes // PAGE) * PAGE
         self.ram = ResidentRAM(units, [self.stride] * len(units))
-        self.buffer = self.ram.buf.view(len(units), self.stride)[:, : layout.nbytes]
+        self.buffer = self.ram.buf.view(len(units), self.stride)[:, : layouts.slot_bytes]
         self.file_reads = self.file_bytes = 0
         self.pinner = Pinner(self.ram, self.blobs, lock or LockChoice(NoLocker(), None),
                              settings, on_progress, on_bad_blob="stop")  # fmt: skip
@@ -108,14 +108,14 @@ class HostExperts:
         return expert in self.row_of[layer]
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
-        """The RAM copy [nbytes] of a blob the plan keeps in RAM."""
+        """The RAM copy [slot bytes] of a blob the plan keeps in RAM."""
         return self.buffer[self.row_of[layer][expert]]
 
     def file_read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
-        """Read a blob from the model file into out [nbytes] (the kernels' layout)."""
+        """Read a blob from the model file into out [slot bytes] (the kernels' layout)."""
         self.blobs.read_into(layer, expert, out)
         self.file_reads += 1
-        self.file_bytes += self.layout.nbytes
+        self.file_bytes += self.layouts[layer].nbytes
         return out
 
     def read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from stratad.engine.cpu_misses import CpuMisses
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.expert_table import ExpertTable
-from stratad.engine.experts import kernel_layout
+from stratad.engine.experts import kernel_layouts
 from stratad.engine.file_misses import FileMisses
 from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kv import KVCache
@@ -78,10 +78,10 @@ class OffloadForward:
         self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
-        self.layout = kernel_layout(model)
+        self.layouts = kernel_layouts(model)
         self.device, self.config, self.dtype = device, config, config.dtype
         # the RAM tier pins on its own thread while the dense weights load
-        self.host = host or HostExperts(ModelExperts(model), self.layout, ram,
+        self.host = host or HostExperts(ModelExperts(model), self.layouts, ram,
                                         default_lock(device))  # fmt: skip
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
@@ -129,7 +129,7 @@ class OffloadForward:
         """The VRAM slots and the address table; each of this engine's layers owns the slots
         its initial residents fill (the plan's choice, or an even share of the budget by
         expert index)."""
-        spec, nbytes, own = self.spec, self.layout.nbytes, self.layer_ids
+        spec, nbytes, own = self.spec, self.layouts.slot_bytes, self.layer_ids
         if residents is None:
             per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // len(own))
             residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
@@ -140,20 +140,19 @@ class OffloadForward:
             for layer in own for x in range(spec.n_experts)
         )  # fmt: skip
         rows = FUSED_MAX_TOKENS * spec.n_experts_used if file_only else 0
-        offsets = torch.tensor([0, self.layout.up_offset, self.layout.down_offset])
-        self.files = FileMisses(self.host, rows, offsets, self.device)
-        return ExpertTable(self.host, self.layout, own, residents, self.device, self.config,
+        self.files = FileMisses(self.host, rows, self.device)
+        return ExpertTable(self.host, self.layouts, own, residents, self.device, self.config,
                            self.files.address)  # fmt: skip
 
     def _init_fetch(self) -> None:
         """VRAM staging for one decode token's missed experts (the copy miss path)."""
-        nbytes, k = self.layout.nbytes, self.spec.n_experts_used
+        nbytes, k = self.layouts.slot_bytes, self.spec.n_experts_used
         host = self.host.buffer
         self._host_span = (host.data_ptr(), host.data_ptr() + host.shape[0] * host.stride(0))
         # every blob (host rows, VRAM slots, staging rows) starts on 16 bytes: the kernels
         # may load 16 bytes at a time
         offsets = (host.data_ptr(), *host.stride()[:-1])
-        self._aligned = nbytes % 16 == 0 and all(b % 16 == 0 for b in offsets)
+        self._aligned = self.layouts.offsets_aligned and all(b % 16 == 0 for b in offsets)
         nothing_to_miss = self.experts.complete
         rows = k if self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
@@ -257,12 +256,12 @@ class OffloadForward:
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
                 span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
-                ids, table = fetch_experts(ids, table, span, buf, self.layout.nbytes, cfg)
+                ids, table = fetch_experts(ids, table, span, buf, self.layouts.slot_bytes, cfg)
             name = "experts (VRAM)"
         with stage(name):
-            moe, aligned = self.config.kernels.moe, self._aligned
-            act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, moe, aligned)
-            return moe_down(act, ids, weights, table, self.spec.hidden, moe, aligned)
+            moe, aligned, fmt = self.config.kernels.moe, self._aligned, self.layouts[i].fmt
+            act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, moe, aligned, fmt)
+            return moe_down(act, ids, weights, table, self.spec.hidden, moe, aligned, fmt)
 
     @property
     def tables(self) -> list[ExpertTable]:

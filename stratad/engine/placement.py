@@ -9,6 +9,7 @@ hash that `check` prints is the one the daemon runs, with auto slots and with a 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,10 +18,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kernels.moe import split_q4_0_ok
-from kernels.quant import QType
 from stratad.config import Config, StoreConfig
-from stratad.engine.experts import blob_layout
+from stratad.engine.experts import blob_layouts, fast_path_refusal
 from stratad.engine.stages import balanced_split, parse_split
 from stratad.model.loader import is_pack
 from stratad.model.spec import Model, ModelError, ModelSpec
@@ -28,11 +27,13 @@ from stratad.store.plan import Stage, slot_count
 from stratad.store.sizes import GiB
 from stratad.store.startup import daemon_reserves
 
+log = logging.getLogger("stratad.engine")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def choose_backend(name: str, model: Model, device: torch.device) -> str:
-    """`auto` is the offload engine for a MoE model with Q4_0 experts on a GPU."""
+    """`auto` is the offload engine for a MoE model whose experts its kernels read, on a GPU."""
     if name != "auto":
         if name == "offload" and not model.spec.is_moe:
             raise ModelError(f"{model.source}: engine.backend=offload serves MoE models only")
@@ -44,16 +45,19 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
         return name
     if device.type == "cuda" and offload_supported(model):
         return "offload"
+    if device.type == "cuda" and model.spec.is_moe:
+        log.warning(
+            "the GPU engine cannot read this model's experts (%s): the reference engine"
+            " serves it, much slower",
+            fast_path_refusal(model),
+        )
     return "reference"
 
 
 def offload_supported(model: Model) -> bool:
-    """A MoE model whose experts are Q4_0 with rows the fused kernel reads as aligned words."""
-    spec = model.spec
-    if not spec.is_moe or blob_layout(model).qtype != QType.Q4_0:
-        return False
-    shapes = ((spec.expert_ffn, spec.hidden), (spec.hidden, spec.expert_ffn))
-    return all(split_q4_0_ok(rows, cols) for rows, cols in shapes)
+    """A MoE model whose every expert projection the fused kernels read
+    (`kernels.moe.MOE_QTYPES`)."""
+    return model.spec.is_moe and fast_path_refusal(model) is None
 
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -113,7 +117,7 @@ def start_plan(
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
     stages = []
     if backend == "offload":
-        blob = blob_layout(model).nbytes
+        blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size, max_context,

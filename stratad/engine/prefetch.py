@@ -62,7 +62,8 @@ class ExpertPrefetch:
         rows = k if enabled else 0
         self.enabled = enabled
         device = experts.device
-        self.buf = torch.zeros((2, rows, experts.layout.nbytes), dtype=torch.uint8, device=device)
+        self.buf = torch.zeros((2, rows, experts.layouts.slot_bytes), dtype=torch.uint8,
+                               device=device)  # fmt: skip
         on_gpu = self.enabled and device.type == "cuda"
         self.guess_stream = torch.cuda.Stream(device) if on_gpu else None
         self.copy_stream = torch.cuda.Stream(device) if on_gpu else None
@@ -112,7 +113,7 @@ class ExpertPrefetch:
     ) -> None:
         t = self.experts
         _, rows = fetch_experts(ids, t.table[layer], self.host_span, self.buf[layer % 2],
-                                t.layout.nbytes, self.config)  # fmt: skip
+                                t.layouts.slot_bytes, self.config)  # fmt: skip
         table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
         if event is not None:
             event.record()

@@ -5,9 +5,10 @@ A prefill chunk of more than a few tokens routes to nearly every expert, so each
 (from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
 a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
 for the layer after next, and `moe` runs the chunk through them as grouped GEMMs. On a GPU
-the dequantization is one Triton launch per projection (`kernels.dequant`) into three output
-buffers reused by every layer: the layer's grouped GEMMs read them on the same stream before
-the next layer's launches overwrite them.
+the dequantization is one Triton launch per projection: split Q4_0 (`kernels.dequant`) into
+three output buffers reused by every layer (the layer's grouped GEMMs read them on the same
+stream before the next layer's launches overwrite them), the other types
+(`kernels.dequant_blocks`) into fresh ones.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from kernels.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
+from kernels.dequant_blocks import dequant_blocks
 from stratad.engine.expert_table import ExpertTable
-from stratad.engine.experts import dequant_split
+from stratad.engine.experts import dequant_blobs
 from stratad.engine.grouped import grouped_swiglu
 
 
@@ -39,7 +41,7 @@ class ExpertStaging:
         """(gate [E, F, H], up, down [E, H, F]) in the compute dtype, allocated on first use."""
         if self._out is None:
             e = self.experts
-            f, h = e.layout.ffn, e.layout.hidden
+            f, h = e.layouts.ffn, e.layouts.hidden
 
             def empty(rows: int, cols: int) -> torch.Tensor:
                 return torch.empty((self.n_experts, rows, cols), dtype=self.dtype, device=e.device)
@@ -51,7 +53,7 @@ class ExpertStaging:
         if self._buf is None:
             e = self.experts
             self._buf = torch.empty(
-                (2, self.n_experts, e.layout.nbytes), dtype=torch.uint8, device=e.device
+                (2, self.n_experts, e.layouts.slot_bytes), dtype=torch.uint8, device=e.device
             )
         return self._buf
 
@@ -101,7 +103,7 @@ class ExpertStaging:
             return torch.empty(0, dtype=torch.uint8)
         if self._bounce is None:
             pin = e.device.type == "cuda"
-            self._bounce = torch.empty((2, self.n_experts, e.layout.nbytes), dtype=torch.uint8,
+            self._bounce = torch.empty((2, self.n_experts, e.layouts.slot_bytes), dtype=torch.uint8,
                                        pin_memory=pin)  # fmt: skip
         freed = self._bounce_free[layer % 2]
         if freed is not None:
@@ -119,23 +121,20 @@ class ExpertStaging:
         ready = self._ready.get(layer)
         if ready is not None:
             torch.cuda.current_stream(e.device).wait_event(ready)
-        lay, buf = e.layout, self.buffers()[layer % 2]
-        f, h = lay.ffn, lay.hidden
-
+        lay, buf = e.layouts[layer], self.buffers()[layer % 2]
         fast = buf.is_cuda and self.dtype in DEQUANT_DTYPES
         outs = self.outputs() if fast else None
 
-        def deq(k: int, lo: int, hi: int, rows: int, cols: int) -> torch.Tensor:
+        def deq(k: int) -> torch.Tensor:
+            lo, hi, rows, cols = lay.spans()[k]
             if outs is None:  # the CPU: torch (Triton would run in its slow interpreter)
-                return dequant_split(buf[:, lo:hi], rows, cols).to(self.dtype)
+                return dequant_blobs(buf, lay, k, self.dtype)
+            if not lay.is_split(lay.qtypes[k]):  # GGUF blocks
+                return dequant_blocks(buf[:, lo:hi], lay.qtypes[k], rows, cols, self.dtype)
             return dequant_q4_0_split(buf[:, lo:hi], rows, cols, self.dtype, out=outs[k],
                                       config=self.dequant)  # fmt: skip
 
-        out = (
-            deq(0, 0, lay.up_offset, f, h),
-            deq(1, lay.up_offset, lay.down_offset, f, h),
-            deq(2, lay.down_offset, lay.nbytes, h, f),
-        )
+        out = (deq(0), deq(1), deq(2))
         if e.side is not None:
             freed = torch.cuda.Event()
             freed.record()
@@ -157,6 +156,6 @@ class ExpertStaging:
         xs = h[tokens]  # [T*k, H], grouped by expert
         rows = grouped_swiglu(xs, counts, gate, up, down)
         scaled = rows.float() * weights.reshape(-1)[order, None]
-        out = torch.zeros((t, e.layout.hidden), dtype=torch.float32, device=e.device)
+        out = torch.zeros((t, e.layouts.hidden), dtype=torch.float32, device=e.device)
         out.index_add_(0, tokens, scaled)
         return out.to(self.dtype)

@@ -1,0 +1,106 @@
+"""The offload engine on experts of several GGUF types, mixed per projection and per layer
+(as a Q4_K_M file mixes them), against the reference engine on the same file.
+
+Each layer's blobs have their own size and offsets; every tier gives a blob the largest
+one's row. The fused kernels read Q4_0 in the split layout and the other types as GGUF
+blocks; prefill dequantizes them, the CPU miss path too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant import QType
+from kernels.tuning import INTERPRETED
+from stratad.engine.experts import blob_layouts, kernel_layouts
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.placement import offload_supported
+from stratad.model.loader import load_model
+from stratad.model.spec import Model, ModelError
+from stratad.model.synth import get_preset, write_synth
+from tests.gguf_export import export_retyped
+
+PROMPT = list(range(100, 118))  # a 16-token staged chunk, then 2 tokens through the fused kernels
+
+# (gate, up, down) per layer of tiny-moe (hidden 256, expert ffn 128: down's rows of 128
+# columns take no 256-value K-quant, as in llama.cpp's fallback)
+MIX = [
+    (QType.Q4_K, QType.Q4_K, QType.Q8_0),
+    (QType.Q6_K, QType.Q6_K, QType.Q4_1),
+    (QType.Q5_K, QType.Q4_K, QType.Q4_0),
+    (QType.Q4_0, QType.Q4_0, QType.Q4_0),
+]
+
+
+@pytest.fixture(scope="module")
+def mixed_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    root = tmp_path_factory.mktemp("mixed")
+    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
+    names = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    types = {
+        f"blk.{layer}.{name}.weight": qtype
+        for layer, mix in enumerate(MIX)
+        for name, qtype in zip(names, mix, strict=True)
+    }
+    export_retyped(root / "q4_0.gguf", root / "mixed.gguf", types)
+    return load_model(root / "mixed.gguf")
+
+
+def _greedy(forward, n: int = 5) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
+    cache = forward.new_cache(64)
+    logits = forward(PROMPT, cache)[-1]
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = forward([out[-1]], cache)[-1]
+    return out, logits
+
+
+def test_layouts_follow_each_layer(mixed_moe: Model) -> None:
+    layouts = kernel_layouts(mixed_moe)
+    assert [lay.qtypes for lay in layouts.layers] == MIX
+    sizes = [lay.nbytes for lay in layouts.layers]
+    assert len(set(sizes)) > 1 and layouts.slot_bytes >= max(sizes)
+    assert layouts.slot_bytes % 16 == 0
+    assert offload_supported(mixed_moe)
+
+
+@pytest.mark.parametrize(
+    ("slots", "gpu_miss", "pcie_frac", "file_tier"),
+    [(0, "copy", 1.0, False), (3, "in_place", 0.5, True)],
+)
+def test_tokens_match_reference(
+    mixed_moe: Model, slots: int, gpu_miss: str, pcie_frac: float, file_tier: bool
+) -> None:
+    """Every tier (VRAM slot, RAM copy, the file) and every miss path (copy, in place, the
+    CPU) on mixed types: the reference's tokens."""
+    spec = mixed_moe.spec
+    ram = (
+        [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
+        if file_tier
+        else None
+    )
+    budget = slots * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+                        kernels=INTERPRETED, graphs=False, gpu_miss=gpu_miss,
+                        pcie_frac=pcie_frac)  # fmt: skip
+    off = OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
+    ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe))
+    tokens, logits = _greedy(off)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
+    assert (off.cpu.experts > 0) == (pcie_frac < 1.0)
+    assert (off.host.file_reads > 0) == file_tier
+
+
+def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Experts the fused kernels cannot read keep the reference engine, and saying why."""
+    root = tmp_path_factory.mktemp("f16")
+    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
+    export_retyped(root / "q4_0.gguf", root / "f16.gguf", {"blk.2.ffn_down_exps.weight": QType.F16})
+    model = load_model(root / "f16.gguf")
+    assert not offload_supported(model)
+    with pytest.raises(ModelError, match="layer 2 holds F16 experts"):
+        kernel_layouts(model)
