@@ -15,7 +15,7 @@ from typing import Any
 
 # verb modules; each provides add_parser(subparsers) and run(args) -> int
 VERB_MODULES = (
-    "stratactl.daemon",  # status, coverage, plan, stats, profile-save, drain (control socket)
+    "stratactl.daemon",  # status, coverage, plan, stats, profile-save, drain, undrain
     "stratactl.check",  # check [--after-restart]
     "stratactl.logs",  # logs
     "stratactl.tables",  # tables select

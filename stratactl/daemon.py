@@ -1,13 +1,15 @@
-"""The control-socket verbs: status, coverage, plan, stats, profile-save, drain.
+"""The control-socket verbs: status, coverage, plan, stats, profile-save, drain, undrain.
 
 Each prints a readable summary, or the daemon's reply as JSON with --json. Exit codes: 0 fine,
 1 the daemon could not be asked (or refused), 3 the answer is "not yet": coverage incomplete
-(gate a deploy on it), or a drain that still has requests in flight.
+(gate a deploy on it), or a drain that still has requests in flight; `undrain` exits 1 when the
+daemon does not take requests again (it was not drained, or it is stopping).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 from stratactl.client import (
@@ -35,6 +37,8 @@ from stratad.protocol import (
     StatsRequest,
     StatusReply,
     StatusRequest,
+    UndrainReply,
+    UndrainRequest,
 )
 
 EXIT_NOT_YET = 3
@@ -64,6 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait up to this long for in-flight requests (default: do not wait)")
     add_socket_args(p)
+    p = subparsers.add_parser(
+        "undrain", help="take new requests again after a drain",
+        description="Undo `stratactl drain`: the daemon takes new requests again and /health"
+        " answers 200. Refused while the daemon is stopping (after SIGTERM).",
+    )
+    add_socket_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +92,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         print_json(r)
         return 0
     print(f"stratad {r.version} (pid {r.pid}): {r.state}, up {duration(r.uptime_s)}")
+    if r.health is not None and r.health.reason:
+        print(f"  health    {r.health.status}: {r.health.reason}")
     if r.model:
         kind = "MoE" if r.moe else "dense"
         print(f"  model     {r.model} ({r.arch}, {kind}) on {r.device}")
@@ -190,10 +202,22 @@ def _drain(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print_json(r)
     elif r.drained:
-        print("drained: no request in flight; new requests get 503 until the daemon restarts")
+        print("drained: no request in flight; new requests get 503 until `stratactl undrain`"
+              " or a restart")
     else:
         print(f"draining: {r.in_flight} request(s) still in flight; new requests get 503")
     return 0 if r.drained else EXIT_NOT_YET
+
+
+def _undrain(client: Client, args: argparse.Namespace) -> int:
+    r = client.request(UndrainRequest(), UndrainReply)
+    if args.json:
+        print_json(r)
+    elif r.serving:
+        print("undrained: the daemon takes new requests again")
+    else:
+        print(f"not undrained: the daemon is {r.state}", file=sys.stderr)
+    return 0 if r.serving else 1
 
 
 _VERBS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
@@ -203,4 +227,5 @@ _VERBS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "stats": _stats,
     "profile-save": _profile_save,
     "drain": _drain,
+    "undrain": _undrain,
 }

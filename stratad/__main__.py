@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     # HTTP listens while the model loads (/health answers 503 until it is in)
     name = config.model.name or Path(config.model.path).name or None
     server = Server(config.server, model_name=name)
-    ops.install(server.app, server.scheduler)
+    ops.install(server)
     failed: list[BaseException] = []
 
     def load() -> Any:

@@ -24,6 +24,7 @@ MAX_REPLY_BYTES = 16 << 20
 
 State = Literal["starting", "loading", "pinning", "serving", "draining", "stopping"]
 ErrorCode = Literal["bad-request", "too-large", "permission", "unavailable", "internal", "busy"]
+HealthStatus = Literal["loading", "pinning", "ok", "degraded", "draining", "failed"]
 
 
 class ProtocolError(ValueError):
@@ -71,8 +72,18 @@ class DrainRequest(_Request, frozen=True, tag="drain"):
     """Wait up to this long for in-flight requests to finish before replying."""
 
 
+class UndrainRequest(_Request, frozen=True, tag="undrain"):
+    """Take requests again after a `drain` (not after SIGTERM: the daemon is stopping then)."""
+
+
 Request = (
-    StatusRequest | CoverageRequest | PlanRequest | StatsRequest | ProfileSaveRequest | DrainRequest
+    StatusRequest
+    | CoverageRequest
+    | PlanRequest
+    | StatsRequest
+    | ProfileSaveRequest
+    | DrainRequest
+    | UndrainRequest
 )
 VERBS: tuple[str, ...] = tuple(
     str(t.__struct_config__.tag)
@@ -125,6 +136,24 @@ class MemoryUse(_Message, frozen=True):
     vram_total_bytes: int | None = None
 
 
+class Health(_Message, frozen=True, omit_defaults=True):
+    """The daemon's health: the body of HTTP /health and the `health` of a status reply."""
+
+    status: HealthStatus
+    """ok or degraded: it serves (HTTP 200); else it does not now (HTTP 503)."""
+    model: str | None
+    running: int
+    """Requests the engine runs now."""
+    waiting: int
+    """Requests waiting for the engine (or for the tokenizer)."""
+    reason: str | None = None
+    """Why it is degraded, draining, held or failed."""
+
+    @property
+    def serving(self) -> bool:
+        return self.status in ("ok", "degraded")
+
+
 class StatusReply(_Reply, frozen=True, tag="status"):
     state: State
     version: str
@@ -139,6 +168,8 @@ class StatusReply(_Reply, frozen=True, tag="status"):
     requests: Requests = msgspec.field(default_factory=Requests)
     pinning: Progress | None = None
     memory: MemoryUse = msgspec.field(default_factory=MemoryUse)
+    health: Health | None = None
+    """What HTTP /health says (None before the HTTP side is set up)."""
     protocol: int = PROTOCOL_VERSION
 
 
@@ -230,6 +261,12 @@ class DrainReply(_Reply, frozen=True, tag="drain"):
     """No request is in flight any more (new ones are refused from the first drain on)."""
 
 
+class UndrainReply(_Reply, frozen=True, tag="undrain"):
+    serving: bool
+    """The daemon takes requests again (false: it was not drained, or it is stopping)."""
+    state: HealthStatus
+
+
 Reply = (
     ErrorReply
     | StatusReply
@@ -238,6 +275,7 @@ Reply = (
     | StatsReply
     | ProfileSaveReply
     | DrainReply
+    | UndrainReply
 )
 
 _request_decoder = msgspec.json.Decoder(Request)

@@ -35,6 +35,7 @@ from stratad.protocol import (
     StatusReply,
     StatusRequest,
     Tier,
+    UndrainReply,
     decode_reply,
     encode,
 )
@@ -87,6 +88,9 @@ class ShortCoverage:
     def drain(self, wait_s: float) -> DrainReply:
         self.drains.append(wait_s)
         return DrainReply(in_flight=1, drained=False)
+
+    def undrain(self) -> UndrainReply:
+        return UndrainReply(serving=False, state="draining")
 
 
 def socket_dir() -> Path:

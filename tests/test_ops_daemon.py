@@ -191,9 +191,32 @@ def test_drain_refuses_new_requests(daemon: Daemon) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 503 and info.value.headers["Retry-After"]
-    assert json.loads(ctl(daemon, "status", "--json").stdout)["state"] == "draining"
+    status = json.loads(ctl(daemon, "status", "--json").stdout)
+    assert status["state"] == "draining"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{daemon.url}/health", timeout=10)
+    # one body: /health says what the control socket's status says
+    assert info.value.code == 503 and json.loads(info.value.read()) == status["health"] == {
+        "status": "draining", "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "running": 0,
+        "waiting": 0, "reason": "stratactl drain"}
     assert json.loads(ctl(daemon, "drain", "--json").stdout) == {
         "type": "drain", "in_flight": 0, "drained": True}
+
+
+def test_undrain_takes_requests_again(daemon: Daemon) -> None:
+    r = ctl(daemon, "undrain")
+    assert r.returncode == 0 and r.stdout.startswith("undrained"), r.stdout + r.stderr
+    with urllib.request.urlopen(f"{daemon.url}/health", timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{daemon.url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+    r = ctl(daemon, "undrain")  # not drained: nothing to undo
+    assert r.returncode == 1 and "not undrained: the daemon is ok" in r.stderr
+    data = json.loads(ctl(daemon, "status", "--json").stdout)
+    assert data["state"] == "serving" and data["requests"]["refused"] >= 1
 
 
 def test_notify_sequence_in_order(daemon: Daemon) -> None:

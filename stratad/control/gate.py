@@ -1,10 +1,10 @@
-"""Where the control socket meets the HTTP side: request counting and `drain`.
+"""Where the control socket meets the HTTP side: request counting.
 
-`gate_middleware` counts the API requests in flight and, once a drain has begun, refuses new
-ones with 503 and `Retry-After` (and answers `/health` with 503, so a load balancer moves on)
-while the ones in flight finish. `meter_ticket` counts each finished request's tokens and
-times the two stages every request has (prompt, then generation), from the scheduler's own
-account of it.
+`gate_middleware` counts the API requests in flight and how each ended (refused with 429 or
+503, e.g. while draining, or answered); `meter_ticket` counts each finished request's tokens
+and times the two stages every request has (prompt, then generation), from the scheduler's own
+account of it. The drain itself is the scheduler's (`stratad.runtime.scheduler`): the HTTP
+guard refuses by its state, and the control socket's `drain` sets it.
 """
 
 from __future__ import annotations
@@ -18,41 +18,22 @@ from stratad.control.state import DaemonState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-DRAIN_RETRY_AFTER_S = 30
-
-
-def _draining_response() -> web.Response:
-    return web.json_response(
-        {
-            "error": {
-                "message": "the server is draining: it finishes in-flight requests and takes"
-                " no new ones",
-                "type": "server_error",
-                "param": None,
-                "code": "draining",
-            }
-        },
-        status=503,
-        headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
-    )
-
 
 def gate_middleware(state: DaemonState) -> Any:
+    """Install outermost, so that it sees every refusal of the handlers and the guard."""
+
     @web.middleware
     async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith("/v1/"):
-            if request.path == "/health" and state.draining.is_set():
-                return web.json_response({"status": "draining"}, status=503)
             return await handler(request)
-        if state.draining.is_set() and request.method == "POST":
-            state.meter.refuse()
-            return _draining_response()
         state.meter.started()
+        refused = False
         try:
-            return await handler(request)
+            response = await handler(request)
+            refused = response.status in (429, 503)
+            return response
         finally:
-            state.meter.finished()
-            state.request_done()
+            state.meter.finished(refused)
 
     return gate
 

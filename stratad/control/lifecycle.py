@@ -3,7 +3,7 @@
     ops = Operations(config)
     ops.start()                      # control socket up, STATUS=loading
     server = Server(...)
-    ops.install(server.app, server.scheduler)   # request counting, drain, STOPPING=1
+    ops.install(server)              # request counting, STOPPING=1, health and drain
     ... the model loads (on a thread) ...; ops.loaded(engine)
     ops.serve(app)                   # listen; READY=1 once the model serves; WATCHDOG=1 pings;
                                      # SIGTERM: STOPPING=1, the app drains, the socket closes
@@ -119,19 +119,15 @@ class Operations:
         model = self.config.model.path or "the default model"
         self.notifier.status(f"loading {model}")
 
-    def install(self, app: web.Application, scheduler: Any = None) -> None:
-        """Hook into the HTTP app before it starts: request counting, drain, STOPPING=1.
-
-        `scheduler` (duck-typed `stratad.runtime.scheduler.Scheduler`) is told about a drain
-        so that /health and /metrics agree, and gives the queue length to `status`.
-        """
-        app.middlewares.append(gate_middleware(self.state))
+    def install(self, server: Any) -> None:
+        """Hook into the HTTP side (`stratad.server.app.Server`) before it starts: request
+        counting, STOPPING=1, and the control socket's view of it (health, queue, drain)."""
+        app: web.Application = server.app
+        app.middlewares.insert(0, gate_middleware(self.state))
         app.on_shutdown.append(self._on_shutdown)
-        self._scheduler = scheduler
-        if scheduler is not None:
-            scheduler.listeners.append(lambda ticket: meter_ticket(self.state, ticket))
-            self.state.queue_depth = lambda: int(scheduler.waiting)
-            self.state.on_drain = lambda: setattr(scheduler, "state", "draining")
+        self._scheduler = server.scheduler
+        server.scheduler.listeners.append(lambda ticket: meter_ticket(self.state, ticket))
+        self.state.serving = server
 
     def loaded(self, engine: Any) -> None:
         """The model is loaded: the control socket can describe it (and its expert store,

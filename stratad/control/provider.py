@@ -16,6 +16,7 @@ from stratad.protocol import (
     ProfileSaveReply,
     StatsReply,
     StatusReply,
+    UndrainReply,
 )
 
 
@@ -35,3 +36,5 @@ class Provider(Protocol):
     def save_profile(self, path: str) -> ProfileSaveReply: ...
 
     def drain(self, wait_s: float) -> DrainReply: ...
+
+    def undrain(self) -> UndrainReply: ...

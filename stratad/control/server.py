@@ -35,6 +35,7 @@ from stratad.protocol import (
     Request,
     StatsRequest,
     StatusRequest,
+    UndrainRequest,
     decode_request,
     encode,
 )
@@ -270,7 +271,7 @@ class ControlServer:
             request = decode_request(line)
         except ProtocolError as e:
             return ErrorReply(code=e.code, error=str(e))
-        if isinstance(request, (DrainRequest, ProfileSaveRequest)):
+        if isinstance(request, (DrainRequest, UndrainRequest, ProfileSaveRequest)):
             log.info(
                 "control socket: %s from uid %d (pid %d)",
                 type(request).__struct_config__.tag,
@@ -303,6 +304,8 @@ class ControlServer:
             return p.save_profile(request.path)
         if isinstance(request, DrainRequest):
             return p.drain(min(max(request.wait_s, 0.0), MAX_DRAIN_WAIT_S))
+        if isinstance(request, UndrainRequest):
+            return p.undrain()
         raise AssertionError(f"no handler for {request!r}")
 
 

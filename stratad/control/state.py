@@ -2,8 +2,9 @@
 
 `DaemonState` is filled in as the daemon goes: the engine's description once the model is
 loaded, the expert store's view once it exists (`StoreView`, see `stratad.control.store_view`),
-pinning progress from the store's callback, and request counts from the HTTP gate
-(`stratad.control.gate`). No torch here: whatever needs the GPU runtime arrives as a callable.
+pinning progress from the store's callback, request counts from the HTTP gate
+(`stratad.control.gate`), and the HTTP side itself (`Serving`): its health body, and the drain,
+which the scheduler owns. No torch here: whatever needs the GPU runtime arrives as a callable.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from stratad.control.provider import Unavailable
 from stratad.protocol import (
     CoverageReply,
     DrainReply,
+    Health,
     MemoryUse,
     PlanReply,
     ProfileSaveReply,
@@ -31,7 +33,10 @@ from stratad.protocol import (
     State,
     StatsReply,
     StatusReply,
+    UndrainReply,
 )
+
+DRAINED_BY_CONTROL = "stratactl drain"
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,20 @@ class StoreView(Protocol):
     def save_profile(self, path: str) -> ProfileSaveReply: ...
 
 
+class Serving(Protocol):
+    """The HTTP side as the control socket drives it (`stratad.server.app.Server`)."""
+
+    def health(self) -> Health: ...
+
+    def begin_drain(self, reason: str) -> None: ...
+
+    def undrain(self) -> bool: ...
+
+    def wait_idle(self, timeout_s: float) -> int:
+        """Block until no request is queued or running (or the timeout); how many still are."""
+        ...
+
+
 class Meter:
     """Request and token counts and per-stage wall times; thread-safe."""
 
@@ -76,15 +95,11 @@ class Meter:
         with self._lock:
             self.active += 1
 
-    def finished(self) -> None:
+    def finished(self, refused: bool = False) -> None:
         with self._lock:
             self.active -= 1
             self.total += 1
-
-    def refuse(self) -> None:
-        with self._lock:
-            self.refused += 1
-            self.total += 1
+            self.refused += refused
 
     def tokens(self, prompt: int, completion: int) -> None:
         with self._lock:
@@ -113,23 +128,15 @@ class DaemonState:
         self.engine: EngineView | None = None
         self.store: StoreView | None = None
         self.pinning: Progress | None = None
-        self.queue_depth: Callable[[], int] | None = None
-        """The scheduler's queue length, once there is a scheduler; else active minus one."""
+        self.serving: Serving | None = None
+        """The HTTP side, once it is set up: health, queue, drain."""
         self.engine_stages: Callable[[], list[StageTiming]] | None = None
         """The engine's own stage timings (STRATA_DECODE_TIMING), when it records them."""
-        self.on_drain: Callable[[], None] | None = None
-        """Tells the scheduler, if there is one, that the daemon drains."""
-        self.draining = threading.Event()
-        self._idle = threading.Condition()
 
     # ---- what the daemon tells it --------------------------------------------------------
 
     def set_state(self, state: State) -> None:
         self.state = state
-
-    def request_done(self) -> None:
-        with self._idle:
-            self._idle.notify_all()
 
     # ---- Provider ------------------------------------------------------------------------
 
@@ -141,7 +148,11 @@ class DaemonState:
         if e is not None and e.vram is not None:
             vram = e.vram()
         active = self.meter.active
-        queued = self.queue_depth() if self.queue_depth else max(0, active - 1)
+        health = self.serving.health() if self.serving is not None else None
+        queued = health.waiting if health is not None else max(0, active - 1)
+        state = self.state
+        if state == "serving" and health is not None and health.status == "draining":
+            state = "draining"
         plan_hash, complete = "", None
         if self.store is not None:
             plan_hash = self.store.plan().hash
@@ -149,7 +160,7 @@ class DaemonState:
         elif e is not None and not e.moe:
             plan_hash, complete = "dense", True
         return StatusReply(
-            state="draining" if self.draining.is_set() and self.state == "serving" else self.state,
+            state=state,
             version=__version__,
             pid=os.getpid(),
             uptime_s=time.monotonic() - self.started,
@@ -171,6 +182,7 @@ class DaemonState:
                 vram_used_bytes=vram[0],
                 vram_total_bytes=vram[1],
             ),
+            health=health,
         )
 
     def _loaded(self) -> EngineView:
@@ -214,13 +226,18 @@ class DaemonState:
             raise Unavailable("the model has no routed experts: there is no expert profile")
         raise Unavailable("this engine runs without the expert store: no expert profile")
 
+    def _serving(self) -> Serving:
+        if self.serving is None:
+            raise Unavailable(f"the HTTP side is not up yet (state: {self.state})")
+        return self.serving
+
     def drain(self, wait_s: float) -> DrainReply:
-        self.draining.set()
-        if self.on_drain is not None:
-            self.on_drain()
-        deadline = time.monotonic() + wait_s
-        with self._idle:
-            while self.meter.active and (left := deadline - time.monotonic()) > 0:
-                self._idle.wait(timeout=min(left, 0.5))
-        active = self.meter.active
-        return DrainReply(in_flight=active, drained=active == 0)
+        serving = self._serving()
+        serving.begin_drain(DRAINED_BY_CONTROL)
+        left = serving.wait_idle(wait_s)
+        return DrainReply(in_flight=left, drained=left == 0)
+
+    def undrain(self) -> UndrainReply:
+        serving = self._serving()
+        taken = serving.undrain()
+        return UndrainReply(serving=taken, state=serving.health().status)

@@ -26,6 +26,8 @@ from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
 
 log = logging.getLogger("stratad.scheduler")
 
+STOPPING = "stopping"  # the drain reason of a shutdown: no undrain from it
+
 
 class Backend(Protocol):
     """What the scheduler and the server need of the engine."""
@@ -130,7 +132,11 @@ class Scheduler:
         # what every finished ticket is reported to (the HTTP metrics, the control socket's
         # meter): one account of each request, taken where it ran
         self.listeners: list[Callable[[Ticket], None]] = [on_finished] if on_finished else []
-        self.state = "loading"  # loading -> ready -> draining; or failed
+        # loading -> ready <-> draining (back on undrain, unless stopping); or failed. The one
+        # owner of "draining": HTTP refuses new requests by it, /health and the control socket
+        # report it.
+        self.state = "loading"
+        self.drain_reason: str | None = None  # why it drains: "stopping", "stratactl drain"
         self.held: str | None = None  # e.g. "pinning": loaded, but not to serve yet
         self.engine: Backend | None = None
         self.running: Ticket | None = None
@@ -144,7 +150,8 @@ class Scheduler:
     def attach(self, engine: Backend) -> None:
         """The model is loaded: start serving."""
         self.engine = engine
-        self.state = "ready"
+        if self.state == "loading":  # a drain begun while it loaded stays
+            self.state = "ready"
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -165,6 +172,10 @@ class Scheduler:
     def num_running(self) -> int:
         return 1 if self.running is not None else 0
 
+    @property
+    def in_flight(self) -> int:
+        return self.waiting + self.num_running
+
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the queue ahead times the mean service time."""
         ahead = self.waiting + self.num_running
@@ -184,12 +195,35 @@ class Scheduler:
                     self.retry_after(),
                 )
             self._queue.append(ticket)
-            self._cv.notify()
+            self._cv.notify_all()  # the engine thread (and any wait_idle)
         return ticket
 
+    def begin_drain(self, reason: str) -> None:
+        """Refuse new work from now on (what is queued or running carries on)."""
+        if self.state != "failed" and self.drain_reason != STOPPING:
+            self.state, self.drain_reason = "draining", reason
+
+    def undrain(self) -> bool:
+        """Take new work again after `begin_drain`; false when stopping (or not drained)."""
+        if self.state != "draining" or self.drain_reason == STOPPING:
+            return False
+        self.state = "ready" if self.engine is not None else "loading"
+        self.drain_reason = None
+        return True
+
+    def wait_idle(self, timeout: float) -> int:
+        """Block (never on the event loop) until nothing is queued or running, or `timeout` s
+        have passed; how many requests are still in flight."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.in_flight and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(min(left, 0.1))
+            return self.in_flight
+
     async def drain(self, timeout: float) -> None:
-        """Refuse new work, let queued and running jobs finish for `timeout` s, cancel the rest."""
-        self.state = "draining"
+        """Stop: refuse new work, let queued and running jobs finish for `timeout` s, cancel
+        the rest."""
+        self.begin_drain(STOPPING)
         deadline = time.monotonic() + timeout
         while (self.running or self._queue) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -275,3 +309,5 @@ class Scheduler:
                 listener(ticket)
             except Exception:
                 log.exception("recording a finished request failed")
+        with self._cv:
+            self._cv.notify_all()  # wait_idle

@@ -20,7 +20,8 @@ import msgspec
 from aiohttp import web
 
 from stratad.config import ServerConfig
-from stratad.runtime.scheduler import Backend, Scheduler, Ticket
+from stratad.runtime.health import health_of
+from stratad.runtime.scheduler import STOPPING, Backend, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.completions import Completions
 from stratad.server.errors import error_response
@@ -68,14 +69,7 @@ def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
     return False
 
 
-# the scheduler's state -> /health's status
-_HEALTH: dict[str, Literal["loading", "pinning", "ok", "draining", "failed"]] = {
-    "loading": "loading",
-    "pinning": "pinning",
-    "ready": "ok",
-    "draining": "draining",
-    "failed": "failed",
-}
+DRAIN_RETRY_AFTER_S = 30
 
 
 class Server:
@@ -90,6 +84,8 @@ class Server:
             running=lambda: float(self.scheduler.num_running),
             waiting=lambda: float(self.scheduler.waiting),
         )
+        self.degraded: Callable[[], str | None] = lambda: None
+        """Why the daemon serves short of its configuration (set once the engine is known)."""
         self.openapi = render_openapi()
         self.completions = Completions(self.scheduler, config, self.metrics)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
@@ -98,7 +94,7 @@ class Server:
                 web.post("/v1/chat/completions", self.completions.chat),
                 web.post("/v1/completions", self.completions.text),
                 web.get("/v1/models", self.models),
-                web.get("/health", self.health),
+                web.get("/health", self.health_route),
                 web.get("/metrics", self.metrics_text),
                 web.get("/openapi.json", self.openapi_json),
             ]
@@ -140,11 +136,31 @@ class Server:
             threading.Thread(target=work, name="loader", daemon=True).start()
 
         async def drain(app: web.Application) -> None:
-            if self.scheduler.engine is not None:
-                await self.scheduler.drain(self.config.drain_timeout_s)
+            await self.drain()
 
         self.app.on_startup.append(start)
         self.app.on_shutdown.append(drain)
+
+    async def drain(self) -> None:
+        """Stopping: refuse new requests, give those in flight `server.drain_timeout_s`."""
+        self.scheduler.begin_drain(STOPPING)
+        if self.scheduler.engine is not None:
+            await self.scheduler.drain(self.config.drain_timeout_s)
+
+    # --- what the control socket asks (stratad.control.state.Serving) -----------------------
+
+    def health(self) -> oa.Health:
+        """The one health body: /health serves it, the control socket's status carries it."""
+        return health_of(self.scheduler, self.model_name, self.degraded())
+
+    def begin_drain(self, reason: str) -> None:
+        self.scheduler.begin_drain(reason)
+
+    def undrain(self) -> bool:
+        return self.scheduler.undrain()
+
+    def wait_idle(self, timeout_s: float) -> int:
+        return self.scheduler.wait_idle(timeout_s)
 
     def hold(self, reason: Literal["pinning"] | None) -> None:
         """Refuse completions with 503 (and say `reason` on /health) until `hold(None)`.
@@ -187,6 +203,14 @@ class Server:
                 )
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
+        if request.method == "POST" and self.scheduler.state == "draining":
+            response = error_response(
+                503, f"the server is draining ({self.scheduler.drain_reason}): it finishes the"
+                " requests in flight and takes no new ones", None, code="draining",
+                retry_after=DRAIN_RETRY_AFTER_S,
+            )  # fmt: skip
+            response.force_close()  # a kept-alive client's next request goes elsewhere
+            return response
         # the types a web page may post cross-site without asking first: JSON only here
         typed = request.headers.get("Content-Type") is not None
         if request.method == "POST" and typed and request.content_type in FORM_TYPES:
@@ -242,17 +266,10 @@ class Server:
         )
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
-    async def health(self, request: web.Request) -> web.Response:
-        s = self.scheduler
-        status = _HEALTH.get(s.status, "failed")
-        body = oa.Health(
-            status=status,
-            model=self.model_name,
-            running=s.num_running,
-            waiting=s.waiting,
-        )
+    async def health_route(self, request: web.Request) -> web.Response:
+        body = self.health()
         return web.Response(
-            status=200 if status == "ok" else 503,
+            status=200 if body.serving else 503,
             body=msgspec.json.encode(body),
             content_type="application/json",
         )

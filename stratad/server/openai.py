@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from stratad.protocol import Health as Health  # /health's body, shared with stratactl status
 from stratad.runtime.jobs import ChatMessage, Job
 
 MAX_STOP = 4
@@ -266,13 +267,6 @@ class ErrorDetail(_Struct, frozen=True):
 
 class ErrorResponse(_Struct, frozen=True):
     error: ErrorDetail
-
-
-class Health(_Struct, frozen=True):
-    status: Literal["loading", "pinning", "ok", "draining", "failed"]
-    model: str | None
-    running: int
-    waiting: int
 
 
 def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> bytes:
