@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.dequant import DEQUANT_DTYPES, _to_bf16
 from kernels.gemv import GEMV_QTYPES, _dequant_tile
+from kernels.iq_tables import iq_tables
 from kernels.quant import QType, dequantize, row_bytes
 
 
@@ -43,6 +44,7 @@ def _blocks_kernel(
     cols,
     row_bytes,
     stride_m,
+    tab_ptr,  # the i-quants' tables (kernels.iq_tables)
     QTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -53,7 +55,7 @@ def _blocks_kernel(
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
     mask = (r < rows) & (c < cols)
     row_ptr = src_ptr + m * stride_m + r.to(tl.int64) * row_bytes
-    w = _dequant_tile(row_ptr, c, mask, QTYPE)  # [BR, BC] float32
+    w = _dequant_tile(row_ptr, c, mask, tab_ptr, QTYPE)  # [BR, BC] float32
     dst = out_ptr + m * rows * cols + r.to(tl.int64) * cols + c
     if BF16:
         tl.store(dst, _to_bf16(w), mask=mask)
@@ -90,6 +92,7 @@ def dequant_blocks(
     with torch.cuda.device(sections.device) if sections.is_cuda else nullcontext():
         _blocks_kernel[grid](
             sections, out, rows, cols, nbytes, sections.stride(0) if n > 1 else 0,
+            iq_tables(sections.device),
             QTYPE=int(qtype), BLOCK_R=config.block_r, BLOCK_C=config.block_c,
             BF16=dtype == torch.bfloat16, num_warps=config.num_warps,
         )  # fmt: skip

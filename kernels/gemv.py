@@ -3,8 +3,9 @@
 The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in
 registers, so a weight is read once in its compressed size (the point for a model larger
 than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q5_K, Q6_K. Dequantization follows `kernels/quant.py` (llama.cpp's formulas) in float32;
-the products are accumulated in float32.
+Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S (the i-quants index tables the kernel reads
+from a byte buffer: `kernels.iq_tables`). Dequantization follows `kernels/quant.py`
+(llama.cpp's formulas) in float32; the products are accumulated in float32.
 
 Three tiers: `_gemv_kernel` (Triton), `gemv()` (launcher: checks, grid), `qmatmul()` (the
 operation on a `QTensor`, any leading dims, float weights via torch). `qmatmul_ref()` is
@@ -19,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import iq_tables
+from kernels.iq_tables import iq_tables as tables_on
 from kernels.quant import QTensor, QType, block_geometry
 
 # GGUF type ids as compile-time constants: the kernel is specialized per type.
@@ -30,9 +33,14 @@ Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
+IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
+IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
+IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
+IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
+IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
 GEMV_QTYPES: frozenset[QType] = frozenset(
     {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0}
-    | {QType.Q4_K, QType.Q5_K, QType.Q6_K}
+    | {QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
 )
 
 
@@ -114,10 +122,17 @@ def _dequant_q45_k(row_ptr, ks, mask, FIVE_BIT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(row_ptr, ks, mask, QTYPE: tl.constexpr):
+def _iq4_value(tab_ptr, q, mask):
+    """The IQ4 level (float32) of 4-bit codes q."""
+    level = tl.load(tab_ptr + IQ4_VALUES + q, mask=mask, other=0).to(tl.int8, bitcast=True)
+    return level.to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
     """Float32 weights for byte pointers to row starts `row_ptr` [BN, 1] and columns
     `ks` [1, BK]; masked-off entries are 0. Each element locates its own block, so the
-    tile need not align with blocks."""
+    tile need not align with blocks. `tab_ptr`: the i-quants' tables (`kernels.iq_tables`)."""
     if QTYPE == Q8_0:
         blk = row_ptr + (ks // 32) * 34
         d = _load_f16(blk, mask)
@@ -147,6 +162,32 @@ def _dequant_tile(row_ptr, ks, mask, QTYPE: tl.constexpr):
         w = _dequant_q45_k(row_ptr, ks, mask, False)
     elif QTYPE == Q5_K:
         w = _dequant_q45_k(row_ptr, ks, mask, True)
+    elif QTYPE == IQ4_NL:  # d | 16 bytes of 4-bit codes, laid out as Q4_0's
+        blk = row_ptr + (ks // 32) * 18
+        j = ks % 32
+        q = (_load_u8(blk + 2 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        w = _load_f16(blk, mask) * _iq4_value(tab_ptr, q, mask)
+    elif QTYPE == IQ4_XS:  # d | scales_h u16 | scales_l 4 | codes 128 (16 per 32 values)
+        blk = row_ptr + (ks // 256) * 136
+        i = ks % 256
+        ib = i // 32
+        r = i % 32
+        lo = (_load_u8(blk + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 0xF
+        hi = (_load_u8(blk + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3
+        q = (_load_u8(blk + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 0xF
+        dl = _load_f16(blk, mask) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        w = dl * _iq4_value(tab_ptr, q, mask)
+    elif QTYPE == IQ3_S:  # d | qs 64 | qh 8 | signs 32 | scales 4: a grid point per 4 values
+        blk = row_ptr + (ks // 256) * 110
+        i = ks % 256
+        k = i // 4  # grid point: 8 bits in qs[k], the 9th in bit k of qh
+        ib = i // 32
+        sc = (_load_u8(blk + 106 + ib // 2, mask) >> ((ib % 2) * 4)) & 0xF
+        ninth = (_load_u8(blk + 66 + k // 8, mask) >> (k % 8)) & 1
+        idx = _load_u8(blk + 2 + k, mask) | (ninth << 8)
+        g = tl.load(tab_ptr + IQ3_S_GRID + idx * 4 + i % 4, mask=mask, other=0).to(tl.float32)
+        w = (_load_f16(blk, mask) * (1 + 2 * sc).to(tl.float32)) * g
+        w = tl.where(((_load_u8(blk + 74 + i // 8, mask) >> (i % 8)) & 1) == 1, -w, w)
     else:  # Q6_K: ql 128 | qh 64 | int8 scales 16 | d
         tl.static_assert(QTYPE == Q6_K, "unsupported GGUF type in _dequant_tile")
         blk = row_ptr + (ks // 256) * 210
@@ -166,6 +207,7 @@ def _gemv_kernel(
     x_ptr,  # [T, K] float
     w_ptr,  # [N, row_bytes] uint8 GGUF blocks
     out_ptr,  # [T, N]
+    tab_ptr,  # the i-quants' tables
     T,
     N,
     K,
@@ -187,7 +229,8 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
-        w = _dequant_tile(row_ptr, ks, (rows[:, None] < N) & (ks < K), QTYPE)  # [BN, BK]
+        kmask = (rows[:, None] < N) & (ks < K)
+        w = _dequant_tile(row_ptr, ks, kmask, tab_ptr, QTYPE)  # [BN, BK]
         x = tl.load(x_rows + ks, mask=(toks[:, None] < T) & (ks < K), other=0.0)  # [BT, BK]
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -241,7 +284,8 @@ def gemv(
         return out
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_t))
     _gemv_kernel[grid](
-        x, blocks, out, T, N, K, x.stride(0), blocks.stride(0), out.stride(0),
+        x, blocks, out, tables_on(x.device), T, N, K, x.stride(0), blocks.stride(0),
+        out.stride(0),
         QTYPE=int(qtype), BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.block_t >= 16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

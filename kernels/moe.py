@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import GEMV_QTYPES, _dequant_tile
+from kernels.iq_tables import iq_tables
 from kernels.quant import QTensor, QType, row_bytes
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
@@ -127,6 +128,7 @@ def _blocks_rows_dot(
     x_ptr,
     K,
     ROW_BYTES,
+    tab_ptr,
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -137,7 +139,7 @@ def _blocks_rows_dot(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
-        w = _dequant_tile(row_ptr, ks, row_mask[:, None] & (ks < K), QTYPE)  # [BN, BK]
+        w = _dequant_tile(row_ptr, ks, row_mask[:, None] & (ks < K), tab_ptr, QTYPE)  # [BN, BK]
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # [1, BK]
         acc += tl.sum(w * x, axis=1)
     return acc
@@ -152,6 +154,7 @@ def _rows_dot(
     K,
     N,
     ROW_BYTES,
+    tab_ptr,
     QTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -162,8 +165,8 @@ def _rows_dot(
     if QTYPE == Q4_0:
         acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
     else:
-        acc = _blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, QTYPE, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
+        acc = _blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
+                               BLOCK_N, BLOCK_K)  # fmt: skip
     return acc
 
 
@@ -177,6 +180,7 @@ def _gate_up_kernel(
     F,
     GATE_ROW,  # bytes per row of gate / up (GGUF-block types)
     UP_ROW,
+    tab_ptr,  # the i-quants' tables (kernels.iq_tables)
     TOP_K: tl.constexpr,
     Q_GATE: tl.constexpr,
     Q_UP: tl.constexpr,
@@ -195,9 +199,10 @@ def _gate_up_kernel(
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < F
         x = x_ptr + t.to(tl.int64) * H
-        g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, Q_GATE, BLOCK_N, BLOCK_B, BLOCK_K,
-                      ALIGNED)  # fmt: skip
-        u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED)
+        g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
+                      BLOCK_K, ALIGNED)  # fmt: skip
+        u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
+                      BLOCK_K, ALIGNED)  # fmt: skip
         act = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -212,6 +217,7 @@ def _down_kernel(
     H,
     F,
     DOWN_ROW,
+    tab_ptr,
     Q_DOWN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -228,8 +234,8 @@ def _down_kernel(
         w = tl.load(weights_ptr + s)
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
         act = act_ptr + s.to(tl.int64) * F
-        y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, Q_DOWN, BLOCK_N, BLOCK_B,
-                          BLOCK_K, ALIGNED)  # fmt: skip
+        y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N,
+                          BLOCK_B, BLOCK_K, ALIGNED)  # fmt: skip
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -266,7 +272,7 @@ def moe_gate_up(
     act = torch.empty(t * ids.shape[1], ffn, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(ffn, config.block_n), t * ids.shape[1])
     _gate_up_kernel[grid](
-        x, ids, table, act, h, ffn, gate_row, up_row,
+        x, ids, table, act, h, ffn, gate_row, up_row, iq_tables(x.device),
         TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), BLOCK_N=config.block_n,
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
         ALIGNED=aligned and fmt.aligned(h, ffn), num_warps=config.num_warps,
@@ -296,6 +302,7 @@ def moe_down(
     ffn = act.shape[1]
     _down_kernel[grid](
         act, ids, weights.contiguous(), table, part, hidden, ffn, row_bytes(fmt.down, ffn),
+        iq_tables(act.device),
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.dequant_blocks import BlocksConfig, dequant_blocks, dequant_blocks_ref
-from kernels.quant import QType, quantize
+from kernels.quant import QType, block_geometry, quantize, row_bytes
 
 CASES = [
     (QType.Q4_K, 5, 256),
@@ -15,6 +15,7 @@ CASES = [
     (QType.Q8_0, 4, 96),
     (QType.Q4_1, 7, 64),
     (QType.Q5_K, 2, 256),
+    (QType.Q5_0, 3, 64),
 ]
 
 
@@ -38,3 +39,14 @@ def test_matches_torch_dequantization(
 def test_refuses_a_wrong_size() -> None:
     with pytest.raises(ValueError, match="takes"):
         dequant_blocks(torch.zeros(2, 100, dtype=torch.uint8), QType.Q8_0, 2, 64, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", [QType.IQ3_S, QType.IQ4_XS, QType.IQ4_NL])
+def test_iquants_from_random_blocks(qtype: QType) -> None:
+    """The i-quants (no quantizer here): random blocks with a finite leading fp16 scale."""
+    gen = torch.Generator().manual_seed(6)
+    raw = torch.randint(0, 256, (2, 3 * row_bytes(qtype, 256)), generator=gen).to(torch.uint8)
+    blocks = raw.view(-1, block_geometry(qtype)[1])  # every block's leading scale finite
+    blocks[:, :2] = torch.rand(blocks.shape[0], generator=gen).half().view(torch.uint8).view(-1, 2)
+    got = dequant_blocks(raw, qtype, 3, 256, torch.bfloat16, BlocksConfig(block_r=2, block_c=128))
+    assert torch.equal(got, dequant_blocks_ref(raw, qtype, 3, 256).to(torch.bfloat16))

@@ -35,9 +35,14 @@ FP16_FIELDS = {
     QType.Q8_0: [0],
     QType.Q4_0: [0],
     QType.Q4_1: [0, 2],
+    QType.Q5_0: [0],
+    QType.Q5_1: [0, 2],
     QType.Q4_K: [0, 2],
     QType.Q5_K: [0, 2],
     QType.Q6_K: [208],
+    QType.IQ4_NL: [0],
+    QType.IQ4_XS: [0],
+    QType.IQ3_S: [0],
 }
 
 

@@ -16,7 +16,7 @@ from kernels.moe import (
     split_q4_0_ok,
     unsplit_q4_0,
 )
-from kernels.quant import QTensor, QType, quantize
+from kernels.quant import QTensor, QType, block_geometry, quantize
 
 
 def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:
@@ -105,6 +105,15 @@ def test_negative_ids_are_skipped() -> None:
 
 
 def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor:
+    """Quantized random values; for the i-quants (no quantizer here) random blocks whose
+    leading fp16 scale is small and finite."""
+    if qtype in (QType.IQ3_S, QType.IQ4_XS, QType.IQ4_NL):
+        block, nbytes = block_geometry(qtype)
+        raw = torch.randint(0, 256, (rows * cols // block, nbytes), generator=gen)
+        raw = raw.to(torch.uint8)
+        scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
+        raw[:, :2] = scale.view(torch.uint8).reshape(-1, 2)
+        return QTensor(raw.reshape(rows, -1), qtype, (rows, cols))
     values = torch.randn(rows, cols, generator=gen) / cols**0.5
     return QTensor(quantize(values, qtype), qtype, (rows, cols))
 
@@ -117,6 +126,8 @@ MIXES = [
     (QType.Q8_0, QType.Q8_0, QType.Q8_0),
     (QType.Q5_K, QType.Q4_1, QType.Q5_1),
     (QType.Q4_0, QType.Q4_0, QType.Q4_K),
+    (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
+    (QType.IQ4_NL, QType.IQ4_NL, QType.Q6_K),
 ]
 
 
@@ -125,7 +136,7 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType]) -> None:
     """Each projection of its own GGUF type, read as the engine holds it (Q4_0 split, the
     others as blocks): equal to dequantizing the blocks and computing in float32."""
     t, k, e, h = 2, 2, 3, 256
-    f = 256 if mix[2] in (QType.Q6_K, QType.Q4_K) else 96
+    f = 256 if block_geometry(mix[2])[0] == 256 else 96
     gen = torch.Generator().manual_seed(11)
     shapes = ((f, h), (f, h), (h, f))
     experts = [
@@ -147,5 +158,5 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType]) -> None:
 
 
 def test_expert_format_refuses_a_type_without_a_kernel() -> None:
-    with pytest.raises(ValueError, match="IQ3_S"):
-        ExpertFormat(QType.IQ3_S, QType.IQ3_S, QType.Q4_K)
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        ExpertFormat(QType.IQ2_XXS, QType.IQ2_XXS, QType.Q4_K)
