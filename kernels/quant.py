@@ -4,9 +4,11 @@ A `QTensor` keeps a weight as GGUF stores it (raw blocks, row-major, one row of 
 per output row) so that kernels can read the blocks directly; `dequantize()` gives the
 float32 values exactly as llama.cpp computes them, in pure torch so it runs where the
 blocks already are (CPU or GPU). The K-quants (256-value super-blocks) live in
-`kernels/quant_k.py`; this file owns the types, the dispatch and the 32-value formats.
+`kernels/quant_k.py`, the i-quants (lattice codebooks) in `kernels/quant_iq.py`; this file
+owns the types, the dispatch and the 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
-`quantize()` writes blocks, for building synthetic models and test fixtures.
+`quantize()` writes blocks of the `QUANTIZE_QTYPES`, for building synthetic models and test
+fixtures.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kernels import quant_k
+from kernels import quant_iq, quant_k
+from kernels.quant_fields import fp16, nibbles, split_bits
 
 QType = GGMLQuantizationType
 
@@ -32,9 +35,21 @@ SUPPORTED_QTYPES: frozenset[QType] = frozenset(
         QType.Q8_0,
         QType.Q4_0,
         QType.Q4_1,
+        QType.Q5_0,
+        QType.Q5_1,
+        QType.Q2_K,
+        QType.Q3_K,
         QType.Q4_K,
         QType.Q5_K,
         QType.Q6_K,
+        QType.IQ4_NL,
+        QType.IQ4_XS,
+        QType.IQ3_S,
+        QType.IQ3_XXS,
+        QType.IQ2_S,
+        QType.IQ2_XS,
+        QType.IQ2_XXS,
+        QType.IQ1_S,
     }
 )
 FLOAT_QTYPES: frozenset[QType] = frozenset({QType.F32, QType.F16, QType.BF16})
@@ -96,32 +111,42 @@ class QTensor:
 # one multiply, then the offset) so the results are bit-identical, not merely close.
 
 
-def _fp16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2] uint8 little-endian fp16 -> [n, 1] float32."""
-    return b.contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] packed bytes -> [n, 32]: low nibbles are values 0..15, high are 16..31."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
 def _dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _fp16(blocks[:, :2])  # [n, 1]
+    d = fp16(blocks[:, :2])  # [n, 1]
     q = blocks[:, 2:].view(torch.int8).float()  # [n, 32]
     return q * d
 
 
 def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _fp16(blocks[:, :2])  # [n, 1]
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8  # [n, 32]
+    d = fp16(blocks[:, :2])  # [n, 1]
+    q = nibbles(blocks[:, 2:]).to(torch.int8) - 8  # [n, 32]
     return d * q.float()
 
 
 def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d = _fp16(blocks[:, :2])  # [n, 1]
-    m = _fp16(blocks[:, 2:4])  # [n, 1]
-    q = _nibbles(blocks[:, 4:]).float()  # [n, 32]
+    d = fp16(blocks[:, :2])  # [n, 1]
+    m = fp16(blocks[:, 2:4])  # [n, 1]
+    q = nibbles(blocks[:, 4:]).float()  # [n, 32]
+    return d * q + m
+
+
+def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 quants: qh [n, 4] (bit j of the little-endian uint32 is value j's 5th bit)
+    and qs [n, 16] (the low 4 bits, as Q4_0) -> [n, 32] uint8 in 0..31."""
+    hi = split_bits(qh, 8, 1).reshape(-1, 32)  # [n, 32]: byte j // 8, bit j % 8
+    return nibbles(qs) | (hi << 4)
+
+
+def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = fp16(blocks[:, :2])  # [n, 1]
+    q = _five_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16  # [n, 32]
+    return d * q.float()
+
+
+def _dequant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = fp16(blocks[:, :2])  # [n, 1]
+    m = fp16(blocks[:, 2:4])  # [n, 1]
+    q = _five_bits(blocks[:, 4:8], blocks[:, 8:]).float()  # [n, 32]
     return d * q + m
 
 
@@ -129,9 +154,14 @@ _DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q8_0: _dequant_q8_0,
     QType.Q4_0: _dequant_q4_0,
     QType.Q4_1: _dequant_q4_1,
+    QType.Q5_0: _dequant_q5_0,
+    QType.Q5_1: _dequant_q5_1,
+    QType.Q2_K: quant_k.dequant_q2_k,
+    QType.Q3_K: quant_k.dequant_q3_k,
     QType.Q4_K: quant_k.dequant_q4_k,
     QType.Q5_K: quant_k.dequant_q5_k,
     QType.Q6_K: quant_k.dequant_q6_k,
+    **quant_iq.DEQUANTIZERS,
 }
 
 
@@ -170,19 +200,26 @@ def dequantize(data: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torc
 # --- quantization (writing blocks) ----------------------------------------------------------
 # gguf-py's quantizers for these types are ports of llama.cpp's quantize_row_*_ref and
 # produce identical bytes, so a synthetic model written here reads the same in llama.cpp.
-_GGUF_QUANTIZED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1})
+_GGUF_QUANTIZED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1})
+_K_QUANTIZED = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
+# The types `quantize()` writes. Q2_K, Q3_K and the i-quants are read but not written: gguf-py
+# has no quantizer for them, and llama.cpp's need an importance matrix and a lattice search.
+QUANTIZE_QTYPES: frozenset[QType] = _GGUF_QUANTIZED | _K_QUANTIZED
 
 
 def quantize(values: torch.Tensor, qtype: QType) -> torch.Tensor:
     """Encode float values [*rows, cols] as GGUF blocks: uint8 [*rows, row_bytes].
 
-    Q8_0/Q4_0/Q4_1 match llama.cpp's reference quantizer byte for byte. Q4_K/Q5_K/Q6_K use
-    a simple min/max scale choice (valid blocks, not llama.cpp's scale search). The result
-    is on `values`' device.
+    Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 match llama.cpp's reference quantizer byte for byte.
+    Q4_K/Q5_K/Q6_K use a simple min/max scale choice (valid blocks, not llama.cpp's scale
+    search). Other types are refused (`QUANTIZE_QTYPES`). The result is on `values`' device.
     """
     _check_supported(qtype)
     if qtype in FLOAT_QTYPES:
         raise ValueError(f"{qtype.name} is a float type; store the tensor itself, not blocks")
+    if qtype not in QUANTIZE_QTYPES:
+        writable = ", ".join(sorted(q.name for q in QUANTIZE_QTYPES))
+        raise ValueError(f"quantize() cannot write {qtype.name} blocks (it writes {writable})")
     cols = values.shape[-1]
     row_bytes(qtype, cols)  # raises on a ragged last dimension
     if qtype in _GGUF_QUANTIZED:

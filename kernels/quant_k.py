@@ -1,18 +1,20 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K): 256-value super-blocks, in pure torch.
+"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): 256-value super-blocks, in pure torch.
 
 Dequantizers take blocks [n, bytes per block] (uint8) and return values [n, 256]
-(float32), bit-identical with llama.cpp's dequantize_row_q{4,5,6}_K: the fp16 super-block
-scale is widened to float32 and multiplied by the small sub-block scale first, then by the
-quant, then the sub-block minimum is subtracted. Floating-point multiplication is not
-associative, so `(d * sc) * q` is kept in that order.
+(float32), bit-identical with llama.cpp's dequantize_row_q{2,3,4,5,6}_K: the fp16
+super-block scale is widened to float32 and multiplied by the small sub-block scale first,
+then by the quant, then the sub-block minimum is subtracted. Floating-point multiplication is
+not associative, so `(d * sc) * q` is kept in that order.
 
 Super-block layouts (bytes):
+    Q2_K (84):  scales 16 (4-bit scale | 4-bit min per 16 values) | qs 64 (2 bits) | d | dmin
+    Q3_K (110): hmask 32 (3rd bit) | qs 64 (low 2 bits) | scales 12 (16 x 6-bit) | d f16
     Q4_K (144): d f16 | dmin f16 | scales 12 (8 x 6-bit scale, 8 x 6-bit min) | qs 128
     Q5_K (176): d f16 | dmin f16 | scales 12 | qh 32 (5th bit) | qs 128
     Q6_K (210): ql 128 (low 4 bits) | qh 64 (high 2 bits) | scales 16 x int8 | d f16
 
-The quantizers here are simple (min/max per sub-block, no scale search): they write valid
-blocks for synthetic models and tests, not llama.cpp's bytes.
+The quantizers here (Q4_K, Q5_K and Q6_K only) are simple (min/max per sub-block, no scale
+search): they write valid blocks for synthetic models and tests, not llama.cpp's bytes.
 """
 
 from __future__ import annotations
@@ -20,13 +22,11 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kernels.quant_fields import fp16 as _fp16
+from kernels.quant_fields import split_bits
+
 QK_K = 256
 K_SCALE_SIZE = 12
-
-
-def _fp16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2] uint8 little-endian fp16 -> [n, 1] float32."""
-    return b.contiguous().view(torch.float16).float()
 
 
 def _shifts(values: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,36 @@ def _scaled(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dmin = _fp16(blocks[:, 2:4])  # [n, 1]
     sc, mn = _scale_min(blocks[:, 4 : 4 + K_SCALE_SIZE])  # [n, 8]
     return (d * sc.float()).unsqueeze(-1), (dmin * mn.float()).unsqueeze(-1)
+
+
+def dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales = blocks[:, :16]  # [n, 16]: one per 16 values
+    d = _fp16(blocks[:, 80:82])  # [n, 1]
+    dmin = _fp16(blocks[:, 82:84])  # [n, 1]
+    dl = (d * (scales & 0x0F).float()).unsqueeze(-1)  # [n, 16, 1]
+    ml = (dmin * (scales >> 4).float()).unsqueeze(-1)  # [n, 16, 1]
+    # Each 128-value half is 32 bytes; the 2-bit field k of byte l is value 32 k + l.
+    qs = split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 4, 2)  # [n, 2, 32 bytes, 4 fields]
+    q = qs.transpose(-1, -2).reshape(-1, 16, 16).float()  # [n, 16, 16]
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+def dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    hmask = blocks[:, :32]  # bit j of byte l: the 3rd bit of value 32 j + l
+    qs = blocks[:, 32:96]
+    scales = blocks[:, 96:108]
+    d = _fp16(blocks[:, 108:110])  # [n, 1]
+    # 16 6-bit scales. Scale s: low 4 bits in byte s % 8 (its low nibble for s < 8, its high
+    # for s >= 8), top 2 bits in 2-bit field s // 4 of byte 8 + s % 4.
+    lo = split_bits(scales[:, :8], 2, 4).transpose(-1, -2).reshape(-1, 16)
+    hi = split_bits(scales[:, 8:], 4, 2).transpose(-1, -2).reshape(-1, 16)
+    sc = (lo | (hi << 4)).to(torch.int8) - 32  # [n, 16]
+    dl = (d * sc.float()).unsqueeze(-1)  # [n, 16, 1]
+    ql = split_bits(qs.reshape(-1, 2, 32), 4, 2).transpose(-1, -2).reshape(-1, 16, 16)
+    h = split_bits(hmask, 8, 1).transpose(-1, -2).reshape(-1, 16, 16)
+    # a clear hmask bit means the value is 4 lower (llama.cpp: `hm & m ? 0 : 4`)
+    q = ql.to(torch.int8) - ((h ^ 1) << 2).to(torch.int8)  # [n, 16, 16] in -4..3
+    return (dl * q.float()).reshape(-1, QK_K)
 
 
 def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,9 @@ from stratad.model.spec import ModelError
 H, F, V = 64, 96, 32
 
 
-def _write_llama(path: Path, arch: str = "llama", skip: str = "", q5: str = "") -> None:
-    """A one-layer llama GGUF; `skip` leaves a tensor out, `q5` stores one as Q5_0."""
+def _write_llama(path: Path, arch: str = "llama", skip: str = "", odd: str = "") -> None:
+    """A one-layer llama GGUF; `skip` leaves a tensor out, `odd` stores one as MXFP4 (a type
+    Strata does not read)."""
     w = GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(128)
@@ -47,8 +48,8 @@ def _write_llama(path: Path, arch: str = "llama", skip: str = "", q5: str = "") 
         if name == skip:
             continue
         values = rng.standard_normal(shape).astype(np.float32) * 0.1
-        if name == q5:
-            qt = GGMLQuantizationType.Q5_0
+        if name == odd:
+            qt = GGMLQuantizationType.MXFP4
             w.add_tensor(name, gguf_quants.quantize(values, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, values)
@@ -69,7 +70,7 @@ def test_good_file_loads(tmp_path: Path) -> None:
     [
         ("unknown-arch", "unknown architecture 'gpt-foo'"),
         ("missing-tensor", "missing tensor 'model.layers.0.self_attn.k_proj.weight'"),
-        ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type Q5_0"),
+        ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type MXFP4"),
         ("truncated-data", "truncated: tensor data ends early"),
         ("truncated-header", "not a readable GGUF file"),
         ("absent", "no such model file"),
@@ -82,7 +83,7 @@ def test_bad_file_is_named(tmp_path: Path, case: str, expected: str) -> None:
     elif case == "missing-tensor":
         _write_llama(path, skip="blk.0.attn_k.weight")
     elif case == "unsupported-type":
-        _write_llama(path, q5="blk.0.ffn_up.weight")
+        _write_llama(path, odd="blk.0.ffn_up.weight")
     elif case.startswith("truncated"):
         _write_llama(tmp_path / "full.gguf")
         data = (tmp_path / "full.gguf").read_bytes()
@@ -96,7 +97,7 @@ def test_bad_file_is_named(tmp_path: Path, case: str, expected: str) -> None:
 
 def test_daemon_reports_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.gguf"
-    _write_llama(path, q5="blk.0.ffn_up.weight")
+    _write_llama(path, odd="blk.0.ffn_up.weight")
     proc = subprocess.run(
         [sys.executable, "-m", "stratad", str(path), "--port", "0"],
         capture_output=True,
@@ -107,7 +108,7 @@ def test_daemon_reports_one_line(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_BAD_MODEL
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "has type Q5_0" in errors[0], proc.stderr
+    assert len(errors) == 1 and "has type MXFP4" in errors[0], proc.stderr
 
 
 def test_bad_config_is_named(tmp_path: Path) -> None:

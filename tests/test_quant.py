@@ -10,6 +10,7 @@ from gguf import quants as gguf_quants
 
 from kernels.quant import (
     FLOAT_QTYPES,
+    QUANTIZE_QTYPES,
     SUPPORTED_QTYPES,
     QTensor,
     QType,
@@ -21,6 +22,8 @@ from kernels.quant import (
 )
 
 QUANTIZED = sorted(SUPPORTED_QTYPES - FLOAT_QTYPES, key=lambda t: t.name)
+WRITABLE = sorted(QUANTIZE_QTYPES, key=lambda t: t.name)
+READ_ONLY = sorted(SUPPORTED_QTYPES - FLOAT_QTYPES - QUANTIZE_QTYPES, key=lambda t: t.name)
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there could be inf/NaN,
 # which llama.cpp files never hold, so the tests overwrite them with random finite halves.
@@ -28,9 +31,21 @@ FP16_FIELDS: dict[QType, list[int]] = {
     QType.Q8_0: [0],
     QType.Q4_0: [0],
     QType.Q4_1: [0, 2],
+    QType.Q5_0: [0],
+    QType.Q5_1: [0, 2],
+    QType.Q2_K: [80, 82],
+    QType.Q3_K: [108],
     QType.Q4_K: [0, 2],
     QType.Q5_K: [0, 2],
     QType.Q6_K: [208],
+    QType.IQ4_NL: [0],
+    QType.IQ4_XS: [0],
+    QType.IQ3_S: [0],
+    QType.IQ3_XXS: [0],
+    QType.IQ2_S: [0],
+    QType.IQ2_XS: [0],
+    QType.IQ2_XXS: [0],
+    QType.IQ1_S: [0],
 }
 
 
@@ -74,14 +89,41 @@ def test_dequantize_bit_exact_with_gguf(qtype: QType, rows: int) -> None:
     assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
 
 
+# The types added to the first nine: each on ragged shapes (one block, rows of two blocks,
+# an expert stack), against gguf-py.
+NEW_QTYPES = sorted(
+    {QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
+    | {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S},
+    key=lambda t: t.name,
+)
+
+
+@pytest.mark.parametrize("qtype", NEW_QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "blocks_shape", [(1, 1), (5, 2), (2, 3, 1)], ids=lambda s: "x".join(map(str, s))
+)
+def test_new_type_on_ragged_shapes(qtype: QType, blocks_shape: tuple[int, ...]) -> None:
+    """blocks_shape is the shape in blocks: the last dimension counts blocks per row."""
+    block, _ = block_geometry(qtype)
+    shape = (*blocks_shape[:-1], blocks_shape[-1] * block)
+    rows = int(np.prod(shape[:-1]))
+    raw = random_blocks(qtype, rows, shape[-1], seed=sum(blocks_shape)).reshape(*shape[:-1], -1)
+    ours = dequantize(raw, qtype, shape)
+    expected = gguf_dequantize(raw, qtype).reshape(shape)
+    assert ours.shape == shape
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-def test_dequantize_unaligned_storage(qtype: QType) -> None:
-    """Blocks at an odd byte offset (as in a mmapped file) decode the same."""
-    raw = random_blocks(qtype, 2, block_geometry(qtype)[0], seed=3)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_dequantize_unaligned_storage(qtype: QType, rows: int) -> None:
+    """Blocks at an odd byte offset (as in a mmapped file) decode the same; one block alone
+    is the case where a field's slice is contiguous at that odd offset."""
+    raw = random_blocks(qtype, rows, block_geometry(qtype)[0], seed=3)
     buf = torch.empty(raw.numel() + 1, dtype=torch.uint8)
     buf[1:] = raw.reshape(-1)
     shifted = buf[1:].reshape(raw.shape)
-    shape = (2, block_geometry(qtype)[0])
+    shape = (rows, block_geometry(qtype)[0])
     assert torch.equal(dequantize(shifted, qtype, shape), dequantize(raw, qtype, shape))
 
 
@@ -122,7 +164,9 @@ def test_bf16_matches_gguf() -> None:
     assert torch.equal(dequantize(raw, QType.BF16, (4, 16)), expected)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1], ids=lambda t: t.name
+)
 def test_quantize_matches_gguf_reference(qtype: QType) -> None:
     values = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(2))
     ours = quantize(values, qtype)
@@ -138,13 +182,20 @@ ROUND_TRIP_BOUND: dict[QType, float] = {
     QType.Q8_0: 0.5 / 127 * 1.1,
     QType.Q4_0: 1 / 8 * 1.01,
     QType.Q4_1: 2 * 0.5 / 15 * 1.1,
+    # Q5_0 as Q4_0: the block's extreme maps to -16 d, its opposite clips at 15 d
+    QType.Q5_0: 1 / 16 * 1.01,
+    QType.Q5_1: 2 * 0.5 / 31 * 1.1,
     QType.Q4_K: 2 * 0.5 / 15 * 1.5,
     QType.Q5_K: 2 * 0.5 / 31 * 1.5,
     QType.Q6_K: 0.5 / 31 * 1.5,
 }
 
 
-@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_round_trip_bounds_cover_every_writable_type() -> None:
+    assert set(ROUND_TRIP_BOUND) == set(WRITABLE)
+
+
+@pytest.mark.parametrize("qtype", WRITABLE, ids=lambda t: t.name)
 def test_round_trip_error_bound(qtype: QType) -> None:
     block, _ = block_geometry(qtype)
     values = torch.randn(5, 2 * block, generator=torch.Generator().manual_seed(4))
@@ -156,13 +207,20 @@ def test_round_trip_error_bound(qtype: QType) -> None:
     assert torch.all(err <= ROUND_TRIP_BOUND[qtype] * absmax), (err / absmax).max()
 
 
-@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.IQ1_M, QType.TQ2_0, QType.MXFP4], ids=lambda t: t.name)
 def test_unsupported_type_is_refused_by_name(qtype: QType) -> None:
     raw = torch.zeros(1, 64, dtype=torch.uint8)
     with pytest.raises(UnsupportedTensorType, match=qtype.name):
         dequantize(raw, qtype, (1, 256))
     with pytest.raises(UnsupportedTensorType, match=qtype.name):
         quantize(torch.zeros(1, 256), qtype)
+
+
+@pytest.mark.parametrize("qtype", READ_ONLY, ids=lambda t: t.name)
+def test_quantize_refuses_a_type_it_only_reads(qtype: QType) -> None:
+    block, _ = block_geometry(qtype)
+    with pytest.raises(ValueError, match=f"cannot write {qtype.name} blocks"):
+        quantize(torch.zeros(2, block), qtype)
 
 
 def test_shape_mismatch_is_an_error() -> None:
