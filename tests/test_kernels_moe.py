@@ -131,10 +131,12 @@ MIXES = [
 ]
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("mix", MIXES, ids=lambda m: "-".join(q.name for q in m))
-def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType]) -> None:
+def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType], aligned: bool) -> None:
     """Each projection of its own GGUF type, read as the engine holds it (Q4_0 split, the
-    others as blocks): equal to dequantizing the blocks and computing in float32."""
+    others as blocks; aligned: Q4_K's nibbles as words): equal to dequantizing the blocks and
+    computing in float32."""
     t, k, e, h = 2, 2, 3, 256
     f = 256 if block_geometry(mix[2])[0] == 256 else 96
     gen = torch.Generator().manual_seed(11)
@@ -152,7 +154,8 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType]) -> None:
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=gen)
     fmt = ExpertFormat(*mix)
-    got = fused_moe(x, ids, weights, table, f, fmt=fmt)
+    assert all(int(a) % 16 == 0 for a in table.reshape(-1)) or not aligned
+    got = fused_moe(x, ids, weights, table, f, aligned=aligned, fmt=fmt)
     ref = fused_moe_ref(x, ids, weights, experts)  # type: ignore[arg-type]
     assert (got - ref).norm() / ref.norm() < 1e-5
 

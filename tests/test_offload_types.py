@@ -104,3 +104,23 @@ def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFacto
     assert not offload_supported(model)
     with pytest.raises(ModelError, match="layer 2 holds F16 experts"):
         kernel_layouts(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gpu_miss", "file_tier"), [("copy", False), ("in_place", True)])
+def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: bool) -> None:
+    """The same on a GPU, graphs and prefetch on where they apply (float32 compute)."""
+    spec = mixed_moe.spec
+    ram = (
+        [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
+        if file_tier
+        else None
+    )
+    budget = 3 * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+                        gpu_miss=gpu_miss, prefetch=True)  # fmt: skip
+    off = OffloadForward(mixed_moe, torch.device("cuda"), cfg, ram=ram)
+    ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe), 16)
+    tokens, logits = _greedy(off, 16)
+    assert tokens == ref_tokens
+    assert (logits.cpu() - ref_logits).abs().max() < 1e-2

@@ -1,0 +1,121 @@
+"""The fused MoE decode kernels per GGUF type, at a model's shapes, against HBM's rate.
+
+    python -m bench.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
+
+For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
+as blocks and as aligned words) it builds `--experts` random experts in VRAM and times one
+decode token's `fused_moe` (top-k routed, CUDA graph, median of --repeats with the spread):
+microseconds per call and the weight bytes read per second (k experts' three projections).
+The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from kernels.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
+from kernels.quant import QType, block_geometry, row_bytes
+
+FORMATS: dict[str, tuple[QType, QType, QType]] = {
+    "q4_0": (QType.Q4_0, QType.Q4_0, QType.Q4_0),
+    "q4_k": (QType.Q4_K, QType.Q4_K, QType.Q4_K),
+    "q4_k_m(q6_k down)": (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    "q8_0": (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    "q5_k": (QType.Q5_K, QType.Q5_K, QType.Q5_K),
+    "iq3_s(iq4_xs down)": (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
+    "iq4_xs": (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+}
+
+
+def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
+    """Random blocks with small finite fp16 scales (every block type's first field is one,
+    and the K-quants' second too): timing needs valid numbers, not meaningful ones."""
+    block, nbytes = block_geometry(qtype)
+    raw = torch.randint(0, 256, (rows * cols // block, nbytes), dtype=torch.uint8, device="cuda")
+    scale = (torch.rand(raw.shape[0], device="cuda") * 1e-3).half().view(torch.uint8)
+    raw[:, :2] = scale.view(-1, 2)
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        raw[:, 2:4] = scale.view(-1, 2)
+    if qtype == QType.Q6_K:
+        raw[:, 208:210] = scale.view(-1, 2)
+    data = raw.reshape(rows, row_bytes(qtype, cols))
+    return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
+
+
+def time_format(mix: tuple[QType, QType, QType], aligned: bool, a: argparse.Namespace) -> dict:
+    h, f = a.hidden, a.ffn
+    experts = [(_matrix(mix[0], f, h), _matrix(mix[1], f, h), _matrix(mix[2], h, f))
+               for _ in range(a.experts)]  # fmt: skip
+    table = expert_table(experts).cuda()  # type: ignore[arg-type]
+    nbytes = sum(m.numel() for m in experts[0])
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    weights = torch.full((1, a.top_k), 1.0 / a.top_k, device="cuda")
+    ids = torch.randperm(a.experts, device="cuda")[: a.top_k].to(torch.int32)[None]
+    fmt, cfg = ExpertFormat(*mix), MoeConfig()
+    for _ in range(3):  # compile, warm
+        fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(a.calls):
+            fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
+    times = []
+    for _ in range(a.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ids.copy_(torch.randperm(a.experts, device="cuda")[: a.top_k].to(torch.int32)[None])
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / a.calls)
+    us = statistics.median(times)
+    return {
+        "us": us,
+        "spread_us": [min(times), max(times)],
+        "gbs": a.top_k * nbytes / us / 1e3,
+        "expert_mib": nbytes / 2**20,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    d2d = 2 * 5 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # read + write
+    del src, dst
+    print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
+    print(f"{'format':22} {'path':10} {'us/call':>8} {'spread':>17} {'GB/s':>7} {'of D2D':>7}")
+    out: dict[str, object] = {"d2d_gbs": d2d, "device": torch.cuda.get_device_name()}
+    for name, mix in FORMATS.items():
+        for aligned in (False, True):
+            r = time_format(mix, aligned, a)
+            path = "aligned" if aligned else "unaligned"
+            out[f"{name}/{path}"] = r
+            lo, hi = r["spread_us"]
+            print(f"{name:22} {path:10} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f} {r['gbs']:7.0f}"
+                  f" {100 * r['gbs'] / d2d:6.1f}%")  # fmt: skip
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
