@@ -29,6 +29,8 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "q5_k": (QType.Q5_K, QType.Q5_K, QType.Q5_K),
     "iq3_s(iq4_xs down)": (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
     "iq4_xs": (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+    "q3_k(q4_k down)": (QType.Q3_K, QType.Q3_K, QType.Q4_K),
+    "q2_k": (QType.Q2_K, QType.Q2_K, QType.Q2_K),
 }
 
 
@@ -41,8 +43,9 @@ def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
     raw[:, :2] = scale.view(-1, 2)
     if qtype in (QType.Q4_K, QType.Q5_K):
         raw[:, 2:4] = scale.view(-1, 2)
-    if qtype == QType.Q6_K:
-        raw[:, 208:210] = scale.view(-1, 2)
+    fields = {QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
+    for at in fields.get(qtype, ()):
+        raw[:, at : at + 2] = scale.view(-1, 2)
     data = raw.reshape(rows, row_bytes(qtype, cols))
     return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
 

@@ -3,8 +3,8 @@
 The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in
 registers, so a weight is read once in its compressed size (the point for a model larger
 than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S (the i-quants index tables the kernel reads
-from a byte buffer: `kernels.iq_tables`). Dequantization follows `kernels/quant.py`
+Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S (the i-quants index tables the
+kernel reads from a byte buffer: `kernels.iq_tables`). Dequantization follows `kernels/quant.py`
 (llama.cpp's formulas) in float32; the products are accumulated in float32.
 
 Three tiers: `_gemv_kernel` (Triton), `gemv()` (launcher: checks, grid), `qmatmul()` (the
@@ -30,6 +30,8 @@ Q4_1: tl.constexpr = tl.constexpr(int(QType.Q4_1))
 Q5_0: tl.constexpr = tl.constexpr(int(QType.Q5_0))
 Q5_1: tl.constexpr = tl.constexpr(int(QType.Q5_1))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+Q2_K: tl.constexpr = tl.constexpr(int(QType.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(QType.Q3_K))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
@@ -40,7 +42,8 @@ IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
 GEMV_QTYPES: frozenset[QType] = frozenset(
     {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0}
-    | {QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
+    | {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K}
+    | {QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
 )
 
 
@@ -101,6 +104,34 @@ def _q5_values(qh_ptr, j, mask):
 
 
 @triton.jit
+def _dequant_q23_k(row_ptr, ks, mask, THREE_BIT: tl.constexpr):
+    """Q2_K (84-byte blocks: scales 16 | qs 64 | d | dmin) or Q3_K (110: hmask 32 | qs 64 |
+    scales 12 | d). A 128-value half n holds 2-bit codes q[32n + l] at shift 2j for values
+    128n + 32j + l; sub-block (16 values) s = 8n + 2j + l // 16 has its own scale."""
+    i = ks % 256
+    n = i // 128
+    j = (i % 128) // 32
+    l = i % 32
+    s = 8 * n + 2 * j + l // 16
+    if THREE_BIT:
+        blk = row_ptr + (ks // 256) * 110
+        q = (_load_u8(blk + 32 + 32 * n + l, mask) >> (2 * j)) & 3
+        q = q - 4 * (1 - ((_load_u8(blk + l, mask) >> (4 * n + j)) & 1))  # a clear high bit: -4
+        low = (_load_u8(blk + 96 + s % 8, mask) >> (4 * (s // 8))) & 0xF
+        high = (_load_u8(blk + 104 + s % 4, mask) >> (2 * (s // 4))) & 3
+        w = (_load_f16(blk + 108, mask) * ((low | (high << 4)) - 32).to(tl.float32)) * q.to(
+            tl.float32
+        )
+    else:
+        blk = row_ptr + (ks // 256) * 84
+        q = (_load_u8(blk + 16 + 32 * n + l, mask) >> (2 * j)) & 3
+        sc = _load_u8(blk + s, mask)
+        dl = _load_f16(blk + 80, mask) * (sc & 0xF).to(tl.float32)
+        w = dl * q.to(tl.float32) - _load_f16(blk + 82, mask) * (sc >> 4).to(tl.float32)
+    return w
+
+
+@triton.jit
 def _dequant_q45_k(row_ptr, ks, mask, FIVE_BIT: tl.constexpr):
     """Q4_K (144-byte blocks) or Q5_K (176: a 32-byte plane of 5th bits before the qs)."""
     if FIVE_BIT:
@@ -158,6 +189,10 @@ def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         blk = row_ptr + (ks // 32) * 24
         w = _load_f16(blk, mask) * _q5_values(blk + 4, ks % 32, mask).to(tl.float32)
         w = w + _load_f16(blk + 2, mask)
+    elif QTYPE == Q2_K:
+        w = _dequant_q23_k(row_ptr, ks, mask, False)
+    elif QTYPE == Q3_K:
+        w = _dequant_q23_k(row_ptr, ks, mask, True)
     elif QTYPE == Q4_K:
         w = _dequant_q45_k(row_ptr, ks, mask, False)
     elif QTYPE == Q5_K:

@@ -41,12 +41,19 @@ def test_refuses_a_wrong_size() -> None:
         dequant_blocks(torch.zeros(2, 100, dtype=torch.uint8), QType.Q8_0, 2, 64, torch.float32)
 
 
-@pytest.mark.parametrize("qtype", [QType.IQ3_S, QType.IQ4_XS, QType.IQ4_NL])
-def test_iquants_from_random_blocks(qtype: QType) -> None:
-    """The i-quants (no quantizer here): random blocks with a finite leading fp16 scale."""
+# where each type without a quantizer here keeps its fp16 fields
+FP16_AT = {QType.IQ3_S: [0], QType.IQ4_XS: [0], QType.IQ4_NL: [0], QType.Q2_K: [80, 82],
+           QType.Q3_K: [108]}  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", list(FP16_AT), ids=lambda q: q.name)
+def test_random_blocks(qtype: QType) -> None:
+    """The types without a quantizer here: random blocks with finite fp16 fields."""
     gen = torch.Generator().manual_seed(6)
     raw = torch.randint(0, 256, (2, 3 * row_bytes(qtype, 256)), generator=gen).to(torch.uint8)
-    blocks = raw.view(-1, block_geometry(qtype)[1])  # every block's leading scale finite
-    blocks[:, :2] = torch.rand(blocks.shape[0], generator=gen).half().view(torch.uint8).view(-1, 2)
+    blocks = raw.view(-1, block_geometry(qtype)[1])
+    for at in FP16_AT[qtype]:
+        half = torch.rand(blocks.shape[0], generator=gen).half()
+        blocks[:, at : at + 2] = half.view(torch.uint8).view(-1, 2)
     got = dequant_blocks(raw, qtype, 3, 256, torch.bfloat16, BlocksConfig(block_r=2, block_c=128))
     assert torch.equal(got, dequant_blocks_ref(raw, qtype, 3, 256).to(torch.bfloat16))

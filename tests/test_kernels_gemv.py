@@ -37,6 +37,8 @@ FP16_FIELDS = {
     QType.Q4_1: [0, 2],
     QType.Q5_0: [0],
     QType.Q5_1: [0, 2],
+    QType.Q2_K: [80, 82],
+    QType.Q3_K: [108],
     QType.Q4_K: [0, 2],
     QType.Q5_K: [0, 2],
     QType.Q6_K: [208],
