@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from stratad import __version__
 from stratad.config import Config, ConfigError, load_config, override
+from stratad.control.signals import StopSignals
 from stratad.env import Env
 
 log = logging.getLogger("stratad")
@@ -56,6 +58,7 @@ def build_config(args: argparse.Namespace, env: Env) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals = StopSignals().install()  # a SIGTERM while starting is noted, not fatal
     args = parse_args(argv)
     try:
         env = Env.read()
@@ -74,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     from stratad.store.admission import AdmissionRefused
     from stratad.store.manifest import PackError
 
+    if signals.requested:  # the imports take seconds: a stop may come before anything runs
+        log.info("%s while starting: stopped before serving", signals.requested)
+        return 0
     # Operations: control socket, systemd notify/watchdog, drain (stratad/control/lifecycle.py)
-    ops = Operations(config)
+    ops = Operations(config, signals=signals)
     try:
         ops.start()
     except ControlError as e:
@@ -108,13 +114,27 @@ def main(argv: list[str] | None = None) -> int:
         ops.serve(server.app)
     except OSError as e:  # the port is taken, the address is not this host's or not a name
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
-        return 1
+        return _exit(server, 1)
+    if server.loading:
+        log.info("stopped while the model was loading")
+        return _exit(server, 0)
     if failed:
         # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
         if isinstance(failed[0], AdmissionRefused):
             return failed[0].exit_code
         return EXIT_BAD_MODEL if isinstance(failed[0], (ModelError, PackError)) else 1
     return 0
+
+
+def _exit(server: Any, code: int) -> int:
+    """Exit with `code`; at once if the model still loads, since the interpreter's exit under a
+    thread inside torch aborts the process (exit 134 instead of `code`)."""
+    if server.loading:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

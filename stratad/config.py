@@ -142,6 +142,13 @@ class ControlConfig(_Section, frozen=True):
     group: str = ""
     """Group whose members may use the control socket (besides root and the daemon's user);
     empty: the daemon's own group."""
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    """A control connection that sends no request for this long is closed."""
+    max_clients: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Control connections open at once, at most."""
+    max_clients_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """Control connections one uid may hold at once, so that no one peer locks the others
+    out."""
 
 
 class StoreConfig(_Section, frozen=True):

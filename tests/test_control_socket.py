@@ -27,6 +27,7 @@ from stratad.protocol import (
     MAX_REQUEST_BYTES,
     CoverageReply,
     DrainReply,
+    DrainRequest,
     ErrorReply,
     LayerCoverage,
     PlanReply,
@@ -104,7 +105,8 @@ def socket_dir() -> Path:
 def serving(mode: int = 0o660, gid: int | None = None) -> Iterator[tuple[Path, ShortCoverage]]:
     provider = ShortCoverage()
     path = socket_dir() / "stratad.sock"
-    server = ControlServer(path, provider, mode=mode, gid=gid, idle_timeout_s=5)
+    server = ControlServer(path, provider, mode=mode, gid=gid, idle_timeout_s=1,
+                           max_clients_per_peer=8)  # fmt: skip
     server.start()
     try:
         yield path, provider
@@ -215,13 +217,61 @@ def test_a_client_that_hangs_up_early_does_not_hurt(ctl: tuple[Path, ShortCovera
     assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
 
 
-def test_provider_errors_become_internal_error_replies(ctl: tuple[Path, ShortCoverage]) -> None:
+def test_provider_errors_become_internal_error_replies(
+    ctl: tuple[Path, ShortCoverage], caplog: pytest.LogCaptureFixture
+) -> None:
     path, provider = ctl
     provider.fail_next = True
-    with pytest.raises(DaemonError, match="RuntimeError: provider bug") as info:
+    with pytest.raises(DaemonError, match="status failed inside the daemon; its log") as info:
         Client(path).request(StatusRequest(), StatusReply)
     assert info.value.code == "internal"
+    assert "provider bug" not in str(info.value) and "Error" not in str(info.value)
+    assert "RuntimeError: provider bug" in caplog.text  # the details go to the log
     assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
+
+
+def test_idle_connections_close_and_one_peer_cannot_lock_others_out() -> None:
+    assert os.getuid() == 0
+    with serving(mode=0o666, gid=65534) as (path, _):
+        held = []
+        for _ in range(8):  # control.max_clients_per_peer for root
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(path))
+            held.append(s)
+        try:
+            assert _as_nobody(path)[0] == "status"  # another peer gets in
+            # a ninth of root's closes its longest-idle one, and is answered
+            assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
+            held[0].settimeout(1)
+            assert held[0].recv(1) == b""
+            held[1].settimeout(5)
+            t0 = time.monotonic()
+            assert held[1].recv(1) == b""  # closed by the daemon: idle for 1 s
+            assert time.monotonic() - t0 < 3
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.1)
+        assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
+
+
+def test_waiting_drains_hold_no_worker_and_fill_the_peer_limit() -> None:
+    assert os.getuid() == 0
+    with serving(mode=0o666, gid=65534) as (path, provider):
+        waits = [threading.Thread(target=lambda: Client(path, timeout_s=10).request(
+            DrainRequest(wait_s=2.0), DrainReply)) for _ in range(8)]  # fmt: skip
+        for t in waits:
+            t.start()
+        time.sleep(0.5)
+        # root's 8 connections all wait in a drain, none idle: a ninth is refused
+        with pytest.raises(DaemonError, match="uid 0 holds 8 control connections"):
+            Client(path).request(StatusRequest(), StatusReply)
+        t0 = time.monotonic()
+        assert _as_nobody(path)[0] == "status"  # the 4 workers are not held by the drains
+        assert time.monotonic() - t0 < 1.5
+        for t in waits:
+            t.join()
+        assert provider.drains and set(provider.drains) == {0.0}
 
 
 def test_unavailable_is_a_clear_error(
@@ -339,9 +389,10 @@ def test_plan_status_stats_drain_human_and_json(
     assert "coverage INCOMPLETE (stratactl coverage)" in capsys.readouterr().out
     assert stratactl(["stats", *sock]) == 0
     assert "expert uses by tier: file 25.0%, ram 75.0%, vram 0.0%" in capsys.readouterr().out
+    t0 = time.monotonic()
     assert stratactl(["drain", "--wait", "1.5", *sock]) == 3
     assert "1 request(s) still in flight" in capsys.readouterr().out
-    assert provider.drains == [1.5]
+    assert 1.5 <= time.monotonic() - t0 < 3 and provider.drains[0] == 0.0
     for verb in ("plan", "status", "stats"):
         assert stratactl([verb, "--json", *sock]) == 0
         assert json.loads(capsys.readouterr().out)["type"] == verb

@@ -8,6 +8,11 @@
     ops.serve(app)                   # listen; READY=1 once the model serves; WATCHDOG=1 pings;
                                      # SIGTERM: STOPPING=1, the app drains, the socket closes
 
+Shutdown: the first SIGTERM/SIGINT refuses new requests at once (503 with Retry-After, on
+kept-alive connections too, which then close), stops listening, gives the requests in flight
+`server.drain_timeout_s`, then closes the connections; a second signal cancels what is left
+and stops now (`stratad.control.signals`).
+
 The watchdog is pinged from the HTTP event loop itself, so a wedged loop stops the pings and
 systemd restarts the daemon. With `store.ready_after_pinning` the engine returns only once the
 resident set is pinned, so READY=1 waits for pinning too; STATUS= shows the progress either way.
@@ -16,8 +21,8 @@ resident set is pinned, so READY=1 waits for pinning too; STATUS= shows the prog
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import signal
 import sys
 import threading
 import time
@@ -30,9 +35,11 @@ from aiohttp import web
 from stratad.config import Config
 from stratad.control.gate import gate_middleware, meter_ticket
 from stratad.control.server import ControlError, ControlServer, parse_mode, resolve_group
+from stratad.control.signals import StopSignals, exit_later
 from stratad.control.state import DaemonState, EngineView, StoreView
 from stratad.control.store_view import store_view_of
 from stratad.protocol import Progress
+from stratad.runtime.scheduler import STOPPING
 from stratad.server.listener import CappedSite, connection_cap, handler_args, quiet_accept_errors
 from stratad.systemd import EVENT_FIELD, Notifier, SystemdEnv, classify, event, journal_handler
 
@@ -40,6 +47,7 @@ log = logging.getLogger("stratad")
 
 STATUS_INTERVAL_S = 1.0  # at most one STATUS= line a second while pinning
 PIN_POLL_S = 0.5
+SHUTDOWN_GRACE_S = 2.0  # after the drain: for answers still being written out
 
 
 class _EventTagger(logging.Filter):
@@ -75,8 +83,12 @@ def engine_view(engine: Any) -> EngineView:
 
 
 class Operations:
-    def __init__(self, config: Config, sd_env: SystemdEnv | None = None) -> None:
+    def __init__(
+        self, config: Config, sd_env: SystemdEnv | None = None,
+        signals: StopSignals | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
+        self.signals = signals or StopSignals()
         self.sd_env = sd_env or SystemdEnv.read()
         self.state = DaemonState()
         self.notifier = Notifier(self.sd_env)
@@ -87,6 +99,9 @@ class Operations:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduler: Any = None
+        self._http: Any = None  # stratad.server.app.Server
+        self._drain_task: asyncio.Future[None] | None = None
+        self._forced = False
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -108,8 +123,10 @@ class Operations:
         c = self.config.control
         if c.socket:
             control = ControlServer(
-                Path(c.socket), self.state, mode=parse_mode(c.mode), gid=resolve_group(c.group)
-            )
+                Path(c.socket), self.state, mode=parse_mode(c.mode), gid=resolve_group(c.group),
+                max_clients=c.max_clients, max_clients_per_peer=c.max_clients_per_peer,
+                idle_timeout_s=c.idle_timeout_s,
+            )  # fmt: skip
             try:
                 control.start()
                 self.control = control
@@ -126,6 +143,7 @@ class Operations:
         app.middlewares.insert(0, gate_middleware(self.state))
         app.on_shutdown.append(self._on_shutdown)
         self._scheduler = server.scheduler
+        self._http = server
         server.scheduler.listeners.append(lambda ticket: meter_ticket(self.state, ticket))
         self.state.serving = server
 
@@ -207,6 +225,23 @@ class Operations:
     async def _on_shutdown(self, app: web.Application) -> None:
         self.stopping()
 
+    def _first_signal(self) -> None:
+        log.info("%s: stopping (a second one forces it)", self.signals.requested)
+        if self._stop is not None:
+            self._stop.set()
+
+    def _second_signal(self) -> None:
+        if self._forced:
+            return
+        self._forced = True
+        cancelled = self._http.cancel_all() if self._http is not None else 0
+        log.warning("stop signal again: stopping now, %d request(s) cancelled", cancelled)
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        if self._stop is not None:
+            self._stop.set()
+        exit_later()
+
     async def _watchdog(self, interval_s: float) -> None:
         while True:
             self.notifier.watchdog()
@@ -234,15 +269,21 @@ class Operations:
     async def _serve(self, app: web.Application) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.add_signal_handler(sig, stop.set)
+        self.signals.attach(self._loop, self._first_signal, self._second_signal)
         quiet_accept_errors(self._loop, log)
+        if stop.is_set():  # a signal came while the daemon started: stop before serving
+            self.stopping()
+            return
         sc = self.config.server
         host, port = sc.host, sc.port
-        runner = web.AppRunner(app, handle_signals=False, **handler_args(sc))
+        runner = web.AppRunner(
+            app, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S, **handler_args(sc)
+        )
         await runner.setup()
+        site: CappedSite | None = None
         try:
-            await CappedSite(runner, host, port, connection_cap(sc.max_connections)).start()
+            site = CappedSite(runner, host, port, connection_cap(sc.max_connections))
+            await site.start()
             # The model may still be loading on a thread (the app answers 503 meanwhile):
             # READY=1 once it serves.
             while not self._serving_ready() and not stop.is_set():
@@ -254,7 +295,19 @@ class Operations:
             self.stopping()
             if self._watchdog_task is not None:
                 self._watchdog_task.cancel()
-            await runner.cleanup()
+            await self._shut_down(runner, site)
+
+    async def _shut_down(self, runner: web.AppRunner, site: CappedSite | None) -> None:
+        """Refuse new requests, stop listening, drain, then close the connections."""
+        if self._http is not None:
+            self._http.begin_drain(STOPPING)  # kept-alive connections get 503 from now on
+        if site is not None and site.started:
+            await site.stop()
+        if self._http is not None and not self._forced:
+            self._drain_task = asyncio.ensure_future(self._http.drain())
+            with contextlib.suppress(asyncio.CancelledError):  # a second signal
+                await self._drain_task
+        await runner.cleanup()
 
     def close(self) -> None:
         if self.control is not None:

@@ -4,12 +4,17 @@ It runs its own asyncio loop on its own thread, so it answers while the model lo
 and whatever the HTTP side is doing. Access: the socket file's mode and group, then the peer's
 credentials (SO_PEERCRED): root, the daemon's own user, or a member of the socket's group.
 A malformed, unknown or oversized message gets an `ErrorReply`; nothing a client sends can stop
-the daemon.
+the daemon, nor lock others out: a connection closes after `control.idle_timeout_s` without a
+request; one uid holds at most `control.max_clients_per_peer` connections (a new one closes
+that uid's longest-idle one, or is refused if none is idle); a `drain` that waits does so on
+the loop, never holding one of the few worker threads. A failing verb is
+answered in our words; the exception goes to the daemon's log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import grp
 import logging
@@ -18,6 +23,8 @@ import socket
 import stat
 import struct
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +52,7 @@ log = logging.getLogger("stratad.control")
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 MAX_DRAIN_WAIT_S = 3600.0
+DRAIN_POLL_S = 0.1
 
 
 class ControlError(RuntimeError):
@@ -127,15 +135,20 @@ class ControlServer:
         mode: int = 0o660,
         gid: int | None = None,
         max_clients: int = 64,
-        idle_timeout_s: float = 60.0,
+        max_clients_per_peer: int = 8,
+        idle_timeout_s: float = 10.0,
     ) -> None:
         self.path = path
         self.provider = provider
         self.mode = mode
         self.access = Access(os.getuid(), os.getgid() if gid is None else gid)
         self.max_clients = max_clients
+        self.max_clients_per_peer = max_clients_per_peer
         self.idle_timeout_s = idle_timeout_s
         self.clients = 0
+        self._per_uid: collections.Counter[int] = collections.Counter()
+        # per uid, its connections waiting for a request, longest-waiting first
+        self._idle: dict[int, dict[asyncio.StreamWriter, None]] = collections.defaultdict(dict)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -248,7 +261,36 @@ class ControlServer:
         if self.clients > self.max_clients:
             await _send(writer, ErrorReply(code="busy", error="too many control connections"))
             return
+        if self._per_uid[peer.uid] >= self.max_clients_per_peer and not self._evict(peer.uid):
+            await _send(writer, ErrorReply(
+                code="busy", error=f"uid {peer.uid} holds {self.max_clients_per_peer} control"
+                " connections already (control.max_clients_per_peer)",
+            ))  # fmt: skip
+            return
+        self._per_uid[peer.uid] += 1
+        try:
+            await self._requests(reader, writer, peer)
+        finally:
+            self._per_uid[peer.uid] -= 1
+            if not self._per_uid[peer.uid]:
+                del self._per_uid[peer.uid], self._idle[peer.uid]
+
+    def _evict(self, uid: int) -> bool:
+        """Close `uid`'s longest-idle connection to make room; false if none is idle."""
+        idle = self._idle[uid]
+        if not idle:
+            return False
+        oldest = next(iter(idle))
+        del idle[oldest]
+        oldest.close()
+        return True
+
+    async def _requests(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
+    ) -> None:
         while True:
+            idle = self._idle[peer.uid]
+            idle[writer] = None
             try:
                 line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
             except (ValueError, asyncio.LimitOverrunError):
@@ -261,7 +303,9 @@ class ControlServer:
                 return  # the rest of that line is still on its way: no way to resynchronise
             except TimeoutError:
                 return
-            if not line:
+            finally:
+                idle.pop(writer, None)
+            if not line or writer.is_closing():
                 return
             if line.strip():
                 await _send(writer, await self._answer(line, peer))
@@ -278,17 +322,33 @@ class ControlServer:
                 peer.uid,
                 peer.pid,
             )
+        verb = str(type(request).__struct_config__.tag)
         code: ErrorCode
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._workers, self._dispatch, request
-            )
+            if isinstance(request, DrainRequest):
+                return await self._drain(min(max(request.wait_s, 0.0), MAX_DRAIN_WAIT_S))
+            return await self._call(self._dispatch, request)
         except Unavailable as e:
             code, message = "unavailable", str(e)
-        except Exception as e:
-            log.exception("control socket: %s failed", type(request).__struct_config__.tag)
-            code, message = "internal", f"{type(e).__name__}: {e}"
+        except OSError as e:  # e.g. profile-save on a full disk: the peer may act on it
+            log.warning("control socket: %s failed: %s", verb, e)
+            code, message = "unavailable", f"{verb} failed: {e.strerror or 'system error'}"
+        except Exception:
+            log.exception("control socket: %s failed", verb)
+            code, message = "internal", f"{verb} failed inside the daemon; its log has the details"
         return ErrorReply(code=code, error=message)
+
+    async def _call(self, fn: Callable[..., object], *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn, *args)
+
+    async def _drain(self, wait_s: float) -> object:
+        """Begin the drain, then poll it from the loop: a long wait holds no worker thread."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            reply = await self._call(self.provider.drain, 0.0)
+            if getattr(reply, "drained", True) or time.monotonic() >= deadline:
+                return reply
+            await asyncio.sleep(min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def _dispatch(self, request: Request) -> object:
         p = self.provider
@@ -302,8 +362,6 @@ class ControlServer:
             return p.stats()
         if isinstance(request, ProfileSaveRequest):
             return p.save_profile(request.path)
-        if isinstance(request, DrainRequest):
-            return p.drain(min(max(request.wait_s, 0.0), MAX_DRAIN_WAIT_S))
         if isinstance(request, UndrainRequest):
             return p.undrain()
         raise AssertionError(f"no handler for {request!r}")

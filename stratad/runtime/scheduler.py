@@ -227,16 +227,19 @@ class Scheduler:
         deadline = time.monotonic() + timeout
         while (self.running or self._queue) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        cancelled = self.cancel_all()
+        if cancelled:
+            log.warning("drain: cancelled %d unfinished requests after %.0f s", cancelled, timeout)
+        while self.running or self._queue:
+            await asyncio.sleep(0.01)
+
+    def cancel_all(self) -> int:
+        """Cancel every queued and running request (the daemon stops); how many there were."""
         with self._cv:
             pending = list(self._queue) + ([self.running] if self.running else [])
         for t in pending:
             t.cancel(by="drain")
-        if pending:
-            log.warning(
-                "drain: cancelled %d unfinished requests after %.0f s", len(pending), timeout
-            )
-        while self.running or self._queue:
-            await asyncio.sleep(0.01)
+        return len(pending)
 
     def _discard(self, ticket: Ticket) -> None:
         """A waiting ticket was cancelled: take it out of the queue now (it frees its slot)."""

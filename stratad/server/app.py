@@ -84,6 +84,7 @@ class Server:
             running=lambda: float(self.scheduler.num_running),
             waiting=lambda: float(self.scheduler.waiting),
         )
+        self._loader: threading.Thread | None = None
         self.degraded: Callable[[], str | None] = lambda: None
         """Why the daemon serves short of its configuration (set once the engine is known)."""
         self.openapi = render_openapi()
@@ -114,8 +115,7 @@ class Server:
         """Once the app starts, run `load` on a thread and serve what it returns.
 
         Until then /health answers 503 "loading"; if it raises, `failed` gets the exception on
-        the event loop (the daemon logs it and stops). On shutdown, queued and running
-        requests get `server.drain_timeout_s` to finish.
+        the event loop (the daemon logs it and stops).
         """
 
         async def start(app: web.Application) -> None:
@@ -133,19 +133,26 @@ class Server:
                     return
                 loop.call_soon_threadsafe(self.attach, engine)
 
-            threading.Thread(target=work, name="loader", daemon=True).start()
-
-        async def drain(app: web.Application) -> None:
-            await self.drain()
+            self._loader = threading.Thread(target=work, name="loader", daemon=True)
+            self._loader.start()
 
         self.app.on_startup.append(start)
-        self.app.on_shutdown.append(drain)
+
+    @property
+    def loading(self) -> bool:
+        """The model is still loading on its thread."""
+        return self._loader is not None and self._loader.is_alive()
 
     async def drain(self) -> None:
-        """Stopping: refuse new requests, give those in flight `server.drain_timeout_s`."""
+        """Stopping: refuse new requests, give those in flight `server.drain_timeout_s`
+        (`stratad.control.lifecycle` runs the shutdown)."""
         self.scheduler.begin_drain(STOPPING)
         if self.scheduler.engine is not None:
             await self.scheduler.drain(self.config.drain_timeout_s)
+
+    def cancel_all(self) -> int:
+        """A forced stop: cancel every request in flight; how many there were."""
+        return self.scheduler.cancel_all()
 
     # --- what the control socket asks (stratad.control.state.Serving) -----------------------
 

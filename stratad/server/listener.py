@@ -133,6 +133,7 @@ class CappedSite(web.BaseSite):
         self.host, self.port = host, port
         self.max_connections = max_connections
         self.refused = 0
+        self.started = False
         self._say = RateLimitedLog(log)
 
     @property
@@ -155,3 +156,4 @@ class CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(connection, self.host, self.port, backlog=128,
                                                 reuse_address=True)  # fmt: skip
+        self.started = True
