@@ -7,6 +7,7 @@ interleaved between streams, and the daemon logs no error.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -120,3 +121,27 @@ def test_sixteen_streaming_clients(daemon: Daemon) -> None:
         "waiting": 0,
     }
     assert daemon.log_errors() == []
+
+
+def test_a_burst_of_large_prompts_holds_queue_places_and_health_answers(daemon: Daemon) -> None:
+    """24 prompts of 300 kB at once (each too long for the context in tokens, so each is only
+    tokenized): those past the queue's 8 places are refused at once, and /health answers
+    promptly all along, the tokenizer letting go of the GIL while it works."""
+    body = json.dumps({"prompt": "hello world, some words here! " * 10_000}).encode()
+    statuses: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: statuses.append(daemon.post("/v1/completions", body)[0]))
+        for _ in range(24)
+    ]
+    for t in threads:
+        t.start()
+    slowest = 0.0
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        assert daemon.get("/health")[0] == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert set(statuses) <= {400, 429} and statuses.count(429) >= 1, statuses
+    assert slowest < 0.5, f"/health took {slowest:.2f} s while prompts were tokenized"

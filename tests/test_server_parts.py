@@ -15,7 +15,7 @@ from stratad.model.loader import load_model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Job, PreparedJob
-from stratad.runtime.scheduler import Scheduler, Unavailable
+from stratad.runtime.scheduler import QueueFull, Scheduler, Unavailable
 from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed
 from stratad.server.metrics import Registry, ServerMetrics
@@ -170,11 +170,35 @@ def test_host_allowed(host: str | None, allowed: tuple[str, ...], ok: bool) -> N
     assert host_allowed(host, allowed) is ok
 
 
+def test_requests_waiting_for_the_tokenizer_hold_queue_places() -> None:
+    scheduler = Scheduler(max_queue=2)
+    scheduler.state = "ready"
+    job = PreparedJob(job=Job(prompt="x"), prompt=(1,), max_tokens=1)
+    for _ in range(3):  # two waiting and one that the engine would run: all tokenizing
+        scheduler.admit()
+    assert scheduler.waiting == 3 and scheduler.in_flight == 3
+    with pytest.raises(QueueFull):
+        scheduler.admit()
+    scheduler.withdraw()  # one turned out bad: its place is free again
+    scheduler.admit()
+
+    async def submit() -> None:
+        scheduler.submit(job)
+
+    asyncio.run(submit())  # tokenized: from the tokenizer's queue to the engine's
+    assert scheduler.waiting == 3
+    scheduler.begin_drain("test")
+    with pytest.raises(Unavailable):
+        asyncio.run(submit())
+    assert scheduler.waiting == 2  # refused at submit: its place given back
+
+
 def test_hold_reports_and_refuses() -> None:
     scheduler = Scheduler(max_queue=4)
     job = PreparedJob(job=Job(prompt="x"), prompt=(1,), max_tokens=1)
 
     async def submit() -> None:
+        scheduler.admit()
         scheduler.submit(job)
 
     with pytest.raises(Unavailable, match="loading"):

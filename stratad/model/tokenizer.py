@@ -73,7 +73,8 @@ class Tokenizer:
 
         `add_special` adds BOS, and only if the model asks for it.
         """
-        ids: list[int] = self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it: seconds on megabytes)
+        ids: list[int] = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special and self.add_bos:
             assert self.bos_id is not None
             return [self.bos_id, *ids]

@@ -1,12 +1,15 @@
 """Between the HTTP handlers and the engine: a bounded FIFO queue and one engine thread.
 
-The handlers tokenise and check a request (`Engine.prepare`, off the engine thread, so that
-tokenisation and I/O overlap the running job), then `submit` it: a full queue refuses at once
-(`QueueFull`, 429 with Retry-After), so does a daemon that is loading or draining
-(`Unavailable`, 503). The engine thread takes tickets in arrival order and runs each to the
-end; its deltas cross to the event loop through the ticket's asyncio queue. A ticket
-cancelled by its client (disconnect) is skipped while it waits, and stopped within one prefill
-chunk or decode step while it runs (`Engine.run` polls `ticket.is_cancelled`).
+The handlers `admit` a request (a full queue refuses at once: `QueueFull`, 429 with
+Retry-After; so does a daemon that is loading or draining: `Unavailable`, 503), tokenise and
+check it (`Engine.prepare`, off the engine thread and the event loop, so that tokenisation and
+I/O overlap the running job), then `submit` it. A request waiting for the tokenizer holds its
+place in the queue: a burst of large prompts is refused, not tokenized all at once.
+
+The engine thread takes tickets in arrival order and runs each to the end; its deltas cross
+to the event loop through the ticket's asyncio queue. A ticket cancelled by its client
+(disconnect) is skipped while it waits, and stopped within one prefill chunk or decode step
+while it runs (`Engine.run` polls `ticket.is_cancelled`).
 
 No torch here: the server imports this module.
 """
@@ -140,6 +143,7 @@ class Scheduler:
         self.held: str | None = None  # e.g. "pinning": loaded, but not to serve yet
         self.engine: Backend | None = None
         self.running: Ticket | None = None
+        self._preparing = 0  # admitted, not yet submitted: waiting for the tokenizer
         self._queue: collections.deque[Ticket] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -166,7 +170,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        """Requests waiting for the engine, or before it for the tokenizer."""
+        return len(self._queue) + self._preparing
 
     @property
     def num_running(self) -> int:
@@ -183,17 +188,39 @@ class Scheduler:
 
     # --- the handlers' side ------------------------------------------------------------------
 
-    def submit(self, prepared: PreparedJob) -> Ticket:
-        """Queue a job; raises `Refused` if the daemon cannot take it now."""
+    def _refuse_unless_ready(self) -> None:
         if not self.ready:
             raise Unavailable(f"the server is {self.status}", 1 if self.state == "loading" else 5)
-        ticket = Ticket(prepared, asyncio.get_running_loop(), self._discard)
+
+    def admit(self) -> None:
+        """Take a place in the queue for a request about to be tokenized; raises `Refused` if
+        the daemon cannot take it now. Follow with `submit`, or `withdraw` to give it back."""
+        self._refuse_unless_ready()
         with self._cv:
-            if len(self._queue) + self.num_running > self.max_queue:
+            if self.in_flight > self.max_queue:
                 raise QueueFull(
-                    f"the server is busy ({len(self._queue)} requests waiting); retry later",
+                    f"the server is busy ({self.waiting} requests waiting); retry later",
                     self.retry_after(),
                 )
+            self._preparing += 1
+
+    def withdraw(self) -> None:
+        """An admitted request will not be submitted (bad input, its client left)."""
+        with self._cv:
+            self._preparing -= 1
+            self._cv.notify_all()  # wait_idle
+
+    def submit(self, prepared: PreparedJob) -> Ticket:
+        """Queue an admitted request's job (its place was kept); raises `Unavailable`, the
+        place given back, if the daemon stopped taking work meanwhile."""
+        try:
+            self._refuse_unless_ready()
+        except Unavailable:
+            self.withdraw()
+            raise
+        ticket = Ticket(prepared, asyncio.get_running_loop(), self._discard)
+        with self._cv:
+            self._preparing -= 1
             self._queue.append(ticket)
             self._cv.notify_all()  # the engine thread (and any wait_idle)
         return ticket
@@ -225,12 +252,12 @@ class Scheduler:
         the rest."""
         self.begin_drain(STOPPING)
         deadline = time.monotonic() + timeout
-        while (self.running or self._queue) and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         cancelled = self.cancel_all()
         if cancelled:
             log.warning("drain: cancelled %d unfinished requests after %.0f s", cancelled, timeout)
-        while self.running or self._queue:
+        while self.in_flight:
             await asyncio.sleep(0.01)
 
     def cancel_all(self) -> int:

@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 from aiohttp import web
 
 from stratad.config import ServerConfig
-from stratad.runtime.jobs import Delta, Job, JobError
-from stratad.runtime.scheduler import EngineFailed, Refused, Scheduler, Ticket
+from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
+from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.errors import error_response, param_of
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
 
 WATCH_INTERVAL_S = 0.025
+TOKENIZER_THREADS = 2  # prompts tokenized at once; the rest wait (holding their queue place)
 
 
 async def _watch(request: web.Request, ticket: Ticket) -> None:
@@ -42,6 +44,7 @@ class Completions:
         self.metrics = metrics
         self.config = config
         self.default_max_tokens = config.default_max_tokens or None
+        self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
 
     def unavailable(self) -> web.Response:
         s = self.scheduler
@@ -86,12 +89,12 @@ class Completions:
         if engine is None or not self.scheduler.ready:
             self.metrics.rejected.inc(reason="unavailable")
             return self.unavailable()
-        try:  # tokenise on a worker thread: overlaps the job the engine is running
-            prepared = await asyncio.get_running_loop().run_in_executor(None, engine.prepare, job)
+        try:
+            self.scheduler.admit()  # its place in the queue, held while it tokenizes
+            prepared = await self._prepare(engine, job)
+            ticket = self.scheduler.submit(prepared)
         except JobError as e:
             return error_response(400, str(e), e.param)
-        try:
-            ticket = self.scheduler.submit(prepared)
         except Refused as e:
             kind = "queue_full" if e.status == 429 else "unavailable"
             self.metrics.rejected.inc(reason=kind)
@@ -118,6 +121,17 @@ class Completions:
             watcher.cancel()
             if not done:
                 ticket.cancel()
+
+
+    async def _prepare(self, engine: Backend, job: Job) -> PreparedJob:
+        """Tokenize on the tokenizer threads (the tokenizer lets go of the GIL while it works,
+        so the event loop keeps answering); an admitted job that fails gives its place back."""
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._tokenizers, engine.prepare, job)
+        except BaseException:  # bad input, or the client left (cancelled)
+            self.scheduler.withdraw()
+            raise
 
 
 class _Header(msgspec.Struct, frozen=True):
