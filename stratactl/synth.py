@@ -15,6 +15,12 @@ from typing import TextIO
 # Below this much tensor data the file is written in seconds: no progress line.
 PROGRESS_MIN_BYTES = 256 << 20
 
+# `stratad.model.ftype_rules.FTYPES`, named here so that building the parser imports neither
+# gguf nor numpy (every stratactl verb builds it); a test keeps the two the same.
+FTYPE_NAMES = ("q4_0", "q8_0", "q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
+               "iq3_s")
+PRESET_TYPES = "preset"
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -29,6 +35,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("preset", metavar="PRESET", help="tiny-moe, tiny-dense or a3b")
     p.add_argument("-o", "--output", type=Path, required=True, help="the .gguf file to write")
+    p.add_argument(
+        "--ftype", default=PRESET_TYPES, type=str.lower, choices=(PRESET_TYPES, *FTYPE_NAMES),
+        metavar="FTYPE",
+        help=(
+            "store the tensors in the types llama.cpp's llama-quantize would choose for this"
+            f" file type and geometry: {', '.join(FTYPE_NAMES)}. Quantized tensors are"
+            " random valid blocks with the preset's weight spread. Default: preset, each"
+            " preset's own fixed types (a3b: Q4_0 experts, Q8_0 the rest, F32 norms and router)"
+        ),
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16),
@@ -82,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         preset = synth.get_preset(args.preset)
-    except synth.UnknownPreset as e:
+        ftype = None if args.ftype == PRESET_TYPES else synth.get_ftype(args.ftype)
+    except (synth.UnknownPreset, synth.UnknownFtype) as e:
         print(f"stratactl synth: {e}", file=sys.stderr)
         return 2
     out: Path = args.output
@@ -92,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir():
         print(f"stratactl synth: {out} is a directory", file=sys.stderr)
         return 1
-    total = synth.data_nbytes(preset)
-    progress = ProgressLine(f"synth {preset.name}") if total >= PROGRESS_MIN_BYTES else None
+    total = synth.data_nbytes(preset, ftype)
+    label = f"synth {preset.name}" + (f" {ftype.name}" if ftype else "")
+    progress = ProgressLine(label) if total >= PROGRESS_MIN_BYTES else None
     start = time.monotonic()
     try:
         size = synth.write_synth(
             preset, out, seed=args.seed, overwrite=args.force, on_progress=progress,
-            workers=args.workers,
+            workers=args.workers, ftype=ftype,
         )
     except (OSError, ValueError) as e:
         print(f"stratactl synth: {e}", file=sys.stderr)
@@ -106,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
     geometry = (
         f"{preset.n_experts} experts top-{preset.n_experts_used}" if preset.is_moe else "dense"
     )
+    types = f", {ftype.name}" if ftype else ""
     print(
         f"wrote {out}: {preset.name} ({preset.arch}, {preset.n_layers} layers, {geometry},"
-        f" hidden {preset.hidden}), {size:,} bytes in {time.monotonic() - start:.1f}s"
+        f" hidden {preset.hidden}{types}), {size:,} bytes in {time.monotonic() - start:.1f}s"
     )
     return 0

@@ -11,7 +11,10 @@ Three properties hold:
   whatever the order the tensors are written in.
 - Streaming: the header and tensor infos are written first, then one slice at a time is drawn,
   quantized (gguf-py's port of llama.cpp's reference quantizers) and appended, so memory stays
-  at a few tens of MB however large the file.
+  at a few tens of MB however large the file. With a llama.cpp file type (`ftype=q4_k_m`),
+  every tensor takes the type llama-quantize would give it (`ftype_rules`) and the quantized
+  ones are written as random valid blocks of the same spread (`synth_blocks`): nothing to
+  quantize, so the file is written about as fast as the disk takes it.
 - Alive: weights are scaled so that activations keep an O(1) scale through every layer
   (residual writers scaled by 1/sqrt(2 * layers)), attention scores have unit spread, logits
   a spread of about 4, and the router rows carry a log-normal gain so that some experts are
@@ -34,7 +37,9 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
+from stratad.model import synth_blocks
 from stratad.model.default import default_model_path
+from stratad.model.ftype_rules import FTYPES, Ftype, UnknownFtype, get_ftype
 from stratad.model.synth_presets import (  # re-exported: the presets are part of this API
     PRESETS,
     VOCAB_SIZE,
@@ -51,11 +56,15 @@ from stratad.model.synth_presets import (  # re-exported: the presets are part o
 # every file (but never the geometry).
 
 __all__ = [
+    "FTYPES",
+    "Ftype",
     "PRESETS",
     "SynthPreset",
     "SynthTensor",
+    "UnknownFtype",
     "UnknownPreset",
     "data_nbytes",
+    "get_ftype",
     "get_preset",
     "n_params",
     "tensor_plan",
@@ -94,6 +103,11 @@ def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
 
 def _slice_bytes(job: tuple[SynthTensor, int, int, int]) -> np.ndarray:
     t, seed, index, rows = job
+    if t.random_blocks:
+        blocks = synth_blocks.random_blocks(
+            t.qtype, rows * t.cols, t.std, _slice_seed(seed, t.name, index)
+        )
+        return blocks.reshape(-1)
     torch.set_num_threads(1)
     return _encode(_draw(t, seed, index, rows), t.qtype)
 
@@ -170,12 +184,18 @@ _FILE_TYPE = {
 }
 
 
-def _add_metadata(w: GGUFWriter, p: SynthPreset, seed: int, tokenizer: Path) -> None:
+def _add_metadata(
+    w: GGUFWriter, p: SynthPreset, seed: int, tokenizer: Path, ftype: Ftype | None = None
+) -> None:
     w.add_type("model")
     w.add_name(f"strata-synth-{p.name}")
     w.add_string("strata.synth.preset", p.name)
     w.add_uint64("strata.synth.seed", seed)
-    w.add_file_type(_FILE_TYPE[p.ffn_qtype])
+    if ftype is None:
+        w.add_file_type(_FILE_TYPE[p.ffn_qtype])
+    else:  # only then: a preset-typed file keeps its bytes
+        w.add_string("strata.synth.ftype", ftype.name)
+        w.add_file_type(ftype.file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_vocab_size(VOCAB_SIZE)
     w.add_context_length(p.context_length)
@@ -207,21 +227,24 @@ def write_synth(
     tokenizer: Path | None = None,
     on_progress: ProgressFn | None = None,
     workers: int = 1,
+    ftype: Ftype | None = None,
 ) -> int:
     """Write preset `p` as a GGUF file at `path`; returns the file's size in bytes.
 
-    The file appears under its name only when complete (written as `path.partial`, then
-    renamed). `on_progress(done, total)` is called after every slice with tensor-data bytes.
+    `ftype` (a llama.cpp file type, e.g. `get_ftype("q4_k_m")`) stores the tensors in the
+    types llama-quantize would choose; None keeps the preset's own types. The file appears
+    under its name only when complete (written as `path.partial`, then renamed).
+    `on_progress(done, total)` is called after every slice with tensor-data bytes.
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite to replace it")
-    plan = tensor_plan(p)
+    plan = tensor_plan(p, ftype)
     total = sum(t.nbytes for t in plan)
     partial = path.with_name(path.name + ".partial")
     w = GGUFWriter(partial, p.arch)
     try:
-        _add_metadata(w, p, seed, tokenizer or tokenizer_source())
+        _add_metadata(w, p, seed, tokenizer or tokenizer_source(), ftype)
         for t in plan:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         w.write_header_to_file()

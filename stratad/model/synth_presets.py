@@ -1,17 +1,22 @@
 """The synthetic models' geometry: presets (a real model's shapes) and the tensors each has.
 
 Pure description, nothing written: `stratad.model.synth` turns a preset into a GGUF file.
+A preset stores its tensors in its own fixed types; given a llama.cpp file type (`q4_k_m`)
+the plan takes instead the types llama-quantize would choose (`stratad.model.ftype_rules`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as QType
+
+from stratad.model.ftype_rules import Ftype, ModelShape, tensor_type
+from stratad.model.synth_blocks import BLOCK_TYPES
 
 SLICE_VALUES = 1 << 21
 VOCAB_SIZE = 49152  # SmolLM2's, whose tokenizer every preset borrows
@@ -69,6 +74,13 @@ class SynthPreset:
     def residual_scale(self) -> float:
         """Gain of every residual writer (attn_output, ffn_down): the stream stays O(1)."""
         return (2.0 * self.n_layers) ** -0.5
+
+    def model_shape(self, tied_embeddings: bool = False) -> ModelShape:
+        """The hyperparameters llama.cpp's type rules read."""
+        return ModelShape(
+            self.arch, self.n_layers, self.n_heads, self.n_kv_heads, self.n_experts,
+            tied_embeddings,
+        )
 
 
 PRESETS: Mapping[str, SynthPreset] = {
@@ -137,6 +149,9 @@ class SynthTensor:
     qtype: QType
     std: float  # values ~ N(0, std^2); 0 means the constant 1 (norm weights)
     row_spread: float = 0.0  # each row times exp(row_spread * N(0, 1))
+    # Written as random valid blocks of spread `std` (`synth_blocks`) instead of drawn and
+    # quantized: the --ftype files' quantized tensors.
+    random_blocks: bool = False
 
     @property
     def cols(self) -> int:
@@ -161,8 +176,34 @@ class SynthTensor:
         return max(1, SLICE_VALUES // self.cols)
 
 
-def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
-    """Every tensor of the preset, in file order (llama.cpp's converter order)."""
+def tensor_plan(p: SynthPreset, ftype: Ftype | None = None) -> list[SynthTensor]:
+    """Every tensor of the preset, in file order (llama.cpp's converter order): in the
+    preset's own types, or in those llama-quantize gives them in `ftype`."""
+    plan = _preset_plan(p)
+    return plan if ftype is None else _retyped(p, plan, ftype)
+
+
+def _retyped(p: SynthPreset, plan: list[SynthTensor], ftype: Ftype) -> list[SynthTensor]:
+    """The plan as llama-quantize would store it in `ftype`, from a converter's output:
+    norms and the router stay F32 (as convert_hf_to_gguf writes them), every other weight
+    takes the type llama.cpp's rules choose for its name, shape and layer."""
+    shape = p.model_shape(tied_embeddings=not any(t.name == "output.weight" for t in plan))
+    out = []
+    for t in plan:
+        qtype = tensor_type(t.name, t.shape, ftype, shape)
+        if qtype is None:
+            out.append(t)
+            continue
+        blocks = qtype in BLOCK_TYPES
+        if not blocks and qtype not in (QType.F32, QType.F16):
+            raise ValueError(f"{t.name}: no random block writer for {qtype.name}")
+        if blocks and t.row_spread:
+            raise ValueError(f"{t.name}: random blocks cannot carry a row spread")
+        out.append(replace(t, qtype=qtype, random_blocks=blocks))
+    return out
+
+
+def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
     T = gguf.MODEL_TENSOR
     known = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == p.arch)]
     plan: list[SynthTensor] = []
@@ -214,9 +255,10 @@ def tensor_plan(p: SynthPreset) -> list[SynthTensor]:
     return plan
 
 
-def data_nbytes(p: SynthPreset) -> int:
+def data_nbytes(p: SynthPreset, ftype: Ftype | None = None) -> int:
     """Bytes of tensor data in the file (each tensor padded to GGUF's 32-byte alignment)."""
-    return sum(GGUFWriter.ggml_pad(t.nbytes, gguf.GGUF_DEFAULT_ALIGNMENT) for t in tensor_plan(p))
+    plan = tensor_plan(p, ftype)
+    return sum(GGUFWriter.ggml_pad(t.nbytes, gguf.GGUF_DEFAULT_ALIGNMENT) for t in plan)
 
 
 def n_params(p: SynthPreset) -> int:
