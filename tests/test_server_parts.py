@@ -95,6 +95,21 @@ def test_conversation_is_set_aside_and_restored(parts: tuple) -> None:
     assert gen.cached_tokens == 79 and again == first
 
 
+def test_prefixes_are_reused_only_within_their_scope(parts: tuple) -> None:
+    gen = _gen(parts)
+    prompt = _prompt(80, 100)
+
+    def cached(scope: str, pin: int = 0) -> int:
+        req = GenerationRequest(prompt, max_tokens=2, sampling=GREEDY, pin=pin, scope=scope)
+        _text(gen, req)
+        return gen.cached_tokens
+
+    assert cached("alice", pin=40) == 0  # a pinned prefix of alice's, and her conversation
+    assert cached("bob") == 0  # neither the live cache nor alice's snapshots serve bob
+    assert cached("alice") == 79  # alice's conversation comes back from its snapshot
+    assert {s.scope for s in gen.store.snapshots} == {"alice", "bob"}
+
+
 def test_pinned_prefix_survives_conversation_eviction(parts: tuple) -> None:
     per_token = 2 * sum(k[0].nbytes for k in parts[0].new_cache(1).k)
     gen = _gen(parts, conv_bytes=100 * per_token)  # room for one short conversation

@@ -122,6 +122,23 @@ def test_conversation_prefix_is_reused(client: openai.OpenAI) -> None:
     assert (b.usage.prompt_tokens_details.cached_tokens or 0) >= a.usage.prompt_tokens
 
 
+def test_cached_tokens_are_the_callers_own(client: openai.OpenAI) -> None:
+    """alice's conversation is cached for alice: bob, sending the same words, finds nothing
+    cached (else cached_tokens would tell him, token by token, what alice sent)."""
+    secret = _chat("My account number is 4921 7781 0032 and my pin is 8812, remember it.")
+
+    def cached(user: str) -> int:
+        r = client.chat.completions.create(
+            model="m", messages=secret, max_tokens=2, temperature=0, user=user
+        )
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0  # the same prompt, another user: nothing of alice's is reused
+    assert cached("alice") > 10  # alice's own: reused (from a snapshot: bob's came between)
+
+
 def test_strata_prefix_pins_a_document(client: openai.OpenAI, daemon: Daemon) -> None:
     doc = "Reference document. " + " ".join(
         f"Fact {i}: item {i * 7} weighs {i} kg." for i in range(40)

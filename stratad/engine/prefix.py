@@ -6,6 +6,10 @@ prompt starts with a snapshot's tokens copies it back instead of recomputing it 
 memcpy, recomputing is a forward pass). Pinned snapshots (the `strata_prefix` extension: a
 long shared document asked many questions) have their own budget and are evicted only by
 other pins. Both budgets are bytes, evicted least recently used first.
+
+Every snapshot belongs to a scope (a hash of the API key and `user` that made it): a request
+reuses only its own scope's prefixes, so the tokens it finds cached never tell one client what
+another sent.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Snapshot:
     v: torch.Tensor
     pinned: bool
     used: int  # logical clock of the last use (LRU)
+    scope: str = ""  # whose prefix it is: only requests of the same scope reuse it
 
     @property
     def nbytes(self) -> int:
@@ -62,27 +67,32 @@ class PrefixStore:
     def bytes_used(self, pinned: bool | None = None) -> int:
         return sum(s.nbytes for s in self.snapshots if pinned is None or s.pinned == pinned)
 
-    def best(self, tokens: Sequence[int]) -> tuple[Snapshot | None, int]:
-        """The snapshot sharing the longest prefix with `tokens`, and that length."""
+    def best(self, tokens: Sequence[int], scope: str = "") -> tuple[Snapshot | None, int]:
+        """The snapshot of `scope` sharing the longest prefix with `tokens`, and that length."""
         tokens = tuple(tokens)
         best, length = None, 0
         for s in self.snapshots:
+            if s.scope != scope:
+                continue
             n = common_prefix(s.tokens, tokens)
             if n > length:
                 best, length = s, n
         return best, length
 
-    def has(self, tokens: tuple[int, ...], pinned: bool) -> bool:
-        return any(s.tokens == tokens and s.pinned == pinned for s in self.snapshots)
+    def has(self, tokens: tuple[int, ...], pinned: bool, scope: str = "") -> bool:
+        return any(
+            s.tokens == tokens and s.pinned == pinned and s.scope == scope for s in self.snapshots
+        )
 
-    def save(self, cache: KVCache, length: int, pinned: bool = False) -> bool:
-        """Copy the first `length` tokens of `cache` into a snapshot; False if not kept."""
+    def save(self, cache: KVCache, length: int, pinned: bool = False, scope: str = "") -> bool:
+        """Copy the first `length` tokens of `cache` into a snapshot of `scope`; False if not
+        kept."""
         tokens = tuple(cache.tokens[:length])
         if (length < MIN_SNAPSHOT_TOKENS and not pinned) or length > cache.length:
             return False
         # a snapshot of the same kind that already holds these tokens (or more) covers them
         for s in self.snapshots:
-            if s.pinned == pinned and s.tokens[:length] == tokens:
+            if s.pinned == pinned and s.scope == scope and s.tokens[:length] == tokens:
                 s.used = next(self._clock)
                 return True
         per_token = 2 * sum(k[0].nbytes for k in cache.k)
@@ -90,7 +100,9 @@ class PrefixStore:
             return False
         # the new one covers shorter conversations it extends
         self.snapshots = [
-            s for s in self.snapshots if s.pinned or pinned or tokens[: len(s.tokens)] != s.tokens
+            s
+            for s in self.snapshots
+            if s.pinned or pinned or s.scope != scope or tokens[: len(s.tokens)] != s.tokens
         ]
         snap = Snapshot(
             tokens=tokens,
@@ -99,6 +111,7 @@ class PrefixStore:
             v=torch.stack([v[:length].to("cpu", copy=True) for v in cache.v]),
             pinned=pinned,
             used=next(self._clock),
+            scope=scope,
         )
         self.snapshots.append(snap)
         self._evict(pinned)

@@ -153,12 +153,10 @@ class Engine:
 
     def _encode_chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation_prompt
-            )
+            # content is text: a control token a user types cannot close their turn
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt)
         except ValueError as e:  # the template refused the conversation (e.g. role order)
             raise JobError(str(e), "messages") from None
-        return self.tokenizer.encode(text, add_special=False)
 
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
@@ -231,6 +229,7 @@ class Engine:
             ),
             stop=spec.stop,
             pin=prepared.pin,
+            scope=spec.scope,
         )
         # one event per sampled token, the end-of-sequence token included
         n = 0

@@ -2,7 +2,9 @@
 
 Encoding runs on a `tokenizers.Tokenizer` set up to give llama.cpp's ids for the same GGUF: the
 pre-tokenizer regexes are picked by `tokenizer.ggml.pre` (llama.cpp's `llama-vocab.cpp` table),
-control tokens in the text are parsed as specials (llama.cpp's `parse_special=True`).
+control tokens in the text are parsed as specials (llama.cpp's `parse_special=True`), except in
+a conversation's message content (`encode_chat`): a `<|im_end|>` a user types is text, or the
+user could end their turn and write a system turn of their own.
 Decoding skips the HF decoder: every id maps to the exact bytes it stands for (`token_bytes`),
 so `Tokenizer.decode` and the incremental `StreamDecoder` agree byte for byte. The builders
 (`tokenizer_from_gguf`, `tokenizer_from_hf`) are in `stratad.model.tokenizer_build`.
@@ -11,7 +13,9 @@ so `Tokenizer.decode` and the incremental `StreamDecoder` agree byte for byte. T
 from __future__ import annotations
 
 import codecs
+import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,11 @@ from typing import Any
 import tokenizers
 
 from stratad.model.chat_template import CHATML_TEMPLATE, render_chat
+
+# Around each message's content while the template renders, to tell its text from the
+# template's markup (private-use code points: removed from the content first).
+_OPEN, _CLOSE = "\U000f0000", "\U000f0001"
+_MARKS = re.compile(f"([{_OPEN}{_CLOSE}])")
 
 
 class Tokenizer:
@@ -79,6 +88,47 @@ class Tokenizer:
             assert self.bos_id is not None
             return [self.bos_id, *ids]
         return ids
+
+    @functools.cached_property
+    def _control_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.hf.get_added_tokens_decoder().values())
+
+    @functools.cached_property
+    def _text_only(self) -> tokenizers.Tokenizer:
+        """The same tokenizer, reading control tokens written in the text as text."""
+        plain = tokenizers.Tokenizer.from_str(self.hf.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation by its template: the template's markup with its control
+        tokens, each message's content as text, whatever it contains.
+
+        A conversation whose content names no control token is the rendered text encoded as
+        it is; one that does is rendered with its content marked, and each piece encoded by
+        what it is (the text around a piece of content may then split differently).
+        """
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and self._names_control(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        marked = [
+            {**m, "content": _OPEN + _MARKS.sub("", c) + _CLOSE} if isinstance(c, str) else m
+            for m, c in zip(messages, contents, strict=True)
+        ]
+        ids: list[int] = []
+        depth = 0
+        for piece in _MARKS.split(self.apply_chat_template(marked, add_generation_prompt)):
+            if piece in (_OPEN, _CLOSE):
+                depth = max(depth + (1 if piece == _OPEN else -1), 0)
+            elif piece:
+                hf = self._text_only if depth else self.hf
+                ids += hf.encode_batch([piece], add_special_tokens=False)[0].ids
+        return ids
+
+    def _names_control(self, text: str) -> bool:
+        return any(t in text for t in self._control_texts)
 
     def token_bytes(self, token_id: int) -> bytes:
         """What one token stands for; b"" for an id past the vocabulary (padded embeddings)."""

@@ -37,20 +37,22 @@ class Generator:
         self.cache: KVCache = forward.new_cache(max_context)
         self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
         self.cached_tokens = 0  # prompt tokens the last run reused instead of computing
+        self._scope = ""  # whose conversation the working cache holds
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         self.loop = StepLoop(forward, prefill_chunk, self.store, self.timer)
 
-    def _reuse(self, prompt: list[int]) -> int:
-        """Load the longest known prefix of `prompt` into the cache; return its length.
+    def _reuse(self, prompt: list[int], scope: str) -> int:
+        """Load the longest prefix of `prompt` known in `scope` into the cache; its length.
 
         At least the last prompt token is left to compute: its logits pick the first token.
         """
-        live = self.cache.common_prefix(prompt)
-        snap, n = self.store.best(prompt)
+        live = self.cache.common_prefix(prompt) if scope == self._scope else 0
+        snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)
         if min(live, keep) < self.cache.length:
             # the conversation in the cache is about to be overwritten: set it aside
-            self.store.save(self.cache, self.cache.length)
+            self.store.save(self.cache, self.cache.length, scope=self._scope)
+        self._scope = scope
         if snap is not None and n > live:
             self.store.restore(snap, keep, self.cache)
         else:
@@ -66,9 +68,9 @@ class Generator:
             raise ValueError(
                 f"prompt of {len(req.prompt)} tokens does not fit the context of {self.max_context}"
             )
-        pos = self.cached_tokens = self._reuse(req.prompt)
+        pos = self.cached_tokens = self._reuse(req.prompt, req.scope)
         if 0 < req.pin <= pos:
-            self.store.save(self.cache, req.pin, pinned=True)
+            self.store.save(self.cache, req.pin, pinned=True, scope=req.scope)
         seq = Sequence(req, self.cache, self.tokenizer, self.max_context)
         self.loop.add(seq)
         try:

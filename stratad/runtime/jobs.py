@@ -32,6 +32,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
     prefix_tokens: int = 0
     """Pin the KV of the first N prompt tokens (the `strata_prefix` extension)."""
+    scope: str = ""
+    """Whose cached prefixes it may reuse: a hash of its API key and `user` (the server's
+    `cache_scope`); requests of one scope never see another's."""
 
 
 class PreparedJob(msgspec.Struct, frozen=True, kw_only=True):

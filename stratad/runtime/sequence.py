@@ -26,6 +26,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     pin: int = 0  # leading prompt tokens to keep as a pinned prefix snapshot
+    scope: str = ""  # whose prefixes it may reuse (and its own are kept under)
 
 
 @dataclass

@@ -62,7 +62,7 @@ class StepLoop:
             if s.prefilling:
                 s.computed(len(b.tokens))
                 if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
-                    self.prefixes.save(s.cache, s.pos, pinned=True)
+                    self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
                 if s.prefilling:
                     continue
             with self.timer.stage("sampling"):

@@ -9,6 +9,7 @@ decode step (see `stratad.runtime.scheduler`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,15 @@ async def _watch(request: web.Request, ticket: Ticket) -> None:
             ticket.cancel()
             return
         await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+def cache_scope(request: web.Request, user: str | None) -> str:
+    """Whose cached prefixes a request may reuse: its API key and its `user`, hashed (the key
+    itself is kept nowhere). Clients sharing a key and sending no `user` share one scope."""
+    key = request.headers.get("Authorization", "")
+    if not key and not user:
+        return ""
+    return hashlib.sha256(f"{key}\0{user or ''}".encode()).hexdigest()[:16]
 
 
 class Completions:
@@ -69,12 +79,12 @@ class Completions:
         try:
             body = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except TimeoutError:
-            response = error_response(
+            late = error_response(
                 408, f"the request body did not arrive within {self.config.body_timeout_s:g} s"
                 " (server.body_timeout_s)", None,
             )  # fmt: skip
-            response.force_close()
-            return response
+            late.force_close()
+            return late
         try:
             req, job = self._decode(body, chat)
         except msgspec.ValidationError as e:
@@ -85,6 +95,7 @@ class Completions:
             return error_response(400, "the body nests JSON too deeply to read", None)
         except oa.RequestError as e:
             return error_response(400, str(e), e.param)
+        job = msgspec.structs.replace(job, scope=cache_scope(request, req.user))
         engine = self.scheduler.engine
         if engine is None or not self.scheduler.ready:
             self.metrics.rejected.inc(reason="unavailable")
