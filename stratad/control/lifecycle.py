@@ -155,11 +155,14 @@ class Operations:
         view = store_view_of(engine, self.config)
         if view is not None:
             self.attach_store(view)
+            if self._http is not None:  # a blob that fails its checksum: /health "degraded"
+                self._http.degraded = view.damaged
             pinner = getattr(view.store, "pinner", None)
             if pinner is not None:
                 threading.Thread(
-                    target=self._watch_pinning, args=(pinner,), name="pin-progress", daemon=True
-                ).start()
+                    target=self._watch_pinning, args=(pinner, view), name="pin-progress",
+                    daemon=True,
+                ).start()  # fmt: skip
 
     # ---- the expert store (adapter: stratad.control.store_view) ---------------------------
 
@@ -170,13 +173,15 @@ class Operations:
         """For `open_store(on_pin_progress=...)`: the store's `PinProgress` reports."""
         return lambda p: self.pinning_progress(p.pinned_bytes, p.planned_bytes, p.rate_bps)
 
-    def _watch_pinning(self, pinner: Any) -> None:
+    def _watch_pinning(self, pinner: Any, view: Any) -> None:
         while True:
             p = pinner.progress
             self.pinning_progress(p.pinned_bytes, p.planned_bytes, p.rate_bps)
             if p.pinned_bytes >= p.planned_bytes or self.state.state == "stopping":
-                return
+                break
             time.sleep(PIN_POLL_S)
+        if pinner.wait(PIN_POLL_S * 10) and (damaged := view.damaged()) is not None:
+            log.warning("coverage: %s", damaged, extra=event("coverage"))
 
     def pinning_progress(self, done: int, total: int, rate_bytes_s: float = 0.0) -> None:
         """The store's pinning callback (any thread): control-socket status and STATUS=."""

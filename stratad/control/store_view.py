@@ -17,9 +17,12 @@ Adapter points (what the daemon's engine must hand over; see `Operations.loaded`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from stratad.control.provider import Unavailable
 from stratad.protocol import (
@@ -161,14 +164,41 @@ class ExpertStoreView:
         )
 
     def coverage(self) -> CoverageReply:
+        """Coverage as the store holds it: a resident copy the pinner skipped (its blob failed
+        its checksum) covers nothing."""
         stats = self.store.stats()
-        return coverage_reply(
-            self.store.plan,
+        plan, damaged = self.store.plan, self.damaged_units()
+        if damaged:
+            plan = dataclasses.replace(plan, ram=tuple(u for u in plan.ram if u not in damaged))
+        reply = coverage_reply(
+            plan,
             self.sizes,
             self.counts,
             getattr(self.store, "bandwidths", None),
             stats.file_reads,
             stats.file_bytes,
+        )
+        if damaged:
+            reply = msgspec.structs.replace(
+                reply, estimated_cost=f"{self.damaged()}; {reply.estimated_cost}"
+            )
+        return reply
+
+    def damaged_units(self) -> frozenset[Any]:
+        """The experts whose resident copy was skipped: their blob failed its checksum."""
+        pinner = getattr(self.store, "pinner", None)
+        return frozenset(unit for unit, _ in getattr(pinner, "failed", ()))
+
+    def damaged(self) -> str | None:
+        """In words, for /health's `degraded` and the coverage WARNING; None when none is."""
+        units = sorted(self.damaged_units(), key=lambda u: (u.layer, u.expert))
+        if not units:
+            return None
+        named = ", ".join(f"layer {u.layer} expert {u.expert}" for u in units[:4])
+        more = f" and {len(units) - 4} more" if len(units) > 4 else ""
+        return (
+            f"{len(units)} expert blob(s) failed their checksum ({named}{more}): not resident,"
+            " read from the file when routed"
         )
 
     def tier_hits(self) -> dict[str, int]:
