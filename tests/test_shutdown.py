@@ -103,7 +103,7 @@ def test_sigterm_while_starting_stops_with_a_log_line(tmp_path: Path) -> None:
             if when == "importing":
                 time.sleep(0.5)
             else:
-                wait_until(lambda: b"residency plan" in log.read_bytes(), timeout=120)
+                wait_until(lambda path=log: b"residency plan" in path.read_bytes(), timeout=120)
             assert proc.poll() is None
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, log.read_text()  # not killed, not aborted
