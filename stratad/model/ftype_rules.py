@@ -5,7 +5,7 @@ A port of the part of llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp: 
 `tensor_get_category` and `llama_ftype_get_default_type`) that decides the types of the
 synthetic presets' tensors (llama and qwen3moe) for the file types in `FTYPES`, so that a
 synthetic `q4_k_m` file holds the same mix of types `llama-quantize` would write for that
-geometry. Read at llama.cpp 007dbbf (2026); `tests/test_synth_ftype.py` checks it against the
+geometry. Read at llama.cpp commit 007dbbf; `tests/test_synth_ftype.py` checks it against the
 installed llama.cpp's own choice (a dry-run quantization) on every preset.
 
 Not ported (the synthetic presets never meet them): the IQ1/IQ2/IQ3_XXS/IQ3_XS/IQ3_M, Q2_K_S,
