@@ -3,9 +3,11 @@ types the engine keeps as blocks (everything but Q4_0, which it keeps split: `ke
 
 `sections` [n, bytes] holds one matrix [rows, cols] of GGUF blocks per row (which may be a
 column slice of a wider buffer, e.g. one projection of every expert blob); the result is
-[n, rows, cols] in float32, bfloat16 or float16. Each value is decoded in registers by the
-GEMV kernel's tile decoder (`kernels.gemv._dequant_tile`, llama.cpp's formulas in float32)
-and rounded once to the output dtype (bfloat16 to nearest even in integers, so Triton's
+[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K and Q8_0 are decoded a block at
+a time (each scale loaded once per sub-block, the tile stored in the blocks' own shape); the
+other types value by value by the GEMV kernel's tile decoder (`kernels.gemv._dequant_tile`).
+Both follow llama.cpp's formulas in float32, and each value is rounded once to the output
+dtype (bfloat16 to nearest even in integers, so Triton's
 interpreter agrees with the GPU): bit-identical to `kernels.quant.dequantize(...).to(dtype)`.
 
 Three tiers: `_blocks_kernel` (Triton, grid (matrix, row block, column block)),
@@ -22,9 +24,15 @@ import triton
 import triton.language as tl
 
 from kernels.dequant import DEQUANT_DTYPES, _to_bf16
-from kernels.gemv import GEMV_QTYPES, _dequant_tile
+from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min, _load_f16, _load_u8
 from kernels.iq_tables import iq_tables
 from kernels.quant import QType, dequantize, row_bytes
+
+Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
+Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
+Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+# the types decoded a block at a time, 256 columns per program
+TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0})
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,50 @@ def _blocks_kernel(
     BF16: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
-    mask = (r < rows) & (c < cols)
-    row_ptr = src_ptr + m * stride_m + r.to(tl.int64) * row_bytes
-    w = _dequant_tile(row_ptr, c, mask, tab_ptr, QTYPE)  # [BR, BC] float32
-    dst = out_ptr + m * rows * cols + r.to(tl.int64) * cols + c
+    c0 = tl.program_id(2) * BLOCK_C  # BLOCK_C == 256 for the block-shaped tiles
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    src = src_ptr + m * stride_m
+    out = out_ptr + m * rows * cols
+    if QTYPE == Q4_K:  # [BR, sub-block 8, 32]: scale and min once per sub-block
+        r3 = r[:, None, None]
+        sub = tl.arange(0, 8)[None, :, None]
+        j = tl.arange(0, 32)[None, None, :]
+        mask = r3 < rows
+        blk = src + r3.to(tl.int64) * row_bytes + (c0 // 256) * 144
+        q = (_load_u8(blk + 16 + (sub // 2) * 32 + j, mask) >> ((sub % 2) * 4)) & 0xF
+        sc, mn = _k_scale_min(blk + 4, sub, mask)
+        w = (_load_f16(blk, mask) * sc) * q.to(tl.float32) - _load_f16(blk + 2, mask) * mn
+        dst = out + r3.to(tl.int64) * cols + c0 + sub * 32 + j
+    elif QTYPE == Q6_K:  # [BR, half 2, k 4, 32]: value 128 half + 32 k + l
+        r4 = r[:, None, None, None]
+        n = tl.arange(0, 2)[None, :, None, None]
+        k = tl.arange(0, 4)[None, None, :, None]
+        lane = tl.arange(0, 32)[None, None, None, :]
+        mask = r4 < rows
+        blk = src + r4.to(tl.int64) * row_bytes + (c0 // 256) * 210
+        ql = (_load_u8(blk + 64 * n + 32 * (k % 2) + lane, mask) >> (4 * (k // 2))) & 0xF
+        qh = (_load_u8(blk + 128 + 32 * n + lane, mask) >> (2 * k)) & 3
+        sc = tl.load(blk + 192 + 8 * n + 2 * k + lane // 16, mask=mask, other=0)
+        d = _load_f16(blk + 208, mask)
+        q = ((ql | (qh << 4)) - 32).to(tl.float32)
+        w = (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q
+        dst = out + r4.to(tl.int64) * cols + c0 + 128 * n + 32 * k + lane
+    elif QTYPE == Q8_0:  # [BR, block 8, 32]: one scale per block
+        r3 = r[:, None, None]
+        b = tl.arange(0, 8)[None, :, None]
+        j = tl.arange(0, 32)[None, None, :]
+        mask = (r3 < rows) & (c0 + b * 32 < cols)
+        blk = src + r3.to(tl.int64) * row_bytes + (c0 // 32 + b) * 34
+        q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+        w = q.to(tl.float32) * _load_f16(blk, mask)
+        dst = out + r3.to(tl.int64) * cols + c0 + b * 32 + j
+    else:  # value by value
+        r2 = r[:, None]
+        c = c0 + tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
+        mask = (r2 < rows) & (c < cols)
+        row_ptr = src + r2.to(tl.int64) * row_bytes
+        w = _dequant_tile(row_ptr, c, mask, tab_ptr, QTYPE)  # [BR, BC] float32
+        dst = out + r2.to(tl.int64) * cols + c
     if BF16:
         tl.store(dst, _to_bf16(w), mask=mask)
     else:
@@ -88,12 +134,13 @@ def dequant_blocks(
     out = torch.empty((n, rows, cols), dtype=dtype, device=sections.device)
     if n == 0:
         return out
-    grid = (n, triton.cdiv(rows, config.block_r), triton.cdiv(cols, config.block_c))
+    block_c = 256 if qtype in TILED else config.block_c
+    grid = (n, triton.cdiv(rows, config.block_r), triton.cdiv(cols, block_c))
     with torch.cuda.device(sections.device) if sections.is_cuda else nullcontext():
         _blocks_kernel[grid](
             sections, out, rows, cols, nbytes, sections.stride(0) if n > 1 else 0,
             iq_tables(sections.device),
-            QTYPE=int(qtype), BLOCK_R=config.block_r, BLOCK_C=config.block_c,
+            QTYPE=int(qtype), BLOCK_R=config.block_r, BLOCK_C=block_c,
             BF16=dtype == torch.bfloat16, num_warps=config.num_warps,
         )  # fmt: skip
     return out

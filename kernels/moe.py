@@ -10,7 +10,8 @@ Each projection has its own GGUF type (`ExpertFormat`: a Q4_K_M file mixes Q4_K 
 with Q6_K or Q5_0 down). Q4_0 is read in a split layout (`split_q4_0`): a GGUF block is 18
 bytes, a stride that allows only byte loads, so each matrix keeps its fp16 scales first and
 its nibbles after, read as 32-bit words. The other types (`MOE_QTYPES`) are read as GGUF
-blocks, dequantized in registers by the GEMV kernel's tile decoder (`kernels.gemv`). The bytes
+blocks (`kernels.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
+through the GEMV kernel's tile decoder). The bytes
 per expert are those of the GGUF blocks; gate/up are [F, H], down is [H, F]. Two launches per
 layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
@@ -31,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min, _load_f16
+from kernels.gemv import GEMV_QTYPES
 from kernels.iq_tables import iq_tables
+from kernels.moe_dots import blocks_rows_dot
 from kernels.quant import QTensor, QType, row_bytes
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
-Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 # the types the fused kernels read: Q4_0 split, the rest as GGUF blocks
 MOE_QTYPES: frozenset[QType] = GEMV_QTYPES
 
@@ -122,72 +123,6 @@ def _q4_0_rows_dot(
 
 
 @triton.jit
-def _blocks_rows_dot(
-    w_ptr,
-    rows,
-    row_mask,
-    x_ptr,
-    K,
-    ROW_BYTES,
-    tab_ptr,
-    QTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[BLOCK_N] float32: rows `rows` of a matrix of GGUF blocks (ROW_BYTES per row) at byte
-    address w_ptr, dot x [K]."""
-    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
-        w = _dequant_tile(row_ptr, ks, row_mask[:, None] & (ks < K), tab_ptr, QTYPE)  # [BN, BK]
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # [1, BK]
-        acc += tl.sum(w * x, axis=1)
-    return acc
-
-
-@triton.jit
-def _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
-    """[BLOCK_N] float32: rows of a Q4_K matrix at byte address w_ptr (rows and blocks 16-byte
-    aligned) dot x [K], a super-block (256 values) per step. Its 128 bytes of nibbles are read
-    as 32-bit words [pair, word]: byte b of word w of pair p holds value 64p + 4w + b (low
-    nibble, sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block 2p + 1). Each
-    sub-block's dot is scaled once: d * sc * sum(q x) - dmin * m * sum(x)."""
-    rows64 = rows.to(tl.int64)[:, None, None]  # [BN, 1, 1]
-    pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
-    word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
-    mask3 = row_mask[:, None, None]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
-        blk = w_ptr + rows64 * ROW_BYTES + sb * 144  # [BN, 1, 1]
-        q = tl.load((blk + 16 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
-                    other=0)  # fmt: skip
-        xb = x_ptr + sb * 256 + pair * 64 + word * 4  # [1, 4, 8]
-        dot_lo = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
-        dot_hi = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
-        sum_lo = tl.zeros([1, 4, 8], dtype=tl.float32)
-        sum_hi = tl.zeros([1, 4, 8], dtype=tl.float32)
-        for b in tl.static_range(4):
-            x_lo = tl.load(xb + b).to(tl.float32)
-            x_hi = tl.load(xb + 32 + b).to(tl.float32)
-            dot_lo += ((q >> (8 * b)) & 0xF).to(tl.float32) * x_lo
-            dot_hi += ((q >> (8 * b + 4)) & 0xF).to(tl.float32) * x_hi
-            sum_lo += x_lo
-            sum_hi += x_hi
-        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 144  # [BN, 1]
-        hmask = row_mask[:, None]
-        d = _load_f16(head, hmask)
-        dmin = _load_f16(head + 2, hmask)
-        sub = 2 * tl.arange(0, 4)[None, :]  # [1, 4]: the low nibbles' sub-blocks
-        sc_lo, m_lo = _k_scale_min(head + 4, sub, hmask)  # [BN, 4]
-        sc_hi, m_hi = _k_scale_min(head + 4, sub + 1, hmask)
-        part = (d * sc_lo) * tl.sum(dot_lo, axis=2) - (dmin * m_lo) * tl.sum(sum_lo, axis=2)
-        part += (d * sc_hi) * tl.sum(dot_hi, axis=2) - (dmin * m_hi) * tl.sum(sum_hi, axis=2)
-        acc += tl.sum(part, axis=1)
-    return acc
-
-
-@triton.jit
 def _rows_dot(
     w_ptr,
     rows,
@@ -206,11 +141,9 @@ def _rows_dot(
     """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K]."""
     if QTYPE == Q4_0:
         acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
-    elif QTYPE == Q4_K and ALIGNED:
-        acc = _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     else:
-        acc = _blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
-                               BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
+                              BLOCK_N, BLOCK_K, ALIGNED)  # fmt: skip
     return acc
 
 

@@ -24,7 +24,7 @@ from kernels.gemv import (
     qmatmul,
     qmatmul_ref,
 )
-from kernels.quant import QTensor, QType, block_geometry, quantize, row_bytes
+from kernels.quant import QUANTIZE_QTYPES, QTensor, QType, block_geometry, quantize, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -195,7 +195,10 @@ def test_launcher_checks() -> None:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gemv_real_shapes_gpu(qtype: QType, tokens: int) -> None:
     n, k = 2816, 4096  # a MoE expert's gate/up projection
-    w = QTensor(quantize(torch.randn(n, k) * 0.02, qtype).cuda(), qtype, (n, k))
+    if qtype in QUANTIZE_QTYPES:
+        w = QTensor(quantize(torch.randn(n, k) * 0.02, qtype).cuda(), qtype, (n, k))
+    else:  # no quantizer here: random blocks, fp16 fields in [-1, 1]
+        w = random_weight(qtype, n, k, seed=3)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     out = qmatmul(x, w)
     ref = qmatmul_ref(x, w)

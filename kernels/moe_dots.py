@@ -1,0 +1,186 @@
+"""Row dots of the fused MoE kernels for the GGUF types kept as blocks (`kernels.moe` keeps
+Q4_0 in its split layout and dots it there).
+
+Each takes rows of one projection at byte address `w_ptr` (ROW_BYTES per row) and an
+activation x [K], and returns [BLOCK_N] float32. Decoding value by value (the GEMV kernel's
+tile decoder) costs several byte loads per weight; the common types get a block-shaped tile
+instead, so each load serves several values and each (sub-)block's scale is applied once to
+its dot:
+- Q4_K (where the blobs are aligned): the 128 bytes of nibbles as 32-bit words.
+- Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
+- Q8_0: blocks of 32 int8 with one scale each.
+Every other type: `_values_rows_dot`, value by value.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.gemv import _dequant_tile, _k_scale_min, _load_f16
+from kernels.quant import QType
+
+Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
+Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
+Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+
+
+@triton.jit
+def _values_rows_dot(
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    ROW_BYTES,
+    tab_ptr,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_N] float32: rows `rows` of a matrix of GGUF blocks (ROW_BYTES per row) at byte
+    address w_ptr, dot x [K]."""
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        w = _dequant_tile(row_ptr, ks, row_mask[:, None] & (ks < K), tab_ptr, QTYPE)  # [BN, BK]
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)  # [1, BK]
+        acc += tl.sum(w * x, axis=1)
+    return acc
+
+
+@triton.jit
+def _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] float32: rows of a Q4_K matrix at byte address w_ptr (rows and blocks 16-byte
+    aligned) dot x [K], a super-block (256 values) per step. Its 128 bytes of nibbles are read
+    as 32-bit words [pair, word]: byte b of word w of pair p holds value 64p + 4w + b (low
+    nibble, sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block 2p + 1). Each
+    sub-block's dot is scaled once: d * sc * sum(q x) - dmin * m * sum(x)."""
+    rows64 = rows.to(tl.int64)[:, None, None]  # [BN, 1, 1]
+    pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
+    word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
+    mask3 = row_mask[:, None, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows64 * ROW_BYTES + sb * 144  # [BN, 1, 1]
+        q = tl.load((blk + 16 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
+                    other=0)  # fmt: skip
+        xb = x_ptr + sb * 256 + pair * 64 + word * 4  # [1, 4, 8]
+        dot_lo = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+        dot_hi = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
+        sum_lo = tl.zeros([1, 4, 8], dtype=tl.float32)
+        sum_hi = tl.zeros([1, 4, 8], dtype=tl.float32)
+        for b in tl.static_range(4):
+            x_lo = tl.load(xb + b).to(tl.float32)
+            x_hi = tl.load(xb + 32 + b).to(tl.float32)
+            dot_lo += ((q >> (8 * b)) & 0xF).to(tl.float32) * x_lo
+            dot_hi += ((q >> (8 * b + 4)) & 0xF).to(tl.float32) * x_hi
+            sum_lo += x_lo
+            sum_hi += x_hi
+        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 144  # [BN, 1]
+        hmask = row_mask[:, None]
+        d = _load_f16(head, hmask)
+        dmin = _load_f16(head + 2, hmask)
+        sub = 2 * tl.arange(0, 4)[None, :]  # [1, 4]: the low nibbles' sub-blocks
+        sc_lo, m_lo = _k_scale_min(head + 4, sub, hmask)  # [BN, 4]
+        sc_hi, m_hi = _k_scale_min(head + 4, sub + 1, hmask)
+        part = (d * sc_lo) * tl.sum(dot_lo, axis=2) - (dmin * m_lo) * tl.sum(sum_lo, axis=2)
+        part += (d * sc_hi) * tl.sum(dot_hi, axis=2) - (dmin * m_hi) * tl.sum(sum_hi, axis=2)
+        acc += tl.sum(part, axis=1)
+    return acc
+
+
+
+@triton.jit
+def _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """Q6_K (210 bytes: ql 128 | qh 64 | int8 scales 16 | d). Half n of a super-block holds
+    values 128n + 32k + l (k 0..3, l 0..31): low 4 bits in ql[64n + l] (k 0, 2: low nibble
+    of ql[.. + 32 (k odd)]; k 2, 3: high nibble), top 2 bits at shift 2k of qh[32n + l],
+    scale sc[8n + 2k + l // 16]. The tile is [BN, n, l // 16, l % 16]."""
+    n = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 2)[None, None, :, None]
+    l16 = tl.arange(0, 16)[None, None, None, :]
+    lane = g * 16 + l16  # l: 0..31
+    mask4 = row_mask[:, None, None, None]
+    mask3 = row_mask[:, None, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows.to(tl.int64)[:, None, None, None] * ROW_BYTES + sb * 210
+        qa = tl.load(blk + 64 * n + lane, mask=mask4, other=0).to(tl.int32)
+        qb = tl.load(blk + 64 * n + 32 + lane, mask=mask4, other=0).to(tl.int32)
+        qh = tl.load(blk + 128 + 32 * n + lane, mask=mask4, other=0).to(tl.int32)
+        xb = x_ptr + sb * 256 + 128 * n + lane  # [1, 2, 2, 16]
+        sc_at = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES + sb * 210 + 192
+        n3 = tl.arange(0, 2)[None, :, None]
+        g3 = tl.arange(0, 2)[None, None, :]
+        part = tl.zeros([BLOCK_N, 2, 2], dtype=tl.float32)
+        for k in tl.static_range(4):
+            if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
+                low = qa
+            else:
+                low = qb
+            if k < 2:  # noqa: SIM108
+                low = low & 0xF
+            else:
+                low = low >> 4
+            q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
+            x = tl.load(xb + 32 * k).to(tl.float32)
+            dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, 2, 2]
+            sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)
+            part += sc.to(tl.float32) * dot
+        d_at = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 210 + 208  # [BN, 1]
+        d = _load_f16(d_at, row_mask[:, None])
+        acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
+    return acc
+
+
+@triton.jit
+def _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """Q8_0 (34 bytes: d | 32 int8), eight blocks a step: [BN, 8, 32] quants, [BN, 8] scales."""
+    blk = tl.arange(0, 8)[None, :, None]
+    blk2 = tl.arange(0, 8)[None, :]
+    j = tl.arange(0, 32)[None, None, :]
+    mask3 = row_mask[:, None, None]
+    row = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES  # [BN, 1, 1]
+    row2 = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    nb = K // 32
+    for b0 in range(0, nb, 8):
+        bmask = (b0 + blk) < nb  # [1, 8, 1]
+        at = row + (b0 + blk) * 34  # [BN, 8, 1]
+        q = tl.load(at + 2 + j, mask=mask3 & bmask, other=0).to(tl.int8, bitcast=True)
+        x = tl.load(x_ptr + (b0 + blk) * 32 + j, mask=bmask, other=0.0).to(tl.float32)
+        dot = tl.sum(q.to(tl.float32) * x, axis=2)  # [BN, 8]
+        dmask = row_mask[:, None] & ((b0 + blk2) < nb)  # [BN, 8]
+        d = _load_f16(row2 + (b0 + blk2) * 34, dmask)
+        acc += tl.sum(d * dot, axis=1)
+    return acc
+
+
+@triton.jit
+def blocks_rows_dot(
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    ROW_BYTES,
+    tab_ptr,
+    QTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Rows of a projection of GGUF blocks of QTYPE dot x [K] (ALIGNED: rows and blobs on 16
+    bytes)."""
+    if QTYPE == Q4_K and ALIGNED:
+        acc = _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+    elif QTYPE == Q6_K:
+        acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+    elif QTYPE == Q8_0:
+        acc = _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+    else:
+        acc = _values_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
+                               BLOCK_N, BLOCK_K)  # fmt: skip
+    return acc
