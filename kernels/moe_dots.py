@@ -9,6 +9,8 @@ its dot:
 - Q4_K (where the blobs are aligned): the 128 bytes of nibbles as 32-bit words.
 - Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
 - Q8_0: blocks of 32 int8 with one scale each.
+- IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
+  lookup per grid point of 4 weights, the block's scale once.
 Every other type: `_values_rows_dot`, value by value.
 """
 
@@ -17,12 +19,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels import iq_tables
 from kernels.gemv import _dequant_tile, _k_scale_min, _load_f16
 from kernels.quant import QType
 
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
+IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 
 
 @triton.jit
@@ -159,6 +164,35 @@ def _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
 
 
 @triton.jit
+def _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N: tl.constexpr):
+    """IQ3_S (110 bytes: d | qs 64 | qh 8 | signs 32 | scales 4). Value 32b + 4p + j is byte
+    j of grid point qs[8b + p] | (bit p of qh[b]) << 8, negated by bit 4(p % 2) + j of
+    signs[4b + p // 2], times d (1 + 2 scale_b). The tile is [BN, b, p, j]."""
+    b = tl.arange(0, 8)[None, :, None, None]
+    p = tl.arange(0, 8)[None, None, :, None]
+    j = tl.arange(0, 4)[None, None, None, :]
+    mask4 = row_mask[:, None, None, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows.to(tl.int64)[:, None, None, None] * ROW_BYTES + sb * 110
+        code = tl.load(blk + 2 + 8 * b + p, mask=mask4, other=0).to(tl.int32)  # [BN, 8, 8, 1]
+        ninth = (tl.load(blk + 66 + b, mask=mask4, other=0).to(tl.int32) >> p) & 1
+        grid = tl.load(tab_ptr + IQ3_S_GRID + (code | (ninth << 8)) * 4 + j, mask=mask4,
+                       other=0).to(tl.float32)  # fmt: skip
+        sign = tl.load(blk + 74 + 4 * b + p // 2, mask=mask4, other=0).to(tl.int32)
+        x = tl.load(x_ptr + sb * 256 + 32 * b + 4 * p + j).to(tl.float32)  # [1, 8, 8, 4]
+        gx = tl.where(((sign >> (4 * (p % 2) + j)) & 1) == 1, -grid, grid) * x
+        dot = tl.sum(tl.sum(gx, axis=3), axis=2)  # [BN, 8]
+        b2 = tl.arange(0, 8)[None, :]
+        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 110  # [BN, 1]
+        sc = tl.load(head + 106 + b2 // 2, mask=row_mask[:, None], other=0).to(tl.int32)
+        sc = (sc >> (4 * (b2 % 2))) & 0xF
+        db = _load_f16(head, row_mask[:, None]) * (1 + 2 * sc).to(tl.float32)  # [BN, 8]
+        acc += tl.sum(db * dot, axis=1)
+    return acc
+
+
+@triton.jit
 def blocks_rows_dot(
     w_ptr,
     rows,
@@ -180,6 +214,8 @@ def blocks_rows_dot(
         acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == Q8_0:
         acc = _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+    elif QTYPE == IQ3_S:
+        acc = _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
     else:
         acc = _values_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
                                BLOCK_N, BLOCK_K)  # fmt: skip
