@@ -3,11 +3,11 @@ types the engine keeps as blocks (everything but Q4_0, which it keeps split: `ke
 
 `sections` [n, bytes] holds one matrix [rows, cols] of GGUF blocks per row (which may be a
 column slice of a wider buffer, e.g. one projection of every expert blob); the result is
-[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K and Q8_0 are decoded a block at
-a time (each scale loaded once per sub-block, the tile stored in the blocks' own shape); the
-other types value by value by the GEMV kernel's tile decoder (`kernels.gemv._dequant_tile`).
-Both follow llama.cpp's formulas in float32, and each value is rounded once to the output
-dtype (bfloat16 to nearest even in integers, so Triton's
+[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0 and IQ3_S are decoded a
+block at a time (each scale loaded once per sub-block, the tile stored in the blocks' own
+shape); the other types value by value by the GEMV kernel's tile decoder
+(`kernels.gemv._dequant_tile`). Both follow llama.cpp's formulas in float32, and each value
+is rounded once to the output dtype (bfloat16 to nearest even in integers, so Triton's
 interpreter agrees with the GPU): bit-identical to `kernels.quant.dequantize(...).to(dtype)`.
 
 Three tiers: `_blocks_kernel` (Triton, grid (matrix, row block, column block)),
@@ -23,16 +23,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import iq_tables
 from kernels.dequant import DEQUANT_DTYPES, _to_bf16
 from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min, _load_f16, _load_u8
-from kernels.iq_tables import iq_tables
+from kernels.iq_tables import iq_tables as tables_on
 from kernels.quant import QType, dequantize, row_bytes
 
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
+IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 # the types decoded a block at a time, 256 columns per program
-TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0})
+TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ3_S})
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,21 @@ def _blocks_kernel(
         q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
         w = q.to(tl.float32) * _load_f16(blk, mask)
         dst = out + r3.to(tl.int64) * cols + c0 + b * 32 + j
+    elif QTYPE == IQ3_S:  # [BR, block 8, grid point 8, 4]: one code and sign byte per point
+        r4 = r[:, None, None, None]
+        b = tl.arange(0, 8)[None, :, None, None]
+        p = tl.arange(0, 8)[None, None, :, None]
+        j = tl.arange(0, 4)[None, None, None, :]
+        mask = r4 < rows
+        blk = src + r4.to(tl.int64) * row_bytes + (c0 // 256) * 110
+        ninth = (_load_u8(blk + 66 + b, mask) >> p) & 1
+        code = _load_u8(blk + 2 + 8 * b + p, mask) | (ninth << 8)
+        grid = tl.load(tab_ptr + IQ3_S_GRID + code * 4 + j, mask=mask, other=0).to(tl.float32)
+        sc = (_load_u8(blk + 106 + b // 2, mask) >> ((b % 2) * 4)) & 0xF
+        w = (_load_f16(blk, mask) * (1 + 2 * sc).to(tl.float32)) * grid
+        sign = (_load_u8(blk + 74 + 4 * b + p // 2, mask) >> (4 * (p % 2) + j)) & 1
+        w = tl.where(sign == 1, -w, w)
+        dst = out + r4.to(tl.int64) * cols + c0 + 32 * b + 4 * p + j
     else:  # value by value
         r2 = r[:, None]
         c = c0 + tl.arange(0, BLOCK_C)[None, :]  # [1, BC]
@@ -139,7 +157,7 @@ def dequant_blocks(
     with torch.cuda.device(sections.device) if sections.is_cuda else nullcontext():
         _blocks_kernel[grid](
             sections, out, rows, cols, nbytes, sections.stride(0) if n > 1 else 0,
-            iq_tables(sections.device),
+            tables_on(sections.device),
             QTYPE=int(qtype), BLOCK_R=config.block_r, BLOCK_C=block_c,
             BF16=dtype == torch.bfloat16, num_warps=config.num_warps,
         )  # fmt: skip
