@@ -64,3 +64,46 @@ def test_tiny_temperature_is_argmax_not_nan(temperature: float) -> None:
     probs = sampler.probabilities(LOGITS * 1e3)
     assert torch.isfinite(probs).all() and probs[0] == 1.0
     assert sampler.sample(LOGITS) == 0
+
+
+def test_logit_bias_adds_before_sampling() -> None:
+    # -100 removes the argmax, +100 forces a token, as OpenAI's docs describe
+    banned = Sampler(SamplingParams(temperature=0.0, logit_bias=((0, -100.0),)))
+    assert banned.sample(LOGITS) == 1
+    forced = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((5, 100.0),)))
+    assert {forced.sample(LOGITS) for _ in range(20)} == {5}
+    shifted = Sampler(SamplingParams(logit_bias=((2, 1.5),))).adjusted(LOGITS)
+    assert torch.equal(shifted, LOGITS + torch.tensor([0, 0, 1.5, 0, 0, 0]))
+
+
+def test_penalties_follow_openai_formula() -> None:
+    # mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c over generated tokens
+    s = Sampler(SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25))
+    assert torch.equal(s.adjusted(LOGITS), LOGITS)  # nothing generated yet
+    assert [s.sample(LOGITS) for _ in range(3)] == [0, 0, 1]  # 4.0, then 3.25 > 3.0, then 2.5 < 3
+    counts = torch.tensor([2.0, 1, 0, 0, 0, 0])
+    want = LOGITS - 0.5 * counts - 0.25 * (counts > 0)
+    assert torch.equal(s.adjusted(LOGITS), want)
+    # a negative penalty encourages repeats
+    r = Sampler(SamplingParams(temperature=0.0, presence_penalty=-2.0))
+    assert [r.sample(torch.tensor([1.0, 1.5])) for _ in range(3)] == [1, 1, 1]
+    plain = Sampler(SamplingParams(temperature=0.0))
+    assert [plain.sample(LOGITS) for _ in range(3)] == [0, 0, 0]
+
+
+def test_logprobs_of_the_adjusted_distribution() -> None:
+    s = Sampler(SamplingParams(temperature=0.0, logprobs=2, logit_bias=((1, 2.0),)))
+    d = s.draw(LOGITS)
+    want = (LOGITS + torch.tensor([0, 2.0, 0, 0, 0, 0])).log_softmax(-1)
+    assert d.token == 1 and d.logprob == pytest.approx(float(want[1]))
+    assert [t for t, _ in d.top] == [1, 0]
+    assert [lp for _, lp in d.top] == pytest.approx([float(want[1]), float(want[0])])
+    assert Sampler(SamplingParams(logprobs=0)).draw(LOGITS).top == ()
+    assert Sampler(SamplingParams()).draw(LOGITS).logprob is None
+
+
+def test_allowed_mask_restricts_the_draw() -> None:
+    allowed = torch.tensor([False, False, False, True, True])  # shorter than the logits
+    s = Sampler(SamplingParams(seed=0))
+    assert {s.draw(LOGITS, allowed).token for _ in range(50)} == {3, 4}
+    assert Sampler(SamplingParams(temperature=0.0)).draw(LOGITS, allowed).token == 3

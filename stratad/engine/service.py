@@ -198,6 +198,13 @@ class Engine:
                 f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
                 "max_tokens",
             )
+        vocab = self.tokenizer.vocab_size
+        for token, _ in job.logit_bias:
+            if not 0 <= token < vocab:
+                raise JobError(
+                    f"logit_bias names token {token}; the vocabulary has ids 0 to {vocab - 1}",
+                    "logit_bias",
+                )
         pin = 0
         if job.prefix_messages and job.messages is not None:
             head = [_plain(m) for m in job.messages[: job.prefix_messages]]
@@ -226,6 +233,7 @@ class Engine:
                 top_p=spec.top_p,
                 min_p=spec.min_p,
                 seed=spec.seed,
+                logit_bias=spec.logit_bias,
             ),
             stop=spec.stop,
             pin=prepared.pin,

@@ -28,6 +28,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, added to its logit) before sampling; ids are checked against the vocabulary
+    by the engine."""
     prefix_messages: int = 0
     """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
     prefix_tokens: int = 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stratad.engine.kv import KVCache
-from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.engine.sampling import Sample, Sampler, SamplingParams
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -36,6 +36,7 @@ class GenerationEvent:
     token: int  # the sampled token (the end-of-sequence token too)
     text: str
     finish_reason: str | None = None  # "stop" | "length" | None while running
+    sample: Sample | None = None  # the draw, with its logprobs if the request asked
 
 
 class Sequence:
@@ -81,25 +82,26 @@ class Sequence:
 
     def sample(self, logits: torch.Tensor) -> GenerationEvent:
         """The next event from the logits [V] of the last position."""
-        token = self.token = self.sampler.sample(logits)
+        drawn = self.sampler.draw(logits)
+        token = self.token = drawn.token
         self.sampled += 1
         if token in self.eos and not self.req.ignore_eos:
-            return self._end(token, self.text[self.emitted :] + self.decoder.flush(), "stop")
+            return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "stop")
         self.text += self.decoder.feed(token)
         cut = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
         if cut is not None:
-            return self._end(token, self.text[self.emitted : cut], "stop")
+            return self._end(drawn, self.text[self.emitted : cut], "stop")
         if self.sampled >= self.budget:
-            return self._end(token, self.text[self.emitted :] + self.decoder.flush(), "length")
+            return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "length")
         # hold back text that could still turn into a stop string
         safe = len(self.text) - (self.hold - 1 if self.hold else 0)
         text = self.text[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
-        return GenerationEvent(token, text)
+        return GenerationEvent(token, text, sample=drawn)
 
-    def _end(self, token: int, text: str, reason: str) -> GenerationEvent:
+    def _end(self, drawn: Sample, text: str, reason: str) -> GenerationEvent:
         self.finish_reason = reason
-        return GenerationEvent(token, text, reason)
+        return GenerationEvent(drawn.token, text, reason, drawn)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

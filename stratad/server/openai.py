@@ -33,6 +33,9 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="only 0 is 
 StopString = Annotated[str, msgspec.Meta(max_length=256)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP)] | None
 Count = Annotated[int, msgspec.Meta(ge=0, le=TOKENS_MAX)]
+MAX_LOGIT_BIAS = 1024
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+LogitBias = Annotated[dict[str, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 
 
 class RequestError(ValueError):
@@ -87,6 +90,8 @@ class _Sampling(_Struct, frozen=True):
     presence_penalty: Penalty = 0.0
     user: str | None = None
     strata_prefix: StrataPrefix | None = None
+    logit_bias: LogitBias | None = None
+    """token id (as a string) -> added to its logit before sampling, -100 to 100"""
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -112,6 +117,20 @@ def _content(m: Message) -> str:
     return "".join(p.text for p in m.content)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(
+                f"logit_bias keys are token ids written as strings, not {key[:32]!r}",
+                "logit_bias",
+            ) from None
+        out.append((token, value))
+    return tuple(out)
+
+
 def _common(req: _Sampling) -> dict[str, object]:
     if req.frequency_penalty:
         raise RequestError("frequency_penalty is not supported (only 0)", "frequency_penalty")
@@ -131,6 +150,7 @@ def _common(req: _Sampling) -> dict[str, object]:
         "min_p": req.min_p,
         "seed": req.seed,
         "stop": stop,
+        "logit_bias": _logit_bias(req.logit_bias),
         "prefix_tokens": (req.strata_prefix.tokens or 0) if req.strata_prefix else 0,
     }
 

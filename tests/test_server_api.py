@@ -1,0 +1,60 @@
+"""The OpenAI request surface on the default model (SmolLM2-135M-Instruct), through the real
+`openai` client: logit_bias, the penalties, logprobs, n, nulls, our 400 texts, token-id
+prompts, unknown models, structured output and tools. One daemon serves every test here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server_helpers import Daemon, shared_daemon
+
+MODEL = "default"
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6}
+TOKEN = 3000  # some ordinary token of SmolLM2's vocabulary
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Daemon:
+    return shared_daemon("default")
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> openai.OpenAI:
+    return daemon.client()
+
+
+def _error(daemon: Daemon, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    status, raw = daemon.post(path, json.dumps(body).encode())
+    return status, json.loads(raw)["error"] if status >= 400 else json.loads(raw)
+
+
+def test_logit_bias(client: openai.OpenAI, daemon: Daemon) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, logit_bias={str(TOKEN): 100}, **GREEDY
+    ).choices[0].text
+    # +100 makes one token the only choice at every step: the same piece six times
+    piece = forced[: len(forced) // 6]
+    assert forced != plain and piece and forced == piece * 6
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        logit_bias={str(TOKEN): 100},
+        **GREEDY,
+    )
+    assert chat.choices[0].message.content == piece * 6
+    for bias, words in [
+        ({"49152": 5}, "vocabulary has ids 0 to 49151"),
+        ({"-1": 5}, "token -1"),
+        ({"hello": 5}, "token ids written as strings"),
+        ({"5": 101}, "logit_bias"),
+    ]:
+        status, err = _error(daemon, "/v1/completions", {"prompt": "x", "logit_bias": bias})
+        assert status == 400 and err["param"].startswith("logit_bias"), err
+        assert words in err["message"], err
