@@ -6,6 +6,7 @@ prompts, unknown models, structured output and tools. One daemon serves every te
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai
@@ -33,6 +34,11 @@ def _error(daemon: Daemon, path: str, body: dict[str, Any]) -> tuple[int, dict[s
     return status, json.loads(raw)["error"] if status >= 400 else json.loads(raw)
 
 
+def _most_repeated(text: str) -> int:
+    words = re.findall(r"\w+", text)
+    return max((words.count(w) for w in words), default=0)
+
+
 def test_logit_bias(client: openai.OpenAI, daemon: Daemon) -> None:
     prompt = "The capital of France is"
     plain = client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
@@ -58,3 +64,17 @@ def test_logit_bias(client: openai.OpenAI, daemon: Daemon) -> None:
         status, err = _error(daemon, "/v1/completions", {"prompt": "x", "logit_bias": bias})
         assert status == 400 and err["param"].startswith("logit_bias"), err
         assert words in err["message"], err
+
+
+def test_penalties(client: openai.OpenAI, daemon: Daemon) -> None:
+    # greedy on a prompt that makes the model repeat itself; a frequency penalty breaks the loop
+    prompt = "one one one one one one one one one one"
+    args: dict[str, Any] = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 12}
+    plain = client.completions.create(**args).choices[0].text
+    freq = client.completions.create(frequency_penalty=2.0, **args).choices[0].text
+    pres = client.completions.create(presence_penalty=2.0, **args).choices[0].text
+    assert _most_repeated(plain) >= 3, plain
+    assert _most_repeated(freq) < 3 and freq != plain, freq
+    assert _most_repeated(pres) < 3 and pres != plain, pres
+    status, err = _error(daemon, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5})
+    assert status == 400 and err["param"] == "presence_penalty"

@@ -180,7 +180,7 @@ def test_strata_prefix_pins_a_document(client: openai.OpenAI, daemon: Daemon) ->
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 9}, "stop"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1},
+            {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3},
             "presence_penalty",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),

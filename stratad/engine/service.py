@@ -234,6 +234,8 @@ class Engine:
                 min_p=spec.min_p,
                 seed=spec.seed,
                 logit_bias=spec.logit_bias,
+                presence_penalty=spec.presence_penalty,
+                frequency_penalty=spec.frequency_penalty,
             ),
             stop=spec.stop,
             pin=prepared.pin,

@@ -31,6 +31,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, added to its logit) before sampling; ids are checked against the vocabulary
     by the engine."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     prefix_messages: int = 0
     """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
     prefix_tokens: int = 0

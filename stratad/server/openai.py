@@ -29,7 +29,7 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=TOKENS_MAX, description="0 or -1 di
 TopKFloat = Annotated[float, msgspec.Meta(ge=-1, le=TOKENS_MAX)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="only 0 is supported")]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 StopString = Annotated[str, msgspec.Meta(max_length=256)]
 Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP)] | None
 Count = Annotated[int, msgspec.Meta(ge=0, le=TOKENS_MAX)]
@@ -132,10 +132,6 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def _common(req: _Sampling) -> dict[str, object]:
-    if req.frequency_penalty:
-        raise RequestError("frequency_penalty is not supported (only 0)", "frequency_penalty")
-    if req.presence_penalty:
-        raise RequestError("presence_penalty is not supported (only 0)", "presence_penalty")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options needs stream=true", "stream_options")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -151,6 +147,8 @@ def _common(req: _Sampling) -> dict[str, object]:
         "seed": req.seed,
         "stop": stop,
         "logit_bias": _logit_bias(req.logit_bias),
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
         "prefix_tokens": (req.strata_prefix.tokens or 0) if req.strata_prefix else 0,
     }
 
