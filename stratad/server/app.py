@@ -27,6 +27,7 @@ from stratad.server.completions import Completions
 from stratad.server.errors import error_response
 from stratad.server.metrics import Collector, ServerMetrics
 from stratad.server.openapi import render as render_openapi
+from stratad.server.tokens import TokenRoutes
 
 FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 CLIENT_CLOSED = 499  # a request whose client left before it was read (nginx's code)
@@ -70,6 +71,14 @@ def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
 
 
 DRAIN_RETRY_AFTER_S = 30
+OPEN_PATHS = frozenset({"/v1/health"})  # under /v1/ but, like /health, open without the key
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # outside /v1/ but keyed
+
+
+def needs_key(path: str) -> bool:
+    """Whether `server.api_key` guards `path`: the API (/v1/ and the tokenizer), not the
+    operator's routes (/health, /metrics, /openapi.json)."""
+    return (path.startswith("/v1/") and path not in OPEN_PATHS) or path in KEYED_PATHS
 
 
 class Server:
@@ -89,13 +98,18 @@ class Server:
         """Why the daemon serves short of its configuration (set once the engine is known)."""
         self.openapi = render_openapi()
         self.completions = Completions(self.scheduler, config, self.metrics)
+        self.tokens = TokenRoutes(config.body_timeout_s)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.completions.chat),
                 web.post("/v1/completions", self.completions.text),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{id:.+}", self.model),
                 web.get("/health", self.health_route),
+                web.get("/v1/health", self.health_route),
+                web.post("/tokenize", self.tokens.tokenize),
+                web.post("/detokenize", self.tokens.detokenize),
                 web.get("/metrics", self.metrics_text),
                 web.get("/openapi.json", self.openapi_json),
             ]
@@ -104,6 +118,8 @@ class Server:
     def attach(self, engine: Backend) -> None:
         """The model is loaded: serve it."""
         self.model_name = engine.model_id
+        self.tokens.codec = getattr(engine, "tokenizer", None)
+        self.tokens.max_context = engine.max_context
         gauges = getattr(engine, "gauges", None)
         if gauges is not None:
             self.add_metrics(gauges)
@@ -197,7 +213,7 @@ class Server:
                 request.headers.get("Host"),
             )
             return error_response(403, "this Host is not allowed (server.allowed_hosts)", None)
-        if self.config.api_key and request.path.startswith("/v1/"):
+        if self.config.api_key and needs_key(request.path):
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {self.config.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -255,23 +271,36 @@ class Server:
 
     # --- small routes --------------------------------------------------------------------
 
+    def _card(self, engine: Backend) -> oa.ModelCard:
+        return oa.ModelCard(
+            id=engine.model_id,
+            object="model",
+            created=int(time.time()),
+            owned_by="strata",
+            max_model_len=engine.max_context,
+        )
+
     async def models(self, request: web.Request) -> web.Response:
         engine = self.scheduler.engine
         if engine is None:
             return self.completions.unavailable()
-        body = oa.ModelList(
-            object="list",
-            data=[
-                oa.ModelCard(
-                    id=engine.model_id,
-                    object="model",
-                    created=int(time.time()),
-                    owned_by="strata",
-                    max_model_len=engine.max_context,
-                )
-            ],
-        )
+        body = oa.ModelList(object="list", data=[self._card(engine)])
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model's card, or OpenAI's 404 for an id this daemon does not serve."""
+        engine = self.scheduler.engine
+        if engine is None:
+            return self.completions.unavailable()
+        wanted = request.match_info["id"]
+        if wanted != engine.model_id:
+            return error_response(
+                404, f"The model `{wanted}` does not exist (this server serves"
+                f" `{engine.model_id}`)", "model", code="model_not_found",
+            )  # fmt: skip
+        return web.Response(
+            body=msgspec.json.encode(self._card(engine)), content_type="application/json"
+        )
 
     async def health_route(self, request: web.Request) -> web.Response:
         body = self.health()

@@ -15,6 +15,7 @@ import msgspec
 
 from stratad import __version__
 from stratad.server import openai as oa
+from stratad.server import tokens as tk
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
@@ -26,6 +27,11 @@ _TYPES: tuple[Any, ...] = (
     oa.ModelList,
     oa.ErrorResponse,
     oa.Health,
+    oa.ModelCard,
+    tk.TokenizeRequest,
+    tk.TokenizeResponse,
+    tk.DetokenizeRequest,
+    tk.DetokenizeResponse,
 )
 
 
@@ -75,6 +81,39 @@ def _completion_op(summary: str, request: type, response: type, chunk: type) -> 
     }
 
 
+def _json_op(summary: str, request: type, response: type) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "security": [{}, {"bearer": []}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(request)}},
+        },
+        "responses": {
+            "200": {
+                "description": response.__doc__ or response.__name__,
+                "content": {"application/json": {"schema": _ref(response)}},
+            },
+            **{k: _ERRORS[k] for k in ("400", "401", "413", "503")},
+        },
+    }
+
+
+def _health() -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": "Readiness (no API key needed)",
+            "responses": {
+                code: {
+                    "description": what,
+                    "content": {"application/json": {"schema": _ref(oa.Health)}},
+                }
+                for code, what in (("200", "Serving."), ("503", "Loading or draining."))
+            },
+        }
+    }
+
+
 def build_spec() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -116,17 +155,35 @@ def build_spec() -> dict[str, Any]:
                     },
                 }
             },
-            "/health": {
+            "/v1/models/{id}": {
                 "get": {
-                    "summary": "Readiness (no API key needed)",
+                    "summary": "One served model",
+                    "security": [{}, {"bearer": []}],
+                    "parameters": [
+                        {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
                     "responses": {
-                        code: {
-                            "description": what,
-                            "content": {"application/json": {"schema": _ref(oa.Health)}},
-                        }
-                        for code, what in (("200", "Serving."), ("503", "Loading or draining."))
+                        "200": {
+                            "description": "The model.",
+                            "content": {"application/json": {"schema": _ref(oa.ModelCard)}},
+                        },
+                        "401": _ERRORS["401"],
+                        "404": _error("No served model has this id (`code`: `model_not_found`)."),
+                        "503": _ERRORS["503"],
                     },
                 }
+            },
+            "/health": _health(),
+            "/v1/health": _health(),
+            "/tokenize": {
+                "post": _json_op(
+                    "Text or a conversation to token ids (llama-server's and vLLM's bodies)",
+                    tk.TokenizeRequest,
+                    tk.TokenizeResponse,
+                )
+            },
+            "/detokenize": {
+                "post": _json_op("Token ids to text", tk.DetokenizeRequest, tk.DetokenizeResponse)
             },
             "/metrics": {
                 "get": {
