@@ -78,3 +78,69 @@ def test_penalties(client: openai.OpenAI, daemon: Daemon) -> None:
     assert _most_repeated(pres) < 3 and pres != plain, pres
     status, err = _error(daemon, "/v1/completions", {"prompt": "x", "presence_penalty": 2.5})
     assert status == 400 and err["param"] == "presence_penalty"
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    content = choice.logprobs.content
+    assert "".join(t.token for t in content) == choice.message.content
+    for t in content:
+        assert t.bytes == list(t.token.encode()) and t.logprob <= 0
+        assert len(t.top_logprobs) == 3
+        # greedy: the chosen token is the likeliest, and the list is sorted
+        assert t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        lps = [a.logprob for a in t.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+    )
+    streamed = [
+        t for c in stream if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    # (the prompt's KV is reused now: the same numbers to float32 rounding)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-3)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None
+    no_top = client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, **GREEDY
+    )
+    assert no_top.choices[0].logprobs and no_top.choices[0].logprobs.content
+    assert all(t.top_logprobs == [] for t in no_top.choices[0].logprobs.content)
+
+
+def test_completion_logprobs(client: openai.OpenAI, daemon: Daemon) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top, key=top.__getitem__) == token
+        assert top[token] == pytest.approx(logprob)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, logprobs=2, stream=True, **GREEDY
+        )
+    )
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens or []]  # fmt: skip
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset or []]  # fmt: skip
+    assert tokens == lp.tokens and offsets == lp.text_offset
+    status, err = _error(daemon, "/v1/completions", {"prompt": "x", "logprobs": 6})
+    assert status == 400 and err["param"] == "logprobs"
+    status, err = _error(
+        daemon,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    )
+    assert status == 400 and err["param"] == "top_logprobs"

@@ -183,7 +183,7 @@ def test_strata_prefix_pins_a_document(client: openai.OpenAI, daemon: Daemon) ->
             {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3},
             "presence_penalty",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21}, "top_logprobs"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "strata_prefix": {"x": 1}},
             "strata_prefix.x",

@@ -25,8 +25,16 @@ from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
 from stratad.runtime.generate import Generator
-from stratad.runtime.jobs import ChatMessage, Delta, Job, JobError, PreparedJob
-from stratad.runtime.sequence import GenerationRequest
+from stratad.runtime.jobs import (
+    ChatMessage,
+    Delta,
+    Job,
+    JobError,
+    PreparedJob,
+    TokenLogprob,
+    TopLogprob,
+)
+from stratad.runtime.sequence import GenerationEvent, GenerationRequest
 from stratad.store.pinning import ProgressFn
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
@@ -236,6 +244,7 @@ class Engine:
                 logit_bias=spec.logit_bias,
                 presence_penalty=spec.presence_penalty,
                 frequency_penalty=spec.frequency_penalty,
+                logprobs=spec.logprobs,
             ),
             stop=spec.stop,
             pin=prepared.pin,
@@ -250,6 +259,7 @@ class Engine:
                 self.timer.reset()  # from here on: decode steps only
             yield Delta(
                 text=event.text,
+                logprobs=self._logprobs(event),
                 finish_reason=event.finish_reason,
                 prompt_tokens=len(prepared.prompt),
                 completion_tokens=n,
@@ -257,6 +267,23 @@ class Engine:
             )
         if self.timer.enabled and n > 1:
             self._log_timing(n - 1)
+
+    def _logprobs(self, event: GenerationEvent) -> TokenLogprob | None:
+        drawn = event.sample
+        if drawn is None or drawn.logprob is None:
+            return None
+        if event.finish_reason == "stop" and event.token in self.tokenizer.eos_ids:
+            return None  # the end of the reply, not a token of it
+        tok = self.tokenizer
+        return TokenLogprob(
+            token=tok.token_text(drawn.token),
+            bytes=tok.token_bytes(drawn.token),
+            logprob=drawn.logprob,
+            top=tuple(
+                TopLogprob(token=tok.token_text(t), bytes=tok.token_bytes(t), logprob=lp)
+                for t, lp in drawn.top
+            ),
+        )
 
     def _log_timing(self, steps: int) -> None:
         per_step = {k: v / steps for k, v in self.timer.collect().items()}

@@ -33,6 +33,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     by the engine."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    """None: no log-probabilities; k: each token's, with the k likeliest alternatives."""
     prefix_messages: int = 0
     """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
     prefix_tokens: int = 0
@@ -52,10 +54,28 @@ class PreparedJob(msgspec.Struct, frozen=True, kw_only=True):
     """Leading prompt tokens to keep as a pinned prefix snapshot (0: none)."""
 
 
+class TopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One generated token's log-probability and, if asked, the likeliest alternatives."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 class Delta(msgspec.Struct, frozen=True, kw_only=True):
     """New text of a running job; the last one carries `finish_reason` and the usage counts."""
 
     text: str
+    logprobs: TokenLogprob | None = None
+    """The token this step sampled, if the job asked for logprobs (not the end-of-sequence
+    token that stops it)."""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from stratad.config import ServerConfig
-from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
+from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.errors import error_response, param_of
@@ -121,8 +121,9 @@ class Completions:
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 stream = EventStream(
-                    request, self.config.send_buffer_bytes, self.config.send_timeout_s
-                )
+                    request, self.config.send_buffer_bytes, self.config.send_timeout_s,
+                    self.config.sse_keepalive_s,
+                )  # fmt: skip
                 response = await _stream(stream, ticket, header, chat, include_usage)
             else:
                 response = await _collect(ticket, header, chat)
@@ -157,10 +158,13 @@ def _usage(d: Delta) -> oa.Usage:
 
 async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     last: Delta | None = None
     try:
         async for d in ticket.stream():
             parts.append(d.text)
+            if d.logprobs is not None:
+                logprobs.append(d.logprobs)
             last = d
     except EngineFailed as e:
         return error_response(500, str(e), None)
@@ -171,6 +175,7 @@ async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
             503, "the request was cancelled (the server is shutting down)", None, retry_after=5
         )
     text = "".join(parts)
+    asked = ticket.prepared.job.logprobs is not None
     body: msgspec.Struct
     if chat:
         body = oa.ChatCompletion(
@@ -183,6 +188,7 @@ async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
                     index=0,
                     message=oa.AssistantMessage(role="assistant", content=text),
                     finish_reason=last.finish_reason,
+                    logprobs=oa.chat_logprobs(logprobs) if asked else None,
                 )
             ],
             usage=_usage(last),
@@ -193,30 +199,48 @@ async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
             object="text_completion",
             created=h.created,
             model=h.model,
-            choices=[oa.CompletionChoice(index=0, text=text, finish_reason=last.finish_reason)],
+            choices=[
+                oa.CompletionChoice(
+                    index=0,
+                    text=text,
+                    finish_reason=last.finish_reason,
+                    logprobs=oa.completion_logprobs(logprobs) if asked else None,
+                )
+            ],
             usage=_usage(last),
         )
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
 def _chunk(
-    h: _Header, chat: bool, text: str | None, finish: str | None, role: bool = False
+    h: _Header,
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
+    logprobs: TokenLogprob | None = None,
+    offset: int = 0,
 ) -> msgspec.Struct:
+    """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
         delta = oa.ChunkDelta(role="assistant" if role else None, content=text)
+        lp = oa.chat_logprobs([logprobs]) if logprobs is not None else None
         return oa.ChatCompletionChunk(
             id=h.id,
             object="chat.completion.chunk",
             created=h.created,
             model=h.model,
-            choices=[oa.ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+            choices=[oa.ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=lp)],
         )
+    clp = oa.completion_logprobs([logprobs], offset) if logprobs is not None else None
     return oa.Completion(
         id=h.id,
         object="text_completion",
         created=h.created,
         model=h.model,
-        choices=[oa.CompletionChoice(index=0, text=text or "", finish_reason=finish)],
+        choices=[
+            oa.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=clp)
+        ],
     )
 
 
@@ -228,11 +252,14 @@ async def _stream(
         if chat:
             await stream.send(_chunk(h, chat, "", None, role=True))
         last: Delta | None = None
+        offset = 0
         try:
             async for d in ticket.stream():
                 last = d
-                if d.text:
-                    await stream.send(_chunk(h, chat, d.text, None))
+                if d.text or d.logprobs:
+                    await stream.send(_chunk(h, chat, d.text, None, logprobs=d.logprobs,
+                                             offset=offset))  # fmt: skip
+                    offset += len(d.logprobs.token) if d.logprobs else 0
                 if d.finish_reason:
                     await stream.send(_chunk(h, chat, None if chat else "", d.finish_reason))
         except (EngineFailed, JobError) as e:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from stratad.protocol import Health as Health  # /health's body, shared with stratactl status
+from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
 
 MAX_STOP = 4
@@ -154,8 +155,8 @@ def _common(req: _Sampling) -> dict[str, object]:
 
 
 def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
-    if req.logprobs or req.top_logprobs is not None:
-        raise RequestError("logprobs are not supported", "logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     messages = tuple(
         ChatMessage("system" if m.role == "developer" else m.role, _content(m))
         for m in req.messages
@@ -165,6 +166,7 @@ def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
         messages=messages,
         max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
         prefix_messages=(prefix.messages or 0) if prefix else 0,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         **_common(req),  # type: ignore[arg-type]
     )
 
@@ -172,14 +174,17 @@ def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
 def completion_job(req: CompletionRequest) -> Job:
     if req.echo:
         raise RequestError("echo is not supported", "echo")
-    if req.logprobs is not None:
-        raise RequestError("logprobs are not supported", "logprobs")
     if req.suffix:
         raise RequestError("suffix is not supported", "suffix")
     if req.strata_prefix is not None and req.strata_prefix.messages:
         raise RequestError("a completion has no messages; pin tokens", "strata_prefix.messages")
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return Job(prompt=prompt, max_tokens=req.max_tokens or 16, **_common(req))  # type: ignore[arg-type]
+    return Job(
+        prompt=prompt,
+        max_tokens=req.max_tokens or 16,
+        logprobs=req.logprobs,
+        **_common(req),  # type: ignore[arg-type]
+    )
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -210,11 +215,70 @@ class AssistantMessage(_Struct, frozen=True):
     content: str
 
 
+class TopLogprob(_Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Struct, frozen=True):
+    """A chat choice's log-probabilities, one entry per generated token."""
+
+    content: list[TokenLogprob] | None
+
+
+def chat_logprobs(tokens: list[jobs.TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=list(t.bytes),
+                top_logprobs=[
+                    TopLogprob(token=a.token, logprob=a.logprob, bytes=list(a.bytes))
+                    for a in t.top
+                ],
+            )
+            for t in tokens
+        ]
+    )
+
+
+class CompletionLogprobs(_Struct, frozen=True):
+    """The legacy completions form: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+def completion_logprobs(tokens: list[jobs.TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+    """`offset`: where the first token starts in the completion's text (streaming)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return CompletionLogprobs(
+        tokens=[t.token for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[{a.token: a.logprob for a in t.top} for t in tokens],
+        text_offset=offsets,
+    )
+
+
 class ChatChoice(_Struct, frozen=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(_Struct, frozen=True):
@@ -235,7 +299,7 @@ class ChunkChoice(_Struct, frozen=True):
     index: int
     delta: ChunkDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Struct, frozen=True, omit_defaults=True):
@@ -251,7 +315,7 @@ class CompletionChoice(_Struct, frozen=True):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Struct, frozen=True, omit_defaults=True):
