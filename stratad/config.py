@@ -33,6 +33,23 @@ class ModelConfig(_Section, frozen=True):
     """Model id shown by /v1/models; empty uses the file name."""
     max_context: Annotated[int, msgspec.Meta(ge=2)] = 4096
     """Tokens of context per sequence (prompt plus completion); capped by the model's own."""
+    chat_template: str = ""
+    """A Jinja chat template file (Hugging Face's dialect) that replaces the model's own; empty
+    uses the model's (the GGUF's `tokenizer.chat_template`, or a Hugging Face directory's
+    `chat_template.jinja` or `tokenizer_config.json`), else ChatML. Read at start: a file that
+    cannot be read is a configuration error."""
+
+    def chat_template_text(self) -> str | None:
+        """The override template's text, or None without one; ConfigError if unreadable."""
+        if not self.chat_template:
+            return None
+        try:
+            return Path(self.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise ConfigError(
+                f"model.chat_template: cannot read {self.chat_template}: {why}"
+            ) from None
 
 
 class ServerConfig(_Section, frozen=True):
@@ -77,6 +94,13 @@ class ServerConfig(_Section, frozen=True):
     send_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     """A stream whose client has read nothing of a full send buffer for this long is
     cancelled (its request stops, the connection closes)."""
+    sse_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
+    """A streamed answer with nothing to send for this long (queued, or a long prefill before
+    the first token) gets an SSE comment (`: keep-alive`), so that proxies and clients with
+    read timeouts keep the connection."""
+    allowed_origins: tuple[str, ...] = ()
+    """Web origins (`https://app.example.com`, or `"*"`) allowed to call the API from a
+    browser (CORS); empty, the default, sends no CORS headers and answers no preflight."""
 
 
 class EngineConfig(_Section, frozen=True):
@@ -242,7 +266,9 @@ def load_config(path: Path | None, env: Env) -> Config:
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
         config = parse_config(text, str(path))
-    return apply_env(config, env)
+    config = apply_env(config, env)
+    config.model.chat_template_text()  # an unreadable override fails the start, not a request
+    return config
 
 
 def apply_env(config: Config, env: Env) -> Config:

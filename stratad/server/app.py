@@ -24,6 +24,7 @@ from stratad.runtime.health import health_of
 from stratad.runtime.scheduler import STOPPING, Backend, Scheduler, Ticket
 from stratad.server import openai as oa
 from stratad.server.completions import Completions
+from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
 from stratad.server.metrics import Collector, ServerMetrics
 from stratad.server.openapi import render as render_openapi
@@ -114,6 +115,7 @@ class Server:
                 web.get("/openapi.json", self.openapi_json),
             ]
         )
+        enable_cors(self.app, config.allowed_origins)
 
     def attach(self, engine: Backend) -> None:
         """The model is loaded: serve it."""
@@ -213,7 +215,8 @@ class Server:
                 request.headers.get("Host"),
             )
             return error_response(403, "this Host is not allowed (server.allowed_hosts)", None)
-        if self.config.api_key and needs_key(request.path):
+        # a CORS preflight never carries the key (without server.allowed_origins: 405)
+        if self.config.api_key and request.method != "OPTIONS" and needs_key(request.path):
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {self.config.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):

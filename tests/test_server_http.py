@@ -1,0 +1,125 @@
+"""The HTTP server in-process over real sockets, with an engine whose prefill is slow on
+purpose: SSE keep-alive comments before the first token, and CORS (off by default, then on for
+the configured origins only). The engine is the one part faked: tiny-moe prefills too fast to
+show a keep-alive, and CORS does not depend on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from stratad.config import ServerConfig
+from stratad.runtime.jobs import Delta, Job, PreparedJob
+from stratad.server.app import Server
+
+PREFILL_S = 0.6
+KEEPALIVE_S = 0.1
+ORIGIN = "https://app.example"
+
+
+class SlowPrefill:
+    """An engine that thinks for PREFILL_S before its first token, then says 'a b c'."""
+
+    model_id = "slow"
+    max_context = 4096
+
+    def prepare(self, job: Job) -> PreparedJob:
+        return PreparedJob(job=job, prompt=(1, 2, 3), max_tokens=job.max_tokens or 3)
+
+    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+        deadline = time.monotonic() + PREFILL_S
+        while time.monotonic() < deadline:
+            if cancelled():
+                return
+            time.sleep(0.01)
+        words = ["a", " b", " c"]
+        for n, w in enumerate(words, start=1):
+            yield Delta(text=w, finish_reason="length" if n == len(words) else None,
+                        prompt_tokens=3, completion_tokens=n)  # fmt: skip
+
+
+@contextlib.contextmanager
+def serving(config: ServerConfig) -> Iterator[str]:
+    """The app of `config` on a free port, its loop on a thread; yields the base URL."""
+    server = Server(config)
+    server.attach(SlowPrefill())
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app)
+    ready = threading.Event()
+    port: list[int] = []
+
+    async def start() -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        ready.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    try:
+        yield f"http://127.0.0.1:{port[0]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[str]:
+    with serving(ServerConfig(sse_keepalive_s=KEEPALIVE_S, api_key="k")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def cors() -> Iterator[str]:
+    with serving(ServerConfig(allowed_origins=(ORIGIN,), api_key="k")) as url:
+        yield url
+
+
+async def _preflight(url: str, path: str, origin: str) -> tuple[int, dict[str, str]]:
+    headers = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    async with aiohttp.ClientSession() as s, s.options(url + path, headers=headers) as r:
+        return r.status, dict(r.headers)
+
+
+async def _get(url: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
+        return r.status, dict(r.headers)
+
+
+def test_cors_is_off_by_default(plain: str) -> None:
+    status, headers = asyncio.run(_preflight(plain, "/v1/chat/completions", ORIGIN))
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    auth = {"Authorization": "Bearer k", "Origin": ORIGIN}
+    status, headers = asyncio.run(_get(plain, "/v1/models", auth))
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_cors_answers_the_configured_origin_only(cors: str) -> None:
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, headers = asyncio.run(_preflight(cors, path, ORIGIN))
+        assert status == 200, (path, headers)  # no key needed: a preflight carries none
+        assert headers["Access-Control-Allow-Origin"] == ORIGIN
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        allowed = headers["Access-Control-Allow-Headers"].lower()
+        assert "authorization" in allowed and "content-type" in allowed
+    status, headers = asyncio.run(_preflight(cors, "/v1/chat/completions", "https://evil.example"))
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    status, headers = asyncio.run(_get(cors, "/v1/models", {"Authorization": "Bearer k",
+                                                           "Origin": ORIGIN}))  # fmt: skip
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    status, headers = asyncio.run(_get(cors, "/v1/models", {"Origin": ORIGIN}))
+    assert status == 401  # the key still guards the API itself
