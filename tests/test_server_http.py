@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -83,6 +84,38 @@ def plain() -> Iterator[str]:
 def cors() -> Iterator[str]:
     with serving(ServerConfig(allowed_origins=(ORIGIN,), api_key="k")) as url:
         yield url
+
+
+async def _raw_stream(url: str) -> list[tuple[float, bytes]]:
+    """The SSE body of a streamed text completion, line by line with the time it came."""
+    body = {"model": "slow", "prompt": "hi", "stream": True}
+    lines = []
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer k"}) as r,
+    ):
+        assert r.status == 200
+        t0 = time.monotonic()
+        async for line in r.content:
+            lines.append((time.monotonic() - t0, line))
+    return lines
+
+
+def test_keepalive_comments_during_a_long_prefill(plain: str) -> None:
+    lines = asyncio.run(_raw_stream(plain))
+    first = next(i for i, (_, line) in enumerate(lines) if line.startswith(b"data: "))
+    comments = [t for t, line in lines[:first] if line == b": keep-alive\n"]
+    # one a KEEPALIVE_S while the engine prefilled for PREFILL_S, none after the first token
+    assert len(comments) >= PREFILL_S / KEEPALIVE_S / 2, lines
+    assert all(b"keep-alive" not in line for _, line in lines[first:])
+    assert comments[0] < PREFILL_S / 2
+    assert lines[-2][1] == b"data: [DONE]\n"
+
+
+def test_openai_client_reads_past_the_comments(plain: str) -> None:
+    client = openai.OpenAI(base_url=f"{plain}/v1", api_key="k", max_retries=0)
+    chunks = list(client.completions.create(model="slow", prompt="hi", stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "a b c"
 
 
 async def _preflight(url: str, path: str, origin: str) -> tuple[int, dict[str, str]]:
