@@ -144,3 +144,39 @@ def test_completion_logprobs(client: openai.OpenAI, daemon: Daemon) -> None:
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
     )
     assert status == 400 and err["param"] == "top_logprobs"
+
+
+def test_n_choices(client: openai.OpenAI, daemon: Daemon) -> None:
+    messages: Any = [{"role": "user", "content": "Name a fruit."}]
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    r = client.chat.completions.create(messages=messages, n=3, **args)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1, texts  # each choice its own draw
+    one = client.chat.completions.create(messages=messages, n=1, **args)
+    assert one.choices[0].message.content == texts[0]  # choice 0 is the n=1 answer
+    assert r.usage is not None and one.usage is not None
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    # each choice counts its own tokens (an end-of-sequence token too)
+    assert one.usage.completion_tokens <= r.usage.completion_tokens <= 3 * 8
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, n=3, stream=True, stream_options={"include_usage": True}, **args
+        )
+    )
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in range(3)]  # fmt: skip
+    assert streamed == texts
+    usage = chunks[-1].usage
+    assert usage is not None  # (cached_tokens differ: the prompt is in the cache by now)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        r.usage.prompt_tokens,
+        r.usage.completion_tokens,
+    )
+    done = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert done == [0, 1, 2]
+    text = client.completions.create(model=MODEL, prompt="Hello", n=2, **GREEDY)
+    assert [c.index for c in text.choices] == [0, 1]
+    assert text.choices[0].text == text.choices[1].text  # greedy: the same twice
+    status, err = _error(daemon, "/v1/completions", {"prompt": "x", "n": 9})
+    assert status == 400 and err["param"] == "n"

@@ -176,7 +176,7 @@ def test_strata_prefix_pins_a_document(client: openai.OpenAI, daemon: Daemon) ->
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 9}, "stop"),
         (

@@ -68,12 +68,13 @@ class Completions:
 
     def _decode(
         self, body: bytes, chat: bool
-    ) -> tuple[oa.ChatCompletionRequest | oa.CompletionRequest, Job]:
+    ) -> tuple[oa.ChatCompletionRequest | oa.CompletionRequest, list[Job]]:
+        """The request and its jobs: one per choice (`n` per prompt), in choice order."""
         if chat:
             creq = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
-            return creq, oa.chat_job(creq, self.default_max_tokens)
+            return creq, oa.choices(oa.chat_job(creq, self.default_max_tokens), creq.n)
         treq = msgspec.json.decode(body, type=oa.CompletionRequest)
-        return treq, oa.completion_job(treq)
+        return treq, oa.completion_jobs(treq)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
@@ -86,7 +87,7 @@ class Completions:
             late.force_close()
             return late
         try:
-            req, job = self._decode(body, chat)
+            req, jobs = self._decode(body, chat)
         except msgspec.ValidationError as e:
             return error_response(400, str(e), param_of(str(e)))
         except msgspec.DecodeError as e:
@@ -95,28 +96,38 @@ class Completions:
             return error_response(400, "the body nests JSON too deeply to read", None)
         except oa.RequestError as e:
             return error_response(400, str(e), e.param)
-        job = msgspec.structs.replace(job, scope=cache_scope(request, req.user))
+        scope = cache_scope(request, req.user)
+        jobs = [msgspec.structs.replace(j, scope=scope) for j in jobs]
         engine = self.scheduler.engine
         if engine is None or not self.scheduler.ready:
             self.metrics.rejected.inc(reason="unavailable")
             return self.unavailable()
+        tickets: list[Ticket] = []
         try:
-            self.scheduler.admit()  # its place in the queue, held while it tokenizes
-            prepared = await self._prepare(engine, job)
-            ticket = self.scheduler.submit(prepared)
-        except JobError as e:
-            return error_response(400, str(e), e.param)
-        except Refused as e:
+            for job in jobs:  # each choice is a sequence of its own, in the queue in turn
+                self.scheduler.admit()  # its place in the queue, held while it tokenizes
+                prepared = await self._prepare(engine, job)
+                tickets.append(self.scheduler.submit(prepared))
+        except (JobError, Refused) as e:
+            for t in tickets:
+                t.cancel()
+            if isinstance(e, JobError):
+                return error_response(400, str(e), e.param)
             kind = "queue_full" if e.status == 429 else "unavailable"
             self.metrics.rejected.inc(reason=kind)
             return error_response(e.status, str(e), None, code=kind, retry_after=e.retry_after)
-        watcher = asyncio.create_task(_watch(request, ticket))
+        except BaseException:
+            for t in tickets:
+                t.cancel()
+            raise
+        watchers = [asyncio.create_task(_watch(request, t)) for t in tickets]
         done = False
         try:
             header = _Header(
                 id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                 created=int(time.time()),
                 model=engine.model_id,
+                n=req.n,
             )
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -124,16 +135,17 @@ class Completions:
                     request, self.config.send_buffer_bytes, self.config.send_timeout_s,
                     self.config.sse_keepalive_s,
                 )  # fmt: skip
-                response = await _stream(stream, ticket, header, chat, include_usage)
+                response = await _stream(stream, tickets, header, chat, include_usage)
             else:
-                response = await _collect(ticket, header, chat)
+                response = await _collect(tickets, header, chat)
             done = True
             return response
         finally:
-            watcher.cancel()
+            for w in watchers:
+                w.cancel()
             if not done:
-                ticket.cancel()
-
+                for t in tickets:
+                    t.cancel()
 
     async def _prepare(self, engine: Backend, job: Job) -> PreparedJob:
         """Tokenize on the tokenizer threads (the tokenizer lets go of the GIL while it works,
@@ -150,32 +162,52 @@ class _Header(msgspec.Struct, frozen=True):
     id: str
     created: int
     model: str
+    n: int = 1  # choices per prompt
 
 
-def _usage(d: Delta) -> oa.Usage:
-    return oa.usage(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+class _Choice:
+    """What one choice's ticket gave: its text, logprobs and final delta."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: Delta | None = None
+
+    def add(self, d: Delta) -> None:
+        self.parts.append(d.text)
+        if d.logprobs is not None:
+            self.logprobs.append(d.logprobs)
+        self.last = d
 
 
-async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    last: Delta | None = None
+def _usage_of(lasts: list[Delta], n: int) -> oa.Usage:
+    """Summed over the choices; a prompt that its `n` choices share counts once."""
+    firsts = lasts[::n]
+    return oa.usage(
+        sum(d.prompt_tokens for d in firsts),
+        sum(d.completion_tokens for d in lasts),
+        sum(d.cached_tokens for d in firsts),
+    )
+
+
+async def _collect(tickets: list[Ticket], h: _Header, chat: bool) -> web.Response:
+    choices: list[_Choice] = []
     try:
-        async for d in ticket.stream():
-            parts.append(d.text)
-            if d.logprobs is not None:
-                logprobs.append(d.logprobs)
-            last = d
+        for ticket in tickets:
+            choices.append(c := _Choice())
+            async for d in ticket.stream():
+                c.add(d)
     except EngineFailed as e:
         return error_response(500, str(e), None)
     except JobError as e:
         return error_response(400, str(e), e.param)
-    if last is None or last.finish_reason is None:
+    lasts = [c.last for c in choices if c.last is not None and c.last.finish_reason]
+    if len(lasts) < len(tickets):
         return error_response(
             503, "the request was cancelled (the server is shutting down)", None, retry_after=5
         )
-    text = "".join(parts)
-    asked = ticket.prepared.job.logprobs is not None
+    asked = tickets[0].prepared.job.logprobs is not None
+    usage = _usage_of(lasts, h.n)
     body: msgspec.Struct
     if chat:
         body = oa.ChatCompletion(
@@ -185,13 +217,14 @@ async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
             model=h.model,
             choices=[
                 oa.ChatChoice(
-                    index=0,
-                    message=oa.AssistantMessage(role="assistant", content=text),
+                    index=i,
+                    message=oa.AssistantMessage(role="assistant", content="".join(c.parts)),
                     finish_reason=last.finish_reason,
-                    logprobs=oa.chat_logprobs(logprobs) if asked else None,
+                    logprobs=oa.chat_logprobs(c.logprobs) if asked else None,
                 )
+                for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
-            usage=_usage(last),
+            usage=usage,
         )
     else:
         body = oa.Completion(
@@ -201,13 +234,14 @@ async def _collect(ticket: Ticket, h: _Header, chat: bool) -> web.Response:
             model=h.model,
             choices=[
                 oa.CompletionChoice(
-                    index=0,
-                    text=text,
+                    index=i,
+                    text="".join(c.parts),
                     finish_reason=last.finish_reason,
-                    logprobs=oa.completion_logprobs(logprobs) if asked else None,
+                    logprobs=oa.completion_logprobs(c.logprobs) if asked else None,
                 )
+                for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
-            usage=_usage(last),
+            usage=usage,
         )
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
@@ -220,6 +254,7 @@ def _chunk(
     role: bool = False,
     logprobs: TokenLogprob | None = None,
     offset: int = 0,
+    index: int = 0,
 ) -> msgspec.Struct:
     """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
@@ -230,7 +265,7 @@ def _chunk(
             object="chat.completion.chunk",
             created=h.created,
             model=h.model,
-            choices=[oa.ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=lp)],
+            choices=[oa.ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)],
         )
     clp = oa.completion_logprobs([logprobs], offset) if logprobs is not None else None
     return oa.Completion(
@@ -239,44 +274,27 @@ def _chunk(
         created=h.created,
         model=h.model,
         choices=[
-            oa.CompletionChoice(index=0, text=text or "", finish_reason=finish, logprobs=clp)
+            oa.CompletionChoice(
+                index=index, text=text or "", finish_reason=finish, logprobs=clp
+            )
         ],
     )
 
 
 async def _stream(
-    stream: EventStream, ticket: Ticket, h: _Header, chat: bool, include_usage: bool
+    stream: EventStream, tickets: list[Ticket], h: _Header, chat: bool, include_usage: bool
 ) -> web.StreamResponse:
+    """The choices' events, one choice after the other (their sequences run in turn)."""
+    lasts: list[Delta] = []
     try:
         await stream.open()
-        if chat:
-            await stream.send(_chunk(h, chat, "", None, role=True))
-        last: Delta | None = None
-        offset = 0
-        try:
-            async for d in ticket.stream():
-                last = d
-                if d.text or d.logprobs:
-                    await stream.send(_chunk(h, chat, d.text, None, logprobs=d.logprobs,
-                                             offset=offset))  # fmt: skip
-                    offset += len(d.logprobs.token) if d.logprobs else 0
-                if d.finish_reason:
-                    await stream.send(_chunk(h, chat, None if chat else "", d.finish_reason))
-        except (EngineFailed, JobError) as e:
-            await stream.send(msgspec.json.decode(oa.error_body(str(e), "server_error", None)))
-        else:
-            if last is None or not last.finish_reason:  # cancelled by a drain, not the client
-                await stream.send(
-                    msgspec.json.decode(
-                        oa.error_body(
-                            "the request was cancelled (the server is shutting down)",
-                            "server_error",
-                            None,
-                        )
-                    )
-                )
-        if include_usage and last is not None and last.finish_reason:
-            usage = _usage(last)
+        for i, ticket in enumerate(tickets):
+            if not await _stream_choice(stream, ticket, h, chat, i, lasts):
+                for rest in tickets[i + 1 :]:
+                    rest.cancel()
+                break
+        if include_usage and len(lasts) == len(tickets):
+            usage = _usage_of(lasts, h.n)
             await stream.send(
                 oa.ChatCompletionChunk(
                     id=h.id,
@@ -298,5 +316,43 @@ async def _stream(
             )
         await stream.done()
     except ClientGone:
-        ticket.cancel()
+        for t in tickets:
+            t.cancel()
     return stream.response
+
+
+async def _stream_choice(
+    stream: EventStream, ticket: Ticket, h: _Header, chat: bool, index: int, lasts: list[Delta]
+) -> bool:
+    """Stream one choice; its final delta goes to `lasts`. False if it failed or was cut."""
+    if chat:
+        await stream.send(_chunk(h, chat, "", None, role=True, index=index))
+    last: Delta | None = None
+    offset = 0
+    try:
+        async for d in ticket.stream():
+            last = d
+            if d.text or d.logprobs:
+                await stream.send(_chunk(h, chat, d.text, None, logprobs=d.logprobs,
+                                         offset=offset, index=index))  # fmt: skip
+                offset += len(d.logprobs.token) if d.logprobs else 0
+            if d.finish_reason:
+                await stream.send(
+                    _chunk(h, chat, None if chat else "", d.finish_reason, index=index)
+                )
+    except (EngineFailed, JobError) as e:
+        await stream.send(msgspec.json.decode(oa.error_body(str(e), "server_error", None)))
+        return False
+    if last is None or not last.finish_reason:  # cancelled by a drain, not the client
+        await stream.send(
+            msgspec.json.decode(
+                oa.error_body(
+                    "the request was cancelled (the server is shutting down)",
+                    "server_error",
+                    None,
+                )
+            )
+        )
+        return False
+    lasts.append(last)
+    return True

@@ -17,6 +17,8 @@ from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
 
 MAX_STOP = 4
+MAX_N = 8  # choices per prompt
+MAX_CHOICES = 16  # choices per request (prompts times n)
 MIN_TEMPERATURE = 1e-5  # lower temperatures are served greedily
 MIN_TOP_P = 1e-6
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # int64, what torch.Generator.manual_seed takes
@@ -86,7 +88,7 @@ class _Sampling(_Struct, frozen=True):
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1, description="only 1 is supported")] = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
     user: str | None = None
@@ -169,6 +171,20 @@ def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         **_common(req),  # type: ignore[arg-type]
     )
+
+
+def choices(job: Job, n: int) -> list[Job]:
+    """`n` jobs for the `n` choices of one prompt; a seed gives choice i the seed + i."""
+    if job.seed is None:
+        return [job] * n
+    return [
+        msgspec.structs.replace(job, seed=(job.seed + i - SEED_MIN) % (1 << 64) + SEED_MIN)
+        for i in range(n)
+    ]
+
+
+def completion_jobs(req: CompletionRequest) -> list[Job]:
+    return choices(completion_job(req), req.n)
 
 
 def completion_job(req: CompletionRequest) -> Job:
