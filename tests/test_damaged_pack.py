@@ -1,39 +1,57 @@
 """A pack with one flipped byte in an expert blob, served on the reference path: the pinner
 skips that resident copy, and the daemon says so instead of looking healthy: coverage counts
 the expert as not covered (a WARNING, `stratactl coverage` exits 3) and /health says
-"degraded" with the reason, in the same body as the control socket's status."""
+"degraded" with the reason, in the same body as the control socket's status. Requests never
+fail for it: the blob is read from the model file the pack was made from (named once, at
+WARNING), and where that file is gone the daemon refuses to start, in one line, with exit 65."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from stratad.__main__ import EXIT_BAD_MODEL
+from stratad.config import load_config, override
+from stratad.engine.service import Engine
+from stratad.env import Env
+from stratad.runtime.jobs import Job
 from stratad.store.manifest import EXPERTS_NAME, read_manifest
+from stratad.store.original import open_original
 from stratad.store.pack import write_pack
-from tests.daemon import running_daemon
+from tests.daemon import free_port, running_daemon
 from tests.server_helpers import request, wait_until
 from tests.test_store_fakes import tiny_moe_gguf
+
+CONFIG = '[engine]\ndevice = "cpu"\nthreads = 1\nbackend = "reference"\n'
+PROMPT = "The quick brown fox jumps over the lazy dog, " * 6
+REPAIRED = "the blob of layer 0, expert 3 fails its checksum in the pack; it is read from the model"
+
+
+def _flip_a_byte(pack: Path, layer: int, expert: int) -> None:
+    blob = read_manifest(pack).blob(layer, expert)
+    with open(pack / EXPERTS_NAME, "r+b") as f:
+        f.seek(blob.offset + blob.nbytes // 2)
+        b = f.read(1)
+        f.seek(blob.offset + blob.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
     work = tmp_path_factory.mktemp("damaged-pack")
     pack = work / "tiny-moe.pack"
-    write_pack(tiny_moe_gguf(tmp_path_factory), pack)
-    blob = read_manifest(pack).blob(0, 3)
-    with open(pack / EXPERTS_NAME, "r+b") as f:  # one byte of layer 0, expert 3 flipped
-        f.seek(blob.offset + blob.nbytes // 2)
-        b = f.read(1)
-        f.seek(blob.offset + blob.nbytes // 2)
-        f.write(bytes([b[0] ^ 0x40]))
+    write_pack(tiny_moe_gguf(tmp_path_factory), pack)  # the original stays where it was
+    _flip_a_byte(pack, 0, 3)
     config = work / "stratad.toml"
-    config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\nbackend = "reference"\n')
+    config.write_text(CONFIG)
     log = work / "stratad.log"
     with running_daemon([str(pack), "--config", str(config)], log) as url:
         yield url, work / "stratad.sock", log
@@ -67,3 +85,67 @@ def test_coverage_counts_the_expert_as_not_covered(daemon: tuple[str, Path, Path
         capture_output=True, text=True, timeout=60).stdout)  # fmt: skip
     assert data["complete"] is False and data["layers"][0]["file_only"] == 1
     wait_until(lambda: "WARNING stratad: coverage: 1 expert blob(s)" in log.read_text(), 10)
+
+
+def _complete(url: str) -> tuple[int, dict[str, Any]]:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    status, raw = request(f"{url}/v1/completions", json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def test_requests_get_the_references_tokens_from_the_original(
+    daemon: tuple[str, Path, Path], tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    url, _, log = daemon
+    config = tmp_path / "stratad.toml"
+    config.write_text(CONFIG)
+    gguf = str(tiny_moe_gguf(tmp_path_factory))  # the original itself, in this process
+    reference = Engine(override(load_config(config, Env.read()), "model", path=gguf))
+    want = "".join(d.text for d in reference.run(Job(prompt=PROMPT, max_tokens=12, temperature=0)))
+    for _ in range(2):
+        status, body = _complete(url)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == want
+    # the damaged expert was routed to, and named once
+    assert log.read_text().count(REPAIRED) == 1, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+def test_without_the_original_the_start_is_refused_in_one_line(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    original = tmp_path / "tiny-moe.gguf"
+    shutil.copyfile(tiny_moe_gguf(tmp_path_factory), original)
+    pack = tmp_path / "tiny-moe.pack"
+    write_pack(original, pack)
+    original.unlink()
+    _flip_a_byte(pack, 0, 3)
+    config = tmp_path / "stratad.toml"
+    config.write_text(CONFIG)
+    r = subprocess.run(
+        [sys.executable, "-m", "stratad", str(pack), "--config", str(config), "--port",
+         str(free_port()), "--control-socket", str(tmp_path / "ctl.sock")],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == EXIT_BAD_MODEL == 65, r.stderr
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, r.stderr
+    assert "1 expert blob(s) fail their checksum (layer 0 expert 3)" in errors[0]
+    assert f"{original}: No such file or directory" in errors[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_an_original_stands_in_only_at_its_recorded_size(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    gguf = tiny_moe_gguf(tmp_path_factory)
+    manifest = write_pack(gguf, tmp_path / "tiny-moe.pack")
+    assert manifest.source == str(gguf.absolute()) and manifest.source_nbytes == gguf.stat().st_size
+    assert open_original(manifest)[0] is not None
+    resized = msgspec.structs.replace(manifest, source_nbytes=manifest.source_nbytes + 1)
+    assert open_original(resized) == (
+        None, f"{gguf}: {gguf.stat().st_size:,} bytes, the pack was made from"
+        f" {manifest.source_nbytes + 1:,}"
+    )  # fmt: skip
+    older = msgspec.structs.replace(manifest, source_nbytes=0)
+    assert "does not record its size" in open_original(older)[1]

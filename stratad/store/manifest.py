@@ -98,8 +98,12 @@ class DenseTensor(msgspec.Struct, frozen=True):
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     format_version: int
     spec: ModelSpec
-    source: str  # the model the pack was made from (informative)
+    source: str  # the model file (or HF directory) the pack was made from, as an absolute path
     source_format: str  # "gguf" | "hf"
+    # its size (a GGUF's bytes, an HF directory's *.safetensors together); 0: not recorded.
+    # A damaged blob is re-read from the source when it is still there at this size
+    # (`stratad.store.original`).
+    source_nbytes: int = 0
     checksum: str = "crc32"
     experts_nbytes: int  # size of experts.bin
     dense_nbytes: int  # size of dense.bin

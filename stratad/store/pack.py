@@ -164,6 +164,15 @@ class SafetensorsPackSource:
         return [self.dir / n for n in HF_SIDE_FILES if (self.dir / n).is_file()]
 
 
+def source_nbytes(path: Path) -> int:
+    """The size of a model as a pack records it: a GGUF file's bytes, or an HF directory's
+    *.safetensors files together (the files its tensors are read from)."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
 def open_pack_source(path: Path) -> PackSource:
     path = Path(path)
     if path.is_dir():
@@ -179,13 +188,23 @@ def _experts(spec: ModelSpec) -> Iterator[tuple[int, int]]:
             yield layer, expert
 
 
-def _write_blob(out: Any, w: MLPWeights, layout: ExpertLayout) -> int:
-    """Write one expert (padded to its stride); returns the CRC-32 of its `nbytes`."""
-    buf = bytearray(layout.stride)
+def encode_blob(w: MLPWeights, layout: ExpertLayout, out: memoryview) -> int:
+    """Lay one expert out as its blob in `out` (at least `layout.nbytes`, the gaps between
+    projections zeroed); returns the CRC-32 of the blob's `nbytes`."""
+    end = 0
     for t, place in zip((w.gate, w.up, w.down), layout.projections, strict=True):
-        buf[place.offset : place.offset + place.nbytes] = encoded(t).numpy().data
+        out[end : place.offset] = bytes(place.offset - end)
+        out[place.offset : place.offset + place.nbytes] = encoded(t).numpy().data
+        end = place.offset + place.nbytes
+    return zlib.crc32(out[: layout.nbytes])
+
+
+def _write_blob(out: Any, w: MLPWeights, layout: ExpertLayout) -> int:
+    """Write one expert (padded to its stride with zeros); returns its blob's CRC-32."""
+    buf = bytearray(layout.stride)
+    crc = encode_blob(w, layout, memoryview(buf))
     out.write(buf)
-    return zlib.crc32(memoryview(buf)[: layout.nbytes])
+    return crc
 
 
 def _check_layout(got: ExpertLayout, want: ExpertLayout, layer: int, expert: int) -> None:
@@ -252,8 +271,9 @@ def write_pack(
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             spec=spec,
-            source=str(src),
+            source=os.path.abspath(src),
             source_format=source.source_format,
+            source_nbytes=source_nbytes(src),
             experts_nbytes=experts_nbytes,
             dense_nbytes=dense_nbytes,
             layouts=tuple(layouts),

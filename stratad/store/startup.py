@@ -20,6 +20,7 @@ from stratad.store.admission import AdmissionPolicy, MemReader, admit, mem_avail
 from stratad.store.bandwidth import Bandwidths, measure_bandwidths
 from stratad.store.coverage import coverage, log_coverage, prompt_cost
 from stratad.store.lock import choose_locker
+from stratad.store.original import repair_source
 from stratad.store.pinning import PinSettings, ProgressFn
 from stratad.store.plan import (
     PlanInputs,
@@ -222,8 +223,10 @@ def open_store(
     """Plan, admit and start the store (on `stages`, or one stage with the slots the
     cache device holds now). Raises `AdmissionRefused` (exit code 75) in strict
     mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
-    headroom and the runtime reserve (see `daemon_reserves`)."""
+    headroom and the runtime reserve (see `daemon_reserves`). A pack's damaged blobs are read
+    from its original; without one, every blob is checked first (`DamagedPack`, exit 65)."""
     cache_device = cache_device or compute_device
+    repair = repair_source(source) if isinstance(source, PackExperts) else None
     if stages is None:
         slots = vram_slots(config, cache_device, slot_bytes(source))
         stages = (Stage(range(source.n_layers), slots),)
@@ -254,6 +257,7 @@ def open_store(
         bandwidths=started.bandwidths,
         budget=started.planned.budget,
         degraded=started.degraded,
+        repair=repair,
     )
     store.start()
     if config.ready_after_pinning:

@@ -1,6 +1,7 @@
 """The expert store: one `get(layer, expert)` over three tiers, fastest first.
 
-VRAM slot (the adaptive cache) -> resident RAM copy (once pinned) -> the file. A miss is
+VRAM slot (the adaptive cache) -> resident RAM copy (once pinned) -> the file (a blob that
+fails its checksum there read from the pack's original, `repair`, when there is one). A miss is
 admitted into VRAM when `admit_on_miss` (the cache policy picks the victim), so that the slots
 follow what the conversation routes to. Every answer is counted by the tier it came from.
 
@@ -22,9 +23,10 @@ from stratad.store.bandwidth import Bandwidths
 from stratad.store.cache import ExpertCache
 from stratad.store.lock import LockChoice
 from stratad.store.manifest import blob_view
+from stratad.store.original import OriginalExperts
 from stratad.store.pinning import Pinner, PinSettings, ProgressFn
 from stratad.store.plan import RamBudget, ResidencyPlan
-from stratad.store.sources import ExpertSource
+from stratad.store.sources import BlobCorrupt, ExpertSource
 from stratad.store.tiers import ResidentRAM, VRAMSlots
 
 
@@ -59,8 +61,10 @@ class ExpertStore:
         bandwidths: Bandwidths | None = None,
         budget: RamBudget | None = None,
         degraded: bool = False,
+        repair: OriginalExperts | None = None,
     ) -> None:
         self.source = source
+        self.repair = repair
         self.plan = plan
         # How the plan came about, for the control socket's views: the profile's layer-major
         # counts, the bandwidths measured at start, the RAM budget, and whether admission
@@ -81,7 +85,7 @@ class ExpertStore:
         """Fill the VRAM slots with the plan's initial experts, then start pinning."""
         staging = torch.empty(self.plan.slot_bytes, dtype=torch.uint8)
         for slot, unit in enumerate(self.plan.vram):
-            self.source.read_into(unit.layer, unit.expert, staging)
+            self._read_file(unit.layer, unit.expert, staging)
             self.slots.fill(slot, staging, self.layouts[unit.layer].nbytes)
         self.pinner.start()
 
@@ -96,7 +100,7 @@ class ExpertStore:
         tier = "ram" if blob is not None else "file"
         if blob is None:
             blob = torch.empty(layout.stride, dtype=torch.uint8)
-            self.source.read_into(layer, expert, blob)
+            self._read_file(layer, expert, blob)
         self.hits[tier] += 1
         if self.admit_on_miss and self.slots.n:
             slot, _ = self.cache.admit(unit)
@@ -105,6 +109,18 @@ class ExpertStore:
                 self.slots.fill(slot, blob, layout.nbytes, non_blocking=async_copy)
                 return blob_view(self.slots.slot(slot), layout)
         return blob_view(blob, layout)
+
+    def _read_file(self, layer: int, expert: int, out: torch.Tensor) -> None:
+        """The file tier: the blob from the source, or from the original when it is damaged."""
+        if self.repair is not None and ExpertUnit(layer, expert) in self.repair.damaged:
+            self.repair.read_into(layer, expert, out)
+            return
+        try:
+            self.source.read_into(layer, expert, out)
+        except BlobCorrupt:
+            if self.repair is None:
+                raise
+            self.repair.mend(layer, expert, out)
 
     def stats(self) -> StoreStats:
         reads = self.source.stats.snapshot()
