@@ -31,6 +31,10 @@ class ModelConfig(_Section, frozen=True):
     """GGUF file, pack or Hugging Face directory; empty serves SmolLM2-135M-Instruct."""
     name: str = ""
     """Model id shown by /v1/models; empty uses the file name."""
+    aliases: tuple[str, ...] = ()
+    """Other names a request's `model` may give for this model (a name that is neither the
+    id nor an alias gets OpenAI's 404 `model_not_found`); `"*"` accepts any name. With
+    `path` empty, `default` names the default model too."""
     max_context: Annotated[int, msgspec.Meta(ge=2)] = 4096
     """Tokens of context per sequence (prompt plus completion); capped by the model's own."""
     chat_template: str = ""

@@ -34,6 +34,8 @@ atexit.register(_STACK.close)
 CONFIGS = {
     # the API, cancellation and load tests: a key, a short queue, a small body limit
     "tiny": f"""
+[model]
+aliases = ["m"]
 [server]
 api_key = "{API_KEY}"
 max_queue = 8
@@ -48,6 +50,7 @@ threads = 1
     "fuzz": """
 [model]
 max_context = 256
+aliases = ["*"]
 [server]
 max_queue = 4
 default_max_tokens = 8
@@ -58,6 +61,8 @@ threads = 1
 """,
     # the connection limits and timeouts, short enough to be seen in a test
     "limits": """
+[model]
+aliases = ["m"]
 [server]
 idle_timeout_s = 1.0
 body_timeout_s = 1.0

@@ -63,7 +63,9 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
                            env={**os.environ, **ENV})  # fmt: skip
     with running_daemon(args, tmp_path / "stratad.log", env=ENV) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        r = client.completions.create(model="m", prompt="Hello there", max_tokens=4, temperature=0)
+        r = client.completions.create(
+            model=tiny.name, prompt="Hello there", max_tokens=4, temperature=0
+        )
         cov = subprocess.run([*ctl, "coverage", "--json", "--socket", str(sock)],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],

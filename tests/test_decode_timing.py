@@ -19,7 +19,9 @@ def test_decode_timing_log_and_metrics(tmp_path: Path) -> None:
     log = tmp_path / "stratad.log"
     with running_daemon([str(model)], log, env={"STRATA_DECODE_TIMING": "1"}) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        client.completions.create(model="m", prompt="Hello there", max_tokens=9, temperature=0)
+        client.completions.create(
+            model=model.name, prompt="Hello there", max_tokens=9, temperature=0
+        )
         with urllib.request.urlopen(f"{url}/metrics") as r:
             metrics = r.read().decode()
     lines = [x for x in log.read_text().splitlines() if "decode timing:" in x]

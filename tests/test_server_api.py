@@ -180,3 +180,88 @@ def test_n_choices(client: openai.OpenAI, daemon: Daemon) -> None:
     assert text.choices[0].text == text.choices[1].text  # greedy: the same twice
     status, err = _error(daemon, "/v1/completions", {"prompt": "x", "n": 9})
     assert status == 400 and err["param"] == "n"
+
+
+NULLABLE = [  # every optional field OpenAI's schema marks nullable, sent as null
+    "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
+    "frequency_penalty", "presence_penalty", "logit_bias", "user", "model",
+]  # fmt: skip
+
+
+def test_nulls_are_accepted(daemon: Daemon) -> None:
+    base = {field: None for field in NULLABLE}
+    chat = {**base, "messages": [{"role": "user", "content": "Hi", "name": None}],
+            "max_completion_tokens": None, "logprobs": None, "top_logprobs": None}  # fmt: skip
+    status, body = _error(daemon, "/v1/chat/completions", {**chat, "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["message"]["content"], body
+    text = {**base, "prompt": "Hi", "echo": None, "logprobs": None, "suffix": None,
+            "best_of": None}  # fmt: skip
+    status, body = _error(daemon, "/v1/completions", text)
+    assert status == 200 and body["usage"]["completion_tokens"] == 16, body  # the default
+    assistant = {"role": "assistant", "content": None}
+    status, body = _error(daemon, "/v1/chat/completions", {**chat, "max_tokens": 3, "messages": [
+        {"role": "user", "content": "Hi"}, assistant, {"role": "user", "content": "Hi"}]})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"n": 9}, "n", "n must be at most 8"),
+        ({"n": "two"}, "n", "n must be an integer or null, not a string"),
+        ({"temperature": 3}, "temperature", "temperature must be at most 2"),
+        ({"top_p": 0}, "top_p", "top_p must be greater than 0"),
+        ({"stop": ["a"] * 5}, "stop", "stop must have at most 4 items"),
+        ({"stop": "a" * 300}, "stop", "stop must have at most 256 characters"),
+        ({"messages": []}, "messages", "messages must have at least 1 items"),
+        ({"messages": None}, "messages", "messages must be a list, not null"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role",
+         "messages[0].role may not be 'wizard' (it may be system, user, assistant, developer"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role", "messages[0].role is required"),
+        ({"strata_prefix": {"x": 1}}, "strata_prefix.x", "strata_prefix.x is not a field"),
+        ({"logit_bias": {"1": 200}}, "logit_bias", "logit_bias must be at most 100"),
+    ],
+)  # fmt: skip
+def test_400_in_our_words(
+    daemon: Daemon, body: dict[str, Any], param: str, message: str
+) -> None:
+    full = {"messages": [{"role": "user", "content": "x"}], **body}
+    status, err = _error(daemon, "/v1/chat/completions", full)
+    assert status == 400 and err["param"] == param, err
+    assert err["message"].startswith(message), err
+    assert "Expected" not in err["message"] and "$." not in err["message"], err
+
+
+def test_token_id_prompts(client: openai.OpenAI, daemon: Daemon) -> None:
+    text = "The capital of France is"
+    _, tokens = _error(daemon, "/tokenize", {"content": text})
+    ids = tokens["tokens"]
+    assert ids and all(isinstance(i, int) for i in ids)
+    by_text = client.completions.create(model=MODEL, prompt=text, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    two = client.completions.create(model=MODEL, prompt=[ids, ids[:2]], n=2, **GREEDY)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text == by_text.choices[0].text
+    assert two.choices[2].text != two.choices[0].text
+    assert two.usage is not None and two.usage.prompt_tokens == len(ids) + 2
+    texts = client.completions.create(model=MODEL, prompt=[text, "Hello"], **GREEDY)
+    assert texts.choices[0].text == by_text.choices[0].text and len(texts.choices) == 2
+    for prompt, param in [([1, [2]], "prompt"), ([49152], "prompt"), ([[]], "prompt[0]")]:
+        status, err = _error(daemon, "/v1/completions", {"prompt": prompt})
+        assert status == 400 and err["param"] == param, err
+
+
+def test_unknown_model_is_404(client: openai.OpenAI, daemon: Daemon) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "model_not_found" and err["param"] == "model"
+    assert "gpt-4o" in err["message"]
+    served = client.models.list().data[0].id
+    for name in (served, "default"):  # its id, and the default model's built-in alias
+        r = client.completions.create(model=name, prompt="hi", max_tokens=1)
+        assert r.model == served

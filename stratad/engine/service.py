@@ -134,6 +134,8 @@ class Engine:
             ),
             prefix_store=self.prefixes,
         )
+        default = ("default",) if not config.model.path else ()
+        self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
         self.info = EngineInfo(
             model_id=config.model.name or path.name,
             arch=self.model.spec.arch,
@@ -159,6 +161,11 @@ class Engine:
     def max_context(self) -> int:
         return self.info.max_context
 
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """Other names requests may give for the model (`model.aliases`)."""
+        return self.aliases
+
     def _encode_chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         try:
             # content is text: a control token a user types cannot close their turn
@@ -169,6 +176,15 @@ class Engine:
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
             return self._encode_chat([_plain(m) for m in job.messages], True)
+        if job.prompt_ids is not None:
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in job.prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise JobError(
+                    f"the prompt has token id {bad}; the vocabulary has ids 0 to {vocab - 1}",
+                    "prompt",
+                )
+            return list(job.prompt_ids)
         return self.tokenizer.encode(job.prompt or "", add_special=True)
 
     def prepare(self, job: Job) -> PreparedJob:

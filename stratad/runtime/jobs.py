@@ -16,10 +16,12 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
-    """One completion request. Exactly one of `messages` and `prompt` is set."""
+    """One completion request. Exactly one of `messages`, `prompt` and `prompt_ids` is set."""
 
     messages: tuple[ChatMessage, ...] | None = None
     prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    """A prompt given as token ids (checked against the vocabulary by the engine)."""
     max_tokens: int | None = 256
     """Completion tokens at most; None: whatever the context has room for."""
     temperature: float = 1.0

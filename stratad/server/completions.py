@@ -21,9 +21,10 @@ from stratad.config import ServerConfig
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import openai as oa
-from stratad.server.errors import error_response, param_of
+from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
+from stratad.server.validation import explain
 
 WATCH_INTERVAL_S = 0.025
 TOKENIZER_THREADS = 2  # prompts tokenized at once; the rest wait (holding their queue place)
@@ -72,7 +73,7 @@ class Completions:
         """The request and its jobs: one per choice (`n` per prompt), in choice order."""
         if chat:
             creq = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
-            return creq, oa.choices(oa.chat_job(creq, self.default_max_tokens), creq.n)
+            return creq, oa.choices(oa.chat_job(creq, self.default_max_tokens), creq.n or 1)
         treq = msgspec.json.decode(body, type=oa.CompletionRequest)
         return treq, oa.completion_jobs(treq)
 
@@ -89,7 +90,7 @@ class Completions:
         try:
             req, jobs = self._decode(body, chat)
         except msgspec.ValidationError as e:
-            return error_response(400, str(e), param_of(str(e)))
+            return error_response(400, *explain(str(e)))
         except msgspec.DecodeError as e:
             return error_response(400, f"the body is not valid JSON: {e}", None)
         except RecursionError:  # JSON nested deeper than the decoder goes, anywhere in it
@@ -102,6 +103,11 @@ class Completions:
         if engine is None or not self.scheduler.ready:
             self.metrics.rejected.inc(reason="unavailable")
             return self.unavailable()
+        if not serves(engine, req.model):
+            return error_response(
+                404, f"The model `{req.model}` does not exist (this server serves"
+                f" `{engine.model_id}`)", "model", code="model_not_found",
+            )  # fmt: skip
         tickets: list[Ticket] = []
         try:
             for job in jobs:  # each choice is a sequence of its own, in the queue in turn
@@ -127,7 +133,7 @@ class Completions:
                 id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                 created=int(time.time()),
                 model=engine.model_id,
-                n=req.n,
+                n=req.n or 1,
             )
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -156,6 +162,15 @@ class Completions:
         except BaseException:  # bad input, or the client left (cancelled)
             self.scheduler.withdraw()
             raise
+
+
+def serves(engine: Backend, model: str | None) -> bool:
+    """Whether a request's `model` names the served model: its id or an alias (an engine may
+    declare `model_aliases`; `"*"` among them accepts any name). No name asks for it too."""
+    if not model or model == engine.model_id:
+        return True
+    aliases: tuple[str, ...] = getattr(engine, "model_aliases", ())
+    return model in aliases or "*" in aliases
 
 
 class _Header(msgspec.Struct, frozen=True):

@@ -78,19 +78,24 @@ class StrataPrefix(_Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class _Sampling(_Struct, frozen=True):
+    # Every optional field takes an explicit null (OpenAI's schema marks them nullable):
+    # null means the default.
     model: str | None = None
     max_tokens: Tokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK | TopKFloat = 0
-    min_p: MinP = 0.0
+    temperature: Temperature | None = None
+    """default 1"""
+    top_p: TopP | None = None
+    """default 1"""
+    top_k: TopK | TopKFloat | None = None
+    min_p: MinP | None = None
     seed: Seed | None = None
     stop: Stop = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
+    """default 1"""
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     user: str | None = None
     strata_prefix: StrataPrefix | None = None
     logit_bias: LogitBias | None = None
@@ -104,9 +109,15 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
+TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
+# One prompt (text, or token ids), or a list of prompts (texts, or lists of token ids): a
+# JSON Schema union allows one array type, so the list's items are checked in `_prompts`.
+Prompt = str | Annotated[list[str | int | TokenIds], msgspec.Meta(min_length=1)]
+
+
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
-    prompt: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=1)]
-    echo: bool = False
+    prompt: Prompt
+    echo: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
     suffix: str | None = None
@@ -138,20 +149,22 @@ def _common(req: _Sampling) -> dict[str, object]:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options needs stream=true", "stream_options")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if not float(req.top_k).is_integer():
-        raise RequestError(f"top_k must be a whole number, not {req.top_k}", "top_k")
+    top_k = req.top_k or 0
+    if not float(top_k).is_integer():
+        raise RequestError(f"top_k must be a whole number, not {top_k}", "top_k")
+    temperature = 1.0 if req.temperature is None else req.temperature
     return {
         # The sampler computes in float32: a temperature or top_p that underflows there turns
         # the distribution into NaN. Below these floors both already mean "the top token".
-        "temperature": req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0,
-        "top_p": max(req.top_p, MIN_TOP_P),
-        "top_k": max(int(req.top_k), 0),
-        "min_p": req.min_p,
+        "temperature": temperature if temperature >= MIN_TEMPERATURE else 0.0,
+        "top_p": max(1.0 if req.top_p is None else req.top_p, MIN_TOP_P),
+        "top_k": max(int(top_k), 0),
+        "min_p": req.min_p or 0.0,
         "seed": req.seed,
         "stop": stop,
         "logit_bias": _logit_bias(req.logit_bias),
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
         "prefix_tokens": (req.strata_prefix.tokens or 0) if req.strata_prefix else 0,
     }
 
@@ -183,24 +196,51 @@ def choices(job: Job, n: int) -> list[Job]:
     ]
 
 
+def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | tuple[int, ...]]:
+    """The prompts of a completion request: texts or token-id tuples."""
+    if isinstance(prompt, str):
+        return [prompt]
+    kinds = {type(p) for p in prompt}
+    if kinds == {int}:
+        return [tuple(prompt)]  # type: ignore[arg-type]
+    if kinds == {str}:
+        return list(prompt)  # type: ignore[arg-type]
+    if kinds == {list}:
+        return [tuple(p) for p in prompt]  # type: ignore[arg-type]
+    raise RequestError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of such"
+        " lists, not a mix",
+        "prompt",
+    )
+
+
 def completion_jobs(req: CompletionRequest) -> list[Job]:
-    return choices(completion_job(req), req.n)
-
-
-def completion_job(req: CompletionRequest) -> Job:
+    """The jobs of every choice: `n` per prompt, prompt by prompt."""
     if req.echo:
         raise RequestError("echo is not supported", "echo")
     if req.suffix:
         raise RequestError("suffix is not supported", "suffix")
     if req.strata_prefix is not None and req.strata_prefix.messages:
         raise RequestError("a completion has no messages; pin tokens", "strata_prefix.messages")
-    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return Job(
-        prompt=prompt,
-        max_tokens=req.max_tokens or 16,
-        logprobs=req.logprobs,
-        **_common(req),  # type: ignore[arg-type]
-    )
+    prompts, n = _prompts(req.prompt), req.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise RequestError(
+            f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; at most"
+            f" {MAX_CHOICES}",
+            "prompt" if n == 1 else "n",
+        )
+    common = _common(req)
+    jobs = []
+    for prompt in prompts:
+        job = Job(
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_ids=None if isinstance(prompt, str) else prompt,
+            max_tokens=req.max_tokens or 16,
+            logprobs=req.logprobs,
+            **common,  # type: ignore[arg-type]
+        )
+        jobs += choices(job, n)
+    return jobs
 
 
 # --- responses --------------------------------------------------------------------------------
