@@ -70,10 +70,11 @@ def _tier_shares(stats: object) -> str:
     return ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in hits.items())
 
 
-def load_tokenizer(model: Model) -> Tokenizer:
+def load_tokenizer(model: Model, chat_template: str | None = None) -> Tokenizer:
+    """The model's tokenizer; `chat_template` (model.chat_template's text) replaces its own."""
     if model.source.is_dir():
-        return tokenizer_from_hf(model.source)
-    return tokenizer_from_gguf(model.metadata)
+        return tokenizer_from_hf(model.source, chat_template)
+    return tokenizer_from_gguf(model.metadata, chat_template)
 
 
 class Engine:
@@ -87,7 +88,9 @@ class Engine:
             torch.set_num_threads(config.engine.threads)
         t0 = time.monotonic()
         self.model = load_model(path)
-        self.tokenizer = load_tokenizer(self.model)
+        self.tokenizer = load_tokenizer(self.model, config.model.chat_template_text())
+        own = "the model's own" if self.tokenizer.chat_template else "ChatML (the model has none)"
+        log.info("chat template: %s", config.model.chat_template or own)
         self.timer = StageTimer(enabled=config.engine.decode_timing)
         self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
         # MoE models read their experts through the store (planned tiers, paced pinning,

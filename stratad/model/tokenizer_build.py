@@ -119,8 +119,9 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[st
     return [(left, right) for _, _, left, right in ranked]
 
 
-def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
-    """The tokenizer a GGUF's metadata describes (`tokenizer.ggml.model` gpt2 or llama)."""
+def tokenizer_from_gguf(meta: Mapping[str, Any], chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes (`tokenizer.ggml.model` gpt2 or llama);
+    `chat_template` replaces the GGUF's own (`model.chat_template`)."""
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
         raise ValueError(
@@ -155,7 +156,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
         else:
             pieces.append(_sentencepiece_bytes(text, byte_fallback=t == _BYTE))
 
-    template = meta.get("tokenizer.chat_template")
+    template = chat_template or meta.get("tokenizer.chat_template")
     declared = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     return Tokenizer(
         hf,
@@ -248,9 +249,10 @@ def _metaspace_prepends(step: Mapping[str, Any]) -> bool:
     )
 
 
-def tokenizer_from_hf(model_dir: Path) -> Tokenizer:
+def tokenizer_from_hf(model_dir: Path, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a HF model folder: tokenizer.json, tokenizer_config.json (bos, eos,
-    add_bos_token, chat_template), chat_template.jinja and generation_config.json (eos ids)."""
+    add_bos_token, chat_template), chat_template.jinja and generation_config.json (eos ids);
+    `chat_template` replaces the folder's own (`model.chat_template`)."""
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -304,6 +306,7 @@ def tokenizer_from_hf(model_dir: Path) -> Tokenizer:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    template = chat_template or template
 
     generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
     declared = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
