@@ -265,3 +265,62 @@ def test_unknown_model_is_404(client: openai.OpenAI, daemon: Daemon) -> None:
     for name in (served, "default"):  # its id, and the default model's built-in alias
         r = client.completions.create(model=name, prompt="hi", max_tokens=1)
         assert r.model == served
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"enum": ["Paris", "London", "Tokyo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates_on_every_draw(client: openai.OpenAI) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt: Any = {"type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True}}  # fmt: skip
+    messages: Any = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format=fmt, n=4, temperature=1.0, seed=5,
+        max_tokens=60,
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    # the same unconstrained: not JSON of this schema (so the grammar is what made it so)
+    free = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=1.0, seed=5, max_tokens=60
+    )
+    with pytest.raises((json.JSONDecodeError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free.choices[0].message.content or ""), PERSON)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format=fmt, temperature=1.0, seed=5,
+        max_tokens=60, stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_json_object_mode(client: openai.OpenAI, daemon: Daemon) -> None:
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+            response_format={"type": "json_object"},
+            temperature=0.7,
+            seed=seed,
+            max_tokens=80,
+        )
+        if r.choices[0].finish_reason == "stop":  # a reply cut at max_tokens is unfinished
+            assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+        else:
+            assert (r.choices[0].message.content or "").startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    status, err = _error(daemon, "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "x"}], "response_format": bad})
+    assert status == 400 and err["param"] == "response_format.json_schema.schema", err
+    assert "objectx" in err["message"]

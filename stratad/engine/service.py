@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from stratad.config import Config
-from stratad.engine import placement
+from stratad.engine import grammar, placement
 from stratad.engine.backend import OffloadTiers, free_vram, open_offload
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.offload import OffloadForward
@@ -232,6 +232,10 @@ class Engine:
                     f"logit_bias names token {token}; the vocabulary has ids 0 to {vocab - 1}",
                     "logit_bias",
                 )
+        if job.grammar is not None:
+            why = grammar.check(self.tokenizer, job.grammar)
+            if why is not None:
+                raise JobError(f"{job.grammar_param} cannot be followed: {why}", job.grammar_param)
         pin = 0
         if job.prefix_messages and job.messages is not None:
             head = [_plain(m) for m in job.messages[: job.prefix_messages]]
@@ -268,6 +272,7 @@ class Engine:
             stop=spec.stop,
             pin=prepared.pin,
             scope=spec.scope,
+            grammar=spec.grammar,
         )
         # one event per sampled token, the end-of-sequence token included
         n = 0

@@ -37,6 +37,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     """None: no log-probabilities; k: each token's, with the k likeliest alternatives."""
+    grammar: str | None = None
+    """A grammar (llguidance's JSON form) the output must follow, token by token."""
+    grammar_param: str = "response_format"
+    """The request field the grammar came from, named if the engine refuses it."""
     prefix_messages: int = 0
     """Pin the KV of the first N messages' tokens (the `strata_prefix` extension)."""
     prefix_tokens: int = 0

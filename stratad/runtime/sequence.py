@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stratad.engine.grammar import Constraint
 from stratad.engine.kv import KVCache
 from stratad.engine.sampling import Sample, Sampler, SamplingParams
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
@@ -27,6 +28,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     pin: int = 0  # leading prompt tokens to keep as a pinned prefix snapshot
     scope: str = ""  # whose prefixes it may reuse (and its own are kept under)
+    grammar: str | None = None  # llguidance's grammar the output must follow
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Sequence:
         self.pos = cache.length  # prompt tokens in the cache
         self.budget = min(req.max_tokens, max_context - len(req.prompt))
         self.sampler = Sampler(req.sampling)
+        self.constraint = Constraint(tokenizer, req.grammar) if req.grammar else None
         self.decoder = StreamDecoder(tokenizer)
         self.eos = tokenizer.eos_ids
         self.hold = max((len(s) for s in req.stop), default=0)
@@ -82,8 +85,11 @@ class Sequence:
 
     def sample(self, logits: torch.Tensor) -> GenerationEvent:
         """The next event from the logits [V] of the last position."""
-        drawn = self.sampler.draw(logits)
+        allowed = self.constraint.allowed() if self.constraint else None
+        drawn = self.sampler.draw(logits, allowed)
         token = self.token = drawn.token
+        if self.constraint is not None:
+            self.constraint.accept(token)
         self.sampled += 1
         if token in self.eos and not self.req.ignore_eos:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "stop")

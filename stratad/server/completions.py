@@ -21,6 +21,7 @@ from stratad.config import ServerConfig
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import openai as oa
+from stratad.server import structured
 from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
@@ -71,11 +72,17 @@ class Completions:
         self, body: bytes, chat: bool
     ) -> tuple[oa.ChatCompletionRequest | oa.CompletionRequest, list[Job]]:
         """The request and its jobs: one per choice (`n` per prompt), in choice order."""
+        req: oa.ChatCompletionRequest | oa.CompletionRequest
         if chat:
-            creq = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
-            return creq, oa.choices(oa.chat_job(creq, self.default_max_tokens), creq.n or 1)
-        treq = msgspec.json.decode(body, type=oa.CompletionRequest)
-        return treq, oa.completion_jobs(treq)
+            req = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
+            jobs = oa.choices(oa.chat_job(req, self.default_max_tokens), req.n or 1)
+        else:
+            req = msgspec.json.decode(body, type=oa.CompletionRequest)
+            jobs = oa.completion_jobs(req)
+        grammar = structured.response_grammar(req.response_format)
+        if grammar is not None:
+            jobs = [msgspec.structs.replace(j, grammar=grammar) for j in jobs]
+        return req, jobs
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:

@@ -8,7 +8,7 @@ schema cannot say (unsupported options set to non-default values) `to_job` check
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -64,6 +64,19 @@ class Message(_Struct, frozen=True):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Struct, frozen=True):
+    name: Annotated[str, msgspec.Meta(max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+    """the schema is enforced either way"""
+
+
+class ResponseFormat(_Struct, frozen=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
@@ -100,6 +113,8 @@ class _Sampling(_Struct, frozen=True):
     strata_prefix: StrataPrefix | None = None
     logit_bias: LogitBias | None = None
     """token id (as a string) -> added to its logit before sampling, -100 to 100"""
+    response_format: ResponseFormat | None = None
+    """json_object or json_schema: the output follows it, token by token"""
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
