@@ -324,3 +324,26 @@ def test_json_object_mode(client: openai.OpenAI, daemon: Daemon) -> None:
                          {"messages": [{"role": "user", "content": "x"}], "response_format": bad})
     assert status == 400 and err["param"] == "response_format.json_schema.schema", err
     assert "objectx" in err["message"]
+
+
+def test_unsupported_fields_are_refused_or_logged_once(daemon: Daemon) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in [
+        ({"tools": [tool]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+    ]:
+        status, err = _error(daemon, "/v1/chat/completions", {**chat, **extra})
+        assert status == 400 and err["param"] == param, err
+    for extra in [{"store": True}, {"metadata": {"a": "b"}}, {"strata_nonsense": 1},
+                  {"tools": None}, {"modalities": ["text"]}]:  # fmt: skip
+        for _ in range(2):
+            status, body = _error(daemon, "/v1/chat/completions", {**chat, **extra})
+            assert status == 200, body
+    log = daemon.log.read_text()
+    for name in ("store", "metadata", "strata_nonsense"):
+        assert log.count(f"request field '{name}' is ignored") == 1, log[-2000:]
+    assert "request field 'tools'" not in log

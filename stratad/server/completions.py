@@ -20,13 +20,15 @@ from aiohttp import web
 from stratad.config import ServerConfig
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
+from stratad.server import fields, structured
 from stratad.server import openai as oa
-from stratad.server import structured
 from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
 from stratad.server.validation import explain
 
+_CHAT_FIELDS = fields.known_fields(oa.ChatCompletionRequest)
+_TEXT_FIELDS = fields.known_fields(oa.CompletionRequest)
 WATCH_INTERVAL_S = 0.025
 TOKENIZER_THREADS = 2  # prompts tokenized at once; the rest wait (holding their queue place)
 
@@ -79,6 +81,7 @@ class Completions:
         else:
             req = msgspec.json.decode(body, type=oa.CompletionRequest)
             jobs = oa.completion_jobs(req)
+        fields.check(body, _CHAT_FIELDS if chat else _TEXT_FIELDS)
         grammar = structured.response_grammar(req.response_format)
         if grammar is not None:
             jobs = [msgspec.structs.replace(j, grammar=grammar) for j in jobs]
