@@ -1,10 +1,13 @@
 """Which kernel tuning table fits the installed GPU stack (selection only: no torch, no tuner).
 
 A table is a JSON file named `<arch>-<backend>-<version>.json`, e.g. `gfx1100-rocm-7.2.0.json`
-or `sm90-cuda-12.8.json`: launch settings measured on that GPU architecture with that runtime.
-Settings tuned under one compiler and runtime can be slow (or wrong) under another, so only an
-exact match of all three parts is used; anything else runs the kernels' default settings, and
-says so. The version is ROCm's `major.minor.patch`, or CUDA's `major.minor`.
+or `sm90-cuda-12.8.json`: launch settings measured on that GPU architecture with that runtime
+(`kernels.table_file` reads its content). The version is ROCm's `major.minor.patch`, or CUDA's
+`major.minor`. Lookup: the exact stack; else the table of the nearest runtime version of the
+same architecture and backend, with one WARNING naming both versions (settings tuned under one
+compiler can be slower under another; the table's header may record by how much); else the
+kernels' default settings, said once. Shipped tables live in `kernels/tables/` (package data);
+`stratactl tune` writes to the state directory, which shadows them.
 
 Detection reads files, so tests point it at a fake tree (`root`):
 - ROCm: `<rocm>/.info/version` (or `include/rocm-core/rocm_version.h`) for the version, and the
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from kernels import table_file
+
 PACKAGED_DIR = Path(__file__).parent / "tables"
 STATE_DIR = Path("/var/lib/strata/tables")  # where `stratactl tune` writes (StateDirectory)
 SEARCH_PATH = (STATE_DIR, PACKAGED_DIR)
@@ -33,6 +38,7 @@ _NAME = re.compile(
     r"^(?P<arch>(gfx[0-9a-f]+|sm[0-9]+a?))-(?P<backend>rocm|cuda)-(?P<version>\d+(\.\d+)*)\.json$"
 )
 
+NEAREST: Literal["nearest-version"] = "nearest-version"
 COST = (
     "the kernels run with their default launch settings: expect slower prefill and decode"
     " (upstream users measured up to 45% less prompt speed on a mismatched stack)"
@@ -198,13 +204,18 @@ def detect(
 class Choice:
     stack: Stack
     path: Path | None  # the table to use, or None
-    reason: Literal["match", "no-table", "other-version", "other-arch", "refused"]
+    reason: Literal["match", "nearest-version", "no-table", "other-arch", "refused"]
     message: str
     others: tuple[Path, ...] = field(default=())  # tables that exist but do not fit
 
     @property
     def matched(self) -> bool:
+        """A table is used (the exact one, or the nearest version's)."""
         return self.path is not None
+
+    @property
+    def exact(self) -> bool:
+        return self.reason == "match"
 
 
 def available(dirs: Sequence[Path] = SEARCH_PATH) -> list[tuple[Path, Stack]]:
@@ -218,13 +229,30 @@ def available(dirs: Sequence[Path] = SEARCH_PATH) -> list[tuple[Path, Stack]]:
     return sorted(seen.values(), key=lambda t: t[1])
 
 
-def _declared_key(path: Path) -> str | None:
-    """The `key` a table declares inside (if it does): it must agree with its name."""
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+def nearest_version(version: str, others: Sequence[str]) -> str:
+    """The version in `others` nearest to `version`: the smallest difference in the first part
+    that differs (13.0 -> 12.8 over 11.8; 7.2.1 -> 7.2.0 over 7.1.0); a tie goes to the older."""
+
+    def distance(other: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        a, b = version_tuple(version), version_tuple(other)
+        width = max(len(a), len(b))
+        a, b = a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
+        return tuple(abs(x - y) for x, y in zip(a, b, strict=True)), b
+
+    return min(others, key=distance)
+
+
+def _header_problem(path: Path, stack: Stack) -> tuple[str | None, str | None]:
+    """(why the table at `path` is refused, or None; the mismatch cost its header records)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("key") if isinstance(data, dict) and isinstance(data.get("key"), str) else None
+        header = table_file.header_of(table_file.load(path), stack.key, str(path))
+    except table_file.TableFileError as err:
+        return str(err), None
+    return None, header.mismatch_cost
 
 
 def select(stack: Stack, dirs: Sequence[Path] = SEARCH_PATH) -> Choice:
@@ -232,22 +260,28 @@ def select(stack: Stack, dirs: Sequence[Path] = SEARCH_PATH) -> Choice:
     where = ", ".join(str(d) for d in dirs)
     for path, s in tables:
         if s == stack:
-            declared = _declared_key(path)
-            if declared is not None and declared != stack.key:
-                return Choice(stack, None, "refused",
-                              f"{path} is named for {stack.key} but says it was tuned for"
-                              f" {declared}: refused; {COST}", (path,))
+            problem, _ = _header_problem(path, stack)
+            if problem is not None:
+                return Choice(stack, None, "refused", f"{problem}: refused; {COST}", (path,))
             return Choice(stack, path, "match", f"{stack.key}: using {path}")
-    same_arch = [(p, s) for p, s in tables if s.arch == stack.arch and s.backend == stack.backend]
+    same_arch = {s.version: (p, s) for p, s in tables
+                 if s.arch == stack.arch and s.backend == stack.backend}
     same_version = [(p, s) for p, s in tables
                     if s.backend == stack.backend and s.version == stack.version]
     if same_arch:
-        versions = ", ".join(s.version for _, s in same_arch)
-        return Choice(stack, None, "other-version",
-                      f"no tuning table for {stack.key}: tables for {stack.arch} exist only for"
-                      f" {stack.backend} {versions}, and a table is never used across runtime"
-                      f" versions; {COST}. Write one for this stack with `stratactl tune`.",
-                      tuple(p for p, _ in same_arch))
+        path, near = same_arch[nearest_version(stack.version, list(same_arch))]
+        problem, cost = _header_problem(path, near)
+        if problem is not None:
+            return Choice(stack, None, "refused", f"no tuning table for {stack.key}, and the"
+                          f" nearest version's {problem}: refused; {COST}", (path,))
+        measured = (f"measured cost of a mismatch: {cost}" if cost else
+                    "the cost of the mismatch was not measured")
+        return Choice(stack, path, NEAREST,
+                      f"no tuning table for {stack.key}: using {path}, tuned for {stack.backend}"
+                      f" {near.version}, on {stack.backend} {stack.version} (settings tuned under"
+                      f" another runtime version can be slower; {measured}). Write one for this"
+                      " stack with `stratactl tune`.",
+                      tuple(p for p, _ in same_arch.values() if p != path))
     if same_version:
         archs = ", ".join(s.arch for _, s in same_version)
         return Choice(stack, None, "other-arch",

@@ -1,11 +1,10 @@
 """The launch settings of the offload engine's kernels, and the tuning-table file that holds them.
 
-A table (`kernels.tables` names and selects it) is JSON:
+A table (`kernels.tables` names and selects it; `kernels.table_file` describes the file) holds
+per shape bucket:
 
-    {"key": "sm90-cuda-13.0",
-     "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
-                 "dequant": {...}, "prefetch": {...}, "linear": {...}},
-     "shapes": {...}, "measured_us": {...}}     # what it was tuned on, for the reader
+    "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
+                "dequant": {...}, "prefetch": {...}, "linear": {...}}
 
 A kernel missing from "kernels" keeps its defaults; an unknown kernel or setting, or a value
 that is not a positive integer, is refused with the file and the key named, since a table
@@ -15,6 +14,7 @@ that half-applies is worse than none.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from kernels.dequant import DequantConfig
 from kernels.expert_fetch import FetchConfig
 from kernels.linear import LinearConfig
 from kernels.moe import MoeConfig
+from kernels.table_file import TableFileError, buckets_of, nearest_bucket
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,20 @@ class TuningTableError(ValueError):
     pass
 
 
-def configs_from_json(data: Any, source: str = "table") -> KernelConfigs:
-    """The settings a table's JSON holds, on top of the defaults."""
-    kernels = data.get("kernels") if isinstance(data, dict) else None
-    if not isinstance(kernels, dict):
-        raise TuningTableError(f"{source}: no \"kernels\" object")
+def configs_from_json(
+    data: Any, source: str = "table", shapes: Mapping[str, int] | None = None
+) -> KernelConfigs:
+    """The settings a table's JSON holds for the bucket nearest `shapes`, on top of the
+    defaults."""
+    try:
+        bucket = nearest_bucket(buckets_of(data, source), shapes)
+    except TableFileError as err:
+        raise TuningTableError(str(err)) from None
+    return configs_from_kernels(bucket.kernels, source)
+
+
+def configs_from_kernels(kernels: Mapping[str, Any], source: str = "table") -> KernelConfigs:
+    """One bucket's {kernel: {setting: value}} on top of the defaults."""
     out = KernelConfigs()
     for name, settings in kernels.items():
         if name not in KERNELS:
@@ -92,9 +102,9 @@ def configs_to_json(configs: KernelConfigs) -> dict[str, dict[str, int]]:
     return {name: asdict(getattr(configs, name)) for name in KERNELS}
 
 
-def load_configs(path: Path) -> KernelConfigs:
+def load_configs(path: Path, shapes: Mapping[str, int] | None = None) -> KernelConfigs:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise TuningTableError(f"{path}: cannot read the table ({err})") from err
-    return configs_from_json(data, str(path))
+    return configs_from_json(data, str(path), shapes)

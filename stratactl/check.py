@@ -269,7 +269,7 @@ def check_tables(root: Path, gpu: bool) -> Result:
     if not found.stacks:
         return Result("tables", "warn", "; ".join(found.notes))
     choices = [tables.select(s) for s in found.stacks]
-    return Result("tables", "ok" if all(c.matched for c in choices) else "warn",
+    return Result("tables", "ok" if all(c.exact for c in choices) else "warn",
                   " | ".join(c.message for c in choices))
 
 

@@ -1,8 +1,10 @@
 """`stratactl tables select|list`: the kernel tuning table that fits this GPU stack.
 
 `select` detects the GPU architecture and the installed ROCm (or CUDA) version and names the
-table that matches exactly, or says that none does and what that costs. Exit 0 on a match,
-3 when no table matches (the daemon still runs, slower), 1 when the stack cannot be detected.
+table that matches exactly; else the nearest runtime version's table of the same architecture
+(which the daemon uses, with a warning), or says that none fits and what that costs. Exit 0 on
+an exact match, 3 otherwise (the daemon still runs, perhaps slower), 1 when the stack cannot be
+detected.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({
             "notes": list(notes),
-            "choices": [{"stack": c.stack.key, "matched": c.matched, "reason": c.reason,
+            "choices": [{"stack": c.stack.key, "matched": c.matched, "exact": c.exact,
+                         "reason": c.reason,
                          "path": str(c.path) if c.path else None, "message": c.message,
                          "others": [str(p) for p in c.others]} for c in choices],
         })
@@ -78,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"detected: {note}")
         for c in choices:
-            print(f"{'ok  ' if c.matched else 'warn'} {c.message}")
-    return 0 if all(c.matched for c in choices) else EXIT_NO_MATCH
+            print(f"{'ok  ' if c.exact else 'warn'} {c.message}")
+    return 0 if all(c.exact for c in choices) else EXIT_NO_MATCH

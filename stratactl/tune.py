@@ -3,7 +3,10 @@
 Candidate launch settings of each kernel (fused MoE, expert fetch, decode attention, prefill
 dequantization) run at a model's shapes; the fastest that reproduces the default's result is
 kept. The table is named for this GPU stack (`<arch>-<backend>-<version>.json`), where
-`stratactl tables select` and the daemon look for it; the daemon reads it at start.
+`stratactl tables select` and the daemon look for it; the daemon reads it at start. Its header
+names the arch, runtime, Triton and torch versions and the device; each model shape tuned is a
+bucket: tuning another model adds its bucket to the stack's table (the same shapes replace
+theirs), keeping the header's measured mismatch cost and the A/B switch defaults.
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
     say(f"tuning for {stack.key} at {shapes}")
     best, measured = tune(shapes, device, wanted, quick=args.quick, progress=say)
-    table = {"key": stack.key, "kernels": configs_to_json(best), "measured_us": measured,
-             "shapes": shapes.__dict__, "device": _device_name(torch, device)}  # fmt: skip
+    bucket = {"shapes": shapes.__dict__, "kernels": configs_to_json(best),
+              "measured_us": measured}  # fmt: skip
+    path = args.out / stack.file_name
+    table = _merged(path, stack, bucket, _header(torch, device, stack))
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / stack.file_name
         path.write_text(json.dumps(table, indent=1) + "\n")
     except OSError as err:
         return fail(f"cannot write the table in {args.out}: {err}")
@@ -108,5 +112,33 @@ def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                   p.n_experts)  # fmt: skip
 
 
-def _device_name(torch, device) -> str:  # type: ignore[no-untyped-def]
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+def _header(torch, device, stack: tables.Stack) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    return {"arch": stack.arch, "backend": stack.backend, "runtime": stack.version,
+            "triton": str(triton.__version__), "torch": str(torch.__version__),
+            "device": name}  # fmt: skip
+
+
+def _merged(path: Path, stack: tables.Stack, bucket: dict, header: dict) -> dict:  # type: ignore[type-arg]
+    """The table to write: the existing one's other buckets, switches and measured mismatch
+    cost kept (an unreadable one is replaced), this run's bucket and header."""
+    from kernels import table_file
+
+    try:
+        old = table_file.read(path, stack.key) if path.exists() else None
+    except table_file.TableFileError:
+        old = None
+    buckets = [bucket]
+    if old is not None:
+        if old.header.mismatch_cost:
+            header = {**header, "mismatch_cost": old.header.mismatch_cost}
+        buckets += [{"shapes": dict(b.shapes), "kernels": dict(b.kernels),
+                     "measured_us": dict(b.measured_us)}
+                    for b in old.buckets if dict(b.shapes) != bucket["shapes"]]  # fmt: skip
+    table = {"key": stack.key, "header": header, "buckets": buckets}
+    if old is not None and old.switches:
+        table["switches"] = {n: {"value": s.value, "ab": dict(s.ab)}
+                             for n, s in old.switches.items()}  # fmt: skip
+    return table

@@ -20,7 +20,7 @@ import torch
 from stratad.config import Config
 from stratad.engine.experts import kernel_layouts
 from stratad.engine.host_experts import HostExperts, default_lock
-from stratad.engine.kernel_table import kernel_configs
+from stratad.engine.kernel_table import kernel_configs, model_shapes
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import StartPlan
 from stratad.engine.stages import StagedForward
@@ -108,7 +108,8 @@ def open_offload(
         dtype=start.dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
-        kernels=kernel_configs(device.type), prefetch=config.engine.prefetch,
+        kernels=kernel_configs(device.type, model_shapes(model.spec)),
+        prefetch=config.engine.prefetch,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

@@ -1,32 +1,75 @@
-"""Which launch settings the offload engine's kernels use: the tuning table that matches this
-GPU stack exactly (`kernels.tables`), else the kernels' defaults. One log line at start says
-which, and what a missing table costs."""
+"""Which launch settings the offload engine's kernels use: the tuning table for this GPU stack
+(`kernels.tables`: the exact one, else the nearest runtime version's with a WARNING), at the
+shape bucket nearest the model's, else the kernels' defaults. One log line at start says which,
+and what a missing table costs."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kernels import tables
-from kernels.tuning import INTERPRETED, KernelConfigs, TuningTableError, load_configs
+from kernels import table_file, tables
+from kernels.tuning import INTERPRETED, KernelConfigs, TuningTableError, configs_from_kernels
+from stratad.model.spec import ModelSpec
 
 log = logging.getLogger("stratad.engine")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the engine runs with, and the one line that says why."""
+
+    configs: KernelConfigs
+    level: int  # INFO: the exact table, or the defaults; WARNING: another version's, or refused
+    message: str
+    choice: tables.Choice | None = None
+    shapes: Mapping[str, int] = field(default_factory=dict)  # the bucket used (empty: none)
+    switches: Mapping[str, str | int | bool] = field(default_factory=dict)  # A/B/A defaults
+
+
+def lookup(
+    stack: tables.Stack,
+    shapes: Mapping[str, int] | None = None,
+    dirs: Sequence[Path] = tables.SEARCH_PATH,
+) -> Lookup:
+    """The table for one stack at the bucket nearest `shapes`: a pure function of the tables
+    in `dirs`."""
+    choice = tables.select(stack, dirs)
+    if choice.path is None:
+        level = logging.WARNING if choice.reason == "refused" else logging.INFO
+        return Lookup(KernelConfigs(), level, choice.message, choice)
+    try:
+        table = table_file.read(choice.path, choice.path.name.removesuffix(".json"))
+        bucket = table.bucket_for(shapes)
+        configs = configs_from_kernels(bucket.kernels, str(choice.path))
+    except (table_file.TableFileError, TuningTableError) as err:
+        return Lookup(KernelConfigs(), logging.WARNING, f"{err}: refused; {tables.COST}", choice)
+    where = f" (bucket {_fmt_shapes(bucket.shapes)})" if len(table.buckets) > 1 else ""
+    level = logging.INFO if choice.exact else logging.WARNING
+    return Lookup(configs, level, f"kernel tuning table {choice.message}{where}", choice,
+                  bucket.shapes, table.switch_values)  # fmt: skip
 
 
 def configs_for(
     stack: tables.Stack, dirs: Sequence[Path] = tables.SEARCH_PATH
 ) -> tuple[KernelConfigs, int, str]:
-    """(settings, log level, message) for one stack: a pure function of the tables in `dirs`."""
-    choice = tables.select(stack, dirs)
-    if choice.path is None:
-        return KernelConfigs(), logging.WARNING, choice.message
-    try:
-        configs = load_configs(choice.path)
-    except TuningTableError as err:
-        return KernelConfigs(), logging.WARNING, f"{err}: refused; {tables.COST}"
-    return configs, logging.INFO, f"kernel tuning table {choice.message}"
+    """(settings, log level, message) for one stack, at the table's first bucket."""
+    found = lookup(stack, None, dirs)
+    return found.configs, found.level, found.message
+
+
+def model_shapes(spec: ModelSpec) -> dict[str, int]:
+    """A model's shapes under the names a table's buckets use (what `stratactl tune` writes)."""
+    from stratad.engine.tuner import Shapes
+
+    return asdict(Shapes.of(spec))
+
+
+def _fmt_shapes(shapes: Mapping[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shapes.items()) or "-"
 
 
 def this_stack() -> tables.Stack | str:
@@ -58,15 +101,21 @@ def this_stack() -> tables.Stack | str:
     return tables.parse_name(name) or f"{why}; torch's runtime ({name[:-5]}) is not a table name"
 
 
-def kernel_configs(device_type: str) -> KernelConfigs:
-    """The settings for the GPU this process runs on (on the CPU, the interpreter's, without
-    a line)."""
+def kernel_configs(
+    device_type: str,
+    shapes: Mapping[str, int] | None = None,
+    stack: tables.Stack | str | None = None,
+    dirs: Sequence[Path] = tables.SEARCH_PATH,
+) -> KernelConfigs:
+    """The settings for the GPU this process runs on (`stack`, detected unless given), at the
+    bucket nearest the model's `shapes`, said in one line (on the CPU, the interpreter's,
+    without a line)."""
     if device_type == "cpu":
         return INTERPRETED
-    stack = this_stack()
+    stack = this_stack() if stack is None else stack
     if isinstance(stack, str):
-        log.warning("kernel tuning table: %s; %s", stack, tables.COST)
+        log.info("kernel tuning table: %s; %s", stack, tables.COST)
         return KernelConfigs()
-    configs, level, message = configs_for(stack)
-    log.log(level, "%s", message)
-    return configs
+    found = lookup(stack, shapes, dirs)
+    log.log(found.level, "%s", found.message)
+    return found.configs

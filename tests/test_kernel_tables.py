@@ -1,0 +1,187 @@
+"""Tuning-table lookup: the file format (header, buckets, switches), the exact stack, the nearest
+runtime version of the same arch with one WARNING naming both, none (the defaults, one INFO
+line), the nearest shape bucket; and the tables shipped in kernels/tables/ all read."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kernels import table_file, tables
+from kernels.expert_fetch import FetchConfig
+from kernels.moe import MoeConfig
+from kernels.tuning import KernelConfigs, TuningTableError, configs_from_json, load_configs
+from stratad.engine.kernel_table import kernel_configs, lookup
+
+ROOT = Path(__file__).resolve().parents[1]
+A3B = {"hidden": 2048, "ffn": 768, "top_k": 8, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128,
+       "n_experts": 128}  # fmt: skip
+SMALL = {**A3B, "hidden": 1024, "ffn": 256, "n_experts": 64}
+
+
+def write(d: Path, key: str, **extra: object) -> Path:
+    d.mkdir(exist_ok=True)
+    body = {"key": key, "header": {"triton": "3.5.0", "torch": "2.9.0", "device": "GPU"},
+            "buckets": [{"shapes": A3B, "kernels": {"moe": {"block_n": 64}}}], **extra}
+    path = d / f"{key}.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def stack(key: str) -> tables.Stack:
+    s = tables.parse_name(f"{key}.json")
+    assert s is not None
+    return s
+
+
+def test_parse_header_buckets_and_switches(tmp_path: Path) -> None:
+    path = write(tmp_path, "sm90-cuda-13.0",
+                 switches={"gpu_miss": {"value": "in_place", "ab": {"real": True}}})
+    t = table_file.read(path, "sm90-cuda-13.0")
+    assert (t.header.arch, t.header.backend, t.header.runtime) == ("sm90", "cuda", "13.0")
+    assert (t.header.triton, t.header.torch, t.header.device) == ("3.5.0", "2.9.0", "GPU")
+    assert t.header.mismatch_cost is None and t.buckets[0].shapes == A3B
+    assert t.switch_values == {"gpu_miss": "in_place"} and t.switches["gpu_miss"].ab["real"]
+
+
+def test_a_table_in_the_first_format_reads_as_one_bucket() -> None:
+    old = {"key": "sm90-cuda-12.8", "kernels": {"fetch": {"chunk": 32768}}, "shapes": A3B,
+           "measured_us": {}, "device": "NVIDIA H200"}  # fmt: skip
+    t = table_file.parse(old, "sm90-cuda-12.8")
+    assert len(t.buckets) == 1 and t.header.device == "NVIDIA H200"
+    assert configs_from_json(old) == replace(KernelConfigs(), fetch=FetchConfig(chunk=32768))
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"key": "sm90-cuda-12.8", "kernels": {}}, "says it was tuned for sm90-cuda-12.8"),
+        ({"header": {"runtime": "12.8"}, "kernels": {}}, "its header says sm90-cuda-12.8"),
+        ({"header": {"cuda": "13.0"}, "kernels": {}}, "unknown header field cuda"),
+        ({"buckets": []}, "not a non-empty list"),
+        ({"buckets": [{"shapes": {"hidden": "2K"}, "kernels": {}}]}, "object of integers"),
+        ({"kernels": {}, "switches": {"gpu_miss": "copy"}}, "switches.gpu_miss: expected"),
+    ],
+)
+def test_bad_files_are_refused_with_the_key_named(body: dict, match: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(table_file.TableFileError, match=match):
+        table_file.parse(body, "sm90-cuda-13.0", "t.json")
+
+
+def test_exact_match_is_said_at_info(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write(tmp_path, "sm90-cuda-12.8")
+    path = write(tmp_path, "sm90-cuda-13.0")
+    with caplog.at_level(logging.INFO, "stratad.engine"):
+        got = kernel_configs("cuda", A3B, stack("sm90-cuda-13.0"), [tmp_path])
+    assert got == replace(KernelConfigs(), moe=MoeConfig(block_n=64))
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, f"kernel tuning table sm90-cuda-13.0: using {path}")]
+    assert tables.select(stack("sm90-cuda-13.0"), [tmp_path]).exact
+
+
+def test_nearest_version_is_used_with_one_warning_naming_both(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path, "sm90-cuda-11.8")
+    near = write(tmp_path, "sm90-cuda-12.8", header={
+        "mismatch_cost": "decode -4%, prefill -11% on cuda 13.0"})
+    write(tmp_path, "sm80-cuda-13.0")  # the same version on another arch is no candidate
+    with caplog.at_level(logging.INFO, "stratad.engine"):
+        got = kernel_configs("cuda", A3B, stack("sm90-cuda-13.0"), [tmp_path])
+    assert got.moe == MoeConfig(block_n=64)
+    assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
+    line = caplog.records[0].getMessage()
+    assert f"no tuning table for sm90-cuda-13.0: using {near}, tuned for cuda 12.8, on cuda" \
+        " 13.0" in line
+    assert "measured cost of a mismatch: decode -4%, prefill -11% on cuda 13.0" in line
+    choice = tables.select(stack("sm90-cuda-13.0"), [tmp_path])
+    assert choice.reason == "nearest-version" and choice.matched and not choice.exact
+    # without a recorded cost the line says it was not measured
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "stratad.engine"):
+        kernel_configs("cuda", A3B, stack("sm90-cuda-11.7"), [tmp_path])
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "tuned for cuda 11.8, on cuda 11.7" in caplog.records[0].getMessage()
+    assert "the cost of the mismatch was not measured" in caplog.records[0].getMessage()
+
+
+def test_nearest_version_rule() -> None:
+    assert tables.nearest_version("13.0", ["11.8", "12.8", "13.2"]) == "13.2"
+    assert tables.nearest_version("12.8", ["12.6", "12.9", "13.0"]) == "12.9"
+    assert tables.nearest_version("12.8", ["12.7", "12.9"]) == "12.7"  # a tie: the older
+    assert tables.nearest_version("7.2.1", ["7.1.0", "7.2.0", "6.4.3"]) == "7.2.0"
+
+
+def test_no_table_runs_the_defaults_said_once_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path, "gfx1100-rocm-7.2.0")  # another arch and backend
+    with caplog.at_level(logging.INFO, "stratad.engine"):
+        got = kernel_configs("cuda", A3B, stack("sm90-cuda-13.0"), [tmp_path])
+    assert got == KernelConfigs()
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "no tuning table for sm90-cuda-13.0" in caplog.records[0].getMessage()
+
+
+def test_a_broken_table_is_refused_at_warning(tmp_path: Path) -> None:
+    (tmp_path / "sm90-cuda-13.0.json").write_text('{"kernels": {"moe": {"block_m": 4}}}')
+    found = lookup(stack("sm90-cuda-13.0"), A3B, [tmp_path])
+    assert found.configs == KernelConfigs() and found.level == logging.WARNING
+    assert "kernels.moe.block_m" in found.message and "refused" in found.message
+
+
+def test_a_shape_between_buckets_takes_the_nearest(tmp_path: Path) -> None:
+    write(tmp_path, "sm90-cuda-13.0", buckets=[
+        {"shapes": SMALL, "kernels": {"moe": {"block_n": 8}}},
+        {"shapes": A3B, "kernels": {"moe": {"block_n": 64}}},
+    ], switches={"gpu_miss": {"value": "in_place"}})
+    s = stack("sm90-cuda-13.0")
+    between_near_a3b = {**A3B, "hidden": 1536, "ffn": 640}
+    between_near_small = {**SMALL, "hidden": 1280, "ffn": 320}
+    assert lookup(s, between_near_a3b, [tmp_path]).configs.moe.block_n == 64
+    found = lookup(s, between_near_small, [tmp_path])
+    assert found.configs.moe.block_n == 8 and found.shapes == SMALL
+    assert "(bucket hidden=1024 ffn=256" in found.message
+    assert found.switches == {"gpu_miss": "in_place"}
+    assert load_configs(tmp_path / "sm90-cuda-13.0.json", between_near_small).moe.block_n == 8
+    assert load_configs(tmp_path / "sm90-cuda-13.0.json").moe.block_n == 8  # none: the first
+    with pytest.raises(TuningTableError, match="not a non-empty list"):
+        configs_from_json({"buckets": []})
+
+
+def test_shipped_tables_read_and_are_package_data() -> None:
+    shipped = ROOT / "kernels" / "tables"
+    assert shipped == tables.PACKAGED_DIR and shipped.is_dir()
+    assert 'kernels = ["tables/*.json"]' in (ROOT / "pyproject.toml").read_text()
+    for path in shipped.glob("*.json"):
+        s = tables.parse_name(path.name)
+        assert s is not None, f"{path.name}: not ARCH-BACKEND-VERSION.json"
+        found = lookup(s, A3B, [shipped])
+        assert found.choice is not None and found.choice.exact, found.message
+        t = table_file.read(path, s.key)
+        assert t.header.triton and t.header.torch and all(b.shapes for b in t.buckets)
+
+
+def test_tuning_another_model_adds_its_bucket(tmp_path: Path) -> None:
+    from stratactl.tune import _merged
+
+    s = stack("sm90-cuda-13.0")
+    path = write(tmp_path, s.key, header={"mismatch_cost": "prefill -9% on 12.8"},
+                 switches={"gpu_miss": {"value": "copy", "ab": {"real": False}}})
+    header = {"arch": "sm90", "backend": "cuda", "runtime": "13.0", "triton": "3.6.0",
+              "torch": "2.10.0", "device": "GPU"}  # fmt: skip
+    small = {"shapes": SMALL, "kernels": {"moe": {"block_n": 8}}, "measured_us": {}}
+    merged = _merged(path, s, small, header)
+    t = table_file.parse(merged, s.key)
+    assert [b.shapes for b in t.buckets] == [SMALL, A3B] and t.header.triton == "3.6.0"
+    assert t.header.mismatch_cost == "prefill -9% on 12.8" and t.switch_values == {
+        "gpu_miss": "copy"}
+    again = {"shapes": A3B, "kernels": {"moe": {"block_n": 16}}, "measured_us": {}}
+    path.write_text(json.dumps(merged))
+    t = table_file.parse(_merged(path, s, again, header), s.key)
+    assert [(b.shapes, b.kernels) for b in t.buckets] == [
+        (A3B, {"moe": {"block_n": 16}}), (SMALL, {"moe": {"block_n": 8}})]
