@@ -121,5 +121,19 @@ def test_accept_errors_are_logged_once_in_a_while(daemon: Daemon) -> None:
     assert daemon.get("/health")[0] == 200
 
 
+def test_malformed_requests_get_400_and_one_line_in_a_while(daemon: Daemon) -> None:
+    """aiohttp logs a request head it cannot parse as an ERROR with a traceback; a client
+    could fill the log with them. Found by schemathesis's probe (a NUL byte in a header)."""
+    for head in (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Probe: \x00\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nNo colon here\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Probe: \x00\r\n\r\n"):  # fmt: skip
+        with _connect(daemon) as sock:
+            sock.sendall(head)
+            assert sock.recv(65536).split(b" ", 2)[1] == b"400"
+    log = daemon.log.read_text()
+    assert log.count("WARNING stratad.server: answered a malformed request from 127.0.0.1") == 1
+    assert "Traceback" not in log and "Error handling request" not in log
+
+
 def test_log_has_no_errors(daemon: Daemon) -> None:
     assert daemon.log_errors() == []

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_server import Server as WebServer
 
 from stratad.config import ServerConfig
@@ -38,7 +39,31 @@ def handler_args(config: ServerConfig) -> dict[str, Any]:
         "keepalive_timeout": config.idle_timeout_s,
         # after an answer that left the body unread (413, 408): read and drop it this long
         "lingering_time": min(config.body_timeout_s, 10.0),
+        "logger": _HTTP_LOG,
     }
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a NUL byte in a header, a broken request
+    line) with 400 and logs it as an ERROR with a traceback: a client's doing, as often as a
+    client likes. Such a record becomes one WARNING line now and then; the others pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._say = RateLimitedLog(log)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        what = " ".join(str(exc.message).split())[:200]
+        self._say(logging.WARNING, "answered a malformed request from %s with %d: %s",
+                  remote, exc.code, what)  # fmt: skip
+        return False
+
+
+_HTTP_LOG = logging.getLogger("stratad.server.http")  # aiohttp's request handlers log here
 
 
 class RateLimitedLog:
@@ -157,3 +182,6 @@ class CappedSite(web.BaseSite):
         self._server = await loop.create_server(connection, self.host, self.port, backlog=128,
                                                 reuse_address=True)  # fmt: skip
         self.started = True
+
+
+_HTTP_LOG.addFilter(MalformedRequests())
