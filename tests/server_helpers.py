@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemon import running_daemon
 
@@ -127,12 +128,13 @@ class Daemon:
         return dict(json.loads(self.get("/health")[1]))
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics: `name{labels}` -> value."""
+        """Every sample of /metrics, read by prometheus_client's parser: `name{labels}` ->
+        value, the `model_name` label left out (one model is served)."""
         out = {}
-        for line in self.get("/metrics")[1].decode().splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
+        for family in text_string_to_metric_families(self.get("/metrics")[1].decode()):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items() if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
     def log_errors(self) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_helpers import Daemon, shared_daemon
 
@@ -67,7 +68,7 @@ def test_tokenize_messages_counts_what_a_chat_request_does(daemon: Daemon) -> No
         ("/tokenize", {"content": 5}, "content"),
         ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
         ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
-        ("/detokenize", {"content": "x"}, None),
+        ("/detokenize", {"content": "x"}, "content"),
     ],
 )
 def test_bad_token_bodies_are_400(
@@ -125,3 +126,50 @@ def test_model_by_id(daemon: Daemon) -> None:
     assert isinstance(body, dict) and "gpt-4o" in body["message"]
     status, _ = daemon.get("/v1/models/tiny-moe.gguf")
     assert status == 401  # the key guards it as it does /v1/models
+
+
+def _families(daemon: Daemon) -> dict[str, Any]:
+    status, raw = daemon.get("/metrics")
+    assert status == 200
+    return {f.name: f for f in text_string_to_metric_families(raw.decode())}
+
+
+def _sum(family: Any, sample: str | None = None) -> float:
+    return sum(s.value for s in family.samples if sample is None or s.name == sample)
+
+
+def test_metrics_parse_and_the_expert_families_move(daemon: Daemon) -> None:
+    before = _families(daemon)
+    daemon.client().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Count the experts."}], max_tokens=6
+    )
+    after = _families(daemon)
+    model = {"model_name": "tiny-moe.gguf"}
+    # vLLM's names, with the model as a label
+    for name in ("strata:num_requests_running", "strata:num_requests_waiting",
+                 "strata:prompt_tokens", "strata:generation_tokens",
+                 "strata:time_to_first_token_seconds", "strata:e2e_request_latency_seconds"):
+        assert all(s.labels.items() >= model.items() for s in after[name].samples), name
+    ttft = "strata:time_to_first_token_seconds_count"
+    assert _sum(after["strata:time_to_first_token_seconds"], ttft) == 1 + _sum(
+        before["strata:time_to_first_token_seconds"], ttft
+    )
+    # the expert store, read from the store itself: lookups by tier move with a request
+    lookups = {s.labels["tier"]: s.value for s in after["strata:expert_lookups"].samples}
+    assert set(lookups) == {"vram", "ram", "file"}
+    assert sum(lookups.values()) > _sum(before["strata:expert_lookups"])
+    experts = {s.labels["tier"]: s.value for s in after["strata:expert_coverage_experts"].samples}
+    assert sum(experts.values()) > 0 and set(experts) == {"vram", "ram", "file_only"}
+    mass = _sum(after["strata:expert_coverage_routed_mass"])
+    assert 0 <= mass <= 1
+    assert _sum(after["strata:expert_coverage_complete"]) == (experts["file_only"] == 0)
+    (plan,) = after["strata:expert_plan_info"].samples  # an info metric: a gauge at 1
+    assert plan.value == 1 and len(plan.labels["plan_hash"]) >= 8
+    assert _sum(after["strata:expert_file_reads"]) >= 0
+    assert 0 <= _sum(after["strata:expert_pinned_bytes"]) <= _sum(
+        after["strata:expert_pin_target_bytes"]
+    )
+    assert _sum(after["strata:expert_slot_moves"]) >= 0  # a CPU engine has no VRAM slots
+    assert 0 < _sum(after["strata:kv_cache_usage_perc"]) <= 1
+    # the process collectors
+    assert _sum(after["process_resident_memory_bytes"]) > 0

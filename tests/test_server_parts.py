@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.prefix import PrefixStore, common_prefix
@@ -18,7 +19,7 @@ from stratad.runtime.jobs import Job, PreparedJob
 from stratad.runtime.scheduler import QueueFull, Scheduler, Unavailable
 from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed
-from stratad.server.metrics import Registry, ServerMetrics
+from stratad.server.metrics import ServerMetrics
 from tests.server_helpers import tiny_moe_path
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -142,26 +143,44 @@ def test_store_budget_and_covering(parts: tuple) -> None:
 
 def test_metrics_text_and_hook() -> None:
     m = ServerMetrics()
+    m.serve("tiny")
     m.bind_scheduler(running=lambda: 1, waiting=lambda: 3)
     m.prompt_tokens.inc(5)
     m.e2e.observe(0.3)
     m.request_success.inc(finished_reason="stop")
-    m.registry.add_collector(
+    m.http_requests.inc(handler="/health", status="200")
+    m.add_collector(
         lambda: [
-            ("strata:expert_tier_hits_total", "expert reads by tier", {"tier": "vram"}, 7.0),
-            ("strata:expert_plan_info", "the plan's hash", {"hash": 'ab"c'}, 1.0),
+            ("strata:kv_cache_usage_perc", "KV use", {}, 0.25),
+            ("strata:expert_cpu_computed_total", "CPU experts", {}, 7.0),
+            ("strata:decode_stage_ms_per_step", "by stage", {"stage": 'ex"perts'}, 1.5),
         ]
     )
-    text = m.render()
-    assert "# TYPE strata:prompt_tokens_total counter\nstrata:prompt_tokens_total 5\n" in text
-    assert 'strata:e2e_request_latency_seconds_bucket{le="0.25"} 0\n' in text
-    assert 'strata:e2e_request_latency_seconds_bucket{le="0.5"} 1\n' in text
-    assert 'strata:e2e_request_latency_seconds_bucket{le="+Inf"} 1\n' in text
-    assert "strata:num_requests_waiting 3\n" in text
-    assert 'strata:request_success_total{finished_reason="stop"} 1\n' in text
-    assert 'strata:expert_tier_hits_total{tier="vram"} 7\n' in text
-    assert 'strata:expert_plan_info{hash="ab\\"c"} 1\n' in text
-    assert Registry().render() == "\n"
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    tiny = {"model_name": "tiny"}
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        return next(s.value for s in families[family].samples
+                    if s.name == sample and s.labels == tiny | labels)  # fmt: skip
+
+    assert families["strata:prompt_tokens"].type == "counter"
+    assert value("strata:prompt_tokens", "strata:prompt_tokens_total") == 5
+    hist = "strata:e2e_request_latency_seconds"
+    assert value(hist, f"{hist}_bucket", le="0.25") == 0
+    assert value(hist, f"{hist}_bucket", le="0.5") == 1
+    assert value(hist, f"{hist}_bucket", le="+Inf") == 1
+    ttft = "strata:time_to_first_token_seconds"
+    assert value(ttft, f"{ttft}_count") == 0  # there before its first observation
+    assert value("strata:num_requests_waiting", "strata:num_requests_waiting") == 3
+    assert value("strata:request_success", "strata:request_success_total",
+                 finished_reason="stop") == 1  # fmt: skip
+    http = families["strata:http_requests"].samples[0]
+    assert http.labels == {"handler": "/health", "status": "200"} and http.value == 1
+    assert value("strata:kv_cache_usage_perc", "strata:kv_cache_usage_perc") == 0.25
+    assert families["strata:expert_cpu_computed"].type == "counter"
+    assert value("strata:decode_stage_ms_per_step", "strata:decode_stage_ms_per_step",
+                 stage='ex"perts') == 1.5  # fmt: skip
+    assert "process_resident_memory_bytes" in families or "python_info" in families
 
 
 @pytest.mark.parametrize(

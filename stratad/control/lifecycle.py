@@ -157,6 +157,7 @@ class Operations:
             self.attach_store(view)
             if self._http is not None:  # a blob that fails its checksum: /health "degraded"
                 self._http.degraded = view.damaged
+                self._http.watch_store(view)  # /metrics reads the same view
             pinner = getattr(view.store, "pinner", None)
             if pinner is not None:
                 threading.Thread(

@@ -208,6 +208,10 @@ class ExpertStoreView:
     def pinned_bytes(self) -> int:
         return int(self.store.stats().pinned_bytes)
 
+    def slot_moves(self) -> int:
+        """Experts copied into VRAM slots so far (the cache policy's evictions)."""
+        return int(self.store.stats().evictions)
+
     def save_profile(self, path: str) -> ProfileSaveReply:
         from stratad.store.profile import profile_from_counts, save_profile
 

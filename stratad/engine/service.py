@@ -339,7 +339,21 @@ class Engine:
             )
             for k, v in self.last_timing.items()
         ]
-        return timing + [
+        cache = self.generator.cache
+        kv = [
+            ("strata:kv_cache_usage_perc", "share (0-1) of the KV cache's tokens in use",
+             {}, cache.length / max(self.max_context, 1)),
+            ("strata:kv_cache_tokens", "tokens whose KV the working cache holds", {},
+             float(cache.length)),
+        ]  # fmt: skip
+        # the offload engine's misses computed on the CPU (engine.pcie_frac < 1), by stage
+        stages = getattr(self.forward, "stages", [self.forward])
+        cpu = [s.cpu.experts for s in stages if hasattr(s, "cpu")]
+        if cpu:
+            kv.append(("strata:expert_cpu_computed_total",
+                       "routed experts a decode step missed in VRAM that the CPU computed from"
+                       " their RAM copy", {}, float(sum(cpu))))  # fmt: skip
+        return timing + kv + [
             (
                 "strata:prefix_cache_bytes",
                 "KV bytes held by prefix snapshots",

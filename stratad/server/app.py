@@ -26,7 +26,7 @@ from stratad.server import openai as oa
 from stratad.server.completions import Completions
 from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
-from stratad.server.metrics import Collector, ServerMetrics
+from stratad.server.metrics import CONTENT_TYPE, Collector, ServerMetrics, StoreView
 from stratad.server.openapi import render as render_openapi
 from stratad.server.tokens import TokenRoutes
 
@@ -89,6 +89,8 @@ class Server:
         self.config = config
         self.model_name = model_name
         self.metrics = ServerMetrics()
+        if model_name:
+            self.metrics.serve(model_name)
         self.scheduler = Scheduler(config.max_queue, on_finished=self._finished)
         self.metrics.bind_scheduler(
             running=lambda: float(self.scheduler.num_running),
@@ -120,6 +122,7 @@ class Server:
     def attach(self, engine: Backend) -> None:
         """The model is loaded: serve it."""
         self.model_name = engine.model_id
+        self.metrics.serve(engine.model_id)
         self.tokens.codec = getattr(engine, "tokenizer", None)
         self.tokens.max_context = engine.max_context
         gauges = getattr(engine, "gauges", None)
@@ -195,8 +198,12 @@ class Server:
         self.scheduler.held = reason
 
     def add_metrics(self, collector: Collector) -> None:
-        """Extra gauges read at every scrape: `(name, help, labels, value)` samples."""
-        self.metrics.registry.add_collector(collector)
+        """Extra samples read at every scrape: `(name, help, labels, value)` tuples."""
+        self.metrics.add_collector(collector)
+
+    def watch_store(self, view: StoreView) -> None:
+        """/metrics reads the expert store through `view` (the control socket's own)."""
+        self.metrics.watch_store(view)
 
     # --- middleware ----------------------------------------------------------------------
 
@@ -315,10 +322,8 @@ class Server:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(
-            text=self.metrics.render(),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            body=self.metrics.render(),
+            headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"},
         )
 
     async def openapi_json(self, request: web.Request) -> web.Response:
