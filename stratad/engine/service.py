@@ -340,7 +340,7 @@ class Engine:
             for k, v in self.last_timing.items()
         ]
         cache = self.generator.cache
-        kv = [
+        kv: list[tuple[str, str, dict[str, str], float]] = [
             ("strata:kv_cache_usage_perc", "share (0-1) of the KV cache's tokens in use",
              {}, cache.length / max(self.max_context, 1)),
             ("strata:kv_cache_tokens", "tokens whose KV the working cache holds", {},
