@@ -113,7 +113,8 @@ class Sampler:
             token = int(logits.argmax())
         else:
             scores = self.adjusted(logits)
-            logprob, top = None, ()
+            logprob: float | None = None
+            top: tuple[tuple[int, float], ...] = ()
             if p.logprobs is not None:
                 logprobs = scores.log_softmax(-1)
                 if p.logprobs:
