@@ -55,20 +55,16 @@ def measure_pcie(gib: float = 1.0) -> dict[str, float]:
 
 
 def measure_miss_reads(  # type: ignore[no-untyped-def]
-    model_spec, layouts, host_buffer: torch.Tensor, aligned: bool
+    model_spec, layouts, host, aligned: bool
 ) -> dict[str, float]:
     """GB/s of each GPU miss path over all top-k experts of a step in pinned RAM: the fused
     MoE kernel reading them in place, and the fetch kernel copying them into VRAM."""
     k = model_spec.n_experts_used
-    layout, slot_bytes = layouts[0], layouts.slot_bytes
+    layout, slot_bytes = layouts[0], layouts.copy_bytes(0)
     off = torch.tensor([0, layout.up_offset, layout.down_offset])
-    rows = min(model_spec.n_experts, host_buffer.shape[0])
-    table = torch.stack([host_buffer[e].data_ptr() + off for e in range(rows)])
-    table = table.cuda()
-    span = (
-        host_buffer.data_ptr(),
-        host_buffer.data_ptr() + host_buffer.shape[0] * host_buffer.stride(0),
-    )
+    in_ram = sorted(host.row_of[0])  # layer 0's experts with a RAM copy
+    table = torch.stack([host.blob(0, e).data_ptr() + off for e in in_ram]).cuda()
+    span = host.span
     staging = torch.empty((k, slot_bytes), dtype=torch.uint8, device="cuda")
     x = torch.randn(1, model_spec.hidden, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((1, k), 1.0 / k, device="cuda")
@@ -82,7 +78,7 @@ def measure_miss_reads(  # type: ignore[no-untyped-def]
     for name, run in paths.items():
         times = []
         for r in range(12):
-            ids = torch.randperm(model_spec.n_experts)[:k].to(torch.int32)[None].cuda()
+            ids = torch.randperm(len(in_ram))[:k].to(torch.int32)[None].cuda()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             run(ids)
@@ -186,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     engine = OffloadForward(model, torch.device("cuda"), cfg, ram=ram)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
-    reads = measure_miss_reads(spec, engine.layouts, engine.host.buffer, engine._aligned)
+    reads = measure_miss_reads(spec, engine.layouts, engine.host, engine._aligned)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     gen = torch.Generator().manual_seed(1)
 

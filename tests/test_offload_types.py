@@ -13,13 +13,15 @@ import torch
 
 from kernels.quant import QType
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layouts, fast_path_refusal, kernel_layouts
+from stratad.engine.experts import blob_layouts, fast_path_refusal, kernel_layouts, moe_layers
 from stratad.engine.forward import ReferenceForward
+from stratad.engine.host_experts import HostExperts
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import offload_supported
 from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import get_preset, write_synth
+from stratad.store.sources import ModelExperts
 from tests.gguf_export import export_retyped
 
 PROMPT = list(range(100, 118))  # a 16-token staged chunk, then 2 tokens through the fused kernels
@@ -65,6 +67,26 @@ def test_layouts_follow_each_layer(mixed_moe: Model) -> None:
     assert len(set(sizes)) > 1 and layouts.slot_bytes >= max(sizes)
     assert layouts.slot_bytes % 16 == 0
     assert offload_supported(mixed_moe)
+
+
+def test_ram_copies_take_what_the_plan_counts(mixed_moe: Model) -> None:
+    """Each RAM copy takes its own layer's size, the stride the store's plan counts for it
+    (not the largest layer's), and its row holds the blob's bytes in the kernels' layout."""
+    source = ModelExperts(mixed_moe)
+    layouts = kernel_layouts(mixed_moe)
+    host = HostExperts(source, layouts)
+    host.wait()
+    try:
+        want = [source.layouts[u.layer].stride for u in host.ram.units]
+        assert list(host.ram.sizes) == want and len(set(want)) > 1
+        for layer in range(mixed_moe.spec.n_layers):
+            blob = host.blob(layer, 5)
+            assert blob.numel() == layouts.copy_bytes(layer) < layouts.slot_bytes or layer == 1
+            gate = layouts[layer].views(blob)[0]
+            stored = moe_layers(mixed_moe)[layer].experts.expert(5).gate
+            assert torch.equal(gate.dequantize(), stored.dequantize())
+    finally:
+        host.close()
 
 
 @pytest.mark.parametrize(

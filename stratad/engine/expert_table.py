@@ -64,7 +64,8 @@ class ExpertTable:
                 base = host.blob(layer, e).data_ptr() if host.has(layer, e) else unread_address
                 table[layer, e] = base + self.offsets[layer]
             for e in residents[layer]:
-                self.slots[s].copy_(host.read(layer, e, scratch))
+                blob = host.read(layer, e, scratch)
+                self.slots[s][: blob.numel()].copy_(blob)
                 table[layer, e] = self.slots[s].data_ptr() + self.offsets[layer]
                 slot_of[e] = s
                 s += 1
@@ -152,14 +153,14 @@ class ExpertTable:
         s = self.slot_of[layer].pop(victim)
         blob = self.host.blob(layer, admitted)
         if self.side is None:
-            self.slots[s].copy_(blob)
+            self.slots[s][: blob.numel()].copy_(blob)
             self.pending.append((layer, admitted, s, None))
         else:
             ready = torch.cuda.Event()
             ready.record()
             with torch.cuda.stream(self.side):
                 self.side.wait_event(ready)  # no kernel queued so far still reads the slot
-                self.slots[s].copy_(blob, non_blocking=True)
+                self.slots[s][: blob.numel()].copy_(blob, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
             self.pending.append((layer, admitted, s, done))

@@ -10,6 +10,7 @@ every tier gives a blob the same row (`ExpertLayouts.slot_bytes`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -45,7 +46,7 @@ class BlobLayout:
     def nbytes(self) -> int:
         return self.gate_bytes + self.up_bytes + self.down_bytes
 
-    @property
+    @cached_property
     def fmt(self) -> ExpertFormat:
         """What the fused kernels read (Q4_0 split, the rest as blocks)."""
         return ExpertFormat(*self.qtypes)
@@ -76,17 +77,23 @@ class BlobLayout:
 @dataclass(frozen=True)
 class ExpertLayouts:
     """Every layer's blob layout (a Q4_K_M file's down projections change type from layer to
-    layer) and the row that every tier (VRAM slot, RAM copy, staging and bounce rows) gives
-    one blob: the largest blob, rounded up to 16 bytes so the kernels may load 16 at a time."""
+    layer). The RAM copies take each layer's own size (page-rounded, as the store's plan
+    counts them); the VRAM slots, staging and bounce rows, which any layer's blob may fill,
+    the largest (`slot_bytes`, 16-byte rounded so the kernels may load 16 at a time)."""
 
     layers: tuple[BlobLayout, ...]
 
     def __getitem__(self, layer: int) -> BlobLayout:
         return self.layers[layer]
 
-    @property
+    @cached_property  # read on every decode step's fetch
     def slot_bytes(self) -> int:
-        return -(-max(lay.nbytes for lay in self.layers) // 16) * 16
+        return max(self.copy_bytes(layer) for layer in range(len(self.layers)))
+
+    def copy_bytes(self, layer: int) -> int:
+        """What moving one of the layer's blobs copies: its bytes, rounded up to 16 (the copy
+        kernels move 16 bytes at a time; every tier's row holds at least this)."""
+        return -(-self.layers[layer].nbytes // 16) * 16
 
     @property
     def mean_nbytes(self) -> float:

@@ -79,11 +79,14 @@ class HostExperts:
         for row, u in enumerate(units):
             self.row_of[u.layer][u.expert] = row
         self.complete = len(units) == source.n_layers * source.n_experts
-        # each row starts on a page: a pinned chunk holds whole rows, so no copy ever spans
-        # two registrations
-        self.stride = -(-layouts.slot_bytes // PAGE) * PAGE
-        self.ram = ResidentRAM(units, [self.stride] * len(units))
-        self.buffer = self.ram.buf.view(len(units), self.stride)[:, : layouts.slot_bytes]
+        # each row starts on a page and takes its layer's size, as the store's plan counts it:
+        # a pinned chunk holds whole rows, so no copy ever spans two registrations
+        sizes = [-(-layouts.copy_bytes(u.layer) // PAGE) * PAGE for u in units]
+        self.ram = ResidentRAM(units, sizes)
+        self._rows = [self.ram.slot(i)[: layouts.copy_bytes(u.layer)] for i, u in enumerate(units)]
+        # the byte range of every RAM copy: a kernel that finds an address in it reads RAM
+        base = self.ram.buf.data_ptr()
+        self.span = (base, base + self.ram.nbytes)
         self.file_reads = self.file_bytes = 0
         self.pinner = Pinner(self.ram, self.blobs, lock or LockChoice(NoLocker(), None),
                              settings, on_progress, on_bad_blob="stop")  # fmt: skip
@@ -108,15 +111,16 @@ class HostExperts:
         return expert in self.row_of[layer]
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
-        """The RAM copy [slot bytes] of a blob the plan keeps in RAM."""
-        return self.buffer[self.row_of[layer][expert]]
+        """The RAM copy [copy bytes of its layer] of a blob the plan keeps in RAM."""
+        return self._rows[self.row_of[layer][expert]]
 
     def file_read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
-        """Read a blob from the model file into out [slot bytes] (the kernels' layout)."""
+        """Read a blob from the model file into out [>= its copy bytes] (the kernels' layout);
+        returns the part of `out` it fills."""
         self.blobs.read_into(layer, expert, out)
         self.file_reads += 1
         self.file_bytes += self.layouts[layer].nbytes
-        return out
+        return out[: self.layouts.copy_bytes(layer)]
 
     def read(self, layer: int, expert: int, out: torch.Tensor) -> torch.Tensor:
         """The blob from RAM, else read from the file into `out`."""

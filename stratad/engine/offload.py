@@ -147,12 +147,10 @@ class OffloadForward:
     def _init_fetch(self) -> None:
         """VRAM staging for one decode token's missed experts (the copy miss path)."""
         nbytes, k = self.layouts.slot_bytes, self.spec.n_experts_used
-        host = self.host.buffer
-        self._host_span = (host.data_ptr(), host.data_ptr() + host.shape[0] * host.stride(0))
-        # every blob (host rows, VRAM slots, staging rows) starts on 16 bytes: the kernels
-        # may load 16 bytes at a time
-        offsets = (host.data_ptr(), *host.stride()[:-1])
-        self._aligned = self.layouts.offsets_aligned and all(b % 16 == 0 for b in offsets)
+        self._host_span = self.host.span
+        # every blob (host rows start on pages, VRAM slots and staging rows on 16 bytes) and
+        # every projection in it starts on 16 bytes: the kernels may load 16 bytes at a time
+        self._aligned = self.layouts.offsets_aligned and self._host_span[0] % 16 == 0
         nothing_to_miss = self.experts.complete
         rows = k if self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
@@ -256,7 +254,7 @@ class OffloadForward:
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
                 span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
-                ids, table = fetch_experts(ids, table, span, buf, self.layouts.slot_bytes, cfg)
+                ids, table = fetch_experts(ids, table, span, buf, self.layouts.copy_bytes(i), cfg)
             name = "experts (VRAM)"
         with stage(name):
             moe, aligned, fmt = self.config.kernels.moe, self._aligned, self.layouts[i].fmt

@@ -113,7 +113,7 @@ class ExpertPrefetch:
     ) -> None:
         t = self.experts
         _, rows = fetch_experts(ids, t.table[layer], self.host_span, self.buf[layer % 2],
-                                t.layouts.slot_bytes, self.config)  # fmt: skip
+                                t.layouts.copy_bytes(layer), self.config)  # fmt: skip
         table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
         if event is not None:
             event.record()

@@ -80,14 +80,14 @@ class ExpertStaging:
         ]  # fmt: skip
         if e.side is None:
             for dst, src in zip(buf, sources, strict=True):
-                dst.copy_(src)
+                dst[: src.numel()].copy_(src)
             self._ready[layer] = None
             return
         with torch.cuda.stream(e.side):
             if after is not None:
                 e.side.wait_event(after)
             for dst, src in zip(buf, sources, strict=True):
-                dst.copy_(src, non_blocking=True)
+                dst[: src.numel()].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self._ready[layer] = done
