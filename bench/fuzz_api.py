@@ -56,6 +56,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def daemon(model: str | None, work: Path, context: int, threads: int) -> Iterator[str]:
     """A stratad on a free loopback port; its base URL once /health says 200."""
@@ -72,9 +80,8 @@ def daemon(model: str | None, work: Path, context: int, threads: int) -> Iterato
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"stratad exited {proc.returncode}; see {work / 'stratad.log'}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", 2) as r:
-                if r.status == 200:
-                    break
+            if _healthy(url):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stratad not ready in 300 s; see {work / 'stratad.log'}")
             time.sleep(0.3)
