@@ -20,6 +20,7 @@ VERB_MODULES = (
     "stratactl.logs",  # logs
     "stratactl.tables",  # tables select
     "stratactl.tune",  # tune (writes a table)
+    "stratactl.doctor",  # doctor (a bug report)
     "stratactl.synth",
     "stratactl.pack",
 )

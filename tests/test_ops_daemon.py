@@ -182,6 +182,27 @@ def test_check_and_check_after_restart(daemon: Daemon) -> None:
                            "socket", "port"}
 
 
+def test_doctor_reads_the_running_daemon(daemon: Daemon) -> None:
+    _as_nobody(daemon.socket)  # a refused peer: a WARNING line in the daemon's log
+    r = ctl(daemon, "doctor", "--json", "--log", str(daemon.log), "--warnings", "3")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    status = json.loads(ctl(daemon, "status", "--json").stdout)
+    got = report["daemon"]
+    assert got["running"] is True and got["state"] == "serving"
+    assert got["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and got["device"] == "cpu"
+    assert got["plan_hash"] == status["plan_hash"] != ""
+    assert got["coverage"]["complete"] is True
+    logged = subprocess.run([sys.executable, "-m", "stratactl", "logs", "warnings", "--file",
+                             str(daemon.log)], capture_output=True, text=True, timeout=60)
+    last = [line for line in logged.stdout.splitlines() if line[:4].isdigit()][-3:]
+    assert [w.split("\n")[0] for w in report["log"]["warnings"]] == last
+    assert "control socket: refused uid 65534" in last[-1]
+    human = ctl(daemon, "doctor", "--log", str(daemon.log)).stdout
+    assert f"daemon    serving, SmolLM2-135M-Instruct.Q4_1.gguf on cpu, plan {got['plan_hash']}" \
+        ", coverage complete" in human
+
+
 def test_drain_refuses_new_requests(daemon: Daemon) -> None:
     r = ctl(daemon, "drain", "--wait", "5")
     assert r.returncode == 0 and r.stdout.startswith("drained: no request in flight")
