@@ -6,7 +6,10 @@ activation x [K], and returns [BLOCK_N] float32. Decoding value by value (the GE
 tile decoder) costs several byte loads per weight; the common types get a block-shaped tile
 instead, so each load serves several values and each (sub-)block's scale is applied once to
 its dot:
-- Q4_K (where the blobs are aligned): the 128 bytes of nibbles as 32-bit words.
+- Q4_K and Q5_K (where the blobs are aligned): the 128 bytes of nibbles (and Q5_K's plane
+  of 5th bits) as 32-bit words.
+- IQ4_XS (aligned): the codes as 32-bit words, a table lookup per weight, the scale once per
+  32 values.
 - Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
 - Q8_0: blocks of 32 int8 with one scale each.
 - IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
@@ -24,7 +27,10 @@ from kernels.gemv import _dequant_tile, _k_scale_min, _load_f16
 from kernels.quant import QType
 
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
+IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
+IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
 IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
@@ -56,21 +62,30 @@ def _values_rows_dot(
 
 
 @triton.jit
-def _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
-    """[BLOCK_N] float32: rows of a Q4_K matrix at byte address w_ptr (rows and blocks 16-byte
-    aligned) dot x [K], a super-block (256 values) per step. Its 128 bytes of nibbles are read
-    as 32-bit words [pair, word]: byte b of word w of pair p holds value 64p + 4w + b (low
-    nibble, sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block 2p + 1). Each
-    sub-block's dot is scaled once: d * sc * sum(q x) - dmin * m * sum(x)."""
+def _q45_k_rows_dot(
+    w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, FIVE_BIT: tl.constexpr
+):
+    """[BLOCK_N] float32: rows of a Q4_K (144-byte) or Q5_K (176: a 32-byte plane of 5th bits
+    before the nibbles) matrix at byte address w_ptr (rows and blocks 16-byte aligned) dot
+    x [K], a super-block (256 values) per step. Its 128 bytes of nibbles are read as 32-bit
+    words [pair, word]: byte b of word w of pair p holds value 64p + 4w + b (low nibble,
+    sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block 2p + 1); Q5_K's 5th bit of
+    sub-block s, value j, is bit s of byte j of the plane. Each sub-block's dot is scaled
+    once: d * sc * sum(q x) - dmin * m * sum(x)."""
     rows64 = rows.to(tl.int64)[:, None, None]  # [BN, 1, 1]
     pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
     word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
     mask3 = row_mask[:, None, None]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    nbytes = 144 + 32 * FIVE_BIT  # the block's bytes
     for sb in range(0, K // 256):
-        blk = w_ptr + rows64 * ROW_BYTES + sb * 144  # [BN, 1, 1]
-        q = tl.load((blk + 16 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
+        blk = w_ptr + rows64 * ROW_BYTES + sb * nbytes  # [BN, 1, 1]
+        qs = blk + nbytes - 128
+        q = tl.load((qs + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
                     other=0)  # fmt: skip
+        if FIVE_BIT:
+            qh = tl.load((blk + 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
+                         other=0)  # fmt: skip  # [BN, 1, 8]
         xb = x_ptr + sb * 256 + pair * 64 + word * 4  # [1, 4, 8]
         dot_lo = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
         dot_hi = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
@@ -79,11 +94,16 @@ def _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
         for b in tl.static_range(4):
             x_lo = tl.load(xb + b).to(tl.float32)
             x_hi = tl.load(xb + 32 + b).to(tl.float32)
-            dot_lo += ((q >> (8 * b)) & 0xF).to(tl.float32) * x_lo
-            dot_hi += ((q >> (8 * b + 4)) & 0xF).to(tl.float32) * x_hi
+            lo = (q >> (8 * b)) & 0xF
+            hi = (q >> (8 * b + 4)) & 0xF
+            if FIVE_BIT:
+                lo = lo | (((qh >> (8 * b + 2 * pair)) & 1) << 4)
+                hi = hi | (((qh >> (8 * b + 2 * pair + 1)) & 1) << 4)
+            dot_lo += lo.to(tl.float32) * x_lo
+            dot_hi += hi.to(tl.float32) * x_hi
             sum_lo += x_lo
             sum_hi += x_hi
-        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 144  # [BN, 1]
+        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * nbytes  # [BN, 1]
         hmask = row_mask[:, None]
         d = _load_f16(head, hmask)
         dmin = _load_f16(head + 2, hmask)
@@ -95,6 +115,40 @@ def _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
         acc += tl.sum(part, axis=1)
     return acc
 
+
+@triton.jit
+def _iq4_xs_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N: tl.constexpr):
+    """IQ4_XS (136 bytes: d | scales_h u16 | scales_l 4 | codes 128), rows and blocks aligned:
+    the codes as 32-bit words [block of 32 values, word]: byte b of word w of block ib holds
+    value 32 ib + 4w + b (low nibble) and 32 ib + 16 + 4w + b (high), each a level of the
+    IQ4 table; the block's scale d (ls - 32) once per block."""
+    rows64 = rows.to(tl.int64)[:, None, None]
+    ib = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
+    word = tl.arange(0, 4)[None, None, :]  # [1, 1, 4]
+    mask3 = row_mask[:, None, None]
+    ib2 = tl.arange(0, 8)[None, :]  # [1, 8]
+    hmask = row_mask[:, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows64 * ROW_BYTES + sb * 136
+        q = tl.load((blk + 8 + ib * 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
+                    other=0)  # fmt: skip  # [BN, 8, 4]
+        xb = x_ptr + sb * 256 + ib * 32 + word * 4  # [1, 8, 4]
+        dot = tl.zeros([BLOCK_N, 8, 4], dtype=tl.float32)
+        for b in tl.static_range(4):
+            lo = tl.load(tab_ptr + IQ4_VALUES + ((q >> (8 * b)) & 0xF), mask=mask3, other=0)
+            hi = tl.load(tab_ptr + IQ4_VALUES + ((q >> (8 * b + 4)) & 0xF), mask=mask3, other=0)
+            x_lo = tl.load(xb + b).to(tl.float32)
+            x_hi = tl.load(xb + 16 + b).to(tl.float32)
+            dot += lo.to(tl.int8, bitcast=True).to(tl.float32) * x_lo
+            dot += hi.to(tl.int8, bitcast=True).to(tl.float32) * x_hi
+        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 136  # [BN, 1]
+        low = (tl.load(head + 4 + ib2 // 2, mask=hmask, other=0).to(tl.int32) >> (4 * (ib2 % 2)))
+        high = tl.load(head + 2 + ib2 // 4, mask=hmask, other=0).to(tl.int32) >> (2 * (ib2 % 4))
+        ls = ((low & 0xF) | ((high & 3) << 4)) - 32  # [BN, 8]
+        dl = _load_f16(head, hmask) * ls.to(tl.float32)
+        acc += tl.sum(dl * tl.sum(dot, axis=2), axis=1)
+    return acc
 
 
 @triton.jit
@@ -209,7 +263,11 @@ def blocks_rows_dot(
     """Rows of a projection of GGUF blocks of QTYPE dot x [K] (ALIGNED: rows and blobs on 16
     bytes)."""
     if QTYPE == Q4_K and ALIGNED:
-        acc = _q4_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, False)
+    elif QTYPE == Q5_K and ALIGNED:
+        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, True)
+    elif QTYPE == IQ4_XS and ALIGNED:
+        acc = _iq4_xs_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
     elif QTYPE == Q6_K:
         acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == Q8_0:

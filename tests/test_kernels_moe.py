@@ -128,6 +128,7 @@ MIXES = [
     (QType.Q4_0, QType.Q4_0, QType.Q4_K),
     (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
     (QType.IQ4_NL, QType.IQ4_NL, QType.Q6_K),
+    (QType.Q5_K, QType.Q5_K, QType.IQ4_XS),
 ]
 
 
