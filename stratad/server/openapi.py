@@ -56,6 +56,25 @@ _ERRORS = {
 }
 
 
+def _sse_event(chunk: type) -> dict[str, Any]:
+    """One server-sent event of a stream, as a client's SSE parser hands it over: its `data`
+    is a JSON `chunk`, or `[DONE]` at the end."""
+    return {
+        "type": "object",
+        "properties": {
+            "event": {"type": "string", "const": "message"},
+            "data": {
+                "anyOf": [
+                    {"type": "string", "const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": _ref(chunk)},
+                ],
+            },
+        },
+        "required": ["data"],
+    }  # fmt: skip
+
+
 def _completion_op(summary: str, request: type, response: type, chunk: type) -> dict[str, Any]:
     return {
         "summary": summary,
@@ -73,10 +92,11 @@ def _completion_op(summary: str, request: type, response: type, chunk: type) -> 
                 ),
                 "content": {
                     "application/json": {"schema": _ref(response)},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": _sse_event(chunk)},
                 },
             },
             **_ERRORS,
+            "404": _error("`model` names a model this server does not serve (`model_not_found`)."),
         },
     }
 
