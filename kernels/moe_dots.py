@@ -12,6 +12,8 @@ its dot:
   32 values.
 - Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
 - Q8_0: blocks of 32 int8 with one scale each.
+- Q2_K (aligned: codes as words) and Q3_K (one code byte per 4 weights, one high-bit byte
+  per 8): each 16-value sub-block's scale once.
 - IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
   lookup per grid point of 4 weights, the block's scale once.
 Every other type: `_values_rows_dot`, value by value.
@@ -26,6 +28,8 @@ from kernels import iq_tables
 from kernels.gemv import _dequant_tile, _k_scale_min, _load_f16
 from kernels.quant import QType
 
+Q2_K: tl.constexpr = tl.constexpr(int(QType.Q2_K))
+Q3_K: tl.constexpr = tl.constexpr(int(QType.Q3_K))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
@@ -247,6 +251,79 @@ def _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N
 
 
 @triton.jit
+def _q2_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """Q2_K (84 bytes: scales 16 | qs 64 | d | dmin), rows and blocks 4-byte aligned: the
+    codes as 32-bit words [half n, group h, word w]: bits 2j of byte b hold value
+    128n + 32j + 16h + 4w + b, of sub-block 8n + 2j + h (scale low nibble, min high)."""
+    rows64 = rows.to(tl.int64)[:, None, None, None]
+    n = tl.arange(0, 2)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    w = tl.arange(0, 4)[None, None, None, :]
+    mask4 = row_mask[:, None, None, None]
+    n3 = tl.arange(0, 2)[None, :, None]
+    h3 = tl.arange(0, 2)[None, None, :]
+    mask3 = row_mask[:, None, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows64 * ROW_BYTES + sb * 84
+        q = tl.load((blk + 16 + 32 * n + 16 * h + 4 * w).to(tl.pointer_type(tl.int32)),
+                    mask=mask4, other=0)  # fmt: skip  # [BN, 2, 2, 4]
+        head = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES + sb * 84  # [BN, 1, 1]
+        d = _load_f16(head + 80, mask3)
+        dmin = _load_f16(head + 82, mask3)
+        part = tl.zeros([BLOCK_N, 2, 2], dtype=tl.float32)
+        for j in tl.static_range(4):
+            dot = tl.zeros([BLOCK_N, 2, 2, 4], dtype=tl.float32)
+            xs = tl.zeros([1, 2, 2, 4], dtype=tl.float32)
+            for b in tl.static_range(4):
+                x = tl.load(x_ptr + sb * 256 + 128 * n + 32 * j + 16 * h + 4 * w + b)
+                x = x.to(tl.float32)
+                dot += ((q >> (8 * b + 2 * j)) & 3).to(tl.float32) * x
+                xs += x
+            sc = tl.load(head + 8 * n3 + 2 * j + h3, mask=mask3, other=0).to(tl.int32)
+            part += (d * (sc & 0xF).to(tl.float32)) * tl.sum(dot, axis=3)
+            part -= (dmin * (sc >> 4).to(tl.float32)) * tl.sum(xs, axis=3)
+        acc += tl.sum(tl.sum(part, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
+def _q3_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """Q3_K (110 bytes: hmask 32 | qs 64 | scales 12 | d): a super-block as [half n, group h,
+    16]: byte qs[32n + l] holds at shift 2j the low 2 bits of value 128n + 32j + l (l = 16h +
+    lane), bit 4n + j of hmask[l] its high bit (clear: minus 4); sub-block 8n + 2j + h has a
+    6-bit signed scale. One qs and one hmask load serve 4 and 8 weights."""
+    rows64 = rows.to(tl.int64)[:, None, None, None]
+    n = tl.arange(0, 2)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    lane = tl.arange(0, 16)[None, None, None, :]
+    mask4 = row_mask[:, None, None, None]
+    n3 = tl.arange(0, 2)[None, :, None]
+    h3 = tl.arange(0, 2)[None, None, :]
+    mask3 = row_mask[:, None, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb in range(0, K // 256):
+        blk = w_ptr + rows64 * ROW_BYTES + sb * 110
+        l = 16 * h + lane  # noqa: E741 (llama.cpp's name)
+        qs = tl.load(blk + 32 + 32 * n + l, mask=mask4, other=0).to(tl.int32)  # [BN, 2, 2, 16]
+        hm = tl.load(blk + l, mask=mask4, other=0).to(tl.int32)  # [BN, 1, 2, 16]
+        head = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES + sb * 110  # [BN, 1, 1]
+        part = tl.zeros([BLOCK_N, 2, 2], dtype=tl.float32)
+        for j in tl.static_range(4):
+            q = ((qs >> (2 * j)) & 3) - 4 * (1 - ((hm >> (4 * n + j)) & 1))
+            x = tl.load(x_ptr + sb * 256 + 128 * n + 32 * j + l).to(tl.float32)
+            dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, 2, 2]
+            s = 8 * n3 + 2 * j + h3  # [1, 2, 2]
+            low = (tl.load(head + 96 + s % 8, mask=mask3, other=0).to(tl.int32) >> (4 * (s // 8)))
+            high = tl.load(head + 104 + s % 4, mask=mask3, other=0).to(tl.int32) >> (2 * (s // 4))
+            sc = ((low & 0xF) | ((high & 3) << 4)) - 32
+            part += sc.to(tl.float32) * dot
+        d = _load_f16(head + 108, mask3)  # [BN, 1, 1]
+        acc += tl.sum(tl.sum(part * d, axis=2), axis=1)
+    return acc
+
+
+@triton.jit
 def blocks_rows_dot(
     w_ptr,
     rows,
@@ -268,6 +345,10 @@ def blocks_rows_dot(
         acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, True)
     elif QTYPE == IQ4_XS and ALIGNED:
         acc = _iq4_xs_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
+    elif QTYPE == Q2_K and ALIGNED:
+        acc = _q2_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+    elif QTYPE == Q3_K:
+        acc = _q3_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == Q6_K:
         acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == Q8_0:

@@ -107,12 +107,15 @@ def test_negative_ids_are_skipped() -> None:
 def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor:
     """Quantized random values; for the i-quants (no quantizer here) random blocks whose
     leading fp16 scale is small and finite."""
-    if qtype in (QType.IQ3_S, QType.IQ4_XS, QType.IQ4_NL):
+    fp16_at = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
+               QType.Q3_K: (108,)}  # fmt: skip
+    if qtype in fp16_at:
         block, nbytes = block_geometry(qtype)
         raw = torch.randint(0, 256, (rows * cols // block, nbytes), generator=gen)
         raw = raw.to(torch.uint8)
-        scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
-        raw[:, :2] = scale.view(torch.uint8).reshape(-1, 2)
+        for at in fp16_at[qtype]:
+            scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
+            raw[:, at : at + 2] = scale.view(torch.uint8).reshape(-1, 2)
         return QTensor(raw.reshape(rows, -1), qtype, (rows, cols))
     values = torch.randn(rows, cols, generator=gen) / cols**0.5
     return QTensor(quantize(values, qtype), qtype, (rows, cols))
@@ -129,6 +132,7 @@ MIXES = [
     (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
     (QType.IQ4_NL, QType.IQ4_NL, QType.Q6_K),
     (QType.Q5_K, QType.Q5_K, QType.IQ4_XS),
+    (QType.Q2_K, QType.Q2_K, QType.Q3_K),
 ]
 
 
