@@ -328,10 +328,10 @@ def test_json_object_mode(client: openai.OpenAI, daemon: Daemon) -> None:
 
 def test_unsupported_fields_are_refused_or_logged_once(daemon: Daemon) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    function = {"name": "f", "parameters": {"type": "object"}}
     for extra, param in [
-        ({"tools": [tool]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [function]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"guided_json": {"type": "object"}}, "guided_json"),

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,16 +170,20 @@ class Engine:
         """Other names requests may give for the model (`model.aliases`)."""
         return self.aliases
 
-    def _encode_chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    def _encode_chat(
+        self, messages: list[dict[str, Any]], generation_prompt: bool, job: Job
+    ) -> list[int]:
         try:
             # content is text: a control token a user types cannot close their turn
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=generation_prompt)
+            return self.tokenizer.encode_chat(
+                messages, add_generation_prompt=generation_prompt, tools=_tools(job)
+            )
         except ValueError as e:  # the template refused the conversation (e.g. role order)
             raise JobError(str(e), "messages") from None
 
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
-            return self._encode_chat([_plain(m) for m in job.messages], True)
+            return self._encode_chat([_plain(m) for m in job.messages], True, job)
         if job.prompt_ids is not None:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in job.prompt_ids if not 0 <= t < vocab), None)
@@ -201,7 +206,9 @@ class Engine:
         if job.messages is None:
             text = job.prompt or ""
         else:
-            text = "".join(m.content for m in job.messages)
+            text = "".join(m.content + "".join(c.arguments for c in m.tool_calls)
+                           for m in job.messages)  # fmt: skip
+            text += "".join(str(t.parameters or "") + (t.description or "") for t in job.tools)
         nbytes, most = len(text.encode()), self.info.max_context * self.tokenizer.max_token_bytes
         if nbytes > most:
             raise JobError(
@@ -239,7 +246,7 @@ class Engine:
         pin = 0
         if job.prefix_messages and job.messages is not None:
             head = [_plain(m) for m in job.messages[: job.prefix_messages]]
-            pin = common_prefix(self._encode_chat(head, False), prompt)
+            pin = common_prefix(self._encode_chat(head, False, job), prompt)
         elif job.prefix_tokens:
             pin = job.prefix_tokens
         return PreparedJob(
@@ -381,5 +388,30 @@ class Engine:
         ]
 
 
-def _plain(m: ChatMessage) -> dict[str, str]:
-    return {"role": m.role, "content": m.content}
+def _plain(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's form)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tools(job: Job) -> list[dict[str, Any]] | None:
+    """The job's tools as chat templates read them (OpenAI's form); None: no tools."""
+    if not job.tools:
+        return None
+    no_parameters = {"type": "object", "properties": {}}
+    return [
+        {"type": "function", "function": {
+            "name": t.name,
+            **({"description": t.description} if t.description is not None else {}),
+            "parameters": t.parameters if t.parameters is not None else no_parameters,
+        }}
+        for t in job.tools
+    ]  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 
 import tokenizers
 
+from stratad.model import tool_prompt
 from stratad.model.chat_template import CHATML_TEMPLATE, render_chat
 
 # Around each message's content while the template renders, to tell its text from the
@@ -101,25 +102,34 @@ class Tokenizer:
         return plain
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation by its template: the template's markup with its control
-        tokens, each message's content as text, whatever it contains.
+        tokens, each message's content as text, whatever it contains. `tools` (OpenAI's form)
+        go to a template that writes them, else into the system prompt (`tool_prompt`).
 
         A conversation whose content names no control token is the rendered text encoded as
         it is; one that does is rendered with its content marked, and each piece encoded by
         what it is (the text around a piece of content may then split differently).
         """
+        template = self.chat_template or CHATML_TEMPLATE
+        messages, given = tool_prompt.for_template(template, messages, tools)
+        extra = {"tools": given} if given else {}
         contents = [m.get("content") for m in messages]
         if not any(isinstance(c, str) and self._names_control(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+            text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+            return self.encode(text, False)
         marked = [
             {**m, "content": _OPEN + _MARKS.sub("", c) + _CLOSE} if isinstance(c, str) else m
             for m, c in zip(messages, contents, strict=True)
         ]
         ids: list[int] = []
         depth = 0
-        for piece in _MARKS.split(self.apply_chat_template(marked, add_generation_prompt)):
+        rendered = self.apply_chat_template(marked, add_generation_prompt, **extra)
+        for piece in _MARKS.split(rendered):
             if piece in (_OPEN, _CLOSE):
                 depth = max(depth + (1 if piece == _OPEN else -1), 0)
             elif piece:

@@ -7,12 +7,35 @@ import this module; only the engine side imports torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A function call an assistant message made (as the model wrote it, or a client sent it)."""
+
+    id: str
+    name: str
+    arguments: str
+    """the arguments as JSON text, as OpenAI writes them"""
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    """an assistant's calls"""
+    tool_call_id: str | None = None
+    """a `tool` message: the call it answers"""
+
+
+class Tool(msgspec.Struct, frozen=True):
+    """A function the model may call: its name, what it does and its parameters' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +60,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     """None: no log-probabilities; k: each token's, with the k likeliest alternatives."""
+    tools: tuple[Tool, ...] = ()
+    """Functions offered to the model, written into the prompt by the chat template."""
     grammar: str | None = None
     """A grammar (llguidance's JSON form) the output must follow, token by token."""
     grammar_param: str = "response_format"

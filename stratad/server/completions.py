@@ -20,8 +20,9 @@ from aiohttp import web
 from stratad.config import ServerConfig
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
-from stratad.server import fields, structured
+from stratad.server import fields, structured, tool_calls
 from stratad.server import openai as oa
+from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
@@ -82,9 +83,19 @@ class Completions:
             req = msgspec.json.decode(body, type=oa.CompletionRequest)
             jobs = oa.completion_jobs(req)
         fields.check(body, _CHAT_FIELDS if chat else _TEXT_FIELDS)
-        grammar = structured.response_grammar(req.response_format)
+        grammar, param = structured.response_grammar(req.response_format), "response_format"
+        forced = None
+        if isinstance(req, oa.ChatCompletionRequest):
+            forced = tool_calls.forced_grammar(req)
+        if forced is not None:
+            if grammar is not None:
+                raise oa.RequestError(
+                    "a forced tool_choice and response_format cannot both shape the reply",
+                    "tool_choice",
+                )
+            grammar, param = forced, "tools"
         if grammar is not None:
-            jobs = [msgspec.structs.replace(j, grammar=grammar) for j in jobs]
+            jobs = [msgspec.structs.replace(j, grammar=grammar, grammar_param=param) for j in jobs]
         return req, jobs
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -144,6 +155,7 @@ class Completions:
                 created=int(time.time()),
                 model=engine.model_id,
                 n=req.n or 1,
+                tools=isinstance(req, oa.ChatCompletionRequest) and tool_calls.parses_calls(req),
             )
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -188,6 +200,7 @@ class _Header(msgspec.Struct, frozen=True):
     created: int
     model: str
     n: int = 1  # choices per prompt
+    tools: bool = False  # the replies are read for tool calls
 
 
 class _Choice:
@@ -243,8 +256,8 @@ async def _collect(tickets: list[Ticket], h: _Header, chat: bool) -> web.Respons
             choices=[
                 oa.ChatChoice(
                     index=i,
-                    message=oa.AssistantMessage(role="assistant", content="".join(c.parts)),
-                    finish_reason=last.finish_reason,
+                    message=(m := tool_calls.reply_message("".join(c.parts), h.tools)),
+                    finish_reason=tool_calls.finish_reason(last.finish_reason, bool(m.tool_calls)),
                     logprobs=oa.chat_logprobs(c.logprobs) if asked else None,
                 )
                 for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
@@ -280,10 +293,11 @@ def _chunk(
     logprobs: TokenLogprob | None = None,
     offset: int = 0,
     index: int = 0,
+    calls: list[tt.ToolCallDelta] | None = None,
 ) -> msgspec.Struct:
     """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
-        delta = oa.ChunkDelta(role="assistant" if role else None, content=text)
+        delta = oa.ChunkDelta(role="assistant" if role else None, content=text, tool_calls=calls)
         lp = oa.chat_logprobs([logprobs]) if logprobs is not None else None
         return oa.ChatCompletionChunk(
             id=h.id,
@@ -354,17 +368,20 @@ async def _stream_choice(
         await stream.send(_chunk(h, chat, "", None, role=True, index=index))
     last: Delta | None = None
     offset = 0
+    reader = tool_calls.CallReader() if chat and h.tools else None
     try:
         async for d in ticket.stream():
             last = d
-            if d.text or d.logprobs:
+            if reader is not None:
+                await _send_read(stream, reader, d, h, index)
+            elif d.text or d.logprobs:
                 await stream.send(_chunk(h, chat, d.text, None, logprobs=d.logprobs,
                                          offset=offset, index=index))  # fmt: skip
                 offset += len(d.logprobs.token) if d.logprobs else 0
             if d.finish_reason:
-                await stream.send(
-                    _chunk(h, chat, None if chat else "", d.finish_reason, index=index)
-                )
+                called = reader is not None and reader.calls > 0
+                finish = tool_calls.finish_reason(d.finish_reason, called)
+                await stream.send(_chunk(h, chat, None if chat else "", finish, index=index))
     except (EngineFailed, JobError) as e:
         await stream.send(msgspec.json.decode(oa.error_body(str(e), "server_error", None)))
         return False
@@ -381,3 +398,19 @@ async def _stream_choice(
         return False
     lasts.append(last)
     return True
+
+
+async def _send_read(
+    stream: EventStream, reader: tool_calls.CallReader, d: Delta, h: _Header, index: int
+) -> None:
+    """A delta of a reply read for tool calls: its text once known not to be a call (with the
+    token's logprobs, if asked, even when the text is held), then each call made."""
+    before = reader.calls
+    parts = reader.feed(d.text) + (reader.finish() if d.finish_reason else [])
+    text = "".join(p for p in parts if isinstance(p, str))
+    if text or d.logprobs:
+        await stream.send(_chunk(h, True, text, None, logprobs=d.logprobs, index=index))
+    calls = [p for p in parts if isinstance(p, tt.ToolCall)]
+    for k, c in enumerate(calls, start=before):
+        delta = tt.ToolCallDelta(index=k, id=c.id, type="function", function=c.function)
+        await stream.send(_chunk(h, True, None, None, index=index, calls=[delta]))

@@ -1,7 +1,7 @@
 """Request fields we do not implement: refused by name, or, if ignoring them changes nothing
 the client relies on, served with one WARNING per field name for the daemon's life.
 
-Nothing is dropped in silence: a field that would change the output (tools, audio, vLLM's
+Nothing is dropped in silence: a field that would change the output (audio, vLLM's
 guided decoding, ...) gets a 400 naming it; bookkeeping fields (store, metadata, ...) and
 names we do not know at all are logged once.
 """
@@ -18,8 +18,6 @@ from stratad.server.openai import RequestError
 log = logging.getLogger("stratad.server")
 
 REFUSED = {
-    "tools": "tools are not supported yet",
-    "tool_choice": "tool_choice is not supported yet (nor are tools)",
     "functions": "functions (the deprecated form of tools) are not supported",
     "function_call": "function_call (the deprecated form of tool_choice) is not supported",
     "audio": "audio output is not supported",

@@ -15,6 +15,7 @@ import msgspec
 from stratad.protocol import Health as Health  # /health's body, shared with stratactl status
 from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
+from stratad.server import tool_types as tt
 
 MAX_STOP = 4
 MAX_N = 8  # choices per prompt
@@ -59,9 +60,13 @@ class TextPart(_Struct, frozen=True):
 
 
 class Message(_Struct, frozen=True):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[tt.ToolCall] | None = None
+    """an assistant's calls (its content may then be null)"""
+    tool_call_id: str | None = None
+    """a `tool` message: the id of the call it answers"""
 
 
 class JsonSchemaFormat(_Struct, frozen=True):
@@ -122,6 +127,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     max_completion_tokens: Tokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: tt.Tools | None = None
+    """functions the model may call, written into the prompt by the chat template"""
+    tool_choice: tt.ToolChoice = None
 
 
 TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
@@ -184,16 +192,31 @@ def _common(req: _Sampling) -> dict[str, object]:
     }
 
 
+def _message(m: Message, i: int) -> ChatMessage:
+    if m.role == "tool" and not m.tool_call_id:
+        raise RequestError("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+    if m.tool_calls and m.role != "assistant":
+        raise RequestError("only assistant messages make tool calls", f"messages[{i}].tool_calls")
+    calls = tuple(
+        jobs.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+        for c in m.tool_calls or ()
+    )
+    role = "system" if m.role == "developer" else m.role
+    return ChatMessage(role, _content(m), tool_calls=calls, tool_call_id=m.tool_call_id)
+
+
 def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-    messages = tuple(
-        ChatMessage("system" if m.role == "developer" else m.role, _content(m))
-        for m in req.messages
+    messages = tuple(_message(m, i) for i, m in enumerate(req.messages))
+    tools = tuple(
+        jobs.Tool(t.function.name, t.function.description, t.function.parameters)
+        for t in req.tools or ()
     )
     prefix = req.strata_prefix
     return Job(
         messages=messages,
+        tools=tools,
         max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
         prefix_messages=(prefix.messages or 0) if prefix else 0,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -281,9 +304,11 @@ def usage(prompt: int, completion: int, cached: int) -> Usage:
     )
 
 
-class AssistantMessage(_Struct, frozen=True):
+class AssistantMessage(_Struct, frozen=True, omit_defaults=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    """null when the reply is tool calls only"""
+    tool_calls: list[tt.ToolCall] | None = None
 
 
 class TopLogprob(_Struct, frozen=True):
@@ -364,6 +389,7 @@ class ChatCompletion(_Struct, frozen=True):
 class ChunkDelta(_Struct, frozen=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[tt.ToolCallDelta] | None = None
 
 
 class ChunkChoice(_Struct, frozen=True):
