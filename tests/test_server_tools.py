@@ -112,10 +112,12 @@ def test_round_trip_with_a_tool_message(client: openai.OpenAI) -> None:
 
 def test_streamed_call(client: openai.OpenAI) -> None:
     kw: Any = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
-               "temperature": 1.0, "seed": 11, "max_tokens": 60}  # fmt: skip
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
-    assert whole
+               "temperature": 1.0, "seed": 11, "max_tokens": 60, "logprobs": True}  # fmt: skip
+    reply = client.chat.completions.create(**kw).choices[0]
+    whole = reply.message.tool_calls
+    assert whole and reply.logprobs and reply.logprobs.content
     calls: list[Any] = []
+    tokens: list[str] = []
     finish, content = None, ""
     for chunk in client.chat.completions.create(**kw, stream=True):
         if not chunk.choices:
@@ -124,7 +126,11 @@ def test_streamed_call(client: openai.OpenAI) -> None:
         content += delta.content or ""
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
+        if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            tokens += [t.token for t in chunk.choices[0].logprobs.content]
     assert finish == "tool_calls" and content == ""
+    # the held text's tokens still stream their logprobs
+    assert tokens == [t.token for t in reply.logprobs.content]
     assert [c.index for c in calls] == [0]
     assert calls[0].id.startswith("call_") and calls[0].type == "function"
     assert calls[0].function.name == whole[0].function.name

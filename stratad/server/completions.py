@@ -403,14 +403,21 @@ async def _stream_choice(
 async def _send_read(
     stream: EventStream, reader: tool_calls.CallReader, d: Delta, h: _Header, index: int
 ) -> None:
-    """A delta of a reply read for tool calls: its text once known not to be a call (with the
-    token's logprobs, if asked, even when the text is held), then each call made."""
-    before = reader.calls
+    """A delta of a reply read for tool calls, in order: its text once known not to be a call,
+    each call made; the token's logprobs, if asked, with the first chunk (alone if the text is
+    held)."""
+    k = reader.calls  # the index of the next call
     parts = reader.feed(d.text) + (reader.finish() if d.finish_reason else [])
-    text = "".join(p for p in parts if isinstance(p, str))
-    if text or d.logprobs:
-        await stream.send(_chunk(h, True, text, None, logprobs=d.logprobs, index=index))
-    calls = [p for p in parts if isinstance(p, tt.ToolCall)]
-    for k, c in enumerate(calls, start=before):
-        delta = tt.ToolCallDelta(index=k, id=c.id, type="function", function=c.function)
-        await stream.send(_chunk(h, True, None, None, index=index, calls=[delta]))
+    logprobs = d.logprobs
+    for part in parts:
+        if isinstance(part, str):
+            await stream.send(_chunk(h, True, part, None, logprobs=logprobs, index=index))
+        else:
+            call = tt.ToolCallDelta(index=k, id=part.id, type="function", function=part.function)
+            await stream.send(
+                _chunk(h, True, None, None, logprobs=logprobs, index=index, calls=[call])
+            )
+            k += 1
+        logprobs = None
+    if logprobs is not None:
+        await stream.send(_chunk(h, True, "", None, logprobs=logprobs, index=index))
