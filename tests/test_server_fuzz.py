@@ -126,6 +126,15 @@ def _check(daemon: Daemon, path: str, body: Any) -> None:
         assert json.loads(answer)["choices"]
 
 
+def test_a_lone_request_with_more_choices_than_the_queue_is_served(daemon: Daemon) -> None:
+    """max_queue counts requests: n = 8 choices on an idle daemon with max_queue = 4 are let
+    in as one request (each choice used to take a place, so this got 429)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 2}
+    status, answer = daemon.post("/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200, answer[:300]
+    assert [c["index"] for c in json.loads(answer)["choices"]] == list(range(8))
+
+
 @pytest.mark.parametrize(
     ("path", "schema"),
     [("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")],

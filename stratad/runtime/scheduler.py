@@ -204,6 +204,14 @@ class Scheduler:
                 )
             self._preparing += 1
 
+    def admit_choice(self) -> None:
+        """Take a place for one more choice (`n > 1`) of a request just admitted: never
+        refused for a full queue, since the request as a whole was let in (a lone request
+        with more choices than `max_queue` must not be turned away)."""
+        self._refuse_unless_ready()
+        with self._cv:
+            self._preparing += 1
+
     def withdraw(self) -> None:
         """An admitted request will not be submitted (bad input, its client left)."""
         with self._cv:

@@ -131,8 +131,13 @@ class Completions:
             )  # fmt: skip
         tickets: list[Ticket] = []
         try:
-            for job in jobs:  # each choice is a sequence of its own, in the queue in turn
-                self.scheduler.admit()  # its place in the queue, held while it tokenizes
+            for i, job in enumerate(jobs):  # each choice a sequence of its own, queued in turn
+                # its place in the queue, held while it tokenizes; the request is refused or
+                # let in as a whole at its first choice
+                if i == 0:
+                    self.scheduler.admit()
+                else:
+                    self.scheduler.admit_choice()
                 prepared = await self._prepare(engine, job)
                 tickets.append(self.scheduler.submit(prepared))
         except (JobError, Refused) as e:
