@@ -173,3 +173,16 @@ def test_metrics_parse_and_the_expert_families_move(daemon: Daemon) -> None:
     assert 0 < _sum(after["strata:kv_cache_usage_perc"]) <= 1
     # the process collectors
     assert _sum(after["process_resident_memory_bytes"]) > 0
+
+
+def test_whole_number_floats_are_integers_as_json_schema_says(daemon: Daemon) -> None:
+    """`3.0` is an integer to JSON Schema (the OpenAPI document's language): token ids and
+    integer fields given so are taken; a fraction is still refused, naming the field."""
+    status, ids = _post(daemon, "/tokenize", {"content": "Hello"})
+    status, back = _post(daemon, "/detokenize", {"tokens": [float(i) for i in ids["tokens"]]})
+    assert status == 200 and back["content"] == "Hello", back
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.0, "n": 1.0}
+    status, answer = _post(daemon, "/v1/chat/completions", body)
+    assert status == 200, answer
+    status, answer = _post(daemon, "/v1/chat/completions", {**body, "n": 1.5})
+    assert status == 400 and answer["error"]["param"] == "n", answer

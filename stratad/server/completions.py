@@ -26,7 +26,7 @@ from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
 from stratad.server.sse import ClientGone, EventStream
-from stratad.server.validation import explain
+from stratad.server.validation import decode_json, explain
 
 _CHAT_FIELDS = fields.known_fields(oa.ChatCompletionRequest)
 _TEXT_FIELDS = fields.known_fields(oa.CompletionRequest)
@@ -77,10 +77,10 @@ class Completions:
         """The request and its jobs: one per choice (`n` per prompt), in choice order."""
         req: oa.ChatCompletionRequest | oa.CompletionRequest
         if chat:
-            req = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
+            req = decode_json(body, oa.ChatCompletionRequest)
             jobs = oa.choices(oa.chat_job(req, self.default_max_tokens), req.n or 1)
         else:
-            req = msgspec.json.decode(body, type=oa.CompletionRequest)
+            req = decode_json(body, oa.CompletionRequest)
             jobs = oa.completion_jobs(req)
         fields.check(body, _CHAT_FIELDS if chat else _TEXT_FIELDS)
         grammar, param = structured.response_grammar(req.response_format), "response_format"

@@ -135,7 +135,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
 # One prompt (text, or token ids), or a list of prompts (texts, or lists of token ids): a
 # JSON Schema union allows one array type, so the list's items are checked in `_prompts`.
-Prompt = str | Annotated[list[str | int | TokenIds], msgspec.Meta(min_length=1)]
+Prompt = Annotated[str, msgspec.Meta(min_length=1)] | Annotated[
+    list[str | int | TokenIds], msgspec.Meta(min_length=1)
+]
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

@@ -134,8 +134,27 @@ def _health() -> dict[str, Any]:
     }
 
 
+def _rules(components: dict[str, Any]) -> None:
+    """The rules across fields that the request types cannot state, written into their
+    schemas so that the document says what the server refuses."""
+    tokenize = components.get("TokenizeRequest")
+    if tokenize is not None:  # exactly one of the three inputs
+        tokenize["oneOf"] = [
+            {"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+            for k in ("content", "prompt", "messages")
+        ]
+    chat = components.get("ChatCompletionRequest")
+    if chat is not None:  # top_logprobs > 0 asks for logprobs
+        chat["if"] = {
+            "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+            "required": ["top_logprobs"],
+        }
+        chat["then"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+
+
 def build_spec() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    _rules(components)
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.1.0",

@@ -25,6 +25,7 @@ import msgspec
 from aiohttp import web
 
 from stratad.server.errors import error_response, param_of
+from stratad.server.validation import decode_json
 
 TOKENIZER_THREADS = 2
 
@@ -148,7 +149,7 @@ class TokenRoutes:
             raise _BadRequest(f"the request body did not arrive within {self.body_timeout_s:g}"
                               " s (server.body_timeout_s)", None) from None  # fmt: skip
         try:
-            return msgspec.json.decode(body, type=kind)
+            return decode_json(body, kind)
         except msgspec.ValidationError as e:
             raise _BadRequest(str(e), param_of(str(e))) from None
         except (msgspec.DecodeError, RecursionError):

@@ -7,7 +7,13 @@ still names the field and never quotes msgspec.
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
 
 _TYPES = {
     "int": "an integer",
@@ -73,3 +79,24 @@ def explain(message: str) -> tuple[str, str | None]:
         tail = f" (it may be {allowed})" if allowed else ""
         return f"{field} may not be {m['value']}{tail}", path
     return f"{field} has a value we cannot accept", path
+
+
+def decode_json(body: bytes, kind: type[T]) -> T:
+    """A request body decoded into `kind`. JSON Schema counts a number with a zero fraction
+    (`3.0`) as an integer, and so do we: where the strict decode fails, integral floats are
+    taken as integers and the body is converted again (its error, if any, is the one raised).
+    """
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError:
+        return msgspec.convert(_integral(msgspec.json.decode(body)), kind)
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
