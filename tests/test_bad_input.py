@@ -187,7 +187,7 @@ def test_top_k_as_a_whole_float() -> None:
 
     def top_k(raw: bytes) -> int:
         body = b'{"prompt": "x", "top_k": ' + raw + b"}"
-        return oa.completion_job(msgspec.json.decode(body, type=oa.CompletionRequest)).top_k
+        return oa.completion_jobs(msgspec.json.decode(body, type=oa.CompletionRequest))[0].top_k
 
     assert (top_k(b"0.0"), top_k(b"3.0"), top_k(b"5")) == (0, 3, 5)
     with pytest.raises(oa.RequestError, match="top_k must be a whole number, not 2.5"):
