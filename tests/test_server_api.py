@@ -280,7 +280,7 @@ PERSON = {
 
 
 def test_json_schema_output_validates_on_every_draw(client: openai.OpenAI) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     fmt: Any = {"type": "json_schema",
                 "json_schema": {"name": "person", "schema": PERSON, "strict": True}}  # fmt: skip
     messages: Any = [{"role": "user", "content": "Describe a person as JSON."}]
