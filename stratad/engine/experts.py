@@ -110,7 +110,8 @@ class ExpertLayouts:
 
     @property
     def offsets_aligned(self) -> bool:
-        """Whether every projection starts 16 bytes into a 16-byte aligned blob."""
+        """Whether every projection starts on 16 bytes within its blob (so, in a blob on 16
+        bytes, on 16 bytes too: the kernels may load 16 at a time)."""
         return all(lay.up_offset % 16 == 0 and lay.down_offset % 16 == 0 for lay in self.layers)
 
     def offsets(self) -> torch.Tensor:
