@@ -23,6 +23,7 @@ from stratad.config import ServerConfig
 from stratad.runtime.health import health_of
 from stratad.runtime.scheduler import STOPPING, Backend, Scheduler, Ticket
 from stratad.server import openai as oa
+from stratad.server import responses as rs
 from stratad.server.completions import Completions
 from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
@@ -281,8 +282,8 @@ class Server:
 
     # --- small routes --------------------------------------------------------------------
 
-    def _card(self, engine: Backend) -> oa.ModelCard:
-        return oa.ModelCard(
+    def _card(self, engine: Backend) -> rs.ModelCard:
+        return rs.ModelCard(
             id=engine.model_id,
             object="model",
             created=int(time.time()),
@@ -294,7 +295,7 @@ class Server:
         engine = self.scheduler.engine
         if engine is None:
             return self.completions.unavailable()
-        body = oa.ModelList(object="list", data=[self._card(engine)])
+        body = rs.ModelList(object="list", data=[self._card(engine)])
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:

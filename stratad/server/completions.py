@@ -22,6 +22,7 @@ from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob, TokenLogprob
 from stratad.runtime.scheduler import Backend, EngineFailed, Refused, Scheduler, Ticket
 from stratad.server import fields, structured, tool_calls
 from stratad.server import openai as oa
+from stratad.server import responses as rs
 from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
 from stratad.server.metrics import ServerMetrics
@@ -223,10 +224,10 @@ class _Choice:
         self.last = d
 
 
-def _usage_of(lasts: list[Delta], n: int) -> oa.Usage:
+def _usage_of(lasts: list[Delta], n: int) -> rs.Usage:
     """Summed over the choices; a prompt that its `n` choices share counts once."""
     firsts = lasts[::n]
-    return oa.usage(
+    return rs.usage(
         sum(d.prompt_tokens for d in firsts),
         sum(d.completion_tokens for d in lasts),
         sum(d.cached_tokens for d in firsts),
@@ -253,34 +254,34 @@ async def _collect(tickets: list[Ticket], h: _Header, chat: bool) -> web.Respons
     usage = _usage_of(lasts, h.n)
     body: msgspec.Struct
     if chat:
-        body = oa.ChatCompletion(
+        body = rs.ChatCompletion(
             id=h.id,
             object="chat.completion",
             created=h.created,
             model=h.model,
             choices=[
-                oa.ChatChoice(
+                rs.ChatChoice(
                     index=i,
                     message=(m := tool_calls.reply_message("".join(c.parts), h.tools)),
                     finish_reason=tool_calls.finish_reason(last.finish_reason, bool(m.tool_calls)),
-                    logprobs=oa.chat_logprobs(c.logprobs) if asked else None,
+                    logprobs=rs.chat_logprobs(c.logprobs) if asked else None,
                 )
                 for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
             usage=usage,
         )
     else:
-        body = oa.Completion(
+        body = rs.Completion(
             id=h.id,
             object="text_completion",
             created=h.created,
             model=h.model,
             choices=[
-                oa.CompletionChoice(
+                rs.CompletionChoice(
                     index=i,
                     text="".join(c.parts),
                     finish_reason=last.finish_reason,
-                    logprobs=oa.completion_logprobs(c.logprobs) if asked else None,
+                    logprobs=rs.completion_logprobs(c.logprobs) if asked else None,
                 )
                 for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
@@ -302,23 +303,23 @@ def _chunk(
 ) -> msgspec.Struct:
     """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
-        delta = oa.ChunkDelta(role="assistant" if role else None, content=text, tool_calls=calls)
-        lp = oa.chat_logprobs([logprobs]) if logprobs is not None else None
-        return oa.ChatCompletionChunk(
+        delta = rs.ChunkDelta(role="assistant" if role else None, content=text, tool_calls=calls)
+        lp = rs.chat_logprobs([logprobs]) if logprobs is not None else None
+        return rs.ChatCompletionChunk(
             id=h.id,
             object="chat.completion.chunk",
             created=h.created,
             model=h.model,
-            choices=[oa.ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)],
+            choices=[rs.ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)],
         )
-    clp = oa.completion_logprobs([logprobs], offset) if logprobs is not None else None
-    return oa.Completion(
+    clp = rs.completion_logprobs([logprobs], offset) if logprobs is not None else None
+    return rs.Completion(
         id=h.id,
         object="text_completion",
         created=h.created,
         model=h.model,
         choices=[
-            oa.CompletionChoice(
+            rs.CompletionChoice(
                 index=index, text=text or "", finish_reason=finish, logprobs=clp
             )
         ],
@@ -340,7 +341,7 @@ async def _stream(
         if include_usage and len(lasts) == len(tickets):
             usage = _usage_of(lasts, h.n)
             await stream.send(
-                oa.ChatCompletionChunk(
+                rs.ChatCompletionChunk(
                     id=h.id,
                     object="chat.completion.chunk",
                     created=h.created,
@@ -349,7 +350,7 @@ async def _stream(
                     usage=usage,
                 )
                 if chat
-                else oa.Completion(
+                else rs.Completion(
                     id=h.id,
                     object="text_completion",
                     created=h.created,
@@ -388,12 +389,12 @@ async def _stream_choice(
                 finish = tool_calls.finish_reason(d.finish_reason, called)
                 await stream.send(_chunk(h, chat, None if chat else "", finish, index=index))
     except (EngineFailed, JobError) as e:
-        await stream.send(msgspec.json.decode(oa.error_body(str(e), "server_error", None)))
+        await stream.send(msgspec.json.decode(rs.error_body(str(e), "server_error", None)))
         return False
     if last is None or not last.finish_reason:  # cancelled by a drain, not the client
         await stream.send(
             msgspec.json.decode(
-                oa.error_body(
+                rs.error_body(
                     "the request was cancelled (the server is shutting down)",
                     "server_error",
                     None,

@@ -15,19 +15,20 @@ import msgspec
 
 from stratad import __version__
 from stratad.server import openai as oa
+from stratad.server import responses as rs
 from stratad.server import tokens as tk
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (
     oa.ChatCompletionRequest,
     oa.CompletionRequest,
-    oa.ChatCompletion,
-    oa.ChatCompletionChunk,
-    oa.Completion,
-    oa.ModelList,
-    oa.ErrorResponse,
+    rs.ChatCompletion,
+    rs.ChatCompletionChunk,
+    rs.Completion,
+    rs.ModelList,
+    rs.ErrorResponse,
     oa.Health,
-    oa.ModelCard,
+    rs.ModelCard,
     tk.TokenizeRequest,
     tk.TokenizeResponse,
     tk.DetokenizeRequest,
@@ -42,7 +43,7 @@ def _ref(t: type) -> dict[str, str]:
 def _error(description: str) -> dict[str, Any]:
     return {
         "description": description,
-        "content": {"application/json": {"schema": _ref(oa.ErrorResponse)}},
+        "content": {"application/json": {"schema": _ref(rs.ErrorResponse)}},
     }
 
 
@@ -171,13 +172,13 @@ def build_spec() -> dict[str, Any]:
                 "post": _completion_op(
                     "Chat completion",
                     oa.ChatCompletionRequest,
-                    oa.ChatCompletion,
-                    oa.ChatCompletionChunk,
+                    rs.ChatCompletion,
+                    rs.ChatCompletionChunk,
                 )
             },
             "/v1/completions": {
                 "post": _completion_op(
-                    "Text completion", oa.CompletionRequest, oa.Completion, oa.Completion
+                    "Text completion", oa.CompletionRequest, rs.Completion, rs.Completion
                 )
             },
             "/v1/models": {
@@ -187,7 +188,7 @@ def build_spec() -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "One model.",
-                            "content": {"application/json": {"schema": _ref(oa.ModelList)}},
+                            "content": {"application/json": {"schema": _ref(rs.ModelList)}},
                         },
                         "401": _ERRORS["401"],
                         "503": _ERRORS["503"],
@@ -204,7 +205,7 @@ def build_spec() -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "The model.",
-                            "content": {"application/json": {"schema": _ref(oa.ModelCard)}},
+                            "content": {"application/json": {"schema": _ref(rs.ModelCard)}},
                         },
                         "401": _ERRORS["401"],
                         "404": _error("No served model has this id (`code`: `model_not_found`)."),

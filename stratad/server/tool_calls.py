@@ -16,7 +16,7 @@ from typing import Any
 
 import llguidance
 
-from stratad.server import openai as oa
+from stratad.server import responses as rs
 from stratad.server import tool_types as tt
 from stratad.server.openai import ChatCompletionRequest, RequestError
 
@@ -143,12 +143,12 @@ def read_reply(text: str) -> tuple[str | None, list[tt.ToolCall]]:
     return content or None, calls
 
 
-def reply_message(text: str, tools: bool) -> oa.AssistantMessage:
+def reply_message(text: str, tools: bool) -> rs.AssistantMessage:
     """A chat reply's message: its content, and its calls when `tools` asks them read."""
     if not tools:
-        return oa.AssistantMessage(role="assistant", content=text)
+        return rs.AssistantMessage(role="assistant", content=text)
     content, calls = read_reply(text)
-    return oa.AssistantMessage(role="assistant", content=content, tool_calls=calls or None)
+    return rs.AssistantMessage(role="assistant", content=content, tool_calls=calls or None)
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
