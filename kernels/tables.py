@@ -13,7 +13,8 @@ Detection reads files, so tests point it at a fake tree (`root`):
 - ROCm: `<rocm>/.info/version` (or `include/rocm-core/rocm_version.h`) for the version, and the
   KFD topology in sysfs (`gfx_target_version` of each GPU node) for the architecture, with
   `HSA_OVERRIDE_GFX_VERSION` applied as the runtime applies it;
-- CUDA: `<cuda>/version.json` for the version, `nvidia-smi` for the compute capability.
+- CUDA: `<cuda>/version.json` (else `version.txt`, else `bin/nvcc --version`) for the version,
+  `nvidia-smi` for the compute capability.
 """
 
 from __future__ import annotations
@@ -125,12 +126,33 @@ def override_arch(hsa_override: str) -> str | None:
 
 
 def cuda_version(cuda: Path) -> str | None:
+    """CUDA's major.minor under `cuda`: version.json (CUDA 11.1 and later), else version.txt
+    (older toolkits), else what `bin/nvcc --version` says (images that ship the compiler and
+    neither file)."""
     try:
         version = json.loads((cuda / "version.json").read_text())["cuda"]["version"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
-    m = re.match(r"(\d+)\.(\d+)", str(version))
+        version = None
+    if version is None:
+        try:
+            version = (cuda / "version.txt").read_text()
+        except OSError:
+            version = _nvcc_release(cuda / "bin" / "nvcc")
+    m = re.search(r"(\d+)\.(\d+)", str(version)) if version else None
     return f"{m[1]}.{m[2]}" if m else None
+
+
+def _nvcc_release(nvcc: Path) -> str | None:
+    """"release 13.0" from `nvcc --version`, or None."""
+    if not nvcc.is_file():
+        return None
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True,
+                             timeout=20).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m[1] if m else None
 
 
 def nvidia_archs(run: Callable[[list[str]], str] | None = None) -> list[str]:
@@ -191,7 +213,8 @@ def detect(
         version = cuda_version(cuda)
         if version is None:
             raise TableError(f"NVIDIA GPU {', '.join(archs)} found but no CUDA version under"
-                             f" {cuda} (version.json); pass --cuda-path or --version")
+                             f" {cuda} (version.json, version.txt, bin/nvcc);"
+                             " pass --cuda-path or --version")
         notes.append(f"CUDA {version} from {cuda}")
         return Detected(_stacks(archs, "cuda", version), tuple(notes))
     return Detected((), ("no GPU found (no KFD GPU node, no nvidia-smi GPU)",))

@@ -17,7 +17,6 @@ import platform
 import resource
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,11 @@ from stratactl.client import (
     print_json,
     socket_path,
 )
+from stratad.store.hostmem import cores, read_bps
 
 # variables of the GPU stack that change what the runtime does (besides STRATA_*)
 GPU_PREFIXES = ("HSA_", "HIP_", "ROCR_", "ROCM_", "CUDA_", "NVIDIA_", "TRITON_", "PYTORCH_",
                 "AMD_", "GPU_", "HCC_", "MIOPEN_")  # fmt: skip
-BANDWIDTH_BYTES = 256 << 20  # read a few times: well under a second on any host
 Report = dict[str, Any]
 
 
@@ -164,22 +163,7 @@ def _ram() -> Report:
 
     mem = psutil.virtual_memory()
     return {"total_bytes": mem.total, "available_bytes": mem.available,
-            "read_gbs": round(read_bandwidth(), 2)}  # fmt: skip
-
-
-def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, passes: int = 3) -> float:
-    """GB/s of a STREAM-like sum over `nbytes` of host memory: the best of `passes` (the first
-    pass also faults the pages in, so it is taken after one untimed pass)."""
-    import numpy as np
-
-    data = np.ones(nbytes // 8, dtype=np.float64)
-    data.sum()
-    best = float("inf")
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+            "read_gbs": round(read_bps() / 1e9, 2), "read_threads": cores()}  # fmt: skip
 
 
 def _daemon(args: argparse.Namespace) -> Report:
@@ -257,7 +241,8 @@ def render(report: Report) -> str:
         ("table", f"{get('tables', 'message')}"),
         ("memlock", get("memlock", "summary")),
         ("ram", f"{gib(ram.get('total_bytes'))} total, {gib(ram.get('available_bytes'))}"
-                f" available, read {ram.get('read_gbs', '-')} GB/s" if "error" not in ram
+                f" available, read {ram.get('read_gbs', '-')} GB/s"
+                f" ({ram.get('read_threads', '-')} threads)" if "error" not in ram
          else get("ram", "x")),
         ("daemon", get("daemon", "summary")),
         ("env", " ".join(f"{k}={v}" for k, v in {**env.get("strata", {}),

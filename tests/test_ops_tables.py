@@ -168,3 +168,16 @@ def test_explicit_stack_and_list(tmp_path: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
     assert stratactl(["tables", "list", "--tables-dir", str(tdir)]) == 0
     assert capsys.readouterr().out.split() == [str(tdir / "gfx1100-rocm-7.2.0.json")]
+
+
+def test_cuda_version_without_version_json(tmp_path: Path) -> None:
+    """Images with the compiler but no version.json (NVIDIA's CUDA 13 containers): nvcc says."""
+    cuda = tmp_path / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    assert tables.cuda_version(cuda) is None
+    nvcc = cuda / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    assert tables.cuda_version(cuda) == "13.0"
+    (cuda / "version.txt").write_text("CUDA Version 11.0.228\n")  # older toolkits: before nvcc
+    assert tables.cuda_version(cuda) == "11.0"
