@@ -1,0 +1,320 @@
+/* Quantized CPU expert kernels: MoE experts and dense matmuls straight from GGUF blocks.
+ *
+ * Plain C11 + OpenMP, no Python: built and loaded by kernels/cpu_build.py, called through
+ * ctypes (which releases the GIL) by kernels/cpu_experts.py.
+ *
+ * Activations are quantized once per vector to int8 in blocks of 32 (float scale d per block,
+ * as llama.cpp's Q8_0, plus the int sum of every 16 values for the types with a minimum).
+ * A weight row is decoded 256 values at a time to int8 (decode.h), and each chunk is dotted
+ * with every activation that uses the row, so a weight byte is read once per call however
+ * many tokens share it. Per 32 values: an integer dot, then one float multiply-add by the
+ * weight's (sub-)block scale times the activation's block scale.
+ *
+ * Every output value is computed by one thread in a fixed order, and a MoE layer's outputs are
+ * summed in item order: results do not depend on the thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "decode.h"
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define ROWS_PER_TASK 8
+#define VEC_TILE 16 /* activations dotted per decoded chunk */
+
+typedef struct {
+    const uint8_t *base;
+    int64_t rows, cols, row_bytes;
+    int qtype, split, has_min, is_float;
+    decode_fn dec;
+} mat_t;
+
+typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float originals */
+    int64_t k;
+    int8_t *q;
+    float *d;    /* [n, k / 32] */
+    int16_t *s;  /* [n, k / 16] */
+    const float *f;
+    int64_t fstride;
+} acts_t;
+
+int strata_block(int qtype, int *values, int *bytes) {
+    static const int geo[][3] = {
+        {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
+        {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_IQ4_NL, 32, 18},
+        {T_Q2_K, 256, 84}, {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176},
+        {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136}, {T_IQ3_S, 256, 110},
+    };
+    for (size_t i = 0; i < sizeof geo / sizeof geo[0]; i++)
+        if (geo[i][0] == qtype) {
+            *values = geo[i][1];
+            *bytes = geo[i][2];
+            return 0;
+        }
+    return -1;
+}
+
+static decode_fn decoder(int qtype, int split) {
+    switch (qtype) {
+    case T_Q8_0: return dec_q8_0;
+    case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
+    case T_Q4_1: return dec_q4_1;
+    case T_Q5_0: return dec_q5_0;
+    case T_Q5_1: return dec_q5_1;
+    case T_IQ4_NL: return dec_iq4_nl;
+    case T_Q2_K: return dec_q2_k;
+    case T_Q3_K: return dec_q3_k;
+    case T_Q4_K: return dec_q4_k;
+    case T_Q5_K: return dec_q5_k;
+    case T_Q6_K: return dec_q6_k;
+    case T_IQ4_XS: return dec_iq4_xs;
+    case T_IQ3_S: return dec_iq3_s;
+    default: return NULL;
+    }
+}
+
+static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t rows,
+                    int64_t cols) {
+    int bv, bb;
+    if (strata_block(qtype, &bv, &bb) || cols % 32) return -1;
+    if (cols % bv) return -2;
+    m->base = base, m->rows = rows, m->cols = cols, m->row_bytes = cols / bv * bb;
+    m->qtype = qtype, m->split = split && qtype == T_Q4_0;
+    m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
+    m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
+                 qtype == T_Q5_K;
+    m->dec = decoder(qtype, m->split);
+    return 0;
+}
+
+static void quantize_act(const float *x, int64_t k, int8_t *q, float *d, int16_t *s) {
+    for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(x[i] * inv);
+        for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
+        d[b] = scale;
+        s[2 * b] = (int16_t)s0;
+        s[2 * b + 1] = (int16_t)s1;
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* sum over n32 blocks of (fs q - fm) . (xd xq): the chunk's dot with one activation */
+static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm, int has_min,
+                              const int8_t *xq, const float *xd, const int16_t *xs, int n32) {
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < n32; j++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
+        /* |a| * (b signed by a): pairs stay within int16 since |b| <= 127 */
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+        __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: values 0-15, 4-7: 16-31 */
+        __m256 sc = _mm256_set_m128(_mm_set1_ps(fs[2 * j + 1]), _mm_set1_ps(fs[2 * j]));
+        sc = _mm256_mul_ps(sc, _mm256_set1_ps(xd[j]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc);
+    }
+    float r = hsum8(acc);
+#else
+    float r = 0.0f;
+    for (int j = 0; j < n32; j++) {
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 16; i++) s0 += q[32 * j + i] * xq[32 * j + i];
+        for (int i = 16; i < 32; i++) s1 += q[32 * j + i] * xq[32 * j + i];
+        r += xd[j] * (fs[2 * j] * (float)s0 + fs[2 * j + 1] * (float)s1);
+    }
+#endif
+    if (has_min)
+        for (int j = 0; j < n32; j++)
+            r -= xd[j] * (fm[2 * j] * (float)xs[2 * j] + fm[2 * j + 1] * (float)xs[2 * j + 1]);
+    return r;
+}
+
+static inline float float_dot(const float *w, const float *x, int n) {
+    float r = 0.0f;
+    for (int i = 0; i < n; i++) r += w[i] * x[i];
+    return r;
+}
+
+/* outs[j][r] = row r of m . activation vec[j], for r in [r0, r1) and j < nv */
+static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
+                     const int64_t *vec, float *const *outs, int64_t nv, const uint8_t *tab) {
+    int8_t q[256] __attribute__((aligned(32)));
+    float fs[16], fm[16], wf[256];
+    int64_t nb = m->cols / 32, nchunks = (m->cols + 255) / 256;
+    for (int64_t v0 = 0; v0 < nv; v0 += VEC_TILE) {
+        int64_t nt = nv - v0 < VEC_TILE ? nv - v0 : VEC_TILE;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = m->base + r * m->row_bytes, *aux = NULL;
+            if (m->split) {
+                row = m->base + r * nb * 2;
+                aux = m->base + m->rows * nb * 2 + r * nb * 16;
+            }
+            float acc[VEC_TILE] = {0};
+            for (int64_t c = 0; c < nchunks; c++) {
+                int n32 = nb - 8 * c < 8 ? (int)(nb - 8 * c) : 8;
+                if (m->is_float) {
+                    dec_float(m->qtype, row, c, 32 * n32, wf);
+                    for (int64_t j = 0; j < nt; j++)
+                        acc[j] += float_dot(wf, a->f + vec[v0 + j] * a->fstride + 256 * c,
+                                            32 * n32);
+                    continue;
+                }
+                m->dec(row, aux, c, n32, tab, q, fs, fm);
+                for (int64_t j = 0; j < nt; j++) {
+                    int64_t v = vec[v0 + j];
+                    acc[j] += chunk_dot(q, fs, fm, m->has_min, a->q + v * a->k + 256 * c,
+                                        a->d + v * (a->k / 32) + 8 * c,
+                                        a->s + v * (a->k / 16) + 16 * c, n32);
+                }
+            }
+            for (int64_t j = 0; j < nt; j++) outs[v0 + j][r] = acc[j];
+        }
+    }
+}
+
+static int acts_alloc(acts_t *a, int64_t n, int64_t k, const float *f, int64_t fstride) {
+    a->k = k, a->f = f, a->fstride = fstride;
+    a->q = malloc((size_t)(n * k) + 32);
+    a->d = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
+    a->s = malloc(sizeof(int16_t) * (size_t)(n * k / 16 + 1));
+    return a->q && a->d && a->s ? 0 : -3;
+}
+
+static void acts_free(acts_t *a) {
+    free(a->q), free(a->d), free(a->s);
+}
+
+/* out [T, rows] = x [T, cols] @ W^T. Returns 0, or -1 (type), -2 (shape), -3 (memory). */
+int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int split,
+                  int64_t rows, int64_t cols, float *out, int threads, const uint8_t *tab) {
+    mat_t m;
+    int err = mat_init(&m, w, qtype, split, rows, cols);
+    if (err) return err;
+    acts_t a;
+    int64_t *vec = malloc(sizeof(int64_t) * (size_t)T);
+    float **outs = malloc(sizeof(float *) * (size_t)T);
+    if (acts_alloc(&a, T, cols, x, cols) || !vec || !outs) err = -3;
+    int64_t tasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel num_threads(threads) if (!err)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            vec[t] = t, outs[t] = out + t * rows;
+            if (!m.is_float)
+                quantize_act(x + t * cols, cols, a.q + t * cols, a.d + t * (cols / 32),
+                             a.s + t * (cols / 16));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < tasks; i++) {
+            int64_t r0 = i * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < rows ? r0 + ROWS_PER_TASK : rows;
+            rows_dot(&m, r0, r1, &a, vec, outs, T, tab);
+        }
+    }
+    acts_free(&a), free(vec), free(outs);
+    return err;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* out[tokens[i]] += weights[i] * down_i(silu(gate_i x) * up_i x) for every item i, where item
+ * i's expert is the blob blobs[i] = [gate | up (up_off) | down (down_off)]. Items with the same
+ * blob pointer read its weights once. Returns 0 or an error as strata_matmul. */
+int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
+               const uint8_t *const *blobs, int64_t n, const int64_t *tokens,
+               const float *weights, const int32_t *qtypes, int64_t up_off, int64_t down_off,
+               int split, float *out, int threads, const uint8_t *tab) {
+    mat_t mg, mu, md;
+    int err = mat_init(&mg, NULL, qtypes[0], split, ffn, hidden);
+    if (!err) err = mat_init(&mu, NULL, qtypes[1], split, ffn, hidden);
+    if (!err) err = mat_init(&md, NULL, qtypes[2], split, hidden, ffn);
+    if (err || n == 0) return err;
+    /* group the items by blob, in order of first appearance: order[gstart[g] .. gstart[g+1]) */
+    int64_t *group = malloc(sizeof(int64_t) * (size_t)n), *order = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *gstart = calloc((size_t)n + 1, sizeof(int64_t)), *vec = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)n), ng = 0;
+    float **outs = malloc(sizeof(float *) * 3 * (size_t)n);
+    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * ffn));
+    float *dn = malloc(sizeof(float) * (size_t)(n * hidden));
+    acts_t xa, ha;
+    int bad = acts_alloc(&xa, T, hidden, x, hidden) | acts_alloc(&ha, n, ffn, gu, 2 * ffn);
+    if (bad || !group || !order || !gstart || !vec || !first || !outs || !gu || !dn) {
+        err = -3;
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t g = 0;
+        while (g < ng && blobs[first[g]] != blobs[i]) g++;
+        if (g == ng) first[ng++] = i;
+        group[i] = g;
+        gstart[g + 1]++;
+    }
+    for (int64_t g = 0; g < ng; g++) gstart[g + 1] += gstart[g];
+    for (int64_t g = 0, k = 0; g < ng; g++)
+        for (int64_t i = 0; i < n; i++)
+            if (group[i] == g) order[k++] = i;
+    for (int64_t k = 0; k < n; k++) {
+        int64_t i = order[k];
+        vec[k] = tokens[i];
+        outs[k] = gu + i * 2 * ffn;
+        outs[n + k] = gu + i * 2 * ffn + ffn;
+        outs[2 * n + k] = dn + i * hidden;
+    }
+    int64_t up_tasks = ng * ((ffn + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    int64_t down_tasks = (hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            quantize_act(x + t * hidden, hidden, xa.q + t * hidden, xa.d + t * (hidden / 32),
+                         xa.s + t * (hidden / 16));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < up_tasks; task++) {
+            int64_t g = task % ng, r0 = task / ng * ROWS_PER_TASK;
+            int64_t r1 = r0 + ROWS_PER_TASK < ffn ? r0 + ROWS_PER_TASK : ffn, k = gstart[g];
+            mat_t gm = mg, um = mu;
+            gm.base = blobs[first[g]], um.base = blobs[first[g]] + up_off;
+            rows_dot(&gm, r0, r1, &xa, vec + k, outs + k, gstart[g + 1] - k, tab);
+            rows_dot(&um, r0, r1, &xa, vec + k, outs + n + k, gstart[g + 1] - k, tab);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            float *h = gu + i * 2 * ffn; /* h overwrites gate in place */
+            for (int64_t f = 0; f < ffn; f++) h[f] = silu(h[f]) * h[ffn + f];
+            if (!md.is_float)
+                quantize_act(h, ffn, ha.q + i * ffn, ha.d + i * (ffn / 32), ha.s + i * (ffn / 16));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < down_tasks; task++) {
+            int64_t r0 = task * ROWS_PER_TASK;
+            int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
+            for (int64_t g = 0; g < ng; g++) {
+                mat_t dm = md;
+                dm.base = blobs[first[g]] + down_off;
+                rows_dot(&dm, r0, r1, &ha, order + gstart[g], outs + 2 * n + gstart[g],
+                         gstart[g + 1] - gstart[g], tab);
+            }
+            for (int64_t i = 0; i < n; i++) /* fixed order: deterministic */
+                for (int64_t r = r0; r < r1; r++)
+                    out[tokens[i] * hidden + r] += weights[i] * dn[i * hidden + r];
+        }
+    }
+done:
+    acts_free(&xa), acts_free(&ha);
+    free(group), free(order), free(gstart), free(vec), free(first), free(outs), free(gu), free(dn);
+    return err;
+}

@@ -1,0 +1,193 @@
+"""MoE experts and dense matmuls on the CPU, read straight from GGUF blocks.
+
+The C kernels (`kernels/cpu/experts.c`, built at first use by `kernels.cpu_build`) quantize
+each activation to int8 in blocks of 32 (as llama.cpp's Q8_0) and take integer dot products
+with the weight blocks, multi-threaded with OpenMP. A ctypes call releases the GIL, so the
+CPU computes experts while Python queues GPU work. One `moe` call computes all of a layer's
+CPU items (gate/up rows of every item in parallel, then down rows), and the sum into `out` is
+in item order: the result does not depend on the thread count.
+
+Tensors in, checked here (shapes, dtypes, contiguity, device); pointers to the C side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from kernels.cpu_build import load
+from kernels.iq_tables import iq_tables
+from kernels.quant import QType, row_bytes
+
+CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
+    {
+        QType.F32, QType.F16, QType.BF16,
+        QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL,
+        QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.IQ3_S,
+    }
+)  # fmt: skip
+_ERRORS = {-1: "unsupported type", -2: "columns not a multiple of the block", -3: "out of memory"}
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+@dataclass(frozen=True)
+class CpuExpertFormat:
+    """One layer's expert blob: [gate | up | down] contiguous bytes.
+
+    gate/up are [ffn, hidden] and down is [hidden, ffn] in their GGUF blocks; q4_0_split: the
+    Q4_0 projections are in `kernels.moe.split_q4_0`'s layout (same size)."""
+
+    qtypes: tuple[QType, QType, QType]  # gate, up, down
+    hidden: int
+    ffn: int
+    up_offset: int
+    down_offset: int
+    q4_0_split: bool
+
+    @classmethod
+    def packed(
+        cls, qtypes: tuple[QType, QType, QType], hidden: int, ffn: int, q4_0_split: bool = False
+    ) -> CpuExpertFormat:
+        """The format of a blob with the three matrices back to back."""
+        gate = ffn * row_bytes(qtypes[0], hidden)
+        up = ffn * row_bytes(qtypes[1], hidden)
+        return cls(qtypes, hidden, ffn, gate, gate + up, q4_0_split)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one blob (its down projection's end)."""
+        return self.down_offset + self.hidden * row_bytes(self.qtypes[2], self.ffn)
+
+
+def _physical_cores() -> int:
+    usable = len(os.sched_getaffinity(0))
+    return max(1, min(psutil.cpu_count(logical=False) or usable, usable))
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, ndim: int | None = None) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+class CpuExperts:
+    """The compiled kernels, loaded once; `threads` is the OpenMP team size of every call."""
+
+    supported: frozenset[QType] = CPU_EXPERT_QTYPES
+
+    def __init__(self, threads: int | None = None, cache_dir: Path | None = None) -> None:
+        self.threads = threads if threads is not None else _physical_cores()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        lib = load(cache_dir)
+        self._matmul = lib.strata_matmul
+        self._matmul.argtypes = [_P, _I64, _P, _I32, _I32, _I64, _I64, _P, _I32, _P]
+        self._moe = lib.strata_moe
+        self._moe.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _P,
+                              _I32, _P]  # fmt: skip
+        for fn in (self._matmul, self._moe):
+            fn.restype = ctypes.c_int
+        self._tables = iq_tables(torch.device("cpu"))  # [SIZE] uint8, kept alive here
+
+    def _qtype(self, qtype: QType, name: str) -> None:
+        if qtype not in self.supported:
+            raise ValueError(f"the CPU kernels do not read {QType(qtype).name} ({name})")
+
+    @staticmethod
+    def _raise(rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"CPU kernel {what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        qtype: QType,
+        rows: int,
+        cols: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, cols] float32 @ W^T -> [T, rows] float32; W is GGUF blocks [rows, cols]
+        (uint8, or for F32/F16/BF16 the float tensor itself)."""
+        self._qtype(qtype, "matmul")
+        _check(x, "x", torch.float32, 2)
+        if x.shape[1] != cols:
+            raise ValueError(f"x has {x.shape[1]} columns, the weight {cols}")
+        if w.device.type != "cpu" or not w.is_contiguous():
+            raise ValueError("w must be a contiguous CPU tensor")
+        need = rows * row_bytes(qtype, cols)
+        if w.numel() * w.element_size() != need:
+            raise ValueError(
+                f"w holds {w.numel() * w.element_size()} bytes, a [{rows}, {cols}] "
+                f"{QType(qtype).name} matrix {need}"
+            )
+        if cols % 32:
+            raise ValueError(f"cols must be a multiple of 32, got {cols}")
+        if out is None:
+            out = torch.empty((x.shape[0], rows), dtype=torch.float32)
+        _check(out, "out", torch.float32, 2)
+        if tuple(out.shape) != (x.shape[0], rows):
+            raise ValueError(f"out must be [{x.shape[0]}, {rows}], got {tuple(out.shape)}")
+        rc = self._matmul(x.data_ptr(), x.shape[0], w.data_ptr(), int(qtype), 0, rows, cols,
+                          out.data_ptr(), self.threads, self._tables.data_ptr())  # fmt: skip
+        self._raise(rc, "matmul")
+        return out
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        blobs: Sequence[torch.Tensor],
+        tokens: Sequence[int],
+        weights: Sequence[float],
+        fmt: CpuExpertFormat,
+        out: torch.Tensor,
+    ) -> None:
+        """out[tokens[i]] += weights[i] * down_i(silu(gate_i x) * up_i x), x [T, hidden] and
+        out [T, hidden] float32; blobs[i] is item i's expert (uint8, >= fmt.nbytes, any
+        alignment). Items sharing a blob (the same tensor storage) read it once."""
+        for qtype, name in zip(fmt.qtypes, ("gate", "up", "down"), strict=True):
+            self._qtype(qtype, name)
+        if fmt.hidden % 32 or fmt.ffn % 32:
+            raise ValueError(f"hidden {fmt.hidden} and ffn {fmt.ffn} must be multiples of 32")
+        _check(x, "x", torch.float32, 2)
+        _check(out, "out", torch.float32, 2)
+        n_tokens = x.shape[0]
+        if x.shape[1] != fmt.hidden or tuple(out.shape) != tuple(x.shape):
+            raise ValueError(
+                f"x {tuple(x.shape)} and out {tuple(out.shape)} must both be [T, {fmt.hidden}]"
+            )
+        n = len(blobs)
+        if len(tokens) != n or len(weights) != n:
+            raise ValueError(f"{n} blobs, {len(tokens)} tokens, {len(weights)} weights")
+        if n == 0:
+            return
+        nbytes = fmt.nbytes
+        for i, blob in enumerate(blobs):
+            if blob.device.type != "cpu" or blob.dtype != torch.uint8 or not blob.is_contiguous():
+                raise ValueError(f"blob {i} must be a contiguous uint8 CPU tensor")
+            if blob.numel() < nbytes:
+                raise ValueError(f"blob {i} holds {blob.numel()} bytes, the format {nbytes}")
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.min() < 0 or tok.max() >= n_tokens:
+            raise ValueError(f"tokens must be in [0, {n_tokens}), got {tokens}")
+        ptrs = np.array([b.data_ptr() for b in blobs], dtype=np.uint64)
+        wts = np.asarray(weights, dtype=np.float32)
+        qts = np.array([int(q) for q in fmt.qtypes], dtype=np.int32)
+        rc = self._moe(
+            x.data_ptr(), n_tokens, fmt.hidden, fmt.ffn, ptrs.ctypes.data, n, tok.ctypes.data,
+            wts.ctypes.data, qts.ctypes.data, fmt.up_offset, fmt.down_offset, int(fmt.q4_0_split),
+            out.data_ptr(), self.threads, self._tables.data_ptr(),
+        )  # fmt: skip
+        self._raise(rc, "moe")

@@ -1,0 +1,217 @@
+"""The CPU expert kernels (kernels/cpu_experts.py, kernels/cpu/*.c) against torch references.
+
+Tolerance. The kernels round each block of 32 activations to int8 (scale amax / 127), so the
+references here apply the same rounding in torch (`q8`) and then compute in float64: what is
+left is float32 summation order, bounded by a few ulp of the sum of |w| |x| (`_close`). A
+second check bounds the kernels against the unrounded float reference by the rounding itself:
+each activation moves by at most half its block's scale. The MoE's intermediate activation
+(silu(gate) * up) is rounded the same way before the down projection.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_build import CpuKernelsUnavailable
+from kernels.cpu_experts import CPU_EXPERT_QTYPES, CpuExpertFormat, CpuExperts
+from kernels.moe import split_q4_0
+from kernels.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
+
+ALL = sorted(CPU_EXPERT_QTYPES, key=lambda t: t.name)
+FP16_AT = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
+           QType.Q3_K: (108,)}  # fmt: skip
+_FLOAT_DTYPE = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def cpu(tmp_path_factory: pytest.TempPathFactory) -> CpuExperts:
+    return CpuExperts(threads=2, cache_dir=tmp_path_factory.mktemp("cpu-kernels"))
+
+
+def blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """uint8 [rows, row bytes]: quantized random values, or for the types without a
+    quantizer here random blocks with small finite fp16 scales."""
+    gen = torch.Generator().manual_seed(seed)
+    if qtype in FP16_AT or qtype not in QUANTIZE_QTYPES | FLOAT_QTYPES:
+        block, nbytes = block_geometry(qtype)
+        raw = torch.randint(0, 256, (rows * cols // block, nbytes), generator=gen)
+        raw = raw.to(torch.uint8)
+        for at in FP16_AT.get(qtype, ()):
+            scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
+            raw[:, at : at + 2] = scale.view(torch.uint8).reshape(-1, 2)
+        return raw.reshape(rows, -1)
+    values = torch.randn(rows, cols, generator=gen) / cols**0.5
+    if qtype in FLOAT_QTYPES:
+        return values.to(_FLOAT_DTYPE[qtype]).view(torch.uint8).reshape(rows, -1)
+    from kernels.quant import quantize
+
+    return quantize(values, qtype).reshape(rows, -1)
+
+
+def dense(raw: torch.Tensor, qtype: QType, rows: int, cols: int) -> torch.Tensor:
+    return dequantize(raw.reshape(-1), qtype, (rows, cols)).double()
+
+
+def q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernels round activations: int8 per block of 32, C's roundf."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5) * d).reshape(x.shape)
+
+
+def _act(x: torch.Tensor, qtype: QType) -> torch.Tensor:
+    return x if qtype in FLOAT_QTYPES else q8(x)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, ulps: float = 64) -> None:
+    """|got - ref| within `ulps` float32 ulps of `scale` (the sum of |w| |x| per output)."""
+    err = (got.double() - ref).abs()
+    bound = ulps * 2**-24 * scale + 1e-30
+    assert bool((err <= bound).all()), f"max excess {(err / bound).max():.2f}"
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_matmul_matches_torch(cpu: CpuExperts, qtype: QType) -> None:
+    rows, cols = 24, 512
+    raw = blocks(qtype, rows, cols, seed=int(qtype))
+    w = dense(raw, qtype, rows, cols)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(1))
+    got = cpu.matmul(x, raw, qtype, rows, cols)
+    xa = _act(x, qtype).double()
+    _close(got, xa @ w.T, xa.abs() @ w.abs().T)
+    if qtype not in FLOAT_QTYPES:  # against the unrounded input: off by at most the
+        # rounding, half a step (block amax / 127) per activation
+        half_step = x.reshape(3, -1, 32).abs().amax(-1, keepdim=True) / 254
+        half_step = half_step.expand(3, cols // 32, 32).reshape(3, cols).double()
+        err = (got.double() - x.double() @ w.T).abs()
+        assert bool((err <= 1.001 * (half_step @ w.abs().T) + 1e-6).all())
+
+
+def test_matmul_many_tokens_and_ragged_chunks(cpu: CpuExperts) -> None:
+    # 40 tokens: more than one tile of activations per decoded chunk; 96 columns of Q8_0:
+    # a partial 256-value chunk
+    for qtype, cols in ((QType.Q8_0, 96), (QType.Q4_K, 256)):
+        raw = blocks(qtype, 9, cols, seed=3)
+        w = dense(raw, qtype, 9, cols)
+        x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
+        out = torch.full((40, 9), float("nan"))
+        cpu.matmul(x, raw, qtype, 9, cols, out=out)
+        xa = q8(x).double()
+        _close(out, xa @ w.T, xa.abs() @ w.abs().T)
+
+
+def _blob(fmt: CpuExpertFormat, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A blob of `fmt` (plus 3 spare bytes) and its float64 (gate, up, down)."""
+    shapes = ((fmt.ffn, fmt.hidden), (fmt.ffn, fmt.hidden), (fmt.hidden, fmt.ffn))
+    parts, dense_parts = [], []
+    for k, (qtype, (rows, cols)) in enumerate(zip(fmt.qtypes, shapes, strict=True)):
+        raw = blocks(qtype, rows, cols, seed=seed * 3 + k)
+        dense_parts.append(dense(raw, qtype, rows, cols))
+        parts.append(split_q4_0(raw) if fmt.q4_0_split and qtype == QType.Q4_0 else raw.reshape(-1))
+    parts.append(torch.zeros(3, dtype=torch.uint8))
+    return torch.cat(parts), dense_parts
+
+
+def moe_ref(x, experts, tokens, weights, qtypes):  # type: ignore[no-untyped-def]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    scale = torch.zeros(x.shape, dtype=torch.float64)
+    for (g, u, d), t, w in zip(experts, tokens, weights, strict=True):
+        xa = _act(x[t], qtypes[0]).double()
+        h = F.silu(g @ xa) * (u @ xa)
+        ha = _act(h.float(), qtypes[2]).double()
+        out[t] += w * (d @ ha)
+        scale[t] += abs(w) * (d.abs() @ ha.abs())
+    return out, scale
+
+
+MIXES = [
+    (QType.Q4_0, QType.Q4_0, QType.Q4_0),
+    (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    (QType.Q4_K, QType.Q4_K, QType.Q5_0),
+    (QType.Q5_K, QType.Q4_1, QType.Q5_1),
+    (QType.Q2_K, QType.Q2_K, QType.Q3_K),
+    (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
+    (QType.IQ4_NL, QType.Q4_0, QType.F16),
+    (QType.BF16, QType.F32, QType.Q8_0),
+]
+
+
+# the split layout changes only Q4_0 projections
+CASES = [(m, False) for m in MIXES] + [(m, True) for m in MIXES if QType.Q4_0 in m]
+
+
+@pytest.mark.parametrize(
+    ("qtypes", "split"),
+    CASES,
+    ids=[f"{'-'.join(q.name for q in m)}{'-split' * s}" for m, s in CASES],
+)
+def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
+                           split: bool) -> None:  # fmt: skip
+    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=256, q4_0_split=split)
+    made = [_blob(fmt, seed) for seed in range(3)]
+    # the blobs at odd byte offsets in one tensor
+    store = torch.cat([torch.zeros(1, dtype=torch.uint8)] + [b for b, _ in made])
+    step = made[0][0].numel()
+    blobs = [store[1 + e * step : 1 + e * step + fmt.nbytes] for e in range(3)]
+    # 4 tokens; experts repeated across tokens (0 thrice), items out of token order
+    items = [(0, 0), (1, 0), (0, 1), (2, 2), (3, 0), (1, 1), (3, 2)]
+    tokens = [t for t, _ in items]
+    weights = [0.5, -0.25, 1.0, 0.75, 0.3, 2.0, 0.125]
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5))
+    out = torch.ones(4, 256)
+    cpu.moe(x, [blobs[e] for _, e in items], tokens, weights, fmt, out)
+    ref, scale = moe_ref(x, [made[e][1] for _, e in items], tokens, weights, qtypes)
+    _close(out - 1, ref, scale, ulps=256)
+
+
+def test_moe_is_deterministic_across_threads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fmt = CpuExpertFormat.packed((QType.Q4_K, QType.Q4_K, QType.Q6_K), hidden=256, ffn=512)
+    blobs = [_blob(fmt, seed)[0] for seed in range(5)]
+    items = [(t, e) for t in range(3) for e in (t, t + 1, 4)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.zeros(3, 256)
+        CpuExperts(threads=threads, cache_dir=tmp_path).moe(
+            x, [blobs[e] for _, e in items], [t for t, _ in items], [0.1 * e for _, e in items],
+            fmt, out,
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
+    fmt = CpuExpertFormat.packed((QType.Q8_0,) * 3, hidden=64, ffn=32)  # type: ignore[arg-type]
+    blob = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    x, out = torch.zeros(1, 64), torch.zeros(1, 64)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        cpu.moe(x, [blob], [1], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="holds"):
+        cpu.moe(x, [blob[:-1]], [0], [1.0], fmt, out)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.moe(x.half(), [blob], [0], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="blobs"):
+        cpu.moe(x, [blob], [0, 0], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.moe(torch.zeros(64, 2).T[:1], [blob], [0], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="do not read IQ2_S"):
+        cpu.matmul(x, blob, QType.IQ2_S, 32, 64)
+    with pytest.raises(ValueError, match="columns"):
+        cpu.matmul(torch.zeros(1, 32), blob, QType.Q8_0, 32, 64)
+    with pytest.raises(ValueError, match="bytes"):
+        cpu.matmul(x, blob[:-1], QType.Q8_0, 32, 64)
+    with pytest.raises(ValueError, match="multiple of the Q4_K block"):
+        cpu.matmul(x, blob, QType.Q4_K, 32, 64)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(CpuKernelsUnavailable, match="CC='/nonexistent/cc' was not found"):
+        CpuExperts(cache_dir=tmp_path)
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with pytest.raises(CpuKernelsUnavailable, match="failed to build"):
+        CpuExperts(cache_dir=tmp_path / "x")
