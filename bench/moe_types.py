@@ -7,6 +7,8 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 decode token's `fused_moe` (top-k routed, CUDA graph, median of --repeats with the spread):
 microseconds per call and the weight bytes read per second (k experts' three projections).
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
+`stratactl bench kernels` times the same kernels (each type the model holds) among all the
+others, against ceilings it measures; this driver compares every type at once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 import torch
 
 from kernels.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
-from kernels.quant import QType, block_geometry, row_bytes
+from kernels.quant import QType
+from stratad.engine.kernel_bench import random_blocks
 
 FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "q4_0": (QType.Q4_0, QType.Q4_0, QType.Q4_0),
@@ -35,18 +38,8 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
 
 
 def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
-    """Random blocks with small finite fp16 scales (every block type's first field is one,
-    and the K-quants' second too): timing needs valid numbers, not meaningful ones."""
-    block, nbytes = block_geometry(qtype)
-    raw = torch.randint(0, 256, (rows * cols // block, nbytes), dtype=torch.uint8, device="cuda")
-    scale = (torch.rand(raw.shape[0], device="cuda") * 1e-3).half().view(torch.uint8)
-    raw[:, :2] = scale.view(-1, 2)
-    if qtype in (QType.Q4_K, QType.Q5_K):
-        raw[:, 2:4] = scale.view(-1, 2)
-    fields = {QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
-    for at in fields.get(qtype, ()):
-        raw[:, at : at + 2] = scale.view(-1, 2)
-    data = raw.reshape(rows, row_bytes(qtype, cols))
+    """Random blocks with finite scales (`stratad.engine.kernel_bench`), Q4_0 split."""
+    data = random_blocks(qtype, rows, cols, torch.device("cuda"))
     return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
 
 
