@@ -21,6 +21,7 @@ VERB_MODULES = (
     "stratactl.tables",  # tables select
     "stratactl.tune",  # tune (writes a table)
     "stratactl.doctor",  # doctor (a bug report)
+    "stratactl.bench",  # bench kernels (each kernel against the device's ceilings)
     "stratactl.synth",
     "stratactl.pack",
 )

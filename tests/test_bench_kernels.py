@@ -1,0 +1,145 @@
+"""`stratactl bench kernels`: the share of a ceiling and the flag on synthetic timings, the
+shapes and type mixes read from a model file, the command end to end on the CPU (a table and
+a JSON report), a missing model refused; on a GPU, the real run at a3b's shapes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.quant import QType
+from kernels.roofline import Ceilings, Row, judge, table
+from stratactl.__main__ import main as stratactl
+
+CEILINGS = Ceilings(h2d_gbs=50.0, d2d_gbs=4000.0, matmul_tflops={"bfloat16": 800.0},
+                    launch_us=2.0)  # fmt: skip
+ROW_KEYS = {"phase", "kernel", "shape", "us", "nbytes", "flops", "link", "dtype", "rate", "unit",
+            "share", "bound", "flagged"}  # fmt: skip
+
+
+def test_a_kernel_under_the_threshold_is_flagged_one_above_is_not() -> None:
+    # 40 MB from HBM at 4 TB/s takes 10 us: in 50 us it is at 20%, in 12.5 us at 80%
+    slow = judge(Row("decode", "moe_gate_up", "-", 50.0, nbytes=40_000_000), CEILINGS, 0.3)
+    fast = judge(Row("decode", "moe_gate_up", "-", 12.5, nbytes=40_000_000), CEILINGS, 0.3)
+    assert slow.flagged and slow.share == pytest.approx(0.2) and slow.bound == "d2d"
+    assert not fast.flagged and fast.share == pytest.approx(0.8)
+    assert fast.unit == "GB/s" and fast.rate == pytest.approx(3200.0)
+    out = table([slow, fast], 0.3)
+    assert out.count("<< slow") == 1 and "1 of 2 kernels under 30%" in out
+
+
+def test_each_row_is_held_to_the_ceiling_that_bounds_it() -> None:
+    # host→device: 5 MB over a 50 GB/s link is 100 us
+    fetch = judge(Row("decode", "fetch", "-", 125.0, nbytes=5_000_000, link="h2d"), CEILINGS)
+    assert fetch.bound == "h2d" and fetch.share == pytest.approx(0.8)
+    # 8 TFLOP at 800 TFLOP/s: 10 ms; its bytes are nothing beside it
+    gemm = judge(Row("prefill", "gemm", "-", 20_000.0, nbytes=10**6, flops=8 * 10**12), CEILINGS)
+    assert (gemm.bound, gemm.unit) == ("matmul", "TFLOP/s") and gemm.share == pytest.approx(0.5)
+    assert gemm.rate == pytest.approx(400.0)
+    # a few bytes: the launch floor is the ideal, not a share of HBM that no launch reaches
+    tiny = judge(Row("decode", "route_topk", "-", 2.5, nbytes=300), CEILINGS)
+    assert tiny.bound == "launch" and tiny.share == pytest.approx(0.8) and not tiny.flagged
+
+
+def test_the_shapes_and_each_type_mix_the_experts_hold() -> None:
+    """A Q4_K_M-like file: Q4_K gate/up everywhere, Q6_K down in some layers."""
+    import torch
+
+    from kernels.quant import QTensor
+    from stratad.engine.kernel_bench import BenchShapes, expert_mixes
+    from stratad.model.spec import Model, ModelSpec
+
+    spec = ModelSpec("qwen3moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                     vocab_size=1000, rms_eps=1e-6, rope_theta=1e6, context_length=4096,
+                     qk_norm="head", n_experts=8, n_experts_used=2, expert_ffn=128)  # fmt: skip
+    down = [QType.Q6_K, QType.Q4_K, QType.Q4_K, QType.Q6_K]
+    types = [(("gate", QType.Q4_K), ("up", QType.Q4_K), ("down", d)) for d in down]
+    tensors = {f"model.layers.{i}.mlp.experts.{p}_proj": QTensor(torch.empty(0), q, (8, 1, 1))
+               for i in range(4) for p, q in types[i]}  # fmt: skip
+    mixes = expert_mixes(Model(spec, tensors, Path("m.gguf")))
+    assert mixes == ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q4_K,) * 3)
+    shapes = BenchShapes.of(spec, mixes)
+    assert (shapes.hidden, shapes.ffn, shapes.n_experts, shapes.top_k) == (256, 128, 8, 2)
+    assert shapes.qk_norm and shapes.qkv_rows == 512 and shapes.vocab == 1000
+    assert "Q4_K/Q4_K/Q6_K" in shapes.describe()
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("bench") / "report.json"
+    r = subprocess.run([sys.executable, "-m", "stratactl", "bench", "kernels", "--model",
+                        "tiny-moe", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r, json.loads(out.read_text())
+
+
+def test_the_command_prints_one_table_and_says_the_timings_mean_nothing_here(
+    cpu_run: tuple[subprocess.CompletedProcess, dict],
+) -> None:
+    r, _ = cpu_run
+    if "cuda" in r.stdout.split("\n")[0]:
+        pytest.skip("a GPU is here: the CPU run is the GPU test's")
+    assert "interpreter timings are not meaningful" in r.stdout
+    for kernel in ("linear qkv", "decode_attention", "moe_gate_up Q4_0", "moe_down Q4_0",
+                   "fetch_experts", "dequant Q4_0", "grouped_swiglu", "route_topk",
+                   "add_rmsnorm", "attn_input", "rope_table"):  # fmt: skip
+        assert kernel in r.stdout, kernel
+    assert "kernels under 30% of the ceiling" in r.stdout
+    assert "ceilings: H2D" in r.stderr and "[ 1] decode linear qkv" in r.stderr  # progress
+
+
+def test_the_json_report_holds_versions_device_ceilings_and_rows(
+    cpu_run: tuple[subprocess.CompletedProcess, dict],
+) -> None:
+    _, report = cpu_run
+    assert {"schema", "seconds", "versions", "device", "model", "ceilings", "flag_below", "rows",
+            "flagged"} <= report.keys()  # fmt: skip
+    assert report["schema"] == 1 and 0 < report["seconds"] < 120
+    assert {"strata", "torch", "triton", "python"} <= report["versions"].keys()
+    assert report["device"]["type"] in ("cpu", "cuda")
+    assert report["device"]["interpreted"] == (report["device"]["type"] == "cpu")
+    assert report["model"] == {"preset": "tiny-moe", "shapes": report["model"]["shapes"]}
+    assert report["model"]["shapes"]["mixes"] == [["Q4_0", "Q4_0", "Q4_0"]]
+    assert {"h2d_gbs", "d2d_gbs", "matmul_tflops", "launch_us"} <= report["ceilings"].keys()
+    assert len(report["rows"]) >= 20
+    for row in report["rows"]:
+        assert row.keys() == ROW_KEYS and row["us"] > 0 and row["phase"] in ("decode", "prefill")
+    flagged = [f"{r['phase']} {r['kernel']}" for r in report["rows"] if r["flagged"]]
+    assert report["flagged"] == flagged
+    assert all((r["share"] < report["flag_below"]) == r["flagged"] for r in report["rows"])
+
+
+def test_a_missing_model_file_is_refused_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.gguf"
+    assert stratactl(["bench", "kernels", "--model", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--model {missing}: no such model file" in err and "a3b" in err
+    assert stratactl(["bench", "kernels", "--kernels", "moe,warp"]) == 1
+    assert "unknown warp" in capsys.readouterr().err
+
+
+def test_the_verb_module_does_not_import_torch() -> None:
+    code = "import sys, stratactl.bench; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.gpu
+def test_a3b_on_the_gpu_in_under_two_minutes_no_kernel_far_off(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    cmd = ["bench", "kernels", "--model", "a3b", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "stratactl", *cmd], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["device"]["type"] == "cuda" and report["seconds"] < 120
+    far = [(row["phase"], row["kernel"], row["share"]) for row in report["rows"]
+           if row["share"] < 0.05]  # fmt: skip
+    assert not far, f"kernels under 5% of their ceiling: {far}\n{r.stdout}"
+    assert len(report["rows"]) >= 20, r.stderr  # every case ran
