@@ -102,21 +102,23 @@ def table(judged: list[Judged], flag_below: float) -> str:
 # --- measuring ---------------------------------------------------------------------------
 
 
-def time_us(run: Callable[[], object], device: torch.device, rep_ms: int = 20) -> float:
+def time_us(
+    run: Callable[[], object], device: torch.device, rep_ms: int = 20, graph: bool = True
+) -> float:
     """Microseconds per call of `run`, which has run once already (compiled, warm). On a GPU
     the calls replay in a CUDA/HIP graph, as decode runs them (timed from Python, a launch's
-    own cost would outweigh a small kernel), else - a call that cannot be captured - launched
-    one by one; median of a fixed budget of `rep_ms`. On the CPU one timed call."""
+    own cost would outweigh a small kernel); `graph=False` (a call that syncs with the host)
+    launches them one by one. The median of a fixed budget of `rep_ms`. On the CPU one timed
+    call."""
     if device.type != "cuda":
         t0 = time.perf_counter()
         run()
         return (time.perf_counter() - t0) * 1e6
     import triton.testing
 
-    try:
+    if graph:
         ms = triton.testing.do_bench_cudagraph(run, rep=rep_ms, return_mode="median")
-    except RuntimeError:  # a host sync inside (e.g. the grouped GEMM's loop fallback)
-        torch.cuda.synchronize(device)
+    else:
         ms = triton.testing.do_bench(run, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")
     return float(ms) * 1e3
 

@@ -103,9 +103,7 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     import torch
 
     from kernels.roofline import judge, measure_ceilings, table
-    from stratad.engine.kernel_bench import INTERPRETED_BENCH, run_cases
-    from stratad.engine.kernel_table import kernel_configs
-    from stratad.engine.tuner import Shapes
+    from stratad.engine.kernel_bench import run_cases
 
     gpu = device.type == "cuda"
     if not gpu:  # the interpreter: short context and prefill, a small head, 8 staged experts
@@ -121,10 +119,8 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     say(f"ceilings: H2D {ceilings.h2d_gbs:.1f} GB/s, D2D {ceilings.d2d_gbs:.1f} GB/s, matmul "
         + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.matmul_tflops.items())
         + f", launch {ceilings.launch_us:.1f} us")  # fmt: skip
-    # the launch settings the daemon would take: its table's bucket nearest these shapes
-    tuned = Shapes(shapes.hidden, shapes.ffn, shapes.top_k, shapes.n_heads, shapes.n_kv_heads,
-                   shapes.head_dim, shapes.n_experts)  # fmt: skip
-    cfg = kernel_configs(device.type, dataclasses.asdict(tuned)) if gpu else INTERPRETED_BENCH
+    cfg, settings = _settings(shapes, gpu)
+    say(f"launch settings: {settings}")
     dtype = torch.bfloat16 if gpu else torch.float32
     rows = run_cases(shapes, device, dtype, cfg, groups, say, rep_ms=10 if args.quick else 20)
     judged = [judge(r, ceilings, args.flag_below) for r in rows]
@@ -134,12 +130,34 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     print(f"{seconds:.1f} s", flush=True)
     if args.json is not None:
         report = _report(name, gpu, source, shapes, ceilings, judged, args.flag_below, seconds)
+        report["launch_settings"] = settings
         try:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
         except OSError as err:
             return fail(f"cannot write {args.json}: {err}")
         say(f"wrote {args.json}")
     return 0
+
+
+def _settings(shapes: Any, gpu: bool) -> tuple[Any, str]:
+    """The launch settings the daemon would take here (its tuning table's bucket nearest
+    these shapes), and the line that says which."""
+    import dataclasses
+
+    from kernels.tuning import KernelConfigs
+    from stratad.engine.kernel_bench import INTERPRETED_BENCH
+    from stratad.engine.kernel_table import lookup, this_stack
+    from stratad.engine.tuner import Shapes
+
+    if not gpu:
+        return INTERPRETED_BENCH, "the interpreter's (wide programs, few of them)"
+    stack = this_stack()
+    if isinstance(stack, str):
+        return KernelConfigs(), f"the defaults: {stack}"
+    tuned = Shapes(shapes.hidden, shapes.ffn, shapes.top_k, shapes.n_heads, shapes.n_kv_heads,
+                   shapes.head_dim, shapes.n_experts)  # fmt: skip
+    found = lookup(stack, dataclasses.asdict(tuned))
+    return found.configs, found.message
 
 
 def _report(name: str, gpu: bool, source: dict[str, Any], shapes: Any, ceilings: Any,

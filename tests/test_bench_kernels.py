@@ -98,7 +98,7 @@ def test_the_json_report_holds_versions_device_ceilings_and_rows(
 ) -> None:
     _, report = cpu_run
     assert {"schema", "seconds", "versions", "device", "model", "ceilings", "flag_below", "rows",
-            "flagged"} <= report.keys()  # fmt: skip
+            "flagged", "launch_settings"} <= report.keys()  # fmt: skip
     assert report["schema"] == 1 and 0 < report["seconds"] < 120
     assert {"strata", "torch", "triton", "python"} <= report["versions"].keys()
     assert report["device"]["type"] in ("cpu", "cuda")
