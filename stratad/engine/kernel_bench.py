@@ -8,18 +8,19 @@ from page-locked RAM (`kernels.expert_fetch`). Prefill (a chunk of `prefill` tok
 projections as torch GEMMs, the norms, RoPE, torch's attention, the router, each expert
 projection's dequantization for a whole layer (`kernels.dequant` / `kernels.dequant_blocks`)
 and the grouped GEMMs over it (`stratad.engine.grouped`). Each case says the bytes it must
-move and the FLOPs it must do; `kernels.roofline` holds them to the device's ceilings.
+move and the FLOPs it must do; `kernels.roofline` holds them to the device's ceilings. The
+dense weights are dequantized once at load (`stratad.engine.dense`): whatever type the file
+stores them in, decode's projections run in the compute dtype, and are timed so.
 
-Weights are random GGUF blocks with small finite scales: timing needs valid numbers, not
-meaningful ones. A decode case whose weights would fit in L2 cycles through copies (distinct
-experts, copies of the projections) that outgrow it, as decode reads every layer from memory.
+The weights are random, laid out as the engine keeps them (`stratad.engine.bench_weights`).
+A decode case whose weights would fit in L2 cycles through copies (distinct experts, copies
+of the projections) that outgrow it, as decode reads every layer from memory.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as fn
@@ -33,17 +34,16 @@ from kernels.expert_fetch import fetch_experts
 from kernels.linear import LinearConfig, decode_linear
 from kernels.moe import ExpertFormat, moe_down, moe_gate_up
 from kernels.norm import add_rmsnorm, rmsnorm
-from kernels.quant import QType, block_geometry, row_bytes
+from kernels.quant import QType
 from kernels.roofline import Row, time_us
 from kernels.rope import RopeStyle, rope_table
 from kernels.router import route_topk
 from kernels.tuning import INTERPRETED, KernelConfigs
+from stratad.engine.bench_weights import ExpertLayer, Mix, expert_layers, mix_name
 from stratad.engine.grouped import grouped_swiglu
 from stratad.model.spec import Model, ModelSpec
 
-log = logging.getLogger("stratad.engine")
 GROUPS = ("linear", "norm", "rope", "attention", "router", "moe", "fetch", "dequant", "grouped")
-Mix = tuple[QType, QType, QType]  # gate, up, down
 # the interpreter runs a program as numpy operations: fewer, wider programs finish sooner
 # (the engine on a CPU runs its dense projections and dequantization in torch anyway)
 INTERPRETED_BENCH = replace(INTERPRETED, linear=LinearConfig(block_n=128, block_k=256),
@@ -109,51 +109,6 @@ class Case:
     calls: int = 1  # kernel calls per run (copies cycled to outgrow L2)
     dtype: str = "bfloat16"
     graph: bool = True  # timed in a CUDA graph (False: the call may sync with the host)
-
-
-def random_blocks(qtype: QType, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """[rows, row bytes] random GGUF blocks of `qtype` whose fp16 scales are small and finite
-    (every block type's first field is one, and some K-quants' second too)."""
-    block, nbytes = block_geometry(qtype)
-    raw = torch.randint(0, 256, (rows * cols // block, nbytes), dtype=torch.uint8, device=device)
-    scale = (torch.rand(raw.shape[0], device=device) * 1e-3).half().view(torch.uint8)
-    raw[:, :2] = scale.view(-1, 2)
-    if qtype in (QType.Q4_K, QType.Q5_K):
-        raw[:, 2:4] = scale.view(-1, 2)
-    fields = {QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
-    for at in fields.get(qtype, ()):
-        raw[:, at : at + 2] = scale.view(-1, 2)
-    return raw.reshape(rows, row_bytes(qtype, cols))
-
-
-def expert_stack(qtype: QType, n: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """[n, matrix bytes]: n matrices [rows, cols] as the engine keeps them (Q4_0 split: each
-    matrix's scales, then its nibbles; the other types as GGUF blocks)."""
-    blocks = random_blocks(qtype, n * rows, cols, device).reshape(n, -1)
-    if qtype != QType.Q4_0:
-        return blocks
-    b = blocks.reshape(n, -1, 18)
-    return torch.cat([b[:, :, :2].reshape(n, -1), b[:, :, 2:].reshape(n, -1)], dim=1)
-
-
-@dataclass
-class _Layer:
-    """One layer's experts of one type mix: a stack per projection and their addresses."""
-
-    mix: Mix
-    stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    table: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        ptrs = [torch.tensor([r.data_ptr() for r in s], dtype=torch.int64) for s in self.stacks]
-        self.table = torch.stack(ptrs, dim=1).to(self.stacks[0].device)  # [E, 3]
-
-    @property
-    def aligned(self) -> bool:
-        return all(s.stride(0) % 16 == 0 and s.data_ptr() % 16 == 0 for s in self.stacks)
-
-    def expert_bytes(self) -> tuple[int, int, int]:
-        return tuple(s.shape[1] for s in self.stacks)  # type: ignore[return-value]
 
 
 def _cycle(n_bytes: int, device: torch.device) -> int:
@@ -231,31 +186,13 @@ def _decode_dense(
                s.n_experts * e + 8 * s.top_k)  # fmt: skip
 
 
-def _layers(s: BenchShapes, device: torch.device, n: int) -> Iterator[_Layer]:
-    """n experts of one layer per type mix (a mix whose blocks do not divide the rows is
-    left out, said in the log: a model file cannot hold it)."""
-    for mix in s.mixes:
-        shapes = ((s.ffn, s.hidden), (s.ffn, s.hidden), (s.hidden, s.ffn))
-        try:
-            stacks = [expert_stack(q, n, r, c, device)
-                      for q, (r, c) in zip(mix, shapes, strict=True)]  # fmt: skip
-        except ValueError as err:
-            log.warning("kernel bench: %s left out: %s", _mix_name(mix), err)
-            continue
-        yield _Layer(mix, (stacks[0], stacks[1], stacks[2]))
-
-
-def _mix_name(mix: Mix) -> str:
-    return mix[0].name if len(set(mix)) == 1 else "/".join(q.name for q in mix)
-
-
 def _decode_experts(
     s: BenchShapes, device: torch.device, dtype: torch.dtype, cfg: KernelConfigs
 ) -> Iterator[Case]:
     h, k, f = s.hidden, s.top_k, s.ffn
     x = torch.randn(1, h, device=device, dtype=dtype)
     weights = torch.full((1, k), 1.0 / k, device=device)
-    for layer in _layers(s, device, s.n_experts):
+    for layer in expert_layers(s.mixes, s.hidden, s.ffn, s.n_experts, device):
         g, u, d = layer.expert_bytes()
         # distinct experts per call, as many sets as the layer holds (all of them cycled)
         sets = max(1, min(s.n_experts // k, _cycle(k * (g + u + d), device)))
@@ -264,18 +201,18 @@ def _decode_experts(
         fmt, al = ExpertFormat(*layer.mix), layer.aligned
         acts = [torch.randn(k, f, device=device) for _ in ids]  # the down kernel's input
 
-        def gate_up(layer: _Layer = layer, ids: list[torch.Tensor] = ids, fmt: ExpertFormat = fmt,
-                    al: bool = al) -> None:  # fmt: skip
+        def gate_up(layer: ExpertLayer = layer, ids: list[torch.Tensor] = ids,
+                    fmt: ExpertFormat = fmt, al: bool = al) -> None:  # fmt: skip
             for i in ids:
                 moe_gate_up(x, i, layer.table, f, cfg.moe, al, fmt)
 
-        def down(layer: _Layer = layer, ids: list[torch.Tensor] = ids,
+        def down(layer: ExpertLayer = layer, ids: list[torch.Tensor] = ids,
                  acts: list[torch.Tensor] = acts, fmt: ExpertFormat = fmt,
                  al: bool = al) -> None:  # fmt: skip
             for i, a in zip(ids, acts, strict=True):
                 moe_down(a, i, weights, layer.table, h, cfg.moe, al, fmt)
 
-        name = _mix_name(layer.mix)
+        name = mix_name(layer.mix)
         yield Case("moe", "decode", f"moe_gate_up {name}", f"{k} of {s.n_experts} x [{f}, {h}]",
                    gate_up, k * (g + u) + h * 2 + k * f * 4, 4 * k * f * h, calls=sets)  # fmt: skip
         yield Case("moe", "decode", f"moe_down {name}", f"{k} of {s.n_experts} x [{h}, {f}]",
@@ -359,7 +296,7 @@ def _prefill_experts(
     n = s.staged or s.n_experts
     dn = str(dtype).removeprefix("torch.")
     done: set[tuple[QType, bool]] = set()  # (type, down): each projection shape once per type
-    for layer in _layers(s, device, n):
+    for layer in expert_layers(s.mixes, s.hidden, s.ffn, n, device):
         shapes = ((f, h), (f, h), (h, f))
         same = layer.mix[0] == layer.mix[1]
         for p, (q, stack, (rows, cols)) in enumerate(zip(layer.mix, layer.stacks, shapes,
