@@ -99,7 +99,17 @@ class CpuExperts:
                               _I32, _P]  # fmt: skip
         for fn in (self._matmul, self._moe):
             fn.restype = ctypes.c_int
+        self._read = lib.strata_read
+        self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64
         self._tables = iq_tables(torch.device("cpu"))  # [SIZE] uint8, kept alive here
+
+    def read(self, data: torch.Tensor) -> int:
+        """Sum `data`'s bytes as 64-bit words with all threads: a probe of the read bandwidth
+        the kernels see (bench/cpu_experts.py)."""
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("data must be a contiguous CPU tensor")
+        words = data.numel() * data.element_size() // 8
+        return int(self._read(data.data_ptr(), words, self.threads))
 
     def _qtype(self, qtype: QType, name: str) -> None:
         if qtype not in self.supported:

@@ -34,8 +34,10 @@ enum {
 #define IQ3_S_GRID 0
 #define IQ4_VALUES 2048
 
-typedef void (*decode_fn)(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                          const uint8_t *tab, int8_t *q, float *fs, float *fm);
+#define DECODE_ARGS                                                                  \
+    const uint8_t *row, const uint8_t *aux, int64_t c, int n32, const uint8_t *tab, \
+        int8_t *restrict q, float *restrict fs, float *restrict fm
+typedef void (*decode_fn)(DECODE_ARGS);
 
 static inline float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -68,8 +70,7 @@ static inline void scale32(float *f, int j, float v) { f[2 * j] = f[2 * j + 1] =
 
 /* --- 32-value blocks: chunk c holds blocks 8c .. 8c + n32 - 1 -------------------------- */
 
-static void dec_q8_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q8_0(DECODE_ARGS) {
     const uint8_t *b = row + c * 8 * 34;
     for (int j = 0; j < n32; j++, b += 34) {
         scale32(fs, j, f16(b));
@@ -77,15 +78,14 @@ static void dec_q8_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static inline void nibbles_signed(const uint8_t *qs, int8_t *q, int off) {
+static inline void nibbles_signed(const uint8_t *restrict qs, int8_t *restrict q, int off) {
     for (int i = 0; i < 16; i++) {
         q[i] = (int8_t)((qs[i] & 15) - off);
         q[i + 16] = (int8_t)((qs[i] >> 4) - off);
     }
 }
 
-static void dec_q4_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q4_0(DECODE_ARGS) {
     const uint8_t *b = row + c * 8 * 18;
     for (int j = 0; j < n32; j++, b += 18) {
         scale32(fs, j, f16(b));
@@ -93,8 +93,7 @@ static void dec_q4_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static void dec_q4_0_split(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                           const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q4_0_split(DECODE_ARGS) {
     const uint8_t *d = row + c * 8 * 2, *qs = aux + c * 8 * 16;
     for (int j = 0; j < n32; j++) {
         scale32(fs, j, f16(d + 2 * j));
@@ -102,8 +101,7 @@ static void dec_q4_0_split(const uint8_t *row, const uint8_t *aux, int64_t c, in
     }
 }
 
-static void dec_q4_1(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q4_1(DECODE_ARGS) {
     const uint8_t *b = row + c * 8 * 20;
     for (int j = 0; j < n32; j++, b += 20) {
         scale32(fs, j, f16(b));
@@ -112,7 +110,8 @@ static void dec_q4_1(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static inline void five_bits(const uint8_t *qh4, const uint8_t *qs, int8_t *q, int off) {
+static inline void five_bits(const uint8_t *qh4, const uint8_t *restrict qs, int8_t *restrict q,
+                             int off) {
     uint32_t qh = le32(qh4);
     for (int i = 0; i < 16; i++) {
         q[i] = (int8_t)(((qs[i] & 15) | ((qh >> i) & 1) << 4) - off);
@@ -120,8 +119,7 @@ static inline void five_bits(const uint8_t *qh4, const uint8_t *qs, int8_t *q, i
     }
 }
 
-static void dec_q5_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q5_0(DECODE_ARGS) {
     const uint8_t *b = row + c * 8 * 22;
     for (int j = 0; j < n32; j++, b += 22) {
         scale32(fs, j, f16(b));
@@ -129,8 +127,7 @@ static void dec_q5_0(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static void dec_q5_1(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q5_1(DECODE_ARGS) {
     const uint8_t *b = row + c * 8 * 24;
     for (int j = 0; j < n32; j++, b += 24) {
         scale32(fs, j, f16(b));
@@ -139,8 +136,7 @@ static void dec_q5_1(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static void dec_iq4_nl(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                       const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_iq4_nl(DECODE_ARGS) {
     const int8_t *kv = (const int8_t *)(tab + IQ4_VALUES);
     const uint8_t *b = row + c * 8 * 18;
     for (int j = 0; j < n32; j++, b += 18) {
@@ -154,8 +150,7 @@ static void dec_iq4_nl(const uint8_t *row, const uint8_t *aux, int64_t c, int n3
 
 /* --- 256-value super-blocks: chunk c is super-block c ---------------------------------- */
 
-static void dec_q2_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q2_k(DECODE_ARGS) {
     const uint8_t *b = row + c * 84, *qs = b + 16;
     float d = f16(b + 80), dmin = f16(b + 82);
     for (int s = 0; s < 16; s++) {
@@ -169,8 +164,7 @@ static void dec_q2_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
                 q[128 * h + 32 * k + l] = (int8_t)((qs[32 * h + l] >> (2 * k)) & 3);
 }
 
-static void dec_q3_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q3_k(DECODE_ARGS) {
     const uint8_t *b = row + c * 110, *hm = b, *qs = b + 32, *sc = b + 96;
     float d = f16(b + 108);
     for (int s = 0; s < 16; s++) {
@@ -206,8 +200,7 @@ static void k4_header(const uint8_t *b, float *fs, float *fm) {
     }
 }
 
-static void dec_q4_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q4_k(DECODE_ARGS) {
     const uint8_t *b = row + c * 144, *qs = b + 16;
     k4_header(b, fs, fm);
     for (int r = 0; r < 4; r++) /* 32-byte run r: low nibbles sub-block 2r, high 2r + 1 */
@@ -217,19 +210,18 @@ static void dec_q4_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
         }
 }
 
-static void dec_q5_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q5_k(DECODE_ARGS) {
     const uint8_t *b = row + c * 176, *qh = b + 16, *qs = b + 48;
     k4_header(b, fs, fm);
     for (int r = 0; r < 4; r++)
         for (int l = 0; l < 32; l++) {
             q[64 * r + l] = (int8_t)((qs[32 * r + l] & 15) | ((qh[l] >> (2 * r)) & 1) << 4);
-            q[64 * r + 32 + l] = (int8_t)((qs[32 * r + l] >> 4) | ((qh[l] >> (2 * r + 1)) & 1) << 4);
+            q[64 * r + 32 + l] =
+                (int8_t)((qs[32 * r + l] >> 4) | ((qh[l] >> (2 * r + 1)) & 1) << 4);
         }
 }
 
-static void dec_q6_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                     const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_q6_k(DECODE_ARGS) {
     const uint8_t *b = row + c * 210;
     float d = f16(b + 208);
     for (int s = 0; s < 16; s++) fs[s] = d * (float)(int8_t)b[192 + s];
@@ -246,8 +238,7 @@ static void dec_q6_k(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
     }
 }
 
-static void dec_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                       const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_iq4_xs(DECODE_ARGS) {
     const int8_t *kv = (const int8_t *)(tab + IQ4_VALUES);
     const uint8_t *b = row + c * 136, *sl = b + 4, *qs = b + 8;
     float d = f16(b);
@@ -262,12 +253,12 @@ static void dec_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t c, int n3
     }
 }
 
-static void dec_iq3_s(const uint8_t *row, const uint8_t *aux, int64_t c, int n32,
-                      const uint8_t *tab, int8_t *q, float *fs, float *fm) {
+static void dec_iq3_s(DECODE_ARGS) {
     const uint8_t *b = row + c * 110, *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
     const uint8_t *grid = tab + IQ3_S_GRID; /* 512 points x 4 values (odd, 1..15) */
     float d = f16(b);
-    for (int j = 0; j < 8; j++) scale32(fs, j, d * (float)(1 + 2 * ((sc[j / 2] >> (4 * (j % 2))) & 15)));
+    for (int j = 0; j < 8; j++)
+        scale32(fs, j, d * (float)(1 + 2 * ((sc[j / 2] >> (4 * (j % 2))) & 15)));
     for (int i = 0; i < 64; i++) {
         const uint8_t *g = grid + 4 * (qs[i] | ((qh[i / 8] >> (i % 8)) & 1) << 8);
         for (int k = 0; k < 4; k++) {

@@ -18,18 +18,11 @@
 
 #include "decode.h"
 #ifdef __AVX2__
-#include <immintrin.h>
+#include "decode_avx2.h"
 #endif
 
 #define ROWS_PER_TASK 8
 #define VEC_TILE 16 /* activations dotted per decoded chunk */
-
-typedef struct {
-    const uint8_t *base;
-    int64_t rows, cols, row_bytes;
-    int qtype, split, has_min, is_float;
-    decode_fn dec;
-} mat_t;
 
 typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float originals */
     int64_t k;
@@ -39,6 +32,28 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     const float *f;
     int64_t fstride;
 } acts_t;
+
+typedef void (*rowdot_fn)(const uint8_t *row, const uint8_t *aux, int64_t cols,
+                          const acts_t *a, const int64_t *vec, int64_t nt, float *acc);
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#include "fused_avx2.h"
+#endif
+
+typedef struct {
+    const uint8_t *base;
+    int64_t rows, cols, row_bytes;
+    int qtype, split, has_min, per16, is_float; /* per16: a scale per 16 values, not 32 */
+    decode_fn dec;
+    rowdot_fn fused; /* a whole-row dot for the hottest types (fused_avx2.h), else NULL */
+} mat_t;
 
 int strata_block(int qtype, int *values, int *bytes) {
     static const int geo[][3] = {
@@ -58,18 +73,28 @@ int strata_block(int qtype, int *values, int *bytes) {
 
 static decode_fn decoder(int qtype, int split) {
     switch (qtype) {
-    case T_Q8_0: return dec_q8_0;
+#ifdef __AVX2__
+    case T_Q4_0: return split ? dec_q4_0_split_avx2 : dec_q4_0_avx2;
+    case T_Q4_1: return dec_q4_1_avx2;
+    case T_IQ4_NL: return dec_iq4_nl_avx2;
+    case T_IQ4_XS: return dec_iq4_xs_avx2;
+    case T_Q4_K: return dec_q4_k_avx2;
+    case T_Q5_K: return dec_q5_k_avx2;
+    case T_Q6_K: return dec_q6_k_avx2;
+#else
     case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
     case T_Q4_1: return dec_q4_1;
-    case T_Q5_0: return dec_q5_0;
-    case T_Q5_1: return dec_q5_1;
     case T_IQ4_NL: return dec_iq4_nl;
-    case T_Q2_K: return dec_q2_k;
-    case T_Q3_K: return dec_q3_k;
+    case T_IQ4_XS: return dec_iq4_xs;
     case T_Q4_K: return dec_q4_k;
     case T_Q5_K: return dec_q5_k;
     case T_Q6_K: return dec_q6_k;
-    case T_IQ4_XS: return dec_iq4_xs;
+#endif
+    case T_Q8_0: return dec_q8_0;
+    case T_Q5_0: return dec_q5_0;
+    case T_Q5_1: return dec_q5_1;
+    case T_Q2_K: return dec_q2_k;
+    case T_Q3_K: return dec_q3_k;
     case T_IQ3_S: return dec_iq3_s;
     default: return NULL;
     }
@@ -85,7 +110,13 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
     m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
                  qtype == T_Q5_K;
+    m->per16 = qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q6_K;
     m->dec = decoder(qtype, m->split);
+#ifdef __AVX2__
+    m->fused = fused_rowdot(qtype, m->split);
+#else
+    m->fused = NULL;
+#endif
     return 0;
 }
 
@@ -103,18 +134,11 @@ static void quantize_act(const float *x, int64_t k, int8_t *q, float *d, int16_t
     }
 }
 
-#ifdef __AVX2__
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* sum over n32 blocks of (fs q - fm) . (xd xq): the chunk's dot with one activation */
 static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm, int has_min,
-                              const int8_t *xq, const float *xd, const int16_t *xs, int n32) {
+                              int per16, const int8_t *xq, const float *xd, const int16_t *xs,
+                              int n32) {
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
@@ -124,8 +148,9 @@ static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm,
         /* |a| * (b signed by a): pairs stay within int16 since |b| <= 127 */
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
         __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: values 0-15, 4-7: 16-31 */
-        __m256 sc = _mm256_set_m128(_mm_set1_ps(fs[2 * j + 1]), _mm_set1_ps(fs[2 * j]));
-        sc = _mm256_mul_ps(sc, _mm256_set1_ps(xd[j]));
+        __m256 sc = per16 ? _mm256_set_m128(_mm_set1_ps(fs[2 * j + 1] * xd[j]),
+                                             _mm_set1_ps(fs[2 * j] * xd[j]))
+                          : _mm256_set1_ps(fs[2 * j] * xd[j]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc);
     }
     float r = hsum8(acc);
@@ -165,6 +190,11 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                 aux = m->base + m->rows * nb * 2 + r * nb * 16;
             }
             float acc[VEC_TILE] = {0};
+            if (m->fused) {
+                m->fused(row, aux, m->cols, a, vec + v0, nt, acc);
+                for (int64_t j = 0; j < nt; j++) outs[v0 + j][r] = acc[j];
+                continue;
+            }
             for (int64_t c = 0; c < nchunks; c++) {
                 int n32 = nb - 8 * c < 8 ? (int)(nb - 8 * c) : 8;
                 if (m->is_float) {
@@ -177,7 +207,7 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                 m->dec(row, aux, c, n32, tab, q, fs, fm);
                 for (int64_t j = 0; j < nt; j++) {
                     int64_t v = vec[v0 + j];
-                    acc[j] += chunk_dot(q, fs, fm, m->has_min, a->q + v * a->k + 256 * c,
+                    acc[j] += chunk_dot(q, fs, fm, m->has_min, m->per16, a->q + v * a->k + 256 * c,
                                         a->d + v * (a->k / 32) + 8 * c,
                                         a->s + v * (a->k / 16) + 16 * c, n32);
                 }
@@ -221,7 +251,8 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tasks; i++) {
-            int64_t r0 = i * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < rows ? r0 + ROWS_PER_TASK : rows;
+            int64_t r0 = i * ROWS_PER_TASK;
+            int64_t r1 = r0 + ROWS_PER_TASK < rows ? r0 + ROWS_PER_TASK : rows;
             rows_dot(&m, r0, r1, &a, vec, outs, T, tab);
         }
     }
@@ -244,9 +275,9 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
     if (!err) err = mat_init(&md, NULL, qtypes[2], split, hidden, ffn);
     if (err || n == 0) return err;
     /* group the items by blob, in order of first appearance: order[gstart[g] .. gstart[g+1]) */
-    int64_t *group = malloc(sizeof(int64_t) * (size_t)n), *order = malloc(sizeof(int64_t) * (size_t)n);
-    int64_t *gstart = calloc((size_t)n + 1, sizeof(int64_t)), *vec = malloc(sizeof(int64_t) * (size_t)n);
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)n), ng = 0;
+    size_t ni = sizeof(int64_t) * (size_t)n;
+    int64_t *group = malloc(ni), *order = malloc(ni), *vec = malloc(ni), *first = malloc(ni);
+    int64_t *gstart = calloc((size_t)n + 1, sizeof(int64_t)), ng = 0;
     float **outs = malloc(sizeof(float *) * 3 * (size_t)n);
     float *gu = malloc(sizeof(float) * (size_t)(n * 2 * ffn));
     float *dn = malloc(sizeof(float) * (size_t)(n * hidden));
@@ -317,4 +348,12 @@ done:
     acts_free(&xa), acts_free(&ha);
     free(group), free(order), free(gstart), free(vec), free(first), free(outs), free(gu), free(dn);
     return err;
+}
+
+/* A read-bandwidth probe: the sum of n / 8 64-bit words, threads-wide (STREAM-like). */
+uint64_t strata_read(const uint64_t *p, int64_t n_words, int threads) {
+    uint64_t total = 0;
+#pragma omp parallel for reduction(+ : total) num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_words; i++) total += p[i];
+    return total;
 }
