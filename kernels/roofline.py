@@ -61,8 +61,8 @@ class Judged:
     flagged: bool
 
     def to_json(self) -> dict[str, object]:
-        return {**asdict(self.row), "rate": round(self.rate, 3), "unit": self.unit,
-                "share": round(self.share, 4), "bound": self.bound,
+        return {**asdict(self.row), "rate": float(f"{self.rate:.4g}"), "unit": self.unit,
+                "share": float(f"{self.share:.4g}"), "bound": self.bound,
                 "flagged": self.flagged}  # fmt: skip
 
 

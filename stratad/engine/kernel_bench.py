@@ -107,7 +107,7 @@ class Case:
     flops: int = 0
     link: str = "d2d"
     calls: int = 1  # kernel calls per run (copies cycled to outgrow L2)
-    dtype: str = "bfloat16"
+    dtype: str = ""  # the matmul rate its FLOPs are held to ("": the compute dtype)
     graph: bool = True  # timed in a CUDA graph (False: the call may sync with the host)
 
 
@@ -351,5 +351,5 @@ def run_cases(
             continue
         progress(f"{label}: {us:.1f} us")
         rows.append(Row(case.phase, case.kernel, case.shape, us, case.nbytes, case.flops,
-                        case.link, case.dtype))  # fmt: skip
+                        case.link, case.dtype or str(dtype).removeprefix("torch.")))  # fmt: skip
     return rows
