@@ -69,14 +69,18 @@ def _first_error(stderr: str) -> str:
     return (errors or lines or ["no output"])[0]
 
 
-def build(cache_dir: Path | None = None) -> Path:
-    """The path of the compiled library, building it if the cache does not hold it."""
+def build(cache_dir: Path | None = None, native: bool = True) -> Path:
+    """The path of the compiled library, building it if the cache does not hold it.
+
+    native=False builds for the baseline of the target (no -march=native): the portable C
+    paths, not the AVX2 ones, for the tests to check both."""
     cc = compiler()
     version = _version(cc)
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(repr((cc, FLAGS, NATIVE, version)).encode())
+    march = (NATIVE,) if native else ()
+    digest.update(repr((cc, FLAGS, march, version)).encode())
     directory = cache_dir if cache_dir is not None else default_cache_dir()
     lib = directory / f"experts-{digest.hexdigest()[:16]}.so"
     if lib.exists():
@@ -89,8 +93,8 @@ def build(cache_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         src = str(SOURCE_DIR / MAIN)
-        done = _run([*cc, *FLAGS, NATIVE, "-o", tmp, src])
-        if done.returncode != 0 and "march" in done.stderr:  # a compiler without it
+        done = _run([*cc, *FLAGS, *march, "-o", tmp, src])
+        if done.returncode != 0 and march and "march" in done.stderr:  # a compiler without it
             done = _run([*cc, *FLAGS, "-o", tmp, src])
         if done.returncode != 0:
             raise CpuKernelsUnavailable(
@@ -105,9 +109,9 @@ def build(cache_dir: Path | None = None) -> Path:
     return lib
 
 
-def load(cache_dir: Path | None = None) -> ctypes.CDLL:
+def load(cache_dir: Path | None = None, native: bool = True) -> ctypes.CDLL:
     """Build if needed, then load the library (its functions release the GIL when called)."""
-    lib = build(cache_dir)
+    lib = build(cache_dir, native)
     try:
         return ctypes.CDLL(str(lib))
     except OSError as e:

@@ -87,11 +87,15 @@ class CpuExperts:
 
     supported: frozenset[QType] = CPU_EXPERT_QTYPES
 
-    def __init__(self, threads: int | None = None, cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, threads: int | None = None, cache_dir: Path | None = None, *, native: bool = True
+    ) -> None:
+        """Build (first use) and load the kernels; `CpuKernelsUnavailable` if they cannot be.
+        native=False: without -march=native (the portable C paths; for tests)."""
         self.threads = threads if threads is not None else _physical_cores()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        lib = load(cache_dir)
+        lib = load(cache_dir, native)
         self._matmul = lib.strata_matmul
         self._matmul.argtypes = [_P, _I64, _P, _I32, _I32, _I64, _I64, _P, _I32, _P]
         self._moe = lib.strata_moe

@@ -10,6 +10,9 @@ each activation moves by at most half its block's scale. The MoE's intermediate 
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,10 +29,18 @@ _FLOAT_DTYPE = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: 
 
 
 @pytest.fixture(scope="module")
-def cpu(tmp_path_factory: pytest.TempPathFactory) -> CpuExperts:
-    return CpuExperts(threads=2, cache_dir=tmp_path_factory.mktemp("cpu-kernels"))
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cpu-kernels")
 
 
+# native: the AVX2 paths where the host has AVX2; portable: the plain C ones, built without
+# -march=native (the same results up to float summation order)
+@pytest.fixture(scope="module", params=["native", "portable"])
+def cpu(request: pytest.FixtureRequest, cache: Path) -> CpuExperts:
+    return CpuExperts(threads=2, cache_dir=cache, native=request.param == "native")
+
+
+@functools.cache  # the native and portable runs share inputs (read only)
 def blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
     """uint8 [rows, row bytes]: quantized random values, or for the types without a
     quantizer here random blocks with small finite fp16 scales."""
@@ -103,6 +114,7 @@ def test_matmul_many_tokens_and_ragged_chunks(cpu: CpuExperts) -> None:
         _close(out, xa @ w.T, xa.abs() @ w.abs().T)
 
 
+@functools.cache
 def _blob(fmt: CpuExpertFormat, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A blob of `fmt` (plus 3 spare bytes) and its float64 (gate, up, down)."""
     shapes = ((fmt.ffn, fmt.hidden), (fmt.ffn, fmt.hidden), (fmt.hidden, fmt.ffn))
@@ -168,7 +180,7 @@ def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
     _close(out - 1, ref, scale, ulps=256)
 
 
-def test_moe_is_deterministic_across_threads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_moe_is_deterministic_across_threads(cache: Path) -> None:
     fmt = CpuExpertFormat.packed((QType.Q4_K, QType.Q4_K, QType.Q6_K), hidden=256, ffn=512)
     blobs = [_blob(fmt, seed)[0] for seed in range(5)]
     items = [(t, e) for t in range(3) for e in (t, t + 1, 4)]
@@ -176,7 +188,7 @@ def test_moe_is_deterministic_across_threads(tmp_path) -> None:  # type: ignore[
     outs = []
     for threads in (1, 2, 3):
         out = torch.zeros(3, 256)
-        CpuExperts(threads=threads, cache_dir=tmp_path).moe(
+        CpuExperts(threads=threads, cache_dir=cache).moe(
             x, [blobs[e] for _, e in items], [t for t, _ in items], [0.1 * e for _, e in items],
             fmt, out,
         )  # fmt: skip

@@ -20,39 +20,44 @@ static inline __m256i udot32(__m256i u, const int8_t *x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
 }
 
-static inline void finish(const __m256 *acc, int64_t nt, float *out) {
-    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(acc[j]);
+/* Q4_0 and Q8_0: one fp16 scale per 32 signed values. Block b adds into acc[b % 2][j]: two
+ * chains, since one fma chain per row was bound by the fma's latency (about 1.6x on Q4_0). */
+static inline __attribute__((always_inline)) void block_32(
+    const uint8_t *row, const uint8_t *aux, int64_t b, const acts_t *a, const int64_t *vec,
+    int64_t nt, __m256 *acc, int kind) {
+    __m256i w;
+    float dw;
+    if (kind == 0) { /* Q4_0 */
+        dw = f16(row + 18 * b);
+        w = _mm256_sub_epi8(nib32(row + 18 * b + 2), _mm256_set1_epi8(8));
+    } else if (kind == 1) { /* Q4_0 split */
+        dw = f16(row + 2 * b);
+        w = _mm256_sub_epi8(nib32(aux + 16 * b), _mm256_set1_epi8(8));
+    } else { /* Q8_0 */
+        dw = f16(row + 34 * b);
+        w = _mm256_loadu_si256((const __m256i *)(row + 34 * b + 2));
+    }
+    __m256i aw = _mm256_sign_epi8(w, w);
+    for (int64_t j = 0; j < nt; j++) {
+        int64_t v = vec[j];
+        __m256i s = dot32(aw, w, a->q + v * a->k + 32 * b);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                 _mm256_set1_ps(dw * a->d[v * (a->k / 32) + b]), acc[j]);
+    }
 }
 
-/* Q4_0 and Q8_0: one fp16 scale per 32 signed values; `w` decodes block b */
 static inline __attribute__((always_inline)) void rowdot_32(
     const uint8_t *row, const uint8_t *aux, int64_t nb, const acts_t *a, const int64_t *vec,
     int64_t nt, float *out, int kind) {
-    __m256 acc[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
-    const __m256i eight = _mm256_set1_epi8(8);
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i w;
-        float dw;
-        if (kind == 0) { /* Q4_0 */
-            dw = f16(row + 18 * b);
-            w = _mm256_sub_epi8(nib32(row + 18 * b + 2), eight);
-        } else if (kind == 1) { /* Q4_0 split */
-            dw = f16(row + 2 * b);
-            w = _mm256_sub_epi8(nib32(aux + 16 * b), eight);
-        } else { /* Q8_0 */
-            dw = f16(row + 34 * b);
-            w = _mm256_loadu_si256((const __m256i *)(row + 34 * b + 2));
-        }
-        __m256i aw = _mm256_sign_epi8(w, w);
-        for (int64_t j = 0; j < nt; j++) {
-            int64_t v = vec[j];
-            __m256i s = dot32(aw, w, a->q + v * a->k + 32 * b);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                     _mm256_set1_ps(dw * a->d[v * (a->k / 32) + b]), acc[j]);
-        }
+    __m256 acc[2][VEC_TILE];
+    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        block_32(row, aux, b, a, vec, nt, acc[0], kind);
+        block_32(row, aux, b + 1, a, vec, nt, acc[1], kind);
     }
-    finish(acc, nt, out);
+    if (b < nb) block_32(row, aux, b, a, vec, nt, acc[0], kind);
+    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
 }
 
 #define ROWDOT_32(name, kind)                                                                 \
@@ -70,9 +75,9 @@ ROWDOT_32(rowdot_q8_0, 2)
 static inline __attribute__((always_inline)) void rowdot_q4_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[VEC_TILE];
+    __m256 acc[VEC_TILE], acc1[VEC_TILE]; /* two fma chains */
     float mins[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps(), mins[j] = 0.0f;
+    for (int64_t j = 0; j < nt; j++) acc[j] = acc1[j] = _mm256_setzero_ps(), mins[j] = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t c = 0; c < nsb; c++) {
         const uint8_t *b = row + 144 * c, *qs = b + 16;
@@ -87,15 +92,15 @@ static inline __attribute__((always_inline)) void rowdot_q4_k_body(
                 __m256i s0 = udot32(lo, x), s1 = udot32(hi, x + 32);
                 acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
                                          _mm256_set1_ps(fs[4 * r] * a->d[ib]), acc[j]);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                                         _mm256_set1_ps(fs[4 * r + 2] * a->d[ib + 1]), acc[j]);
+                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                                          _mm256_set1_ps(fs[4 * r + 2] * a->d[ib + 1]), acc1[j]);
                 const int16_t *xs = a->s + 2 * ib;
                 mins[j] += fm[4 * r] * a->d[ib] * (float)(xs[0] + xs[1]) +
                            fm[4 * r + 2] * a->d[ib + 1] * (float)(xs[2] + xs[3]);
             }
         }
     }
-    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(acc[j]) - mins[j];
+    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[j], acc1[j])) - mins[j];
 }
 
 static void rowdot_q4_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
@@ -109,8 +114,8 @@ static void rowdot_q4_k(const uint8_t *row, const uint8_t *aux, int64_t cols, co
 static inline __attribute__((always_inline)) void rowdot_q6_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[2][VEC_TILE]; /* two fma chains, by k's parity */
+    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     const __m256i off = _mm256_set1_epi8(32);
     for (int64_t c = 0; c < nsb; c++) {
@@ -135,12 +140,12 @@ static inline __attribute__((always_inline)) void rowdot_q6_k_body(
                     __m256i p = dot32(aw, w, a->q + vec[j] * a->k + 256 * c + 128 * h + 32 * k);
                     float xd = a->d[ib];
                     __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * xd), _mm_set1_ps(d0 * xd));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[j]);
+                    acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[k & 1][j]);
                 }
             }
         }
     }
-    finish(acc, nt, out);
+    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
 }
 
 static void rowdot_q6_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
