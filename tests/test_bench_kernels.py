@@ -68,6 +68,29 @@ def test_the_shapes_and_each_type_mix_the_experts_hold() -> None:
     assert "Q4_K/Q4_K/Q6_K" in shapes.describe()
 
 
+def test_every_kernel_once_per_type_it_reads() -> None:
+    """The cases of a Q4_K_M-like model: the gate/up launch once for Q4_K, the down launch and
+    prefill's dequantization once per down type, every other kernel once per phase."""
+    import torch
+
+    from stratad.engine.kernel_bench import GROUPS, INTERPRETED_BENCH, BenchShapes, cases
+
+    mixes = ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q4_K,) * 3)
+    s = BenchShapes(256, 4, 2, 64, 256, 8, 2, 1000, True, mixes, context=8, cache=16, prefill=4)
+    built = list(cases(s, torch.device("cpu"), torch.float32, INTERPRETED_BENCH))
+    names = [f"{c.phase} {c.kernel}" for c in built]
+    assert len(names) == len(set(names)) and {c.group for c in built} == set(GROUPS)
+    moe = [n for n in names if "moe_" in n or "dequant" in n]
+    assert moe == ["decode moe_gate_up Q4_K", "decode moe_down Q6_K", "decode moe_down Q4_K",
+                   "prefill dequant Q4_K gate/up", "prefill dequant Q6_K down",
+                   "prefill dequant Q4_K down"]  # fmt: skip
+    for phase in ("decode", "prefill"):
+        for kernel in ("linear qkv", "linear o", "linear router", "rmsnorm", "add_rmsnorm",
+                       "route_topk"):  # fmt: skip
+            assert any(n.startswith(f"{phase} {kernel}") for n in names), (phase, kernel)
+    assert all(c.nbytes > 0 for c in built)
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("bench") / "report.json"

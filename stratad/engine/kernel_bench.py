@@ -39,7 +39,7 @@ from kernels.roofline import Row, time_us
 from kernels.rope import RopeStyle, rope_table
 from kernels.router import route_topk
 from kernels.tuning import INTERPRETED, KernelConfigs
-from stratad.engine.bench_weights import ExpertLayer, Mix, expert_layers, mix_name
+from stratad.engine.bench_weights import ExpertLayer, Mix, expert_layers
 from stratad.engine.grouped import grouped_swiglu
 from stratad.model.spec import Model, ModelSpec
 
@@ -189,11 +189,19 @@ def _decode_dense(
 def _decode_experts(
     s: BenchShapes, device: torch.device, dtype: torch.dtype, cfg: KernelConfigs
 ) -> Iterator[Case]:
+    """The fused MoE's gate/up launch for each (gate, up) type pair the experts hold, its down
+    launch for each down type, and the expert fetch."""
     h, k, f = s.hidden, s.top_k, s.ffn
     x = torch.randn(1, h, device=device, dtype=dtype)
     weights = torch.full((1, k), 1.0 / k, device=device)
-    for layer in expert_layers(s.mixes, s.hidden, s.ffn, s.n_experts, device):
-        g, u, d = layer.expert_bytes()
+    mixes: list[Mix] = []  # the first mix to hold each (gate, up) pair and each down type
+    for m in s.mixes:
+        if m[:2] not in {n[:2] for n in mixes} or m[2] not in {n[2] for n in mixes}:
+            mixes.append(m)
+    timed: set[tuple[QType, ...]] = set()  # gate/up pairs, (down,)
+    sizes = None
+    for layer in expert_layers(tuple(mixes), s.hidden, s.ffn, s.n_experts, device):
+        g, u, d = sizes = layer.expert_bytes()
         # distinct experts per call, as many sets as the layer holds (all of them cycled)
         sets = max(1, min(s.n_experts // k, _cycle(k * (g + u + d), device)))
         order = torch.randperm(s.n_experts, device=device).to(torch.int32)
@@ -212,14 +220,19 @@ def _decode_experts(
             for i, a in zip(ids, acts, strict=True):
                 moe_down(a, i, weights, layer.table, h, cfg.moe, al, fmt)
 
-        name = mix_name(layer.mix)
-        yield Case("moe", "decode", f"moe_gate_up {name}", f"{k} of {s.n_experts} x [{f}, {h}]",
-                   gate_up, k * (g + u) + h * 2 + k * f * 4, 4 * k * f * h, calls=sets)  # fmt: skip
-        yield Case("moe", "decode", f"moe_down {name}", f"{k} of {s.n_experts} x [{h}, {f}]",
-                   down, k * d + k * f * 4 + k * h * 4, 2 * k * f * h, calls=sets)  # fmt: skip
-    if not s.mixes:
-        return
-    yield _fetch_case(s, device, layer.expert_bytes(), cfg)
+        gate, up, dn = layer.mix
+        if (gate, up) not in timed:
+            timed.add((gate, up))
+            name = gate.name if gate == up else f"{gate.name}/{up.name}"
+            shape = f"{k} of {s.n_experts} x [{f}, {h}]"
+            yield Case("moe", "decode", f"moe_gate_up {name}", shape, gate_up,
+                       k * (g + u) + h * 2 + k * f * 4, 4 * k * f * h, calls=sets)  # fmt: skip
+        if (dn,) not in timed:
+            timed.add((dn,))
+            yield Case("moe", "decode", f"moe_down {dn.name}", f"{k} of {s.n_experts} x [{h}, {f}]",
+                       down, k * d + k * f * 4 + k * h * 4, 2 * k * f * h, calls=sets)  # fmt: skip
+    if sizes is not None:
+        yield _fetch_case(s, device, sizes, cfg)
 
 
 def _fetch_case(s: BenchShapes, device: torch.device, sizes: tuple[int, ...],
