@@ -66,12 +66,15 @@ class BenchShapes:
     cache: int = 4096  # the daemon's default max_context
     prefill: int = 4096  # the daemon's default prefill chunk
     staged: int = 0  # experts a prefill layer dequantizes (0: every one, as prefill does)
+    rope_style: RopeStyle = RopeStyle.NEOX
+    norm_topk: bool = True  # the router renormalises its top-k weights
 
     @classmethod
     def of(cls, spec: ModelSpec, mixes: tuple[Mix, ...]) -> BenchShapes:
+        style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
         return cls(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.expert_ffn,
                    spec.n_experts, spec.n_experts_used, spec.vocab_size, spec.qk_norm == "head",
-                   mixes)  # fmt: skip
+                   mixes, rope_style=style, norm_topk=spec.norm_topk_prob)  # fmt: skip
 
     @property
     def qkv_rows(self) -> int:
@@ -168,7 +171,7 @@ def _decode_dense(
     norms = (torch.ones(s.head_dim, device=device, dtype=dtype),) * 2 if s.qk_norm else None
 
     def rope() -> None:
-        attn_input(qkv, pos, norms, cos, sin, kv[0], kv[1], RopeStyle.NEOX, 1e-6)  # type: ignore[arg-type]
+        attn_input(qkv, pos, norms, cos, sin, kv[0], kv[1], s.rope_style, 1e-6)  # type: ignore[arg-type]
 
     yield Case("rope", "decode", "attn_input (norms+RoPE+KV)", f"[1, {s.qkv_rows}]", rope,
                2 * s.qkv_rows * e + 2 * s.head_dim * 4)  # fmt: skip
@@ -182,7 +185,7 @@ def _decode_dense(
                4 * s.context * s.n_heads * s.head_dim, dtype=dn)  # fmt: skip
     logits = torch.randn(1, s.n_experts, device=device, dtype=dtype)
     yield Case("router", "decode", "route_topk", f"[1, {s.n_experts}] top-{s.top_k}",
-               lambda: route_topk(logits, s.top_k, True),
+               lambda: route_topk(logits, s.top_k, s.norm_topk),
                s.n_experts * e + 8 * s.top_k)  # fmt: skip
 
 
@@ -282,8 +285,8 @@ def _prefill(
     k = torch.randn(t, s.n_kv_heads, s.head_dim, device=device, dtype=dtype)
 
     def rope() -> None:
-        rope_table(q, pos, cos, sin, RopeStyle.NEOX)
-        rope_table(k, pos, cos, sin, RopeStyle.NEOX)
+        rope_table(q, pos, cos, sin, s.rope_style)
+        rope_table(k, pos, cos, sin, s.rope_style)
 
     yield Case("rope", "prefill", "rope_table q+k", f"[{t}, {s.n_heads}+{s.n_kv_heads}, "
                f"{s.head_dim}]", rope, 2 * (q.numel() + k.numel()) * e, calls=1)  # fmt: skip
@@ -296,7 +299,7 @@ def _prefill(
                4 * qh.numel() * e, 2 * t * t * s.n_heads * s.head_dim, dtype=dn)  # fmt: skip
     logits = torch.randn(t, s.n_experts, device=device, dtype=dtype)
     yield Case("router", "prefill", "route_topk", f"[{t}, {s.n_experts}] top-{s.top_k}",
-               lambda: route_topk(logits, s.top_k, True),
+               lambda: route_topk(logits, s.top_k, s.norm_topk),
                t * (s.n_experts * e + 8 * s.top_k))  # fmt: skip
     if experts:
         yield from _prefill_experts(s, device, dtype, cfg)
