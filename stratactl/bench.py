@@ -5,7 +5,8 @@ the bf16/fp16 matmul rate, the launch floor), then times every kernel the offloa
 launches at a model's shapes, decode and prefill, for each GGUF type its experts hold. Each
 kernel's achieved GB/s or TFLOP/s is printed as a share of the ceiling that bounds it; a
 kernel under `--flag-below` is flagged. `--json PATH` writes the whole report (versions,
-device, ceilings, every row) for a bug report. About a minute on a GPU.
+device, ceilings, every row) for a bug report. Meant to take under two minutes on a GPU
+(the timing budget per kernel is fixed; not yet run on one).
 
 Without a GPU it runs on the CPU, the Triton kernels in Triton's interpreter, at small
 context and prefill lengths: that checks the command works, its timings mean nothing.
