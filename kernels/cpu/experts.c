@@ -29,6 +29,7 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     int8_t *q;
     float *d;    /* [n, k / 32] */
     int16_t *s;  /* [n, k / 16] */
+    float *xf;   /* [n, k / 32]: d * (sum of the block's q), the block's sum as rounded */
     const float *f;
     int64_t fstride;
 } acts_t;
@@ -120,7 +121,12 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     return 0;
 }
 
-static void quantize_act(const float *x, int64_t k, int8_t *q, float *d, int16_t *s) {
+/* activation v of a = x [a->k] rounded to int8 per block of 32 */
+static void quantize_act(const acts_t *a, int64_t v, const float *x) {
+    int64_t k = a->k;
+    int8_t *q = a->q + v * k;
+    float *d = a->d + v * (k / 32), *xf = a->xf + v * (k / 32);
+    int16_t *s = a->s + v * (k / 16);
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -129,11 +135,11 @@ static void quantize_act(const float *x, int64_t k, int8_t *q, float *d, int16_t
         for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(x[i] * inv);
         for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
         d[b] = scale;
+        xf[b] = scale * (float)(s0 + s1);
         s[2 * b] = (int16_t)s0;
         s[2 * b + 1] = (int16_t)s1;
     }
 }
-
 
 /* sum over n32 blocks of (fs q - fm) . (xd xq): the chunk's dot with one activation */
 static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm, int has_min,
@@ -222,11 +228,12 @@ static int acts_alloc(acts_t *a, int64_t n, int64_t k, const float *f, int64_t f
     a->q = malloc((size_t)(n * k) + 32);
     a->d = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
     a->s = malloc(sizeof(int16_t) * (size_t)(n * k / 16 + 1));
-    return a->q && a->d && a->s ? 0 : -3;
+    a->xf = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
+    return a->q && a->d && a->s && a->xf ? 0 : -3;
 }
 
 static void acts_free(acts_t *a) {
-    free(a->q), free(a->d), free(a->s);
+    free(a->q), free(a->d), free(a->s), free(a->xf);
 }
 
 /* out [T, rows] = x [T, cols] @ W^T. Returns 0, or -1 (type), -2 (shape), -3 (memory). */
@@ -245,9 +252,7 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             vec[t] = t, outs[t] = out + t * rows;
-            if (!m.is_float)
-                quantize_act(x + t * cols, cols, a.q + t * cols, a.d + t * (cols / 32),
-                             a.s + t * (cols / 16));
+            if (!m.is_float) quantize_act(&a, t, x + t * cols);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tasks; i++) {
@@ -305,17 +310,17 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
         outs[n + k] = gu + i * 2 * ffn + ffn;
         outs[2 * n + k] = dn + i * hidden;
     }
-    int64_t up_tasks = ng * ((ffn + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-    int64_t down_tasks = (hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    int64_t row_tasks = (ffn + ROWS_PER_TASK - 1) / ROWS_PER_TASK, up_tasks = ng * row_tasks;
+    int64_t out_tasks = (hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK, down_tasks = ng * out_tasks;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            quantize_act(x + t * hidden, hidden, xa.q + t * hidden, xa.d + t * (hidden / 32),
-                         xa.s + t * (hidden / 16));
+            quantize_act(&xa, t, x + t * hidden);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < up_tasks; task++) {
-            int64_t g = task % ng, r0 = task / ng * ROWS_PER_TASK;
+            /* consecutive tasks walk down one expert's rows: long runs for the prefetcher */
+            int64_t g = task / row_tasks, r0 = task % row_tasks * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < ffn ? r0 + ROWS_PER_TASK : ffn, k = gstart[g];
             mat_t gm = mg, um = mu;
             gm.base = blobs[first[g]], um.base = blobs[first[g]] + up_off;
@@ -326,19 +331,21 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
         for (int64_t i = 0; i < n; i++) {
             float *h = gu + i * 2 * ffn; /* h overwrites gate in place */
             for (int64_t f = 0; f < ffn; f++) h[f] = silu(h[f]) * h[ffn + f];
-            if (!md.is_float)
-                quantize_act(h, ffn, ha.q + i * ffn, ha.d + i * (ffn / 32), ha.s + i * (ffn / 16));
+            if (!md.is_float) quantize_act(&ha, i, h);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < down_tasks; task++) {
+            int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
+            int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
+            mat_t dm = md;
+            dm.base = blobs[first[g]] + down_off;
+            rows_dot(&dm, r0, r1, &ha, order + gstart[g], outs + 2 * n + gstart[g],
+                     gstart[g + 1] - gstart[g], tab);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < out_tasks; task++) {
             int64_t r0 = task * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
-            for (int64_t g = 0; g < ng; g++) {
-                mat_t dm = md;
-                dm.base = blobs[first[g]] + down_off;
-                rows_dot(&dm, r0, r1, &ha, order + gstart[g], outs + 2 * n + gstart[g],
-                         gstart[g + 1] - gstart[g], tab);
-            }
             for (int64_t i = 0; i < n; i++) /* fixed order: deterministic */
                 for (int64_t r = r0; r < r1; r++)
                     out[tokens[i] * hidden + r] += weights[i] * dn[i * hidden + r];

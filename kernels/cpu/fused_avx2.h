@@ -14,6 +14,11 @@ static inline __m256i dot32(__m256i aw, __m256i w, const int8_t *x) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+/* lane i of v in every lane */
+static inline __m256 lane(__m256 v, int i) {
+    return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
+}
+
 /* the same with unsigned weights u (0..127): no sign juggling */
 static inline __m256i udot32(__m256i u, const int8_t *x) {
     __m256i xv = _mm256_loadu_si256((const __m256i *)x);
@@ -49,9 +54,38 @@ static inline __attribute__((always_inline)) void block_32(
 static inline __attribute__((always_inline)) void rowdot_32(
     const uint8_t *row, const uint8_t *aux, int64_t nb, const acts_t *a, const int64_t *vec,
     int64_t nt, float *out, int kind) {
-    __m256 acc[2][VEC_TILE];
+    __m256 acc[2][VEC_TILE], sx[VEC_TILE];
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     int64_t b = 0;
+    /* split Q4_0 keeps its scales and its nibbles together: 8 scales at a time (times the
+     * activation's 8), two blocks' nibbles per load. The nibbles stay unsigned (maddubs takes
+     * them as they are) and the -8 comes off through the activation's block sums:
+     * sum (q - 8) x = sum q x - 8 sum x, one fma per 8 blocks. */
+    __m256 corr[VEC_TILE];
+    for (int64_t j = 0; j < nt; j++) corr[j] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (; kind == 1 && b + 8 <= nb; b += 8) {
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * b)));
+        for (int64_t j = 0; j < nt; j++) {
+            int64_t ib = vec[j] * (a->k / 32) + b;
+            sx[j] = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib));
+            corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
+        }
+        for (int i = 0; i < 8; i += 2) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(aux + 16 * (b + i)));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20); /* block b + i */
+            __m256i w1 = _mm256_permute2x128_si256(lo, hi, 0x31); /* block b + i + 1 */
+            for (int64_t j = 0; j < nt; j++) {
+                const int8_t *x = a->q + vec[j] * a->k + 32 * (b + i);
+                __m256i s0 = udot32(w0, x), s1 = udot32(w1, x + 32);
+                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(sx[j], i), acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(sx[j], i + 1), acc[1][j]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < nt; j++)
+        acc[0][j] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), corr[j], acc[0][j]);
     for (; b + 1 < nb; b += 2) {
         block_32(row, aux, b, a, vec, nt, acc[0], kind);
         block_32(row, aux, b + 1, a, vec, nt, acc[1], kind);
@@ -72,35 +106,54 @@ ROWDOT_32(rowdot_q4_0, 0)
 ROWDOT_32(rowdot_q4_0_split, 1)
 ROWDOT_32(rowdot_q8_0, 2)
 
+/* Q4_K's 8 6-bit scales and mins (llama.cpp's utmp shuffle), times d and dmin */
+static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1; /* bytes 0-7: scales, 8-15: mins */
+    __m128i v = _mm_loadu_si128((const __m128i *)u);
+    __m256 s8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    *sc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), s8);
+    *mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m8);
+}
+
+/* Q4_K: the 8 sub-block scales times the activation's 8 block scales in one multiply, the
+ * minimums against the activation's block sums in one fma per super-block */
 static inline __attribute__((always_inline)) void rowdot_q4_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[VEC_TILE], acc1[VEC_TILE]; /* two fma chains */
-    float mins[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) acc[j] = acc1[j] = _mm256_setzero_ps(), mins[j] = 0.0f;
+    __m256 acc[VEC_TILE], acc1[VEC_TILE], mins[VEC_TILE], scx[VEC_TILE];
+    for (int64_t j = 0; j < nt; j++)
+        acc[j] = acc1[j] = mins[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t c = 0; c < nsb; c++) {
         const uint8_t *b = row + 144 * c, *qs = b + 16;
-        float fs[16], fm[16];
-        k4_header(b, fs, fm); /* fs, fm per 16 values; equal in pairs */
-        for (int r = 0; r < 4; r++) {
+        __m256 sc, mn;
+        q4_k_scales(b, &sc, &mn);
+        for (int64_t j = 0; j < nt; j++) {
+            int64_t ib = vec[j] * (a->k / 32) + 8 * c;
+            scx[j] = _mm256_mul_ps(sc, _mm256_loadu_ps(a->d + ib));
+            mins[j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(a->xf + ib), mins[j]);
+        }
+        for (int r = 0; r < 4; r++) { /* 32-byte run r: sub-blocks 2r (low), 2r + 1 (high) */
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * r));
             __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             for (int64_t j = 0; j < nt; j++) {
-                int64_t ib = vec[j] * (a->k / 32) + 8 * c + 2 * r; /* sub-block 2r's x block */
                 const int8_t *x = a->q + vec[j] * a->k + 256 * c + 64 * r;
                 __m256i s0 = udot32(lo, x), s1 = udot32(hi, x + 32);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
-                                         _mm256_set1_ps(fs[4 * r] * a->d[ib]), acc[j]);
-                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                                          _mm256_set1_ps(fs[4 * r + 2] * a->d[ib + 1]), acc1[j]);
-                const int16_t *xs = a->s + 2 * ib;
-                mins[j] += fm[4 * r] * a->d[ib] * (float)(xs[0] + xs[1]) +
-                           fm[4 * r + 2] * a->d[ib + 1] * (float)(xs[2] + xs[3]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(scx[j], 2 * r), acc[j]);
+                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(scx[j], 2 * r + 1), acc1[j]);
             }
         }
     }
-    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[j], acc1[j])) - mins[j];
+    for (int64_t j = 0; j < nt; j++)
+        out[j] = hsum8(_mm256_add_ps(acc[j], acc1[j])) - hsum8(mins[j]);
 }
 
 static void rowdot_q4_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
@@ -111,16 +164,28 @@ static void rowdot_q4_k(const uint8_t *row, const uint8_t *aux, int64_t cols, co
         rowdot_q4_k_body(row, cols / 256, a, vec, nt, out);
 }
 
+/* Q6_K: 16 scales (one per 16 values) times the activation's block scales, two multiplies
+ * per super-block; each 32 values then take their pair of products with one permute */
 static inline __attribute__((always_inline)) void rowdot_q6_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[2][VEC_TILE]; /* two fma chains, by k's parity */
+    __m256 acc[2][VEC_TILE], p[VEC_TILE][2];
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     const __m256i off = _mm256_set1_epi8(32);
+    const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256i pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t c = 0; c < nsb; c++) {
         const uint8_t *b = row + 210 * c;
-        float d = f16(b + 208);
+        __m256 d = _mm256_set1_ps(f16(b + 208));
+        __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        for (int64_t j = 0; j < nt; j++) { /* p[j][i / 4] lane 2 (i % 4) + half: block i */
+            __m256 xd = _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c);
+            p[j][0] = _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(xd, pairs_lo));
+            p[j][1] = _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(xd, pairs_hi));
+        }
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b + 64 * h;
             __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
@@ -133,14 +198,13 @@ static inline __attribute__((always_inline)) void rowdot_q6_k_body(
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
                 __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_slli_epi16(hi, 4)), off);
                 __m256i aw = _mm256_sign_epi8(w, w);
-                int s = 8 * h + 2 * k; /* the 16-value sub-blocks s, s + 1 */
-                float d0 = d * (float)(int8_t)b[192 + s], d1 = d * (float)(int8_t)b[193 + s];
+                /* block 4h + k: lanes 0-3 take scale 2k, 4-7 scale 2k + 1 of p[.][h] */
+                __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                                2 * k + 1, 2 * k + 1);
                 for (int64_t j = 0; j < nt; j++) {
-                    int64_t ib = vec[j] * (a->k / 32) + 8 * c + 4 * h + k;
-                    __m256i p = dot32(aw, w, a->q + vec[j] * a->k + 256 * c + 128 * h + 32 * k);
-                    float xd = a->d[ib];
-                    __m256 sc = _mm256_set_m128(_mm_set1_ps(d1 * xd), _mm_set1_ps(d0 * xd));
-                    acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[k & 1][j]);
+                    __m256i s = dot32(aw, w, a->q + vec[j] * a->k + 256 * c + 128 * h + 32 * k);
+                    __m256 sc8 = _mm256_permutevar8x32_ps(p[j][h], idx);
+                    acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc8, acc[k & 1][j]);
                 }
             }
         }
