@@ -21,7 +21,7 @@
 #include "decode_avx2.h"
 #endif
 
-#define ROWS_PER_TASK 8
+#define ROWS_PER_TASK 16
 #define VEC_TILE 16 /* activations dotted per decoded chunk */
 
 typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float originals */
