@@ -4,11 +4,16 @@
  * ctypes (which releases the GIL) by kernels/cpu_experts.py.
  *
  * Activations are quantized once per vector to int8 in blocks of 32 (float scale d per block,
- * as llama.cpp's Q8_0, plus the int sum of every 16 values for the types with a minimum).
- * A weight row is decoded 256 values at a time to int8 (decode.h), and each chunk is dotted
- * with every activation that uses the row, so a weight byte is read once per call however
- * many tokens share it. Per 32 values: an integer dot, then one float multiply-add by the
- * weight's (sub-)block scale times the activation's block scale.
+ * as llama.cpp's Q8_0, plus the block's sums for the types with a minimum or an offset).
+ * A weight row is decoded 256 values at a time to int8 (decode.h, decode_avx2.h), and each
+ * chunk is dotted with every activation that uses the row, so a weight byte is read once per
+ * call however many tokens share it. Per 32 values: an integer dot, then one float
+ * multiply-add by the weight's (sub-)block scale times the activation's block scale. With
+ * AVX2 the hottest types skip the decode buffer (fused_avx2.h: whole-row dots).
+ *
+ * One strata_moe call does a layer's items in four parallel phases: quantize the tokens;
+ * gate/up rows (tasks of ROWS_PER_TASK rows of one expert, so a thread reads long runs);
+ * silu(gate) * up, quantized; down rows; then the weighted sums into out, in item order.
  *
  * Every output value is computed by one thread in a fixed order, and a MoE layer's outputs are
  * summed in item order: results do not depend on the thread count.
@@ -82,6 +87,11 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q4_K: return dec_q4_k_avx2;
     case T_Q5_K: return dec_q5_k_avx2;
     case T_Q6_K: return dec_q6_k_avx2;
+    case T_Q5_0: return dec_q5_0_avx2;
+    case T_Q5_1: return dec_q5_1_avx2;
+    case T_Q2_K: return dec_q2_k_avx2;
+    case T_Q3_K: return dec_q3_k_avx2;
+    case T_IQ3_S: return dec_iq3_s_avx2;
 #else
     case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
     case T_Q4_1: return dec_q4_1;
@@ -90,13 +100,13 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q4_K: return dec_q4_k;
     case T_Q5_K: return dec_q5_k;
     case T_Q6_K: return dec_q6_k;
-#endif
-    case T_Q8_0: return dec_q8_0;
     case T_Q5_0: return dec_q5_0;
     case T_Q5_1: return dec_q5_1;
     case T_Q2_K: return dec_q2_k;
     case T_Q3_K: return dec_q3_k;
     case T_IQ3_S: return dec_iq3_s;
+#endif
+    case T_Q8_0: return dec_q8_0;
     default: return NULL;
     }
 }
