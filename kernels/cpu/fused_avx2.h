@@ -1,4 +1,4 @@
-/* AVX2 row dots for the hottest types (Q4_0 plain and split, Q8_0, Q4_K, Q6_K), included by
+/* AVX2 row dots for the hottest types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, Q6_K), included by
  * experts.c when __AVX2__: a block is decoded into a register and dotted at once with every
  * activation that uses the row, with no trip through the decode buffer. Measured on a 2-core
  * EPYC VM (bench/cpu_experts.py), the decode-then-dot path ran these 1.5-2x slower; the
@@ -125,17 +125,19 @@ static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
     *mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m8);
 }
 
-/* Q4_K: the 8 sub-block scales times the activation's 8 block scales in one multiply, the
- * minimums against the activation's block sums in one fma per super-block */
+/* Q4_K and Q5_K (five: the 5th bits from qh): the 8 sub-block scales times the activation's
+ * 8 block scales in one multiply, the minimums against its block sums in one fma per
+ * super-block */
 static inline __attribute__((always_inline)) void rowdot_q4_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
-    float *out) {
+    float *out, int five) {
     __m256 acc[VEC_TILE], acc1[VEC_TILE], mins[VEC_TILE], scx[VEC_TILE];
     for (int64_t j = 0; j < nt; j++)
         acc[j] = acc1[j] = mins[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t c = 0; c < nsb; c++) {
-        const uint8_t *b = row + 144 * c, *qs = b + 16;
+        const uint8_t *b = row + (five ? 176 : 144) * c, *qs = b + (five ? 48 : 16);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         __m256 sc, mn;
         q4_k_scales(b, &sc, &mn);
         for (int64_t j = 0; j < nt; j++) {
@@ -147,6 +149,10 @@ static inline __attribute__((always_inline)) void rowdot_q4_k_body(
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * r));
             __m256i lo = _mm256_and_si256(v, m4);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, bit_to_16(qh, 2 * r));
+                hi = _mm256_or_si256(hi, bit_to_16(qh, 2 * r + 1));
+            }
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 256 * c + 64 * r;
                 __m256i s0 = udot32(lo, x), s1 = udot32(hi, x + 32);
@@ -162,9 +168,17 @@ static inline __attribute__((always_inline)) void rowdot_q4_k_body(
 static void rowdot_q4_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
                         const int64_t *vec, int64_t nt, float *out) {
     if (nt == 1)
-        rowdot_q4_k_body(row, cols / 256, a, vec, 1, out);
+        rowdot_q4_k_body(row, cols / 256, a, vec, 1, out, 0);
     else
-        rowdot_q4_k_body(row, cols / 256, a, vec, nt, out);
+        rowdot_q4_k_body(row, cols / 256, a, vec, nt, out, 0);
+}
+
+static void rowdot_q5_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
+                        const int64_t *vec, int64_t nt, float *out) {
+    if (nt == 1)
+        rowdot_q4_k_body(row, cols / 256, a, vec, 1, out, 1);
+    else
+        rowdot_q4_k_body(row, cols / 256, a, vec, nt, out, 1);
 }
 
 /* Q6_K: 16 scales (one per 16 values) times the activation's block scales, two multiplies
@@ -229,6 +243,7 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
     case T_Q8_0: return rowdot_q8_0;
     case T_Q4_K: return rowdot_q4_k;
+    case T_Q5_K: return rowdot_q5_k;
     case T_Q6_K: return rowdot_q6_k;
     default: return NULL;
     }
