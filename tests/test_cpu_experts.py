@@ -102,9 +102,9 @@ def test_matmul_matches_torch(cpu: CpuExperts, qtype: QType) -> None:
 
 
 def test_matmul_many_tokens_and_ragged_chunks(cpu: CpuExperts) -> None:
-    # 40 tokens: more than one tile of activations per decoded chunk; 96 columns of Q8_0:
-    # a partial 256-value chunk
-    for qtype, cols in ((QType.Q8_0, 96), (QType.Q4_K, 256)):
+    # 40 tokens: more than one tile of activations per decoded chunk; 96 and 288 columns of
+    # the 32-value types: a partial 256-value chunk, blocks past the last group of 8
+    for qtype, cols in ((QType.Q8_0, 96), (QType.Q4_K, 256), (QType.Q4_0, 288), (QType.Q8_0, 288)):
         raw = blocks(qtype, 9, cols, seed=3)
         w = dense(raw, qtype, 9, cols)
         x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
@@ -178,6 +178,18 @@ def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
     cpu.moe(x, [blobs[e] for _, e in items], tokens, weights, fmt, out)
     ref, scale = moe_ref(x, [made[e][1] for _, e in items], tokens, weights, qtypes)
     _close(out - 1, ref, scale, ulps=256)
+
+
+def test_moe_split_q4_0_ragged_rows(cpu: CpuExperts) -> None:
+    # ffn 288: the down rows end with a block past the last group of 8
+    qtypes = (QType.Q4_0, QType.Q4_0, QType.Q4_0)
+    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=288, q4_0_split=True)
+    blob, (g, u, d) = _blob(fmt, 11)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    out = torch.zeros(2, 256)
+    cpu.moe(x, [blob, blob], [1, 0], [0.5, 1.5], fmt, out)
+    ref, scale = moe_ref(x, [(g, u, d)] * 2, [1, 0], [0.5, 1.5], qtypes)
+    _close(out, ref, scale, ulps=256)
 
 
 def test_moe_is_deterministic_across_threads(cache: Path) -> None:

@@ -58,29 +58,54 @@ static inline __attribute__((always_inline)) void rowdot_32(
     __m256 acc[2][VEC_TILE], sx[VEC_TILE];
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     int64_t b = 0;
-    /* split Q4_0 keeps its scales and its nibbles together: 8 scales at a time (times the
-     * activation's 8), two blocks' nibbles per load. The nibbles stay unsigned (maddubs takes
-     * them as they are) and the -8 comes off through the activation's block sums:
-     * sum (q - 8) x = sum q x - 8 sum x, one fma per 8 blocks. */
+    /* 8 blocks at a time: their 8 scales in one vector (split Q4_0 keeps them together; the
+     * GGUF blocks' are gathered), times the activation's 8 in one multiply. Q4_0's nibbles
+     * stay unsigned (maddubs takes them as they are) and the -8 comes off through the
+     * activation's block sums: sum (q - 8) x = sum q x - 8 sum x, one fma per 8 blocks. */
     __m256 corr[VEC_TILE];
     for (int64_t j = 0; j < nt; j++) corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    for (; kind == 1 && b + 8 <= nb; b += 8) {
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * b)));
+    const int64_t stride = kind == 0 ? 18 : 34;
+    for (; b + 8 <= nb; b += 8) {
+        __m128i h;
+        if (kind == 1) {
+            h = _mm_loadu_si128((const __m128i *)(row + 2 * b));
+        } else {
+            const uint8_t *p = row + stride * b;
+#define H(i) (short)(p[stride * (i)] | p[stride * (i) + 1] << 8)
+            h = _mm_setr_epi16(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7));
+#undef H
+        }
+        __m256 dw = _mm256_cvtph_ps(h);
         for (int64_t j = 0; j < nt; j++) {
             int64_t ib = vec[j] * (a->k / 32) + b;
             sx[j] = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib));
-            corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
+            if (kind != 2) corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
         }
         for (int i = 0; i < 8; i += 2) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(aux + 16 * (b + i)));
-            __m256i lo = _mm256_and_si256(v, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20); /* block b + i */
-            __m256i w1 = _mm256_permute2x128_si256(lo, hi, 0x31); /* block b + i + 1 */
+            __m256i w0, w1; /* blocks b + i, b + i + 1 */
+            if (kind == 1) { /* two blocks' nibbles in one load */
+                __m256i v = _mm256_loadu_si256((const __m256i *)(aux + 16 * (b + i)));
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                w0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+                w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+            } else if (kind == 0) {
+                w0 = nib32(row + 18 * (b + i) + 2);
+                w1 = nib32(row + 18 * (b + i + 1) + 2);
+            } else {
+                w0 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i) + 2));
+                w1 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i + 1) + 2));
+            }
+            __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 32 * (b + i);
-                __m256i s0 = udot32(w0, x), s1 = udot32(w1, x + 32);
+                __m256i s0, s1;
+                if (kind == 2) { /* Q8_0: signed weights */
+                    s0 = dot32(aw0, w0, x), s1 = dot32(aw1, w1, x + 32);
+                } else {
+                    s0 = udot32(w0, x), s1 = udot32(w1, x + 32);
+                }
                 acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(sx[j], i), acc[0][j]);
                 acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(sx[j], i + 1), acc[1][j]);
             }
