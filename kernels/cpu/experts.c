@@ -37,6 +37,7 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     float *xf;   /* [n, k / 32]: d * (sum of the block's q), the block's sum as rounded */
     const float *f;
     int64_t fstride;
+    const uint8_t *tab; /* the lookup tables (decode.h: IQ3_S_GRID, IQ4_VALUES) */
 } acts_t;
 
 typedef void (*rowdot_fn)(const uint8_t *row, const uint8_t *aux, int64_t cols,
@@ -233,8 +234,9 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     }
 }
 
-static int acts_alloc(acts_t *a, int64_t n, int64_t k, const float *f, int64_t fstride) {
-    a->k = k, a->f = f, a->fstride = fstride;
+static int acts_alloc(acts_t *a, int64_t n, int64_t k, const float *f, int64_t fstride,
+                      const uint8_t *tab) {
+    a->k = k, a->f = f, a->fstride = fstride, a->tab = tab;
     a->q = malloc((size_t)(n * k) + 32);
     a->d = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
     a->s = malloc(sizeof(int16_t) * (size_t)(n * k / 16 + 1));
@@ -255,7 +257,7 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
     acts_t a;
     int64_t *vec = malloc(sizeof(int64_t) * (size_t)T);
     float **outs = malloc(sizeof(float *) * (size_t)T);
-    if (acts_alloc(&a, T, cols, x, cols) || !vec || !outs) err = -3;
+    if (acts_alloc(&a, T, cols, x, cols, tab) || !vec || !outs) err = -3;
     int64_t tasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel num_threads(threads) if (!err)
     {
@@ -297,7 +299,8 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
     float *gu = malloc(sizeof(float) * (size_t)(n * 2 * ffn));
     float *dn = malloc(sizeof(float) * (size_t)(n * hidden));
     acts_t xa, ha;
-    int bad = acts_alloc(&xa, T, hidden, x, hidden) | acts_alloc(&ha, n, ffn, gu, 2 * ffn);
+    int bad = acts_alloc(&xa, T, hidden, x, hidden, tab);
+    bad |= acts_alloc(&ha, n, ffn, gu, 2 * ffn, tab);
     if (bad || !group || !order || !gstart || !vec || !first || !outs || !gu || !dn) {
         err = -3;
         goto done;

@@ -1,8 +1,9 @@
-/* AVX2 row dots for the hottest types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, Q6_K), included by
- * experts.c when __AVX2__: a block is decoded into a register and dotted at once with every
- * activation that uses the row, with no trip through the decode buffer. Measured on a 2-core
- * EPYC VM (bench/cpu_experts.py), the decode-then-dot path ran these 1.5-2x slower; the
- * vector scales (8 at a time, permuted per block) gained Q4_K another 1.9x, Q6_K 1.2x.
+/* AVX2 row dots for the hottest types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL,
+ * IQ4_XS), included by experts.c when __AVX2__: a block is decoded into a register and
+ * dotted at once with every activation that uses the row, with no trip through the decode
+ * buffer, and the scales of 8 blocks are taken in one vector (times the activation's 8 in one
+ * multiply, then permuted per block). Measured on a 2-core EPYC VM (bench/cpu_experts.py):
+ * 1.4-2x the decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
@@ -65,7 +66,9 @@ static inline __attribute__((always_inline)) void rowdot_32(
     __m256 corr[VEC_TILE];
     for (int64_t j = 0; j < nt; j++) corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    const int64_t stride = kind == 0 ? 18 : 34;
+    const int64_t stride = kind == 2 ? 34 : 18;
+    const __m256i kv = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(a->tab + IQ4_VALUES)));
     for (; b + 8 <= nb; b += 8) {
         __m128i h;
         if (kind == 1) {
@@ -80,7 +83,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
         for (int64_t j = 0; j < nt; j++) {
             int64_t ib = vec[j] * (a->k / 32) + b;
             sx[j] = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib));
-            if (kind != 2) corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
+            if (kind < 2) corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
         }
         for (int i = 0; i < 8; i += 2) {
             __m256i w0, w1; /* blocks b + i, b + i + 1 */
@@ -93,6 +96,9 @@ static inline __attribute__((always_inline)) void rowdot_32(
             } else if (kind == 0) {
                 w0 = nib32(row + 18 * (b + i) + 2);
                 w1 = nib32(row + 18 * (b + i + 1) + 2);
+            } else if (kind == 3) { /* IQ4_NL: the nibbles index the 16 levels */
+                w0 = _mm256_shuffle_epi8(kv, nib32(row + 18 * (b + i) + 2));
+                w1 = _mm256_shuffle_epi8(kv, nib32(row + 18 * (b + i + 1) + 2));
             } else {
                 w0 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i) + 2));
                 w1 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i + 1) + 2));
@@ -101,7 +107,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 32 * (b + i);
                 __m256i s0, s1;
-                if (kind == 2) { /* Q8_0: signed weights */
+                if (kind >= 2) { /* Q8_0, IQ4_NL: signed weights */
                     s0 = dot32(aw0, w0, x), s1 = dot32(aw1, w1, x + 32);
                 } else {
                     s0 = udot32(w0, x), s1 = udot32(w1, x + 32);
@@ -132,6 +138,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
 ROWDOT_32(rowdot_q4_0, 0)
 ROWDOT_32(rowdot_q4_0_split, 1)
 ROWDOT_32(rowdot_q8_0, 2)
+ROWDOT_32(rowdot_iq4_nl, 3)
 
 /* Q4_K's 8 6-bit scales and mins (llama.cpp's utmp shuffle), times d and dmin */
 static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
@@ -263,10 +270,58 @@ static void rowdot_q6_k(const uint8_t *row, const uint8_t *aux, int64_t cols, co
         rowdot_q6_k_body(row, cols / 256, a, vec, nt, out);
 }
 
+/* IQ4_XS: IQ4_NL's levels in 256-value super-blocks with 8 6-bit sub-block scales; two
+ * sub-blocks' codes per load, the scales times the activation's 8 in one multiply */
+static inline __attribute__((always_inline)) void rowdot_iq4_xs_body(
+    const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
+    float *out) {
+    __m256 acc[2][VEC_TILE], scx[VEC_TILE];
+    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i kv = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(a->tab + IQ4_VALUES)));
+    for (int64_t c = 0; c < nsb; c++) {
+        const uint8_t *b = row + 136 * c, *sl = b + 4, *qs = b + 8;
+        int sh = b[2] | b[3] << 8;
+        float ls[8];
+        for (int i = 0; i < 8; i++) /* 6-bit scale: 4 bits from sl, 2 from sh, less 32 */
+            ls[i] = (float)((((sl[i / 2] >> (4 * (i % 2))) & 15) | ((sh >> (2 * i)) & 3) << 4)
+                            - 32);
+        __m256 sc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(ls));
+        for (int64_t j = 0; j < nt; j++)
+            scx[j] = _mm256_mul_ps(sc, _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c));
+        for (int i = 0; i < 8; i += 2) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * i));
+            __m256i lo = _mm256_and_si256(v, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m256i w0 = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x20));
+            __m256i w1 = _mm256_shuffle_epi8(kv, _mm256_permute2x128_si256(lo, hi, 0x31));
+            __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
+            for (int64_t j = 0; j < nt; j++) {
+                const int8_t *x = a->q + vec[j] * a->k + 256 * c + 32 * i;
+                __m256i s0 = dot32(aw0, w0, x), s1 = dot32(aw1, w1, x + 32);
+                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(scx[j], i), acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(scx[j], i + 1), acc[1][j]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
+}
+
+static void rowdot_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
+                          const int64_t *vec, int64_t nt, float *out) {
+    if (nt == 1)
+        rowdot_iq4_xs_body(row, cols / 256, a, vec, 1, out);
+    else
+        rowdot_iq4_xs_body(row, cols / 256, a, vec, nt, out);
+}
+
 static rowdot_fn fused_rowdot(int qtype, int split) {
     switch (qtype) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
     case T_Q8_0: return rowdot_q8_0;
+    case T_IQ4_NL: return rowdot_iq4_nl;
+    case T_IQ4_XS: return rowdot_iq4_xs;
     case T_Q4_K: return rowdot_q4_k;
     case T_Q5_K: return rowdot_q5_k;
     case T_Q6_K: return rowdot_q6_k;
