@@ -20,7 +20,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -272,12 +272,23 @@ static void dec_iq3_s(DECODE_ARGS) {
 
 static void dec_float(int qtype, const uint8_t *row, int64_t c, int n, float *v) {
     const uint8_t *p = row + c * 256 * (qtype == T_F32 ? 4 : 2);
+    int i = 0;
     if (qtype == T_F32) {
         memcpy(v, p, 4 * (size_t)n);
-    } else if (qtype == T_F16) {
-        for (int i = 0; i < n; i++) v[i] = f16(p + 2 * i);
-    } else { /* BF16: the high half of a float32 */
-        for (int i = 0; i < n; i++) {
+        return;
+    }
+#ifdef __AVX2__ /* F16C comes with every AVX2 CPU */
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(p + 2 * i));
+        __m256i bf = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+        __m256 f = qtype == T_F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(bf);
+        _mm256_storeu_ps(v + i, f);
+    }
+#endif
+    for (; i < n; i++) {
+        if (qtype == T_F16) {
+            v[i] = f16(p + 2 * i);
+        } else { /* BF16: the high half of a float32 */
             uint32_t bits = (uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16;
             memcpy(v + i, &bits, 4);
         }

@@ -188,7 +188,16 @@ static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm,
 
 static inline float float_dot(const float *w, const float *x, int n) {
     float r = 0.0f;
-    for (int i = 0; i < n; i++) r += w[i] * x[i];
+    int i = 0;
+#ifdef __AVX2__ /* gcc keeps a float sum in order (no -ffast-math): vectorized by hand */
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    r = hsum8(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < n; i++) r += w[i] * x[i];
     return r;
 }
 
