@@ -35,6 +35,7 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     float *d;    /* [n, k / 32] */
     int16_t *s;  /* [n, k / 16] */
     float *xf;   /* [n, k / 32]: d * (sum of the block's q), the block's sum as rounded */
+    float *x16;  /* [n, k / 16]: the same per 16 values */
     const float *f;
     int64_t fstride;
     const uint8_t *tab; /* the lookup tables (decode.h: IQ3_S_GRID, IQ4_VALUES) */
@@ -136,7 +137,7 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
 static void quantize_act(const acts_t *a, int64_t v, const float *x) {
     int64_t k = a->k;
     int8_t *q = a->q + v * k;
-    float *d = a->d + v * (k / 32), *xf = a->xf + v * (k / 32);
+    float *d = a->d + v * (k / 32), *xf = a->xf + v * (k / 32), *x16 = a->x16 + v * (k / 16);
     int16_t *s = a->s + v * (k / 16);
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
         float amax = 0.0f;
@@ -147,6 +148,8 @@ static void quantize_act(const acts_t *a, int64_t v, const float *x) {
         for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
         d[b] = scale;
         xf[b] = scale * (float)(s0 + s1);
+        x16[2 * b] = scale * (float)s0;
+        x16[2 * b + 1] = scale * (float)s1;
         s[2 * b] = (int16_t)s0;
         s[2 * b + 1] = (int16_t)s1;
     }
@@ -250,11 +253,12 @@ static int acts_alloc(acts_t *a, int64_t n, int64_t k, const float *f, int64_t f
     a->d = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
     a->s = malloc(sizeof(int16_t) * (size_t)(n * k / 16 + 1));
     a->xf = malloc(sizeof(float) * (size_t)(n * k / 32 + 1));
-    return a->q && a->d && a->s && a->xf ? 0 : -3;
+    a->x16 = malloc(sizeof(float) * (size_t)(n * k / 16 + 1));
+    return a->q && a->d && a->s && a->xf && a->x16 ? 0 : -3;
 }
 
 static void acts_free(acts_t *a) {
-    free(a->q), free(a->d), free(a->s), free(a->xf);
+    free(a->q), free(a->d), free(a->s), free(a->xf), free(a->x16);
 }
 
 /* out [T, rows] = x [T, cols] @ W^T. Returns 0, or -1 (type), -2 (shape), -3 (memory). */

@@ -1,5 +1,5 @@
-/* AVX2 row dots for the hottest types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL,
- * IQ4_XS), included by experts.c when __AVX2__: a block is decoded into a register and
+/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, IQ4_NL, IQ4_XS
+ * here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when __AVX2__: a block is decoded into a register and
  * dotted at once with every activation that uses the row, with no trip through the decode
  * buffer, and the scales of 8 blocks are taken in one vector (times the activation's 8 in one
  * multiply, then permuted per block). Measured on a 2-core EPYC VM (bench/cpu_experts.py):
@@ -213,63 +213,6 @@ static void rowdot_q5_k(const uint8_t *row, const uint8_t *aux, int64_t cols, co
         rowdot_q4_k_body(row, cols / 256, a, vec, nt, out, 1);
 }
 
-/* Q6_K: 16 scales (one per 16 values) times the activation's block scales, two multiplies
- * per super-block; each 32 values then take their pair of products with one permute */
-static inline __attribute__((always_inline)) void rowdot_q6_k_body(
-    const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
-    float *out) {
-    __m256 acc[2][VEC_TILE], p[VEC_TILE][2];
-    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    const __m256i off = _mm256_set1_epi8(32);
-    const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    const __m256i pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    for (int64_t c = 0; c < nsb; c++) {
-        const uint8_t *b = row + 210 * c;
-        __m256 d = _mm256_set1_ps(f16(b + 208));
-        __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-        __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        __m128i sc_hi = _mm_srli_si128(sc, 8);
-        __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc_hi)));
-        for (int64_t j = 0; j < nt; j++) { /* p[j][i / 4] lane 2 (i % 4) + half: block i */
-            __m256 xd = _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c);
-            p[j][0] = _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(xd, pairs_lo));
-            p[j][1] = _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(xd, pairs_hi));
-        }
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b + 64 * h;
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-            for (int k = 0; k < 4; k++) {
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
-                __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_slli_epi16(hi, 4)), off);
-                __m256i aw = _mm256_sign_epi8(w, w);
-                /* block 4h + k: lanes 0-3 take scale 2k, 4-7 scale 2k + 1 of p[.][h] */
-                __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
-                                                2 * k + 1, 2 * k + 1);
-                for (int64_t j = 0; j < nt; j++) {
-                    __m256i s = dot32(aw, w, a->q + vec[j] * a->k + 256 * c + 128 * h + 32 * k);
-                    __m256 sc8 = _mm256_permutevar8x32_ps(p[j][h], idx);
-                    acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc8, acc[k & 1][j]);
-                }
-            }
-        }
-    }
-    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
-}
-
-static void rowdot_q6_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
-                        const int64_t *vec, int64_t nt, float *out) {
-    if (nt == 1)
-        rowdot_q6_k_body(row, cols / 256, a, vec, 1, out);
-    else
-        rowdot_q6_k_body(row, cols / 256, a, vec, nt, out);
-}
-
 /* IQ4_XS: IQ4_NL's levels in 256-value super-blocks with 8 6-bit sub-block scales; two
  * sub-blocks' codes per load, the scales times the activation's 8 in one multiply */
 static inline __attribute__((always_inline)) void rowdot_iq4_xs_body(
@@ -316,6 +259,8 @@ static void rowdot_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t cols, 
         rowdot_iq4_xs_body(row, cols / 256, a, vec, nt, out);
 }
 
+#include "fused_k16_avx2.h"
+
 static rowdot_fn fused_rowdot(int qtype, int split) {
     switch (qtype) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
@@ -325,6 +270,8 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q4_K: return rowdot_q4_k;
     case T_Q5_K: return rowdot_q5_k;
     case T_Q6_K: return rowdot_q6_k;
+    case T_Q2_K: return rowdot_q2_k;
+    case T_Q3_K: return rowdot_q3_k;
     default: return NULL;
     }
 }
