@@ -1,9 +1,9 @@
 /* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, IQ4_NL, IQ4_XS
- * here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when __AVX2__: a block is decoded into a register and
- * dotted at once with every activation that uses the row, with no trip through the decode
- * buffer, and the scales of 8 blocks are taken in one vector (times the activation's 8 in one
- * multiply, then permuted per block). Measured on a 2-core EPYC VM (bench/cpu_experts.py):
- * 1.4-2x the decode-then-dot path per type.
+ * here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when __AVX2__: a block
+ * is decoded into a register and dotted at once with every activation that uses the row,
+ * with no trip through the decode buffer, and the scales of 8 blocks are taken in one vector
+ * (times the activation's 8 in one multiply, then permuted per block). Measured on a 2-core
+ * EPYC VM (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
