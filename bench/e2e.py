@@ -21,10 +21,13 @@ import torch
 
 from bench.ram_tier import ram_tier
 from kernels.expert_fetch import fetch_experts
+from kernels.link_pace import ns_per_blob
 from kernels.moe import fused_moe
 from kernels.tuning import KernelConfigs, load_configs
+from stratad.engine.cpu_misses import balanced_frac
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
+from stratad.store.hostmem import read_bps
 
 
 def _spread(xs: list[float]) -> str:
@@ -172,10 +175,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         max_context=context_needed(args),
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
-        pcie_frac=args.pcie_frac,
+        pcie_frac=1.0,  # set once the rates are measured
         gpu_miss=args.gpu_miss,
         kernels=configs,
-        prefetch=not args.no_prefetch and args.gpu_miss == "copy",
+        prefetch=not args.no_prefetch and args.gpu_miss == "copy" and not args.link_gbs,
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
@@ -184,6 +187,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     bw = measure_pcie()
     reads = measure_miss_reads(spec, engine.layouts, engine.host, engine._aligned)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
+    host_gbs = read_bps() / 1e9
+    gpu_miss_gbs = reads["fetch"] if args.gpu_miss == "copy" else reads["inplace"]
+    if args.link_gbs:
+        wait = ns_per_blob(engine.layouts.mean_nbytes, args.link_gbs * 1e9, reads["fetch"] * 1e9)
+        engine.config = replace(engine.config, link_wait_ns_per_blob=wait)
+        gpu_miss_gbs = min(gpu_miss_gbs, args.link_gbs)
+        bw["pinned"] = min(bw["pinned"], args.link_gbs)  # the ceilings take the slower link
+    frac = args.pcie_frac
+    if frac == "auto":
+        frac = balanced_frac(cpu_bw, gpu_miss_gbs)
+    engine.set_pcie_frac(float(frac))
     gen = torch.Generator().manual_seed(1)
 
     def prompt(n: int) -> list[int]:
@@ -259,6 +273,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "pcie_pageable_gbs": bw["pageable"],
         "inplace_gbs": reads["inplace"],
         "cpu_expert_gbs": cpu_bw,
+        "cpu_math": engine.cpu_math,
+        "host_read_gbs": host_gbs,
+        "pcie_frac": engine.config.pcie_frac,
+        "pcie_frac_setting": args.pcie_frac,
+        "link_gbs": args.link_gbs,
+        "link_wait_ns_per_blob": engine.config.link_wait_ns_per_blob,
         "decode_tps": decode_tps,
         "hit_rate": hit,
         "prefetch_guessed": statistics.median(guessed),
@@ -288,7 +308,11 @@ def markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"fetch kernel {r['fetch_gbs']:.1f} GB/s (decode misses: {r['gpu_miss']}"
         + (f", prefetch on {r['prefetch_programs']} programs per blob" if r.get("prefetch") else "")
         + "), "
-        f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s",
+        f"CPU expert compute {r['cpu_expert_gbs']:.2f} GB/s ({r.get('cpu_math', '-')}; host"
+        f" memory read {r.get('host_read_gbs', 0):.1f} GB/s); pcie_frac {r.get('pcie_frac', 1)}"
+        f" ({r.get('pcie_frac_setting', '-')})"
+        + (f"; link paced to {r['link_gbs']} GB/s ({r['link_wait_ns_per_blob']:,} ns per blob"
+           " on top of the fetch kernel's own time)" if r.get("link_gbs") else ""),
         *(
             [f"- RAM holds {c['covered']} of {c['experts']} experts ({c['ram_frac']:.0%} of the"
              f" blobs), the rest read from the file ({c['file_gbs']:.2f} GB/s measured); the"
@@ -343,9 +367,17 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pcie-frac",
-        type=float,
+        type=lambda v: v if v == "auto" else float(v),
         default=1.0,
-        help="share of decode misses read in place by the GPU; the CPU computes the rest",
+        help="share of decode misses the GPU takes; the CPU computes the rest; auto: balanced"
+        " by the measured rates (the CPU's, and the GPU miss path's: the fetch kernel's, or"
+        " --link-gbs)",
+    )
+    p.add_argument(
+        "--link-gbs",
+        type=float,
+        help="emulate a slower PCIe link: each blob the decode miss copy moves also waits on"
+        " the GPU for the time this rate would add (kernels.link_pace; turns prefetch off)",
     )
     p.add_argument(
         "--gpu-miss",

@@ -31,7 +31,6 @@ from stratactl.client import (
     print_json,
     socket_path,
 )
-from stratad.store.hostmem import cores, read_bps
 
 # variables of the GPU stack that change what the runtime does (besides STRATA_*)
 GPU_PREFIXES = ("HSA_", "HIP_", "ROCR_", "ROCM_", "CUDA_", "NVIDIA_", "TRITON_", "PYTORCH_",
@@ -160,6 +159,8 @@ def _memlock() -> Report:
 
 def _ram() -> Report:
     import psutil
+
+    from stratad.store.hostmem import cores, read_bps  # numpy: loaded only here
 
     mem = psutil.virtual_memory()
     return {"total_bytes": mem.total, "available_bytes": mem.available,

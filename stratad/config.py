@@ -131,6 +131,9 @@ class EngineConfig(_Section, frozen=True):
     over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel. `auto` balances
     the two by the bandwidths measured at start (and keeps 1 when the CPU's share would be
     under 10%)."""
+    cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Offload engine: threads of the compiled kernels that compute the CPU's share of the
+    missed experts (see pcie_frac); 0 takes every physical core."""
     gpu_miss: Literal["copy", "in_place"] = "copy"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the

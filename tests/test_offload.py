@@ -29,6 +29,12 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return load_model(path)
 
 
+# The compiled CPU kernels round activations to 8 bits per block of 32 (as llama.cpp does):
+# tokens agree, logits within a few hundredths on this random model (0.07 seen); the torch
+# path dequantizes to float32 and agrees to float32 rounding.
+LOGIT_TOL = {True: 0.15, False: 1e-3}
+
+
 def _greedy(forward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
     cache = forward.new_cache(128)
     logits = forward(prompt, cache)[-1]
@@ -101,7 +107,7 @@ def test_file_tier_same_tokens(
     assert off.files.enabled and not off.prefetch.enabled  # no address to guess from
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
-    assert (logits - ref_logits).abs().max() < 1e-3
+    assert (logits - ref_logits).abs().max() < LOGIT_TOL[pcie_frac < 1.0]
     reads = off.host.file_reads
     assert reads > 0 and off.host.file_bytes == reads * off.layouts[0].nbytes
     table = off.experts
@@ -226,15 +232,20 @@ def test_split_dequant_bit_exact() -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
-@pytest.mark.parametrize("pcie_frac", [0.0, 0.5])  # 1.0: test_tokens_match_reference_cpu
-def test_cpu_miss_path_same_tokens(tiny_moe: Model, pcie_frac: float, gpu_miss: str) -> None:
+@pytest.mark.parametrize(("pcie_frac", "gpu_miss", "compiled"), [
+    (0.0, "copy", True), (0.3, "copy", True), (0.3, "in_place", True), (0.0, "copy", False),
+])  # 1.0: test_tokens_match_reference_cpu  # fmt: skip
+def test_cpu_miss_path_same_tokens(
+    tiny_moe: Model, pcie_frac: float, gpu_miss: str, compiled: bool
+) -> None:
     """Misses fetched or read in place by the GPU, computed on the CPU, or split between."""
     ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
-    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac, gpu_miss=gpu_miss)
+    off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac, gpu_miss=gpu_miss,
+                   cpu_kernels=compiled)  # fmt: skip
+    assert off.cpu.math.name.startswith("compiled" if compiled else "torch")
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
-    assert (logits - ref_logits).abs().max() < 1e-3
+    assert (logits - ref_logits).abs().max() < LOGIT_TOL[compiled]
     misses = off.experts.lookups - off.experts.hits
     if pcie_frac == 0.0:
         assert off.cpu.experts >= misses > 0  # every decode miss (prefill's too) on the CPU

@@ -112,7 +112,8 @@ def test_tokens_match_reference(
     ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe))
     tokens, logits = _greedy(off)
     assert tokens == ref_tokens
-    assert (logits - ref_logits).abs().max() < 1e-3
+    # the compiled CPU kernels round activations to 8 bits per block of 32, as llama.cpp does
+    assert (logits - ref_logits).abs().max() < (0.15 if pcie_frac < 1.0 else 1e-3)
     assert (off.cpu.experts > 0) == (pcie_frac < 1.0)
     assert (off.host.file_reads > 0) == file_tier
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stratad.config import Config
+from stratad.engine.cpu_misses import balanced_frac
 from stratad.engine.experts import kernel_layouts
 from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kernel_table import kernel_configs, model_shapes
@@ -27,6 +28,7 @@ from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
+from stratad.store.hostmem import cores, read_bps
 from stratad.store.pinning import Pinner, PinSettings, ProgressFn
 from stratad.store.plan import ResidencyPlan
 from stratad.store.sizes import MiB
@@ -110,6 +112,7 @@ def open_offload(
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
         kernels=kernel_configs(device.type, model_shapes(model.spec)),
         prefetch=config.engine.prefetch,
+        cpu_threads=config.engine.cpu_expert_threads or None,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
@@ -146,14 +149,14 @@ def _pcie_frac(
     setting: float | str, forward: OffloadForward | StagedForward, bw: Bandwidths
 ) -> float:
     """The miss policy: the configured share, or one that lets PCIe and the CPU finish
-    together (and 1 when the CPU's share is too small to pay for a sync per layer)."""
-    if setting != "auto":
-        return float(setting)
-    cpu = forward.measure_cpu_expert_bps()
-    share = cpu / (cpu + bw.copy_bps)
-    frac = 1.0 if share < 0.1 else round(1.0 - share, 2)
+    together (and 1 when the CPU's share is too small to pay for a sync per layer). The host
+    line says what the CPU's rate is measured against: the memory's read bandwidth."""
+    cpu, host = forward.measure_cpu_expert_bps(), read_bps()
+    frac = balanced_frac(cpu, bw.copy_bps) if setting == "auto" else float(setting)
     log.info(
-        "miss policy: pcie_frac %.2f (resident copy %.2f GB/s, CPU experts %.2f GB/s)",
-        frac, bw.copy_bps / 1e9, cpu / 1e9,
+        "host: memory read %.1f GB/s (%d threads); CPU experts %.2f GB/s (%.0f%% of it, %s);"
+        " resident copy to the GPU %.2f GB/s; miss policy: pcie_frac %.2f (%s)",
+        host / 1e9, cores(), cpu / 1e9, 100 * cpu / host, forward.cpu_math, bw.copy_bps / 1e9,
+        frac, "balanced by these rates" if setting == "auto" else "engine.pcie_frac",
     )  # fmt: skip
     return frac

@@ -1,31 +1,100 @@
 """The CPU miss path: part of a decode step's missed experts computed on the CPU from the
-page-locked RAM copy while the GPU's fused kernel reads the rest in place over PCIe.
+page-locked RAM copy while the GPU's fused kernel reads the rest over PCIe.
 
 Which misses go to the CPU is `engine.pcie_frac` (the GPU's share), taken deterministically:
 the last (1 - pcie_frac) of the misses in slot order. The host must see the routing, so a
 step with a CPU share synchronises once per layer and is not captured as a graph.
+
+How the CPU computes them is an `ExpertMath`: the compiled kernels (`kernels.cpu_experts`:
+integer dots on the blobs' own bytes, every core, the GIL let go while the GPU works), or,
+where no C compiler is found, torch dequantizing each expert per use (a few hundred MB/s;
+said once at start).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
+from kernels.cpu_build import CpuKernelsUnavailable
+from kernels.cpu_experts import CpuExpertFormat, CpuExperts
 from stratad.engine.expert_table import ExpertTable
+from stratad.engine.experts import BlobLayout
 from stratad.engine.layers import swiglu
 from stratad.engine.timing import StageTimer
+
+log = logging.getLogger(__name__)
 
 GpuExperts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class ExpertMath(Protocol):
+    name: str
+
+    def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
+        """out[tokens[i]] += weights[i] * expert_i(x[tokens[i]]), float32 on the CPU."""
+
+
+class CompiledMath:
+    """The C kernels, reading Q4_0 split and every other type as GGUF blocks."""
+
+    def __init__(self, kernels: CpuExperts) -> None:
+        self.kernels = kernels
+        self.name = f"compiled kernels, {kernels.threads} threads"
+        self._formats: dict[BlobLayout, CpuExpertFormat] = {}
+
+    def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
+        fmt = self._formats.get(layout)
+        if fmt is None:
+            fmt = self._formats[layout] = CpuExpertFormat(
+                layout.qtypes, layout.hidden, layout.ffn, layout.up_offset, layout.down_offset,
+                layout.split)  # fmt: skip
+        self.kernels.moe(x, blobs, tokens, weights, fmt, out)
+
+
+class TorchMath:
+    """Each expert dequantized to float32 per use (the reference; no compiler needed)."""
+
+    name = "torch, dequantized per use"
+
+    def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
+        for blob, t, w in zip(blobs, tokens, weights, strict=True):
+            g, u, d = layout.views(blob)
+            out[t] += w * swiglu(x[t], g.dequantize(), u.dequantize(), d.dequantize())
+
+
+def expert_math(compiled: bool, threads: int | None = None) -> ExpertMath:
+    """The compiled kernels when asked for and a compiler builds them, else torch (said)."""
+    if not compiled:
+        return TorchMath()
+    try:
+        return CompiledMath(CpuExperts(threads))
+    except CpuKernelsUnavailable as err:
+        log.warning("CPU experts: %s; missed experts computed on the CPU are dequantized in"
+                    " torch per use (slow: keep engine.pcie_frac at 1 or auto)", err)
+        return TorchMath()
+
+
+def balanced_frac(cpu_bps: float, gpu_bps: float) -> float:
+    """The GPU's share of the misses that lets the link and the CPU finish together; 1 when
+    the CPU's share would be under 10% (not worth a synchronisation per layer)."""
+    share = cpu_bps / (cpu_bps + gpu_bps)
+    return 1.0 if share < 0.1 else round(1.0 - share, 2)
+
+
 class CpuMisses:
-    def __init__(self, experts: ExpertTable, hidden: int) -> None:
-        self.table, self.hidden = experts, hidden
+    def __init__(self, experts: ExpertTable, hidden: int, math: ExpertMath) -> None:
+        self.table, self.hidden, self.math = experts, hidden, math
         self.experts = 0  # expert computations done on the CPU so far
-        # a blob only the file holds is read into this, on the host
-        self._scratch = torch.empty(experts.layouts.slot_bytes, dtype=torch.uint8)
+        # blobs only the file holds are read into these, on the host (one per CPU slot)
+        self._scratch: list[torch.Tensor] = []
 
     def slots(self, layer: int, ids: list[list[int]], pcie_frac: float) -> list[tuple[int, int]]:
         """The (token, slot) pairs whose missed expert the CPU computes: the last
@@ -61,25 +130,36 @@ class CpuMisses:
             return parts
         with timer.stage("experts (CPU)"):
             out = torch.zeros((h.shape[0], self.hidden), dtype=torch.float32)
-            for t, k in cpu:
-                out[t] += w[t, k] * swiglu(x[t], *self.expert(layer, host_ids[t][k]))
+            blobs = [self._blob(layer, host_ids[t][k], i) for i, (t, k) in enumerate(cpu)]
+            self.math.moe(x, blobs, [t for t, _ in cpu], [float(w[t, k]) for t, k in cpu],
+                          self.table.layouts[layer], out)  # fmt: skip
         self.experts += len(cpu)
         return torch.cat([parts, out.to(parts.device)[:, None]], dim=1)
 
-    def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One expert's float32 (gate, up, down) from the RAM copy (dequantized per use)."""
-        t = self.table
-        g, u, d = t.layouts[layer].views(t.host.read(layer, expert, self._scratch))
-        return g.dequantize(), u.dequantize(), d.dequantize()
+    def _blob(self, layer: int, expert: int, i: int) -> torch.Tensor:
+        """The expert's RAM copy, or its bytes read from the file into scratch row i."""
+        host = self.table.host
+        if host.has(layer, expert):
+            return host.blob(layer, expert)
+        while len(self._scratch) <= i:
+            self._scratch.append(torch.empty(self.table.layouts.slot_bytes, dtype=torch.uint8))
+        return host.file_read(layer, expert, self._scratch[i])
 
-    def measure_bps(self, repeats: int = 3) -> float:
-        """Expert bytes per second the CPU turns into outputs (dequantize + matvec)."""
-        x = torch.randn(self.hidden)
-        n_experts = self.table.table.shape[1]
-        times = []
+    def measure_bps(self, repeats: int = 3, per_call: int = 4) -> float:
+        """Expert bytes per second the CPU turns into outputs, `per_call` distinct experts of
+        one layer a call (a step's CPU share), each repeat on another layer's experts."""
+        t = self.table
+        layers = list(t.layers)
+        n_experts = t.table.shape[1]
+        x = torch.randn(1, self.hidden)
+        times, nbytes = [], 0
         for r in range(repeats + 1):  # the first one warms up
+            layer = layers[(r * 7) % len(layers)]
+            experts = [(r * per_call + j) % n_experts for j in range(per_call)]
+            blobs = [self._blob(layer, e, j) for j, e in enumerate(experts)]
+            out = torch.zeros(1, self.hidden)
             t0 = time.perf_counter()
-            swiglu(x, *self.expert(self.table.layers.start, r % n_experts))
+            self.math.moe(x, blobs, [0] * per_call, [1.0] * per_call, t.layouts[layer], out)
             times.append(time.perf_counter() - t0)
-        layout = self.table.layouts[self.table.layers.start]
-        return layout.nbytes / sorted(times[1:])[len(times[1:]) // 2]
+            nbytes = per_call * t.layouts[layer].nbytes
+        return nbytes / sorted(times[1:])[len(times[1:]) // 2]

@@ -29,11 +29,12 @@ import torch.nn.functional as fn
 
 from kernels.expert_fetch import fetch_experts
 from kernels.linear import MAX_TOKENS, decode_linear
+from kernels.link_pace import pace_link
 from kernels.moe import moe_down, moe_gate_up
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.router import route_topk
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.cpu_misses import CpuMisses
+from stratad.engine.cpu_misses import CpuMisses, expert_math
 from stratad.engine.decode_graph import DecodeGraph
 from stratad.engine.dense import DenseLayer, dense_layers
 from stratad.engine.expert_table import ExpertTable
@@ -115,7 +116,8 @@ class OffloadForward:
         self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
         self.timer = StageTimer(enabled=False)
         self.staging = ExpertStaging(self.experts, self.dtype, config.kernels.dequant)
-        self.cpu = CpuMisses(self.experts, spec.hidden)
+        self.cpu = CpuMisses(self.experts, spec.hidden,
+                             expert_math(config.cpu_kernels, config.cpu_threads))
         # guesses need the copy path's staging (none when every expert is in VRAM: nothing to
         # guess) and no file tier (its experts have no address to copy from before the step)
         guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.files.enabled
@@ -254,6 +256,8 @@ class OffloadForward:
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
                 span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
+                if self.config.link_wait_ns_per_blob:  # a benchmark's slower link
+                    pace_link(ids, table, span, self.config.link_wait_ns_per_blob)
                 ids, table = fetch_experts(ids, table, span, buf, self.layouts.copy_bytes(i), cfg)
             name = "experts (VRAM)"
         with stage(name):
@@ -275,6 +279,11 @@ class OffloadForward:
 
     def measure_cpu_expert_bps(self) -> float:
         return self.cpu.measure_bps()
+
+    @property
+    def cpu_math(self) -> str:
+        """How the CPU computes its misses (compiled kernels or torch)."""
+        return self.cpu.math.name
 
     # -- the passes -----------------------------------------------------------------------
 

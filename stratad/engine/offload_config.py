@@ -27,16 +27,26 @@ class OffloadConfig:
     # with one fetch kernel per layer (wide loads keep the link busy), then compute from VRAM;
     # or read them "in_place" over PCIe from the fused MoE kernel itself.
     gpu_miss: str = "copy"
+    # How the CPU computes its share: the compiled kernels (kernels.cpu_experts) on
+    # `cpu_threads` threads (None: every physical core), else torch dequantizing per use.
+    cpu_kernels: bool = True
+    cpu_threads: int | None = None
     kernels: KernelConfigs = KernelConfigs()  # launch settings (a tuning table's, or defaults)
     # Guess each layer's experts one layer early and copy the misses ahead (see prefetch.py);
     # needs gpu_miss "copy".
     prefetch: bool = False
+    # Benchmarks only: each blob a decode step's miss copy moves also waits this long on the
+    # GPU (kernels.link_pace), as over a slower link; needs gpu_miss "copy" and no prefetch.
+    link_wait_ns_per_blob: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
             raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
         if self.gpu_miss not in GPU_MISS_PATHS:
             raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
+        if self.link_wait_ns_per_blob and (self.gpu_miss != "copy" or self.prefetch):
+            raise ValueError("a paced link (link_wait_ns_per_blob) paces the miss copy: it needs"
+                             " gpu_miss 'copy' and no prefetch")
 
 
 GPU_MISS_PATHS = ("copy", "in_place")

@@ -116,6 +116,10 @@ class StagedForward:
         return self.stages[0].measure_cpu_expert_bps()
 
     @property
+    def cpu_math(self) -> str:
+        return self.stages[0].cpu_math
+
+    @property
     def host(self) -> HostExperts:
         return self.stages[0].host
 
