@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
         pcie_frac=1.0,  # set once the rates are measured
+        cpu_threads=args.cpu_threads,
         gpu_miss=args.gpu_miss,
         kernels=configs,
         prefetch=not args.no_prefetch and args.gpu_miss == "copy" and not args.link_gbs,
@@ -372,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
         help="share of decode misses the GPU takes; the CPU computes the rest; auto: balanced"
         " by the measured rates (the CPU's, and the GPU miss path's: the fetch kernel's, or"
         " --link-gbs)",
+    )
+    p.add_argument(
+        "--cpu-threads", type=int, help="threads of the CPU expert kernels (default: every core)"
     )
     p.add_argument(
         "--link-gbs",
