@@ -101,10 +101,15 @@ def test_matmul_matches_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert bool((err <= 1.001 * (half_step @ w.abs().T) + 1e-6).all())
 
 
-def test_matmul_many_tokens_and_ragged_chunks(cpu: CpuExperts) -> None:
-    # 40 tokens: more than one tile of activations per decoded chunk; 96 and 288 columns of
-    # the 32-value types: a partial 256-value chunk, blocks past the last group of 8
-    for qtype, cols in ((QType.Q8_0, 96), (QType.Q4_K, 256), (QType.Q4_0, 288), (QType.Q8_0, 288)):
+BLOCK_32 = [QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1]
+
+
+@pytest.mark.parametrize("qtype", [*BLOCK_32, QType.Q4_K, QType.Q6_K, QType.Q2_K, QType.IQ4_XS],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_matmul_many_tokens_and_ragged_rows(cpu: CpuExperts, qtype: QType) -> None:
+    # 40 tokens: more than one tile of activations per decoded row; 96 and 288 columns of the
+    # 32-value types: a partial 256-value chunk, and blocks past the last group of 8
+    for cols in (96, 288) if qtype in BLOCK_32 else (512,):
         raw = blocks(qtype, 9, cols, seed=3)
         w = dense(raw, qtype, 9, cols)
         x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))

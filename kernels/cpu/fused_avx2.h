@@ -1,9 +1,9 @@
-/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, Q4_K, Q5_K, IQ4_NL, IQ4_XS
- * here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when __AVX2__: a block
- * is decoded into a register and dotted at once with every activation that uses the row,
- * with no trip through the decode buffer, and the scales of 8 blocks are taken in one vector
- * (times the activation's 8 in one multiply, then permuted per block). Measured on a 2-core
- * EPYC VM (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
+/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1,
+ * Q4_K, Q5_K, IQ4_XS here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when
+ * __AVX2__: a block is decoded into a register and dotted at once with every activation that
+ * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
+ * in one vector (times the activation's 8 in one multiply, then permuted per block). Measured
+ * on a 2-core EPYC VM (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
@@ -27,63 +27,90 @@ static inline __m256i udot32(__m256i u, const int8_t *x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
 }
 
-/* Q4_0 and Q8_0: one fp16 scale per 32 signed values. Block b adds into acc[b % 2][j]: two
- * chains, since one fma chain per row was bound by the fma's latency (about 1.6x on Q4_0). */
-static inline __attribute__((always_inline)) void block_32(
-    const uint8_t *row, const uint8_t *aux, int64_t b, const acts_t *a, const int64_t *vec,
-    int64_t nt, __m256 *acc, int kind) {
-    __m256i w;
-    float dw;
-    if (kind == 0) { /* Q4_0 */
-        dw = f16(row + 18 * b);
-        w = _mm256_sub_epi8(nib32(row + 18 * b + 2), _mm256_set1_epi8(8));
-    } else if (kind == 1) { /* Q4_0 split */
-        dw = f16(row + 2 * b);
-        w = _mm256_sub_epi8(nib32(aux + 16 * b), _mm256_set1_epi8(8));
-    } else { /* Q8_0 */
-        dw = f16(row + 34 * b);
-        w = _mm256_loadu_si256((const __m256i *)(row + 34 * b + 2));
-    }
-    __m256i aw = _mm256_sign_epi8(w, w);
-    for (int64_t j = 0; j < nt; j++) {
-        int64_t v = vec[j];
-        __m256i s = dot32(aw, w, a->q + v * a->k + 32 * b);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                 _mm256_set1_ps(dw * a->d[v * (a->k / 32) + b]), acc[j]);
+/* The 32-value block types, by kind: 0 Q4_0, 1 Q4_0 split, 2 Q8_0, 3 IQ4_NL, 4 Q4_1, 5 Q5_0,
+ * 6 Q5_1. Value = d q + o per block, with codes q kept unsigned where they are (maddubs takes
+ * them as they are) and the offset o (Q4_0 -8 d, Q5_0 -16 d, Q4_1/Q5_1 the stored m) applied
+ * through the activation's block sums: sum (d q + o) x = d sum q x + o sum x. */
+static const int BYTES_32[7] = {18, 2, 34, 18, 20, 22, 24};
+
+static inline int signed_32(int kind) { return kind == 2 || kind == 3; }
+
+/* block b's 32 codes */
+static inline __attribute__((always_inline)) __m256i codes_32(
+    int kind, const uint8_t *row, const uint8_t *aux, int64_t b, __m256i kv) {
+    const uint8_t *p = row + BYTES_32[kind] * b;
+    switch (kind) {
+    case 0: return nib32(p + 2);
+    case 1: return nib32(aux + 16 * b);
+    case 2: return _mm256_loadu_si256((const __m256i *)(p + 2));
+    case 3: return _mm256_shuffle_epi8(kv, nib32(p + 2));
+    case 4: return nib32(p + 4);
+    case 5: return five32(p + 2, p + 6);
+    default: return five32(p + 4, p + 8);
     }
 }
 
+/* the offset o of a block with scale d (m: the stored fp16 at byte 2, for Q4_1/Q5_1) */
+static inline float offset_32(int kind, float d, const uint8_t *p) {
+    return kind <= 1 ? -8.0f * d : kind == 5 ? -16.0f * d : kind >= 4 ? f16(p + 2) : 0.0f;
+}
+
+static inline __m256i dot_32(int kind, __m256i w, const int8_t *x) {
+    return signed_32(kind) ? dot32(_mm256_sign_epi8(w, w), w, x) : udot32(w, x);
+}
+
+/* one block (a row's last, past the groups of 8) */
+static inline __attribute__((always_inline)) void block_32(
+    const uint8_t *row, const uint8_t *aux, int64_t b, const acts_t *a, const int64_t *vec,
+    int64_t nt, __m256 *acc, int kind, __m256i kv) {
+    const uint8_t *p = kind == 1 ? row + 2 * b : row + BYTES_32[kind] * b;
+    float dw = f16(p), o = offset_32(kind, dw, p);
+    __m256i w = codes_32(kind, row, aux, b, kv);
+    for (int64_t j = 0; j < nt; j++) {
+        int64_t ib = vec[j] * (a->k / 32) + b;
+        __m256i s = dot_32(kind, w, a->q + vec[j] * a->k + 32 * b);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * a->d[ib]), acc[j]);
+        acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(o * a->xf[ib], 0, 0, 0, 0, 0, 0, 0));
+    }
+}
+
+/* 8 blocks at a time: their 8 scales (and offsets) in one vector (split Q4_0 keeps them
+ * together; the GGUF blocks' are gathered), times the activation's 8 in one multiply; blocks
+ * b + i and b + i + 1 add into two fma chains */
 static inline __attribute__((always_inline)) void rowdot_32(
     const uint8_t *row, const uint8_t *aux, int64_t nb, const acts_t *a, const int64_t *vec,
     int64_t nt, float *out, int kind) {
-    __m256 acc[2][VEC_TILE], sx[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-    int64_t b = 0;
-    /* 8 blocks at a time: their 8 scales in one vector (split Q4_0 keeps them together; the
-     * GGUF blocks' are gathered), times the activation's 8 in one multiply. Q4_0's nibbles
-     * stay unsigned (maddubs takes them as they are) and the -8 comes off through the
-     * activation's block sums: sum (q - 8) x = sum q x - 8 sum x, one fma per 8 blocks. */
-    __m256 corr[VEC_TILE];
-    for (int64_t j = 0; j < nt; j++) corr[j] = _mm256_setzero_ps();
+    __m256 acc[2][VEC_TILE], sx[VEC_TILE], corr[VEC_TILE];
+    for (int64_t j = 0; j < nt; j++)
+        acc[0][j] = acc[1][j] = corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    const int64_t stride = kind == 2 ? 34 : 18;
     const __m256i kv = _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)(a->tab + IQ4_VALUES)));
+    const int64_t stride = BYTES_32[kind];
+    int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m128i h;
+        __m128i h, hm = _mm_setzero_si128();
+        const uint8_t *p = row + stride * b;
         if (kind == 1) {
             h = _mm_loadu_si128((const __m128i *)(row + 2 * b));
         } else {
-            const uint8_t *p = row + stride * b;
-#define H(i) (short)(p[stride * (i)] | p[stride * (i) + 1] << 8)
-            h = _mm_setr_epi16(H(0), H(1), H(2), H(3), H(4), H(5), H(6), H(7));
+#define H(i, at) (short)(p[stride * (i) + (at)] | p[stride * (i) + (at) + 1] << 8)
+            h = _mm_setr_epi16(H(0, 0), H(1, 0), H(2, 0), H(3, 0), H(4, 0), H(5, 0), H(6, 0),
+                               H(7, 0));
+            if (kind == 4 || kind == 6)
+                hm = _mm_setr_epi16(H(0, 2), H(1, 2), H(2, 2), H(3, 2), H(4, 2), H(5, 2), H(6, 2),
+                                    H(7, 2));
 #undef H
         }
         __m256 dw = _mm256_cvtph_ps(h);
+        __m256 o = kind == 4 || kind == 6 ? _mm256_cvtph_ps(hm)
+                                          : _mm256_mul_ps(dw, _mm256_set1_ps(kind == 5 ? -16.0f
+                                                                                      : -8.0f));
         for (int64_t j = 0; j < nt; j++) {
             int64_t ib = vec[j] * (a->k / 32) + b;
             sx[j] = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib));
-            if (kind < 2) corr[j] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(a->xf + ib), corr[j]);
+            if (!signed_32(kind))
+                corr[j] = _mm256_fmadd_ps(o, _mm256_loadu_ps(a->xf + ib), corr[j]);
         }
         for (int i = 0; i < 8; i += 2) {
             __m256i w0, w1; /* blocks b + i, b + i + 1 */
@@ -93,38 +120,21 @@ static inline __attribute__((always_inline)) void rowdot_32(
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 w0 = _mm256_permute2x128_si256(lo, hi, 0x20);
                 w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-            } else if (kind == 0) {
-                w0 = nib32(row + 18 * (b + i) + 2);
-                w1 = nib32(row + 18 * (b + i + 1) + 2);
-            } else if (kind == 3) { /* IQ4_NL: the nibbles index the 16 levels */
-                w0 = _mm256_shuffle_epi8(kv, nib32(row + 18 * (b + i) + 2));
-                w1 = _mm256_shuffle_epi8(kv, nib32(row + 18 * (b + i + 1) + 2));
             } else {
-                w0 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i) + 2));
-                w1 = _mm256_loadu_si256((const __m256i *)(row + 34 * (b + i + 1) + 2));
+                w0 = codes_32(kind, row, aux, b + i, kv);
+                w1 = codes_32(kind, row, aux, b + i + 1, kv);
             }
-            __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 32 * (b + i);
-                __m256i s0, s1;
-                if (kind >= 2) { /* Q8_0, IQ4_NL: signed weights */
-                    s0 = dot32(aw0, w0, x), s1 = dot32(aw1, w1, x + 32);
-                } else {
-                    s0 = udot32(w0, x), s1 = udot32(w1, x + 32);
-                }
+                __m256i s0 = dot_32(kind, w0, x), s1 = dot_32(kind, w1, x + 32);
                 acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(sx[j], i), acc[0][j]);
                 acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(sx[j], i + 1), acc[1][j]);
             }
         }
     }
+    for (; b < nb; b++) block_32(row, aux, b, a, vec, nt, acc[b & 1], kind, kv);
     for (int64_t j = 0; j < nt; j++)
-        acc[0][j] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), corr[j], acc[0][j]);
-    for (; b + 1 < nb; b += 2) {
-        block_32(row, aux, b, a, vec, nt, acc[0], kind);
-        block_32(row, aux, b + 1, a, vec, nt, acc[1], kind);
-    }
-    if (b < nb) block_32(row, aux, b, a, vec, nt, acc[0], kind);
-    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
+        out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]), corr[j]));
 }
 
 #define ROWDOT_32(name, kind)                                                                 \
@@ -139,6 +149,9 @@ ROWDOT_32(rowdot_q4_0, 0)
 ROWDOT_32(rowdot_q4_0_split, 1)
 ROWDOT_32(rowdot_q8_0, 2)
 ROWDOT_32(rowdot_iq4_nl, 3)
+ROWDOT_32(rowdot_q4_1, 4)
+ROWDOT_32(rowdot_q5_0, 5)
+ROWDOT_32(rowdot_q5_1, 6)
 
 /* Q4_K's 8 6-bit scales and mins (llama.cpp's utmp shuffle), times d and dmin */
 static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
@@ -266,6 +279,9 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
     case T_Q8_0: return rowdot_q8_0;
     case T_IQ4_NL: return rowdot_iq4_nl;
+    case T_Q4_1: return rowdot_q4_1;
+    case T_Q5_0: return rowdot_q5_0;
+    case T_Q5_1: return rowdot_q5_1;
     case T_IQ4_XS: return rowdot_iq4_xs;
     case T_Q4_K: return rowdot_q4_k;
     case T_Q5_K: return rowdot_q5_k;
