@@ -1,5 +1,5 @@
 /* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1,
- * Q4_K, Q5_K, IQ4_XS here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when
+ * Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when
  * __AVX2__: a block is decoded into a register and dotted at once with every activation that
  * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
  * in one vector (times the activation's 8 in one multiply, then permuted per block). Measured
@@ -272,6 +272,49 @@ static void rowdot_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t cols, 
         rowdot_iq4_xs_body(row, cols / 256, a, vec, nt, out);
 }
 
+/* IQ3_S: 4 grid values (1..15) per 9-bit index, gathered 8 indices (32 values) at a time,
+ * the signs as byte masks; 8 4-bit scales per super-block in one vector */
+static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
+    const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
+    float *out) {
+    __m256 acc[2][VEC_TILE], scx[VEC_TILE];
+    for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+    const uint8_t *grid = a->tab + IQ3_S_GRID;
+    for (int64_t c = 0; c < nsb; c++) {
+        const uint8_t *b = row + 110 * c, *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
+        float ls[8];
+        for (int i = 0; i < 8; i++) ls[i] = (float)(1 + 2 * ((sc[i / 2] >> (4 * (i % 2))) & 15));
+        __m256 d8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(ls));
+        for (int64_t j = 0; j < nt; j++)
+            scx[j] = _mm256_mul_ps(d8, _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c));
+        for (int i = 0; i < 8; i++) { /* indices 8i .. 8i + 7: values 32i .. 32i + 31 */
+            int g[8];
+            for (int k = 0; k < 8; k++) {
+                uint32_t v;
+                memcpy(&v, grid + 4 * (qs[8 * i + k] | ((qh[i] >> k) & 1) << 8), 4);
+                g[k] = (int)v;
+            }
+            __m256i w = _mm256_loadu_si256((const __m256i *)g);
+            __m256i m = bit_bytes(sg + 4 * i);
+            __m256i ws = _mm256_sub_epi8(_mm256_xor_si256(w, m), m); /* signed */
+            for (int64_t j = 0; j < nt; j++) {
+                __m256i s = dot32(w, ws, a->q + vec[j] * a->k + 256 * c + 32 * i);
+                __m256 f = _mm256_cvtepi32_ps(s);
+                acc[i & 1][j] = _mm256_fmadd_ps(f, lane(scx[j], i), acc[i & 1][j]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
+}
+
+static void rowdot_iq3_s(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
+                         const int64_t *vec, int64_t nt, float *out) {
+    if (nt == 1)
+        rowdot_iq3_s_body(row, cols / 256, a, vec, 1, out);
+    else
+        rowdot_iq3_s_body(row, cols / 256, a, vec, nt, out);
+}
+
 #include "fused_k16_avx2.h"
 
 static rowdot_fn fused_rowdot(int qtype, int split) {
@@ -283,6 +326,7 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q5_0: return rowdot_q5_0;
     case T_Q5_1: return rowdot_q5_1;
     case T_IQ4_XS: return rowdot_iq4_xs;
+    case T_IQ3_S: return rowdot_iq3_s;
     case T_Q4_K: return rowdot_q4_k;
     case T_Q5_K: return rowdot_q5_k;
     case T_Q6_K: return rowdot_q6_k;
