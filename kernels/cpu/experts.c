@@ -5,11 +5,12 @@
  *
  * Activations are quantized once per vector to int8 in blocks of 32 (float scale d per block,
  * as llama.cpp's Q8_0, plus the block's sums for the types with a minimum or an offset).
- * A weight row is decoded 256 values at a time to int8 (decode.h, decode_avx2.h), and each
- * chunk is dotted with every activation that uses the row, so a weight byte is read once per
- * call however many tokens share it. Per 32 values: an integer dot, then one float
+ * A weight row is dotted with every activation that uses it, so a weight byte is read once
+ * per call however many tokens share it. Per 32 values: an integer dot, then one float
  * multiply-add by the weight's (sub-)block scale times the activation's block scale. With
- * AVX2 the hottest types skip the decode buffer (fused_avx2.h: whole-row dots).
+ * AVX2 every quantized type has a whole-row dot that decodes blocks in registers
+ * (fused_avx2.h, fused_k16_avx2.h); without it (or built with native=False) rows are decoded
+ * 256 values at a time to int8 (decode.h) and dotted in plain C (chunk_dot).
  *
  * One strata_moe call does a layer's items in four parallel phases: quantize the tokens;
  * gate/up rows (tasks of ROWS_PER_TASK rows of one expert, so a thread reads long runs);
@@ -58,7 +59,7 @@ static inline float hsum8(__m256 v) {
 typedef struct {
     const uint8_t *base;
     int64_t rows, cols, row_bytes;
-    int qtype, split, has_min, per16, is_float; /* per16: a scale per 16 values, not 32 */
+    int qtype, split, has_min, is_float;
     decode_fn dec;
     rowdot_fn fused; /* a whole-row dot for the hottest types (fused_avx2.h), else NULL */
 } mat_t;
@@ -81,20 +82,6 @@ int strata_block(int qtype, int *values, int *bytes) {
 
 static decode_fn decoder(int qtype, int split) {
     switch (qtype) {
-#ifdef __AVX2__
-    case T_Q4_0: return split ? dec_q4_0_split_avx2 : dec_q4_0_avx2;
-    case T_Q4_1: return dec_q4_1_avx2;
-    case T_IQ4_NL: return dec_iq4_nl_avx2;
-    case T_IQ4_XS: return dec_iq4_xs_avx2;
-    case T_Q4_K: return dec_q4_k_avx2;
-    case T_Q5_K: return dec_q5_k_avx2;
-    case T_Q6_K: return dec_q6_k_avx2;
-    case T_Q5_0: return dec_q5_0_avx2;
-    case T_Q5_1: return dec_q5_1_avx2;
-    case T_Q2_K: return dec_q2_k_avx2;
-    case T_Q3_K: return dec_q3_k_avx2;
-    case T_IQ3_S: return dec_iq3_s_avx2;
-#else
     case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
     case T_Q4_1: return dec_q4_1;
     case T_IQ4_NL: return dec_iq4_nl;
@@ -107,7 +94,6 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q2_K: return dec_q2_k;
     case T_Q3_K: return dec_q3_k;
     case T_IQ3_S: return dec_iq3_s;
-#endif
     case T_Q8_0: return dec_q8_0;
     default: return NULL;
     }
@@ -123,7 +109,6 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
     m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
                  qtype == T_Q5_K;
-    m->per16 = qtype == T_Q2_K || qtype == T_Q3_K || qtype == T_Q6_K;
     m->dec = decoder(qtype, m->split);
 #ifdef __AVX2__
     m->fused = fused_rowdot(qtype, m->split);
@@ -157,24 +142,7 @@ static void quantize_act(const acts_t *a, int64_t v, const float *x) {
 
 /* sum over n32 blocks of (fs q - fm) . (xd xq): the chunk's dot with one activation */
 static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm, int has_min,
-                              int per16, const int8_t *xq, const float *xd, const int16_t *xs,
-                              int n32) {
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < n32; j++) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(xq + 32 * j));
-        /* |a| * (b signed by a): pairs stay within int16 since |b| <= 127 */
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
-        __m256i s = _mm256_madd_epi16(p, ones); /* lanes 0-3: values 0-15, 4-7: 16-31 */
-        __m256 sc = per16 ? _mm256_set_m128(_mm_set1_ps(fs[2 * j + 1] * xd[j]),
-                                             _mm_set1_ps(fs[2 * j] * xd[j]))
-                          : _mm256_set1_ps(fs[2 * j] * xd[j]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, acc);
-    }
-    float r = hsum8(acc);
-#else
+                              const int8_t *xq, const float *xd, const int16_t *xs, int n32) {
     float r = 0.0f;
     for (int j = 0; j < n32; j++) {
         int s0 = 0, s1 = 0;
@@ -182,7 +150,6 @@ static inline float chunk_dot(const int8_t *q, const float *fs, const float *fm,
         for (int i = 16; i < 32; i++) s1 += q[32 * j + i] * xq[32 * j + i];
         r += xd[j] * (fs[2 * j] * (float)s0 + fs[2 * j + 1] * (float)s1);
     }
-#endif
     if (has_min)
         for (int j = 0; j < n32; j++)
             r -= xd[j] * (fm[2 * j] * (float)xs[2 * j] + fm[2 * j + 1] * (float)xs[2 * j + 1]);
@@ -236,7 +203,7 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                 m->dec(row, aux, c, n32, tab, q, fs, fm);
                 for (int64_t j = 0; j < nt; j++) {
                     int64_t v = vec[v0 + j];
-                    acc[j] += chunk_dot(q, fs, fm, m->has_min, m->per16, a->q + v * a->k + 256 * c,
+                    acc[j] += chunk_dot(q, fs, fm, m->has_min, a->q + v * a->k + 256 * c,
                                         a->d + v * (a->k / 32) + 8 * c,
                                         a->s + v * (a->k / 16) + 16 * c, n32);
                 }
