@@ -4,7 +4,8 @@ against the host's read bandwidth.
     python -m bench.cpu_experts [--json PATH] [--threads N ...] [--types Q4_K Q6_K ...]
 
 1. Read bandwidth, per thread count: torch's sum over >= 1 GiB of float32 (torch threads set
-   to N) and the kernels' own read probe (64-bit word sum, OpenMP).
+   to N) and the kernels' own read probe (64-bit word sum, OpenMP), before and after the
+   experts; the best of them is the host's (other work on a shared machine only lowers it).
 2. Per type (the same type for gate/up/down, plus a Q4_K_M mix): one MoE layer's CPU items
    at a3b's expert shapes (hidden 2048, ffn 768), 8 distinct experts per token, 1 and 4
    tokens, cycling through enough distinct experts (>= 64, >= 256 MiB) that none is in cache.
@@ -154,31 +155,44 @@ def main(argv: list[str] | None = None) -> None:
     kernels = {n: CpuExperts(threads=n) for n in threads}
     reads: list[dict[str, object]] = []
     rows: list[dict[str, object]] = []
-    bandwidth: dict[int, float] = {}
-    for n in threads:
-        torch_sum, probe = read_bandwidth(kernels[n], n)
-        bandwidth[n] = max(torch_sum["median"], probe["median"])
-        reads.append({"threads": n, "torch_sum": torch_sum, "kernel_read": probe})
-        print(f"read bandwidth, {n} threads: torch sum {torch_sum['median']:.1f} GB/s, "
-              f"kernel probe {probe['median']:.1f} GB/s")  # fmt: skip
-    print(f"{'type':8} {'tok':>3} {'thr':>3} {'GB/s':>6} {'spread':>13} {'of read':>7}")
+    results: list[tuple[str, int, int, dict[str, float]]] = []
+
+    def measure_reads(when: str) -> None:
+        for n in threads:
+            torch_sum, probe = read_bandwidth(kernels[n], n)
+            reads.append({"when": when, "threads": n, "torch_sum": torch_sum,
+                          "kernel_read": probe})  # fmt: skip
+            print(f"read bandwidth ({when}), {n} threads: torch sum {torch_sum['median']:.1f} "
+                  f"GB/s, kernel probe {probe['median']:.1f} GB/s")  # fmt: skip
+
+    # before and after the experts: on a shared machine the better of the two is the host's
+    measure_reads("before")
     for name in args.types:
         fmt = expert_format(name)
         blobs = expert_blobs(fmt)
         for tokens in args.tokens:
             for n in threads:
-                rate = expert_rate(kernels[n], fmt, blobs, tokens)
-                share = rate["median"] / bandwidth[n]
-                rows.append({"type": name, "tokens": tokens, "threads": n, "gbps": rate,
-                             "share_of_read": share})  # fmt: skip
-                print(f"{name:8} {tokens:>3} {n:>3} {rate['median']:6.1f} "
-                      f"{rate['min']:5.1f}-{rate['max']:5.1f}  {share:6.0%}")  # fmt: skip
+                results.append((name, tokens, n, expert_rate(kernels[n], fmt, blobs, tokens)))
         del blobs
+    measure_reads("after")
+    bandwidth = {
+        n: max(max(r["torch_sum"]["median"], r["kernel_read"]["median"])  # type: ignore[index]
+               for r in reads if r["threads"] == n)
+        for n in threads
+    }  # fmt: skip
+    print(f"{'type':8} {'tok':>3} {'thr':>3} {'GB/s':>6} {'spread':>13} {'of read':>7}")
+    for name, tokens, n, rate in results:
+        share = rate["median"] / bandwidth[n]
+        rows.append({"type": name, "tokens": tokens, "threads": n, "gbps": rate,
+                     "share_of_read": share})  # fmt: skip
+        print(f"{name:8} {tokens:>3} {n:>3} {rate['median']:6.1f} "
+              f"{rate['min']:5.1f}-{rate['max']:5.1f}  {share:6.0%}")  # fmt: skip
     q4_k = expert_format("Q4_K")
     base = torch_rate(q4_k, expert_blobs(q4_k, 0))
     print(f"torch dequantize + matvec (today's path), Q4_K, 1 token: {base['median']:.2f} GB/s")
-    report = {"cores": cores, "threads": threads, "read": reads, "experts": rows,
-              "torch_dequantize_q4_k": base}  # fmt: skip
+    report: dict[str, object] = {"cores": cores, "threads": threads, "read": reads,
+              "read_gbps": bandwidth,
+              "experts": rows, "torch_dequantize_q4_k": base}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
