@@ -213,6 +213,18 @@ def test_moe_is_deterministic_across_threads(cache: Path) -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_torch_keeps_its_threads(cache: Path) -> None:
+    # the kernels' OpenMP team size is per call (num_threads), not the process's setting:
+    # torch (whose libgomp the library shares) keeps its own
+    before = torch.get_num_threads()
+    cpu = CpuExperts(threads=1, cache_dir=cache)
+    raw = blocks(QType.Q8_0, 8, 64, seed=0)
+    cpu.matmul(torch.ones(1, 64), raw, QType.Q8_0, 8, 64)
+    assert torch.get_num_threads() == before
+    a = torch.randn(64, 64)
+    assert torch.allclose(a @ a, (a.double() @ a.double()).float(), atol=1e-4)
+
+
 def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
     fmt = CpuExpertFormat.packed((QType.Q8_0,) * 3, hidden=64, ffn=32)  # type: ignore[arg-type]
     blob = torch.zeros(fmt.nbytes, dtype=torch.uint8)
