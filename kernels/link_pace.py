@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "ns_per_blob"])  # one compile for every wait
 def _pace_kernel(ids_ptr, table_ptr, n, lo, hi, ns_per_blob, BLOCK: tl.constexpr):
     start = globaltimer()
     offs = tl.arange(0, BLOCK)

@@ -170,12 +170,16 @@ def _report(name: str, gpu: bool, source: dict[str, Any], shapes: Any, ceilings:
     import torch
     import triton
 
+    try:
+        strata = importlib.metadata.version("strata")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        strata = "source tree"
     shape = {k: v for k, v in dataclasses.asdict(shapes).items() if k != "mixes"}
     shape["mixes"] = [[q.name for q in mix] for mix in shapes.mixes]
     return {
         "schema": 1,
         "seconds": round(seconds, 2),
-        "versions": {"strata": importlib.metadata.version("strata"), "torch": torch.__version__,
+        "versions": {"strata": strata, "torch": torch.__version__,
                      "triton": triton.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda, "hip": torch.version.hip},  # fmt: skip
         "device": {"name": name, "type": "cuda" if gpu else "cpu", "interpreted": not gpu},

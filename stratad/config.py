@@ -128,9 +128,10 @@ class EngineConfig(_Section, frozen=True):
     IQ4_XS, IQ3_S), and says why when it cannot."""
     pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
-    over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel. `auto` balances
-    the two by the bandwidths measured at start (and keeps 1 when the CPU's share would be
-    under 10%)."""
+    over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel with its compiled
+    kernels (see cpu_expert_threads). A step with a CPU share runs without its CUDA graph and
+    synchronises once per layer, which on the H200 cost more than the split saved, so `auto`
+    is 1 for now; the start line logs the share the measured rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Offload engine: threads of the compiled kernels that compute the CPU's share of the
     missed experts (see pcie_frac); 0 takes every physical core."""

@@ -50,7 +50,7 @@ def test_pace_waits_on_the_gpu() -> None:
     table = torch.cat([_table(4, 1 << 20), _table(4, 1 << 30)]).cuda()
     span = (1 << 20, (1 << 20) + 4 * 4096)
     ids = torch.tensor([[0, 5, 3, 1]], dtype=torch.int32).cuda()
-    pace_link(ids, table, span, 1000)  # compile
+    pace_link(ids, table, span, 2_000_000)  # compile
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     pace_link(ids, table, span, 2_000_000)  # 3 missed blobs: 6 ms
