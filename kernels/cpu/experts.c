@@ -13,7 +13,9 @@
  * 256 values at a time to int8 (decode.h) and dotted in plain C (chunk_dot).
  *
  * One strata_moe call does a layer's items in four parallel phases: quantize the tokens;
- * gate/up rows (tasks of ROWS_PER_TASK rows of one expert, so a thread reads long runs);
+ * gate/up rows (tasks of ROWS_PER_TASK rows of one expert, handed out `guided`: each thread
+ * first takes a long contiguous run, which the prefetchers follow, then smaller ones to even
+ * out the end; 1.4x dynamic,1 on 2 threads here);
  * silu(gate) * up, quantized; down rows; then the weighted sums into out, in item order.
  *
  * Every output value is computed by one thread in a fixed order, and a MoE layer's outputs are
@@ -253,7 +255,7 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
             vec[t] = t, outs[t] = out + t * rows;
             if (!m.is_float) quantize_act(&a, t, x + t * cols);
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
         for (int64_t i = 0; i < tasks; i++) {
             int64_t r0 = i * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < rows ? r0 + ROWS_PER_TASK : rows;
@@ -317,7 +319,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
             quantize_act(&xa, t, x + t * hidden);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
         for (int64_t task = 0; task < up_tasks; task++) {
             /* consecutive tasks walk down one expert's rows: long runs for the prefetcher */
             int64_t g = task / row_tasks, r0 = task % row_tasks * ROWS_PER_TASK;
@@ -333,7 +335,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
             for (int64_t f = 0; f < ffn; f++) h[f] = silu(h[f]) * h[ffn + f];
             if (!md.is_float) quantize_act(&ha, i, h);
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
         for (int64_t task = 0; task < down_tasks; task++) {
             int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
