@@ -1,10 +1,11 @@
 """Compile the CPU expert kernels (`kernels/cpu/*.c`) at first use and load them with ctypes.
 
 The shared library is cached under `$XDG_CACHE_HOME/strata/cpu-kernels` (else
-`~/.cache/strata/cpu-kernels`), named by a hash of the sources, the flags and the compiler's
-version, so an edit or a new compiler builds afresh and an unchanged tree loads in
-milliseconds. The build writes a temporary file and renames it into place: two processes
-starting at once both build, and the last rename wins with an identical file.
+`~/.cache/strata/cpu-kernels`), named by a hash of the sources, the flags, the compiler's
+version and (for -march=native) the CPU's model and flags, so an edit, a new compiler or
+another host builds afresh and an unchanged tree loads in milliseconds. The build writes a
+temporary file and renames it into place: two processes starting at once both build, and the
+last rename wins with an identical file.
 
 The compiler is `$CC`, else `cc`, else `gcc`. Without one, or when the build fails,
 `CpuKernelsUnavailable` says why in one line (the engine then falls back to torch).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -68,6 +70,17 @@ def _first_error(stderr: str) -> str:
     return (errors or lines or ["no output"])[0]
 
 
+def _host_cpu() -> str:
+    """What -march=native resolves from: the CPU's model and flags (a cache directory shared
+    between hosts must not hand one host's instructions to another)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keys = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keys}))
+
+
 def build(cache_dir: Path | None = None, native: bool = True) -> Path:
     """The path of the compiled library, building it if the cache does not hold it.
 
@@ -79,7 +92,7 @@ def build(cache_dir: Path | None = None, native: bool = True) -> Path:
     for path in sorted(SOURCE_DIR.glob("*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     march = (NATIVE,) if native else ()
-    digest.update(repr((cc, FLAGS, march, version)).encode())
+    digest.update(repr((cc, FLAGS, march, version, _host_cpu() if native else "")).encode())
     directory = cache_dir if cache_dir is not None else default_cache_dir()
     lib = directory / f"experts-{digest.hexdigest()[:16]}.so"
     if lib.exists():
