@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_experts import CpuExpertFormat, CpuExperts, _physical_cores
+from kernels.cpu_experts import CpuExpertFormat, CpuExperts, physical_cores
 from kernels.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
 from kernels.quant import quantize as quantize_blocks
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args(argv)
-    cores = _physical_cores()
+    cores = physical_cores()
     threads = args.threads or sorted({1, *[2**k for k in range(1, 8) if 2**k < cores], cores})
     kernels = {n: CpuExperts(threads=n) for n in threads}
     reads: list[dict[str, object]] = []

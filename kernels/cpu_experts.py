@@ -8,6 +8,10 @@ CPU items (gate/up rows of every item in parallel, then down rows), and the sum 
 in item order: the result does not depend on the thread count.
 
 Tensors in, checked here (shapes, dtypes, contiguity, device); pointers to the C side.
+Every call runs `threads` OpenMP threads until all are done, so a team larger than the cores
+left free by other busy threads waits on the preempted one (on the 2-core VM, a 2-thread call
+beside one busy process ran at a 1-thread call's rate): give it the free cores. Rates per type:
+bench/cpu_experts.py, bench/results/2026-12-04-cpu-experts-2core.md.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class CpuExpertFormat:
         return self.down_offset + self.hidden * row_bytes(self.qtypes[2], self.ffn)
 
 
-def _physical_cores() -> int:
+def physical_cores() -> int:
+    """The default team size: the physical cores this process may run on."""
     usable = len(os.sched_getaffinity(0))
     return max(1, min(psutil.cpu_count(logical=False) or usable, usable))
 
@@ -92,7 +97,7 @@ class CpuExperts:
     ) -> None:
         """Build (first use) and load the kernels; `CpuKernelsUnavailable` if they cannot be.
         native=False: without -march=native (the portable C paths; for tests)."""
-        self.threads = threads if threads is not None else _physical_cores()
+        self.threads = threads if threads is not None else physical_cores()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         lib = load(cache_dir, native)
