@@ -64,7 +64,7 @@ typedef struct {
     int64_t rows, cols, row_bytes;
     int qtype, split, has_min, is_float;
     decode_fn dec;
-    rowdot_fn fused; /* a whole-row dot for the hottest types (fused_avx2.h), else NULL */
+    rowdot_fn fused; /* the whole-row dot (with AVX2: fused_avx2.h), else NULL: decode + dot */
 } mat_t;
 
 int strata_block(int qtype, int *values, int *bytes) {
@@ -105,8 +105,8 @@ static decode_fn decoder(int qtype, int split) {
 static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t rows,
                     int64_t cols) {
     int bv, bb;
-    if (strata_block(qtype, &bv, &bb) || cols % 32) return -1;
-    if (cols % bv) return -2;
+    if (strata_block(qtype, &bv, &bb)) return -1;
+    if (cols % 32 || cols % bv) return -2; /* activations are rounded per 32 values */
     m->base = base, m->rows = rows, m->cols = cols, m->row_bytes = cols / bv * bb;
     m->qtype = qtype, m->split = split && qtype == T_Q4_0;
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
