@@ -241,10 +241,11 @@ def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
         cpu.moe(torch.zeros(64, 2).T[:1], [blob], [0], [1.0], fmt, out)
     with pytest.raises(ValueError, match="do not read IQ2_S"):
         cpu.matmul(x, blob, QType.IQ2_S, 32, 64)
+    w = blocks(QType.Q8_0, 32, 64, seed=0)  # a [32, 64] Q8_0 weight
     with pytest.raises(ValueError, match="columns"):
-        cpu.matmul(torch.zeros(1, 32), blob, QType.Q8_0, 32, 64)
+        cpu.matmul(torch.zeros(1, 32), w, QType.Q8_0, 32, 64)
     with pytest.raises(ValueError, match="bytes"):
-        cpu.matmul(x, blob[:-1], QType.Q8_0, 32, 64)
+        cpu.matmul(x, w.reshape(-1)[:-1], QType.Q8_0, 32, 64)
     with pytest.raises(ValueError, match="multiple of the Q4_K block"):
         cpu.matmul(x, blob, QType.Q4_K, 32, 64)
 
