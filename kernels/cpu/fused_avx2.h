@@ -2,8 +2,9 @@
  * Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when
  * __AVX2__: a block is decoded into a register and dotted at once with every activation that
  * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
- * in one vector (times the activation's 8 in one multiply, then permuted per block). Measured
- * on a 2-core EPYC VM (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
+ * in one vector (times the activation's 8 in one multiply, then broadcast per block from
+ * memory: a load, where a permute took an ALU slot, +5-17%). Measured on a 2-core EPYC VM
+ * (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
@@ -14,11 +15,6 @@ static inline __m256i dot32(__m256i aw, __m256i w, const int8_t *x) {
     __m256i xv = _mm256_loadu_si256((const __m256i *)x);
     __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
-/* lane i of v in every lane */
-static inline __m256 lane(__m256 v, int i) {
-    return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
 }
 
 /* the same with unsigned weights u (0..127): no sign juggling */
@@ -80,7 +76,8 @@ static inline __attribute__((always_inline)) void block_32(
 static inline __attribute__((always_inline)) void rowdot_32(
     const uint8_t *row, const uint8_t *aux, int64_t nb, const acts_t *a, const int64_t *vec,
     int64_t nt, float *out, int kind) {
-    __m256 acc[2][VEC_TILE], sx[VEC_TILE], corr[VEC_TILE];
+    __m256 acc[2][VEC_TILE], corr[VEC_TILE];
+    float sx[VEC_TILE][8] __attribute__((aligned(32))); /* broadcast from memory: a load */
     for (int64_t j = 0; j < nt; j++)
         acc[0][j] = acc[1][j] = corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -108,7 +105,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
                                                                                       : -8.0f));
         for (int64_t j = 0; j < nt; j++) {
             int64_t ib = vec[j] * (a->k / 32) + b;
-            sx[j] = _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib));
+            _mm256_store_ps(sx[j], _mm256_mul_ps(dw, _mm256_loadu_ps(a->d + ib)));
             if (!signed_32(kind))
                 corr[j] = _mm256_fmadd_ps(o, _mm256_loadu_ps(a->xf + ib), corr[j]);
         }
@@ -127,8 +124,10 @@ static inline __attribute__((always_inline)) void rowdot_32(
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 32 * (b + i);
                 __m256i s0 = dot_32(kind, w0, x), s1 = dot_32(kind, w1, x + 32);
-                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(sx[j], i), acc[0][j]);
-                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(sx[j], i + 1), acc[1][j]);
+                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&sx[j][i]),
+                                            acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                                            _mm256_broadcast_ss(&sx[j][i + 1]), acc[1][j]);
             }
         }
     }
@@ -176,7 +175,8 @@ static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
 static inline __attribute__((always_inline)) void rowdot_q4_k_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out, int five) {
-    __m256 acc[VEC_TILE], acc1[VEC_TILE], mins[VEC_TILE], scx[VEC_TILE];
+    __m256 acc[VEC_TILE], acc1[VEC_TILE], mins[VEC_TILE];
+    float scx[VEC_TILE][8] __attribute__((aligned(32))); /* broadcast from memory: a load */
     for (int64_t j = 0; j < nt; j++)
         acc[j] = acc1[j] = mins[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void rowdot_q4_k_body(
         q4_k_scales(b, &sc, &mn);
         for (int64_t j = 0; j < nt; j++) {
             int64_t ib = vec[j] * (a->k / 32) + 8 * c;
-            scx[j] = _mm256_mul_ps(sc, _mm256_loadu_ps(a->d + ib));
+            _mm256_store_ps(scx[j], _mm256_mul_ps(sc, _mm256_loadu_ps(a->d + ib)));
             mins[j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(a->xf + ib), mins[j]);
         }
         for (int r = 0; r < 4; r++) { /* 32-byte run r: sub-blocks 2r (low), 2r + 1 (high) */
@@ -201,8 +201,10 @@ static inline __attribute__((always_inline)) void rowdot_q4_k_body(
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 256 * c + 64 * r;
                 __m256i s0 = udot32(lo, x), s1 = udot32(hi, x + 32);
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(scx[j], 2 * r), acc[j]);
-                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(scx[j], 2 * r + 1), acc1[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
+                                         _mm256_broadcast_ss(&scx[j][2 * r]), acc[j]);
+                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                                          _mm256_broadcast_ss(&scx[j][2 * r + 1]), acc1[j]);
             }
         }
     }
@@ -231,7 +233,8 @@ static void rowdot_q5_k(const uint8_t *row, const uint8_t *aux, int64_t cols, co
 static inline __attribute__((always_inline)) void rowdot_iq4_xs_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[2][VEC_TILE], scx[VEC_TILE];
+    __m256 acc[2][VEC_TILE];
+    float scx[VEC_TILE][8] __attribute__((aligned(32))); /* broadcast from memory: a load */
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(
@@ -244,8 +247,10 @@ static inline __attribute__((always_inline)) void rowdot_iq4_xs_body(
             ls[i] = (float)((((sl[i / 2] >> (4 * (i % 2))) & 15) | ((sh >> (2 * i)) & 3) << 4)
                             - 32);
         __m256 sc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(ls));
-        for (int64_t j = 0; j < nt; j++)
-            scx[j] = _mm256_mul_ps(sc, _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c));
+        for (int64_t j = 0; j < nt; j++) {
+            __m256 xd = _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c);
+            _mm256_store_ps(scx[j], _mm256_mul_ps(sc, xd));
+        }
         for (int i = 0; i < 8; i += 2) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * i));
             __m256i lo = _mm256_and_si256(v, m4);
@@ -256,8 +261,10 @@ static inline __attribute__((always_inline)) void rowdot_iq4_xs_body(
             for (int64_t j = 0; j < nt; j++) {
                 const int8_t *x = a->q + vec[j] * a->k + 256 * c + 32 * i;
                 __m256i s0 = dot32(aw0, w0, x), s1 = dot32(aw1, w1, x + 32);
-                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), lane(scx[j], i), acc[0][j]);
-                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), lane(scx[j], i + 1), acc[1][j]);
+                acc[0][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0),
+                                            _mm256_broadcast_ss(&scx[j][i]), acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
+                                            _mm256_broadcast_ss(&scx[j][i + 1]), acc[1][j]);
             }
         }
     }
@@ -277,7 +284,8 @@ static void rowdot_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t cols, 
 static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
-    __m256 acc[2][VEC_TILE], scx[VEC_TILE];
+    __m256 acc[2][VEC_TILE];
+    float scx[VEC_TILE][8] __attribute__((aligned(32))); /* broadcast from memory: a load */
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     const uint8_t *grid = a->tab + IQ3_S_GRID;
     for (int64_t c = 0; c < nsb; c++) {
@@ -285,8 +293,10 @@ static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
         float ls[8];
         for (int i = 0; i < 8; i++) ls[i] = (float)(1 + 2 * ((sc[i / 2] >> (4 * (i % 2))) & 15));
         __m256 d8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_loadu_ps(ls));
-        for (int64_t j = 0; j < nt; j++)
-            scx[j] = _mm256_mul_ps(d8, _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c));
+        for (int64_t j = 0; j < nt; j++) {
+            __m256 xd = _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c);
+            _mm256_store_ps(scx[j], _mm256_mul_ps(d8, xd));
+        }
         for (int i = 0; i < 8; i++) { /* indices 8i .. 8i + 7: values 32i .. 32i + 31 */
             int g[8];
             for (int k = 0; k < 8; k++) {
@@ -300,7 +310,7 @@ static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
             for (int64_t j = 0; j < nt; j++) {
                 __m256i s = dot32(w, ws, a->q + vec[j] * a->k + 256 * c + 32 * i);
                 __m256 f = _mm256_cvtepi32_ps(s);
-                acc[i & 1][j] = _mm256_fmadd_ps(f, lane(scx[j], i), acc[i & 1][j]);
+                acc[i & 1][j] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scx[j][i]), acc[i & 1][j]);
             }
         }
     }
