@@ -129,6 +129,25 @@ class CpuExperts:
         if rc:
             raise RuntimeError(f"CPU kernel {what}: {_ERRORS.get(rc, f'error {rc}')}")
 
+    def _check_weight(self, w: torch.Tensor, qtype: QType, rows: int, cols: int) -> None:
+        self._qtype(qtype, "matmul")
+        if w.device.type != "cpu" or not w.is_contiguous():
+            raise ValueError("w must be a contiguous CPU tensor")
+        need = rows * row_bytes(qtype, cols)
+        if w.numel() * w.element_size() != need:
+            raise ValueError(
+                f"w holds {w.numel() * w.element_size()} bytes, a [{rows}, {cols}] "
+                f"{QType(qtype).name} matrix {need}"
+            )
+        if cols % 32:
+            raise ValueError(f"cols must be a multiple of 32, got {cols}")
+
+    def prepare(self, w: torch.Tensor, qtype: QType, rows: int, cols: int) -> PreparedMatmul:
+        """`matmul` by one weight, checked once (a dense layer's projection, called per
+        token)."""
+        self._check_weight(w, qtype, rows, cols)
+        return PreparedMatmul(self, w, qtype, rows, cols)
+
     def matmul(
         self,
         x: torch.Tensor,
@@ -140,20 +159,10 @@ class CpuExperts:
     ) -> torch.Tensor:
         """x [T, cols] float32 @ W^T -> [T, rows] float32; W is GGUF blocks [rows, cols]
         (uint8, or for F32/F16/BF16 the float tensor itself)."""
-        self._qtype(qtype, "matmul")
+        self._check_weight(w, qtype, rows, cols)
         _check(x, "x", torch.float32, 2)
         if x.shape[1] != cols:
             raise ValueError(f"x has {x.shape[1]} columns, the weight {cols}")
-        if w.device.type != "cpu" or not w.is_contiguous():
-            raise ValueError("w must be a contiguous CPU tensor")
-        need = rows * row_bytes(qtype, cols)
-        if w.numel() * w.element_size() != need:
-            raise ValueError(
-                f"w holds {w.numel() * w.element_size()} bytes, a [{rows}, {cols}] "
-                f"{QType(qtype).name} matrix {need}"
-            )
-        if cols % 32:
-            raise ValueError(f"cols must be a multiple of 32, got {cols}")
         if out is None:
             out = torch.empty((x.shape[0], rows), dtype=torch.float32)
         _check(out, "out", torch.float32, 2)
@@ -210,3 +219,31 @@ class CpuExperts:
             out.data_ptr(), self.threads, self._tables.data_ptr(),
         )  # fmt: skip
         self._raise(rc, "moe")
+
+
+# below this many weights times tokens a product runs on one thread: waking the team costs
+# more than it saves (a [192, 576] product: 25 us on one thread, 45-130 on two busy cores)
+ONE_THREAD_WEIGHTS = 1 << 18
+
+
+class PreparedMatmul:
+    """x [T, cols] float32 @ W^T -> [T, rows] float32 for one weight checked at `prepare`:
+    each call checks x's shape and type only."""
+
+    def __init__(self, kernels: CpuExperts, w: torch.Tensor, qtype: QType, rows: int,
+                 cols: int) -> None:  # fmt: skip
+        self.w, self.qtype, self.rows, self.cols = w, int(qtype), rows, cols
+        self._fn, self._tables, self._threads = kernels._matmul, kernels._tables, kernels.threads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"x must be float32 [T, {self.cols}], got {x.dtype} {tuple(x.shape)}")
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("x must be a contiguous CPU tensor")
+        t = x.shape[0]
+        out = torch.empty((t, self.rows), dtype=torch.float32)
+        threads = 1 if t * self.rows * self.cols < ONE_THREAD_WEIGHTS else self._threads
+        rc = self._fn(x.data_ptr(), t, self.w.data_ptr(), self.qtype, 0, self.rows, self.cols,
+                      out.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
+        CpuExperts._raise(rc, "matmul")
+        return out

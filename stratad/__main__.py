@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from kernels.cpu_build import quiet_openmp
+
+    quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu_build.py)
     from stratad.control.lifecycle import Operations
     from stratad.control.server import ControlError
     from stratad.engine.service import Engine

@@ -120,12 +120,15 @@ class EngineConfig(_Section, frozen=True):
     layer_split: str = "auto"
     """Layers per GPU of the split, e.g. "20,28" (or "20": the rest go to the last); auto
     divides them in proportion to each GPU's free VRAM."""
-    backend: Literal["auto", "reference", "offload"] = "auto"
+    backend: Literal["auto", "reference", "offload", "cpu"] = "auto"
     """Forward pass: `offload` is the GPU engine for MoE models larger than VRAM (experts in
-    VRAM slots, page-locked RAM or the file; misses cross PCIe); `reference` is the torch
-    reference (experts through the store, any device); `auto` picks offload for a MoE on a GPU
-    whose expert types its kernels read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL,
-    IQ4_XS, IQ3_S), and says why when it cannot."""
+    VRAM slots, page-locked RAM or the file; misses cross PCIe); `cpu` serves from the GGUF
+    blocks on the CPU, every product by the compiled CPU kernels (int8 activations, as
+    llama.cpp; experts through the store); `reference` is the torch reference (float copies
+    of the weights, experts through the store, any device); `auto` picks offload for a MoE
+    on a GPU whose expert types its kernels read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to
+    Q6_K, IQ4_NL, IQ4_XS, IQ3_S), cpu on a CPU where a C compiler builds the kernels, and
+    says why when it cannot."""
     pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
     over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel with its compiled

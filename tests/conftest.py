@@ -5,16 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
+from kernels.cpu_build import quiet_openmp
+
+quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu_build.py)
+
+import torch  # noqa: E402
 
 # Triton kernels run in Triton's interpreter where there is no GPU (before any test module
 # imports triton).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+import pytest  # noqa: E402
 
-from stratad.model.default import default_model_path
+from stratad.model.default import default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,15 @@
 """The reference forward pass, torch only: dequantized weights, CPU or GPU.
 
 This is the definition of what the model computes. Every fast path (Triton kernels,
-offloaded experts) is tested against it.
+offloaded experts) is tested against it. The same sequence of layers serves a model on a
+CPU from its GGUF blocks: with `QuantWeights` (`stratad/engine/weights_mode.py`) every
+projection is a product by the compiled CPU kernels instead of a float matrix (the `cpu`
+backend); the default `FloatWeights` is the reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,8 +18,15 @@ import torch
 from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, route, swiglu
+from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, route
 from stratad.engine.timing import StageTimer
+from stratad.engine.weights_mode import (
+    FloatEmbedding,
+    FloatLinear,
+    FloatWeights,
+    Linear,
+    WeightMode,
+)
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
@@ -28,24 +38,24 @@ class ExpertProvider(Protocol):
     def get(self, layer: int, expert: int) -> MLPWeights: ...
 
 
-def _f(t: QTensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.dequantize().to(device=device, dtype=dtype)
-
-
 @dataclass(frozen=True)
 class _Dense:
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x): `layers.swiglu` with the products as linears."""
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
 @dataclass(frozen=True)
 class _Layer:
     attn_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
     q_bias: torch.Tensor | None
     k_bias: torch.Tensor | None
     v_bias: torch.Tensor | None
@@ -53,44 +63,48 @@ class _Layer:
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
     dense: _Dense | None
-    router: torch.Tensor | None
-    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # [E,F,H] [E,F,H] [E,H,F]
+    router: Linear | None
+    experts: Callable[[int], _Dense] | None  # expert e of the model's stacks
     shared: _Dense | None
-    shared_gate: torch.Tensor | None
+    shared_gate: Linear | None
 
 
-def _layer(
-    w: LayerWeights, device: torch.device, dtype: torch.dtype, stacked: bool = True
-) -> _Layer:
-    def f(t: QTensor) -> torch.Tensor:
-        return t.dequantize().to(device=device, dtype=dtype)
+def _stacked(moe: MoEWeights, mode: WeightMode) -> Callable[[int], _Dense]:
+    """Expert e of the stacks: float stacks dequantized once, or slices of the blocks."""
+    if isinstance(mode, FloatWeights):
+        gate, up, down = (mode.float(t) for t in (moe.experts.gate, moe.experts.up,
+                                                  moe.experts.down))  # fmt: skip
+        return lambda e: _Dense(FloatLinear(gate[e]), FloatLinear(up[e]), FloatLinear(down[e]))
+    ex = moe.experts
+    return lambda e: _Dense(mode.linear(ex.gate[e]), mode.linear(ex.up[e]), mode.linear(ex.down[e]))
+
+
+def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
+    def opt(t: QTensor | None) -> torch.Tensor | None:
+        return None if t is None else mode.vector(t)
 
     def mlp(m: MLPWeights) -> _Dense:
-        return _Dense(f(m.gate), f(m.up), f(m.down))
+        return _Dense(mode.linear(m.gate), mode.linear(m.up), mode.linear(m.down))
 
     a = w.attn
     moe = w.mlp if isinstance(w.mlp, MoEWeights) else None
     return _Layer(
-        attn_norm=f(w.attn_norm),
-        q=f(a.q),
-        k=f(a.k),
-        v=f(a.v),
-        o=f(a.o),
-        q_bias=_f(a.q_bias, device, dtype),
-        k_bias=_f(a.k_bias, device, dtype),
-        v_bias=_f(a.v_bias, device, dtype),
-        q_norm=_f(a.q_norm, device, dtype),
-        k_norm=_f(a.k_norm, device, dtype),
-        ffn_norm=f(w.ffn_norm),
+        attn_norm=mode.vector(w.attn_norm),
+        q=mode.linear(a.q),
+        k=mode.linear(a.k),
+        v=mode.linear(a.v),
+        o=mode.linear(a.o),
+        q_bias=opt(a.q_bias),
+        k_bias=opt(a.k_bias),
+        v_bias=opt(a.v_bias),
+        q_norm=opt(a.q_norm),
+        k_norm=opt(a.k_norm),
+        ffn_norm=mode.vector(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
-        router=f(moe.router) if moe else None,
-        experts=(
-            (f(moe.experts.gate), f(moe.experts.up), f(moe.experts.down))
-            if moe and stacked
-            else None
-        ),
+        router=mode.linear(moe.router) if moe else None,
+        experts=_stacked(moe, mode) if moe and stacked else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
-        shared_gate=_f(moe.shared_gate, device, dtype) if moe else None,
+        shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
     )
 
 
@@ -104,25 +118,30 @@ class ReferenceForward:
         dtype: torch.dtype = torch.float32,
         experts: ExpertProvider | None = None,
         timer: StageTimer | None = None,
+        weights: WeightMode | None = None,
     ) -> None:
+        """`weights`: how the weights are held (default: dequantized to `dtype` on `device`,
+        the reference); `experts`: None, the model's stacks (dequantized once as floats);
+        else fetched from the provider per use."""
         self.spec: ModelSpec = model.spec
         self.timer = timer or StageTimer(enabled=False)
         self.device = torch.device(device)
-        self.dtype = dtype
-        # None: routed experts are dequantized once here; else fetched and dequantized per use.
+        self.mode = weights or FloatWeights(self.device, dtype)
+        self.dtype = self.mode.dtype
         self.experts = experts
         arch = ARCHS[model.spec.arch]
         self.layers = [
-            _layer(arch.layer(model, i), self.device, dtype, stacked=experts is None)
+            _layer(arch.layer(model, i), self.mode, stacked=experts is None)
             for i in range(model.spec.n_layers)
         ]
-        self.embed = model.tensor("model.embed_tokens.weight").dequantize(dtype).to(self.device)
-        self.norm = model.tensor("model.norm.weight").dequantize(dtype).to(self.device)
-        self.lm_head = (
-            self.embed
-            if model.spec.tie_embeddings
-            else model.tensor("lm_head.weight").dequantize(dtype).to(self.device)
-        )
+        embed = model.tensor("model.embed_tokens.weight")
+        self.embed = self.mode.embedding(embed)
+        self.norm = self.mode.vector(model.tensor("model.norm.weight"))
+        if isinstance(self.embed, FloatEmbedding) and model.spec.tie_embeddings:
+            self.lm_head: Linear = FloatLinear(self.embed.table)  # one float copy, not two
+        else:
+            head = embed if model.spec.tie_embeddings else model.tensor("lm_head.weight")
+            self.lm_head = self.mode.linear(head)
         # Routing counts per (layer, expert): the expert profile the store plans from.
         self.route_counts = torch.zeros(
             (self.spec.n_layers, max(self.spec.n_experts, 1)), dtype=torch.int64
@@ -143,7 +162,7 @@ class ReferenceForward:
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV cache of {cache.capacity}")
         ids = torch.tensor(tokens, device=self.device)
-        x = self.embed[ids]  # [T, H]
+        x = self.embed(ids).to(self.dtype)  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
         stage = self.timer.stage
         for i, layer in enumerate(self.layers):
@@ -154,7 +173,7 @@ class ReferenceForward:
             h = rms_norm(x, layer.ffn_norm, spec.rms_eps)
             if layer.dense is not None:
                 with stage("mlp"):
-                    x = x + swiglu(h, layer.dense.gate, layer.dense.up, layer.dense.down)
+                    x = x + layer.dense(h)
             else:
                 x = x + self._moe(i, layer, h)
         cache.length = start + t
@@ -162,7 +181,7 @@ class ReferenceForward:
         if not all_logits:
             x = x[-1:]
         with stage("head"):
-            return (rms_norm(x, self.norm, spec.rms_eps) @ self.lm_head.T).float()
+            return self.lm_head(rms_norm(x, self.norm, spec.rms_eps)).float()
 
     def _attention(
         self,
@@ -174,7 +193,7 @@ class ReferenceForward:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         spec, t, start = self.spec, x.shape[0], cache.length
-        q, k, v = x @ w.q.T, x @ w.k.T, x @ w.v.T  # [T, Hq*D] [T, Hkv*D] [T, Hkv*D]
+        q, k, v = w.q(x), w.k(x), w.v(x)  # [T, Hq*D] [T, Hkv*D] [T, Hkv*D]
         if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
             q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
         if spec.qk_norm == "full" and w.q_norm is not None and w.k_norm is not None:
@@ -189,33 +208,31 @@ class ReferenceForward:
         cache.k[i][start : start + t] = k
         cache.v[i][start : start + t] = v
         out = attention(q, cache.k[i][: start + t], cache.v[i][: start + t], start)
-        return out.reshape(t, spec.q_dim) @ w.o.T
+        return w.o(out.reshape(t, spec.q_dim))
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         assert w.router is not None
         spec, stage = self.spec, self.timer.stage
         with stage("router"):
-            weights, ids = route(x @ w.router.T, spec.n_experts_used, spec.norm_topk_prob)
+            weights, ids = route(w.router(x), spec.n_experts_used, spec.norm_topk_prob)
             self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            with stage("expert fetch"):  # from the store's tiers, dequantized
-                gate, up, down = self._expert(i, w, e)
+            with stage("expert fetch"):  # from the store's tiers
+                expert = self._expert(i, w, e)
             with stage("experts"):
-                y = swiglu(x[rows], gate, up, down).float()
+                y = expert(x[rows]).float()
                 out.index_add_(0, rows, y * weights[rows, slot, None])
         if w.shared is not None and w.shared_gate is not None:
             with stage("shared expert"):
-                s = swiglu(x, w.shared.gate, w.shared.up, w.shared.down).float()
-                out += torch.sigmoid((x @ w.shared_gate.T).float()) * s
+                s = w.shared(x).float()
+                out += torch.sigmoid(w.shared_gate(x).float()) * s
         return out.to(x.dtype)
 
-    def _expert(self, i: int, w: _Layer, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expert(self, i: int, w: _Layer, e: int) -> _Dense:
         if self.experts is None:
             assert w.experts is not None
-            gate, up, down = w.experts
-            return gate[e], up[e], down[e]
-        m = self.experts.get(i, e)
-        f = [t.dequantize().to(self.device, self.dtype) for t in (m.gate, m.up, m.down)]
-        return f[0], f[1], f[2]
+            return w.experts(e)
+        m = self.experts.get(i, e)  # float weights: dequantized per use
+        return _Dense(self.mode.linear(m.gate), self.mode.linear(m.up), self.mode.linear(m.down))

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from kernels import cpu_build
 from stratad.config import Config, StoreConfig
 from stratad.engine.experts import blob_layouts, fast_path_refusal
 from stratad.engine.stages import balanced_split, parse_split
@@ -33,7 +34,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def choose_backend(name: str, model: Model, device: torch.device) -> str:
-    """`auto` is the offload engine for a MoE model whose experts its kernels read, on a GPU."""
+    """`auto` is the offload engine for a MoE model whose experts its kernels read, on a GPU;
+    on a CPU, the `cpu` engine (the GGUF blocks read by the compiled CPU kernels) where a C
+    compiler builds them, else the reference."""
     if name != "auto":
         if name == "offload" and not model.spec.is_moe:
             raise ModelError(f"{model.source}: engine.backend=offload serves MoE models only")
@@ -42,6 +45,8 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
                 "engine.backend=offload on the CPU runs its kernels in Triton's interpreter"
                 " (for tests): set TRITON_INTERPRET=1, or use a GPU"
             )
+        if name == "cpu" and device.type != "cpu":
+            raise ModelError(f"engine.backend=cpu computes on the CPU, not {device}")
         return name
     if device.type == "cuda" and offload_supported(model):
         return "offload"
@@ -51,6 +56,14 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
             " serves it, much slower",
             fast_path_refusal(model),
         )
+    if device.type == "cpu":
+        try:
+            cpu_build.load()
+        except cpu_build.CpuKernelsUnavailable as err:
+            log.warning("CPU kernels: %s; the reference engine serves the model from float32"
+                        " copies of its weights (slower, more memory)", err)
+            return "reference"
+        return "cpu"
     return "reference"
 
 
@@ -71,7 +84,7 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
 class StartPlan:
     """Everything a start plans from, besides the expert source and the host's MemTotal."""
 
-    backend: str  # "offload" or "reference"
+    backend: str  # "offload", "cpu" or "reference"
     devices: tuple[torch.device, ...]  # one per stage
     stages: tuple[Stage, ...]  # layers and VRAM slots of each device
     reserves: tuple[tuple[str, int], ...]  # host RAM besides the resident set
@@ -132,7 +145,10 @@ def start_plan(
         dense_host = 0
     else:
         stages.append(Stage(range(n), slot_count(cache, frees[0], reserve, source_slot_bytes)))
-        dense_host = model.dense_values() * 4 if device.type == "cpu" else 0
+        # the reference holds float32 copies; the cpu engine reads the file's blocks (about a
+        # byte per value or less, memory-mapped)
+        per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0
+        dense_host = model.dense_values() * per_value
     return StartPlan(
         backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host)),
         dtype, max_context,

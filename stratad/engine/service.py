@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_experts import CpuExperts
 from stratad.config import Config
 from stratad.engine import grammar, placement
 from stratad.engine.backend import OffloadTiers, free_vram, open_offload
@@ -20,6 +21,7 @@ from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.stages import StagedForward
 from stratad.engine.timing import StageTimer
+from stratad.engine.weights_mode import QuantWeights
 from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
@@ -118,10 +120,14 @@ class Engine:
                 on_pin_progress=on_pin_progress,
                 stages=start.stages,
             )
-        if self.backend == "reference":
+        if self.backend in ("reference", "cpu"):
+            weights = (QuantWeights(CpuExperts(config.engine.cpu_expert_threads or None))
+                       if self.backend == "cpu" else None)  # fmt: skip
             self.forward = ReferenceForward(
-                self.model, device, dtype, experts=expert_store, timer=self.timer
+                self.model, device, dtype, experts=expert_store, timer=self.timer,
+                weights=weights,
             )
+            log.info("weights: %s", self.forward.mode.name)
         server = config.server
         self.prefixes = PrefixStore(
             conversation_bytes=server.conversation_cache_mib << 20,

@@ -1,0 +1,149 @@
+"""A model served on the CPU alone: Strata's `cpu` engine (the GGUF blocks read by the compiled
+CPU kernels) next to llama.cpp (`llama-cpp-python`, no GPU layers) on the same file, in the
+same run, each in a process of its own so that each one's resident memory is its own.
+
+    python -m bench.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
+                             [--repeats 3] [--threads N] [--reference] [--json PATH]
+
+Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
+spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
+peak, next to the file's size. `--reference` adds the torch reference engine (float32 copies
+of the weights) for scale. The default model is the packaged SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _rss() -> dict[str, int]:
+    status = Path("/proc/self/status").read_text()
+    rss = next(int(line.split()[1]) * 1024 for line in status.splitlines()
+               if line.startswith("VmRSS:"))  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rss_bytes": rss, "peak_rss_bytes": peak}
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    return [(1000 + 7919 * i) % vocab for i in range(n)]
+
+
+def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
+    import torch
+
+    from kernels.cpu_experts import CpuExperts
+    from stratad.engine.forward import ReferenceForward
+    from stratad.engine.weights_mode import QuantWeights
+    from stratad.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    weights = None if reference else QuantWeights(CpuExperts(args.threads))
+    forward = ReferenceForward(model, weights=weights)
+    prompt = _prompt(args.prompt_len, model.spec.vocab_size)
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        cache = forward.new_cache(args.prompt_len + args.decode_tokens + 1)
+        t0 = time.perf_counter()
+        logits = forward(prompt, cache)[-1]
+        prefill.append(args.prompt_len / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            logits = forward([int(logits.argmax())], cache)[-1]
+        decode.append(args.decode_tokens / (time.perf_counter() - t0))
+    return {"prefill_tps": prefill, "decode_tps": decode, "weights": forward.mode.name, **_rss()}
+
+
+def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(str(args.model), n_gpu_layers=0, n_threads=args.threads,
+                n_ctx=args.prompt_len + args.decode_tokens + 16, verbose=False)  # fmt: skip
+    prompt = _prompt(args.prompt_len, llm.n_vocab())
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill.append(args.prompt_len / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            llm.eval([llm.sample(temp=0.0)])
+        decode.append(args.decode_tokens / (time.perf_counter() - t0))
+    return {"prefill_tps": prefill, "decode_tps": decode, **_rss()}
+
+
+def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one engine in a fresh interpreter; its JSON result."""
+    cmd = [sys.executable, "-m", "bench.cpu_only", "--engine", engine, "--model", str(args.model),
+           "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
+           "--repeats", str(args.repeats), "--threads", str(args.threads)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{engine} failed: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fig(values: list[float]) -> str:
+    return f"{statistics.median(values):,.1f} ({min(values):,.1f}–{max(values):,.1f})"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    size = r["file_bytes"] / 2**20
+    lines = [f"model {r['model']} ({size:,.1f} MiB), {r['threads']} threads, prompt"
+             f" {r['prompt_len']} tokens, {r['decode_tokens']} greedy decode tokens, "
+             f"{r['repeats']} repeats", "",
+             "| engine | prefill tok/s | decode tok/s | RSS after (MiB) | peak RSS (MiB) |"
+             " RSS / file |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, e in r["engines"].items():
+        lines.append(f"| {name} | {_fig(e['prefill_tps'])} | {_fig(e['decode_tps'])} |"
+                     f" {e['rss_bytes'] / 2**20:,.0f} | {e['peak_rss_bytes'] / 2**20:,.0f} |"
+                     f" {e['rss_bytes'] / r['file_bytes']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from stratad.model.default import default_model_path
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--reference", action="store_true", help="also the torch reference engine")
+    p.add_argument("--engine", choices=["strata", "reference", "llamacpp"], help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    args.model = args.model or default_model_path()
+    if not args.model.is_file():
+        p.error(f"no model file at {args.model}")
+    if args.engine:  # a child: one engine, its result as one JSON line
+        result = run_llamacpp(args) if args.engine == "llamacpp" else run_strata(
+            args, reference=args.engine == "reference")  # fmt: skip
+        print(json.dumps(result))
+        return
+    engines = ["strata", "llamacpp"] + (["reference"] if args.reference else [])
+    result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
+              "threads": args.threads, "prompt_len": args.prompt_len,
+              "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+              "engines": {}}  # fmt: skip
+    for name in engines:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        result["engines"][name] = _child(name, args)
+    print(markdown(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""How a torch-sequenced forward holds its weights: a mode object the forward asks for each
+projection (`linear`) and the token embedding (`embedding`).
+
+- `FloatWeights`: dequantized once to the compute dtype on the device: the reference
+  (`ReferenceForward`'s definition of what the model computes).
+- `QuantWeights`: the GGUF blocks themselves (memory-mapped from the file, or the store's
+  tiers for experts), each product computed by the compiled CPU kernels
+  (`kernels.cpu_experts`: int8 activations per block of 32, as llama.cpp does). A weight the
+  kernels do not read (e.g. IQ2_XS, or rows not a multiple of 32) is dequantized to float32
+  instead, and counted (`fallbacks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kernels.cpu_experts import CpuExperts
+from kernels.quant import QTensor
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FloatLinear:
+    """x @ w.T with w [out, in] in the compute dtype."""
+
+    w: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.T
+
+
+class QuantLinear:
+    """x @ W.T read from W's GGUF blocks by the CPU kernels; float32 out."""
+
+    def __init__(self, q: QTensor, kernels: CpuExperts) -> None:
+        self.q = q
+        self.rows, self.cols = q.shape
+        self._matmul = kernels.prepare(q.data, q.qtype, self.rows, self.cols)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x.reshape(-1, self.cols).float().contiguous())
+        return out.reshape(*x.shape[:-1], self.rows)
+
+
+@dataclass(frozen=True)
+class FloatEmbedding:
+    table: torch.Tensor  # [V, H] in the compute dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+class WeightMode(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def linear(self, t: QTensor) -> Linear: ...
+
+    def embedding(self, t: QTensor) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    def vector(self, t: QTensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FloatWeights:
+    device: torch.device
+    dtype: torch.dtype
+    name: str = "float weights (the reference)"
+
+    def float(self, t: QTensor) -> torch.Tensor:
+        return t.dequantize().to(device=self.device, dtype=self.dtype)
+
+    def linear(self, t: QTensor) -> Linear:
+        return FloatLinear(self.float(t))
+
+    def embedding(self, t: QTensor) -> FloatEmbedding:
+        return FloatEmbedding(self.float(t))
+
+    def vector(self, t: QTensor) -> torch.Tensor:
+        return self.float(t)
+
+
+@dataclass
+class QuantWeights:
+    kernels: CpuExperts
+    dtype: torch.dtype = torch.float32
+    fallbacks: list[str] = field(default_factory=list)  # types dequantized instead
+
+    @property
+    def name(self) -> str:
+        return f"GGUF blocks read by the CPU kernels ({self.kernels.threads} threads)"
+
+    def reads(self, t: QTensor) -> bool:
+        return (t.qtype in self.kernels.supported and len(t.shape) == 2
+                and t.shape[1] % 32 == 0 and t.data.is_contiguous())  # fmt: skip
+
+    def linear(self, t: QTensor) -> Linear:
+        if self.reads(t):
+            return QuantLinear(t, self.kernels)
+        self.fallbacks.append(t.qtype.name)
+        return FloatLinear(t.dequantize())
+
+    def embedding(self, t: QTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Rows dequantized as they are looked up (the table stays in its blocks)."""
+        if t.is_float:
+            return lambda ids: t.data[ids].float()
+        cols = t.shape[-1]
+        return lambda ids: QTensor(t.data[ids], t.qtype, (ids.numel(), cols)).dequantize()
+
+    def vector(self, t: QTensor) -> torch.Tensor:
+        return t.dequantize()
