@@ -67,6 +67,7 @@ def collect(args: argparse.Namespace) -> Report:
         "tables": _tables,
         "memlock": _memlock,
         "ram": _ram,
+        "cpu_kernels": _cpu_kernels,
         "daemon": lambda: _daemon(args),
         "environment": _environment,
         "log": lambda: _log(args),
@@ -167,6 +168,17 @@ def _ram() -> Report:
             "read_gbs": round(read_bps() / 1e9, 2), "read_threads": cores()}  # fmt: skip
 
 
+def _cpu_kernels() -> Report:
+    """Whether the C compiler builds the CPU kernels (the cpu engine and the CPU's share of a
+    GPU step's misses), and where the library is cached."""
+    from kernels import cpu_build
+
+    try:
+        return {"library": str(cpu_build.build()), "compiler": " ".join(cpu_build.compiler())}
+    except cpu_build.CpuKernelsUnavailable as err:
+        return {"error": str(err)}
+
+
 def _daemon(args: argparse.Namespace) -> Report:
     from stratad.protocol import CoverageReply, CoverageRequest, StatusReply, StatusRequest
 
@@ -231,6 +243,7 @@ def render(report: Report) -> str:
 
     versions = report.get("versions", {})
     ram = report.get("ram", {})
+    cpu = report.get("cpu_kernels", {})
     env = report.get("environment", {})
     rows = [
         ("host", f"{get('host', 'os')}, Python {get('host', 'python')},"
@@ -245,6 +258,8 @@ def render(report: Report) -> str:
                 f" available, read {ram.get('read_gbs', '-')} GB/s"
                 f" ({ram.get('read_threads', '-')} threads)" if "error" not in ram
          else get("ram", "x")),
+        ("cpu kern", f"built by {cpu.get('compiler')}: {cpu.get('library')}" if "error" not in cpu
+                     else f"unavailable: {cpu['error']} (the reference serves CPU hosts)"),
         ("daemon", get("daemon", "summary")),
         ("env", " ".join(f"{k}={v}" for k, v in {**env.get("strata", {}),
                                                  **env.get("gpu_stack", {})}.items())
