@@ -239,6 +239,10 @@ def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
         cpu.moe(x, [blob], [0, 0], [1.0], fmt, out)
     with pytest.raises(ValueError, match="contiguous"):
         cpu.moe(torch.zeros(64, 2).T[:1], [blob], [0], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="on the CPU"):  # a GPU tensor is refused the same way
+        cpu.moe(x.to("meta"), [blob], [0], [1.0], fmt, out)
+    with pytest.raises(ValueError, match="blob 0 must be"):
+        cpu.moe(x, [blob.to("meta")], [0], [1.0], fmt, out)
     with pytest.raises(ValueError, match="do not read IQ2_S"):
         cpu.matmul(x, blob, QType.IQ2_S, 32, 64)
     w = blocks(QType.Q8_0, 32, 64, seed=0)  # a [32, 64] Q8_0 weight
