@@ -17,12 +17,14 @@ from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import PRESETS, write_synth
 
-# The kernels round activations to 8 bits per block of 32, as llama.cpp does. On SmolLM2's
-# first prompt below the float reference parts ways with both at the 6th token, where
-# llama.cpp and this engine agree token for token; both move the reference's last logits by
-# about as much (max 0.52 and 0.48, mean 0.092 and 0.094, on logits of magnitude ~20).
-LOGIT_TOL = 1.0
-MEAN_TOL = 0.15
+# The kernels round activations to 8 bits per block of 32, as llama.cpp does, so this engine
+# is held to llama.cpp, teacher-forced on llama.cpp's own greedy continuation: at every
+# position where llama.cpp's top two logits are further apart than the rounding can move
+# them, the top token agrees, and the logits stay close. (Free-running greedy decoding from
+# two 8-bit-rounded engines parts ways wherever two logits are closer than that: SmolLM2's
+# float reference, llama.cpp and this engine each went their own way on some prompts.)
+MARGIN = 0.5  # logits; llama.cpp and the float reference differed by up to 0.52 here
+LOGIT_TOL = 1.5  # largest difference from llama.cpp (0.96 seen; the float reference's 1.6)
 
 
 def _greedy(forward: ReferenceForward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -47,28 +49,53 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return load_model(path)
 
 
-def test_smollm_tokens_match_llama_cpp(
+def test_smollm_follows_llama_cpp(
     smollm_path: Path, smollm_model: Model, smollm_forward: ReferenceForward, kernels: CpuExperts
 ) -> None:
+    import numpy as np
     from llama_cpp import Llama
 
     fast = ReferenceForward(smollm_model, weights=QuantWeights(kernels))
     assert fast.mode.name.startswith("GGUF blocks") and not fast.mode.fallbacks  # type: ignore[attr-defined]
     assert isinstance(fast.layers[0].q, QuantLinear) and isinstance(fast.lm_head, QuantLinear)
-    llm = Llama(str(smollm_path), n_gpu_layers=0, n_ctx=64, n_threads=2, verbose=False)
+    llm = Llama(str(smollm_path), n_gpu_layers=0, n_ctx=128, n_threads=2, verbose=False,
+                logits_all=True)  # fmt: skip
+    checked = 0
     for prompt in ([1, 504, 3458, 314, 260, 1545, 30], list(range(200, 232))):
         llm.reset()
         llm.eval(prompt)
-        want = []
+        tokens = list(prompt)
         for _ in range(16):
-            want.append(int(llm.sample(temp=0.0)))
-            llm.eval([want[-1]])
-        got, _ = _greedy(fast, prompt, 16)
-        assert got == want
-        ref_logits = smollm_forward(prompt, smollm_forward.new_cache(64))[-1]
-        logits = fast(prompt, fast.new_cache(64))[-1]
-        diff = (logits - ref_logits).abs()
-        assert diff.max() < LOGIT_TOL and diff.mean() < MEAN_TOL
+            tokens.append(int(llm.sample(temp=0.0)))
+            llm.eval([tokens[-1]])
+        want = torch.from_numpy(np.array(llm.scores[len(prompt) - 1 : len(tokens)]))
+        got = fast(tokens, fast.new_cache(len(tokens) + 1), all_logits=True)[len(prompt) - 1 :]
+        ref = smollm_forward(tokens, smollm_forward.new_cache(len(tokens) + 1),
+                             all_logits=True)[len(prompt) - 1 :]  # fmt: skip
+        diff = (got - want).abs()
+        # no further from llama.cpp than the float reference is (mean 0.166 against 0.247
+        # and 0.106 against 0.111 on these prompts)
+        assert diff.max() < LOGIT_TOL and diff.mean() <= (ref - want).abs().mean()
+        top = want.topk(2, dim=-1).values
+        clear = (top[:, 0] - top[:, 1]) > MARGIN
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+        checked += int(clear.sum())
+    assert checked >= 24  # most positions are clear: the check is not vacuous
+
+
+def test_a_prompt_gives_the_same_logits_however_it_is_chunked(
+    smollm_model: Model, kernels: CpuExperts
+) -> None:
+    """A server splits prompts as load allows; rounded activations turn last-bit differences
+    of a batched attention into other tokens, so each prompt token is computed as decode
+    computes it (`layers.attention_by_row`)."""
+    fast = ReferenceForward(smollm_model, weights=QuantWeights(kernels))
+    prompt = list(range(300, 340))
+    whole = fast(prompt, fast.new_cache(64))[-1]
+    for cut in (17, 39):
+        cache = fast.new_cache(64)
+        fast(prompt[:cut], cache)
+        assert torch.equal(fast(prompt[cut:], cache)[-1], whole)
 
 
 def test_moe_experts_from_the_stacks(tiny_moe: Model, kernels: CpuExperts) -> None:
@@ -88,7 +115,7 @@ def test_a_type_the_kernels_do_not_read_is_dequantized(kernels: CpuExperts) -> N
     blocks = torch.randint(0, 255, (rows, row_bytes(QType.IQ2_XXS, cols)), dtype=torch.uint8)
     blocks[:, :2] = torch.tensor([0, 0x3C], dtype=torch.uint8)  # an fp16 scale of 1.0
     lin = mode.linear(QTensor(blocks, QType.IQ2_XXS, (rows, cols)))
-    assert isinstance(lin, FloatLinear) and mode.fallbacks == ["IQ2_XXS"]
+    assert isinstance(lin, FloatLinear) and mode.fallbacks == {"IQ2_XXS"}
 
 
 def test_auto_serves_a_cpu_from_the_blocks(smollm_model: Model, tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from stratad.store.hostmem import read_bps
 
-PARTS = {"host", "versions", "gpu", "tables", "memlock", "ram", "daemon", "environment", "log"}
+PARTS = {"host", "versions", "gpu", "tables", "memlock", "ram", "cpu_kernels", "daemon",
+         "environment", "log"}
 
 
 def doctor(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ import torch
 from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables, route
+from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.timing import StageTimer
 from stratad.engine.weights_mode import (
     FloatEmbedding,
@@ -207,7 +207,7 @@ class ReferenceForward:
         k = apply_rope(k, cos, sin, spec.rope_interleaved)
         cache.k[i][start : start + t] = k
         cache.v[i][start : start + t] = v
-        out = attention(q, cache.k[i][: start + t], cache.v[i][: start + t], start)
+        out = self.mode.attention(q, cache.k[i][: start + t], cache.v[i][: start + t], start)
         return w.o(out.reshape(t, spec.q_dim))
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     return out.transpose(0, 1).to(q.dtype)
 
 
+def attention_by_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+) -> torch.Tensor:
+    """`attention` one query at a time, each exactly as a decode step computes it: a token's
+    result does not depend on how its prompt was split into chunks (the cpu engine rounds
+    activations to 8 bits, which turns the last-bit differences of a batched product into
+    different tokens)."""
+    rows = [attention(q[i : i + 1], k[: start + i + 1], v[: start + i + 1], start + i)
+            for i in range(q.shape[0])]  # fmt: skip
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
 def swiglu(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:

@@ -20,8 +20,10 @@ import torch
 
 from kernels.cpu_experts import CpuExperts
 from kernels.quant import QTensor
+from stratad.engine.layers import attention, attention_by_row
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class QuantLinear:
     def __init__(self, q: QTensor, kernels: CpuExperts) -> None:
         self.q = q
         self.rows, self.cols = q.shape
-        self._matmul = kernels.prepare(q.data, q.qtype, self.rows, self.cols)
+        self._matmul = kernels.prepare(q.data.contiguous(), q.qtype, self.rows, self.cols)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x.reshape(-1, self.cols).float().contiguous())
@@ -68,12 +70,16 @@ class WeightMode(Protocol):
 
     def vector(self, t: QTensor) -> torch.Tensor: ...
 
+    @property
+    def attention(self) -> Attention: ...
+
 
 @dataclass(frozen=True)
 class FloatWeights:
     device: torch.device
     dtype: torch.dtype
     name: str = "float weights (the reference)"
+    attention: Attention = attention
 
     def float(self, t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=self.device, dtype=self.dtype)
@@ -92,20 +98,21 @@ class FloatWeights:
 class QuantWeights:
     kernels: CpuExperts
     dtype: torch.dtype = torch.float32
-    fallbacks: list[str] = field(default_factory=list)  # types dequantized instead
+    fallbacks: set[str] = field(default_factory=set)  # types dequantized instead
+    # a prompt's tokens as decode computes them, whatever the chunks (see attention_by_row)
+    attention: Attention = attention_by_row
 
     @property
     def name(self) -> str:
         return f"GGUF blocks read by the CPU kernels ({self.kernels.threads} threads)"
 
     def reads(self, t: QTensor) -> bool:
-        return (t.qtype in self.kernels.supported and len(t.shape) == 2
-                and t.shape[1] % 32 == 0 and t.data.is_contiguous())  # fmt: skip
+        return t.qtype in self.kernels.supported and len(t.shape) == 2 and t.shape[1] % 32 == 0
 
     def linear(self, t: QTensor) -> Linear:
         if self.reads(t):
             return QuantLinear(t, self.kernels)
-        self.fallbacks.append(t.qtype.name)
+        self.fallbacks.add(t.qtype.name)
         return FloatLinear(t.dequantize())
 
     def embedding(self, t: QTensor) -> Callable[[torch.Tensor], torch.Tensor]:
