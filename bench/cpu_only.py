@@ -45,7 +45,8 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     from stratad.engine.weights_mode import QuantWeights
     from stratad.model.loader import load_model
 
-    torch.set_num_threads(args.threads)
+    # as the daemon runs them: the cpu engine leaves the cores to its kernels' team
+    torch.set_num_threads(args.threads if reference else 1)
     model = load_model(args.model)
     weights = None if reference else QuantWeights(CpuExperts(args.threads))
     forward = ReferenceForward(model, weights=weights)

@@ -113,7 +113,8 @@ class EngineConfig(_Section, frozen=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype; auto is float32 on the CPU and bfloat16 on a GPU."""
     threads: int = 0
-    """CPU threads for torch; 0 leaves torch's default."""
+    """CPU threads for torch; 0 leaves torch's default (one thread under the cpu engine, whose
+    compiled kernels take the cores)."""
     gpus: tuple[int, ...] = ()
     """GPUs of a layer split for the offload engine, e.g. [0, 1]; empty runs on engine.device
     alone. Each GPU runs a contiguous run of layers with its own expert cache."""
