@@ -137,8 +137,9 @@ class EngineConfig(_Section, frozen=True):
     synchronises once per layer, which on the H200 cost more than the split saved, so `auto`
     is 1 for now; the start line logs the share the measured rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """Offload engine: threads of the compiled kernels that compute the CPU's share of the
-    missed experts (see pcie_frac); 0 takes every physical core."""
+    """Threads of the compiled CPU kernels: the cpu engine's products, and the offload
+    engine's CPU share of the missed experts (see pcie_frac); 0 takes engine.threads if that
+    is set, else every physical core."""
     gpu_miss: Literal["copy", "in_place"] = "copy"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the

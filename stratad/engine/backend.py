@@ -112,7 +112,7 @@ def open_offload(
         cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
         kernels=kernel_configs(device.type, model_shapes(model.spec)),
         prefetch=config.engine.prefetch,
-        cpu_threads=config.engine.cpu_expert_threads or None,
+        cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

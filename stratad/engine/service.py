@@ -121,8 +121,8 @@ class Engine:
                 stages=start.stages,
             )
         if self.backend in ("reference", "cpu"):
-            weights = (QuantWeights(CpuExperts(config.engine.cpu_expert_threads or None))
-                       if self.backend == "cpu" else None)  # fmt: skip
+            threads = config.engine.cpu_expert_threads or config.engine.threads or None
+            weights = QuantWeights(CpuExperts(threads)) if self.backend == "cpu" else None
             if weights is not None and not config.engine.threads:
                 # the kernels' team owns the cores; torch's small ops run faster alone
                 # (SmolLM2 prefill 80 -> 104-114 tok/s on the 2-core VM, decode alike)
