@@ -148,7 +148,9 @@ class ControlServer:
         self.clients = 0
         self._per_uid: collections.Counter[int] = collections.Counter()
         # per uid, its connections waiting for a request, longest-waiting first
-        self._idle: dict[int, dict[asyncio.StreamWriter, None]] = collections.defaultdict(dict)
+        # each uid's connections waiting for a request, oldest first; the value says whether
+        # the connection has been answered before (see _evict)
+        self._idle: dict[int, dict[asyncio.StreamWriter, bool]] = collections.defaultdict(dict)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -276,11 +278,14 @@ class ControlServer:
                 del self._per_uid[peer.uid], self._idle[peer.uid]
 
     def _evict(self, uid: int) -> bool:
-        """Close `uid`'s longest-idle connection to make room; false if none is idle."""
+        """Close `uid`'s longest-idle connection to make room; false if none is idle. One
+        that has been answered goes first: a client that asks again on a new connection
+        leaves its old one counted until its end of file is read, and under load a new
+        connection whose request is not read yet would otherwise be the longest idle."""
         idle = self._idle[uid]
         if not idle:
             return False
-        oldest = next(iter(idle))
+        oldest = next((w for w, answered in idle.items() if answered), next(iter(idle)))
         del idle[oldest]
         oldest.close()
         return True
@@ -288,9 +293,10 @@ class ControlServer:
     async def _requests(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Peer
     ) -> None:
+        answered = False
         while True:
             idle = self._idle[peer.uid]
-            idle[writer] = None
+            idle[writer] = answered
             try:
                 line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
             except (ValueError, asyncio.LimitOverrunError):
@@ -309,6 +315,7 @@ class ControlServer:
                 return
             if line.strip():
                 await _send(writer, await self._answer(line, peer))
+                answered = True
 
     async def _answer(self, line: bytes, peer: Peer) -> object:
         try:
