@@ -13,10 +13,10 @@ from typing import Any
 def _engine() -> Any:
     from kernels.cpu_experts import CpuExperts
     from stratad.engine.forward import ReferenceForward
-    from stratad.engine.service import load_tokenizer
     from stratad.engine.weights_mode import QuantWeights
     from stratad.model.default import default_model_path
     from stratad.model.loader import load_model
+    from stratad.model.tokenizer_build import load_tokenizer
 
     model = load_model(default_model_path())
     return ReferenceForward(model, weights=QuantWeights(CpuExperts())), load_tokenizer(model)

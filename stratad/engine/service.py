@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_experts import CpuExperts
 from stratad.config import Config
 from stratad.engine import grammar, placement
 from stratad.engine.backend import OffloadTiers, free_vram, open_offload
@@ -20,13 +19,11 @@ from stratad.engine.offload import OffloadForward
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.stages import StagedForward
-from stratad.engine.timing import StageTimer
-from stratad.engine.weights_mode import QuantWeights
+from stratad.engine.timing import StageTimer, stages_text, tier_shares
+from stratad.engine.weights_mode import cpu_weights
 from stratad.model.default import default_model_path
 from stratad.model.loader import load_model
-from stratad.model.spec import Model
-from stratad.model.tokenizer import Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
+from stratad.model.tokenizer_build import load_tokenizer
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import (
     ChatMessage,
@@ -59,25 +56,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"engine.device={name!r} but no GPU is visible to torch")
     return device
-
-
-def _stages(ms: dict[str, float], unit: str = "ms") -> str:
-    """Stages by time, largest first: '12.40 ms = experts 8.10, attention 3.20 (ms)'."""
-    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1]))
-    return f"{sum(ms.values()):.2f} {unit} = {parts} (ms)"
-
-
-def _tier_shares(stats: object) -> str:
-    hits = {k: getattr(stats, f"{k}_hits", 0) for k in ("vram", "ram", "file")}
-    total = sum(hits.values()) or 1
-    return ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in hits.items())
-
-
-def load_tokenizer(model: Model, chat_template: str | None = None) -> Tokenizer:
-    """The model's tokenizer; `chat_template` (model.chat_template's text) replaces its own."""
-    if model.source.is_dir():
-        return tokenizer_from_hf(model.source, chat_template)
-    return tokenizer_from_gguf(model.metadata, chat_template)
 
 
 class Engine:
@@ -121,12 +99,7 @@ class Engine:
                 stages=start.stages,
             )
         if self.backend in ("reference", "cpu"):
-            threads = config.engine.cpu_expert_threads or config.engine.threads or None
-            weights = QuantWeights(CpuExperts(threads)) if self.backend == "cpu" else None
-            if weights is not None and not config.engine.threads:
-                # the kernels' team owns the cores; torch's small ops run faster alone
-                # (SmolLM2 prefill 80 -> 104-114 tok/s on the 2-core VM, decode alike)
-                torch.set_num_threads(1)
+            weights = cpu_weights(config.engine) if self.backend == "cpu" else None
             self.forward = ReferenceForward(
                 self.model, device, dtype, experts=expert_store, timer=self.timer,
                 weights=weights,
@@ -296,7 +269,8 @@ class Engine:
         for n, event in enumerate(self.generator.run(req, cancelled), start=1):
             if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
                 computed = len(prepared.prompt) - self.generator.cached_tokens
-                log.info("prefill timing: %d tokens, %s", computed, _stages(self.timer.collect()))
+                log.info("prefill timing: %d tokens, %s", computed,
+                         stages_text(self.timer.collect()))  # fmt: skip
                 self.timer.reset()  # from here on: decode steps only
             yield Delta(
                 text=event.text,
@@ -331,8 +305,8 @@ class Engine:
         self.last_timing = per_step
         hits = ""
         if self.store is not None:
-            hits = f"; expert reads by tier: {_tier_shares(self.store.stats())}"
-        log.info("decode timing: %d steps, %s%s", steps, _stages(per_step, "ms/step"), hits)
+            hits = f"; expert reads by tier: {tier_shares(self.store.stats())}"
+        log.info("decode timing: %d steps, %s%s", steps, stages_text(per_step, "ms/step"), hits)
 
     def warm_up(self) -> None:
         """A short generation, so that the first request does not pay for lazy initialisation."""

@@ -16,6 +16,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from stratad.model.chat_template import end_of_turn_markers
+from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 
 # GGUF token types (llama.cpp's `llama_token_type`)
@@ -321,3 +322,10 @@ def tokenizer_from_hf(model_dir: Path, chat_template: str | None = None) -> Toke
         strip_leading_space=strip,
         chat_template=template,
     )
+
+
+def load_tokenizer(model: Model, chat_template: str | None = None) -> Tokenizer:
+    """The model's tokenizer; `chat_template` (model.chat_template's text) replaces its own."""
+    if model.source.is_dir():
+        return tokenizer_from_hf(model.source, chat_template)
+    return tokenizer_from_gguf(model.metadata, chat_template)
