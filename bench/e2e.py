@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         cpu_threads=args.cpu_threads,
         gpu_miss=args.gpu_miss,
         kernels=configs,
-        prefetch=not args.no_prefetch and args.gpu_miss == "copy" and not args.link_gbs,
+        prefetch=args.prefetch == "on" and not args.no_prefetch and args.gpu_miss == "copy"
+        and not args.link_gbs,
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         engine.config = replace(engine.config, link_wait_ns_per_blob=wait)
         gpu_miss_gbs = min(gpu_miss_gbs, args.link_gbs)
         bw["pinned"] = min(bw["pinned"], args.link_gbs)  # the ceilings take the slower link
-    frac = args.pcie_frac
+    frac = {"off": 1.0, "balanced": "auto", None: args.pcie_frac}[args.cpu_split]
     if frac == "auto":
         frac = balanced_frac(cpu_bw, gpu_miss_gbs)
     engine.set_pcie_frac(float(frac))
@@ -343,6 +344,18 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not guess experts one layer early (engine.expert_prefetch = false); on by "
         "default with the copy miss path, as in the daemon",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=["on", "off"],
+        default="on",
+        help="the switch expert_prefetch as a table records it (off: as --no-prefetch)",
+    )
+    p.add_argument(
+        "--cpu-split",
+        choices=["off", "balanced"],
+        help="the switch cpu_split as a table records it: off is --pcie-frac 1, balanced is"
+        " --pcie-frac auto (overrides --pcie-frac)",
     )
     p.add_argument(
         "--prefetch-programs",

@@ -134,22 +134,25 @@ class EngineConfig(_Section, frozen=True):
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
     over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel with its compiled
     kernels (see cpu_expert_threads). A step with a CPU share runs without its CUDA graph and
-    synchronises once per layer, which on the H200 cost more than the split saved, so `auto`
-    is 1 for now; the start line logs the share the measured rates alone would give."""
+    synchronises once per layer. `auto`: the measured rates' balanced share where this GPU's
+    tuning table records (by an A/B/A run) that the split pays (switch `cpu_split`), else 1;
+    the start line logs the share the rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Threads of the compiled CPU kernels: the cpu engine's products, and the offload
     engine's CPU share of the missed experts (see pcie_frac); 0 takes engine.threads if that
     is set, else every physical core."""
-    gpu_miss: Literal["copy", "in_place"] = "copy"
+    gpu_miss: Literal["auto", "copy", "in_place"] = "auto"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
     link near the copy engine's rate), then the fused kernel reads VRAM; `in_place`: the
-    fused kernel reads them over PCIe itself (no staging VRAM, about half the rate)."""
+    fused kernel reads them over PCIe itself (no staging VRAM). `auto`: the default recorded
+    for this GPU by an A/B/A run in its kernel tuning table, else `copy`."""
     expert_prefetch: bool | Literal["auto"] = "auto"
     """Offload engine, decode: guess each layer's experts one layer early (the next router
     applied to the current hidden state) and copy the guessed misses into VRAM while the
-    current layer computes. A wrong guess costs link time, never tokens. `auto` turns it on
-    with gpu_miss = "copy" (true needs it) while some experts live outside VRAM."""
+    current layer computes. A wrong guess costs link time, never tokens. `auto`: with the
+    copy miss path, the tuning table's recorded default, else on (true needs the copy path);
+    only while some experts live outside VRAM."""
     offload_prefill_chunk: Annotated[int, msgspec.Meta(ge=16)] = 4096
     """Prompt tokens per prefill chunk of the offload engine (instead of
     server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so
@@ -160,15 +163,8 @@ class EngineConfig(_Section, frozen=True):
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
 
     def __post_init__(self) -> None:
-        if self.expert_prefetch is True and self.gpu_miss != "copy":
+        if self.expert_prefetch is True and self.gpu_miss == "in_place":
             raise ValueError('expert_prefetch needs gpu_miss = "copy": it copies its guesses')
-
-    @property
-    def prefetch(self) -> bool:
-        """Whether the offload engine guesses and copies experts ahead (expert_prefetch)."""
-        return self.expert_prefetch is True or (
-            self.expert_prefetch == "auto" and self.gpu_miss == "copy"
-        )
 
 
 class ControlConfig(_Section, frozen=True):

@@ -21,10 +21,11 @@ from stratad.config import Config
 from stratad.engine.cpu_misses import balanced_frac
 from stratad.engine.experts import kernel_layouts
 from stratad.engine.host_experts import HostExperts, default_lock
-from stratad.engine.kernel_table import kernel_configs, model_shapes
+from stratad.engine.kernel_table import model_shapes, tuned
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import StartPlan
 from stratad.engine.stages import StagedForward
+from stratad.engine.switches import miss_paths
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
@@ -105,13 +106,15 @@ def open_offload(
         ", ".join(q.name for q in layouts.qtypes()),
     )
     device = start.devices[0]
+    found = tuned(device.type, model_shapes(model.spec))
+    paths = miss_paths(config.engine, found.switches, found.table)
+    log.info("%s", paths.line())
     cfg = OffloadConfig(
         expert_vram_bytes=len(plan.vram) * layouts.slot_bytes, max_context=start.max_context,
         dtype=start.dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
-        cache_policy=config.store.cache_policy, gpu_miss=config.engine.gpu_miss,
-        kernels=kernel_configs(device.type, model_shapes(model.spec)),
-        prefetch=config.engine.prefetch,
+        cache_policy=config.store.cache_policy, gpu_miss=paths.gpu_miss.value,
+        kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
     )  # fmt: skip
     t0 = time.monotonic()
@@ -133,7 +136,7 @@ def open_offload(
         forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
                                 host=host)  # fmt: skip
     forward.timer = timer
-    forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, forward, bw))
+    forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, paths.balanced, forward, bw))
     log.info(
         "decode misses: the GPU takes %.0f%% (%s), the CPU the rest",
         100 * forward.config.pcie_frac,
@@ -146,22 +149,26 @@ def open_offload(
 
 
 def _pcie_frac(
-    setting: float | str, forward: OffloadForward | StagedForward, bw: Bandwidths
+    setting: float | str, balanced_split: bool, forward: OffloadForward | StagedForward,
+    bw: Bandwidths,
 ) -> float:
-    """The miss policy: the configured share, else 1 (`auto`). A step with a CPU share runs
-    without its CUDA graph and synchronises once per layer; on the H200 that cost more than
-    the CPU's share saved (a3b at 4 GiB: 13-15 tok/s split against 58.6 with the GPU taking
-    every miss), so `auto` keeps every miss on the GPU and logs the split the rates alone
-    would give. The host line says what the CPU's rate is measured against."""
+    """The miss policy: the configured share; `auto`: the share balancing the measured rates
+    where the switch `cpu_split` is balanced (a split step runs without its CUDA graph and
+    synchronises once per layer: on the H200 that cost more than the CPU's share saved), else
+    1. The host line says what the CPU's rate is measured against."""
     cpu, host = forward.measure_cpu_expert_bps(), read_bps()
     balanced = balanced_frac(cpu, bw.copy_bps)
-    frac = 1.0 if setting == "auto" else float(setting)
+    if setting != "auto":
+        frac, why = float(setting), "engine.pcie_frac"
+    elif balanced_split:
+        frac, why = balanced, "auto: the split pays on this GPU (cpu_split)"
+    else:
+        frac, why = 1.0, "auto: a split step runs without its graph (cpu_split off)"
     log.info(
         "host: memory read %.1f GB/s (%d threads); CPU experts %.2f GB/s (%.0f%% of it, %s);"
         " resident copy to the GPU %.2f GB/s; miss policy: pcie_frac %.2f (%s; the rates alone"
         " would give %.2f)",
         host / 1e9, cores(), cpu / 1e9, 100 * cpu / host, forward.cpu_math, bw.copy_bps / 1e9,
-        frac, "auto: a split step runs without its graph" if setting == "auto"
-        else "engine.pcie_frac", balanced,
+        frac, why, balanced,
     )  # fmt: skip
     return frac

@@ -29,6 +29,12 @@ class Lookup:
     shapes: Mapping[str, int] = field(default_factory=dict)  # the bucket used (empty: none)
     switches: Mapping[str, str | int | bool] = field(default_factory=dict)  # A/B/A defaults
 
+    @property
+    def table(self) -> str:
+        """The table file's name without .json ("" for none)."""
+        path = self.choice.path if self.choice is not None else None
+        return path.name.removesuffix(".json") if path is not None else ""
+
 
 def lookup(
     stack: tables.Stack,
@@ -101,21 +107,34 @@ def this_stack() -> tables.Stack | str:
     return tables.parse_name(name) or f"{why}; torch's runtime ({name[:-5]}) is not a table name"
 
 
+def tuned(
+    device_type: str,
+    shapes: Mapping[str, int] | None = None,
+    stack: tables.Stack | str | None = None,
+    dirs: Sequence[Path] = tables.SEARCH_PATH,
+    say: bool = True,
+) -> Lookup:
+    """The table for the GPU this process runs on (`stack`, detected unless given), at the
+    bucket nearest the model's `shapes`, said in one line unless `say` is false (on the CPU,
+    the interpreter's settings, without a line)."""
+    if device_type == "cpu":
+        return Lookup(INTERPRETED, logging.INFO, "the Triton interpreter's settings")
+    stack = this_stack() if stack is None else stack
+    if isinstance(stack, str):
+        why = f"kernel tuning table: {stack}; {tables.COST}"
+        found = Lookup(KernelConfigs(), logging.INFO, why)
+    else:
+        found = lookup(stack, shapes, dirs)
+    if say:
+        log.log(found.level, "%s", found.message)
+    return found
+
+
 def kernel_configs(
     device_type: str,
     shapes: Mapping[str, int] | None = None,
     stack: tables.Stack | str | None = None,
     dirs: Sequence[Path] = tables.SEARCH_PATH,
 ) -> KernelConfigs:
-    """The settings for the GPU this process runs on (`stack`, detected unless given), at the
-    bucket nearest the model's `shapes`, said in one line (on the CPU, the interpreter's,
-    without a line)."""
-    if device_type == "cpu":
-        return INTERPRETED
-    stack = this_stack() if stack is None else stack
-    if isinstance(stack, str):
-        log.info("kernel tuning table: %s; %s", stack, tables.COST)
-        return KernelConfigs()
-    found = lookup(stack, shapes, dirs)
-    log.log(found.level, "%s", found.message)
-    return found.configs
+    """The launch settings of `tuned`'s table."""
+    return tuned(device_type, shapes, stack, dirs).configs

@@ -21,7 +21,9 @@ import torch
 from kernels import cpu_build
 from stratad.config import Config, StoreConfig
 from stratad.engine.experts import blob_layouts, fast_path_refusal
+from stratad.engine.kernel_table import model_shapes, tuned
 from stratad.engine.stages import balanced_split, parse_split
+from stratad.engine.switches import miss_paths
 from stratad.model.loader import is_pack
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.plan import Stage, slot_count
@@ -132,9 +134,11 @@ def start_plan(
     if backend == "offload":
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
+        found = tuned(device.type, model_shapes(spec), say=False)
+        prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size, max_context,
-                                        config.engine.prefetch, (hi - lo) / n)  # fmt: skip
+                                        prefetch, (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (
                 cache * hi // n - cache * lo // n

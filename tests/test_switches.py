@@ -1,0 +1,72 @@
+"""The kernel-path switches: the configuration's setting, else the tuning table's A/B/A default,
+else the built-in one; the placement and the engine choose alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kernels import ab, tables
+from stratad.config import EngineConfig, parse_config
+from stratad.engine.kernel_table import lookup
+from stratad.engine.switches import miss_paths
+
+TABLE = "sm90-cuda-13.0"
+
+
+def engine(text: str = "") -> EngineConfig:
+    return parse_config(f"[engine]\n{text}\n").engine
+
+
+def test_built_in_defaults_without_a_table() -> None:
+    paths = miss_paths(engine(), {})
+    assert (paths.copy, paths.prefetching, paths.balanced) == (True, True, False)
+    assert "gpu_miss copy (default)" in paths.line()
+
+
+def test_the_table_sets_what_the_configuration_leaves_to_auto() -> None:
+    recorded = {"gpu_miss": "copy", "expert_prefetch": "off", "cpu_split": "balanced"}
+    paths = miss_paths(engine(), recorded, TABLE)
+    assert (paths.copy, paths.prefetching, paths.balanced) == (True, False, True)
+    assert f"expert_prefetch off (table {TABLE} (A/B/A))" in paths.line()
+    # a JSON boolean reads as on/off
+    assert miss_paths(engine(), {"expert_prefetch": True}, TABLE).prefetching
+
+
+def test_the_configuration_wins_over_the_table() -> None:
+    recorded = {"gpu_miss": "in_place", "expert_prefetch": "off", "cpu_split": "balanced"}
+    paths = miss_paths(engine("gpu_miss = \"copy\"\nexpert_prefetch = true\npcie_frac = 1.0"),
+                       recorded, TABLE)  # fmt: skip
+    assert (paths.copy, paths.prefetching, paths.balanced) == (True, True, False)
+    assert paths.gpu_miss.source == "engine.gpu_miss"
+
+
+def test_prefetch_follows_the_miss_path() -> None:
+    # in place has nothing to copy a guess into; an explicit prefetch keeps the copy path
+    paths = miss_paths(engine(), {"gpu_miss": "in_place"}, TABLE)
+    assert not paths.copy and not paths.prefetching
+    assert paths.prefetch.source == "gpu_miss in_place"
+    paths = miss_paths(engine("expert_prefetch = true"), {"gpu_miss": "in_place"}, TABLE)
+    assert paths.copy and paths.prefetching
+
+
+def test_a_value_this_program_does_not_know_falls_back_to_the_default() -> None:
+    paths = miss_paths(engine(), {"gpu_miss": "teleport"}, TABLE)
+    assert paths.copy
+    assert "'teleport' is not a setting" in paths.gpu_miss.source
+
+
+def test_a_recorded_verdict_reaches_the_engine_settings(tmp_path: Path) -> None:
+    """ab.record -> the table file -> lookup -> miss_paths, as bench.ab_switch writes it."""
+    slow = iter([40.0, 41.0, 40.5, 40.2]).__next__
+    fast = iter([55.0, 55.5, 54.8]).__next__
+    verdict = ab.run_ab(("copy", slow), ("in_place", fast))
+    table = {"key": TABLE, "kernels": {},
+             "switches": {"gpu_miss": ab.record(verdict, {"copy": "copy", "in_place": "in_place"})}}
+    (tmp_path / f"{TABLE}.json").write_text(json.dumps(table))
+    stack = tables.parse_name(f"{TABLE}.json")
+    assert stack is not None
+    found = lookup(stack, None, [tmp_path])
+    assert found.table == TABLE
+    paths = miss_paths(engine(), found.switches, found.table)
+    assert not paths.copy and not paths.prefetching
