@@ -2,7 +2,8 @@
 default in a tuning table (`kernels.ab` decides, `kernels.table_file` holds it).
 
 Each arm is a command with `{value}` (the switch's setting) and `{json}` (a file the command
-writes its figures to) in it; `--metric` names the figure. E.g. on the GPU machine:
+writes its figures to) in it; `--metric` names the figure (a list of repeats counts as its
+median). E.g. on the GPU machine:
 
     python -m bench.ab_switch --table kernels/tables/sm90-cuda-13.0.json --switch gpu_miss \\
         --values copy,in_place --kind decode --metric decode_tps --rounds 3 \\
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +50,9 @@ def _measure(cmd: str, value: str, metric: str) -> Callable[[], float]:
             out = Path(d) / "figures.json"
             line = cmd.replace("{value}", shlex.quote(value)).replace("{json}", str(out))
             subprocess.run(line, shell=True, check=True, stdout=sys.stderr)
-            return float(json.loads(out.read_text())[metric])
+            figure = json.loads(out.read_text())[metric]
+            # a list (one figure per repeat, as bench.e2e's decode_tps) counts as its median
+            return float(statistics.median(figure) if isinstance(figure, list) else figure)
 
     return run
 
