@@ -106,7 +106,9 @@ class CpuExperts:
         self._moe = lib.strata_moe
         self._moe.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _P,
                               _I32, _P]  # fmt: skip
-        for fn in (self._matmul, self._moe):
+        self._dense = lib.strata_dense_layers  # kernels/cpu_dense.py
+        self._dense.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _I32, _P]
+        for fn in (self._matmul, self._moe, self._dense):
             fn.restype = ctypes.c_int
         self._read = lib.strata_read
         self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64

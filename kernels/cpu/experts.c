@@ -359,6 +359,8 @@ done:
     return err;
 }
 
+#include "dense.h"
+
 /* A read-bandwidth probe: the sum of n / 8 64-bit words, threads-wide (STREAM-like). */
 uint64_t strata_read(const uint64_t *p, int64_t n_words, int threads) {
     uint64_t total = 0;

@@ -4,7 +4,9 @@ This is the definition of what the model computes. Every fast path (Triton kerne
 offloaded experts) is tested against it. The same sequence of layers serves a model on a
 CPU from its GGUF blocks: with `QuantWeights` (`stratad/engine/weights_mode.py`) every
 projection is a product by the compiled CPU kernels instead of a float matrix (the `cpu`
-backend); the default `FloatWeights` is the reference.
+backend), and a model of dense layers runs them all in one kernel call per step
+(`kernels/cpu_dense.py`, tested against these layers); the default `FloatWeights` is the
+reference.
 """
 
 from __future__ import annotations
@@ -130,10 +132,10 @@ class ReferenceForward:
         self.dtype = self.mode.dtype
         self.experts = experts
         arch = ARCHS[model.spec.arch]
-        self.layers = [
-            _layer(arch.layer(model, i), self.mode, stacked=experts is None)
-            for i in range(model.spec.n_layers)
-        ]
+        weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
+        self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
+        # the cpu engine's dense layers in one kernel call per step, where it can
+        self.stack = self.mode.dense_stack(self.spec, weights_list) if experts is None else None
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
         self.norm = self.mode.vector(model.tensor("model.norm.weight"))
@@ -165,7 +167,11 @@ class ReferenceForward:
         x = self.embed(ids).to(self.dtype)  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
         stage = self.timer.stage
-        for i, layer in enumerate(self.layers):
+        if self.stack is not None:
+            with stage("layers"):
+                x = x.contiguous()
+                self.stack(x, cache.k, cache.v, start, cos, sin)
+        for i, layer in enumerate(self.layers if self.stack is None else ()):
             with stage("attention"):
                 x = x + self._attention(
                     i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin

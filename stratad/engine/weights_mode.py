@@ -18,10 +18,13 @@ from typing import Protocol
 
 import torch
 
+from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu_experts import CpuExperts
 from kernels.quant import QTensor
 from stratad.config import EngineConfig
 from stratad.engine.layers import attention, attention_by_row
+from stratad.model.spec import ModelSpec
+from stratad.model.weights import LayerWeights, MLPWeights
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -74,6 +77,8 @@ class WeightMode(Protocol):
     @property
     def attention(self) -> Attention: ...
 
+    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None: ...
+
 
 @dataclass(frozen=True)
 class FloatWeights:
@@ -93,6 +98,9 @@ class FloatWeights:
 
     def vector(self, t: QTensor) -> torch.Tensor:
         return self.float(t)
+
+    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> None:
+        return None  # the reference runs its layers one torch op at a time
 
 
 @dataclass
@@ -125,6 +133,30 @@ class QuantWeights:
 
     def vector(self, t: QTensor) -> torch.Tensor:
         return t.dequantize()
+
+    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None:
+        """Every layer in one kernel call (`kernels.cpu_dense`) where the model is a stack of
+        dense layers the kernels read (no experts, no q/k norms); else None: layer by layer."""
+        if spec.qk_norm != "none" or not layers:
+            return None
+        dense = []
+        for w in layers:
+            a, m = w.attn, w.mlp
+            if not isinstance(m, MLPWeights) or m.gate.shape[0] != spec.ffn:
+                return None
+            projections = (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)
+            if not all(self.reads(t) for t in projections):
+                return None
+            biases = tuple(None if b is None else self.vector(b).contiguous()
+                           for b in (a.q_bias, a.k_bias, a.v_bias))  # fmt: skip
+            dense.append(DenseLayer(
+                self.vector(w.attn_norm).contiguous(), self.vector(w.ffn_norm).contiguous(),
+                tuple((t.data.contiguous(), t.qtype) for t in projections),
+                (biases[0], biases[1], biases[2]),
+            ))  # fmt: skip
+        shape = DenseShape(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn,
+                           spec.rope_interleaved, spec.rms_eps)  # fmt: skip
+        return DenseStack(self.kernels, shape, dense)
 
 
 def cpu_weights(engine: EngineConfig) -> QuantWeights:

@@ -1,0 +1,61 @@
+"""How many threads a repeated kernel call runs on, chosen by measuring it.
+
+A call's OpenMP team meets at barriers many times (`kernels/cpu/dense.h`: ten per layer), so
+it runs at the pace of its slowest thread: on a host whose cores are busy with other
+processes, a preempted thread holds the whole team for a scheduler slice. There, one thread
+beats two (SmolLM2 decode on 2 cores beside a test run: 17 ms a step on one thread, 35-50 on
+two; llama.cpp alike, 45-53 tok/s on one thread and 16-20 on two), while on idle cores two win.
+Which holds changes with the host's load, so the team size is measured: each call shape
+(its token count) keeps a moving average of its time per team size, runs at the fastest, and
+tries the others once every `PROBE_EVERY` calls. The results do not depend on the team size
+(every value is computed by one thread in one order), only the time does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 32  # calls between tries of another size: a slower try costs 1/32 of a call each
+SMOOTHING = 0.5  # weight of a new time in the moving average (a size tried seldom moves fast)
+MAX_SHAPES = 64  # call shapes remembered (token counts; a server sees few)
+
+
+@dataclass
+class _Shape:
+    best: int
+    calls: int = 0
+    seconds: dict[int, float] = field(default_factory=dict)  # moving average per team size
+
+
+class TeamSize:
+    """`pick(key)` before a call, `record(key, threads, seconds)` after it."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.sizes = sorted({1, threads})
+        self._shapes: dict[int, _Shape] = {}
+
+    def pick(self, key: int) -> int:
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[key] = _Shape(self.threads)
+        shape.calls += 1
+        if shape.calls == 1:  # the first call pages the weights in: not a measure
+            return shape.best
+        untried = [n for n in self.sizes if n not in shape.seconds]
+        if untried:
+            return untried[0]
+        if shape.calls % PROBE_EVERY == 0:
+            others = [n for n in self.sizes if n != shape.best]
+            return others[shape.calls // PROBE_EVERY % len(others)] if others else shape.best
+        return shape.best
+
+    def record(self, key: int, threads: int, seconds: float) -> None:
+        shape = self._shapes.get(key)
+        if shape is None or shape.calls == 1:
+            return
+        old = shape.seconds.get(threads)
+        shape.seconds[threads] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        shape.best = min(shape.seconds, key=shape.seconds.__getitem__)
