@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from kernels import iq_tables
+from kernels.byte_loads import _load_f16, _load_u8
 from kernels.dequant import DEQUANT_DTYPES, _to_bf16
-from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min, _load_f16, _load_u8
+from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min
 from kernels.iq_tables import iq_tables as tables_on
 from kernels.quant import QType, dequantize, row_bytes
 

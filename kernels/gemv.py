@@ -3,9 +3,10 @@
 The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in
 registers, so a weight is read once in its compressed size (the point for a model larger
 than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S (the i-quants index tables the
-kernel reads from a byte buffer: `kernels.iq_tables`). Dequantization follows `kernels/quant.py`
-(llama.cpp's formulas) in float32; the products are accumulated in float32.
+Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ1_S (decoded in `kernels.iq_decode`; their tables are a byte buffer the kernel
+reads: `kernels.iq_tables`). Dequantization follows `kernels/quant.py` (llama.cpp's formulas)
+in float32; the products are accumulated in float32.
 
 Three tiers: `_gemv_kernel` (Triton), `gemv()` (launcher: checks, grid), `qmatmul()` (the
 operation on a `QTensor`, any leading dims, float weights via torch). `qmatmul_ref()` is
@@ -20,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import iq_tables
+from kernels.byte_loads import _load_f16, _load_u8
+from kernels.iq_decode import IQ_QTYPES, dequant_iq
 from kernels.iq_tables import iq_tables as tables_on
 from kernels.quant import QTensor, QType, block_geometry
 
@@ -35,15 +37,10 @@ Q3_K: tl.constexpr = tl.constexpr(int(QType.Q3_K))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
-IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
-IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
-IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
-IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
-IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
 GEMV_QTYPES: frozenset[QType] = frozenset(
     {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0}
     | {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K}
-    | {QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
+    | IQ_QTYPES
 )
 
 
@@ -68,19 +65,6 @@ def default_gemv_config(tokens: int) -> GemvConfig:
 
 
 # --- Triton ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_f16(ptr, mask):
-    """The little-endian fp16 at byte address `ptr`, as float32 (any alignment)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _load_u8(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -153,13 +137,6 @@ def _dequant_q45_k(row_ptr, ks, mask, FIVE_BIT: tl.constexpr):
 
 
 @triton.jit
-def _iq4_value(tab_ptr, q, mask):
-    """The IQ4 level (float32) of 4-bit codes q."""
-    level = tl.load(tab_ptr + IQ4_VALUES + q, mask=mask, other=0).to(tl.int8, bitcast=True)
-    return level.to(tl.float32)
-
-
-@triton.jit
 def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
     """Float32 weights for byte pointers to row starts `row_ptr` [BN, 1] and columns
     `ks` [1, BK]; masked-off entries are 0. Each element locates its own block, so the
@@ -197,34 +174,7 @@ def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         w = _dequant_q45_k(row_ptr, ks, mask, False)
     elif QTYPE == Q5_K:
         w = _dequant_q45_k(row_ptr, ks, mask, True)
-    elif QTYPE == IQ4_NL:  # d | 16 bytes of 4-bit codes, laid out as Q4_0's
-        blk = row_ptr + (ks // 32) * 18
-        j = ks % 32
-        q = (_load_u8(blk + 2 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
-        w = _load_f16(blk, mask) * _iq4_value(tab_ptr, q, mask)
-    elif QTYPE == IQ4_XS:  # d | scales_h u16 | scales_l 4 | codes 128 (16 per 32 values)
-        blk = row_ptr + (ks // 256) * 136
-        i = ks % 256
-        ib = i // 32
-        r = i % 32
-        lo = (_load_u8(blk + 4 + ib // 2, mask) >> ((ib % 2) * 4)) & 0xF
-        hi = (_load_u8(blk + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3
-        q = (_load_u8(blk + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 0xF
-        dl = _load_f16(blk, mask) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        w = dl * _iq4_value(tab_ptr, q, mask)
-    elif QTYPE == IQ3_S:  # d | qs 64 | qh 8 | signs 32 | scales 4: a grid point per 4 values
-        blk = row_ptr + (ks // 256) * 110
-        i = ks % 256
-        k = i // 4  # grid point: 8 bits in qs[k], the 9th in bit k of qh
-        ib = i // 32
-        sc = (_load_u8(blk + 106 + ib // 2, mask) >> ((ib % 2) * 4)) & 0xF
-        ninth = (_load_u8(blk + 66 + k // 8, mask) >> (k % 8)) & 1
-        idx = _load_u8(blk + 2 + k, mask) | (ninth << 8)
-        g = tl.load(tab_ptr + IQ3_S_GRID + idx * 4 + i % 4, mask=mask, other=0).to(tl.float32)
-        w = (_load_f16(blk, mask) * (1 + 2 * sc).to(tl.float32)) * g
-        w = tl.where(((_load_u8(blk + 74 + i // 8, mask) >> (i % 8)) & 1) == 1, -w, w)
-    else:  # Q6_K: ql 128 | qh 64 | int8 scales 16 | d
-        tl.static_assert(QTYPE == Q6_K, "unsupported GGUF type in _dequant_tile")
+    elif QTYPE == Q6_K:  # ql 128 | qh 64 | int8 scales 16 | d
         blk = row_ptr + (ks // 256) * 210
         i = ks % 256
         half = i // 128
@@ -234,6 +184,8 @@ def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         sc = tl.load(blk + 192 + i // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
         d = _load_f16(blk + 208, mask)
         w = (d * sc.to(tl.float32)) * ((ql | (qh << 4)) - 32).to(tl.float32)
+    else:
+        w = dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE)
     return w
 
 

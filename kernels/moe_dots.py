@@ -8,15 +8,14 @@ instead, so each load serves several values and each (sub-)block's scale is appl
 its dot:
 - Q4_K and Q5_K (where the blobs are aligned): the 128 bytes of nibbles (and Q5_K's plane
   of 5th bits) as 32-bit words.
-- IQ4_XS (aligned): the codes as 32-bit words, a table lookup per weight, the scale once per
-  32 values.
 - Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
 - Q8_0: blocks of 32 int8 with one scale each.
 - Q2_K (aligned: codes as words) and Q3_K (one code byte per 4 weights, one high-bit byte
   per 8): each 16-value sub-block's scale once.
-- IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
-  lookup per grid point of 4 weights, the block's scale once.
-Every other type: `_values_rows_dot`, value by value.
+- the i-quants IQ4_XS (aligned), IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S: their
+  block shapes in `kernels.moe_dots_iq`.
+Every other type (Q4_1, Q5_0, Q5_1, IQ4_NL, and the unaligned blobs of the word readers):
+`_values_rows_dot`, value by value.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels import iq_tables
-from kernels.gemv import _dequant_tile, _k_scale_min, _load_f16
+from kernels.byte_loads import _load_f16
+from kernels.gemv import _dequant_tile, _k_scale_min
+from kernels.moe_dots_iq import GRID_BITS, _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
 from kernels.quant import QType
 
 Q2_K: tl.constexpr = tl.constexpr(int(QType.Q2_K))
@@ -33,11 +33,9 @@ Q3_K: tl.constexpr = tl.constexpr(int(QType.Q3_K))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
-IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
-IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
-IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 
 
 @triton.jit
@@ -121,41 +119,6 @@ def _q45_k_rows_dot(
 
 
 @triton.jit
-def _iq4_xs_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N: tl.constexpr):
-    """IQ4_XS (136 bytes: d | scales_h u16 | scales_l 4 | codes 128), rows and blocks aligned:
-    the codes as 32-bit words [block of 32 values, word]: byte b of word w of block ib holds
-    value 32 ib + 4w + b (low nibble) and 32 ib + 16 + 4w + b (high), each a level of the
-    IQ4 table; the block's scale d (ls - 32) once per block."""
-    rows64 = rows.to(tl.int64)[:, None, None]
-    ib = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
-    word = tl.arange(0, 4)[None, None, :]  # [1, 1, 4]
-    mask3 = row_mask[:, None, None]
-    ib2 = tl.arange(0, 8)[None, :]  # [1, 8]
-    hmask = row_mask[:, None]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
-        blk = w_ptr + rows64 * ROW_BYTES + sb * 136
-        q = tl.load((blk + 8 + ib * 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
-                    other=0)  # fmt: skip  # [BN, 8, 4]
-        xb = x_ptr + sb * 256 + ib * 32 + word * 4  # [1, 8, 4]
-        dot = tl.zeros([BLOCK_N, 8, 4], dtype=tl.float32)
-        for b in tl.static_range(4):
-            lo = tl.load(tab_ptr + IQ4_VALUES + ((q >> (8 * b)) & 0xF), mask=mask3, other=0)
-            hi = tl.load(tab_ptr + IQ4_VALUES + ((q >> (8 * b + 4)) & 0xF), mask=mask3, other=0)
-            x_lo = tl.load(xb + b).to(tl.float32)
-            x_hi = tl.load(xb + 16 + b).to(tl.float32)
-            dot += lo.to(tl.int8, bitcast=True).to(tl.float32) * x_lo
-            dot += hi.to(tl.int8, bitcast=True).to(tl.float32) * x_hi
-        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 136  # [BN, 1]
-        low = (tl.load(head + 4 + ib2 // 2, mask=hmask, other=0).to(tl.int32) >> (4 * (ib2 % 2)))
-        high = tl.load(head + 2 + ib2 // 4, mask=hmask, other=0).to(tl.int32) >> (2 * (ib2 % 4))
-        ls = ((low & 0xF) | ((high & 3) << 4)) - 32  # [BN, 8]
-        dl = _load_f16(head, hmask) * ls.to(tl.float32)
-        acc += tl.sum(dl * tl.sum(dot, axis=2), axis=1)
-    return acc
-
-
-@triton.jit
 def _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
     """Q6_K (210 bytes: ql 128 | qh 64 | int8 scales 16 | d). Half n of a super-block holds
     values 128n + 32k + l (k 0..3, l 0..31): low 4 bits in ql[64n + l] (k 0, 2: low nibble
@@ -218,35 +181,6 @@ def _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
         dmask = row_mask[:, None] & ((b0 + blk2) < nb)  # [BN, 8]
         d = _load_f16(row2 + (b0 + blk2) * 34, dmask)
         acc += tl.sum(d * dot, axis=1)
-    return acc
-
-
-@triton.jit
-def _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N: tl.constexpr):
-    """IQ3_S (110 bytes: d | qs 64 | qh 8 | signs 32 | scales 4). Value 32b + 4p + j is byte
-    j of grid point qs[8b + p] | (bit p of qh[b]) << 8, negated by bit 4(p % 2) + j of
-    signs[4b + p // 2], times d (1 + 2 scale_b). The tile is [BN, b, p, j]."""
-    b = tl.arange(0, 8)[None, :, None, None]
-    p = tl.arange(0, 8)[None, None, :, None]
-    j = tl.arange(0, 4)[None, None, None, :]
-    mask4 = row_mask[:, None, None, None]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
-        blk = w_ptr + rows.to(tl.int64)[:, None, None, None] * ROW_BYTES + sb * 110
-        code = tl.load(blk + 2 + 8 * b + p, mask=mask4, other=0).to(tl.int32)  # [BN, 8, 8, 1]
-        ninth = (tl.load(blk + 66 + b, mask=mask4, other=0).to(tl.int32) >> p) & 1
-        grid = tl.load(tab_ptr + IQ3_S_GRID + (code | (ninth << 8)) * 4 + j, mask=mask4,
-                       other=0).to(tl.float32)  # fmt: skip
-        sign = tl.load(blk + 74 + 4 * b + p // 2, mask=mask4, other=0).to(tl.int32)
-        x = tl.load(x_ptr + sb * 256 + 32 * b + 4 * p + j).to(tl.float32)  # [1, 8, 8, 4]
-        gx = tl.where(((sign >> (4 * (p % 2) + j)) & 1) == 1, -grid, grid) * x
-        dot = tl.sum(tl.sum(gx, axis=3), axis=2)  # [BN, 8]
-        b2 = tl.arange(0, 8)[None, :]
-        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 110  # [BN, 1]
-        sc = tl.load(head + 106 + b2 // 2, mask=row_mask[:, None], other=0).to(tl.int32)
-        sc = (sc >> (4 * (b2 % 2))) & 0xF
-        db = _load_f16(head, row_mask[:, None]) * (1 + 2 * sc).to(tl.float32)  # [BN, 8]
-        acc += tl.sum(db * dot, axis=1)
     return acc
 
 
@@ -355,6 +289,8 @@ def blocks_rows_dot(
         acc = _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == IQ3_S:
         acc = _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
+    elif (GRID_BITS >> QTYPE) & 1:  # QTYPE in GRID_QTYPES
+        acc = _grid_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE, BLOCK_N)
     else:
         acc = _values_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
                                BLOCK_N, BLOCK_K)  # fmt: skip

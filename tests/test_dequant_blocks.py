@@ -43,7 +43,8 @@ def test_refuses_a_wrong_size() -> None:
 
 # where each type without a quantizer here keeps its fp16 fields
 FP16_AT = {QType.IQ3_S: [0], QType.IQ4_XS: [0], QType.IQ4_NL: [0], QType.Q2_K: [80, 82],
-           QType.Q3_K: [108]}  # fmt: skip
+           QType.Q3_K: [108], QType.IQ3_XXS: [0], QType.IQ2_XXS: [0], QType.IQ2_XS: [0],
+           QType.IQ2_S: [0], QType.IQ1_S: [0]}  # fmt: skip
 
 
 @pytest.mark.parametrize("qtype", list(FP16_AT), ids=lambda q: q.name)

@@ -45,7 +45,15 @@ FP16_FIELDS = {
     QType.IQ4_NL: [0],
     QType.IQ4_XS: [0],
     QType.IQ3_S: [0],
+    QType.IQ3_XXS: [0],
+    QType.IQ2_XXS: [0],
+    QType.IQ2_XS: [0],
+    QType.IQ2_S: [0],
+    QType.IQ1_S: [0],
 }
+# the low-bit i-quants get one width (two super-blocks, so a row's second block is located):
+# their share of the interpreted sweep stays small
+LOW_BIT = {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
 
 
 def random_weight(qtype: QType, n: int, k: int, seed: int) -> QTensor:
@@ -84,7 +92,7 @@ def sweep_config(tokens: int) -> GemvConfig | None:
 
 def shapes() -> list[tuple[QType, int]]:
     return [(t, k) for t in SMALL_BLOCK for k in (32, 96, 256)] + [
-        (t, k) for t in K_QUANTS for k in (256, 512)
+        (t, k) for t in K_QUANTS for k in ((512,) if t in LOW_BIT else (256, 512))
     ]
 
 

@@ -108,7 +108,8 @@ def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor
     """Quantized random values; for the i-quants (no quantizer here) random blocks whose
     leading fp16 scale is small and finite."""
     fp16_at = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
-               QType.Q3_K: (108,)}  # fmt: skip
+               QType.Q3_K: (108,), QType.IQ3_XXS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
+               QType.IQ2_S: (0,), QType.IQ1_S: (0,)}  # fmt: skip
     if qtype in fp16_at:
         block, nbytes = block_geometry(qtype)
         raw = torch.randint(0, 256, (rows * cols // block, nbytes), generator=gen)
@@ -133,6 +134,8 @@ MIXES = [
     (QType.IQ4_NL, QType.IQ4_NL, QType.Q6_K),
     (QType.Q5_K, QType.Q5_K, QType.IQ4_XS),
     (QType.Q2_K, QType.Q2_K, QType.Q3_K),
+    (QType.IQ2_XXS, QType.IQ3_XXS, QType.IQ2_XS),  # the low-bit i-quants, two mixes for time
+    (QType.IQ2_S, QType.IQ1_S, QType.IQ2_XXS),
 ]
 
 
@@ -177,5 +180,5 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType], aligned: bool) -
 
 
 def test_expert_format_refuses_a_type_without_a_kernel() -> None:
-    with pytest.raises(ValueError, match="IQ2_XXS"):
-        ExpertFormat(QType.IQ2_XXS, QType.IQ2_XXS, QType.Q4_K)
+    with pytest.raises(ValueError, match="F16"):
+        ExpertFormat(QType.Q4_K, QType.Q4_K, QType.F16)
