@@ -11,9 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant import QType
+from kernels.cpu_experts import CpuExperts
+from kernels.quant import QType, row_bytes
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layouts, fast_path_refusal, kernel_layouts, moe_layers
+from stratad.engine.bench_weights import random_blocks
+from stratad.engine.cpu_misses import CompiledMath, TorchMath
+from stratad.engine.experts import (
+    BlobLayout,
+    blob_layouts,
+    fast_path_refusal,
+    kernel_layouts,
+    moe_layers,
+)
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.host_experts import HostExperts
 from stratad.engine.offload import OffloadConfig, OffloadForward
@@ -127,6 +136,21 @@ def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFacto
     assert not offload_supported(model)
     with pytest.raises(ModelError, match="layer 2 holds F16 experts"):
         kernel_layouts(model)
+
+
+def test_cpu_misses_of_a_type_the_c_kernels_lack() -> None:
+    """The CPU's share of the misses on a layer of IQ2_XXS experts, which the C kernels do
+    not read: each expert dequantized in torch, as without a compiler."""
+    h = f = 256
+    q = QType.IQ2_XXS
+    nbytes = f * row_bytes(q, h)
+    layout = BlobLayout((q, q, q), h, f, nbytes, nbytes, nbytes)
+    blobs = [random_blocks(q, 3 * f, h, torch.device("cpu")).reshape(-1) for _ in range(2)]
+    x = torch.randn(2, h, generator=torch.Generator().manual_seed(0))
+    got, want = torch.zeros(2, h), torch.zeros(2, h)
+    CompiledMath(CpuExperts(1)).moe(x, blobs, [0, 1], [0.5, 0.25], layout, got)
+    TorchMath().moe(x, blobs, [0, 1], [0.5, 0.25], layout, want)
+    assert torch.equal(got, want) and want.abs().sum() > 0
 
 
 @pytest.mark.gpu

@@ -41,7 +41,9 @@ class ExpertMath(Protocol):
 
 
 class CompiledMath:
-    """The C kernels, reading Q4_0 split and every other type as GGUF blocks."""
+    """The C kernels, reading Q4_0 split and every other type as GGUF blocks; a layer holding a
+    type they do not read (`CpuExperts.supported`: not IQ3_XXS, IQ2_*, IQ1_S) is dequantized
+    in torch per use, as `TorchMath` does."""
 
     def __init__(self, kernels: CpuExperts) -> None:
         self.kernels = kernels
@@ -50,6 +52,9 @@ class CompiledMath:
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
             weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
+        if not set(layout.qtypes) <= self.kernels.supported:
+            TorchMath().moe(x, blobs, tokens, weights, layout, out)
+            return
         fmt = self._formats.get(layout)
         if fmt is None:
             fmt = self._formats[layout] = CpuExpertFormat(
