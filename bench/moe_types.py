@@ -1,6 +1,7 @@
 """The fused MoE decode kernels per GGUF type, at a model's shapes, against HBM's rate.
 
     python -m bench.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
+                              [--formats iq2_xxs iq1_s ...]
 
 For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
 as blocks and as aligned words) it builds `--experts` random experts in VRAM and times one
@@ -34,6 +35,11 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "iq4_xs": (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
     "q3_k(q4_k down)": (QType.Q3_K, QType.Q3_K, QType.Q4_K),
     "q2_k": (QType.Q2_K, QType.Q2_K, QType.Q2_K),
+    "iq3_xxs(q3_k down)": (QType.IQ3_XXS, QType.IQ3_XXS, QType.Q3_K),
+    "iq2_xxs": (QType.IQ2_XXS, QType.IQ2_XXS, QType.IQ2_XXS),
+    "iq2_xs": (QType.IQ2_XS, QType.IQ2_XS, QType.IQ2_XS),
+    "iq2_s": (QType.IQ2_S, QType.IQ2_S, QType.IQ2_S),
+    "iq1_s": (QType.IQ1_S, QType.IQ1_S, QType.IQ1_S),
 }
 
 
@@ -85,6 +91,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
+                   metavar="FORMAT", help="the formats to time (default: all)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -101,7 +109,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
     print(f"{'format':22} {'path':10} {'us/call':>8} {'spread':>17} {'GB/s':>7} {'of D2D':>7}")
     out: dict[str, object] = {"d2d_gbs": d2d, "device": torch.cuda.get_device_name()}
-    for name, mix in FORMATS.items():
+    for name in a.formats:
+        mix = FORMATS[name]
         for aligned in (False, True):
             r = time_format(mix, aligned, a)
             path = "aligned" if aligned else "unaligned"
