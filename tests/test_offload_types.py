@@ -173,7 +173,7 @@ def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: 
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize("ftype", ["q4_k_m", "q2_k", "iq3_s"])  # Q8_0: the mixed model
+@pytest.mark.parametrize("ftype", ["q4_k_m", "q2_k", "iq3_s", "iq2_xxs"])  # Q8_0: the mix
 def test_llama_cpp_presets_match_reference(
     ftype: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
