@@ -148,6 +148,28 @@ CASES = [
 ]
 
 
+def _mixed_case(mix: tuple[QType, QType, QType], t: int, k: int, e: int, h: int, f: int,
+                device: str):  # type: ignore[no-untyped-def]
+    """e random experts of the mix (on the CPU) and the table of their bytes on `device` as
+    the engine holds them (Q4_0 split, the others as blocks), t tokens routed to k each."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = ((f, h), (f, h), (h, f))
+    experts = [
+        tuple(_blocks(q, r, c, gen) for q, (r, c) in zip(mix, shapes, strict=True))
+        for _ in range(e)
+    ]
+    held = [
+        tuple((split_q4_0(w.data) if w.qtype == QType.Q4_0 else w.data.reshape(-1)).to(device)
+              for w in tr)
+        for tr in experts
+    ]  # fmt: skip
+    _KEEP.append(held)  # the table holds raw addresses: keep the bytes alive
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    return x, ids, weights, expert_table(held).to(device), experts  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("mix", "aligned"), CASES, ids=lambda c: "-".join(q.name for q in c) if isinstance(c, tuple)
     else ("aligned" if c else "unaligned"),
@@ -156,27 +178,26 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType], aligned: bool) -
     """Each projection of its own GGUF type, read as the engine holds it (Q4_0 split, the
     others as blocks; aligned: Q4_K's nibbles as words): equal to dequantizing the blocks and
     computing in float32."""
-    t, k, e, h = 2, 2, 3, 256
     f = 256 if block_geometry(mix[2])[0] == 256 else 96
-    gen = torch.Generator().manual_seed(11)
-    shapes = ((f, h), (f, h), (h, f))
-    experts = [
-        tuple(_blocks(q, r, c, gen) for q, (r, c) in zip(mix, shapes, strict=True))
-        for _ in range(e)
-    ]
-    held = [
-        tuple(split_q4_0(w.data) if w.qtype == QType.Q4_0 else w.data.reshape(-1) for w in tr)
-        for tr in experts
-    ]
-    table = expert_table(held)  # type: ignore[arg-type]
-    x = torch.randn(t, h, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=gen)
-    fmt = ExpertFormat(*mix)
+    x, ids, weights, table, experts = _mixed_case(mix, 2, 2, 3, 256, f, "cpu")
     assert all(int(a) % 16 == 0 for a in table.reshape(-1)) or not aligned
-    got = fused_moe(x, ids, weights, table, f, aligned=aligned, fmt=fmt)
-    ref = fused_moe_ref(x, ids, weights, experts)  # type: ignore[arg-type]
+    got = fused_moe(x, ids, weights, table, f, aligned=aligned, fmt=ExpertFormat(*mix))
+    ref = fused_moe_ref(x, ids, weights, experts)
     assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", MIXES, ids=lambda c: "-".join(q.name for q in c))
+def test_fused_moe_mixed_types_gpu(mix: tuple[QType, QType, QType]) -> None:
+    """Every mix on a GPU at a3b's expert shapes (hidden 2048, ffn 768, top-8 of 16), bfloat16
+    activations, the blobs read as words where the type has such a path and byte by byte."""
+    x, ids, weights, table, experts = _mixed_case(mix, 1, 8, 16, 2048, 768, "cuda")
+    ref = fused_moe_ref(x.bfloat16(), ids, weights, experts).float()
+    for aligned in (False, True):
+        got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 768,
+                        aligned=aligned, fmt=ExpertFormat(*mix))  # fmt: skip
+        err = (got.float().cpu() - ref).norm() / ref.norm()
+        assert err < 1e-2, f"aligned={aligned}: relative error {err:.2e}"
 
 
 def test_expert_format_refuses_a_type_without_a_kernel() -> None:
