@@ -47,14 +47,33 @@ FP16_AT = {QType.IQ3_S: [0], QType.IQ4_XS: [0], QType.IQ4_NL: [0], QType.Q2_K: [
            QType.IQ2_S: [0], QType.IQ1_S: [0]}  # fmt: skip
 
 
-@pytest.mark.parametrize("qtype", list(FP16_AT), ids=lambda q: q.name)
-def test_random_blocks(qtype: QType) -> None:
-    """The types without a quantizer here: random blocks with finite fp16 fields."""
+def _random_blocks(qtype: QType, n: int, rows: int, cols: int) -> torch.Tensor:
+    """uint8 [n, rows * row bytes]: random blocks with finite fp16 fields."""
     gen = torch.Generator().manual_seed(6)
-    raw = torch.randint(0, 256, (2, 3 * row_bytes(qtype, 256)), generator=gen).to(torch.uint8)
+    raw = torch.randint(0, 256, (n, rows * row_bytes(qtype, cols)), generator=gen)
+    raw = raw.to(torch.uint8)
     blocks = raw.view(-1, block_geometry(qtype)[1])
     for at in FP16_AT[qtype]:
         half = torch.rand(blocks.shape[0], generator=gen).half()
         blocks[:, at : at + 2] = half.view(torch.uint8).view(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", list(FP16_AT), ids=lambda q: q.name)
+def test_random_blocks(qtype: QType) -> None:
+    """The types without a quantizer here: random blocks with finite fp16 fields."""
+    raw = _random_blocks(qtype, 2, 3, 256)
     got = dequant_blocks(raw, qtype, 3, 256, torch.bfloat16, BlocksConfig(block_r=2, block_c=128))
     assert torch.equal(got, dequant_blocks_ref(raw, qtype, 3, 256).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "qtype", [QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S],
+    ids=lambda q: q.name,
+)  # fmt: skip
+def test_random_blocks_gpu(qtype: QType) -> None:
+    """The low-bit i-quants at an expert's shape on a GPU, bit for bit in bfloat16."""
+    raw = _random_blocks(qtype, 4, 768, 2048)
+    got = dequant_blocks(raw.cuda(), qtype, 768, 2048, torch.bfloat16)
+    assert torch.equal(got.cpu(), dequant_blocks_ref(raw, qtype, 768, 2048).to(torch.bfloat16))
