@@ -16,6 +16,7 @@ really better. Without `--table` the verdict is printed and nothing is written.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shlex
 import statistics
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.switch}: {verdict.summary()}")
     if args.table is not None:
         entry = ab.record(verdict, {a: a, b: b})
+        entry["command"] = args.cmd  # what each sample ran, with {value} for the arm
+        entry["date"] = datetime.date.today().isoformat()
         table: dict[str, Any] = json.loads(args.table.read_text())
         table.setdefault("switches", {})[args.switch] = entry
         args.table.write_text(json.dumps(table, indent=1) + "\n")
