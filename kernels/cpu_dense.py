@@ -27,6 +27,10 @@ from kernels.quant import QType
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+# keys and values are kept in halves, as llama.cpp keeps them: half the cache's memory and
+# reads, and the attention llama.cpp computes (the engine is held to llama.cpp's logits)
+CACHE_DTYPE = torch.float16
+MAX_HEAD_DIM = 512  # dense.h's
 
 
 class _Layer(ctypes.Structure):  # dense_layer_t
@@ -74,9 +78,10 @@ class DenseStack:
     def __init__(
         self, kernels: CpuExperts, shape: DenseShape, layers: Sequence[DenseLayer]
     ) -> None:
-        if shape.head_dim % 2 or shape.n_heads % shape.n_kv_heads:
-            raise ValueError(f"head_dim {shape.head_dim} must be even and {shape.n_heads} heads "
-                             f"a multiple of {shape.n_kv_heads} kv heads")  # fmt: skip
+        d, heads, kv = shape.head_dim, shape.n_heads, shape.n_kv_heads
+        if d % 2 or d > MAX_HEAD_DIM or heads % kv:
+            raise ValueError(f"head_dim {d} must be even and <= {MAX_HEAD_DIM}, and {heads} "
+                             f"heads a multiple of {kv} kv heads")  # fmt: skip
         dims = shape.rows_cols()
         self.shape, self.layers = shape, list(layers)  # the tensors stay alive with the stack
         self._c_layers = (_Layer * len(layers))()
@@ -110,7 +115,7 @@ class DenseStack:
         sin: torch.Tensor,
     ) -> None:
         """x [T, H] (in place); the tokens sit at positions start..start+T-1, their keys and
-        values go into k_cache[l], v_cache[l] [>= start + T, Hkv, D] float32; cos, sin
+        values go into k_cache[l], v_cache[l] [>= start + T, Hkv, D] `CACHE_DTYPE`; cos, sin
         [T, D/2] float32 (`layers.rope_tables`)."""
         s = self.shape
         _check(x, "x", torch.float32, 2)
@@ -125,7 +130,7 @@ class DenseStack:
         if len(k_cache) != n or len(v_cache) != n:
             raise ValueError(f"{len(k_cache)} and {len(v_cache)} cache layers for {n} layers")
         for c in (*k_cache, *v_cache):
-            _check(c, "cache", torch.float32, 3)
+            _check(c, "cache", CACHE_DTYPE, 3)
             if c.shape[0] < start + t or tuple(c.shape[1:]) != (s.n_kv_heads, s.head_dim):
                 raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold {start + t} "
                                  f"positions of [{s.n_kv_heads}, {s.head_dim}]")  # fmt: skip

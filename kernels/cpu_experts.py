@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import psutil
 import torch
 
 from kernels.cpu_build import load
+from kernels.cpu_team import TeamSize
 from kernels.iq_tables import iq_tables
 from kernels.quant import QType, row_bytes
 
@@ -230,12 +232,14 @@ ONE_THREAD_WEIGHTS = 1 << 18
 
 class PreparedMatmul:
     """x [T, cols] float32 @ W^T -> [T, rows] float32 for one weight checked at `prepare`:
-    each call checks x's shape and type only."""
+    each call checks x's shape and type only. A product large enough for the team runs on
+    the team size measured fastest for its token count (`kernels.cpu_team`: a busy host's)."""
 
     def __init__(self, kernels: CpuExperts, w: torch.Tensor, qtype: QType, rows: int,
                  cols: int) -> None:  # fmt: skip
         self.w, self.qtype, self.rows, self.cols = w, int(qtype), rows, cols
-        self._fn, self._tables, self._threads = kernels._matmul, kernels._tables, kernels.threads
+        self._fn, self._tables = kernels._matmul, kernels._tables
+        self.team = TeamSize(kernels.threads)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
@@ -244,8 +248,12 @@ class PreparedMatmul:
             raise ValueError("x must be a contiguous CPU tensor")
         t = x.shape[0]
         out = torch.empty((t, self.rows), dtype=torch.float32)
-        threads = 1 if t * self.rows * self.cols < ONE_THREAD_WEIGHTS else self._threads
+        small = t * self.rows * self.cols < ONE_THREAD_WEIGHTS
+        threads = 1 if small else self.team.pick(t)
+        t0 = time.perf_counter()
         rc = self._fn(x.data_ptr(), t, self.w.data_ptr(), self.qtype, 0, self.rows, self.cols,
                       out.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
+        if not small:
+            self.team.record(t, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "matmul")
         return out

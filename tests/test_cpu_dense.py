@@ -16,13 +16,13 @@ from kernels.cpu_dense import PROJECTIONS, DenseLayer, DenseShape, DenseStack
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_team import PROBE_EVERY, TeamSize
 from kernels.quant import QType
-from stratad.engine.layers import apply_rope, attention, rms_norm, rope_tables
+from stratad.engine.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
 from tests.test_cpu_experts import blocks, dense, q8
 
 SHAPE = DenseShape(hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=96,
                    rope_interleaved=True, eps=1e-5)  # fmt: skip
-TOL = {QType.F32: 1e-5, QType.Q8_0: 2e-2, QType.Q4_1: 2e-2}  # of the largest |x|
+TOL = {QType.F32: 1e-4, QType.Q8_0: 2e-2, QType.Q4_1: 2e-2}  # of the largest |x|
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,18 @@ def _layers(
     return layers, floats
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """`layers.attention_by_row` with llama.cpp's halves: the cache's k and v [S, Hkv, D], q
+    and the probabilities rounded to halves for their products."""
+    rep, rows = q.shape[1] // k.shape[1], []
+    for i in range(q.shape[0]):
+        kk, vv = (c[: start + i + 1].float().repeat_interleave(rep, 1).transpose(0, 1)
+                  for c in (k, v))  # fmt: skip
+        scores = (kk @ q[i].half().float()[:, :, None])[..., 0] / q.shape[-1] ** 0.5
+        rows.append((scores.softmax(-1).half().float()[:, None, :] @ vv)[:, 0])
+    return torch.stack(rows)
+
+
 def _reference(x, floats, kc, vc, start, cos, sin, qtype):  # type: ignore[no-untyped-def]
     """The torch forward's layers (forward.ReferenceForward) with the kernels' roundings."""
     s, t = SHAPE, x.shape[0]
@@ -65,7 +77,7 @@ def _reference(x, floats, kc, vc, start, cos, sin, qtype):  # type: ignore[no-un
         q = apply_rope(q.view(t, s.n_heads, s.head_dim), cos, sin, s.rope_interleaved)
         k = apply_rope(k.view(t, s.n_kv_heads, s.head_dim), cos, sin, s.rope_interleaved)
         kc[i][start : start + t], vc[i][start : start + t] = k, v.view(k.shape)
-        att = attention(q, kc[i][: start + t], vc[i][: start + t], start)
+        att = _attention(q, kc[i][: start + t], vc[i][: start + t], start)
         x = x + r(att.reshape(t, -1)) @ f["o"].T
         h = r(rms_norm(x, f["ffn_norm"], s.eps))
         x = x + r(torch.nn.functional.silu(h @ f["gate"].T) * (h @ f["up"].T)) @ f["down"].T
@@ -79,7 +91,7 @@ def _inputs(t: int, start: int, n: int) -> Inputs:
     """x [t, H], n layers' k and v caches holding `start` earlier positions, RoPE's tables."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(t, SHAPE.hidden, generator=gen)
-    cache = [torch.randn(start + t + 2, SHAPE.n_kv_heads, SHAPE.head_dim, generator=gen)
+    cache = [torch.randn(start + t + 2, SHAPE.n_kv_heads, SHAPE.head_dim, generator=gen).half()
              for _ in range(2 * n)]  # fmt: skip
     spec = ModelSpec(arch="llama", n_layers=n, hidden=SHAPE.hidden, n_heads=SHAPE.n_heads,
                      n_kv_heads=SHAPE.n_kv_heads, head_dim=SHAPE.head_dim, vocab_size=32,
@@ -100,8 +112,9 @@ def test_dense_stack_matches_torch(kernels: CpuExperts, qtype: QType, t: int, st
     stack(x, kc, vc, start, cos, sin)
     tol = TOL[qtype] * want.abs().max()
     assert (x - want).abs().max() <= tol
-    for got_c, want_c in zip(kc + vc, ref_kc + ref_vc, strict=True):  # the layer-0 keys
-        assert (got_c - want_c).abs().max() <= TOL[qtype] * want_c.abs().max() * 10
+    for got_c, want_c in zip(kc + vc, ref_kc + ref_vc, strict=True):
+        got_c, want_c = got_c.float(), want_c.float()  # halves: a last-bit difference is 1e-3
+        assert (got_c - want_c).abs().max() <= max(TOL[qtype], 2e-3) * want_c.abs().max()
 
 
 def test_chunks_and_threads_give_the_same_bits(kernels: CpuExperts) -> None:

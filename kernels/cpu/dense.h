@@ -50,6 +50,7 @@ typedef struct {
 } spin_barrier_t;
 
 #define SPINS_BEFORE_YIELD 4096
+#define MAX_HEAD_DIM 512
 
 static void spin_barrier(spin_barrier_t *b, int *local) {
     int s = !*local;
@@ -88,22 +89,107 @@ static void rope(float *v, const float *c, const float *s, int64_t d, int interl
     }
 }
 
-/* out [D] = softmax(q . k_s / sqrt(D)) v over keys s < n; k, v rows `stride` floats apart */
-static void attend(const float *q, const float *k, const float *v, int64_t n, int64_t stride,
-                   int64_t d, float *scores, float *out) {
-    float scale = 1.0f / sqrtf((float)d), mx = -INFINITY, sum = 0.0f;
+#ifdef __AVX2__
+/* e^x for x <= 0 (softmax's shifted scores), 8 at a time: Cephes' expf polynomial (within
+ * 2 ulp of expf); below -87 the result is ~1e-38, as good as 0 beside the largest's 1 */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* scores[s] = e^(scores[s] - mx) for s < n; their sum */
+static float softmax_exp(float *scores, int64_t n, float mx) {
+    int64_t s = 0;
+    float sum = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; s + 8 <= n; s += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), m));
+        _mm256_storeu_ps(scores + s, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; s < n; s++) sum += scores[s] = expf(scores[s] - mx);
+    return sum;
+}
+
+/* float -> IEEE half, rounded to nearest even */
+static inline uint16_t to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x, sign, a;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
+    if (a >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (a > 0x7f800000 ? 0x200 : 0));
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds past the largest half */
+    if (a < 0x38800000) { /* a half subnormal: units of 2^-24 */
+        float af;
+        memcpy(&af, &a, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(af * 16777216.0f));
+    }
+    return (uint16_t)(sign | (a + 0xc8000fff + ((a >> 13) & 1)) >> 13); /* rebias, round */
+#endif
+}
+
+static inline float half_at(const uint16_t *h) { return f16((const uint8_t *)h); }
+
+/* q [D] . k [D] with k in halves */
+static inline float dot_f16(const float *q, const uint16_t *k, int64_t d) {
+    float r = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) {
+        __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i)));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, acc);
+    }
+    r = hsum8(acc);
+#endif
+    for (; i < d; i++) r += q[i] * half_at(k + i);
+    return r;
+}
+
+/* out [D] = softmax(q . k_s / sqrt(D)) v over keys s < n, as llama.cpp computes it with its
+ * half-precision cache: k and v in halves (rows `stride` apart), q and the probabilities
+ * rounded to halves for the products, sums in float */
+static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t n,
+                   int64_t stride, int64_t d, float *scores, float *out) {
+    float qh[MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d), mx = -INFINITY;
+    for (int64_t i = 0; i < d; i++) qh[i] = half_at((uint16_t[]){to_f16(q[i])});
     for (int64_t s = 0; s < n; s++) {
-        scores[s] = float_dot(q, k + s * stride, (int)d) * scale;
+        scores[s] = dot_f16(qh, k + s * stride, d) * scale;
         mx = fmaxf(mx, scores[s]);
     }
+    float inv = 1.0f / softmax_exp(scores, n, mx);
     for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
     for (int64_t s = 0; s < n; s++) {
-        float p = expf(scores[s] - mx);
-        sum += p;
-        const float *vs = v + s * stride;
-        for (int64_t i = 0; i < d; i++) out[i] += p * vs[i];
+        const uint16_t *vs = v + s * stride;
+        float p = half_at((uint16_t[]){to_f16(scores[s] * inv)});
+        int64_t i = 0;
+#ifdef __AVX2__
+        for (__m256 pv = _mm256_set1_ps(p); i + 8 <= d; i += 8) {
+            __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+        }
+#endif
+        for (; i < d; i++) out[i] += p * half_at(vs + i);
     }
-    for (int64_t i = 0; i < d; i++) out[i] /= sum;
 }
 
 /* row tasks of several matrices in one list: task i is rows [r0, r0 + ROWS_PER_TASK) of
@@ -125,11 +211,12 @@ static void rows_tasks(const mat_t *m, int nm, const acts_t *a, const int64_t *v
 }
 
 /* x [T, H] (the residual stream, updated in place) through n_layers layers for the tokens at
- * positions start .. start + T - 1; k_cache[l], v_cache[l]: layer l's [>= start + T, Hkv, D];
+ * positions start .. start + T - 1; k_cache[l], v_cache[l]: layer l's [>= start + T, Hkv, D]
+ * halves;
  * cos/sin [T, D / 2]. Returns 0 or an error as strata_matmul. */
 int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t *layers,
-                        int64_t n_layers, const dense_dims_t *dm, float *const *k_cache,
-                        float *const *v_cache, const float *cos_t, const float *sin_t,
+                        int64_t n_layers, const dense_dims_t *dm, uint16_t *const *k_cache,
+                        uint16_t *const *v_cache, const float *cos_t, const float *sin_t,
                         int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, D = dm->head_dim, F = dm->ffn, S = start + T;
     const int64_t QD = dm->n_heads * D, KD = dm->n_kv_heads * D, W = QD + 2 * KD;
@@ -141,7 +228,7 @@ int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t 
         for (int i = 0; i < 7 && !err; i++)
             err = mat_init(&mats[i], NULL, layers[l].qtype[i], 0, shape[i][0], shape[i][1]);
     }
-    if (err) return err;
+    if (err || D > MAX_HEAD_DIM) return err ? err : -2;
     if (threads < 1) threads = 1;
 #define FLOATS(n) malloc(sizeof(float) * (size_t)(n))
     float *h = FLOATS(T * H), *tmp = FLOATS(T * H), *qkv = FLOATS(T * W), *att = FLOATS(T * QD);
@@ -206,9 +293,9 @@ int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t 
                     rope(v, cos_t + t * D / 2, sin_t + t * D / 2, D, dm->rope_interleaved);
                 if (which) {
                     int64_t kv = (j - dm->n_heads) % dm->n_kv_heads;
-                    float *dst = (which == 1 ? k_cache : v_cache)[l];
+                    uint16_t *dst = (which == 1 ? k_cache : v_cache)[l];
                     dst += ((start + t) * dm->n_kv_heads + kv) * D;
-                    memcpy(dst, v, sizeof(float) * (size_t)D);
+                    for (int64_t e = 0; e < D; e++) dst[e] = to_f16(v[e]);
                 }
             }
             spin_barrier(&bar, &sense);

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.cpu_dense import CACHE_DTYPE
 from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
@@ -150,7 +151,8 @@ class ReferenceForward:
         )
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache.allocate(self.spec, max_len, self.device, self.dtype)
+        dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
+        return KVCache.allocate(self.spec, max_len, self.device, dtype)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """A batch, one sequence after another: the reference defines each sequence alone."""
