@@ -22,21 +22,23 @@ from tests.llama_quant import llama_cpp_types, write_unquantized
 Q4_0, Q5_0, Q5_1, Q8_0 = QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.Q8_0
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K
 IQ3_S, IQ4_NL, F32 = QType.IQ3_S, QType.IQ4_NL, QType.F32
-IQ2_XXS = QType.IQ2_XXS
+IQ3_XXS, IQ2_XXS, IQ2_S = QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_S
 
 # --- the rules, derived by hand from llama_tensor_get_type ----------------------------------
 # tiny-moe: 4 layers, 4 query / 2 KV heads (n_gqa 2), 8 experts; every row is 256 values but
 # ffn_down_exps' (128, one expert's FFN width), which no 256-value type holds.
-#   token_embd: the default type (the model is not tied), but Q2_K for iq2_xxs.
-#   output: Q8_0 for q8_0 (the default is Q8_0 already), Q5_K for iq2_xxs, Q6_K for every other.
-#   attn_q, ffn_gate/up_exps: the default type.
+#   token_embd: the default type (the model is not tied), but IQ3_S for iq3_xxs, Q2_K for
+#     iq2_xxs.
+#   output: Q8_0 for q8_0 (the default is Q8_0 already), Q5_K for iq3_xxs and iq2_xxs, Q6_K
+#     for every other.
+#   attn_q: the default type, but IQ2_S for iq3_xxs; ffn_gate/up_exps: the default type.
 #   attn_k, attn_v: Q8_0 in every file type: "the 8-expert model" bump; iq2_xxs has its own
 #     branch without the bump: Q4_K (attn_k: 8 experts; attn_v: at least 4 experts).
-#   attn_output: Q5_K for q2_k, q3_k_m, q4_k_s, q4_k_m, iq3_s, iq2_xxs (8 experts), else the
-#     default.
+#   attn_output: Q5_K for q2_k, q3_k_m, q4_k_s, q4_k_m, iq3_s, iq3_xxs, iq2_xxs (8 experts),
+#     else the default.
 #   ffn_down_exps [layers 0-1, 2-3]: the ffn_down rule, then the fallback for 128 columns
 #     (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ3_S, IQ2_XXS -> IQ4_NL):
-#     q2_k: Q3_K -> Q4_0; q3_k_m: Q4_K (layer < 4/16 never) -> Q5_0;
+#     q2_k: Q3_K -> Q4_0; q3_k_m: Q4_K (layer < 4/16 never) -> Q5_0; iq3_xxs: Q3_K -> Q4_0;
 #     q4_k_s: Q4_K (layer < 4/8 never) -> Q5_0; q4_k_m, q5_k_m: use_more_bits(i, 4) is
 #     true for layers 2 ((2 - 0) % 3 == 2) and 3 (>= 7*4/8), so Q6_K -> Q8_0 there.
 # columns: token_embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate/up_exps,
@@ -52,6 +54,7 @@ TINY_MOE = {
     "q5_k_m": (Q5_K, Q6_K, Q5_K, Q8_0, Q8_0, Q5_K, Q5_K, Q5_1, Q8_0),
     "q6_k": (Q6_K, Q6_K, Q6_K, Q8_0, Q8_0, Q6_K, Q6_K, Q8_0, Q8_0),
     "iq3_s": (IQ3_S, Q6_K, IQ3_S, Q8_0, Q8_0, Q5_K, IQ3_S, IQ4_NL, IQ4_NL),
+    "iq3_xxs": (IQ3_S, Q5_K, IQ2_S, Q8_0, Q8_0, Q5_K, IQ3_XXS, Q4_0, Q4_0),
     "iq2_xxs": (Q2_K, Q5_K, IQ2_XXS, Q4_K, Q4_K, Q5_K, IQ2_XXS, IQ4_NL, IQ4_NL),
 }
 
@@ -115,6 +118,12 @@ def test_rules_on_a3b_layers() -> None:
     assert _a3b("iq2_xxs", "attn_v", 9) == Q4_K and _a3b("iq2_xxs", "attn_k", 0) == IQ2_XXS
     assert [_a3b("iq2_xxs", "ffn_down_exps", i) for i in (5, 6)] == [Q2_K, IQ2_XXS]
     assert _a3b("iq2_xxs", "attn_output", 0) == IQ2_XXS
+    # iq3_xxs without an imatrix: attn_v Q4_K (n_gqa >= 4), attn_q/k IQ2_S, attn_output IQ3_S
+    # (not 8 experts), ffn_down Q4_K below n_layer/8 = 6, Q3_K from there.
+    assert _a3b("iq3_xxs", "attn_v", 9) == Q4_K and _a3b("iq3_xxs", "attn_k", 0) == IQ2_S
+    assert _a3b("iq3_xxs", "attn_q", 3) == IQ2_S and _a3b("iq3_xxs", "attn_output", 0) == IQ3_S
+    assert [_a3b("iq3_xxs", "ffn_down_exps", i) for i in (5, 6)] == [Q4_K, Q3_K]
+    assert _a3b("iq3_xxs", "ffn_up_exps", 0) == IQ3_XXS
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "a3b"])

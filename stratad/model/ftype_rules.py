@@ -8,8 +8,8 @@ synthetic `q4_k_m` file holds the same mix of types `llama-quantize` would write
 geometry. Read at llama.cpp commit 007dbbf; `tests/test_synth_ftype.py` checks it against the
 installed llama.cpp's own choice (a dry-run quantization) on every preset.
 
-Not ported (the synthetic presets never meet them): the IQ1, IQ2_XS/S/M, IQ3_XXS/XS/M,
-Q2_K_S, Q3_K_S/L, IQ4 and MXFP4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
+Not ported (the synthetic presets never meet them): the IQ1, IQ2_XS/S/M, IQ3_XS/M, Q2_K_S,
+Q3_K_S/L, IQ4 and MXFP4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
 assumed, as for a plain `llama-quantize IN OUT TYPE`) and user overrides (--tensor-type,
 --output-tensor-type, --pure).
 
@@ -55,6 +55,7 @@ FTYPES: Mapping[str, Ftype] = {
         Ftype("q5_k_m", LlamaFileType.MOSTLY_Q5_K_M, QType.Q5_K),
         Ftype("q6_k", LlamaFileType.MOSTLY_Q6_K, QType.Q6_K),
         Ftype("iq3_s", LlamaFileType.MOSTLY_IQ3_S, QType.IQ3_S),
+        Ftype("iq3_xxs", LlamaFileType.MOSTLY_IQ3_XXS, QType.IQ3_XXS),
         Ftype("iq2_xxs", LlamaFileType.MOSTLY_IQ2_XXS, QType.IQ2_XXS),
     )
 }
@@ -154,9 +155,12 @@ def _eight_experts(qtype: QType, otherwise: QType | None) -> Rule:
 
 Q2_K, Q3_K, Q4_K, Q5_K = QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K
 Q6_K, Q8_0 = QType.Q6_K, QType.Q8_0
+IQ3_S, IQ2_S = QType.IQ3_S, QType.IQ2_S
 # llama.cpp's branch for the 1- and 2-bit i-quant file types (of those here, iq2_xxs): its own
 # rules, and none of the bumps below
 LOW_BIT = frozenset({"iq2_xxs"})
+# the file types whose output.weight is Q5_K rather than Q6_K
+_OUTPUT_Q5_K = LOW_BIT | {"iq3_xxs"}
 
 # Per category, per file type: the branch of `llama_tensor_get_type_impl` it takes. File
 # types missing from a category's table keep their default type there.
@@ -165,14 +169,18 @@ _RULES: Mapping[Category, Mapping[str, Rule]] = {
         "iq2_xxs": lambda w: Q4_K if w.model.n_gqa >= 4 or w.model.n_experts >= 4 else Q2_K,
         "q2_k": lambda w: Q4_K if w.model.n_gqa >= 4 else Q3_K,
         "iq3_s": lambda w: Q4_K if w.model.n_gqa >= 4 else None,
+        "iq3_xxs": lambda w: Q4_K if w.model.n_gqa >= 4 else IQ3_S,  # IQ3_XXS with an imatrix
         "q3_k_m": lambda w: Q5_K if w.layer < 2 else Q4_K,
         "q4_k_s": lambda w: Q5_K if w.layer < 4 else None,
         "q4_k_m": _more_bits(Q6_K),
         "q5_k_m": _more_bits(Q6_K),
     },
-    Category.ATTN_K: {"iq2_xxs": _eight_experts(Q4_K, None)},
+    Category.ATTN_K: {"iq2_xxs": _eight_experts(Q4_K, None), "iq3_xxs": lambda w: IQ2_S},
+    Category.ATTN_Q: {"iq3_xxs": lambda w: IQ2_S},
     Category.FFN_DOWN: {
         "iq2_xxs": lambda w: Q2_K if w.layer < w.model.n_layers // 8 else None,
+        # (with an imatrix, the default type past the first eighth)
+        "iq3_xxs": lambda w: Q4_K if w.layer < w.model.n_layers // 8 else Q3_K,
         "q2_k": lambda w: Q3_K,
         "q3_k_m": lambda w: Q5_K if w.layer < w.model.n_layers // 16 else Q4_K,
         "q4_k_s": lambda w: Q5_K if w.layer < w.model.n_layers // 8 else None,
@@ -188,8 +196,10 @@ _RULES: Mapping[Category, Mapping[str, Rule]] = {
         "q4_k_m": _eight_experts(Q5_K, None),
         "iq3_s": _eight_experts(Q5_K, None),
         "iq2_xxs": _eight_experts(Q5_K, None),
+        "iq3_xxs": _eight_experts(Q5_K, IQ3_S),
     },
-    Category.TOKEN_EMBD: {"iq2_xxs": lambda w: Q2_K},  # untied (a tied one is the output's)
+    # untied (a tied one is the output's)
+    Category.TOKEN_EMBD: {"iq2_xxs": lambda w: Q2_K, "iq3_xxs": lambda w: IQ3_S},
 }
 
 # Applied after the table in every file type but the low-bit ones: llama.cpp bumps attn_v
@@ -251,11 +261,11 @@ _LAYER = re.compile(r"blk\.(\d+)\.")
 
 def _output_type(ftype: Ftype, cols: int) -> QType:
     """output.weight (and a tied token_embd): Q8_0 where rows are not whole blocks of the
-    default type or the default is Q8_0 already, Q5_K in the low-bit i-quant file types,
-    otherwise Q6_K."""
+    default type or the default is Q8_0 already, Q5_K in the 2- and 3-bit i-quant file
+    types but iq3_s, otherwise Q6_K."""
     if cols % _block(ftype.default) or ftype.default == Q8_0:
         return Q8_0
-    return Q5_K if ftype.name in LOW_BIT else Q6_K
+    return Q5_K if ftype.name in _OUTPUT_Q5_K else Q6_K
 
 
 def tensor_type(name: str, shape: tuple[int, ...], ftype: Ftype, model: ModelShape) -> QType | None:

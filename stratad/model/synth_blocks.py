@@ -9,11 +9,11 @@ values have mean 0 and the requested standard deviation:
   random sign, so the quants' small offset (-8..7 has mean -1/2) cancels over blocks;
 - types with a minimum (Q2_K, Q4_K, Q5_K, Q5_1): each sub-block's minimum equals its scale
   times half the quant range, so values are `d * sc * (q - (levels - 1) / 2)`;
-- Q3_K and Q6_K: sub-block scales of random sign; IQ3_S and IQ2_XXS: 4-bit sub-block
-  scales 8..15 over the signed grid values.
+- Q3_K and Q6_K: sub-block scales of random sign; IQ3_S, IQ3_XXS, IQ2_XXS and IQ2_S: 4-bit
+  sub-block scales 8..15 over the signed grid values.
 
 `d` comes from the exact second moment of that construction (the quant levels, the scale
-choices and, for IQ4_NL, IQ3_S and IQ2_XXS, gguf-py's copy of llama.cpp's value tables), so the
+choices and, for IQ4_NL and the grid types, gguf-py's copy of llama.cpp's value tables), so the
 spread is right in expectation, not fitted. Every draw comes from one SFC64 stream seeded by
 the caller: same seed, same bytes. Vectorised numpy; generating a block costs less than
 writing it to disk.
@@ -170,10 +170,7 @@ def _write_q6_k(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) ->
 
 # --- i-quants ------------------------------------------------------------------------------------
 
-# 4-bit sub-block scales s drawn from 8..15, as d's factor: IQ3_S's 1 + 2 s, IQ2_XXS's
-# (0.5 + s) / 4
-_IQ3S_SCALES = 1 + 2 * np.arange(8, 16)
-_IQ2XXS_SCALES = (0.5 + np.arange(8, 16)) / 4
+_SCALES = np.arange(8, 16)  # the i-quants' 4-bit sub-block scales s, drawn from 8..15
 
 
 @cache
@@ -185,29 +182,20 @@ def _grid_mean_square(name: str) -> float:
     return _mean_square(quant.grid)
 
 
-def _scale_nibbles_8_to_15(r: np.ndarray, low: bool) -> np.ndarray:
-    """Bytes `r` with their high nibble (and, with `low`, the low one too) set to 8..15 from
-    their own random bits."""
-    high = (8 | ((r >> 4) & 7)) << 4
-    return high | ((8 | (r & 7)) if low else (r & 0x0F))
+def _grid_type(name: str, factors: np.ndarray, scales_at: slice | np.ndarray, both: bool) -> Writer:
+    """An i-quant whose grid indices and sign bits stay uniform random (every index is a grid
+    point; each sign is as often minus as plus, the 7-bit sign indices included): d from the
+    grid's second moment and that of d's factor per scale s (`factors`); the 4-bit scales at
+    bytes `scales_at` drawn from 8..15 (both nibbles, or only the high one)."""
+    mean_square = _mean_square(factors) * _grid_mean_square(name)
 
+    def write(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
+        _put_fp16(blocks, 0, _fp16_scale(std, mean_square), random_sign=False)
+        r = blocks[:, scales_at]
+        high = (8 | ((r >> 4) & 7)) << 4
+        blocks[:, scales_at] = high | ((8 | (r & 7)) if both else (r & 0x0F))
 
-def _write_iq3_s(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
-    # d | qs[64] | qh[8] | signs[32] | scales[4]: 9-bit indices into a 512-entry grid (every
-    # index valid) and a free sign bit per value, both left uniform random.
-    d = _fp16_scale(std, _mean_square(_IQ3S_SCALES) * _grid_mean_square("IQ3_S"))
-    _put_fp16(blocks, 0, d, random_sign=False)
-    blocks[:, 106:110] = _scale_nibbles_8_to_15(blocks[:, 106:110], low=True)
-
-
-def _write_iq2_xxs(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
-    # d | 8 x (4 indices into a 256-entry grid | uint32: 4 x 7-bit sign indices, then the
-    # 4-bit scale): indices and sign indices left uniform random (every 7 bits name 8 signs,
-    # each one as often minus as plus); the scale is the high nibble of each word's last byte.
-    d = _fp16_scale(std, _mean_square(_IQ2XXS_SCALES) * _grid_mean_square("IQ2_XXS"))
-    _put_fp16(blocks, 0, d, random_sign=False)
-    last = 2 + 8 * np.arange(8) + 7
-    blocks[:, last] = _scale_nibbles_8_to_15(blocks[:, last], low=False)
+    return write
 
 
 _WRITERS: Mapping[QType, Writer] = {
@@ -221,8 +209,16 @@ _WRITERS: Mapping[QType, Writer] = {
     QType.Q4_K: _with_minimum(16, scales_at=4),
     QType.Q5_K: _with_minimum(32, scales_at=4),
     QType.Q6_K: _write_q6_k,
-    QType.IQ3_S: _write_iq3_s,
-    QType.IQ2_XXS: _write_iq2_xxs,
+    # d | qs[64] | qh[8] | signs[32] | scales[4]: d (1 + 2 s)
+    QType.IQ3_S: _grid_type("IQ3_S", 1 + 2 * _SCALES, slice(106, 110), both=True),
+    # d | qs[64] | 8 x uint32 (4 x 7-bit sign indices, s on top): d (0.5 + s) / 2
+    QType.IQ3_XXS: _grid_type("IQ3_XXS", (0.5 + _SCALES) / 2, 66 + 4 * np.arange(8) + 3,
+                              both=False),
+    # d | 8 x (4 grid indices | uint32 as IQ3_XXS's): d (0.5 + s) / 4
+    QType.IQ2_XXS: _grid_type("IQ2_XXS", (0.5 + _SCALES) / 4, 2 + 8 * np.arange(8) + 7,
+                              both=False),
+    # d | qs[32] | signs[32] | qh[8] (index bits 8-9) | scales[8]: d (0.5 + s) / 4
+    QType.IQ2_S: _grid_type("IQ2_S", (0.5 + _SCALES) / 4, slice(74, 82), both=True),
 }
 
 BLOCK_TYPES: frozenset[QType] = frozenset(_WRITERS)
