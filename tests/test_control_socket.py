@@ -1,17 +1,14 @@
-"""The control socket with canned answers: wire format, bad input, access, and the CLI's output.
-
-The real daemon drives the same server in tests/test_ops_daemon.py; here a provider with a MoE
-model whose coverage is short shows what the dense default model cannot (exit code 3, the
-per-layer table, a degraded plan).
+"""The control socket with canned answers (tests/control_fake.py): wire format, bad input,
+limits and concurrency. Access by peer credentials and the CLI's output on a MoE daemon whose
+coverage is short are in tests/test_control_access.py; the real daemon drives the same server in
+tests/test_ops_daemon.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -20,122 +17,24 @@ from pathlib import Path
 import pytest
 
 from stratactl.__main__ import main as stratactl
-from stratactl.client import Client, ClientError, DaemonError
-from stratad.control.provider import Unavailable
+from stratactl.client import Client, DaemonError
 from stratad.control.server import ControlError, ControlServer
 from stratad.protocol import (
     MAX_REQUEST_BYTES,
-    CoverageReply,
     DrainReply,
     DrainRequest,
     ErrorReply,
-    LayerCoverage,
-    PlanReply,
-    ProfileSaveReply,
-    StatsReply,
     StatusReply,
     StatusRequest,
-    Tier,
-    UndrainReply,
     decode_reply,
-    encode,
 )
-
-GiB = 1 << 30
-
-
-class ShortCoverage:
-    """A MoE daemon whose start landed short: 5 of 8 experts of layer 1 are file-only."""
-
-    def __init__(self) -> None:
-        self.drains: list[float] = []
-        self.fail_next = False
-
-    def status(self) -> StatusReply:
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("provider bug")
-        return StatusReply(state="serving", version="0.1.0", pid=os.getpid(), uptime_s=12.0,
-                           model="tiny-moe.gguf", arch="qwen3moe", device="cpu", moe=True,
-                           plan_hash="0123456789ab", coverage_complete=False)
-
-    def coverage(self) -> CoverageReply:
-        return CoverageReply(
-            moe=True, experts=16, in_vram=0, in_ram=11, in_file_only=5, routed_mass=0.8,
-            complete=False, file_reads=40, file_read_bytes=40 * 57344,
-            estimated_cost="5 experts (0.00 GiB) are read from the file when routed; expect up"
-                           " to 26% less prompt speed on long prompts",
-            estimated_slowdown=0.26,
-            layers=[LayerCoverage(layer=0, experts=8, in_vram=0, in_ram=8, file_only=0,
-                                  routed_mass=1.0),
-                    LayerCoverage(layer=1, experts=8, in_vram=0, in_ram=3, file_only=5,
-                                  routed_mass=0.6)])
-
-    def plan(self) -> PlanReply:
-        return PlanReply(hash="0123456789ab", moe=True, ram=Tier(experts=11, bytes=11 * 57344),
-                         file=Tier(experts=5, bytes=5 * 57344), ram_budget_bytes=GiB,
-                         degraded=True, inputs={"profile": "(none: uniform)"})
-
-    def stats(self) -> StatsReply:
-        return StatsReply(requests=3, prompt_tokens=90, completion_tokens=30,
-                          tier_hits={"vram": 0, "ram": 30, "file": 10})
-
-    def save_profile(self, path: str) -> ProfileSaveReply:
-        if not path:
-            raise Unavailable("no path given and store.expert_profile is not set")
-        Path(path).write_text("{}")
-        return ProfileSaveReply(path=path, experts=16, bytes=2)
-
-    def drain(self, wait_s: float) -> DrainReply:
-        self.drains.append(wait_s)
-        return DrainReply(in_flight=1, drained=False)
-
-    def undrain(self) -> UndrainReply:
-        return UndrainReply(serving=False, state="draining")
-
-
-def socket_dir() -> Path:
-    """A directory any uid can traverse (pytest's own temp dirs are 0700 root)."""
-    d = Path(tempfile.mkdtemp(prefix="strata-ctl-"))
-    d.chmod(0o755)
-    return d
-
-
-@contextlib.contextmanager
-def serving(mode: int = 0o660, gid: int | None = None) -> Iterator[tuple[Path, ShortCoverage]]:
-    provider = ShortCoverage()
-    path = socket_dir() / "stratad.sock"
-    server = ControlServer(path, provider, mode=mode, gid=gid, idle_timeout_s=1,
-                           max_clients_per_peer=8)  # fmt: skip
-    server.start()
-    try:
-        yield path, provider
-    finally:
-        server.stop()
-        path.parent.rmdir()
+from tests.control_fake import ShortCoverage, as_nobody, raw, serving, socket_dir
 
 
 @pytest.fixture
 def ctl() -> Iterator[tuple[Path, ShortCoverage]]:
     with serving() as s:
         yield s
-
-
-def raw(path: Path, data: bytes, read: bool = True) -> bytes:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(str(path))
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            s.sendall(data)  # the server may answer and close before reading it all
-        if not read:
-            return b""
-        out = b""
-        while not out.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            out += chunk
-        return out
 
 
 def test_socket_file_mode_and_cleanup() -> None:
@@ -239,7 +138,7 @@ def test_idle_connections_close_and_one_peer_cannot_lock_others_out() -> None:
             s.connect(str(path))
             held.append(s)
         try:
-            assert _as_nobody(path)[0] == "status"  # another peer gets in
+            assert as_nobody(path)[0] == "status"  # another peer gets in
             # a ninth of root's closes its longest-idle one, and is answered
             assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
             held[0].settimeout(1)
@@ -267,7 +166,7 @@ def test_waiting_drains_hold_no_worker_and_fill_the_peer_limit() -> None:
         with pytest.raises(DaemonError, match="uid 0 holds 8 control connections"):
             Client(path).request(StatusRequest(), StatusReply)
         t0 = time.monotonic()
-        assert _as_nobody(path)[0] == "status"  # the 4 workers are not held by the drains
+        assert as_nobody(path)[0] == "status"  # the 4 workers are not held by the drains
         assert time.monotonic() - t0 < 1.5
         for t in waits:
             t.join()
@@ -298,119 +197,3 @@ def test_concurrent_clients(ctl: tuple[Path, ShortCoverage]) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert not errors
-
-
-# ---- access ------------------------------------------------------------------------------
-
-
-def _as_nobody(path: Path) -> tuple[str, str]:
-    """Connect from a forked child running as nobody:nogroup; (kind, detail) of what happened."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                reply = Client(path, timeout_s=5).exchange(encode(StatusRequest()))
-                kind = str(reply.__struct_config__.tag)
-                result = {"kind": kind, "detail": getattr(reply, "error", "")}
-            except ClientError as e:
-                result = {"kind": "client-error", "detail": str(e)}
-            os.write(w, json.dumps(result).encode())
-        except BaseException as e:  # pragma: no cover - reported to the parent
-            os.write(w, json.dumps({"kind": "crash", "detail": repr(e)}).encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = json.loads(f.read())
-    os.waitpid(pid, 0)
-    return out["kind"], out["detail"]
-
-
-def test_non_member_is_refused_by_peer_credentials() -> None:
-    assert os.getuid() == 0, "this test switches uid: it runs as root (as CI does)"
-    # mode 0666 lets anyone connect: the SO_PEERCRED check must refuse
-    with serving(mode=0o666) as (path, _):
-        kind, detail = _as_nobody(path)
-        assert kind == "error"
-        assert "permission denied: uid 65534" in detail and "is not root" in detail
-        assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
-
-
-def test_non_member_is_stopped_by_the_file_mode() -> None:
-    assert os.getuid() == 0
-    with serving(mode=0o660) as (path, _):
-        kind, detail = _as_nobody(path)
-        assert kind == "client-error" and "permission denied on" in detail
-
-
-def test_group_member_is_let_in() -> None:
-    assert os.getuid() == 0
-    with serving(mode=0o666, gid=65534) as (path, _):  # the socket's group: nogroup
-        assert oct(path.stat().st_mode & 0o777) == oct(0o666) and path.stat().st_gid == 65534
-        kind, _ = _as_nobody(path)
-        assert kind == "status"
-
-
-# ---- the CLI's output on a MoE daemon whose coverage is short ---------------------------
-
-
-def test_coverage_short_exits_3_with_the_table(
-    ctl: tuple[Path, ShortCoverage], capsys: pytest.CaptureFixture[str]
-) -> None:
-    path, _ = ctl
-    assert stratactl(["coverage", "--socket", str(path)]) == 3
-    out = capsys.readouterr().out
-    assert "coverage: 11 of 16 experts keep a copy in RAM or VRAM (68.8%" in out
-    assert "INCOMPLETE: 5 experts are read from the pack file when routed" in out
-    assert "expect up to 26% less prompt speed" in out
-    assert "    1       8     0     3     5       60.0%" in out
-    assert stratactl(["coverage", "--json", "--socket", str(path)]) == 3
-    data = json.loads(capsys.readouterr().out)
-    assert data["complete"] is False and data["layers"][1]["file_only"] == 5
-
-
-def test_plan_status_stats_drain_human_and_json(
-    ctl: tuple[Path, ShortCoverage], capsys: pytest.CaptureFixture[str]
-) -> None:
-    path, provider = ctl
-    sock = ["--socket", str(path)]
-    assert stratactl(["plan", *sock]) == 0
-    out = capsys.readouterr().out
-    assert "plan 0123456789ab (DEGRADED" in out and "ram        11 experts" in out
-    assert stratactl(["status", *sock]) == 0
-    assert "coverage INCOMPLETE (stratactl coverage)" in capsys.readouterr().out
-    assert stratactl(["stats", *sock]) == 0
-    assert "expert uses by tier: file 25.0%, ram 75.0%, vram 0.0%" in capsys.readouterr().out
-    t0 = time.monotonic()
-    assert stratactl(["drain", "--wait", "1.5", *sock]) == 3
-    assert "1 request(s) still in flight" in capsys.readouterr().out
-    assert 1.5 <= time.monotonic() - t0 < 3 and provider.drains[0] == 0.0
-    for verb in ("plan", "status", "stats"):
-        assert stratactl([verb, "--json", *sock]) == 0
-        assert json.loads(capsys.readouterr().out)["type"] == verb
-
-
-def test_no_daemon_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert stratactl(["status", "--socket", "/nonexistent/stratad.sock"]) == 1
-    assert "no control socket at /nonexistent/stratad.sock: is stratad running?" in (
-        capsys.readouterr().err)
-
-
-def test_socket_found_through_the_environment(
-    ctl: tuple[Path, ShortCoverage], monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    path, _ = ctl
-    monkeypatch.setenv("STRATA_CONTROL_SOCKET", str(path))
-    t0 = time.monotonic()
-    assert stratactl(["status"]) == 0
-    assert "tiny-moe.gguf" in capsys.readouterr().out
-    assert time.monotonic() - t0 < 5
