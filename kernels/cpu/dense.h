@@ -42,15 +42,34 @@ typedef struct {                /* the shapes, as kernels/cpu_dense.py's _Dims m
     float eps;
 } dense_dims_t;
 
-/* A sense-reversing barrier: spin (the partner is working in this same call), yielding the
- * core after a while in case the partner was preempted by another process. */
+/* A sense-reversing barrier: a thread that arrives early spins a while (the partner is
+ * working in this same call), then sleeps on a futex until the last one wakes it. Yielding
+ * instead handed the core to a busy neighbour process for its whole slice (decode steps of
+ * 13-66 ms where one thread took 11), and pure spinning burned the slice the preempted
+ * partner needed (100-300 ms). */
 typedef struct {
-    _Atomic int count, sense;
+    _Atomic int count, sense, sleepers;
     int n;
 } spin_barrier_t;
 
-#define SPINS_BEFORE_YIELD 4096
+#define SPINS_BEFORE_SLEEP 1000 /* pauses: some 30 us here */
 #define MAX_HEAD_DIM 512
+
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only for _GNU_SOURCE */
+static void sleep_while(_Atomic int *addr, int value) {
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+static void wake_all(_Atomic int *addr) {
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+#else
+static void sleep_while(_Atomic int *addr, int value) { (void)addr, (void)value, sched_yield(); }
+static void wake_all(_Atomic int *addr) { (void)addr; }
+#endif
 
 static void spin_barrier(spin_barrier_t *b, int *local) {
     int s = !*local;
@@ -58,17 +77,19 @@ static void spin_barrier(spin_barrier_t *b, int *local) {
     if (atomic_fetch_add(&b->count, 1) == b->n - 1) {
         atomic_store(&b->count, 0);
         atomic_store(&b->sense, s);
+        /* seq_cst both sides: either a sleeper is counted here or it sees the new sense */
+        if (atomic_load(&b->sleepers)) wake_all(&b->sense);
         return;
     }
-    for (int i = 0; atomic_load_explicit(&b->sense, memory_order_acquire) != s; i++) {
-        if (i < SPINS_BEFORE_YIELD) {
+    for (int i = 0; i < SPINS_BEFORE_SLEEP; i++) {
+        if (atomic_load_explicit(&b->sense, memory_order_acquire) == s) return;
 #ifdef __SSE2__
-            _mm_pause();
+        _mm_pause();
 #endif
-        } else {
-            sched_yield();
-        }
     }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->sense) != s) sleep_while(&b->sense, !s);
+    atomic_fetch_sub(&b->sleepers, 1);
 }
 
 /* y = x / rms(x) * w over n values */
@@ -253,7 +274,7 @@ int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t 
     float **const qkv_outs[3] = {outs, outs + T, outs + 2 * T};
     float **const gu_outs[2] = {outs + 4 * T, outs + 5 * T};
     float **const o_outs[1] = {outs + 3 * T}, **const down_outs[1] = {outs + 6 * T};
-    spin_barrier_t bar = {0, 0, threads};
+    spin_barrier_t bar = {0, 0, 0, threads};
 #pragma omp parallel num_threads(threads)
     {
         int sense = 0, me = 0;
