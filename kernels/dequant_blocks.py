@@ -3,9 +3,10 @@ types the engine keeps as blocks (everything but Q4_0, which it keeps split: `ke
 
 `sections` [n, bytes] holds one matrix [rows, cols] of GGUF blocks per row (which may be a
 column slice of a wider buffer, e.g. one projection of every expert blob); the result is
-[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0 and IQ3_S are decoded a
-block at a time (each scale loaded once per sub-block, the tile stored in the blocks' own
-shape); the other types value by value by the GEMV kernel's tile decoder
+[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0, IQ3_S and the low-bit
+grid i-quants (IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: `kernels.iq_decode.grid_block`) are
+decoded a block at a time (each scale loaded once per sub-block, the tile stored in the
+blocks' own shape); the other types value by value by the GEMV kernel's tile decoder
 (`kernels.gemv._dequant_tile`). Both follow llama.cpp's formulas in float32, and each value
 is rounded once to the output dtype (bfloat16 to nearest even in integers, so Triton's
 interpreter agrees with the GPU): bit-identical to `kernels.quant.dequantize(...).to(dtype)`.
@@ -27,6 +28,7 @@ from kernels import iq_tables
 from kernels.byte_loads import _load_f16, _load_u8
 from kernels.dequant import DEQUANT_DTYPES, _to_bf16
 from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min
+from kernels.iq_decode import GRID_BITS, GRID_QTYPES, grid_block, grid_block_bytes, grid_width
 from kernels.iq_tables import iq_tables as tables_on
 from kernels.quant import QType, dequantize, row_bytes
 
@@ -36,7 +38,7 @@ Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
 IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 # the types decoded a block at a time, 256 columns per program
-TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ3_S})
+TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ3_S}) | GRID_QTYPES
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,17 @@ def _blocks_kernel(
         sign = (_load_u8(blk + 74 + 4 * b + p // 2, mask) >> (4 * (p % 2) + j)) & 1
         w = tl.where(sign == 1, -w, w)
         dst = out + r4.to(tl.int64) * cols + c0 + 32 * b + 4 * p + j
+    elif (GRID_BITS >> QTYPE) & 1:  # [BR, block 8, grid point, value]: a table word per point
+        WIDTH: tl.constexpr = grid_width(QTYPE)
+        r4 = r[:, None, None, None]
+        b = tl.arange(0, 8)[None, :, None, None]
+        p = tl.arange(0, 32 // WIDTH)[None, None, :, None]
+        j = tl.arange(0, WIDTH)[None, None, None, :]
+        mask = r4 < rows
+        blk = src + r4.to(tl.int64) * row_bytes + (c0 // 256) * grid_block_bytes(QTYPE)
+        g, scale = grid_block(blk, b, p, j, mask, tab_ptr, QTYPE)
+        w = scale * g
+        dst = out + r4.to(tl.int64) * cols + c0 + 32 * b + WIDTH * p + j
     else:  # value by value
         r2 = r[:, None]
         c = c0 + tl.arange(0, BLOCK_C)[None, :]  # [1, BC]

@@ -1,12 +1,17 @@
-"""The i-quants decoded value by value in Triton: the tile decoder's share
-(`kernels.gemv._dequant_tile`) for IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and
-IQ1_S, which the GEMV kernel, the fused MoE kernels' fallback row dot and the prefill
-dequantization all call.
+"""The i-quants decoded in Triton, two ways:
 
-Each element of a tile locates its own block, grid point, sign bit and scale, so a tile need
-not align with blocks. The grids and the sign table are read from the one table buffer
-(`kernels.iq_tables`, at `tab_ptr`). The arithmetic is llama.cpp's, in the order the torch
-references use (`kernels.quant_iq`), so each value is bit-identical to theirs.
+- `dequant_iq`, value by value: the tile decoder's share (`kernels.gemv._dequant_tile`) for
+  IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S, which the GEMV kernel,
+  the fused MoE kernels' fallback row dot and the prefill dequantization call. Each element
+  locates its own block, grid point, sign bit and scale, so a tile need not align with blocks.
+- `grid_block`, a super-block at a time for the low-bit grid types (`GRID_QTYPES`: IQ3_XXS,
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S), as [32-value block, grid point, value]: one table word per
+  grid point (its 4 or 8 values), one sign byte and scale per point. The MoE row dot
+  (`kernels.moe_dots_iq`) and the prefill dequantization (`kernels.dequant_blocks`) use it.
+
+The grids and the sign table are read from the one table buffer (`kernels.iq_tables`, at
+`tab_ptr`). The arithmetic is llama.cpp's, in the order the torch references use
+(`kernels.quant_iq`), so each value is bit-identical to theirs.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels import iq_tables
-from kernels.byte_loads import _load_f16, _load_u8, _load_u16
-from kernels.quant import QType
+from kernels.byte_loads import _load_f16, _load_u8, _load_u16, _load_u32
+from kernels.quant import QType, block_geometry
 
 IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
@@ -35,10 +40,25 @@ IQ2_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ2_S_GRID)
 IQ1_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ1_S_GRID)
 KSIGNS: tl.constexpr = tl.constexpr(iq_tables.KSIGNS)
 IQ1S_DELTA: tl.constexpr = tl.constexpr(0.125)  # llama.cpp's IQ1S_DELTA
-IQ_QTYPES: frozenset[QType] = frozenset(
-    {QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S, QType.IQ3_XXS}
-    | {QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
+# the low-bit grid types `grid_block` reads, and the same as bits 1 << type (Triton has no `in`)
+GRID_QTYPES: frozenset[QType] = frozenset(
+    {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
 )
+GRID_BITS: tl.constexpr = tl.constexpr(sum(1 << int(q) for q in GRID_QTYPES))
+IQ_QTYPES: frozenset[QType] = frozenset({QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}) | GRID_QTYPES
+# (values per grid point, bytes per block) of each grid type
+_GRID_SHAPES = {int(q): (4 if q == QType.IQ3_XXS else 8, block_geometry(q)[1]) for q in GRID_QTYPES}
+
+
+@triton.constexpr_function
+def grid_width(qtype: int) -> int:
+    """The values per grid point of grid type `qtype`: 4 for IQ3_XXS, else 8."""
+    return _GRID_SHAPES[qtype][0]
+
+
+@triton.constexpr_function
+def grid_block_bytes(qtype: int) -> int:
+    return _GRID_SHAPES[qtype][1]
 
 
 @triton.jit
@@ -147,3 +167,64 @@ def dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         dl = _load_f16(blk, mask) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
         w = dl * (g.to(tl.int8, bitcast=True).to(tl.float32) + delta)
     return w
+
+
+@triton.jit
+def grid_block(blk, b, p, j, mask, tab_ptr, QTYPE: tl.constexpr):
+    """The super-block of grid type QTYPE at byte address `blk` [R, 1, 1, 1] as a tile over
+    b [1, 8, 1, 1] (32-value block), p [1, 1, P, 1] (grid point) and j [1, 1, 1, W] (value;
+    W = grid_width(QTYPE), P = 32 / W): value 32b + W p + j. Returns (g, scale): the signed
+    grid values [R, 8, P, W] (IQ1_S's shifted by its delta) and each point's factor
+    [R, 8, P, 1], d (0.5 + s) / 2 or / 4 (IQ1_S: d (2 s + 1)); scale * g is the weight."""
+    WIDTH: tl.constexpr = grid_width(QTYPE)
+    if QTYPE == IQ3_XXS or QTYPE == IQ2_XXS:  # noqa: SIM109 (Triton has no `in`)
+        # the grid indices: 8 bytes per 32 values; then a uint32 per 32 values
+        code = _load_u8(blk + 2 + 8 * b + p, mask)  # [R, 8, P, 1]
+        if QTYPE == IQ3_XXS:
+            aux = _load_u32(blk + 66 + 4 * b, mask)  # [R, 8, 1, 1]
+            grid_at = IQ3_XXS_GRID
+            mult = 0.5
+        else:
+            aux = _load_u32(blk + 6 + 8 * b, mask)
+            grid_at = IQ2_XXS_GRID
+            mult = 0.25
+        group = (WIDTH * p) // 8  # the point's 8 values' 7-bit sign index
+        signs = _load_u8(tab_ptr + KSIGNS + ((aux >> (7 * group)) & 127), mask)
+        signs = signs >> ((WIDTH * p) % 8)
+        factor = 0.5 + ((aux >> 28) & 0xF).to(tl.float32)
+    elif QTYPE == IQ2_XS:  # a uint16 per point: 9-bit grid index, 7-bit sign index
+        q = _load_u16(blk + 2 + 8 * b + 2 * p, mask)
+        code = q & 511
+        signs = _load_u8(tab_ptr + KSIGNS + (q >> 9), mask)
+        factor = 0.5 + ((_load_u8(blk + 66 + b, mask) >> (4 * (p // 2))) & 0xF).to(tl.float32)
+        grid_at = IQ2_XS_GRID
+        mult = 0.25
+    elif QTYPE == IQ2_S:  # qs | signs | qh (index bits 8-9) | scales, a byte per point
+        high = (_load_u8(blk + 66 + b, mask) >> (2 * p)) & 3
+        code = _load_u8(blk + 2 + 4 * b + p, mask) | (high << 8)
+        signs = _load_u8(blk + 34 + 4 * b + p, mask)
+        factor = 0.5 + ((_load_u8(blk + 74 + b, mask) >> (4 * (p // 2))) & 0xF).to(tl.float32)
+        grid_at = IQ2_S_GRID
+        mult = 0.25
+    else:  # IQ1_S: qs | a uint16 per 32 values (3 x 3 index bits, 3-bit scale, delta sign)
+        tl.static_assert(QTYPE == IQ1_S, "grid_block reads IQ3_XXS, IQ2_XXS/XS/S, IQ1_S")
+        qh = _load_u16(blk + 34 + 2 * b, mask)  # [R, 8, 1, 1]
+        code = _load_u8(blk + 2 + 4 * b + p, mask) | (((qh >> (3 * p)) & 7) << 8)
+        factor = (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        grid_at = IQ1_S_GRID
+    if WIDTH == 4:  # the point's values as one word of the table
+        word = tl.load((tab_ptr + grid_at + 4 * code).to(tl.pointer_type(tl.int32)),
+                       mask=mask, other=0)  # fmt: skip
+    else:
+        word = tl.load((tab_ptr + grid_at + 8 * code).to(tl.pointer_type(tl.int64)),
+                       mask=mask, other=0)  # fmt: skip
+    g = ((word >> (8 * j)) & 0xFF).to(tl.int32)  # [R, 8, P, W]
+    d = _load_f16(blk, mask)
+    if QTYPE == IQ1_S:  # grid values -1, 0, 1 (as bytes), shifted by +-delta
+        delta = tl.where((qh >> 15) == 1, -IQ1S_DELTA, IQ1S_DELTA)
+        g = tl.where(g > 127, g - 256, g).to(tl.float32) + delta
+        scale = d * factor
+    else:
+        g = tl.where(((signs >> j) & 1) == 1, -g, g).to(tl.float32)
+        scale = (d * factor) * mult
+    return g, scale

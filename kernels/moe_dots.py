@@ -25,7 +25,8 @@ import triton.language as tl
 
 from kernels.byte_loads import _load_f16
 from kernels.gemv import _dequant_tile, _k_scale_min
-from kernels.moe_dots_iq import GRID_BITS, _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
+from kernels.iq_decode import GRID_BITS
+from kernels.moe_dots_iq import _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
 from kernels.quant import QType
 
 Q2_K: tl.constexpr = tl.constexpr(int(QType.Q2_K))

@@ -6,9 +6,10 @@ per row, dot x [K] -> [BLOCK_N] float32, a 256-value super-block per step).
   32 values.
 - IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
   lookup per grid point of 4 weights, the block's scale once.
-- IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S (`_grid_rows_dot`): a super-block as [32-value
-  block, grid point, value]: one grid lookup per point (its 4 or 8 values as one 32- or
-  64-bit word of the table), one sign byte per point, the scale once per point's dot.
+- IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S (`_grid_rows_dot`): a super-block as
+  `kernels.iq_decode.grid_block` decodes it, [32-value block, grid point, value]: one grid
+  lookup per point (its 4 or 8 values as one 32- or 64-bit word of the table), one sign byte
+  per point, the scale once per point's dot.
 """
 
 from __future__ import annotations
@@ -16,37 +17,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.byte_loads import _load_f16, _load_u8, _load_u16, _load_u32
+from kernels.byte_loads import _load_f16
 from kernels.iq_decode import (
-    IQ1_S,
-    IQ1_S_GRID,
-    IQ2_S,
-    IQ2_S_GRID,
-    IQ2_XS,
-    IQ2_XS_GRID,
-    IQ2_XXS,
-    IQ2_XXS_GRID,
+    GRID_BITS,
     IQ3_S_GRID,
-    IQ3_XXS,
-    IQ3_XXS_GRID,
     IQ4_VALUES,
-    KSIGNS,
+    grid_block,
+    grid_block_bytes,
+    grid_width,
 )
-from kernels.quant import QType, block_geometry
-
-# the types `_grid_rows_dot` reads, and the same as bits 1 << type (Triton has no `in`)
-GRID_QTYPES: frozenset[QType] = frozenset(
-    {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
-)
-GRID_BITS: tl.constexpr = tl.constexpr(sum(1 << int(q) for q in GRID_QTYPES))
-
-
-_BYTES = {int(q): block_geometry(q)[1] for q in GRID_QTYPES}
-
-
-@triton.constexpr_function
-def _block_bytes(qtype: int) -> int:
-    return _BYTES[qtype]
 
 
 @triton.jit
@@ -116,72 +95,20 @@ def _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N
 @triton.jit
 def _grid_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE: tl.constexpr,
                    BLOCK_N: tl.constexpr):  # fmt: skip
-    """IQ3_XXS (98 bytes, grid points of 4 values), IQ2_XXS (66), IQ2_XS (74), IQ2_S (82),
-    IQ1_S (50; grid points of 8). The tile is [BN, b, p, j]: value 32b + W p + j (W the
-    point's width) is byte j of grid point `code` (the point's word of the table), signed by
-    bit j of `signs`, times the point's scale factor `sc`; the super-block's d and the type's
-    constant factor once. IQ1_S has no signs; its values are shifted by +-delta per 32."""
-    tl.static_assert((GRID_BITS >> QTYPE) % 2 == 1, "_grid_rows_dot reads IQ3_XXS, IQ2_*, IQ1_S")
-    WIDTH: tl.constexpr = 4 if QTYPE == IQ3_XXS else 8
-    BYTES: tl.constexpr = _block_bytes(QTYPE)
-    POINTS: tl.constexpr = 32 // WIDTH
+    """IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: a super-block per step as `grid_block`'s tile
+    [BN, 32-value block, grid point, value], each point's dot scaled once."""
+    tl.static_assert((GRID_BITS >> QTYPE) % 2 == 1, "_grid_rows_dot reads the grid types")
+    WIDTH: tl.constexpr = grid_width(QTYPE)
+    BYTES: tl.constexpr = grid_block_bytes(QTYPE)
     b = tl.arange(0, 8)[None, :, None, None]
-    p = tl.arange(0, POINTS)[None, None, :, None]
+    p = tl.arange(0, 32 // WIDTH)[None, None, :, None]
     j = tl.arange(0, WIDTH)[None, None, None, :]
     mask4 = row_mask[:, None, None, None]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for sb in range(0, K // 256):
         blk = w_ptr + rows.to(tl.int64)[:, None, None, None] * ROW_BYTES + sb * BYTES
-        if QTYPE == IQ3_XXS or QTYPE == IQ2_XXS:  # noqa: SIM109 (Triton has no `in`)
-            # qs: 8 bytes per 32 values; a uint32 per 32 values
-            code = _load_u8(blk + 2 + 8 * b + p, mask4)  # [BN, 8, P, 1]
-            if QTYPE == IQ3_XXS:
-                aux = _load_u32(blk + 66 + 4 * b, mask4)  # [BN, 8, 1, 1]
-                grid_at = IQ3_XXS_GRID
-                mult = 0.5
-            else:
-                aux = _load_u32(blk + 6 + 8 * b, mask4)
-                grid_at = IQ2_XXS_GRID
-                mult = 0.25
-            group = (WIDTH * p) // 8  # the point's 8 values' 7-bit sign index
-            signs = _load_u8(tab_ptr + KSIGNS + ((aux >> (7 * group)) & 127), mask4)
-            signs = signs >> ((WIDTH * p) % 8)
-            sc = 0.5 + ((aux >> 28) & 0xF).to(tl.float32)
-        elif QTYPE == IQ2_XS:  # a uint16 per point: 9-bit grid index, 7-bit sign index
-            q = _load_u16(blk + 2 + 8 * b + 2 * p, mask4)
-            code = q & 511
-            signs = _load_u8(tab_ptr + KSIGNS + (q >> 9), mask4)
-            sc = 0.5 + ((_load_u8(blk + 66 + b, mask4) >> (4 * (p // 2))) & 0xF).to(tl.float32)
-            grid_at = IQ2_XS_GRID
-            mult = 0.25
-        elif QTYPE == IQ2_S:  # qs | signs | qh (index bits 8-9) | scales, a byte per point
-            high = (_load_u8(blk + 66 + b, mask4) >> (2 * p)) & 3
-            code = _load_u8(blk + 2 + 4 * b + p, mask4) | (high << 8)
-            signs = _load_u8(blk + 34 + 4 * b + p, mask4)
-            sc = 0.5 + ((_load_u8(blk + 74 + b, mask4) >> (4 * (p // 2))) & 0xF).to(tl.float32)
-            grid_at = IQ2_S_GRID
-            mult = 0.25
-        else:  # IQ1_S: qs | a uint16 per 32 values (3 x 3 index bits, 3-bit scale, delta sign)
-            qh = _load_u16(blk + 34 + 2 * b, mask4)  # [BN, 8, 1, 1]
-            code = _load_u8(blk + 2 + 4 * b + p, mask4) | (((qh >> (3 * p)) & 7) << 8)
-            sc = (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-            delta = tl.where((qh >> 15) == 1, -0.125, 0.125)
-            grid_at = IQ1_S_GRID
-            mult = 1.0
-        if WIDTH == 4:  # the point's values as one word of the table
-            word = tl.load((tab_ptr + grid_at + 4 * code).to(tl.pointer_type(tl.int32)),
-                           mask=mask4, other=0)  # fmt: skip
-        else:
-            word = tl.load((tab_ptr + grid_at + 8 * code).to(tl.pointer_type(tl.int64)),
-                           mask=mask4, other=0)  # fmt: skip
-        g = ((word >> (8 * j)) & 0xFF).to(tl.int32)  # [BN, 8, P, W]
+        g, scale = grid_block(blk, b, p, j, mask4, tab_ptr, QTYPE)
         x = tl.load(x_ptr + sb * 256 + 32 * b + WIDTH * p + j).to(tl.float32)  # [1, 8, P, W]
-        if QTYPE == IQ1_S:  # grid values -1, 0, 1 (as bytes), shifted
-            gx = (tl.where(g > 127, g - 256, g).to(tl.float32) + delta) * x
-        else:
-            gx = tl.where(((signs >> j) & 1) == 1, -g, g).to(tl.float32) * x
-        dot = tl.sum(gx, axis=3, keep_dims=True) * sc  # [BN, 8, P, 1]: each point's scale
-        dot = tl.sum(tl.sum(tl.sum(dot, axis=3), axis=2), axis=1)  # [BN]
-        head = w_ptr + rows.to(tl.int64) * ROW_BYTES + sb * BYTES  # [BN]
-        acc += (_load_f16(head, row_mask) * mult) * dot
+        dot = tl.sum(g * x, axis=3, keep_dims=True) * scale  # [BN, 8, P, 1]
+        acc += tl.sum(tl.sum(tl.sum(dot, axis=3), axis=2), axis=1)
     return acc
