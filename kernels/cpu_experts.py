@@ -108,9 +108,12 @@ class CpuExperts:
         self._moe = lib.strata_moe
         self._moe.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _P,
                               _I32, _P]  # fmt: skip
+        self._moe_parts = lib.strata_moe_parts
+        self._moe_parts.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P,
+                                    _I32, _P]  # fmt: skip
         self._dense = lib.strata_dense_layers  # kernels/cpu_dense.py
         self._dense.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, _P, _P, _P, _I32, _P]
-        for fn in (self._matmul, self._moe, self._dense):
+        for fn in (self._matmul, self._moe, self._moe_parts, self._dense):
             fn.restype = ctypes.c_int
         self._read = lib.strata_read
         self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64
@@ -151,6 +154,20 @@ class CpuExperts:
         token)."""
         self._check_weight(w, qtype, rows, cols)
         return PreparedMatmul(self, w, qtype, rows, cols)
+
+    def prepare_moe(
+        self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+        qtypes: tuple[QType, QType, QType], hidden: int, ffn: int,
+    ) -> PreparedMoE:  # fmt: skip
+        """A layer's routed experts from its stacks (GGUF blocks [E, ffn, hidden] gate and up,
+        [E, hidden, ffn] down), checked once: `PreparedMoE`."""
+        n = gate.shape[0]
+        for w, qtype, rows, cols in ((gate, qtypes[0], ffn, hidden), (up, qtypes[1], ffn, hidden),
+                                     (down, qtypes[2], hidden, ffn)):  # fmt: skip
+            if w.shape[0] != n:
+                raise ValueError(f"{w.shape[0]} experts in one stack, {n} in another")
+            self._check_weight(w, qtype, n * rows, cols)
+        return PreparedMoE(self, (gate, up, down), qtypes, hidden, ffn)
 
     def matmul(
         self,
@@ -257,3 +274,39 @@ class PreparedMatmul:
             self.team.record(t, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "matmul")
         return out
+
+
+class PreparedMoE:
+    """out[t] += sum_k weights[t, k] * expert ids[t, k](x[t]) for one layer's expert stacks
+    checked at `prepare_moe`: all of a step's routed experts in one `moe` kernel call."""
+
+    def __init__(self, kernels: CpuExperts, stacks: tuple[torch.Tensor, ...],
+                 qtypes: tuple[QType, QType, QType], hidden: int, ffn: int) -> None:  # fmt: skip
+        self.stacks, self.hidden, self.ffn, self.n_experts = stacks, hidden, ffn, stacks[0].shape[0]
+        # the start of each expert's matrix in each stack
+        self._ptrs = [np.array([s[e].data_ptr() for e in range(self.n_experts)], dtype=np.uint64)
+                      for s in stacks]  # fmt: skip
+        self._qtypes = np.array([int(q) for q in qtypes], dtype=np.int32)
+        self._fn, self._tables, self._threads = kernels._moe_parts, kernels._tables, kernels.threads
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor) -> None:  # fmt: skip
+        """x, out [T, hidden] float32; ids [T, k] expert ids, weights [T, k] float32."""
+        _check(x, "x", torch.float32, 2)
+        _check(out, "out", torch.float32, 2)
+        t = x.shape[0]
+        if x.shape[1] != self.hidden or tuple(out.shape) != tuple(x.shape):
+            raise ValueError(f"x {tuple(x.shape)}, out {tuple(out.shape)}: not [T, {self.hidden}]")
+        if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != t:
+            raise ValueError(f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)}: no [{t}, k]")
+        e = ids.reshape(-1).numpy().astype(np.int64)
+        if e.size and (e.min() < 0 or e.max() >= self.n_experts):
+            raise ValueError(f"expert ids must be in [0, {self.n_experts})")
+        tokens = np.repeat(np.arange(t, dtype=np.int64), ids.shape[1])
+        wts = weights.reshape(-1).float().numpy().astype(np.float32)
+        gates, ups, downs = (p[e] for p in self._ptrs)
+        rc = self._fn(x.data_ptr(), t, self.hidden, self.ffn, gates.ctypes.data, ups.ctypes.data,
+                      downs.ctypes.data, e.size, tokens.ctypes.data, wts.ctypes.data,
+                      self._qtypes.ctypes.data, 0, out.data_ptr(), self._threads,
+                      self._tables.data_ptr())  # fmt: skip
+        CpuExperts._raise(rc, "moe")

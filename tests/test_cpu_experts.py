@@ -185,6 +185,31 @@ def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
     _close(out - 1, ref, scale, ulps=256)
 
 
+@pytest.mark.parametrize("qtypes", [MIXES[2], MIXES[4]], ids=lambda m: "-".join(q.name for q in m))
+def test_moe_from_stacks_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, ...]) -> None:
+    """`prepare_moe`: a layer's experts read from the model's three stacks (the down stack's
+    type, so its stride, differs from gate's), all of a step's routes in one call."""
+    e, hidden, ffn = 3, 256, 256
+    shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+    made = [[blocks(q, r, c, seed=9 * i + k) for i in range(e)]
+            for k, (q, (r, c)) in enumerate(zip(qtypes, shapes, strict=True))]  # fmt: skip
+    stacks = [torch.stack(m) for m in made]  # [E, rows, row bytes]
+    moe = cpu.prepare_moe(*stacks, (qtypes[0], qtypes[1], qtypes[2]), hidden, ffn)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 2]])  # 3 tokens, top-2 (a repeated route too)
+    weights = torch.tensor([[0.5, -0.25], [1.0, 0.75], [0.3, 2.0]])
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(5))
+    out = torch.ones(3, hidden)
+    moe(x, ids, weights, out)
+    experts = [[dense(made[k][i], q, r, c) for k, (q, (r, c)) in enumerate(zip(qtypes, shapes,
+                                                                               strict=True))]
+               for i in ids.flatten().tolist()]  # fmt: skip
+    tokens = [t for t in range(3) for _ in range(2)]
+    ref, scale = moe_ref(x, experts, tokens, weights.flatten().tolist(), qtypes)
+    _close(out - 1, ref, scale, ulps=256)
+    with pytest.raises(ValueError, match="expert ids"):
+        moe(x, ids + 1, weights, out)
+
+
 def test_moe_split_q4_0_ragged_rows(cpu: CpuExperts) -> None:
     # ffn 288: the down rows end with a block past the last group of 8
     qtypes = (QType.Q4_0, QType.Q4_0, QType.Q4_0)

@@ -269,12 +269,13 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* out[tokens[i]] += weights[i] * down_i(silu(gate_i x) * up_i x) for every item i, where item
- * i's expert is the blob blobs[i] = [gate | up (up_off) | down (down_off)]. Items with the same
- * blob pointer read its weights once. Returns 0 or an error as strata_matmul. */
-int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
-               const uint8_t *const *blobs, int64_t n, const int64_t *tokens,
-               const float *weights, const int32_t *qtypes, int64_t up_off, int64_t down_off,
-               int split, float *out, int threads, const uint8_t *tab) {
+ * i's expert's matrices start at gates[i], ups[i], downs[i] (a model's expert stacks). Items
+ * with the same gate pointer read their weights once. Returns 0 or an error as strata_matmul. */
+int strata_moe_parts(const float *x, int64_t T, int64_t hidden, int64_t ffn,
+                     const uint8_t *const *gates, const uint8_t *const *ups,
+                     const uint8_t *const *downs, int64_t n, const int64_t *tokens,
+                     const float *weights, const int32_t *qtypes, int split, float *out,
+                     int threads, const uint8_t *tab) {
     mat_t mg, mu, md;
     int err = mat_init(&mg, NULL, qtypes[0], split, ffn, hidden);
     if (!err) err = mat_init(&mu, NULL, qtypes[1], split, ffn, hidden);
@@ -296,7 +297,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
     }
     for (int64_t i = 0; i < n; i++) {
         int64_t g = 0;
-        while (g < ng && blobs[first[g]] != blobs[i]) g++;
+        while (g < ng && gates[first[g]] != gates[i]) g++;
         if (g == ng) first[ng++] = i;
         group[i] = g;
         gstart[g + 1]++;
@@ -325,7 +326,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
             int64_t g = task / row_tasks, r0 = task % row_tasks * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < ffn ? r0 + ROWS_PER_TASK : ffn, k = gstart[g];
             mat_t gm = mg, um = mu;
-            gm.base = blobs[first[g]], um.base = blobs[first[g]] + up_off;
+            gm.base = gates[first[g]], um.base = ups[first[g]];
             rows_dot(&gm, r0, r1, &xa, vec + k, outs + k, gstart[g + 1] - k, tab);
             rows_dot(&um, r0, r1, &xa, vec + k, outs + n + k, gstart[g + 1] - k, tab);
         }
@@ -340,7 +341,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
             int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
             mat_t dm = md;
-            dm.base = blobs[first[g]] + down_off;
+            dm.base = downs[first[g]];
             rows_dot(&dm, r0, r1, &ha, order + gstart[g], outs + 2 * n + gstart[g],
                      gstart[g + 1] - gstart[g], tab);
         }
@@ -356,6 +357,24 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
 done:
     acts_free(&xa), acts_free(&ha);
     free(group), free(order), free(gstart), free(vec), free(first), free(outs), free(gu), free(dn);
+    return err;
+}
+
+/* strata_moe_parts where item i's expert is the blob blobs[i] = [gate | up (up_off) | down
+ * (down_off)] (the expert store's) */
+int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
+               const uint8_t *const *blobs, int64_t n, const int64_t *tokens,
+               const float *weights, const int32_t *qtypes, int64_t up_off, int64_t down_off,
+               int split, float *out, int threads, const uint8_t *tab) {
+    const uint8_t **parts = malloc(sizeof(uint8_t *) * 2 * (size_t)(n + 1));
+    if (!parts) return -3;
+    for (int64_t i = 0; i < n; i++) {
+        parts[i] = blobs[i] + up_off;
+        parts[n + i] = blobs[i] + down_off;
+    }
+    int err = strata_moe_parts(x, T, hidden, ffn, blobs, parts, parts + n, n, tokens, weights,
+                               qtypes, split, out, threads, tab);
+    free(parts);
     return err;
 }
 

@@ -28,6 +28,7 @@ from stratad.engine.weights_mode import (
     FloatLinear,
     FloatWeights,
     Linear,
+    Routed,
     WeightMode,
 )
 from stratad.model.archs import ARCHS
@@ -68,6 +69,7 @@ class _Layer:
     dense: _Dense | None
     router: Linear | None
     experts: Callable[[int], _Dense] | None  # expert e of the model's stacks
+    routed: Routed | None  # all of them in one call (the cpu engine)
     shared: _Dense | None
     shared_gate: Linear | None
 
@@ -106,6 +108,7 @@ def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
         router=mode.linear(moe.router) if moe else None,
         experts=_stacked(moe, mode) if moe and stacked else None,
+        routed=mode.routed(moe) if moe and stacked else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
     )
@@ -225,7 +228,10 @@ class ReferenceForward:
             weights, ids = route(w.router(x), spec.n_experts_used, spec.norm_topk_prob)
             self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in ids.unique().tolist():
+        if w.routed is not None:
+            with stage("experts"):
+                w.routed(x.float().contiguous(), ids, weights, out)
+        for e in ids.unique().tolist() if w.routed is None else ():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             with stage("expert fetch"):  # from the store's tiers
                 expert = self._expert(i, w, e)

@@ -19,14 +19,15 @@ from typing import Protocol
 import torch
 
 from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
-from kernels.cpu_experts import CpuExperts
+from kernels.cpu_experts import CpuExperts, PreparedMoE
 from kernels.quant import QTensor
 from stratad.config import EngineConfig
 from stratad.engine.layers import attention, attention_by_row
 from stratad.model.spec import ModelSpec
-from stratad.model.weights import LayerWeights, MLPWeights
+from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+Routed = PreparedMoE  # (x, ids, weights, out): out += the routed experts' weighted sum
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
@@ -79,6 +80,8 @@ class WeightMode(Protocol):
 
     def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None: ...
 
+    def routed(self, moe: MoEWeights) -> Routed | None: ...
+
 
 @dataclass(frozen=True)
 class FloatWeights:
@@ -101,6 +104,9 @@ class FloatWeights:
 
     def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> None:
         return None  # the reference runs its layers one torch op at a time
+
+    def routed(self, moe: MoEWeights) -> None:
+        return None  # the reference computes expert by expert
 
 
 @dataclass
@@ -133,6 +139,20 @@ class QuantWeights:
 
     def vector(self, t: QTensor) -> torch.Tensor:
         return t.dequantize()
+
+    def routed(self, moe: MoEWeights) -> Routed | None:
+        """A layer's routed experts from its stacks in one kernel call per step, where the
+        kernels read the three stacks' types; else None: expert by expert."""
+        ex = moe.experts
+        stacks = (ex.gate, ex.up, ex.down)
+        if not all(t.qtype in self.kernels.supported and len(t.shape) == 3 for t in stacks):
+            return None
+        _, ffn, hidden = ex.gate.shape
+        if hidden % 32 or ffn % 32:
+            return None
+        qtypes = (ex.gate.qtype, ex.up.qtype, ex.down.qtype)
+        gate, up, down = (t.data.contiguous() for t in stacks)
+        return self.kernels.prepare_moe(gate, up, down, qtypes, hidden, ffn)
 
     def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None:
         """Every layer in one kernel call (`kernels.cpu_dense`) where the model is a stack of
