@@ -100,6 +100,7 @@ class CpuExperts:
         """Build (first use) and load the kernels; `CpuKernelsUnavailable` if they cannot be.
         native=False: without -march=native (the portable C paths; for tests)."""
         self.threads = threads if threads is not None else physical_cores()
+        self.native = native
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         lib = load(cache_dir, native)

@@ -25,9 +25,10 @@ SHAPE = DenseShape(hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=96,
 TOL = {QType.F32: 1e-4, QType.Q8_0: 2e-2, QType.Q4_1: 2e-2}  # of the largest |x|
 
 
-@pytest.fixture(scope="module")
-def kernels() -> CpuExperts:
-    return CpuExperts(threads=2)
+# native: the AVX2 paths where the host has them; portable: the plain C ones
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request: pytest.FixtureRequest) -> CpuExperts:
+    return CpuExperts(threads=2, native=request.param == "native")
 
 
 def _layers(
@@ -122,7 +123,7 @@ def test_chunks_and_threads_give_the_same_bits(kernels: CpuExperts) -> None:
     x, kc, vc, cos, sin = _inputs(7, 0, 2)
     whole = x.clone()
     DenseStack(kernels, SHAPE, layers)(whole, kc, vc, 0, cos, sin)
-    one = DenseStack(CpuExperts(threads=1), SHAPE, layers)
+    one = DenseStack(CpuExperts(threads=1, native=kernels.native), SHAPE, layers)
     parts = [x[:3].clone(), x[3:].clone()]
     one(parts[0], kc, vc, 0, cos[:3].contiguous(), sin[:3].contiguous())
     one(parts[1], kc, vc, 3, cos[3:].contiguous(), sin[3:].contiguous())
