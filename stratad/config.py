@@ -128,14 +128,16 @@ class EngineConfig(_Section, frozen=True):
     llama.cpp; experts through the store); `reference` is the torch reference (float copies
     of the weights, experts through the store, any device); `auto` picks offload for a MoE
     on a GPU whose expert types its kernels read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to
-    Q6_K, IQ4_NL, IQ4_XS, IQ3_S), cpu on a CPU where a C compiler builds the kernels, and
-    says why when it cannot."""
+    Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: every quantized
+    type Strata reads), cpu on a CPU where a C compiler builds the kernels, and says why
+    when it cannot."""
     pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
     over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel with its compiled
-    kernels (see cpu_expert_threads). A step with a CPU share runs without its CUDA graph and
-    synchronises once per layer. `auto`: the measured rates' balanced share where this GPU's
-    tuning table records (by an A/B/A run) that the split pays (switch `cpu_split`), else 1;
+    kernels (see cpu_expert_threads). A step with a CPU share waits for each layer's routing
+    (its GPU work is captured as two graphs per layer between the waits). `auto`: the
+    measured rates' balanced share where this GPU's tuning table records (by an A/B/A run)
+    that the split pays (switch `cpu_split`), else 1;
     the start line logs the share the rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Threads of the compiled CPU kernels: the cpu engine's products, and the offload

@@ -187,6 +187,21 @@ def test_file_tier_tokens_match_reference_gpu(tiny_moe: Model, gpu_miss: str) ->
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("pcie_frac", "graphs"), [(0.5, True), (0.0, True), (0.5, False)])
+def test_split_step_tokens_match_reference_gpu(
+    tiny_moe: Model, pcie_frac: float, graphs: bool
+) -> None:
+    """A CPU share of the misses: the step captured in two pieces per layer (or run eagerly),
+    the host computing its share between them."""
+    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    off = _offload(tiny_moe, 3, "cuda", graphs=graphs, pcie_frac=pcie_frac)
+    tokens, logits = _greedy(off, PROMPT, 16)
+    assert tokens == ref_tokens
+    assert (logits.cpu() - ref_logits).abs().max() < LOGIT_TOL[True]
+    assert off.cpu.experts > 0 and off.split.captured == int(graphs)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_prefetch_tokens_match_reference_gpu(tiny_moe: Model, graphs: bool) -> None:
     """The prefetch stream inside the captured decode graph (and eagerly)."""

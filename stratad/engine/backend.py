@@ -25,7 +25,7 @@ from stratad.engine.kernel_table import model_shapes, tuned
 from stratad.engine.offload import OffloadConfig, OffloadForward
 from stratad.engine.placement import StartPlan
 from stratad.engine.stages import StagedForward
-from stratad.engine.switches import miss_paths
+from stratad.engine.switches import Chosen, miss_paths
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
@@ -136,7 +136,7 @@ def open_offload(
         forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
                                 host=host)  # fmt: skip
     forward.timer = timer
-    forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, paths.balanced, forward, bw))
+    forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, paths.cpu_split, forward, bw))
     log.info(
         "decode misses: the GPU takes %.0f%% (%s), the CPU the rest",
         100 * forward.config.pcie_frac,
@@ -149,21 +149,18 @@ def open_offload(
 
 
 def _pcie_frac(
-    setting: float | str, balanced_split: bool, forward: OffloadForward | StagedForward,
-    bw: Bandwidths,
+    setting: float | str, split: Chosen, forward: OffloadForward | StagedForward, bw: Bandwidths
 ) -> float:
     """The miss policy: the configured share; `auto`: the share balancing the measured rates
-    where the switch `cpu_split` is balanced (a split step runs without its CUDA graph and
-    synchronises once per layer: on the H200 that cost more than the CPU's share saved), else
-    1. The host line says what the CPU's rate is measured against."""
+    where the switch `cpu_split` is `balanced` (a split step waits for each layer's routing:
+    on the H200 that cost more than the CPU's share saved), else 1. The host line says what
+    the CPU's rate is measured against."""
     cpu, host = forward.measure_cpu_expert_bps(), read_bps()
     balanced = balanced_frac(cpu, bw.copy_bps)
     if setting != "auto":
         frac, why = float(setting), "engine.pcie_frac"
-    elif balanced_split:
-        frac, why = balanced, "auto: the split pays on this GPU (cpu_split)"
     else:
-        frac, why = 1.0, "auto: a split step runs without its graph (cpu_split off)"
+        frac, why = (balanced if split.value == "balanced" else 1.0), f"auto, cpu_split {split}"
     log.info(
         "host: memory read %.1f GB/s (%d threads); CPU experts %.2f GB/s (%.0f%% of it, %s);"
         " resident copy to the GPU %.2f GB/s; miss policy: pcie_frac %.2f (%s; the rates alone"

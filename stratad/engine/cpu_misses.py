@@ -3,7 +3,8 @@ page-locked RAM copy while the GPU's fused kernel reads the rest over PCIe.
 
 Which misses go to the CPU is `engine.pcie_frac` (the GPU's share), taken deterministically:
 the last (1 - pcie_frac) of the misses in slot order. The host must see the routing, so a
-step with a CPU share synchronises once per layer and is not captured as a graph.
+step with a CPU share waits for each layer's routing (`split_step` captures the GPU's work
+between those waits in pieces).
 
 How the CPU computes them is an `ExpertMath`: the compiled kernels (`kernels.cpu_experts`:
 integer dots on the blobs' own bytes, every core, the GIL let go while the GPU works), or,
@@ -135,11 +136,24 @@ class CpuMisses:
             return parts
         with timer.stage("experts (CPU)"):
             out = torch.zeros((h.shape[0], self.hidden), dtype=torch.float32)
-            blobs = [self._blob(layer, host_ids[t][k], i) for i, (t, k) in enumerate(cpu)]
-            self.math.moe(x, blobs, [t for t, _ in cpu], [float(w[t, k]) for t, k in cpu],
-                          self.table.layouts[layer], out)  # fmt: skip
-        self.experts += len(cpu)
+            self.compute(layer, host_ids, x, w.tolist(), cpu, out)
         return torch.cat([parts, out.to(parts.device)[:, None]], dim=1)
+
+    def compute(
+        self,
+        layer: int,
+        host_ids: list[list[int]],
+        x: torch.Tensor,
+        weights: list[list[float]],
+        slots: list[tuple[int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """out[t] += weights[t][k] * expert(x[t]) for each (token t, slot k) of `slots`, on
+        the CPU (x and out [T, H] float32 on the host)."""
+        blobs = [self._blob(layer, host_ids[t][k], n) for n, (t, k) in enumerate(slots)]
+        self.math.moe(x, blobs, [t for t, _ in slots], [weights[t][k] for t, k in slots],
+                      self.table.layouts[layer], out)  # fmt: skip
+        self.experts += len(slots)
 
     def _blob(self, layer: int, expert: int, i: int) -> torch.Tensor:
         """The expert's RAM copy, or its bytes read from the file into scratch row i."""

@@ -13,7 +13,8 @@ caches; the routed experts of all B tokens are read once per step. While the nex
 runs, a per-layer LRU policy moves recently used experts into VRAM on a side stream, and
 only then repoints the table.
 With `pcie_frac` below 1, part of each step's misses is computed on the CPU from its RAM
-copy while the GPU takes the rest (one synchronisation per layer, no graph).
+copy while the GPU takes the rest: the step runs as two captured pieces per layer with the
+host's turn between them (`split_step`).
 Prefill runs in chunks: each layer's routed experts are copied into a staging area while
 the previous layer computes, dequantized to the compute dtype, and run as grouped GEMMs.
 """
@@ -48,6 +49,7 @@ from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slots import initial_residents
+from stratad.engine.split_step import SplitParts, SplitStep
 from stratad.engine.staging import ExpertStaging
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
@@ -124,6 +126,7 @@ class OffloadForward:
         self.prefetch = ExpertPrefetch(self.experts, self._guess_route, spec.n_experts_used,
                                        config.kernels.prefetch, self._host_span, guess)  # fmt: skip
         self.graph = DecodeGraph(self._decode_pass, device)
+        self.split = SplitStep(self._split_parts(), device, config.graphs)
 
     # -- placement -----------------------------------------------------------------------
 
@@ -156,6 +159,36 @@ class OffloadForward:
         nothing_to_miss = self.experts.complete
         rows = k if self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
+
+    def _split_parts(self) -> SplitParts:
+        """The pieces of a decode step with a CPU share (`split_step`)."""
+        spec = self.spec
+
+        def attend_route(
+            i: int, x: torch.Tensor, parts: torch.Tensor | None, pos: torch.Tensor,
+            caches: Sequence[KVCache],
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self._attend_route(i, x, parts, pos, caches, Decode(len(caches)))
+
+        def gpu_experts(
+            i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+        ) -> torch.Tensor:
+            return self._with_shared(i, h, self.gpu_experts(i, h, ids, weights))
+
+        def cpu_compute(i: int, host_ids: list[list[int]], h: torch.Tensor,
+                        weights: list[list[float]], slots: list[tuple[int, int]],
+                        out: torch.Tensor) -> None:  # fmt: skip
+            with self.timer.stage("experts (CPU)"):
+                self.cpu.compute(i, host_ids, h, weights, slots, out)
+
+        return SplitParts(
+            self.layer_ids, spec.n_experts_used, spec.hidden,
+            embed=lambda tok: self.embed[tok], begin=self.attention.begin_decode,
+            attend_route=attend_route, gpu_experts=gpu_experts,
+            finish=lambda x, parts: self.head(add_parts(x, parts)),
+            cpu_slots=lambda i, ids: self.cpu.slots(i, ids, self.config.pcie_frac),
+            cpu_compute=cpu_compute,
+        )  # fmt: skip
 
     def _guess_route(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The experts [1, k] int32 that `layer`'s router picks for the hidden state x [1, H]
@@ -219,16 +252,8 @@ class OffloadForward:
         """Layer i on the stream x [T, H] once the previous layer's `parts` are added to it:
         (the stream after attention, this layer's expert parts [T, P, H] still to add, ids).
         Each residual add is fused with the norm that follows it."""
-        w, stage = self.layers[i], self.timer.stage
-        with stage("attention"):
-            x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self.attention(w, i, h, pos, caches, step)
-        with stage("router"):
-            x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
-            weights, ids = self._route(w, h)
-        if step.tokens == 1:
-            with stage("expert prefetch"):
-                self.prefetch.after_route(i, x, ids, self.config.pcie_frac)  # guess layer i+1
+        stage = self.timer.stage
+        x, h, weights, ids = self._attend_route(i, x, parts, pos, caches, step)
         if step.fused:
             self.files.before(i, ids, self.experts.slot_of[i], self.experts.table)  # its reads
         if step.fused and self.config.pcie_frac < 1.0:
@@ -239,11 +264,38 @@ class OffloadForward:
         else:
             with stage("experts (staged)"):
                 parts = self.staging.moe(i, h, ids, weights)[:, None]
-        with stage("shared expert"):
-            shared = self._shared(w, h)
-        if shared is not None:
-            parts = torch.cat([parts, shared[:, None].to(parts.dtype)], dim=1)
-        return x, parts, ids
+        return x, self._with_shared(i, h, parts), ids
+
+    def _attend_route(
+        self,
+        i: int,
+        x: torch.Tensor,
+        parts: torch.Tensor | None,
+        pos: torch.Tensor,
+        caches: Sequence[KVCache],
+        step: Pass,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i up to its routing: (the stream after attention, its norm h, the routing
+        weights and ids [T, k])."""
+        w, stage = self.layers[i], self.timer.stage
+        with stage("attention"):
+            x, h = self._add_norm(x, parts, w.attn_norm)
+            attn = self.attention(w, i, h, pos, caches, step)
+        with stage("router"):
+            x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
+            weights, ids = self._route(w, h)
+        if step.tokens == 1:
+            with stage("expert prefetch"):
+                self.prefetch.after_route(i, x, ids, self.config.pcie_frac)  # guess layer i+1
+        return x, h, weights, ids
+
+    def _with_shared(self, i: int, h: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        """The routed parts [T, P, H] and the shared expert's output, if the model has one."""
+        with self.timer.stage("shared expert"):
+            shared = self._shared(self.layers[i], h)
+        if shared is None:
+            return parts
+        return torch.cat([parts, shared[:, None].to(parts.dtype)], dim=1)
 
     def gpu_experts(
         self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -337,7 +389,11 @@ class OffloadForward:
         self.experts.apply()
         # a graph replays without the host, which must read the file tier's routed experts
         graph = self.config.pcie_frac == 1.0 and not self.files.enabled
-        if self.config.graphs and self.device.type == "cuda" and graph:
+        # a CPU share of the misses: the step in pieces, the host's turn between them
+        split = self.config.pcie_frac < 1.0 and not self.files.enabled
+        if split and Decode(len(caches)).fused:
+            logits, ids = self.split(tokens, caches)
+        elif self.config.graphs and self.device.type == "cuda" and graph:
             logits, ids = self.graph.replay(tokens, caches)
         else:
             tok = torch.tensor(tokens, device=self.device)
