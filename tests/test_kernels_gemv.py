@@ -25,32 +25,13 @@ from kernels.gemv import (
     qmatmul_ref,
 )
 from kernels.quant import QUANTIZE_QTYPES, QTensor, QType, block_geometry, quantize, row_bytes
+from tests.test_quant import FP16_FIELDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TYPES = sorted(GEMV_QTYPES, key=lambda t: t.name)
 SMALL_BLOCK = [t for t in TYPES if block_geometry(t)[0] == 32]
 K_QUANTS = [t for t in TYPES if block_geometry(t)[0] == 256]
-FP16_FIELDS = {
-    QType.Q8_0: [0],
-    QType.Q4_0: [0],
-    QType.Q4_1: [0, 2],
-    QType.Q5_0: [0],
-    QType.Q5_1: [0, 2],
-    QType.Q2_K: [80, 82],
-    QType.Q3_K: [108],
-    QType.Q4_K: [0, 2],
-    QType.Q5_K: [0, 2],
-    QType.Q6_K: [208],
-    QType.IQ4_NL: [0],
-    QType.IQ4_XS: [0],
-    QType.IQ3_S: [0],
-    QType.IQ3_XXS: [0],
-    QType.IQ2_XXS: [0],
-    QType.IQ2_XS: [0],
-    QType.IQ2_S: [0],
-    QType.IQ1_S: [0],
-}
 # the low-bit i-quants get one width (two super-blocks, so a row's second block is located):
 # their share of the interpreted sweep stays small
 LOW_BIT = {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
