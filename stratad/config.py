@@ -131,13 +131,17 @@ class EngineConfig(_Section, frozen=True):
     Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: every quantized
     type Strata reads), cpu on a CPU where a C compiler builds the kernels, and says why
     when it cannot."""
-    pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto"] = "auto"
+    pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto", "balanced"] = (
+        "auto"
+    )
     """Offload engine: share of the experts a decode step misses in VRAM that the GPU takes
     over PCIe (see gpu_miss); the CPU computes the rest from RAM in parallel with its compiled
     kernels (see cpu_expert_threads). A step with a CPU share waits for each layer's routing
     (its GPU work is captured as two graphs per layer between the waits). `auto`: the
     measured rates' balanced share where this GPU's tuning table records (by an A/B/A run)
-    that the split pays (switch `cpu_split`), else 1;
+    that the split pays (switch `cpu_split`), else 1; `balanced`: that share whatever the
+    table says (a link slower than the A/B/A run's: at 25 GB/s, the PCIe 4.0 x16 of most
+    desktops, the split decoded 11% faster on the H200's host; at its 55 GB/s, slower);
     the start line logs the share the rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Threads of the compiled CPU kernels: the cpu engine's products, and the offload

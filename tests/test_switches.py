@@ -70,3 +70,9 @@ def test_a_recorded_verdict_reaches_the_engine_settings(tmp_path: Path) -> None:
     assert found.table == TABLE
     paths = miss_paths(engine(), found.switches, found.table)
     assert not paths.copy and not paths.prefetching
+
+
+def test_balanced_is_asked_for_whatever_the_table_says() -> None:
+    paths = miss_paths(engine('pcie_frac = "balanced"'), {"cpu_split": "off"}, TABLE)
+    assert paths.balanced and paths.cpu_split.source == "engine.pcie_frac"
+    assert not miss_paths(engine("pcie_frac = 0.5"), {"cpu_split": "balanced"}, TABLE).balanced

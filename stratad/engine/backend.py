@@ -151,16 +151,17 @@ def open_offload(
 def _pcie_frac(
     setting: float | str, split: Chosen, forward: OffloadForward | StagedForward, bw: Bandwidths
 ) -> float:
-    """The miss policy: the configured share; `auto`: the share balancing the measured rates
-    where the switch `cpu_split` is `balanced` (a split step waits for each layer's routing:
-    on the H200 that cost more than the CPU's share saved), else 1. The host line says what
-    the CPU's rate is measured against."""
+    """The miss policy: the configured share; `balanced`, or `auto` where the switch
+    `cpu_split` is `balanced`: the share balancing the measured rates (a split step waits
+    for each layer's routing: at the H200's own link that cost more than the CPU's share
+    saved), else 1. The host line says what the CPU's rate is measured against."""
     cpu, host = forward.measure_cpu_expert_bps(), read_bps()
     balanced = balanced_frac(cpu, bw.copy_bps)
-    if setting != "auto":
+    if setting not in ("auto", "balanced"):
         frac, why = float(setting), "engine.pcie_frac"
     else:
-        frac, why = (balanced if split.value == "balanced" else 1.0), f"auto, cpu_split {split}"
+        frac = balanced if split.value == "balanced" else 1.0
+        why = f"{setting}, cpu_split {split}"
     log.info(
         "host: memory read %.1f GB/s (%d threads); CPU experts %.2f GB/s (%.0f%% of it, %s);"
         " resident copy to the GPU %.2f GB/s; miss policy: pcie_frac %.2f (%s; the rates alone"

@@ -87,7 +87,9 @@ def miss_paths(engine: EngineConfig, switches: TableSwitches, table: str = "") -
         prefetch = Chosen("on" if engine.expert_prefetch else "off", "engine.expert_prefetch")
     else:
         prefetch = pick("expert_prefetch", ON_OFF, "on")
-    if engine.pcie_frac != "auto":
+    if engine.pcie_frac == "balanced":
+        split = Chosen("balanced", "engine.pcie_frac")
+    elif engine.pcie_frac != "auto":
         split = Chosen(f"pcie_frac {engine.pcie_frac:g}", "engine.pcie_frac")
     else:
         split = pick("cpu_split", CPU_SPLIT, "off")
