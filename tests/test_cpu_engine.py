@@ -109,13 +109,15 @@ def test_moe_experts_from_the_stacks(tiny_moe: Model, kernels: CpuExperts) -> No
     assert torch.equal(fast.route_counts.sum(), ref.route_counts.sum())
 
 
-def test_a_type_the_kernels_do_not_read_is_dequantized(kernels: CpuExperts) -> None:
+def test_a_weight_the_kernels_do_not_read_is_dequantized(kernels: CpuExperts) -> None:
     mode = QuantWeights(kernels)
     rows, cols = 4, 256
     blocks = torch.randint(0, 255, (rows, row_bytes(QType.IQ2_XXS, cols)), dtype=torch.uint8)
     blocks[:, :2] = torch.tensor([0, 0x3C], dtype=torch.uint8)  # an fp16 scale of 1.0
-    lin = mode.linear(QTensor(blocks, QType.IQ2_XXS, (rows, cols)))
-    assert isinstance(lin, FloatLinear) and mode.fallbacks == {"IQ2_XXS"}
+    assert isinstance(mode.linear(QTensor(blocks, QType.IQ2_XXS, (rows, cols))), QuantLinear)
+    ragged = torch.zeros(rows, 40, dtype=torch.float16)  # rows not a multiple of 32
+    lin = mode.linear(QTensor(ragged, QType.F16, (rows, 40)))
+    assert isinstance(lin, FloatLinear) and mode.fallbacks == {"F16"}
 
 
 def test_auto_serves_a_cpu_from_the_blocks(smollm_model: Model, tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ from kernels.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, 
 
 ALL = sorted(CPU_EXPERT_QTYPES, key=lambda t: t.name)
 FP16_AT = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
-           QType.Q3_K: (108,)}  # fmt: skip
+           QType.Q3_K: (108,), QType.IQ3_XXS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
+           QType.IQ2_S: (0,), QType.IQ1_S: (0,)}  # fmt: skip
 _FLOAT_DTYPE = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 
@@ -152,6 +153,8 @@ MIXES = [
     (QType.Q5_K, QType.Q4_1, QType.Q5_1),
     (QType.Q2_K, QType.Q2_K, QType.Q3_K),
     (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
+    (QType.IQ2_XXS, QType.IQ3_XXS, QType.IQ2_XS),
+    (QType.IQ2_S, QType.IQ1_S, QType.IQ2_XXS),
     (QType.IQ4_NL, QType.Q4_0, QType.F16),
     (QType.BF16, QType.F32, QType.Q8_0),
 ]
@@ -268,8 +271,8 @@ def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
         cpu.moe(x.to("meta"), [blob], [0], [1.0], fmt, out)
     with pytest.raises(ValueError, match="blob 0 must be"):
         cpu.moe(x, [blob.to("meta")], [0], [1.0], fmt, out)
-    with pytest.raises(ValueError, match="do not read IQ2_S"):
-        cpu.matmul(x, blob, QType.IQ2_S, 32, 64)
+    with pytest.raises(ValueError, match="do not read IQ1_M"):
+        cpu.matmul(x, blob, QType.IQ1_M, 32, 64)
     w = blocks(QType.Q8_0, 32, 64, seed=0)  # a [32, 64] Q8_0 weight
     with pytest.raises(ValueError, match="columns"):
         cpu.matmul(torch.zeros(1, 32), w, QType.Q8_0, 32, 64)

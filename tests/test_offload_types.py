@@ -138,9 +138,9 @@ def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFacto
         kernel_layouts(model)
 
 
-def test_cpu_misses_of_a_type_the_c_kernels_lack() -> None:
-    """The CPU's share of the misses on a layer of IQ2_XXS experts, which the C kernels do
-    not read: each expert dequantized in torch, as without a compiler."""
+def test_cpu_misses_of_a_low_bit_i_quant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's share of the misses on a layer of IQ2_XXS experts: the C kernels read the
+    blocks (no torch dequantizing), within their int8 activations' rounding of torch's."""
     h = f = 256
     q = QType.IQ2_XXS
     nbytes = f * row_bytes(q, h)
@@ -148,9 +148,10 @@ def test_cpu_misses_of_a_type_the_c_kernels_lack() -> None:
     blobs = [random_blocks(q, 3 * f, h, torch.device("cpu")).reshape(-1) for _ in range(2)]
     x = torch.randn(2, h, generator=torch.Generator().manual_seed(0))
     got, want = torch.zeros(2, h), torch.zeros(2, h)
-    CompiledMath(CpuExperts(1)).moe(x, blobs, [0, 1], [0.5, 0.25], layout, got)
     TorchMath().moe(x, blobs, [0, 1], [0.5, 0.25], layout, want)
-    assert torch.equal(got, want) and want.abs().sum() > 0
+    monkeypatch.setattr(TorchMath, "moe", None)  # the fallback would fail: not taken
+    CompiledMath(CpuExperts(1)).moe(x, blobs, [0, 1], [0.5, 0.25], layout, got)
+    assert want.abs().sum() > 0 and (got - want).norm() < 0.05 * want.norm()
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@
  *   Q4_K (144): d | dmin | scales 12 | qs 128        Q5_K (176): ... | qh 32 | qs 128
  *   Q6_K (210): ql 128 | qh 64 | int8 scales 16 | d  IQ4_XS (136): d | sh u16 | sl 4 | qs 128
  *   IQ3_S (110): d | qs 64 | qh 8 | signs 32 | scales 4
+ *   the low-bit i-quants (IQ3_XXS, IQ2_*, IQ1_S): decode_iq_low.h
  * Split Q4_0 (kernels.moe.split_q4_0): a matrix's fp16 scales [rows, nb], then its nibbles
  * [rows, nb, 16]; `row` is the row's scales and `aux` its nibbles.
  * Multi-byte fields are read with memcpy: a blob may sit at any byte offset.
@@ -267,6 +268,8 @@ static void dec_iq3_s(DECODE_ARGS) {
         }
     }
 }
+
+#include "decode_iq_low.h" /* IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S */
 
 /* --- float types: decoded to float32 (experts.c: float_chunk) -------------------------- */
 

@@ -73,6 +73,8 @@ int strata_block(int qtype, int *values, int *bytes) {
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_IQ4_NL, 32, 18},
         {T_Q2_K, 256, 84}, {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176},
         {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136}, {T_IQ3_S, 256, 110},
+        {T_IQ3_XXS, 256, 98}, {T_IQ2_XXS, 256, 66}, {T_IQ2_XS, 256, 74}, {T_IQ2_S, 256, 82},
+        {T_IQ1_S, 256, 50},
     };
     for (size_t i = 0; i < sizeof geo / sizeof geo[0]; i++)
         if (geo[i][0] == qtype) {
@@ -98,7 +100,7 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q3_K: return dec_q3_k;
     case T_IQ3_S: return dec_iq3_s;
     case T_Q8_0: return dec_q8_0;
-    default: return NULL;
+    default: return decoder_iq_low(qtype);
     }
 }
 

@@ -43,8 +43,8 @@ class ExpertMath(Protocol):
 
 class CompiledMath:
     """The C kernels, reading Q4_0 split and every other type as GGUF blocks; a layer holding a
-    type they do not read (`CpuExperts.supported`: not IQ3_XXS, IQ2_*, IQ1_S) is dequantized
-    in torch per use, as `TorchMath` does."""
+    type they do not read (outside `CpuExperts.supported`: no quantized type today) is
+    dequantized in torch per use, as `TorchMath` does."""
 
     def __init__(self, kernels: CpuExperts) -> None:
         self.kernels = kernels

@@ -6,8 +6,8 @@ projection (`linear`) and the token embedding (`embedding`).
 - `QuantWeights`: the GGUF blocks themselves (memory-mapped from the file, or the store's
   tiers for experts), each product computed by the compiled CPU kernels
   (`kernels.cpu_experts`: int8 activations per block of 32, as llama.cpp does). A weight the
-  kernels do not read (e.g. IQ2_XS, or rows not a multiple of 32) is dequantized to float32
-  instead, and counted (`fallbacks`).
+  kernels do not read (rows not a multiple of 32; every GGUF type Strata reads is read) is
+  dequantized to float32 instead, and counted (`fallbacks`).
 """
 
 from __future__ import annotations
