@@ -32,10 +32,12 @@ from kernels.quant import quantize as quantize_blocks
 
 HIDDEN, FFN, TOP_K = 2048, 768, 8
 TYPES = ["Q4_0", "Q4_0s", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS",
-         "IQ3_S", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16"]  # fmt: skip
+         "IQ3_S", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "F16", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
+         "IQ2_S", "IQ1_S"]  # fmt: skip
 # the first fp16 scale's offset(s) of the types written as random blocks (no quantizer here)
 _FP16_AT = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
-            QType.Q3_K: (108,)}  # fmt: skip
+            QType.Q3_K: (108,), QType.IQ3_XXS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
+            QType.IQ2_S: (0,), QType.IQ1_S: (0,)}  # fmt: skip
 
 
 def _timed(fn: Callable[[], object], repeats: int = 3) -> list[float]:

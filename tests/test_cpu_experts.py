@@ -105,8 +105,8 @@ def test_matmul_matches_torch(cpu: CpuExperts, qtype: QType) -> None:
 BLOCK_32 = [QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1]
 
 
-@pytest.mark.parametrize("qtype", [*BLOCK_32, QType.Q4_K, QType.Q6_K, QType.Q2_K, QType.IQ4_XS],
-                         ids=lambda t: t.name)  # fmt: skip
+@pytest.mark.parametrize("qtype", [*BLOCK_32, QType.Q4_K, QType.Q6_K, QType.Q2_K, QType.IQ4_XS,
+                                   QType.IQ3_XXS, QType.IQ2_XXS], ids=lambda t: t.name)  # fmt: skip
 def test_matmul_many_tokens_and_ragged_rows(cpu: CpuExperts, qtype: QType) -> None:
     # 40 tokens: more than one tile of activations per decoded row; 96 and 288 columns of the
     # 32-value types: a partial 256-value chunk, and blocks past the last group of 8

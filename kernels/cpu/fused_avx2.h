@@ -1,5 +1,6 @@
 /* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1,
- * Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h), included by experts.c when
+ * Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h; IQ3_XXS, IQ2_XXS in
+ * fused_iq_low_avx2.h), included by experts.c when
  * __AVX2__: a block is decoded into a register and dotted at once with every activation that
  * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
  * in one vector (times the activation's 8 in one multiply, then broadcast per block from
@@ -279,6 +280,20 @@ static void rowdot_iq4_xs(const uint8_t *row, const uint8_t *aux, int64_t cols, 
         rowdot_iq4_xs_body(row, cols / 256, a, vec, nt, out);
 }
 
+/* a grid type's group i of super-block c (32 values at `at` in the activations): codes w
+ * (unsigned), m its sign bytes' masks; into acc[i & 1] times scx[j][i] (the group's scale
+ * times the activation's) */
+static inline __attribute__((always_inline)) void grid_group_dot(
+    __m256i w, __m256i m, const acts_t *a, const int64_t *vec, int64_t nt, int64_t at, int i,
+    float (*scx)[8], __m256 (*acc)[VEC_TILE]) {
+    __m256i ws = _mm256_sub_epi8(_mm256_xor_si256(w, m), m); /* signed */
+    for (int64_t j = 0; j < nt; j++) {
+        __m256i s = dot32(w, ws, a->q + vec[j] * a->k + at);
+        __m256 f = _mm256_cvtepi32_ps(s);
+        acc[i & 1][j] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scx[j][i]), acc[i & 1][j]);
+    }
+}
+
 /* IQ3_S: 4 grid values (1..15) per 9-bit index, gathered 8 indices (32 values) at a time,
  * the signs as byte masks; 8 4-bit scales per super-block in one vector */
 static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
@@ -305,13 +320,7 @@ static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
                 g[k] = (int)v;
             }
             __m256i w = _mm256_loadu_si256((const __m256i *)g);
-            __m256i m = bit_bytes(sg + 4 * i);
-            __m256i ws = _mm256_sub_epi8(_mm256_xor_si256(w, m), m); /* signed */
-            for (int64_t j = 0; j < nt; j++) {
-                __m256i s = dot32(w, ws, a->q + vec[j] * a->k + 256 * c + 32 * i);
-                __m256 f = _mm256_cvtepi32_ps(s);
-                acc[i & 1][j] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(&scx[j][i]), acc[i & 1][j]);
-            }
+            grid_group_dot(w, bit_bytes(sg + 4 * i), a, vec, nt, 256 * c + 32 * i, i, scx, acc);
         }
     }
     for (int64_t j = 0; j < nt; j++) out[j] = hsum8(_mm256_add_ps(acc[0][j], acc[1][j]));
@@ -326,6 +335,7 @@ static void rowdot_iq3_s(const uint8_t *row, const uint8_t *aux, int64_t cols, c
 }
 
 #include "fused_k16_avx2.h"
+#include "fused_iq_low_avx2.h"
 
 static rowdot_fn fused_rowdot(int qtype, int split) {
     switch (qtype) {
@@ -342,6 +352,6 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q6_K: return rowdot_q6_k;
     case T_Q2_K: return rowdot_q2_k;
     case T_Q3_K: return rowdot_q3_k;
-    default: return NULL;
+    default: return fused_rowdot_iq_low(qtype);
     }
 }
