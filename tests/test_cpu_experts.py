@@ -106,7 +106,8 @@ BLOCK_32 = [QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.
 
 
 @pytest.mark.parametrize("qtype", [*BLOCK_32, QType.Q4_K, QType.Q6_K, QType.Q2_K, QType.IQ4_XS,
-                                   QType.IQ3_XXS, QType.IQ2_XXS], ids=lambda t: t.name)  # fmt: skip
+                                   QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S,
+                                   QType.IQ1_S], ids=lambda t: t.name)  # fmt: skip
 def test_matmul_many_tokens_and_ragged_rows(cpu: CpuExperts, qtype: QType) -> None:
     # 40 tokens: more than one tile of activations per decoded row; 96 and 288 columns of the
     # 32-value types: a partial 256-value chunk, and blocks past the last group of 8
