@@ -8,14 +8,18 @@ two; llama.cpp alike, 45-53 tok/s on one thread and 16-20 on two), while on idle
 Which holds changes with the host's load, so the team size is measured: each call shape
 (its token count) keeps a moving average of its time per team size, runs at the fastest, and
 tries the others once every `PROBE_EVERY` calls. The results do not depend on the team size
-(every value is computed by one thread in one order), only the time does.
+(every value is computed by one thread in one order), only the time does. A size r times
+slower than the best is tried r times less often (up to `MAX_BACKOFF`), so the tries cost
+at most some 1/`PROBE_EVERY` of the time however slow the other size has become (two threads
+beside a busy neighbour took 138 ms a step where one took 11).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROBE_EVERY = 32  # calls between tries of another size: a slower try costs 1/32 of a call each
+PROBE_EVERY = 32  # calls between tries of another size, times how much slower it was
+MAX_BACKOFF = 32  # at most PROBE_EVERY * MAX_BACKOFF calls between tries
 SMOOTHING = 0.5  # weight of a new time in the moving average (a size tried seldom moves fast)
 MAX_SHAPES = 64  # call shapes remembered (token counts; a server sees few)
 
@@ -24,6 +28,7 @@ MAX_SHAPES = 64  # call shapes remembered (token counts; a server sees few)
 class _Shape:
     best: int
     calls: int = 0
+    next_try: int = PROBE_EVERY  # the call that tries another size
     seconds: dict[int, float] = field(default_factory=dict)  # moving average per team size
 
 
@@ -47,9 +52,9 @@ class TeamSize:
         untried = [n for n in self.sizes if n not in shape.seconds]
         if untried:
             return untried[0]
-        if shape.calls % PROBE_EVERY == 0:
-            others = [n for n in self.sizes if n != shape.best]
-            return others[shape.calls // PROBE_EVERY % len(others)] if others else shape.best
+        others = [n for n in self.sizes if n != shape.best]
+        if others and shape.calls >= shape.next_try:
+            return others[shape.calls % len(others)]
         return shape.best
 
     def record(self, key: int, threads: int, seconds: float) -> None:
@@ -59,3 +64,6 @@ class TeamSize:
         old = shape.seconds.get(threads)
         shape.seconds[threads] = seconds if old is None else old + SMOOTHING * (seconds - old)
         shape.best = min(shape.seconds, key=shape.seconds.__getitem__)
+        if threads != shape.best:  # a losing try: the next one later the slower it was
+            slower = shape.seconds[threads] / max(shape.seconds[shape.best], 1e-9)
+            shape.next_try = shape.calls + PROBE_EVERY * min(MAX_BACKOFF, max(1, int(slower)))

@@ -52,7 +52,10 @@ typedef struct {
     int n;
 } spin_barrier_t;
 
-#define SPINS_BEFORE_SLEEP 1000 /* pauses: some 30 us here */
+/* pauses, some 37 us here: longer phases than a decode step's; 10,000 (370 us) made two
+ * threads' steps 137 ms beside one busy process (the spinner keeps the core its partner and
+ * the neighbour share), 1,000 25 ms */
+#define SPINS_BEFORE_SLEEP 1000
 #define MAX_HEAD_DIM 512
 
 #ifdef __linux__
