@@ -42,7 +42,7 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     float *x16;  /* [n, k / 16]: the same per 16 values */
     const float *f;
     int64_t fstride;
-    const uint8_t *tab; /* the lookup tables (decode.h: IQ3_S_GRID, IQ4_VALUES) */
+    const uint8_t *tab; /* the lookup tables (kernels/iq_tables.py; offsets in decode*.h) */
 } acts_t;
 
 typedef void (*rowdot_fn)(const uint8_t *row, const uint8_t *aux, int64_t cols,
