@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stratactl.__main__ import main as stratactl
-from tests.test_control_socket import ShortCoverage, serving
+from tests.control_fake import ShortCoverage, serving
 
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 

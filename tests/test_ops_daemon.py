@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from stratad.protocol import MAX_REQUEST_BYTES, StatusReply, StatusRequest, decode_reply
+from tests.control_fake import as_nobody, raw
 from tests.daemon import running_daemon
-from tests.test_control_socket import _as_nobody, raw
 
 
 class NotifyListener:
@@ -151,7 +151,7 @@ def test_malformed_and_oversized_messages_leave_it_serving(daemon: Daemon) -> No
 
 def test_non_member_peer_is_refused(daemon: Daemon) -> None:
     assert os.getuid() == 0, "switching uid needs root (CI runs as root)"
-    kind, detail = _as_nobody(daemon.socket)
+    kind, detail = as_nobody(daemon.socket)
     assert kind == "error" and "permission denied: uid 65534" in detail
     assert StatusRequest().v == 1
 
@@ -183,7 +183,7 @@ def test_check_and_check_after_restart(daemon: Daemon) -> None:
 
 
 def test_doctor_reads_the_running_daemon(daemon: Daemon) -> None:
-    _as_nobody(daemon.socket)  # a refused peer: a WARNING line in the daemon's log
+    as_nobody(daemon.socket)  # a refused peer: a WARNING line in the daemon's log
     r = ctl(daemon, "doctor", "--json", "--log", str(daemon.log), "--warnings", "3")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
