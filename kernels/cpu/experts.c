@@ -27,6 +27,7 @@
 #include "decode.h"
 #ifdef __AVX2__
 #include "decode_avx2.h"
+#include "quantize_avx2.h"
 #endif
 
 #define ROWS_PER_TASK 16
@@ -130,12 +131,16 @@ static void quantize_act(const acts_t *a, int64_t v, const float *x) {
     float *d = a->d + v * (k / 32), *xf = a->xf + v * (k / 32), *x16 = a->x16 + v * (k / 16);
     int16_t *s = a->s + v * (k / 16);
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
+        int s0 = 0, s1 = 0;
+#ifdef __AVX2__
+        float scale = quantize32_avx2(x, q, &s0, &s1);
+#else
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
         float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int s0 = 0, s1 = 0;
         for (int i = 0; i < 32; i++) q[i] = (int8_t)roundf(x[i] * inv);
         for (int i = 0; i < 16; i++) s0 += q[i], s1 += q[i + 16];
+#endif
         d[b] = scale;
         xf[b] = scale * (float)(s0 + s1);
         x16[2 * b] = scale * (float)s0;
