@@ -144,9 +144,10 @@ class EngineConfig(_Section, frozen=True):
     desktops, the split decoded 11% faster on the H200's host; at its 55 GB/s, slower);
     the start line logs the share the rates alone would give."""
     cpu_expert_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """Threads of the compiled CPU kernels: the cpu engine's products, and the offload
-    engine's CPU share of the missed experts (see pcie_frac); 0 takes engine.threads if that
-    is set, else every physical core."""
+    """The largest team of the compiled CPU kernels: the cpu engine's products, and the
+    offload engine's CPU share of the missed experts (see pcie_frac); 0 takes engine.threads
+    if that is set, else every physical core. Each call shape runs on one thread or on this
+    many, whichever measures faster (a busy neighbour can make more threads slower)."""
     gpu_miss: Literal["auto", "copy", "in_place"] = "auto"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
