@@ -162,32 +162,16 @@ class OffloadForward:
 
     def _split_parts(self) -> SplitParts:
         """The pieces of a decode step with a CPU share (`split_step`)."""
-        spec = self.spec
-
-        def attend_route(
-            i: int, x: torch.Tensor, parts: torch.Tensor | None, pos: torch.Tensor,
-            caches: Sequence[KVCache],
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self._attend_route(i, x, parts, pos, caches, Decode(len(caches)))
-
-        def gpu_experts(
-            i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-        ) -> torch.Tensor:
-            return self._with_shared(i, h, self.gpu_experts(i, h, ids, weights))
-
-        def cpu_compute(i: int, host_ids: list[list[int]], h: torch.Tensor,
-                        weights: list[list[float]], slots: list[tuple[int, int]],
-                        out: torch.Tensor) -> None:  # fmt: skip
-            with self.timer.stage("experts (CPU)"):
-                self.cpu.compute(i, host_ids, h, weights, slots, out)
-
         return SplitParts(
-            self.layer_ids, spec.n_experts_used, spec.hidden,
+            self.layer_ids, self.spec.n_experts_used, self.spec.hidden,
             embed=lambda tok: self.embed[tok], begin=self.attention.begin_decode,
-            attend_route=attend_route, gpu_experts=gpu_experts,
+            attend_route=lambda i, x, parts, pos, caches: self._attend_route(
+                i, x, parts, pos, caches, Decode(len(caches))),
+            gpu_experts=lambda i, h, ids, w: self._with_shared(
+                i, h, self.gpu_experts(i, h, ids, w)),
             finish=lambda x, parts: self.head(add_parts(x, parts)),
             cpu_slots=lambda i, ids: self.cpu.slots(i, ids, self.config.pcie_frac),
-            cpu_compute=cpu_compute,
+            cpu_compute=self.cpu.compute, stage=lambda name: self.timer.stage(name),
         )  # fmt: skip
 
     def _guess_route(self, layer: int, x: torch.Tensor) -> torch.Tensor:

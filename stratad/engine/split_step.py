@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,7 @@ class SplitParts:
     # (layer, host ids, h [B, H] f32, weights [B][k], slots, out [B, H] f32 to add into)
     cpu_compute: Callable[[int, list[list[int]], torch.Tensor, list[list[float]], Slots,
                            torch.Tensor], None]
+    stage: Callable[[str], AbstractContextManager[object]]  # the engine's stage timer
 
 
 @dataclass
@@ -120,7 +122,9 @@ class SplitStep:
             pieces[2 * n + 1]()  # B(i): queued, the GPU runs it while the CPU computes
             b.cpu_host.zero_()
             if slots:
-                self.p.cpu_compute(i, host_ids, b.h_host, b.w_host.tolist(), slots, b.cpu_host)
+                with self.p.stage("experts (CPU)"):
+                    weights = b.w_host.tolist()
+                    self.p.cpu_compute(i, host_ids, b.h_host, weights, slots, b.cpu_host)
         pieces[-1]()
 
     # -- the pieces -------------------------------------------------------------------------
