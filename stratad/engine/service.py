@@ -19,6 +19,7 @@ from stratad.engine.offload import OffloadForward
 from stratad.engine.prefix import PrefixStore, common_prefix
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.stages import StagedForward
+from stratad.engine.template_form import template_message, template_tools
 from stratad.engine.timing import StageTimer, stages_text, tier_shares
 from stratad.engine.weights_mode import cpu_weights
 from stratad.model.default import default_model_path
@@ -26,7 +27,6 @@ from stratad.model.loader import load_model
 from stratad.model.tokenizer_build import load_tokenizer
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import (
-    ChatMessage,
     Delta,
     Job,
     JobError,
@@ -159,14 +159,14 @@ class Engine:
         try:
             # content is text: a control token a user types cannot close their turn
             return self.tokenizer.encode_chat(
-                messages, add_generation_prompt=generation_prompt, tools=_tools(job)
+                messages, add_generation_prompt=generation_prompt, tools=template_tools(job)
             )
         except ValueError as e:  # the template refused the conversation (e.g. role order)
             raise JobError(str(e), "messages") from None
 
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
-            return self._encode_chat([_plain(m) for m in job.messages], True, job)
+            return self._encode_chat([template_message(m) for m in job.messages], True, job)
         if job.prompt_ids is not None:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in job.prompt_ids if not 0 <= t < vocab), None)
@@ -228,7 +228,7 @@ class Engine:
                 raise JobError(f"{job.grammar_param} cannot be followed: {why}", job.grammar_param)
         pin = 0
         if job.prefix_messages and job.messages is not None:
-            head = [_plain(m) for m in job.messages[: job.prefix_messages]]
+            head = [template_message(m) for m in job.messages[: job.prefix_messages]]
             pin = common_prefix(self._encode_chat(head, False, job), prompt)
         elif job.prefix_tokens:
             pin = job.prefix_tokens
@@ -371,31 +371,3 @@ class Engine:
             ),
         ]
 
-
-def _plain(m: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it (OpenAI's form)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]  # fmt: skip
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
-
-
-def _tools(job: Job) -> list[dict[str, Any]] | None:
-    """The job's tools as chat templates read them (OpenAI's form); None: no tools."""
-    if not job.tools:
-        return None
-    no_parameters = {"type": "object", "properties": {}}
-    return [
-        {"type": "function", "function": {
-            "name": t.name,
-            **({"description": t.description} if t.description is not None else {}),
-            "parameters": t.parameters if t.parameters is not None else no_parameters,
-        }}
-        for t in job.tools
-    ]  # fmt: skip
