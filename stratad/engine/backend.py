@@ -106,7 +106,8 @@ def open_offload(
         ", ".join(q.name for q in layouts.qtypes()),
     )
     device = start.devices[0]
-    found = tuned(device.type, model_shapes(model.spec))
+    found = start.kernels or tuned(device.type, model_shapes(model.spec))
+    log.log(found.level, "%s", found.message)
     paths = miss_paths(config.engine, found.switches, found.table)
     log.info("%s", paths.line())
     cfg = OffloadConfig(

@@ -112,22 +112,17 @@ def tuned(
     shapes: Mapping[str, int] | None = None,
     stack: tables.Stack | str | None = None,
     dirs: Sequence[Path] = tables.SEARCH_PATH,
-    say: bool = True,
 ) -> Lookup:
     """The table for the GPU this process runs on (`stack`, detected unless given), at the
-    bucket nearest the model's `shapes`, said in one line unless `say` is false (on the CPU,
-    the interpreter's settings, without a line)."""
+    bucket nearest the model's `shapes`, with the line that says which (the caller logs it;
+    on the CPU, the interpreter's settings, said at DEBUG)."""
     if device_type == "cpu":
-        return Lookup(INTERPRETED, logging.INFO, "the Triton interpreter's settings")
+        return Lookup(INTERPRETED, logging.DEBUG, "kernel tuning: the Triton interpreter's")
     stack = this_stack() if stack is None else stack
     if isinstance(stack, str):
         why = f"kernel tuning table: {stack}; {tables.COST}"
-        found = Lookup(KernelConfigs(), logging.INFO, why)
-    else:
-        found = lookup(stack, shapes, dirs)
-    if say:
-        log.log(found.level, "%s", found.message)
-    return found
+        return Lookup(KernelConfigs(), logging.INFO, why)
+    return lookup(stack, shapes, dirs)
 
 
 def kernel_configs(
@@ -136,5 +131,7 @@ def kernel_configs(
     stack: tables.Stack | str | None = None,
     dirs: Sequence[Path] = tables.SEARCH_PATH,
 ) -> KernelConfigs:
-    """The launch settings of `tuned`'s table."""
-    return tuned(device_type, shapes, stack, dirs).configs
+    """The launch settings of `tuned`'s table, said in one line."""
+    found = tuned(device_type, shapes, stack, dirs)
+    log.log(found.level, "%s", found.message)
+    return found.configs

@@ -21,7 +21,7 @@ import torch
 from kernels import cpu_build
 from stratad.config import Config, StoreConfig
 from stratad.engine.experts import blob_layouts, fast_path_refusal
-from stratad.engine.kernel_table import model_shapes, tuned
+from stratad.engine.kernel_table import Lookup, model_shapes, tuned
 from stratad.engine.stages import balanced_split, parse_split
 from stratad.engine.switches import miss_paths
 from stratad.model.loader import is_pack
@@ -92,6 +92,8 @@ class StartPlan:
     reserves: tuple[tuple[str, int], ...]  # host RAM besides the resident set
     dtype: torch.dtype
     max_context: int
+    # the offload engine's tuning table (its launch settings and switches), looked up once
+    kernels: Lookup | None = None
 
 
 def store_config(config: Config, path: Path) -> StoreConfig:
@@ -130,11 +132,11 @@ def start_plan(
     if device.type != "cuda":
         frees = [None] * len(devices)
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
-    stages = []
+    stages, found = [], None
     if backend == "offload":
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
-        found = tuned(device.type, model_shapes(spec), say=False)
+        found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size, max_context,
@@ -155,7 +157,7 @@ def start_plan(
         dense_host = model.dense_values() * per_value
     return StartPlan(
         backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host)),
-        dtype, max_context,
+        dtype, max_context, found,
     )  # fmt: skip
 
 
