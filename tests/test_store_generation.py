@@ -9,8 +9,10 @@ import msgspec
 import pytest
 import torch
 
+from kernels.cpu_experts import CpuExperts
 from stratad.config import StoreConfig
 from stratad.engine.forward import ReferenceForward
+from stratad.engine.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
@@ -181,3 +183,46 @@ def test_experts_not_yet_pinned_come_from_the_file(gguf_ref: Reference, tmp_path
     assert stats.pinned_bytes == 0 and stats.planned_ram_bytes > 0
     assert stats.ram_hits == 0 and stats.vram_hits > 0 and stats.file_hits > 0
     store.close()  # stops the pinner in its pacing wait
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> CpuExperts:
+    return CpuExperts(threads=2)
+
+
+@pytest.mark.parametrize("case", ["gguf-three-tiers", "hf-float-experts-adapting"])
+def test_cpu_engine_reads_a_steps_experts_from_the_tiers_in_one_call(
+    case: str, request: pytest.FixtureRequest, cpu_kernels: CpuExperts, tmp_path: Path
+) -> None:
+    """The cpu engine over the store (a CPU-only host's daemon): each layer's experts of a
+    step fetched together from the tiers and computed in one kernel call. Its tokens and
+    logits are the cpu engine's from the model's own stacks, bit for bit: from all three
+    tiers (Q4_0 blobs), and with every slot adapting (float blobs, LRU, evictions), where
+    a slot that a step reads must not be refilled under it."""
+    ref: Reference = request.getfixturevalue("gguf_ref" if case.startswith("gguf") else "hf_ref")
+    model = ref.model
+    source = ModelExperts(model)
+    config = three_tiers(source, _profile(ref, tmp_path))
+    if case.startswith("hf"):
+        n = source.n_layers * source.n_experts
+        config = msgspec.structs.replace(
+            config, cache_policy="lru", resident_budget_gib=n * source.layouts[0].stride / GiB
+        )
+    store = open_store(config, source, compute_device=torch.device("cpu"),
+                       cache_device=torch.device("cpu"), host_total=(64 * GiB, "MemTotal"),
+                       read_available=lambda: 64 * GiB)  # fmt: skip
+    fast = ReferenceForward(model, experts=store, weights=QuantWeights(cpu_kernels))
+    assert fast.store_experts is not None
+    assert all(fast.store_experts.reads(i) for i in range(model.spec.n_layers))
+    stacks = ReferenceForward(model, weights=QuantWeights(cpu_kernels))
+    tokens, logits = greedy(fast, ref.prompt, NEW_TOKENS)
+    want_tokens, want_logits = greedy(stacks, ref.prompt, NEW_TOKENS)
+    assert tokens == want_tokens
+    assert torch.equal(logits, want_logits)
+    assert torch.equal(fast.route_counts, stacks.route_counts)
+    stats = store.stats()
+    if case.startswith("gguf"):
+        _assert_every_tier_served(store)
+    else:
+        assert stats.vram_hits > 0 and stats.ram_hits > 0 and stats.evictions > 0, stats
+    store.close()

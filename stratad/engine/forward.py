@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -22,6 +21,7 @@ from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route
+from stratad.engine.store_moe import ExpertProvider
 from stratad.engine.timing import StageTimer
 from stratad.engine.weights_mode import (
     FloatEmbedding,
@@ -34,12 +34,6 @@ from stratad.engine.weights_mode import (
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
-
-
-class ExpertProvider(Protocol):
-    """Where routed experts come from instead of the model's stacks (the expert store)."""
-
-    def get(self, layer: int, expert: int) -> MLPWeights: ...
 
 
 @dataclass(frozen=True)
@@ -135,6 +129,8 @@ class ReferenceForward:
         self.mode = weights or FloatWeights(self.device, dtype)
         self.dtype = self.mode.dtype
         self.experts = experts
+        # the cpu engine: a step's experts from the store in one kernel call
+        self.store_experts = self.mode.store_routed(experts) if experts is not None else None
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
@@ -228,10 +224,17 @@ class ReferenceForward:
             weights, ids = route(w.router(x), spec.n_experts_used, spec.norm_topk_prob)
             self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
-        if w.routed is not None:
-            with stage("experts"):
-                w.routed(x.float().contiguous(), ids, weights, out)
-        for e in ids.unique().tolist() if w.routed is None else ():
+        one_call = w.routed is not None or (
+            self.store_experts is not None and self.store_experts.reads(i)
+        )
+        if one_call:
+            with stage("experts"):  # the store's fetches included
+                if w.routed is not None:
+                    w.routed(x.float().contiguous(), ids, weights, out)
+                else:
+                    assert self.store_experts is not None
+                    self.store_experts(i, x.float().contiguous(), ids, weights, out)
+        for e in () if one_call else ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             with stage("expert fetch"):  # from the store's tiers
                 expert = self._expert(i, w, e)

@@ -23,6 +23,7 @@ from kernels.cpu_experts import CpuExperts, PreparedMoE
 from kernels.quant import QTensor
 from stratad.config import EngineConfig
 from stratad.engine.layers import attention, attention_by_row
+from stratad.engine.store_moe import ExpertProvider, StoreExperts
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
 
@@ -82,6 +83,8 @@ class WeightMode(Protocol):
 
     def routed(self, moe: MoEWeights) -> Routed | None: ...
 
+    def store_routed(self, store: ExpertProvider) -> StoreExperts | None: ...
+
 
 @dataclass(frozen=True)
 class FloatWeights:
@@ -107,6 +110,9 @@ class FloatWeights:
 
     def routed(self, moe: MoEWeights) -> None:
         return None  # the reference computes expert by expert
+
+    def store_routed(self, store: ExpertProvider) -> None:
+        return None  # and asks the store for one expert at a time
 
 
 @dataclass
@@ -153,6 +159,10 @@ class QuantWeights:
         qtypes = (ex.gate.qtype, ex.up.qtype, ex.down.qtype)
         gate, up, down = (t.data.contiguous() for t in stacks)
         return self.kernels.prepare_moe(gate, up, down, qtypes, hidden, ffn)
+
+    def store_routed(self, store: ExpertProvider) -> StoreExperts:
+        """A layer's routed experts from the store's tiers in one kernel call per step."""
+        return StoreExperts(store, self.kernels)
 
     def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None:
         """Every layer in one kernel call (`kernels.cpu_dense`) where the model is a stack of

@@ -7,12 +7,14 @@ follow what the conversation routes to. Every answer is counted by the tier it c
 
 `get` returns `MLPWeights` of QTensor views onto the tier's bytes. A view onto a VRAM slot is
 valid until a later `get` evicts that slot: use it (the reference engine dequantizes it)
-before asking for more experts than there are slots.
+before asking for more experts than there are slots. `use_blobs` hands several experts' bytes
+to one call and admits the misses after it (the cpu engine: a step's experts in one kernel
+call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -90,25 +92,50 @@ class ExpertStore:
         self.pinner.start()
 
     def get(self, layer: int, expert: int) -> MLPWeights:
+        blob, tier = self._fetch(layer, expert)
+        if tier != "vram":
+            blob = self._admit(layer, expert, blob, tier)
+        return blob_view(blob, self.layouts[layer])
+
+    def use_blobs(
+        self, layer: int, experts: Sequence[int], use: Callable[[list[torch.Tensor]], None]
+    ) -> None:
+        """`use` the experts' bytes (uint8 blobs of `layouts[layer]`), all of them at once:
+        each from the fastest tier holding it, counted as `get` counts; the misses are
+        admitted after `use` returns, so that no admission evicts a slot `use` still reads
+        (the cpu engine hands a step's experts to its kernels in one call)."""
+        fetched = [self._fetch(layer, e) for e in experts]
+        use([blob for blob, _ in fetched])
+        for e, (blob, tier) in zip(experts, fetched, strict=True):
+            if tier != "vram":
+                self._admit(layer, e, blob, tier)
+
+    def _fetch(self, layer: int, expert: int) -> tuple[torch.Tensor, str]:
+        """The expert's bytes from the fastest tier holding it, and that tier (counted)."""
         unit = ExpertUnit(layer, expert)
-        layout = self.layouts[layer]
         slot = self.cache.lookup(unit)
         if slot is not None:
             self.hits["vram"] += 1
-            return blob_view(self.slots.slot(slot), layout)
+            return self.slots.slot(slot), "vram"
         blob = self.ram.view(unit)
         tier = "ram" if blob is not None else "file"
         if blob is None:
-            blob = torch.empty(layout.stride, dtype=torch.uint8)
+            blob = torch.empty(self.layouts[layer].stride, dtype=torch.uint8)
             self._read_file(layer, expert, blob)
         self.hits[tier] += 1
-        if self.admit_on_miss and self.slots.n:
-            slot, _ = self.cache.admit(unit)
-            if slot is not None:
-                async_copy = tier == "ram" and self.pinner.locker.gpu_registered
-                self.slots.fill(slot, blob, layout.nbytes, non_blocking=async_copy)
-                return blob_view(self.slots.slot(slot), layout)
-        return blob_view(blob, layout)
+        return blob, tier
+
+    def _admit(self, layer: int, expert: int, blob: torch.Tensor, tier: str) -> torch.Tensor:
+        """A missed expert into a VRAM slot when `admit_on_miss` (the policy picks the
+        victim): the slot's bytes, or `blob` when it stays out."""
+        if not (self.admit_on_miss and self.slots.n):
+            return blob
+        slot, _ = self.cache.admit(ExpertUnit(layer, expert))
+        if slot is None:
+            return blob
+        async_copy = tier == "ram" and self.pinner.locker.gpu_registered
+        self.slots.fill(slot, blob, self.layouts[layer].nbytes, non_blocking=async_copy)
+        return self.slots.slot(slot)
 
     def _read_file(self, layer: int, expert: int, out: torch.Tensor) -> None:
         """The file tier: the blob from the source, or from the original when it is damaged."""
