@@ -4,11 +4,18 @@ same run, each in a process of its own so that each one's resident memory is its
 
     python -m bench.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
                              [--repeats 3] [--threads N] [--reference] [--json PATH]
+                             [--store-ram-gib G]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
 spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
 peak, next to the file's size. `--reference` adds the torch reference engine (float32 copies
 of the weights) for scale. The default model is the packaged SmolLM2-135M-Instruct.
+
+`--store-ram-gib G` (a MoE model) adds Strata's `cpu` engine as a CPU-only host's daemon serves
+it: the experts through the expert store, G GiB of them in RAM (mlocked, as the daemon does,
+pinned before the first prompt), the rest read from the file when routed, a step's experts in
+one kernel call. Its store counters (hits per tier, file reads) come with its result. The
+plan has no profile here: which experts stay in RAM is the plan's default order.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 
 def _rss() -> dict[str, int]:
@@ -49,7 +58,8 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     torch.set_num_threads(args.threads if reference else 1)
     model = load_model(args.model)
     weights = None if reference else QuantWeights(CpuExperts(args.threads))
-    forward = ReferenceForward(model, weights=weights)
+    store = _store(model, args.store_ram_gib) if args.engine == "store" else None
+    forward = ReferenceForward(model, weights=weights, experts=store)
     prompt = _prompt(args.prompt_len, model.spec.vocab_size)
     prefill, decode = [], []
     for _ in range(args.repeats):
@@ -61,7 +71,25 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
         for _ in range(args.decode_tokens):
             logits = forward([int(logits.argmax())], cache)[-1]
         decode.append(args.decode_tokens / (time.perf_counter() - t0))
-    return {"prefill_tps": prefill, "decode_tps": decode, "weights": forward.mode.name, **_rss()}
+    stats = {} if store is None else {"store": msgspec.to_builtins(store.stats())}
+    return {"prefill_tps": prefill, "decode_tps": decode, "weights": forward.mode.name,
+            **stats, **_rss()}  # fmt: skip
+
+
+def _store(model: Any, ram_gib: float) -> Any:
+    """The daemon's expert store on a CPU-only host: `ram_gib` of experts in RAM, mlocked and
+    pinned before it returns; the rest from the file."""
+    import torch
+
+    from stratad.config import StoreConfig
+    from stratad.store.startup import open_source, open_store
+
+    config = StoreConfig(resident_budget_gib=ram_gib, pin_rate_gbps=0, ready_after_pinning=True)
+    cpu = torch.device("cpu")
+    store = open_store(config, open_source(config, model), compute_device=cpu)
+    while store.pinner.progress.pinned_bytes < store.ram.nbytes:
+        time.sleep(0.2)
+    return store
 
 
 def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,7 +115,8 @@ def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one engine in a fresh interpreter; its JSON result."""
     cmd = [sys.executable, "-m", "bench.cpu_only", "--engine", engine, "--model", str(args.model),
            "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
-           "--repeats", str(args.repeats), "--threads", str(args.threads)]  # fmt: skip
+           "--repeats", str(args.repeats), "--threads", str(args.threads),
+           "--store-ram-gib", str(args.store_ram_gib)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{engine} failed: {out.stderr.strip()[-2000:]}")
@@ -122,7 +151,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--reference", action="store_true", help="also the torch reference engine")
-    p.add_argument("--engine", choices=["strata", "reference", "llamacpp"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--store-ram-gib",
+        type=float,
+        default=-1.0,
+        help="also the cpu engine through the expert store, this much RAM (MoE)",
+    )
+    p.add_argument("--engine", choices=["strata", "store", "reference", "llamacpp"],
+                   help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     args.model = args.model or default_model_path()
@@ -134,6 +170,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     engines = ["strata", "llamacpp"] + (["reference"] if args.reference else [])
+    engines += ["store"] if args.store_ram_gib >= 0 else []
     result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
               "threads": args.threads, "prompt_len": args.prompt_len,
               "decode_tokens": args.decode_tokens, "repeats": args.repeats,
