@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         cpu_threads=args.cpu_threads,
         gpu_miss=args.gpu_miss,
         kernels=configs,
-        prefetch=args.prefetch == "on" and not args.no_prefetch and args.gpu_miss == "copy"
+        prefetch=args.prefetch == "on" and args.gpu_miss == "copy"
         and not args.link_gbs,
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
@@ -340,16 +340,18 @@ def parser() -> argparse.ArgumentParser:
         help="also list the GPU kernels of a decode step and a prefill chunk",
     )
     p.add_argument(
-        "--no-prefetch",
-        action="store_true",
-        help="do not guess experts one layer early (engine.expert_prefetch = false); on by "
-        "default with the copy miss path, as in the daemon",
-    )
-    p.add_argument(
         "--prefetch",
         choices=["on", "off"],
         default="on",
-        help="the switch expert_prefetch as a table records it (off: as --no-prefetch)",
+        help="guess experts one layer early (engine.expert_prefetch, the switch a table"
+        " records); on by default with the copy miss path, as in the daemon",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_const",
+        const="off",
+        help="as --prefetch off",
     )
     p.add_argument(
         "--cpu-split",

@@ -17,7 +17,11 @@ def test_every_argument_e2e_reads_is_parsed() -> None:
     args = bench.e2e.parser().parse_args(
         ["--model", "m.gguf", "--no-prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
     )
-    assert args.no_prefetch and args.kernel_table == Path("t.json") and args.gpu_miss == "in_place"
+    assert (
+        args.prefetch == "off"
+        and args.kernel_table == Path("t.json")
+        and args.gpu_miss == "in_place"
+    )
 
 
 def test_the_cache_fits_every_prompt_the_run_makes() -> None:
