@@ -243,6 +243,52 @@ class CpuExperts:
         )  # fmt: skip
         self._raise(rc, "moe")
 
+    def moe_parts(
+        self,
+        x: torch.Tensor,
+        experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        tokens: Sequence[int],
+        weights: Sequence[float],
+        qtypes: tuple[QType, QType, QType],
+        ffn: int,
+        out: torch.Tensor,
+    ) -> None:
+        """`moe` where item i's expert is three tensors of GGUF bytes (gate [ffn, hidden], up
+        [ffn, hidden], down [hidden, ffn], anywhere: a blob's slices, or a mapped file's
+        stacks). Items whose gate is the same memory read it once."""
+        hidden = x.shape[1] if x.dim() == 2 else 0
+        _check(x, "x", torch.float32, 2)
+        _check(out, "out", torch.float32, 2)
+        if tuple(out.shape) != tuple(x.shape):
+            raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} differ")
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        for (_, cols), qtype, name in zip(shapes, qtypes, ("gate", "up", "down"), strict=True):
+            self._qtype(qtype, name)
+            if cols % 32:
+                raise ValueError(f"{name}: {cols} columns, not a multiple of 32")
+        n = len(experts)
+        if len(tokens) != n or len(weights) != n:
+            raise ValueError(f"{n} experts, {len(tokens)} tokens, {len(weights)} weights")
+        if n == 0:
+            return
+        sizes = [rows * row_bytes(q, cols) for (rows, cols), q in zip(shapes, qtypes, strict=True)]
+        ptrs = np.empty((3, n), dtype=np.uint64)
+        for i, parts in enumerate(experts):
+            for j, (part, size) in enumerate(zip(parts, sizes, strict=True)):
+                if part.device.type != "cpu" or not part.is_contiguous() or part.nbytes < size:
+                    raise ValueError(f"expert {i} part {j}: not {size} contiguous CPU bytes")
+                ptrs[j, i] = part.data_ptr()
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.min() < 0 or tok.max() >= x.shape[0]:
+            raise ValueError(f"tokens must be in [0, {x.shape[0]}), got {tokens}")
+        wts = np.asarray(weights, dtype=np.float32)
+        qts = np.array([int(q) for q in qtypes], dtype=np.int32)
+        rc = self._moe_parts(x.data_ptr(), x.shape[0], hidden, ffn, ptrs[0].ctypes.data,
+                             ptrs[1].ctypes.data, ptrs[2].ctypes.data, n, tok.ctypes.data,
+                             wts.ctypes.data, qts.ctypes.data, 0, out.data_ptr(), self.threads,
+                             self._tables.data_ptr())  # fmt: skip
+        self._raise(rc, "moe")
+
 
 # below this many weights times tokens a product runs on one thread: waking the team costs
 # more than it saves (a [192, 576] product: 25 us on one thread, 45-130 on two busy cores)

@@ -187,6 +187,12 @@ def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
     cpu.moe(x, [blobs[e] for _, e in items], tokens, weights, fmt, out)
     ref, scale = moe_ref(x, [made[e][1] for _, e in items], tokens, weights, qtypes)
     _close(out - 1, ref, scale, ulps=256)
+    if not split:  # the same experts as three slices each (the store's parts): the same sums
+        u, d = fmt.up_offset, fmt.down_offset
+        parts = [(b[:u], b[u:d], b[d : fmt.nbytes]) for b in blobs]
+        got = torch.ones(4, 256)
+        cpu.moe_parts(x, [parts[e] for _, e in items], tokens, weights, qtypes, 256, got)
+        assert torch.equal(got, out)
 
 
 @pytest.mark.parametrize("qtypes", [MIXES[2], MIXES[4]], ids=lambda m: "-".join(q.name for q in m))
@@ -272,6 +278,11 @@ def test_bad_inputs_are_refused(cpu: CpuExperts) -> None:
         cpu.moe(x.to("meta"), [blob], [0], [1.0], fmt, out)
     with pytest.raises(ValueError, match="blob 0 must be"):
         cpu.moe(x, [blob.to("meta")], [0], [1.0], fmt, out)
+    parts = (blob[: fmt.up_offset], blob[fmt.up_offset : fmt.down_offset], blob[fmt.down_offset :])
+    with pytest.raises(ValueError, match="expert 0 part 2"):
+        cpu.moe_parts(x, [(*parts[:2], parts[2][:-1])], [0], [1.0], fmt.qtypes, 32, out)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        cpu.moe_parts(x, [parts], [1], [1.0], fmt.qtypes, 32, out)
     with pytest.raises(ValueError, match="do not read IQ1_M"):
         cpu.matmul(x, blob, QType.IQ1_M, 32, 64)
     w = blocks(QType.Q8_0, 32, 64, seed=0)  # a [32, 64] Q8_0 weight

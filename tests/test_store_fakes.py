@@ -53,6 +53,9 @@ class FakeSource:
             out[: self.layouts[layer].nbytes].copy_(self.blob(layer, expert))
         self.stats.add(self.layouts[layer].nbytes)
 
+    def mapped(self, layer: int, expert: int) -> None:
+        return None
+
     def drop_cache(self, layer: int, expert: int) -> None:
         pass
 

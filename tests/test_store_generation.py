@@ -16,6 +16,7 @@ from stratad.engine.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
+from stratad.store.manifest import encoded
 from stratad.store.pack import write_pack
 from stratad.store.packed import load_pack
 from stratad.store.plan import GiB
@@ -190,24 +191,24 @@ def cpu_kernels() -> CpuExperts:
     return CpuExperts(threads=2)
 
 
-@pytest.mark.parametrize("case", ["gguf-three-tiers", "hf-float-experts-adapting"])
+@pytest.mark.parametrize("case", ["gguf-three-tiers-mapped", "hf-float-experts-adapting"])
 def test_cpu_engine_reads_a_steps_experts_from_the_tiers_in_one_call(
     case: str, request: pytest.FixtureRequest, cpu_kernels: CpuExperts, tmp_path: Path
 ) -> None:
     """The cpu engine over the store (a CPU-only host's daemon): each layer's experts of a
     step fetched together from the tiers and computed in one kernel call. Its tokens and
     logits are the cpu engine's from the model's own stacks, bit for bit: from all three
-    tiers (Q4_0 blobs), and with every slot adapting (float blobs, LRU, evictions), where
-    a slot that a step reads must not be refilled under it."""
+    tiers with the file tier the GGUF's mapping (no admission: nothing to copy into a slot),
+    and with every slot adapting (float blobs, LRU, evictions), where a slot that a step
+    reads must not be refilled under it."""
     ref: Reference = request.getfixturevalue("gguf_ref" if case.startswith("gguf") else "hf_ref")
     model = ref.model
     source = ModelExperts(model)
-    config = three_tiers(source, _profile(ref, tmp_path))
+    n = source.n_layers * source.n_experts
+    config = three_tiers(source, _profile(ref, tmp_path), admit_on_miss=case.startswith("hf"))
     if case.startswith("hf"):
-        n = source.n_layers * source.n_experts
-        config = msgspec.structs.replace(
-            config, cache_policy="lru", resident_budget_gib=n * source.layouts[0].stride / GiB
-        )
+        budget = n * source.layouts[0].stride / GiB
+        config = msgspec.structs.replace(config, cache_policy="lru", resident_budget_gib=budget)
     store = open_store(config, source, compute_device=torch.device("cpu"),
                        cache_device=torch.device("cpu"), host_total=(64 * GiB, "MemTotal"),
                        read_available=lambda: 64 * GiB)  # fmt: skip
@@ -223,6 +224,12 @@ def test_cpu_engine_reads_a_steps_experts_from_the_tiers_in_one_call(
     stats = store.stats()
     if case.startswith("gguf"):
         _assert_every_tier_served(store)
+        got: list[list[torch.Tensor]] = []
+        store.use_experts(0, range(source.n_experts), lambda parts: got.extend(map(list, parts)))
+        for e, parts in enumerate(got):  # every tier's bytes are the expert's own
+            w = store.get(0, e)
+            want = (encoded(w.gate), encoded(w.up), encoded(w.down))
+            assert all(torch.equal(p, t) for p, t in zip(parts, want, strict=True))
     else:
         assert stats.vram_hits > 0 and stats.ram_hits > 0 and stats.evictions > 0, stats
     store.close()

@@ -146,6 +146,16 @@ def encoded(t: QTensor) -> torch.Tensor:
     return t.data.contiguous().reshape(-1).view(torch.uint8)
 
 
+# gate, up and down of one expert as their encoded bytes (uint8, 1-D)
+ExpertBytes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def expert_bytes(raw: torch.Tensor, layout: ExpertLayout) -> ExpertBytes:
+    """The three projections' bytes inside blob `raw` (views, no copy)."""
+    g, u, d = (raw[t.offset : t.offset + t.nbytes] for t in layout.projections)
+    return g, u, d
+
+
 def blob_view(raw: torch.Tensor, layout: ExpertLayout) -> MLPWeights:
     """The expert held in `raw` (uint8 [>= layout.nbytes]) as MLPWeights of views onto it."""
     return MLPWeights(*(tensor_view(raw, t) for t in layout.projections))

@@ -23,6 +23,7 @@ from stratad.model.archs import ARCHS
 from stratad.model.spec import Model
 from stratad.store.manifest import (
     EXPERTS_NAME,
+    ExpertBytes,
     ExpertLayout,
     Manifest,
     PackError,
@@ -75,6 +76,11 @@ class ExpertSource(Protocol):
 
     def read_into(self, layer: int, expert: int, out: torch.Tensor) -> None:
         """Copy blob (layer, expert) into `out` (CPU uint8, at least the blob's bytes)."""
+        ...
+
+    def mapped(self, layer: int, expert: int) -> ExpertBytes | None:
+        """The expert's gate, up and down bytes where the source holds them mapped (no copy;
+        counted as a read), else None: `read_into` it."""
         ...
 
     def drop_cache(self, layer: int, expert: int) -> None:
@@ -142,6 +148,9 @@ class PackExperts:
             )
         self._verified[i] = 1
 
+    def mapped(self, layer: int, expert: int) -> None:
+        return None  # read and verified, never mapped
+
     def drop_cache(self, layer: int, expert: int) -> None:
         blob = self.manifest.blob(layer, expert)
         if hasattr(os, "posix_fadvise"):
@@ -171,6 +180,12 @@ class ModelExperts:
         for t, place in zip((w.gate, w.up, w.down), layout.projections, strict=True):
             out[place.offset : place.offset + place.nbytes].copy_(encoded(t))
         self.stats.add(layout.nbytes)
+
+    def mapped(self, layer: int, expert: int) -> ExpertBytes:
+        """Views onto the stacks (the model's mapping of the file, for a GGUF)."""
+        w = self._stacks[layer].expert(expert)
+        self.stats.add(self.layouts[layer].nbytes)
+        return encoded(w.gate), encoded(w.up), encoded(w.down)
 
     def drop_cache(self, layer: int, expert: int) -> None:
         pass  # a mapping's pages are shared with the engine's other views: leave them

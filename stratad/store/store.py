@@ -7,7 +7,7 @@ follow what the conversation routes to. Every answer is counted by the tier it c
 
 `get` returns `MLPWeights` of QTensor views onto the tier's bytes. A view onto a VRAM slot is
 valid until a later `get` evicts that slot: use it (the reference engine dequantizes it)
-before asking for more experts than there are slots. `use_blobs` hands several experts' bytes
+before asking for more experts than there are slots. `use_experts` hands several experts' bytes
 to one call and admits the misses after it (the cpu engine: a step's experts in one kernel
 call).
 """
@@ -24,7 +24,7 @@ from stratad.model.weights import MLPWeights
 from stratad.store.bandwidth import Bandwidths
 from stratad.store.cache import ExpertCache
 from stratad.store.lock import LockChoice
-from stratad.store.manifest import blob_view
+from stratad.store.manifest import ExpertBytes, blob_view, expert_bytes
 from stratad.store.original import OriginalExperts
 from stratad.store.pinning import Pinner, PinSettings, ProgressFn
 from stratad.store.plan import RamBudget, ResidencyPlan
@@ -92,38 +92,58 @@ class ExpertStore:
         self.pinner.start()
 
     def get(self, layer: int, expert: int) -> MLPWeights:
-        blob, tier = self._fetch(layer, expert)
+        blob, tier = self._held(layer, expert)
+        if blob is None:
+            blob = self._read(layer, expert)
         if tier != "vram":
             blob = self._admit(layer, expert, blob, tier)
         return blob_view(blob, self.layouts[layer])
 
-    def use_blobs(
-        self, layer: int, experts: Sequence[int], use: Callable[[list[torch.Tensor]], None]
+    def use_experts(
+        self, layer: int, experts: Sequence[int], use: Callable[[list[ExpertBytes]], None]
     ) -> None:
-        """`use` the experts' bytes (uint8 blobs of `layouts[layer]`), all of them at once:
-        each from the fastest tier holding it, counted as `get` counts; the misses are
-        admitted after `use` returns, so that no admission evicts a slot `use` still reads
-        (the cpu engine hands a step's experts to its kernels in one call)."""
-        fetched = [self._fetch(layer, e) for e in experts]
-        use([blob for blob, _ in fetched])
-        for e, (blob, tier) in zip(experts, fetched, strict=True):
-            if tier != "vram":
+        """`use` the experts' bytes (gate, up and down: uint8 in `layouts[layer]`'s types),
+        all of them at once: each from the fastest tier holding it, counted as `get` counts.
+        A file-tier expert is the source's mapping where it has one and no slot would take
+        it in (a GGUF read in place: no copy, the page cache is that tier), else read. The
+        misses are admitted after `use` returns, so that no admission refills a slot `use`
+        still reads (the cpu engine hands a step's experts to its kernels in one call)."""
+        layout = self.layouts[layer]
+        admits = self.admit_on_miss and self.slots.n > 0
+        got: list[tuple[ExpertBytes, torch.Tensor | None, str]] = []
+        for e in experts:
+            blob, tier = self._held(layer, e)
+            mapped = None if blob is not None or admits else self.source.mapped(layer, e)
+            if mapped is not None:
+                self.hits["file"] += 1
+                got.append((mapped, None, tier))
+                continue
+            blob = self._read(layer, e) if blob is None else blob
+            got.append((expert_bytes(blob, layout), blob, tier))
+        use([parts for parts, _, _ in got])
+        for e, (_, blob, tier) in zip(experts, got, strict=True):
+            if tier != "vram" and blob is not None:
                 self._admit(layer, e, blob, tier)
 
-    def _fetch(self, layer: int, expert: int) -> tuple[torch.Tensor, str]:
-        """The expert's bytes from the fastest tier holding it, and that tier (counted)."""
+    def _held(self, layer: int, expert: int) -> tuple[torch.Tensor | None, str]:
+        """The expert's VRAM slot or RAM copy (counted by tier), or (None, "file")."""
         unit = ExpertUnit(layer, expert)
         slot = self.cache.lookup(unit)
         if slot is not None:
             self.hits["vram"] += 1
             return self.slots.slot(slot), "vram"
         blob = self.ram.view(unit)
-        tier = "ram" if blob is not None else "file"
-        if blob is None:
-            blob = torch.empty(self.layouts[layer].stride, dtype=torch.uint8)
-            self._read_file(layer, expert, blob)
-        self.hits[tier] += 1
-        return blob, tier
+        if blob is not None:
+            self.hits["ram"] += 1
+            return blob, "ram"
+        return None, "file"
+
+    def _read(self, layer: int, expert: int) -> torch.Tensor:
+        """The file tier (counted): the expert's blob read into a new buffer."""
+        blob = torch.empty(self.layouts[layer].stride, dtype=torch.uint8)
+        self._read_file(layer, expert, blob)
+        self.hits["file"] += 1
+        return blob
 
     def _admit(self, layer: int, expert: int, blob: torch.Tensor, tier: str) -> torch.Tensor:
         """A missed expert into a VRAM slot when `admit_on_miss` (the policy picks the
