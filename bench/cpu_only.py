@@ -4,7 +4,8 @@ same run, each in a process of its own so that each one's resident memory is its
 
     python -m bench.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
                              [--repeats 3] [--threads N] [--reference] [--json PATH]
-                             [--store-ram-gib G]
+                             [--store-ram-gib G] [--memory-limit-gib L]
+                             [--llamacpp-repack on|off]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
 spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
@@ -16,6 +17,13 @@ it: the experts through the expert store, G GiB of them in RAM (mlocked, as the 
 pinned before the first prompt), the rest read from the file when routed, a step's experts in
 one kernel call. Its store counters (hits per tier, file reads) come with its result. The
 plan has no profile here: which experts stay in RAM is the plan's default order.
+
+`--memory-limit-gib L` runs each engine as on a host with L GiB of RAM: in a memory cgroup of
+its own (`bench/memlimit.py`; needs root), after the model file's cached pages are dropped, so
+a model larger than L is read from the disk again wherever the kernel dropped its pages.
+`--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
+default it copies them into its own interleaved layout for the CPU's vector units, which
+needs RAM for the whole model.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from bench import memlimit
 
 
 def _rss() -> dict[str, int]:
@@ -95,7 +105,18 @@ def _store(model: Any, ram_gib: float) -> Any:
 
 
 def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
+    import llama_cpp.llama_cpp as raw
     from llama_cpp import Llama
+
+    if args.llamacpp_repack == "off":  # llama-cli's --no-repack: Llama() has no argument for it
+        default = raw.llama_model_default_params
+
+        def no_repack() -> Any:
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        raw.llama_model_default_params = no_repack
 
     llm = Llama(str(args.model), n_gpu_layers=0, n_threads=args.threads,
                 n_ctx=args.prompt_len + args.decode_tokens + 16, verbose=False)  # fmt: skip
@@ -114,14 +135,27 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one engine in a fresh interpreter; its JSON result."""
+    """Run one engine in a fresh interpreter (in a memory cgroup of its own when limited);
+    its JSON result, or its failure (e.g. killed at the memory limit) as {"failed": why}."""
     cmd = [sys.executable, "-m", "bench.cpu_only", "--engine", engine, "--model", str(args.model),
            "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
            "--repeats", str(args.repeats), "--threads", str(args.threads),
-           "--store-ram-gib", str(args.store_ram_gib)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+           "--store-ram-gib", str(args.store_ram_gib), "--llamacpp-repack", args.llamacpp_repack,
+           "--memory-limit-gib", str(args.memory_limit_gib),
+           "--cgroup", f"strata-bench-{os.getpid()}-{engine}"]  # fmt: skip
+    if args.memory_limit_gib > 0:
+        memlimit.drop_cached(args.model)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    finally:
+        memlimit.remove(cmd[-1])
     if out.returncode != 0:
-        raise RuntimeError(f"{engine} failed: {out.stderr.strip()[-2000:]}")
+        why = out.stderr.strip()[-2000:] or f"exit status {out.returncode}"
+        if out.returncode < 0:
+            why = f"killed by signal {-out.returncode} (the memory limit?)"
+        if args.memory_limit_gib <= 0:
+            raise RuntimeError(f"{engine} failed: {why}")
+        return {"failed": why}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -137,6 +171,9 @@ def markdown(r: dict[str, Any]) -> str:
              "| engine | prefill tok/s | decode tok/s | RSS after (MiB) | of it private |"
              " peak RSS (MiB) | RSS / file |", "|" + " --- |" * 7]  # fmt: skip
     for name, e in r["engines"].items():
+        if "failed" in e:
+            lines.append(f"| {name} | failed: {e['failed'][:200]} |" + " |" * 5)
+            continue
         lines.append(f"| {name} | {_fig(e['prefill_tps'])} | {_fig(e['decode_tps'])} |"
                      f" {e['rss_bytes'] / 2**20:,.0f} | {e.get('anon_bytes', 0) / 2**20:,.0f} |"
                      f" {e['peak_rss_bytes'] / 2**20:,.0f} |"
@@ -160,6 +197,19 @@ def main() -> None:
         default=-1.0,
         help="also the cpu engine through the expert store, this much RAM (MoE)",
     )
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=0.0,
+        help="each engine in a memory cgroup of this many GiB (root; 0: none)",
+    )
+    p.add_argument(
+        "--llamacpp-repack",
+        choices=["on", "off"],
+        default="on",
+        help="llama.cpp's CPU repacking of the weights (off: --no-repack)",
+    )
+    p.add_argument("--cgroup", default="strata-bench", help=argparse.SUPPRESS)
     p.add_argument("--engine", choices=["strata", "store", "reference", "llamacpp"],
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--json", type=Path)
@@ -168,8 +218,12 @@ def main() -> None:
     if not args.model.is_file():
         p.error(f"no model file at {args.model}")
     if args.engine:  # a child: one engine, its result as one JSON line
+        limit = args.memory_limit_gib
+        group = memlimit.confine(limit, args.cgroup) if limit > 0 else None
         result = run_llamacpp(args) if args.engine == "llamacpp" else run_strata(
             args, reference=args.engine == "reference")  # fmt: skip
+        if group is not None:
+            result["cgroup_peak_bytes"] = memlimit.peak_bytes(group)
         print(json.dumps(result))
         return
     engines = ["strata", "llamacpp"] + (["reference"] if args.reference else [])
@@ -177,6 +231,7 @@ def main() -> None:
     result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
               "threads": args.threads, "prompt_len": args.prompt_len,
               "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+              "memory_limit_gib": args.memory_limit_gib, "llamacpp_repack": args.llamacpp_repack,
               "engines": {}}  # fmt: skip
     for name in engines:
         print(f"{name} ...", file=sys.stderr, flush=True)
