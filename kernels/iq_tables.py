@@ -12,8 +12,6 @@ Layout (byte offsets, mirrored as constants where the kernels read them):
     IQ1_S_GRID    17424  2048 x 8 (-1, 0, 1), int8 as two's complement
     KSIGNS        33808  128: 7 stored sign bits -> 8 (the 8th makes the count of minus
                          signs even), llama.cpp's ksigns_iq2xs
-    KSIGNS64      33936  128 x 8: KSIGNS's 8 sign bits as bytes, +1 or -1 (int8), so that
-                         one 8-byte load gives a sign index's signs (the AVX2 row dots)
 
 The first two keep their offsets: the compiled CPU kernels read them there. The values come
 from the `gguf` package (its ports of llama.cpp's tables), not copied here.
@@ -28,8 +26,7 @@ import torch
 from gguf import quants as gguf_quants
 
 IQ3_S_GRID, IQ4_VALUES, IQ3_XXS_GRID, IQ2_XXS_GRID = 0, 2048, 2064, 3088
-IQ2_XS_GRID, IQ2_S_GRID, IQ1_S_GRID, KSIGNS, KSIGNS64 = 5136, 9232, 17424, 33808, 33936
-SIZE = 34960
+IQ2_XS_GRID, IQ2_S_GRID, IQ1_S_GRID, KSIGNS, SIZE = 5136, 9232, 17424, 33808, 33936
 
 
 def _grid(name: str) -> np.ndarray:
@@ -39,15 +36,8 @@ def _grid(name: str) -> np.ndarray:
     return np.asarray(quant.grid).reshape(-1).astype(np.int8).view(np.uint8)
 
 
-def _sign_bytes(ksigns: np.ndarray) -> np.ndarray:
-    """[128 x 8] +1/-1 bytes: bit k of each KSIGNS entry set -> byte k is -1."""
-    bits = (ksigns[:, None] >> np.arange(8, dtype=np.uint8)) & 1
-    return (1 - 2 * bits.astype(np.int8)).reshape(-1).view(np.uint8)
-
-
 @functools.cache
 def _host() -> torch.Tensor:
-    ksigns = np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)
     parts = [
         (IQ3_S_GRID, _grid("IQ3_S")),
         (IQ4_VALUES, np.array(gguf_quants.IQ4_NL.kvalues, dtype=np.int8).view(np.uint8)),
@@ -56,8 +46,7 @@ def _host() -> torch.Tensor:
         (IQ2_XS_GRID, _grid("IQ2_XS")),
         (IQ2_S_GRID, _grid("IQ2_S")),
         (IQ1_S_GRID, _grid("IQ1_S")),
-        (KSIGNS, ksigns),
-        (KSIGNS64, _sign_bytes(ksigns)),
+        (KSIGNS, np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8)),
     ]
     assert [at for at, _ in parts] == list(np.cumsum([0] + [p.size for _, p in parts[:-1]]))
     out = np.concatenate([p for _, p in parts])

@@ -22,7 +22,6 @@
 #define IQ2_S_GRID 9232
 #define IQ1_S_GRID 17424
 #define KSIGNS 33808
-#define KSIGNS64 33936 /* the AVX2 row dots' (fused_iq_low_avx2.h) */
 
 enum { T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ2_S = 22 };
 
