@@ -39,7 +39,7 @@ def test_blocks_are_deterministic_in_the_seed(name: str) -> None:
 def test_refuses_what_it_cannot_write() -> None:
     with pytest.raises(ValueError, match="not whole Q4_K blocks"):
         random_blocks(QType.Q4_K, 128, 0.1, seed=0)
-    with pytest.raises(ValueError, match="no random block writer for IQ1_S"):
-        random_blocks(QType.IQ1_S, 256, 0.1, seed=0)
+    with pytest.raises(ValueError, match="no random block writer for IQ1_M"):
+        random_blocks(QType.IQ1_M, 256, 0.1, seed=0)
     with pytest.raises(ValueError, match="fp16 block scale"):
         random_blocks(QType.Q8_0, 32, 1e-12, seed=0)

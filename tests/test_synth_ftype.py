@@ -23,21 +23,24 @@ Q4_0, Q5_0, Q5_1, Q8_0 = QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.Q8_0
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K
 IQ3_S, IQ4_NL, F32 = QType.IQ3_S, QType.IQ4_NL, QType.F32
 IQ3_XXS, IQ2_XXS, IQ2_S = QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_S
+IQ2_XS, IQ1_S = QType.IQ2_XS, QType.IQ1_S
 
 # --- the rules, derived by hand from llama_tensor_get_type ----------------------------------
 # tiny-moe: 4 layers, 4 query / 2 KV heads (n_gqa 2), 8 experts; every row is 256 values but
 # ffn_down_exps' (128, one expert's FFN width), which no 256-value type holds.
-#   token_embd: the default type (the model is not tied), but IQ3_S for iq3_xxs, Q2_K for
-#     iq2_xxs.
-#   output: Q8_0 for q8_0 (the default is Q8_0 already), Q5_K for iq3_xxs and iq2_xxs, Q6_K
-#     for every other.
-#   attn_q: the default type, but IQ2_S for iq3_xxs; ffn_gate/up_exps: the default type.
-#   attn_k, attn_v: Q8_0 in every file type: "the 8-expert model" bump; iq2_xxs has its own
-#     branch without the bump: Q4_K (attn_k: 8 experts; attn_v: at least 4 experts).
-#   attn_output: Q5_K for q2_k, q3_k_m, q4_k_s, q4_k_m, iq3_s, iq3_xxs, iq2_xxs (8 experts),
-#     else the default.
+#   token_embd: the default type (the model is not tied), but IQ3_S for iq3_xxs and iq2_s,
+#     Q2_K for iq2_xxs, iq2_xs and iq1_s.
+#   output: Q8_0 for q8_0 (the default is Q8_0 already), Q5_K for iq3_xxs and the low-bit
+#     file types (iq2_xxs, iq2_xs, iq2_s, iq1_s), Q6_K for every other.
+#   attn_q: the default type (IQ2_XS for iq2_s: llama.cpp's default type for that file
+#     type), but IQ2_S for iq3_xxs; ffn_gate/up_exps: the default type.
+#   attn_k, attn_v: Q8_0 in every file type: "the 8-expert model" bump; the low-bit file types
+#     have their own branch without the bump: Q4_K (attn_k: 8 experts; attn_v: at least 4
+#     experts).
+#   attn_output: Q5_K for q2_k, q3_k_m, q4_k_s, q4_k_m, iq3_s, iq3_xxs and the low-bit file
+#     types (8 experts), else the default.
 #   ffn_down_exps [layers 0-1, 2-3]: the ffn_down rule, then the fallback for 128 columns
-#     (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ3_S, IQ2_XXS -> IQ4_NL):
+#     (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, the i-quants -> IQ4_NL):
 #     q2_k: Q3_K -> Q4_0; q3_k_m: Q4_K (layer < 4/16 never) -> Q5_0; iq3_xxs: Q3_K -> Q4_0;
 #     q4_k_s: Q4_K (layer < 4/8 never) -> Q5_0; q4_k_m, q5_k_m: use_more_bits(i, 4) is
 #     true for layers 2 ((2 - 0) % 3 == 2) and 3 (>= 7*4/8), so Q6_K -> Q8_0 there.
@@ -56,6 +59,9 @@ TINY_MOE = {
     "iq3_s": (IQ3_S, Q6_K, IQ3_S, Q8_0, Q8_0, Q5_K, IQ3_S, IQ4_NL, IQ4_NL),
     "iq3_xxs": (IQ3_S, Q5_K, IQ2_S, Q8_0, Q8_0, Q5_K, IQ3_XXS, Q4_0, Q4_0),
     "iq2_xxs": (Q2_K, Q5_K, IQ2_XXS, Q4_K, Q4_K, Q5_K, IQ2_XXS, IQ4_NL, IQ4_NL),
+    "iq2_xs": (Q2_K, Q5_K, IQ2_XS, Q4_K, Q4_K, Q5_K, IQ2_XS, IQ4_NL, IQ4_NL),
+    "iq2_s": (IQ3_S, Q5_K, IQ2_XS, Q4_K, Q4_K, Q5_K, IQ2_XS, IQ4_NL, IQ4_NL),
+    "iq1_s": (Q2_K, Q5_K, IQ1_S, Q4_K, Q4_K, Q5_K, IQ1_S, IQ4_NL, IQ4_NL),
 }
 
 
@@ -124,6 +130,16 @@ def test_rules_on_a3b_layers() -> None:
     assert _a3b("iq3_xxs", "attn_q", 3) == IQ2_S and _a3b("iq3_xxs", "attn_output", 0) == IQ3_S
     assert [_a3b("iq3_xxs", "ffn_down_exps", i) for i in (5, 6)] == [Q4_K, Q3_K]
     assert _a3b("iq3_xxs", "ffn_up_exps", 0) == IQ3_XXS
+    # iq2_xs, iq2_s, iq1_s: the low-bit branch as iq2_xxs (attn_v Q4_K, ffn_down below
+    # n_layer/8 = 6 raised), but iq2_s raises to IQ3_S where the others take Q2_K, and
+    # attn_output (not 8 experts) is IQ3_S in iq2_s, IQ2_XXS in iq1_s; iq2_s's default IQ2_XS.
+    for ftype, default, low, out in (("iq2_xs", IQ2_XS, Q2_K, IQ2_XS),
+                                     ("iq2_s", IQ2_XS, IQ3_S, IQ3_S),
+                                     ("iq1_s", IQ1_S, Q2_K, IQ2_XXS)):  # fmt: skip
+        assert _a3b(ftype, "attn_v", 9) == Q4_K and _a3b(ftype, "attn_k", 0) == default
+        assert [_a3b(ftype, "ffn_down_exps", i) for i in (5, 6)] == [low, default]
+        assert _a3b(ftype, "attn_output", 0) == out
+        assert _a3b(ftype, "ffn_gate_exps", 7) == default
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "a3b"])

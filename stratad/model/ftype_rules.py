@@ -8,7 +8,7 @@ synthetic `q4_k_m` file holds the same mix of types `llama-quantize` would write
 geometry. Read at llama.cpp commit 007dbbf; `tests/test_synth_ftype.py` checks it against the
 installed llama.cpp's own choice (a dry-run quantization) on every preset.
 
-Not ported (the synthetic presets never meet them): the IQ1, IQ2_XS/S/M, IQ3_XS/M, Q2_K_S,
+Not ported (the synthetic presets never meet them): the IQ1_M, IQ2_M, IQ3_XS/M, Q2_K_S,
 Q3_K_S/L, IQ4 and MXFP4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
 assumed, as for a plain `llama-quantize IN OUT TYPE`) and user overrides (--tensor-type,
 --output-tensor-type, --pure).
@@ -57,6 +57,10 @@ FTYPES: Mapping[str, Ftype] = {
         Ftype("iq3_s", LlamaFileType.MOSTLY_IQ3_S, QType.IQ3_S),
         Ftype("iq3_xxs", LlamaFileType.MOSTLY_IQ3_XXS, QType.IQ3_XXS),
         Ftype("iq2_xxs", LlamaFileType.MOSTLY_IQ2_XXS, QType.IQ2_XXS),
+        Ftype("iq2_xs", LlamaFileType.MOSTLY_IQ2_XS, QType.IQ2_XS),
+        # llama.cpp's IQ2_S file type is mostly IQ2_XS (its IQ2_M is mostly IQ2_S)
+        Ftype("iq2_s", LlamaFileType.MOSTLY_IQ2_S, QType.IQ2_XS),
+        Ftype("iq1_s", LlamaFileType.MOSTLY_IQ1_S, QType.IQ1_S),
     )
 }
 
@@ -155,10 +159,24 @@ def _eight_experts(qtype: QType, otherwise: QType | None) -> Rule:
 
 Q2_K, Q3_K, Q4_K, Q5_K = QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K
 Q6_K, Q8_0 = QType.Q6_K, QType.Q8_0
-IQ3_S, IQ2_S = QType.IQ3_S, QType.IQ2_S
-# llama.cpp's branch for the 1- and 2-bit i-quant file types (of those here, iq2_xxs): its own
-# rules, and none of the bumps below
-LOW_BIT = frozenset({"iq2_xxs"})
+IQ3_S, IQ2_S, IQ2_XXS = QType.IQ3_S, QType.IQ2_S, QType.IQ2_XXS
+# llama.cpp's branch for the 1- and 2-bit i-quant file types: its own rules, and none of the
+# bumps below
+LOW_BIT = frozenset({"iq2_xxs", "iq2_xs", "iq2_s", "iq1_s"})
+
+
+def _low_bit_attn_v(name: str) -> Rule:
+    """Q4_K with grouped KV heads or experts, else IQ3_S in iq2_s, Q2_K in the others."""
+    low = IQ3_S if name == "iq2_s" else Q2_K
+    return lambda w: Q4_K if w.model.n_gqa >= 4 or w.model.n_experts >= 4 else low
+
+
+def _low_bit_ffn_down(name: str) -> Rule:
+    """The first eighth of the layers: IQ3_S in iq2_s, Q2_K in the others."""
+    low = IQ3_S if name == "iq2_s" else Q2_K
+    return lambda w: low if w.layer < w.model.n_layers // 8 else None
+
+
 # the file types whose output.weight is Q5_K rather than Q6_K
 _OUTPUT_Q5_K = LOW_BIT | {"iq3_xxs"}
 
@@ -166,7 +184,7 @@ _OUTPUT_Q5_K = LOW_BIT | {"iq3_xxs"}
 # types missing from a category's table keep their default type there.
 _RULES: Mapping[Category, Mapping[str, Rule]] = {
     Category.ATTN_V: {
-        "iq2_xxs": lambda w: Q4_K if w.model.n_gqa >= 4 or w.model.n_experts >= 4 else Q2_K,
+        **{name: _low_bit_attn_v(name) for name in LOW_BIT},
         "q2_k": lambda w: Q4_K if w.model.n_gqa >= 4 else Q3_K,
         "iq3_s": lambda w: Q4_K if w.model.n_gqa >= 4 else None,
         "iq3_xxs": lambda w: Q4_K if w.model.n_gqa >= 4 else IQ3_S,  # IQ3_XXS with an imatrix
@@ -175,10 +193,13 @@ _RULES: Mapping[Category, Mapping[str, Rule]] = {
         "q4_k_m": _more_bits(Q6_K),
         "q5_k_m": _more_bits(Q6_K),
     },
-    Category.ATTN_K: {"iq2_xxs": _eight_experts(Q4_K, None), "iq3_xxs": lambda w: IQ2_S},
+    Category.ATTN_K: {
+        **{name: _eight_experts(Q4_K, None) for name in LOW_BIT},
+        "iq3_xxs": lambda w: IQ2_S,
+    },
     Category.ATTN_Q: {"iq3_xxs": lambda w: IQ2_S},
     Category.FFN_DOWN: {
-        "iq2_xxs": lambda w: Q2_K if w.layer < w.model.n_layers // 8 else None,
+        **{name: _low_bit_ffn_down(name) for name in LOW_BIT},
         # (with an imatrix, the default type past the first eighth)
         "iq3_xxs": lambda w: Q4_K if w.layer < w.model.n_layers // 8 else Q3_K,
         "q2_k": lambda w: Q3_K,
@@ -195,11 +216,19 @@ _RULES: Mapping[Category, Mapping[str, Rule]] = {
         "q4_k_s": _eight_experts(Q5_K, None),
         "q4_k_m": _eight_experts(Q5_K, None),
         "iq3_s": _eight_experts(Q5_K, None),
-        "iq2_xxs": _eight_experts(Q5_K, None),
         "iq3_xxs": _eight_experts(Q5_K, IQ3_S),
+        # the low-bit branch: Q5_K with 8 experts, else IQ2_XXS in iq1_s, IQ3_S in iq2_s
+        "iq2_xxs": _eight_experts(Q5_K, None),
+        "iq2_xs": _eight_experts(Q5_K, None),
+        "iq2_s": _eight_experts(Q5_K, IQ3_S),
+        "iq1_s": _eight_experts(Q5_K, IQ2_XXS),
     },
     # untied (a tied one is the output's)
-    Category.TOKEN_EMBD: {"iq2_xxs": lambda w: Q2_K, "iq3_xxs": lambda w: IQ3_S},
+    Category.TOKEN_EMBD: {
+        **{name: (lambda w: Q2_K) for name in ("iq2_xxs", "iq2_xs", "iq1_s")},
+        "iq2_s": lambda w: IQ3_S,
+        "iq3_xxs": lambda w: IQ3_S,
+    },
 }
 
 # Applied after the table in every file type but the low-bit ones: llama.cpp bumps attn_v

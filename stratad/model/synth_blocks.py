@@ -9,8 +9,9 @@ values have mean 0 and the requested standard deviation:
   random sign, so the quants' small offset (-8..7 has mean -1/2) cancels over blocks;
 - types with a minimum (Q2_K, Q4_K, Q5_K, Q5_1): each sub-block's minimum equals its scale
   times half the quant range, so values are `d * sc * (q - (levels - 1) / 2)`;
-- Q3_K and Q6_K: sub-block scales of random sign; IQ3_S, IQ3_XXS, IQ2_XXS and IQ2_S: 4-bit
-  sub-block scales 8..15 over the signed grid values.
+- Q3_K and Q6_K: sub-block scales of random sign; IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S:
+  4-bit sub-block scales 8..15 over the signed grid values; IQ1_S: 3-bit scales 4..7 over its
+  grid values (-1, 0, 1) shifted by a delta of random sign (+-1/8 per 32 values).
 
 `d` comes from the exact second moment of that construction (the quant levels, the scale
 choices and, for IQ4_NL and the grid types, gguf-py's copy of llama.cpp's value tables), so the
@@ -198,6 +199,24 @@ def _grid_type(name: str, factors: np.ndarray, scales_at: slice | np.ndarray, bo
     return write
 
 
+_IQ1S_SCALES = np.arange(4, 8)  # IQ1_S's 3-bit sub-block scales s, drawn from 4..7
+
+
+@cache
+def _iq1s_mean_square() -> float:
+    # (g + delta)^2 with delta = +-1/8 of random sign, independent of g: E g^2 + delta^2
+    delta = float(gguf_quants.IQ1_S.delta)
+    return _mean_square(2 * _IQ1S_SCALES + 1) * (_grid_mean_square("IQ1_S") + delta**2)
+
+
+def _write_iq1_s(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
+    # d | qs[32] | qh 8 x uint16 (index bits 8-10 of 4 grid points, 3-bit scale s at bits
+    # 12-14, the delta's sign at 15): y = d (2 s + 1) (g +- 1/8). Every 11-bit index is a grid
+    # point; setting bit 14 draws s from 4..7.
+    _put_fp16(blocks, 0, _fp16_scale(std, _iq1s_mean_square()), random_sign=False)
+    blocks[:, 35:50:2] |= 0x40
+
+
 _WRITERS: Mapping[QType, Writer] = {
     QType.Q8_0: _signed_scale_only(_mean_square(np.arange(-128, 128))),
     QType.Q4_0: _signed_scale_only(_mean_square(_levels(16, 8))),
@@ -217,8 +236,11 @@ _WRITERS: Mapping[QType, Writer] = {
     # d | 8 x (4 grid indices | uint32 as IQ3_XXS's): d (0.5 + s) / 4
     QType.IQ2_XXS: _grid_type("IQ2_XXS", (0.5 + _SCALES) / 4, 2 + 8 * np.arange(8) + 7,
                               both=False),
+    # d | 32 x uint16 (9-bit grid index, 7-bit sign index) | scales[8]: d (0.5 + s) / 4
+    QType.IQ2_XS: _grid_type("IQ2_XS", (0.5 + _SCALES) / 4, slice(66, 74), both=True),
     # d | qs[32] | signs[32] | qh[8] (index bits 8-9) | scales[8]: d (0.5 + s) / 4
     QType.IQ2_S: _grid_type("IQ2_S", (0.5 + _SCALES) / 4, slice(74, 82), both=True),
+    QType.IQ1_S: _write_iq1_s,
 }
 
 BLOCK_TYPES: frozenset[QType] = frozenset(_WRITERS)
