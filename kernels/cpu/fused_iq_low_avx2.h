@@ -151,19 +151,38 @@ static inline __attribute__((always_inline)) void grid_codes(
     }
 }
 
-/* the scales of super-block b without d: per group (ls[8]) or per 16 values (ls[16]) */
+/* the scales of super-block b without d, in vectors: per group (lo: 8) or per 16 values (lo:
+ * 0-7, hi: 8-15); the same float operations, in the same order, as decode_iq_low.h's */
 static inline __attribute__((always_inline)) void grid_scales(int kind, const uint8_t *b,
-                                                              float *ls) {
-    for (int i = 0; i < 8 && kind <= G_IQ1_S; i++) {
-        if (kind == G_IQ1_S) {
-            ls[i] = (float)(2 * ((le16(b + 34 + 2 * i) >> 12) & 7) + 1) * 0.125f; /* exact */
-        } else {
-            uint32_t aux = le32(kind == G_IQ3_XXS ? b + 66 + 4 * i : b + 6 + 8 * i);
-            ls[i] = (0.5f + (float)(aux >> 28)) * (kind == G_IQ3_XXS ? 0.5f : 0.25f);
+                                                              __m256 *lo, __m256 *hi) {
+    if (kind == G_IQ1_S) { /* (2 s + 1) / 8, s bits 12-14 of each u16: exact */
+        __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 34)));
+        __m256i s = _mm256_and_si256(_mm256_srli_epi32(h, 12), _mm256_set1_epi32(7));
+        __m256i odd = _mm256_add_epi32(_mm256_add_epi32(s, s), _mm256_set1_epi32(1));
+        *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(0.125f));
+    } else if (kind <= G_IQ2_XXS) { /* (0.5 + s) / 2 or / 4, s the top 4 bits of the u32 */
+        __m256i aux;
+        if (kind == G_IQ3_XXS) {
+            aux = _mm256_loadu_si256((const __m256i *)(b + 66));
+        } else { /* the odd dwords of the 64 bytes at 2 */
+            __m256 l = _mm256_loadu_ps((const float *)(b + 2));
+            __m256 h = _mm256_loadu_ps((const float *)(b + 34));
+            aux = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(l, h, 0xdd)),
+                                           0xd8);
         }
+        __m256 s = _mm256_cvtepi32_ps(_mm256_srli_epi32(aux, 28));
+        *lo = _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(0.5f), s),
+                            _mm256_set1_ps(kind == G_IQ3_XXS ? 0.5f : 0.25f));
+    } else { /* (0.5 + s) / 4, 16 nibbles: byte s / 2's low (s even) or high one */
+        __m128i v = _mm_loadl_epi64((const __m128i *)(b + (kind == G_IQ2_XS ? 66 : 74)));
+        const __m128i m4 = _mm_set1_epi8(15);
+        __m128i n =
+            _mm_unpacklo_epi8(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        __m256 s0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(n));
+        __m256 s1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(n, 8)));
+        *lo = _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(0.5f), s0), _mm256_set1_ps(0.25f));
+        *hi = _mm256_mul_ps(_mm256_add_ps(_mm256_set1_ps(0.5f), s1), _mm256_set1_ps(0.25f));
     }
-    for (int s = 0; s < 16 && kind > G_IQ1_S; s++)
-        ls[s] = (0.5f + (float)nibble(b + (kind == G_IQ2_XS ? 66 : 74), s)) * 0.25f;
 }
 
 /* 8 int32 lanes of the group's dot with x: signs onto x, then |w| . x */
@@ -189,15 +208,16 @@ static inline __attribute__((always_inline)) void grid_rowdot_body(
                                               -9, -1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)};
     for (int64_t c = 0; c < nsb; c++) {
         const uint8_t *b = row + GRID_BYTES[kind] * c;
-        float ls[16], d = f16(b);
-        grid_scales(kind, b, ls);
+        float d = f16(b);
+        __m256 ls, ls8 = _mm256_setzero_ps();
+        grid_scales(kind, b, &ls, &ls8);
         grid_prep(kind, b, sg, idx);
         if (per16) {
             __m256 dv = _mm256_set1_ps(d);
-            _mm256_store_ps(dl, _mm256_mul_ps(dv, _mm256_loadu_ps(ls)));
-            _mm256_store_ps(dl + 8, _mm256_mul_ps(dv, _mm256_loadu_ps(ls + 8)));
+            _mm256_store_ps(dl, _mm256_mul_ps(dv, ls));
+            _mm256_store_ps(dl + 8, _mm256_mul_ps(dv, ls8));
         } else {
-            __m256 d8 = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(ls));
+            __m256 d8 = _mm256_mul_ps(_mm256_set1_ps(d), ls);
             for (int64_t j = 0; j < nt; j++) {
                 __m256 xd = _mm256_loadu_ps(a->d + vec[j] * (a->k / 32) + 8 * c);
                 _mm256_store_ps(scx[j], _mm256_mul_ps(d8, xd));
