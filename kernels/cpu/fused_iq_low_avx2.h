@@ -11,7 +11,7 @@
  * 4-byte rows by _mm256_setr_epi32) and the sign bytes expand to +1/-1 as bit_bytes does.
  * The first version packed rows and signs through a stack array, whose 32-byte reload of
  * 8-, 4- or 1-byte stores misses store-to-load forwarding, and extracted every field with
- * scalar shifts: 1.4-1.65x slower (bench/results/2026-12-04-cpu-iq-low.md).
+ * scalar shifts: 1.45-1.8x slower (bench/results/2026-12-04-cpu-iq-low.md).
  *
  * The integer lanes and the float scaling are the first version's, so the results are too,
  * bit for bit. Scales: IQ3_XXS, IQ2_XXS and IQ1_S have one per group, the 8 of a super-block
