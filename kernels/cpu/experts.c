@@ -385,6 +385,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
     return err;
 }
 
+#include "attn_layer.h"
 #include "dense.h"
 
 /* A read-bandwidth probe: the sum of n / 8 64-bit words, threads-wide (STREAM-like). */

@@ -1,0 +1,127 @@
+/* The parts of a transformer layer that are not weight products: RMSNorm, RoPE, halves for
+ * the cache, and one head's attention over its cached keys as llama.cpp computes it.
+ * Included by experts.c (through attn_layer.h). */
+
+#define MAX_HEAD_DIM 512
+
+/* y = x / rms(x) * w over n values */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* rotate one head v [D] by cos/sin [D / 2]: pairs (2i, 2i + 1), or halves (i, i + D / 2) */
+static void rope(float *v, const float *c, const float *s, int64_t d, int interleaved) {
+    for (int64_t i = 0; i < d / 2; i++) {
+        int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + d / 2;
+        float a = v[ia], b = v[ib];
+        v[ia] = a * c[i] - b * s[i];
+        v[ib] = a * s[i] + b * c[i];
+    }
+}
+
+#ifdef __AVX2__
+/* e^x for x <= 0 (softmax's shifted scores), 8 at a time: Cephes' expf polynomial (within
+ * 2 ulp of expf); below -87 the result is ~1e-38, as good as 0 beside the largest's 1 */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* scores[s] = e^(scores[s] - mx) for s < n; their sum */
+static float softmax_exp(float *scores, int64_t n, float mx) {
+    int64_t s = 0;
+    float sum = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; s + 8 <= n; s += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), m));
+        _mm256_storeu_ps(scores + s, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; s < n; s++) sum += scores[s] = expf(scores[s] - mx);
+    return sum;
+}
+
+/* float -> IEEE half, rounded to nearest even */
+static inline uint16_t to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x, sign, a;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
+    if (a >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (a > 0x7f800000 ? 0x200 : 0));
+    if (a >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds past the largest half */
+    if (a < 0x38800000) { /* a half subnormal: units of 2^-24 */
+        float af;
+        memcpy(&af, &a, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(af * 16777216.0f));
+    }
+    return (uint16_t)(sign | (a + 0xc8000fff + ((a >> 13) & 1)) >> 13); /* rebias, round */
+#endif
+}
+
+static inline float half_at(const uint16_t *h) { return f16((const uint8_t *)h); }
+
+/* q [D] . k [D] with k in halves */
+static inline float dot_f16(const float *q, const uint16_t *k, int64_t d) {
+    float r = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) {
+        __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i)));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, acc);
+    }
+    r = hsum8(acc);
+#endif
+    for (; i < d; i++) r += q[i] * half_at(k + i);
+    return r;
+}
+
+/* out [D] = softmax(q . k_s / sqrt(D)) v over keys s < n, as llama.cpp computes it with its
+ * half-precision cache: k and v in halves (rows `stride` apart), q and the probabilities
+ * rounded to halves for the products, sums in float */
+static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t n,
+                   int64_t stride, int64_t d, float *scores, float *out) {
+    float qh[MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d), mx = -INFINITY;
+    for (int64_t i = 0; i < d; i++) qh[i] = half_at((uint16_t[]){to_f16(q[i])});
+    for (int64_t s = 0; s < n; s++) {
+        scores[s] = dot_f16(qh, k + s * stride, d) * scale;
+        mx = fmaxf(mx, scores[s]);
+    }
+    float inv = 1.0f / softmax_exp(scores, n, mx);
+    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
+    for (int64_t s = 0; s < n; s++) {
+        const uint16_t *vs = v + s * stride;
+        float p = half_at((uint16_t[]){to_f16(scores[s] * inv)});
+        int64_t i = 0;
+#ifdef __AVX2__
+        for (__m256 pv = _mm256_set1_ps(p); i + 8 <= d; i += 8) {
+            __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+        }
+#endif
+        for (; i < d; i++) out[i] += p * half_at(vs + i);
+    }
+}
+

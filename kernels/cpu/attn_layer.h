@@ -1,0 +1,174 @@
+/* A layer's attention half inside a layers call's team (dense.h, moe_layers.h): norm and
+ * quantize x; q|k|v rows (one task list over the three matrices, sharing x's int8 copy);
+ * bias, per-head q/k RMSNorm (Qwen3's), RoPE, k and v into the half cache; attention per
+ * (token, head); o rows into the step's tmp. Included by experts.c after its row dots.
+ *
+ * Every phase is split over the team, whose threads meet at spin barriers between phases
+ * (team.h); a token's attention is the same loop over its keys whatever the other tokens of
+ * the call, so results depend neither on how a prompt is chunked nor on the thread count.
+ */
+#include "team.h"
+#include "attend.h"
+
+typedef struct { /* the attention's shapes */
+    int64_t hidden, n_heads, n_kv_heads, head_dim;
+    int32_t rope_interleaved;
+    float eps;
+} attn_dims_t;
+
+typedef struct { /* one layer's attention weights */
+    const float *norm;        /* [H] */
+    const float *bias[3];     /* q [Hq D], k [Hkv D], v [Hkv D], or NULL */
+    const float *q_norm;      /* [D] per head, or NULL */
+    const float *k_norm;      /* [D] per head, or NULL */
+    const uint8_t *w[4];      /* q, k, v, o: GGUF blocks */
+    int32_t qtype[4];
+} attn_weights_t;
+
+typedef struct { /* a call's state, shared by the team */
+    attn_dims_t dm;
+    int64_t T, start;
+    float *x;                 /* [T, H] the residual stream */
+    float *h, *tmp;           /* [T, H]: x normed; the o product */
+    float *qkv, *att;         /* [T, Hq D + 2 Hkv D], [T, Hq D] */
+    float *scores;            /* [threads, start + T] */
+    acts_t xa, aa;            /* int8 copies of h and att */
+    int64_t *vec;             /* [T]: 0 .. T - 1 */
+    float **outs;             /* [4 T]: each token's q, k, v, o outputs */
+    uint16_t *const *k_cache, *const *v_cache;
+    const float *cos_t, *sin_t;
+    const uint8_t *tab;
+    spin_barrier_t bar;
+} attn_step_t;
+
+/* row tasks of several matrices in one list: task i is rows [r0, r0 + ROWS_PER_TASK) of
+ * matrix mi, outs[mi] its outputs per token */
+static void rows_tasks(const mat_t *m, int nm, const acts_t *a, const int64_t *vec,
+                       float **const *outs, int64_t T, const uint8_t *tab) {
+    int64_t tasks[8] = {0}, total = 0;
+    for (int i = 0; i < nm; i++)
+        total += tasks[i] = (m[i].rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp for schedule(dynamic) nowait
+    for (int64_t t = 0; t < total; t++) {
+        int mi = 0;
+        int64_t r = t;
+        while (r >= tasks[mi]) r -= tasks[mi++];
+        int64_t r0 = r * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+        if (r1 > m[mi].rows) r1 = m[mi].rows;
+        rows_dot(&m[mi], r0, r1, a, vec, outs[mi], T, tab);
+    }
+}
+
+/* the q, k, v, o matrices of shape dm; 0 or an error as mat_init */
+static int attn_mats(mat_t *m, const attn_weights_t *w, const attn_dims_t *dm) {
+    const int64_t H = dm->hidden, QD = dm->n_heads * dm->head_dim;
+    const int64_t KD = dm->n_kv_heads * dm->head_dim;
+    const int64_t shape[4][2] = {{QD, H}, {KD, H}, {KD, H}, {H, QD}};
+    int err = 0;
+    for (int i = 0; i < 4 && !err; i++)
+        err = mat_init(&m[i], w->w[i], w->qtype[i], 0, shape[i][0], shape[i][1]);
+    return err;
+}
+
+/* allocate s's buffers for T tokens after `start` on `threads` threads (x, the caches, the
+ * tables and dm set by the caller); 0 or -3 */
+static int attn_alloc(attn_step_t *s, int threads) {
+    const int64_t T = s->T, H = s->dm.hidden, D = s->dm.head_dim;
+    const int64_t QD = s->dm.n_heads * D, W = QD + 2 * s->dm.n_kv_heads * D;
+#define FLOATS(n) malloc(sizeof(float) * (size_t)(n))
+    s->h = FLOATS(T * H), s->tmp = FLOATS(T * H), s->qkv = FLOATS(T * W);
+    s->att = FLOATS(T * QD), s->scores = FLOATS(threads * (s->start + T));
+#undef FLOATS
+    s->vec = malloc(sizeof(int64_t) * (size_t)T);
+    s->outs = malloc(sizeof(float *) * (size_t)(4 * T));
+    int bad = acts_alloc(&s->xa, T, H, s->h, H, s->tab);
+    bad |= acts_alloc(&s->aa, T, QD, s->att, QD, s->tab);
+    if (bad || !s->h || !s->tmp || !s->qkv || !s->att || !s->scores || !s->vec || !s->outs)
+        return -3;
+    for (int64_t t = 0; t < T; t++) {
+        s->vec[t] = t;
+        s->outs[t] = s->qkv + t * W, s->outs[T + t] = s->qkv + t * W + QD;
+        s->outs[2 * T + t] = s->qkv + t * W + QD + s->dm.n_kv_heads * D;
+        s->outs[3 * T + t] = s->tmp + t * H;
+    }
+    s->bar = (spin_barrier_t){0, 0, 0, threads};
+    return 0;
+}
+
+static void attn_free(attn_step_t *s) {
+    acts_free(&s->xa), acts_free(&s->aa);
+    free(s->h), free(s->tmp), free(s->qkv), free(s->att), free(s->scores), free(s->vec);
+    free(s->outs);
+}
+
+/* bias, q/k norm, RoPE of head j (q heads, then k heads, then v heads) of token t; k and v
+ * into layer l's cache */
+static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, int64_t t,
+                      int64_t j) {
+    const attn_dims_t *dm = &s->dm;
+    const int64_t D = dm->head_dim, nh = dm->n_heads, nkv = dm->n_kv_heads;
+    const int64_t W = (nh + 2 * nkv) * D;
+    int which = j < nh ? 0 : j < nh + nkv ? 1 : 2;
+    float *v = s->qkv + t * W + j * D;
+    const float *b = w->bias[which];
+    if (b) {
+        int64_t off = j < nh ? j * D : (j - nh) % nkv * D;
+        for (int64_t e = 0; e < D; e++) v[e] += b[off + e];
+    }
+    const float *hn = which == 0 ? w->q_norm : which == 1 ? w->k_norm : NULL;
+    if (hn) rms_norm(v, hn, D, dm->eps, v);
+    if (which < 2) rope(v, s->cos_t + t * D / 2, s->sin_t + t * D / 2, D, dm->rope_interleaved);
+    if (which) {
+        uint16_t *dst = (which == 1 ? s->k_cache : s->v_cache)[l];
+        dst += ((s->start + t) * nkv + (j - nh) % nkv) * D;
+        for (int64_t e = 0; e < D; e++) dst[e] = to_f16(v[e]);
+    }
+}
+
+/* layer l's attention of s->x into s->tmp (the o product, not yet added), by the thread
+ * `me` of the team; every thread calls it, and it ends at a barrier */
+static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m, int64_t l,
+                        int *sense, int me) {
+    const attn_dims_t *dm = &s->dm;
+    const int64_t T = s->T, H = dm->hidden, D = dm->head_dim, nh = dm->n_heads;
+    const int64_t nkv = dm->n_kv_heads, QD = nh * D, W = QD + 2 * nkv * D, S = s->start + T;
+    float **const qkv_outs[3] = {s->outs, s->outs + T, s->outs + 2 * T};
+    float **const o_outs[1] = {s->outs + 3 * T};
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < T; t++) {
+        rms_norm(s->x + t * H, w->norm, H, dm->eps, s->h + t * H);
+        quantize_act(&s->xa, t, s->h + t * H);
+    }
+    spin_barrier(&s->bar, sense);
+    rows_tasks(m, 3, &s->xa, s->vec, qkv_outs, T, s->tab);
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < T * (nh + 2 * nkv); i++)
+        head_prep(s, w, l, i / (nh + 2 * nkv), i % (nh + 2 * nkv));
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(dynamic) nowait
+    for (int64_t i = 0; i < T * nh; i++) {
+        int64_t t = i / nh, hd = i % nh, kv = hd / (nh / nkv);
+        attend(s->qkv + t * W + hd * D, s->k_cache[l] + kv * D, s->v_cache[l] + kv * D,
+               s->start + t + 1, nkv * D, D, s->scores + me * S, s->att + t * QD + hd * D);
+    }
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < T; t++) quantize_act(&s->aa, t, s->att + t * QD);
+    spin_barrier(&s->bar, sense);
+    rows_tasks(&m[3], 1, &s->aa, s->vec, o_outs, T, s->tab);
+    spin_barrier(&s->bar, sense);
+}
+
+/* the thread's number, and the barrier set to the team that came (maybe fewer than asked);
+ * called by every thread at the start of the parallel region */
+static int team_join(spin_barrier_t *bar) {
+    int me = 0;
+#ifdef _OPENMP
+    me = omp_get_thread_num();
+#pragma omp single
+    bar->n = omp_get_num_threads();
+#endif
+    (void)bar;
+    return me;
+}
