@@ -118,28 +118,45 @@ class DenseStack:
         values go into k_cache[l], v_cache[l] [>= start + T, Hkv, D] `CACHE_DTYPE`; cos, sin
         [T, D/2] float32 (`layers.rope_tables`)."""
         s = self.shape
-        _check(x, "x", torch.float32, 2)
-        t = x.shape[0]
-        if x.shape[1] != s.hidden:
-            raise ValueError(f"x must be [T, {s.hidden}], got {tuple(x.shape)}")
-        for name, tab in (("cos", cos), ("sin", sin)):
-            _check(tab, name, torch.float32, 2)
-            if tuple(tab.shape) != (t, s.head_dim // 2):
-                raise ValueError(f"{name} must be [{t}, {s.head_dim // 2}], got {tuple(tab.shape)}")
-        n = len(self.layers)
-        if len(k_cache) != n or len(v_cache) != n:
-            raise ValueError(f"{len(k_cache)} and {len(v_cache)} cache layers for {n} layers")
-        for c in (*k_cache, *v_cache):
-            _check(c, "cache", CACHE_DTYPE, 3)
-            if c.shape[0] < start + t or tuple(c.shape[1:]) != (s.n_kv_heads, s.head_dim):
-                raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold {start + t} "
-                                 f"positions of [{s.n_kv_heads}, {s.head_dim}]")  # fmt: skip
+        t = check_step(x, k_cache, v_cache, start, cos, sin, s.hidden, s.n_kv_heads, s.head_dim,
+                       len(self.layers))  # fmt: skip
         kp = np.array([c.data_ptr() for c in k_cache], dtype=np.uint64)
         vp = np.array([c.data_ptr() for c in v_cache], dtype=np.uint64)
         threads = self.team.pick(t)
         t0 = time.perf_counter()
-        rc = self._fn(x.data_ptr(), t, start, ctypes.addressof(self._c_layers), n,
+        rc = self._fn(x.data_ptr(), t, start, ctypes.addressof(self._c_layers), len(self.layers),
                       ctypes.byref(self._dims), kp.ctypes.data, vp.ctypes.data, cos.data_ptr(),
                       sin.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
         self.team.record(t, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "dense layers")
+
+
+def check_step(
+    x: torch.Tensor,
+    k_cache: Sequence[torch.Tensor],
+    v_cache: Sequence[torch.Tensor],
+    start: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hidden: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_layers: int,
+) -> int:
+    """A layers call's tensors checked (x [T, hidden] float32, the caches, RoPE's tables); T."""
+    _check(x, "x", torch.float32, 2)
+    t = x.shape[0]
+    if x.shape[1] != hidden:
+        raise ValueError(f"x must be [T, {hidden}], got {tuple(x.shape)}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        _check(tab, name, torch.float32, 2)
+        if tuple(tab.shape) != (t, head_dim // 2):
+            raise ValueError(f"{name} must be [{t}, {head_dim // 2}], got {tuple(tab.shape)}")
+    if len(k_cache) != n_layers or len(v_cache) != n_layers:
+        raise ValueError(f"{len(k_cache)} and {len(v_cache)} cache layers for {n_layers} layers")
+    for c in (*k_cache, *v_cache):
+        _check(c, "cache", CACHE_DTYPE, 3)
+        if c.shape[0] < start + t or tuple(c.shape[1:]) != (n_kv_heads, head_dim):
+            raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold {start + t} "
+                             f"positions of [{n_kv_heads}, {head_dim}]")  # fmt: skip
+    return t

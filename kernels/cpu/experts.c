@@ -387,6 +387,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
 
 #include "attn_layer.h"
 #include "dense.h"
+#include "moe_layers.h"
 
 /* A read-bandwidth probe: the sum of n / 8 64-bit words, threads-wide (STREAM-like). */
 uint64_t strata_read(const uint64_t *p, int64_t n_words, int threads) {

@@ -134,8 +134,8 @@ class ReferenceForward:
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
-        # the cpu engine's dense layers in one kernel call per step, where it can
-        self.stack = self.mode.dense_stack(self.spec, weights_list) if experts is None else None
+        # the cpu engine's layers in one kernel call per step, where it can
+        self.stack = self.mode.layer_stack(self.spec, weights_list) if experts is None else None
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
         self.norm = self.mode.vector(model.tensor("model.norm.weight"))
@@ -171,7 +171,10 @@ class ReferenceForward:
         if self.stack is not None:
             with stage("layers"):
                 x = x.contiguous()
-                self.stack(x, cache.k, cache.v, start, cos, sin)
+                routed = self.stack(x, cache.k, cache.v, start, cos, sin)
+            if routed is not None:  # [layers, T, k]: the MoE stack's experts per token
+                flat = routed.reshape(spec.n_layers, -1)
+                self.route_counts.scatter_add_(1, flat, torch.ones_like(flat))
         for i, layer in enumerate(self.layers if self.stack is None else ()):
             with stage("attention"):
                 x = x + self._attention(

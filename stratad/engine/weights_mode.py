@@ -18,18 +18,21 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
+from kernels.cpu_dense import DenseStack
 from kernels.cpu_experts import CpuExperts, PreparedMoE
+from kernels.cpu_moe_stack import MoEStack
 from kernels.quant import QTensor
 from stratad.config import EngineConfig
+from stratad.engine.cpu_stacks import dense_stack, moe_stack
 from stratad.engine.layers import attention, attention_by_row
 from stratad.engine.store_moe import ExpertProvider, StoreExperts
 from stratad.model.spec import ModelSpec
-from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
+from stratad.model.weights import LayerWeights, MoEWeights
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Routed = PreparedMoE  # (x, ids, weights, out): out += the routed experts' weighted sum
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+LayerStack = DenseStack | MoEStack  # (x, k, v, start, cos, sin): every layer, x in place
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class WeightMode(Protocol):
     @property
     def attention(self) -> Attention: ...
 
-    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None: ...
+    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> LayerStack | None: ...
 
     def routed(self, moe: MoEWeights) -> Routed | None: ...
 
@@ -105,7 +108,7 @@ class FloatWeights:
     def vector(self, t: QTensor) -> torch.Tensor:
         return self.float(t)
 
-    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> None:
+    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> None:
         return None  # the reference runs its layers one torch op at a time
 
     def routed(self, moe: MoEWeights) -> None:
@@ -122,6 +125,7 @@ class QuantWeights:
     fallbacks: set[str] = field(default_factory=set)  # types dequantized instead
     # a prompt's tokens as decode computes them, whatever the chunks (see attention_by_row)
     attention: Attention = attention_by_row
+    one_call: bool = True  # a model's layers in one kernel call where they allow it
 
     @property
     def name(self) -> str:
@@ -164,29 +168,15 @@ class QuantWeights:
         """A layer's routed experts from the store's tiers in one kernel call per step."""
         return StoreExperts(store, self.kernels)
 
-    def dense_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> DenseStack | None:
-        """Every layer in one kernel call (`kernels.cpu_dense`) where the model is a stack of
-        dense layers the kernels read (no experts, no q/k norms); else None: layer by layer."""
-        if spec.qk_norm != "none" or not layers:
+    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> LayerStack | None:
+        """Every layer in one kernel call per step where the model's layers allow it
+        (`stratad/engine/cpu_stacks.py`: all dense, or all MoE of routed experts); else None:
+        layer by layer (also with `one_call` off: the per-projection path, for tests)."""
+        if not self.one_call:
             return None
-        dense = []
-        for w in layers:
-            a, m = w.attn, w.mlp
-            if not isinstance(m, MLPWeights) or m.gate.shape[0] != spec.ffn:
-                return None
-            projections = (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)
-            if not all(self.reads(t) for t in projections):
-                return None
-            biases = tuple(None if b is None else self.vector(b).contiguous()
-                           for b in (a.q_bias, a.k_bias, a.v_bias))  # fmt: skip
-            dense.append(DenseLayer(
-                self.vector(w.attn_norm).contiguous(), self.vector(w.ffn_norm).contiguous(),
-                tuple((t.data.contiguous(), t.qtype) for t in projections),
-                (biases[0], biases[1], biases[2]),
-            ))  # fmt: skip
-        shape = DenseShape(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn,
-                           spec.rope_interleaved, spec.rms_eps)  # fmt: skip
-        return DenseStack(self.kernels, shape, dense)
+        return dense_stack(self.kernels, self.reads, spec, layers) or moe_stack(
+            self.kernels, self.reads, spec, layers
+        )
 
 
 def cpu_weights(engine: EngineConfig) -> QuantWeights:

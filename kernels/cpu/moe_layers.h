@@ -1,0 +1,228 @@
+/* A stack of MoE transformer layers (Qwen3-MoE's: RMSNorm, GQA attention with per-head q/k
+ * RMSNorm and RoPE, a softmax top-k router over routed SwiGLU experts) in one call
+ * (kernels/cpu_moe_stack.py launches it; stratad/engine/forward.py is the torch definition).
+ * Included by experts.c after attn_layer.h.
+ *
+ * Why one call: as torch ops, a decode step of the a3b (48 layers) was some 700 pieces of
+ * work, a ctypes call and a team wake-up per product plus the norms, RoPE and attention in
+ * torch, which cost about as much as reading the weights (attention 113 ms a step for 1 GB,
+ * at 14.8 GB/s the read alone takes 65). Here one OpenMP team runs every layer, as dense.h.
+ *
+ * Phases of a layer's MoE half, after attn_layer.h's attention and the residual: norm +
+ * quantize; router rows; one thread routes every token (softmax, top k, renormalized) and
+ * groups the items (token, expert) by expert; gate|up rows of each expert in use, a weight row
+ * read once for all its tokens; silu * up, quantized; down rows; each token's weighted sum in
+ * top-k order into the residual, as strata_moe_parts and the torch forward sum it.
+ */
+
+typedef struct {                /* one layer, as kernels/cpu_moe_stack.py's _Layer mirrors it */
+    const float *attn_norm;     /* [H] */
+    const float *ffn_norm;      /* [H] */
+    const float *bias[3];       /* q, k, v biases or NULL */
+    const float *q_norm;        /* [D] per head, or NULL */
+    const float *k_norm;        /* [D] per head, or NULL */
+    const uint8_t *w[8];        /* q, k, v, o, router, then the expert stacks gate, up, down */
+    int32_t qtype[8];
+} moe_layer_t;
+
+typedef struct {                /* the shapes, as kernels/cpu_moe_stack.py's _Dims mirrors it */
+    int64_t hidden, n_heads, n_kv_heads, head_dim, n_experts, top_k, ffn;
+    int32_t rope_interleaved, norm_topk;
+    float eps;
+} moe_dims_t;
+
+typedef struct { /* a call's routing state, shared by the team */
+    int64_t E, K, F, n, ng;     /* experts, per token, expert ffn; items T K; groups in use */
+    float *logits;              /* [T, E] */
+    float *w;                   /* [n]: item i = t K + j's weight */
+    int32_t *ids;               /* [n]: its expert (the caller's [T, K] of this layer) */
+    int64_t *order, *gstart;    /* items grouped by expert: order[gstart[g] .. gstart[g+1]) */
+    int64_t *gexp, *cur;        /* [E]: group g's expert; a count per expert */
+    int64_t *tok;               /* [n]: the token of order[k] */
+    float **outs;               /* [3 n]: gate, up, down outputs of order[k]; [T] router's */
+    float *gu, *dn;             /* [n, 2F] gate | up (silu * up over gate), [n, H] down */
+    acts_t ha;                  /* silu * up as int8 */
+} route_t;
+
+/* softmax over r->E logits of token t, top K (largest first, the lower expert on a tie),
+ * renormalized to sum 1 if norm: items t K .. t K + K - 1 */
+static void route_token(route_t *r, int64_t t, int norm) {
+    float *p = r->logits + t * r->E, mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < r->E; e++) mx = fmaxf(mx, p[e]);
+    for (int64_t e = 0; e < r->E; e++) sum += p[e] = expf(p[e] - mx);
+    for (int64_t e = 0; e < r->E; e++) p[e] /= sum;
+    float kept = 0.0f;
+    for (int64_t j = 0; j < r->K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < r->E; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        r->ids[t * r->K + j] = (int32_t)best;
+        kept += r->w[t * r->K + j] = p[best];
+        p[best] = -1.0f; /* taken */
+    }
+    if (norm)
+        for (int64_t j = 0; j < r->K; j++) r->w[t * r->K + j] /= kept;
+}
+
+/* the items in groups by expert (counting sort: items keep their order within a group) */
+static void group_items(route_t *r, int64_t H) {
+    const int64_t F = r->F;
+    for (int64_t e = 0; e < r->E; e++) r->cur[e] = 0;
+    for (int64_t i = 0; i < r->n; i++) r->cur[r->ids[i]]++;
+    r->ng = 0;
+    for (int64_t e = 0, at = 0; e < r->E; e++) {
+        int64_t c = r->cur[e];
+        r->cur[e] = at;
+        if (c) r->gexp[r->ng] = e, r->gstart[r->ng++] = at;
+        at += c;
+    }
+    r->gstart[r->ng] = r->n;
+    for (int64_t i = 0; i < r->n; i++) {
+        int64_t k = r->cur[r->ids[i]]++;
+        r->order[k] = i, r->tok[k] = i / r->K;
+        r->outs[k] = r->gu + i * 2 * F, r->outs[r->n + k] = r->gu + i * 2 * F + F;
+        r->outs[2 * r->n + k] = r->dn + i * H;
+    }
+}
+
+static int route_alloc(route_t *r, int64_t T, int64_t H, const uint8_t *tab) {
+    const int64_t n = r->n, E = r->E;
+    r->logits = malloc(sizeof(float) * (size_t)(T * E));
+    r->w = malloc(sizeof(float) * (size_t)n);
+    r->order = malloc(sizeof(int64_t) * (size_t)n), r->tok = malloc(sizeof(int64_t) * (size_t)n);
+    r->gstart = malloc(sizeof(int64_t) * (size_t)(E + 1));
+    r->gexp = malloc(sizeof(int64_t) * (size_t)E), r->cur = malloc(sizeof(int64_t) * (size_t)E);
+    r->outs = malloc(sizeof(float *) * (size_t)(3 * n + T));
+    r->gu = malloc(sizeof(float) * (size_t)(n * 2 * r->F));
+    r->dn = malloc(sizeof(float) * (size_t)(n * H));
+    int bad = acts_alloc(&r->ha, n, r->F, r->gu, 2 * r->F, tab);
+    if (bad || !r->logits || !r->w || !r->order || !r->tok || !r->gstart || !r->gexp ||
+        !r->cur || !r->outs || !r->gu || !r->dn)
+        return -3;
+    for (int64_t t = 0; t < T; t++) r->outs[3 * n + t] = r->logits + t * E;
+    return 0;
+}
+
+static void route_free(route_t *r) {
+    acts_free(&r->ha);
+    free(r->logits), free(r->w), free(r->order), free(r->tok), free(r->gstart), free(r->gexp);
+    free(r->cur), free(r->outs), free(r->gu), free(r->dn);
+}
+
+/* layer l's MoE half on s->x (normed into s->xa by the caller, which then met the team at a
+ * barrier), by every thread of the team; m: router, gate, up, down (the stacks' first expert);
+ * ends at a barrier */
+static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, int norm_topk, int *sense) {
+    const int64_t T = s->T, H = s->dm.hidden, F = r->F, n = r->n;
+    const int64_t row_tasks = (F + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int64_t out_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    float **const router_outs[1] = {r->outs + 3 * n};
+    rows_tasks(&m[0], 1, &s->xa, s->vec, router_outs, T, s->tab);
+    spin_barrier(&s->bar, sense);
+#pragma omp single nowait
+    {
+        for (int64_t t = 0; t < T; t++) route_token(r, t, norm_topk);
+        group_items(r, H);
+    }
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(guided) nowait
+    for (int64_t task = 0; task < r->ng * row_tasks; task++) {
+        /* consecutive tasks walk down one expert's rows: long runs for the prefetcher */
+        int64_t g = task / row_tasks, r0 = task % row_tasks * ROWS_PER_TASK;
+        int64_t r1 = r0 + ROWS_PER_TASK < F ? r0 + ROWS_PER_TASK : F, k = r->gstart[g];
+        mat_t gm = m[1], um = m[2];
+        gm.base += r->gexp[g] * F * gm.row_bytes, um.base += r->gexp[g] * F * um.row_bytes;
+        rows_dot(&gm, r0, r1, &s->xa, r->tok + k, r->outs + k, r->gstart[g + 1] - k, s->tab);
+        rows_dot(&um, r0, r1, &s->xa, r->tok + k, r->outs + n + k, r->gstart[g + 1] - k,
+                 s->tab);
+    }
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) {
+        float *h = r->gu + i * 2 * F; /* h overwrites gate in place */
+        for (int64_t f = 0; f < F; f++) h[f] = silu(h[f]) * h[F + f];
+        if (!m[3].is_float) quantize_act(&r->ha, i, h);
+    }
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(guided) nowait
+    for (int64_t task = 0; task < r->ng * out_tasks; task++) {
+        int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
+        int64_t r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H, k = r->gstart[g];
+        mat_t dm = m[3];
+        dm.base += r->gexp[g] * H * dm.row_bytes;
+        rows_dot(&dm, r0, r1, &r->ha, r->order + k, r->outs + 2 * n + k, r->gstart[g + 1] - k,
+                 s->tab);
+    }
+    spin_barrier(&s->bar, sense);
+#pragma omp for schedule(static) nowait
+    for (int64_t task = 0; task < out_tasks; task++) {
+        int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t e = r0; e < r1; e++) {
+                float acc = 0.0f; /* the experts' sum, then the residual: the torch order */
+                for (int64_t j = 0; j < r->K; j++)
+                    acc += r->w[t * r->K + j] * r->dn[(t * r->K + j) * H + e];
+                s->x[t * H + e] += acc;
+            }
+    }
+    spin_barrier(&s->bar, sense);
+}
+
+/* x [T, H] (in place) through n_layers MoE layers for the tokens at positions start ..
+ * start + T - 1; caches and tables as strata_dense_layers; ids [n_layers, T, K]: the experts
+ * each token was routed to (the engine's routing counts). Returns 0 or an error as
+ * strata_matmul. */
+int strata_moe_layers(float *x, int64_t T, int64_t start, const moe_layer_t *layers,
+                      int64_t n_layers, const moe_dims_t *dm, uint16_t *const *k_cache,
+                      uint16_t *const *v_cache, const float *cos_t, const float *sin_t,
+                      int32_t *ids, int threads, const uint8_t *tab) {
+    const int64_t H = dm->hidden, E = dm->n_experts, F = dm->ffn, K = dm->top_k;
+    attn_step_t s = {{H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
+                      dm->eps},
+                     T, start, x, NULL, NULL, NULL, NULL, NULL, {0}, {0}, NULL, NULL,
+                     k_cache, v_cache, cos_t, sin_t, tab, {0, 0, 0, 1}};
+    route_t r = {E, K, F, T * K, 0};
+    attn_weights_t aw[n_layers > 0 ? n_layers : 1];
+    mat_t mats[8];
+    int err = K < 1 || K > E ? -2 : 0;
+    for (int64_t l = 0; l < n_layers && !err; l++) {
+        const moe_layer_t *ly = &layers[l];
+        aw[l] = (attn_weights_t){ly->attn_norm, {ly->bias[0], ly->bias[1], ly->bias[2]},
+                                 ly->q_norm, ly->k_norm, {ly->w[0], ly->w[1], ly->w[2], ly->w[3]},
+                                 {ly->qtype[0], ly->qtype[1], ly->qtype[2], ly->qtype[3]}};
+        err = attn_mats(mats, &aw[l], &s.dm);
+        const int64_t shape[4][2] = {{E, H}, {F, H}, {F, H}, {H, F}};
+        for (int i = 0; i < 4 && !err; i++)
+            err = mat_init(&mats[4 + i], NULL, ly->qtype[4 + i], 0, shape[i][0], shape[i][1]);
+    }
+    if (err || dm->head_dim > MAX_HEAD_DIM) return err ? err : -2;
+    if (threads < 1) threads = 1;
+    if (attn_alloc(&s, threads) || route_alloc(&r, T, H, tab)) {
+        err = -3;
+        goto done;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int sense = 0, me = team_join(&s.bar);
+        for (int64_t l = 0; l < n_layers; l++) {
+            const moe_layer_t *ly = &layers[l];
+            mat_t m[8];
+            attn_mats(m, &aw[l], &s.dm);
+            for (int i = 4; i < 8; i++)
+                mat_init(&m[i], ly->w[i], ly->qtype[i], 0, mats[i].rows, mats[i].cols);
+            attn_phases(&s, &aw[l], m, l, &sense, me);
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < T; t++) {
+                for (int64_t e = 0; e < H; e++) x[t * H + e] += s.tmp[t * H + e];
+                rms_norm(x + t * H, ly->ffn_norm, H, dm->eps, s.h + t * H);
+                quantize_act(&s.xa, t, s.h + t * H);
+            }
+            if (me == 0) r.ids = ids + l * T * K; /* read after the barrier */
+            spin_barrier(&s.bar, &sense);
+            moe_phases(&s, &r, &m[4], dm->norm_topk, &sense);
+        }
+    }
+done:
+    attn_free(&s), route_free(&r);
+    return err;
+}

@@ -1,0 +1,107 @@
+"""Which models the cpu engine runs in one kernel call per step, and the call's tensors.
+
+A model whose layers are all dense llama layers runs them in `kernels.cpu_dense.DenseStack`;
+one whose layers are all MoE layers with routed experts only (Qwen3-MoE: per-head q/k norms
+or none) in `kernels.cpu_moe_stack.MoEStack`. Anything else (a shared expert, full-width q/k
+norms, a weight the kernels do not read, mixed layers) runs layer by layer in torch
+(`stratad/engine/forward.py`), which defines what both compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
+from kernels.cpu_experts import CpuExperts
+from kernels.cpu_moe_stack import MoELayer, MoEShape, MoEStack
+from kernels.quant import QTensor
+from stratad.model.spec import ModelSpec
+from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
+
+Reads = Callable[[QTensor], bool]  # whether the kernels read a 2-D weight as it is
+
+
+def _vector(t: QTensor | None) -> torch.Tensor | None:
+    return None if t is None else t.dequantize().float().contiguous()
+
+
+def _biases(a: AttentionWeights) -> tuple[torch.Tensor | None, ...]:
+    return tuple(_vector(b) for b in (a.q_bias, a.k_bias, a.v_bias))
+
+
+def _blocks(t: QTensor) -> tuple[torch.Tensor, object]:
+    return t.data.contiguous(), t.qtype
+
+
+def dense_stack(
+    kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
+) -> DenseStack | None:
+    """Every layer in one call where the model is a stack of dense layers the kernels read (no
+    q/k norms); else None."""
+    if spec.qk_norm != "none" or not layers:
+        return None
+    dense = []
+    for w in layers:
+        a, m = w.attn, w.mlp
+        if not isinstance(m, MLPWeights) or m.gate.shape[0] != spec.ffn:
+            return None
+        projections = (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)
+        if not all(reads(t) for t in projections):
+            return None
+        b = _biases(a)
+        dense.append(DenseLayer(
+            w.attn_norm.dequantize().float().contiguous(),
+            w.ffn_norm.dequantize().float().contiguous(),
+            tuple(_blocks(t) for t in projections),  # type: ignore[misc]
+            (b[0], b[1], b[2]),
+        ))  # fmt: skip
+    shape = DenseShape(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.ffn,
+                       spec.rope_interleaved, spec.rms_eps)  # fmt: skip
+    return DenseStack(kernels, shape, dense)
+
+
+def _moe_reads(kernels: CpuExperts, reads: Reads, spec: ModelSpec, m: MoEWeights) -> bool:
+    ex = m.experts
+    stacks = (ex.gate, ex.up, ex.down)
+    return (
+        m.shared is None and m.shared_gate is None and reads(m.router)
+        and all(t.qtype in kernels.supported and len(t.shape) == 3 for t in stacks)
+        and tuple(ex.gate.shape) == (spec.n_experts, spec.expert_ffn, spec.hidden)
+        and tuple(m.router.shape) == (spec.n_experts, spec.hidden)
+        and spec.expert_ffn % 32 == 0 and spec.hidden % 32 == 0
+    )  # fmt: skip
+
+
+def moe_stack(
+    kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
+) -> MoEStack | None:
+    """Every layer in one call where the model is a stack of MoE layers of routed experts only
+    (q/k norms per head or none) that the kernels read; else None."""
+    if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
+        return None
+    out = []
+    for w in layers:
+        a, m = w.attn, w.mlp
+        if not isinstance(m, MoEWeights) or not _moe_reads(kernels, reads, spec, m):
+            return None
+        if not all(reads(t) for t in (a.q, a.k, a.v, a.o)):
+            return None
+        head_norms = spec.qk_norm == "head" and a.q_norm is not None and a.k_norm is not None
+        if spec.qk_norm == "head" and not head_norms:
+            return None
+        ex, b = m.experts, _biases(a)
+        weights = (a.q, a.k, a.v, a.o, m.router)
+        out.append(MoELayer(
+            w.attn_norm.dequantize().float().contiguous(),
+            w.ffn_norm.dequantize().float().contiguous(),
+            _vector(a.q_norm) if head_norms else None,
+            _vector(a.k_norm) if head_norms else None,
+            tuple(_blocks(t) for t in (*weights, ex.gate, ex.up, ex.down)),  # type: ignore[misc]
+            (b[0], b[1], b[2]),
+        ))  # fmt: skip
+    shape = MoEShape(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_experts,
+                     spec.n_experts_used, spec.expert_ffn, spec.rope_interleaved,
+                     spec.norm_topk_prob, spec.rms_eps)  # fmt: skip
+    return MoEStack(kernels, shape, out)

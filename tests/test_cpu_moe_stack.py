@@ -1,0 +1,118 @@
+"""A MoE model's layers in one kernel call (kernels/cpu_moe_stack.py, kernels/cpu/moe_layers.h)
+against the cpu engine's layer-by-layer path (the torch layers of stratad/engine/forward.py,
+each product one kernel call: `QuantWeights(one_call=False)`), on the synthetic tiny MoE
+(Qwen3-MoE's layers: per-head q/k norms, softmax top-k routing).
+
+The two differ only where the one call keeps keys and values in halves (as llama.cpp does,
+the per-projection path in float32) and sums in its own order: logits close, the same greedy
+tokens and the same routing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels.cpu_experts import CpuExperts
+from kernels.cpu_moe_stack import MoEStack
+from kernels.quant import QType
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.weights_mode import QuantWeights
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.model.synth import PRESETS, write_synth
+
+TOL = 0.5  # logits (0.21 seen, of logits up to 18)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """Q8_0 attention as the a3b's (test_cpu_engine's tiny MoE has F16)."""
+    preset = dataclasses.replace(PRESETS["tiny-moe"], attn_qtype=QType.Q8_0)
+    path = tmp_path_factory.mktemp("moe-stack") / "tiny-moe.gguf"
+    write_synth(preset, path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuExperts:
+    return CpuExperts(threads=2)
+
+
+def _run(forward: ReferenceForward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after the prompt, and every position's logits."""
+    cache = forward.new_cache(len(prompt) + n + 1)
+    logits = [forward(prompt, cache, all_logits=True)]
+    out = []
+    for _ in range(n):
+        out.append(int(logits[-1][-1].argmax()))
+        logits.append(forward([out[-1]], cache))
+    return out, torch.cat(logits)
+
+
+def test_one_call_matches_the_layer_by_layer_path(tiny_moe: Model, kernels: CpuExperts) -> None:
+    fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    slow = ReferenceForward(tiny_moe, weights=QuantWeights(kernels, one_call=False))
+    assert isinstance(fast.stack, MoEStack) and slow.stack is None
+    prompt = list(range(3, 19))
+    got, got_logits = _run(fast, prompt, 6)
+    want, want_logits = _run(slow, prompt, 6)
+    assert got == want
+    assert (got_logits - want_logits).abs().max() < TOL
+    assert torch.equal(fast.route_counts, slow.route_counts)
+    assert int(fast.route_counts.sum()) == 4 * 2 * (len(prompt) + 6)  # layers x top-k x tokens
+
+
+def test_chunks_and_threads_give_the_same_bits(tiny_moe: Model, kernels: CpuExperts) -> None:
+    """A prompt in one call, or in two on one thread: the same logits to the bit."""
+    prompt = list(range(40, 61))
+    fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    whole = fast(prompt, fast.new_cache(32))[-1]
+    one = ReferenceForward(tiny_moe, weights=QuantWeights(CpuExperts(threads=1)))
+    cache = one.new_cache(32)
+    one(prompt[:9], cache)
+    assert torch.equal(one(prompt[9:], cache)[-1], whole)
+
+
+def test_the_portable_kernels_agree(tiny_moe: Model, kernels: CpuExperts) -> None:
+    prompt = list(range(7, 17))
+    fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    plain = ReferenceForward(tiny_moe, weights=QuantWeights(CpuExperts(2, native=False)))
+    a, b = (f(prompt, f.new_cache(16), all_logits=True) for f in (fast, plain))
+    assert (a - b).abs().max() < TOL
+
+
+def test_bad_inputs_are_refused(tiny_moe: Model, kernels: CpuExperts) -> None:
+    fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    stack = fast.stack
+    assert isinstance(stack, MoEStack)
+    cache = fast.new_cache(4)
+    x = torch.zeros(2, tiny_moe.spec.hidden)
+    cos = torch.zeros(2, tiny_moe.spec.head_dim // 2)
+    with pytest.raises(ValueError, match="x must be"):
+        stack(x[:, :32].contiguous(), cache.k, cache.v, 0, cos, cos)
+    with pytest.raises(ValueError, match="cannot hold"):
+        stack(x, cache.k, cache.v, 3, cos, cos)
+    layer = stack.layers[0]
+    swapped = dataclasses.replace(layer, weights=layer.weights[1:2] + layer.weights[1:])
+    with pytest.raises(ValueError, match="holds"):  # k's blocks where q's belong
+        MoEStack(kernels, stack.shape, [swapped])
+
+
+def test_a_layer_the_call_does_not_cover_runs_layer_by_layer(
+    tiny_moe: Model, kernels: CpuExperts
+) -> None:
+    """A shared expert (Qwen2-MoE's) is not in the one call: the torch layers run instead."""
+    from stratad.engine.cpu_stacks import moe_stack
+    from stratad.model.archs import ARCHS
+    from stratad.model.weights import MLPWeights, MoEWeights
+
+    spec, reads = tiny_moe.spec, QuantWeights(kernels).reads
+    layers = [ARCHS[spec.arch].layer(tiny_moe, i) for i in range(spec.n_layers)]
+    assert moe_stack(kernels, reads, spec, layers) is not None
+    m = layers[0].mlp
+    assert isinstance(m, MoEWeights)
+    shared = MLPWeights(m.experts.gate, m.experts.up, m.experts.down)
+    layers[0] = dataclasses.replace(layers[0], mlp=dataclasses.replace(m, shared=shared))
+    assert moe_stack(kernels, reads, spec, layers) is None
