@@ -42,13 +42,15 @@ typedef struct { /* a call's state, shared by the team */
 } attn_step_t;
 
 /* row tasks of several matrices in one list: task i is rows [r0, r0 + ROWS_PER_TASK) of
- * matrix mi, outs[mi] its outputs per token */
+ * matrix mi, outs[mi] its outputs per token. Handed out `guided`, as strata_moe's: each
+ * thread first walks a long contiguous run, which the prefetchers follow (a3b decode 6.4 ->
+ * 6.9-7.1 tok/s against `dynamic`'s interleaved 16-row tasks) */
 static void rows_tasks(const mat_t *m, int nm, const acts_t *a, const int64_t *vec,
                        float **const *outs, int64_t T, const uint8_t *tab) {
     int64_t tasks[8] = {0}, total = 0;
     for (int i = 0; i < nm; i++)
         total += tasks[i] = (m[i].rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp for schedule(dynamic) nowait
+#pragma omp for schedule(guided) nowait
     for (int64_t t = 0; t < total; t++) {
         int mi = 0;
         int64_t r = t;
