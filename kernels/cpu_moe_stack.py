@@ -33,7 +33,7 @@ WEIGHTS = ("q", "k", "v", "o", "router", "gate", "up", "down")  # moe_layer_t's 
 
 class _Layer(ctypes.Structure):  # moe_layer_t
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("bias", _P * 3), ("q_norm", _P),
-                ("k_norm", _P), ("w", _P * 8), ("qtype", _I32 * 8)]  # fmt: skip
+                ("k_norm", _P), ("w", _P * 8), ("qtype", _I32 * 8), ("experts", _P)]  # fmt: skip
 
 
 class _Dims(ctypes.Structure):  # moe_dims_t
@@ -73,7 +73,7 @@ class MoELayer:
     ffn_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    weights: tuple[tuple[torch.Tensor, QType], ...]
+    weights: tuple[tuple[torch.Tensor | None, QType], ...]  # expert stacks None: place_experts
     biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -107,6 +107,12 @@ class MoEStack:
             for i, (name, (w, qtype)) in enumerate(zip(WEIGHTS, layer.weights, strict=True)):
                 rows, cols = dims[name]
                 stacked = name in ("gate", "up", "down")
+                kernels._qtype(qtype, name)
+                if w is None and stacked:  # addressed per expert (place_experts) before a call
+                    c.w[i], c.qtype[i] = None, int(qtype)
+                    continue
+                if w is None:
+                    raise ValueError(f"{name}: no weight")
                 kernels._check_weight(w, qtype, rows * (shape.n_experts if stacked else 1), cols)
                 c.w[i], c.qtype[i] = w.data_ptr(), int(qtype)
             for i, (name, b) in enumerate(zip(WEIGHTS[:3], layer.biases, strict=True)):
@@ -116,6 +122,7 @@ class MoEStack:
                            int(shape.norm_topk), shape.eps)  # fmt: skip
         self._fn, self._tables = kernels._moe_layers, kernels._tables
         self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu_team.py)
+        self._tables_in_use: dict[int, np.ndarray] = {}  # place_experts'; kept alive here
 
     def __call__(
         self,
@@ -129,6 +136,8 @@ class MoEStack:
         """x [T, H] (in place), the caches and tables as `DenseStack`'s; the experts each token
         was routed to, [layers, T, top_k] int64 (largest weight first)."""
         s, n = self.shape, len(self.layers)
+        if any(not c.w[5] and not c.experts for c in self._c_layers):
+            raise ValueError("a layer without expert stacks needs place_experts before a call")
         t = check_step(x, k_cache, v_cache, start, cos, sin, s.hidden, s.n_kv_heads, s.head_dim,
                        n)  # fmt: skip
         kp = np.array([c.data_ptr() for c in k_cache], dtype=np.uint64)
@@ -142,3 +151,20 @@ class MoEStack:
         self.team.record(t, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "MoE layers")
         return ids.long()
+
+    def place_experts(self, layer: int, table: np.ndarray | None) -> None:
+        """Layer `layer`'s experts read from `table` ([E, 3] uint64: expert e's gate, up and
+        down addresses, each its GGUF blocks in the stacks' types; the caller keeps that memory
+        alive and the table unchanged until the next call) instead of the stacks; None: the
+        stacks again."""
+        if table is None:
+            self._c_layers[layer].experts = None
+            self._tables_in_use.pop(layer, None)
+            return
+        if table.dtype != np.uint64 or table.shape != (self.shape.n_experts, 3):
+            raise ValueError(f"an expert table is [{self.shape.n_experts}, 3] uint64, got"
+                             f" {table.dtype} {table.shape}")  # fmt: skip
+        if not table.flags.c_contiguous or not table.all():
+            raise ValueError("an expert table must be contiguous and hold no null address")
+        self._tables_in_use[layer] = table
+        self._c_layers[layer].experts = table.ctypes.data

@@ -215,7 +215,9 @@ def test_cpu_engine_reads_a_steps_experts_from_the_tiers_in_one_call(
     fast = ReferenceForward(model, experts=store, weights=QuantWeights(cpu_kernels))
     assert fast.store_experts is not None
     assert all(fast.store_experts.reads(i) for i in range(model.spec.n_layers))
-    # layer by layer as the store's engine runs (the stacks' one call keeps a half cache)
+    # these stores must fetch (slots to admit into), so the engine goes layer by layer: held
+    # to the same path over the model's own stacks (the stacks' one call keeps a half cache)
+    assert fast.stack is None
     stacks = ReferenceForward(model, weights=QuantWeights(cpu_kernels, one_call=False))
     tokens, logits = greedy(fast, ref.prompt, NEW_TOKENS)
     want_tokens, want_logits = greedy(stacks, ref.prompt, NEW_TOKENS)

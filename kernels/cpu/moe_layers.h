@@ -23,6 +23,9 @@ typedef struct {                /* one layer, as kernels/cpu_moe_stack.py's _Lay
     const float *k_norm;        /* [D] per head, or NULL */
     const uint8_t *w[8];        /* q, k, v, o, router, then the expert stacks gate, up, down */
     int32_t qtype[8];
+    /* [3 E] or NULL: expert e's gate, up and down at 3e, 3e + 1, 3e + 2 wherever they are (the
+     * expert store's RAM copy or the file's mapping), in place of the stacks' rows */
+    const uint8_t *const *experts;
 } moe_layer_t;
 
 typedef struct {                /* the shapes, as kernels/cpu_moe_stack.py's _Dims mirrors it */
@@ -111,8 +114,9 @@ static void route_free(route_t *r) {
 
 /* layer l's MoE half on s->x (normed into s->xa by the caller, which then met the team at a
  * barrier), by every thread of the team; m: router, gate, up, down (the stacks' first expert);
- * ends at a barrier */
-static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, int norm_topk, int *sense) {
+ * xp: the experts' own addresses (moe_layer_t.experts) or NULL; ends at a barrier */
+static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t *const *xp,
+                       int norm_topk, int *sense) {
     const int64_t T = s->T, H = s->dm.hidden, F = r->F, n = r->n;
     const int64_t row_tasks = (F + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int64_t out_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -131,7 +135,11 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, int norm_topk
         int64_t g = task / row_tasks, r0 = task % row_tasks * ROWS_PER_TASK;
         int64_t r1 = r0 + ROWS_PER_TASK < F ? r0 + ROWS_PER_TASK : F, k = r->gstart[g];
         mat_t gm = m[1], um = m[2];
-        gm.base += r->gexp[g] * F * gm.row_bytes, um.base += r->gexp[g] * F * um.row_bytes;
+        if (xp) {
+            gm.base = xp[3 * r->gexp[g]], um.base = xp[3 * r->gexp[g] + 1];
+        } else {
+            gm.base += r->gexp[g] * F * gm.row_bytes, um.base += r->gexp[g] * F * um.row_bytes;
+        }
         rows_dot(&gm, r0, r1, &s->xa, r->tok + k, r->outs + k, r->gstart[g + 1] - k, s->tab);
         rows_dot(&um, r0, r1, &s->xa, r->tok + k, r->outs + n + k, r->gstart[g + 1] - k,
                  s->tab);
@@ -149,7 +157,7 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, int norm_topk
         int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
         int64_t r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H, k = r->gstart[g];
         mat_t dm = m[3];
-        dm.base += r->gexp[g] * H * dm.row_bytes;
+        dm.base = xp ? xp[3 * r->gexp[g] + 2] : dm.base + r->gexp[g] * H * dm.row_bytes;
         rows_dot(&dm, r0, r1, &r->ha, r->order + k, r->outs + 2 * n + k, r->gstart[g + 1] - k,
                  s->tab);
     }
@@ -219,7 +227,7 @@ int strata_moe_layers(float *x, int64_t T, int64_t start, const moe_layer_t *lay
             }
             if (me == 0) r.ids = ids + l * T * K; /* read after the barrier */
             spin_barrier(&s.bar, &sense);
-            moe_phases(&s, &r, &m[4], dm->norm_topk, &sense);
+            moe_phases(&s, &r, &m[4], ly->experts, dm->norm_topk, &sense);
         }
     }
 done:

@@ -16,7 +16,7 @@ import torch
 from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_moe_stack import MoELayer, MoEShape, MoEStack
-from kernels.quant import QTensor
+from kernels.quant import QTensor, QType
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
 
@@ -31,7 +31,7 @@ def _biases(a: AttentionWeights) -> tuple[torch.Tensor | None, ...]:
     return tuple(_vector(b) for b in (a.q_bias, a.k_bias, a.v_bias))
 
 
-def _blocks(t: QTensor) -> tuple[torch.Tensor, object]:
+def _blocks(t: QTensor) -> tuple[torch.Tensor, QType]:
     return t.data.contiguous(), t.qtype
 
 
@@ -75,10 +75,16 @@ def _moe_reads(kernels: CpuExperts, reads: Reads, spec: ModelSpec, m: MoEWeights
 
 
 def moe_stack(
-    kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
+    kernels: CpuExperts,
+    reads: Reads,
+    spec: ModelSpec,
+    layers: list[LayerWeights],
+    stacks: bool = True,
 ) -> MoEStack | None:
     """Every layer in one call where the model is a stack of MoE layers of routed experts only
-    (q/k norms per head or none) that the kernels read; else None."""
+    (q/k norms per head or none) that the kernels read; else None. `stacks` False: the experts
+    are addressed per expert before each call (`MoEStack.place_experts`, the expert store's),
+    and the model's stacks are not read (a pack's are strided views onto its file)."""
     if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
         return None
     out = []
@@ -98,7 +104,8 @@ def moe_stack(
             w.ffn_norm.dequantize().float().contiguous(),
             _vector(a.q_norm) if head_norms else None,
             _vector(a.k_norm) if head_norms else None,
-            tuple(_blocks(t) for t in (*weights, ex.gate, ex.up, ex.down)),  # type: ignore[misc]
+            (*(_blocks(t) for t in weights), *(_blocks(t) if stacks else (None, t.qtype)
+                                               for t in (ex.gate, ex.up, ex.down))),
             (b[0], b[1], b[2]),
         ))  # fmt: skip
     shape = MoEShape(spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_experts,

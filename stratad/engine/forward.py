@@ -135,7 +135,7 @@ class ReferenceForward:
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
         # the cpu engine's layers in one kernel call per step, where it can
-        self.stack = self.mode.layer_stack(self.spec, weights_list) if experts is None else None
+        self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
         self.norm = self.mode.vector(model.tensor("model.norm.weight"))

@@ -26,13 +26,15 @@ from stratad.config import EngineConfig
 from stratad.engine.cpu_stacks import dense_stack, moe_stack
 from stratad.engine.layers import attention, attention_by_row
 from stratad.engine.store_moe import ExpertProvider, StoreExperts
+from stratad.engine.store_stack import StoreStack
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import LayerWeights, MoEWeights
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Routed = PreparedMoE  # (x, ids, weights, out): out += the routed experts' weighted sum
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-LayerStack = DenseStack | MoEStack  # (x, k, v, start, cos, sin): every layer, x in place
+# (x, k, v, start, cos, sin): every layer, x in place
+LayerStack = DenseStack | MoEStack | StoreStack
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,9 @@ class WeightMode(Protocol):
     @property
     def attention(self) -> Attention: ...
 
-    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> LayerStack | None: ...
+    def layer_stack(
+        self, spec: ModelSpec, layers: list[LayerWeights], store: ExpertProvider | None = None
+    ) -> LayerStack | None: ...
 
     def routed(self, moe: MoEWeights) -> Routed | None: ...
 
@@ -108,7 +112,9 @@ class FloatWeights:
     def vector(self, t: QTensor) -> torch.Tensor:
         return self.float(t)
 
-    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> None:
+    def layer_stack(
+        self, spec: ModelSpec, layers: list[LayerWeights], store: ExpertProvider | None = None
+    ) -> None:
         return None  # the reference runs its layers one torch op at a time
 
     def routed(self, moe: MoEWeights) -> None:
@@ -168,12 +174,18 @@ class QuantWeights:
         """A layer's routed experts from the store's tiers in one kernel call per step."""
         return StoreExperts(store, self.kernels)
 
-    def layer_stack(self, spec: ModelSpec, layers: list[LayerWeights]) -> LayerStack | None:
+    def layer_stack(
+        self, spec: ModelSpec, layers: list[LayerWeights], store: ExpertProvider | None = None
+    ) -> LayerStack | None:
         """Every layer in one kernel call per step where the model's layers allow it
-        (`stratad/engine/cpu_stacks.py`: all dense, or all MoE of routed experts); else None:
+        (`stratad/engine/cpu_stacks.py`: all dense, or all MoE of routed experts; with a
+        `store`, MoE layers whose experts it addresses in place: `store_stack.py`); else None:
         layer by layer (also with `one_call` off: the per-projection path, for tests)."""
         if not self.one_call:
             return None
+        if store is not None:
+            stack = moe_stack(self.kernels, self.reads, spec, layers, stacks=False)
+            return None if stack is None else StoreStack.attach(stack, store)
         return dense_stack(self.kernels, self.reads, spec, layers) or moe_stack(
             self.kernels, self.reads, spec, layers
         )

@@ -80,7 +80,7 @@ class ExpertSource(Protocol):
 
     def mapped(self, layer: int, expert: int) -> ExpertBytes | None:
         """The expert's gate, up and down bytes where the source holds them mapped (no copy;
-        counted as a read), else None: `read_into` it."""
+        not counted: the store counts what it serves from them), else None: `read_into` it."""
         ...
 
     def drop_cache(self, layer: int, expert: int) -> None:
@@ -184,7 +184,6 @@ class ModelExperts:
     def mapped(self, layer: int, expert: int) -> ExpertBytes:
         """Views onto the stacks (the model's mapping of the file, for a GGUF)."""
         w = self._stacks[layer].expert(expert)
-        self.stats.add(self.layouts[layer].nbytes)
         return encoded(w.gate), encoded(w.up), encoded(w.down)
 
     def drop_cache(self, layer: int, expert: int) -> None:

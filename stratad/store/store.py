@@ -78,6 +78,9 @@ class ExpertStore:
         self.layouts = source.layouts
         self.admit_on_miss = admit_on_miss
         self.ram = ResidentRAM(plan.ram, [self.layouts[u.layer].stride for u in plan.ram])
+        self._ram_slots: list[list[int]] = [[] for _ in range(source.n_layers)]
+        for i, u in enumerate(plan.ram):
+            self._ram_slots[u.layer].append(i)
         self.slots = VRAMSlots(len(plan.vram), plan.slot_bytes, cache_device)
         self.cache = ExpertCache(len(plan.vram), policy, initial=plan.vram, keep=plan.vram_only)
         self.pinner = Pinner(self.ram, source, lock, pin, on_pin_progress)
@@ -115,7 +118,7 @@ class ExpertStore:
             blob, tier = self._held(layer, e)
             mapped = None if blob is not None or admits else self.source.mapped(layer, e)
             if mapped is not None:
-                self.hits["file"] += 1
+                self.count(layer, [e], ["file"])
                 got.append((mapped, None, tier))
                 continue
             blob = self._read(layer, e) if blob is None else blob
@@ -124,6 +127,38 @@ class ExpertStore:
         for e, (_, blob, tier) in zip(experts, got, strict=True):
             if tier != "vram" and blob is not None:
                 self._admit(layer, e, blob, tier)
+
+    def in_place(self, layer: int) -> list[tuple[ExpertBytes, str]] | None:
+        """Every expert of `layer` where a kernel can read it as it lies, with its tier: the RAM
+        copy once pinned, else the source's mapping; None where some expert cannot be (VRAM
+        slots to look up and admit into, or a source read with copies: a pack). Not counted:
+        `count` what a step used. Valid until the next pinned chunk (`ready_in`) or `close`."""
+        if self.slots.n:
+            return None
+        out: list[tuple[ExpertBytes, str]] = []
+        layout = self.layouts[layer]
+        for e in range(self.source.n_experts):
+            blob = self.ram.view(ExpertUnit(layer, e))
+            if blob is not None:
+                out.append((expert_bytes(blob, layout), "ram"))
+                continue
+            mapped = self.source.mapped(layer, e)
+            if mapped is None:
+                return None
+            out.append((mapped, "file"))
+        return out
+
+    def ready_in(self, layer: int) -> int:
+        """How many of `layer`'s RAM copies are pinned (and serve) now."""
+        return sum(self.ram.ready[i] for i in self._ram_slots[layer])
+
+    def count(self, layer: int, experts: Sequence[int], tiers: Sequence[str]) -> None:
+        """Count `experts` of `layer` as served from `tiers` (in_place's, for those a step
+        used; a file-tier answer counts as a read of its bytes)."""
+        for tier in tiers:
+            self.hits[tier] += 1
+            if tier == "file":
+                self.source.stats.add(self.layouts[layer].nbytes)
 
     def _held(self, layer: int, expert: int) -> tuple[torch.Tensor | None, str]:
         """The expert's VRAM slot or RAM copy (counted by tier), or (None, "file")."""
