@@ -7,8 +7,9 @@ residual, RMSNorm, SwiGLU, residual. In C, every layer of a step runs in one Ope
 no Python between the pieces; q/k/v (and gate/up) are one task list over a shared int8 copy
 of their input; a prompt's tokens go through each weight row together.
 
-Tensors in, checked once here (`DenseStack`: the weights; each call: x, the cache, RoPE's
-tables); pointers to the C side.
+Tensors in, checked once here (`DenseStack`: the weights; each call: x, the caches, RoPE's
+tables); pointers to the C side. A call's rows may be several sequences' tokens (`CacheSpan`
+each: the engine's batch), which share every weight read and attend each to its own cache.
 """
 
 from __future__ import annotations
@@ -72,6 +73,32 @@ class DenseLayer:
     biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
+@dataclass(frozen=True)
+class CacheSpan:
+    """One sequence's rows of a layers call: the next `length` rows of x are its tokens at
+    positions start .. start + length - 1; their keys and values go into k[l], v[l] (layer l's
+    [>= start + length, Hkv, D] `CACHE_DTYPE`), where the earlier positions' already are."""
+
+    k: Sequence[torch.Tensor]
+    v: Sequence[torch.Tensor]
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """A layers call's per-token arrays (C's pos, seq, k_cache, v_cache), kept alive here."""
+
+    tokens: int
+    pos: np.ndarray  # [T] int64
+    seq: np.ndarray  # [T] int32
+    k: np.ndarray  # [spans * layers] uint64 addresses
+    v: np.ndarray
+
+    def pointers(self) -> tuple[int, int, int, int]:
+        return self.pos.ctypes.data, self.seq.ctypes.data, self.k.ctypes.data, self.v.ctypes.data
+
+
 class DenseStack:
     """x [T, H] float32 through every layer, in place, with one kernel call."""
 
@@ -106,44 +133,34 @@ class DenseStack:
         self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu_team.py)
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        k_cache: Sequence[torch.Tensor],
-        v_cache: Sequence[torch.Tensor],
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, x: torch.Tensor, spans: Sequence[CacheSpan], cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
-        """x [T, H] (in place); the tokens sit at positions start..start+T-1, their keys and
-        values go into k_cache[l], v_cache[l] [>= start + T, Hkv, D] `CACHE_DTYPE`; cos, sin
-        [T, D/2] float32 (`layers.rope_tables`)."""
+        """x [T, H] (in place): the spans' tokens in order (their lengths sum to T); cos, sin
+        [T, D/2] float32 at each token's position (`layers.rope_tables`)."""
         s = self.shape
-        t = check_step(x, k_cache, v_cache, start, cos, sin, s.hidden, s.n_kv_heads, s.head_dim,
-                       len(self.layers))  # fmt: skip
-        kp = np.array([c.data_ptr() for c in k_cache], dtype=np.uint64)
-        vp = np.array([c.data_ptr() for c in v_cache], dtype=np.uint64)
-        threads = self.team.pick(t)
+        a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, len(self.layers))
+        pos, seq, kp, vp = a.pointers()
+        threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
-        rc = self._fn(x.data_ptr(), t, start, ctypes.addressof(self._c_layers), len(self.layers),
-                      ctypes.byref(self._dims), kp.ctypes.data, vp.ctypes.data, cos.data_ptr(),
+        rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers),
+                      len(self.layers), ctypes.byref(self._dims), kp, vp, cos.data_ptr(),
                       sin.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
-        self.team.record(t, threads, time.perf_counter() - t0)
+        self.team.record(a.tokens, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "dense layers")
 
 
 def check_step(
     x: torch.Tensor,
-    k_cache: Sequence[torch.Tensor],
-    v_cache: Sequence[torch.Tensor],
-    start: int,
+    spans: Sequence[CacheSpan],
     cos: torch.Tensor,
     sin: torch.Tensor,
     hidden: int,
     n_kv_heads: int,
     head_dim: int,
     n_layers: int,
-) -> int:
-    """A layers call's tensors checked (x [T, hidden] float32, the caches, RoPE's tables); T."""
+) -> StepArgs:
+    """A layers call's tensors checked (x [T, hidden] float32, each span's caches, RoPE's
+    tables) and its per-token arrays."""
     _check(x, "x", torch.float32, 2)
     t = x.shape[0]
     if x.shape[1] != hidden:
@@ -152,11 +169,25 @@ def check_step(
         _check(tab, name, torch.float32, 2)
         if tuple(tab.shape) != (t, head_dim // 2):
             raise ValueError(f"{name} must be [{t}, {head_dim // 2}], got {tuple(tab.shape)}")
-    if len(k_cache) != n_layers or len(v_cache) != n_layers:
-        raise ValueError(f"{len(k_cache)} and {len(v_cache)} cache layers for {n_layers} layers")
-    for c in (*k_cache, *v_cache):
-        _check(c, "cache", CACHE_DTYPE, 3)
-        if c.shape[0] < start + t or tuple(c.shape[1:]) != (n_kv_heads, head_dim):
-            raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold {start + t} "
-                             f"positions of [{n_kv_heads}, {head_dim}]")  # fmt: skip
-    return t
+    if not spans or sum(sp.length for sp in spans) != t:
+        raise ValueError(f"the spans hold {sum(sp.length for sp in spans)} tokens, x {t}")
+    seen: set[int] = set()
+    for sp in spans:
+        if sp.start < 0 or sp.length < 1:
+            raise ValueError(f"a span starts at {sp.start} with {sp.length} tokens")
+        if len(sp.k) != n_layers or len(sp.v) != n_layers:
+            raise ValueError(f"{len(sp.k)} and {len(sp.v)} cache layers for {n_layers} layers")
+        for c in (*sp.k, *sp.v):
+            _check(c, "cache", CACHE_DTYPE, 3)
+            if c.shape[0] < sp.start + sp.length or tuple(c.shape[1:]) != (n_kv_heads, head_dim):
+                raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold "
+                                 f"{sp.start + sp.length} positions of [{n_kv_heads}, "
+                                 f"{head_dim}]")  # fmt: skip
+            if c.data_ptr() in seen:
+                raise ValueError("two spans or layers of one call share a cache")
+            seen.add(c.data_ptr())
+    pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
+    seq = np.repeat(np.arange(len(spans), dtype=np.int32), [sp.length for sp in spans])
+    k = np.array([c.data_ptr() for sp in spans for c in sp.k], dtype=np.uint64)
+    v = np.array([c.data_ptr() for sp in spans for c in sp.v], dtype=np.uint64)
+    return StepArgs(t, pos.astype(np.int64), seq, k, v)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu_dense import MAX_HEAD_DIM, check_step
+from kernels.cpu_dense import MAX_HEAD_DIM, CacheSpan, check_step
 from kernels.cpu_experts import CpuExperts, _check
 from kernels.cpu_team import TeamSize
 from kernels.quant import QType
@@ -125,30 +125,22 @@ class MoEStack:
         self._tables_in_use: dict[int, np.ndarray] = {}  # place_experts'; kept alive here
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        k_cache: Sequence[torch.Tensor],
-        v_cache: Sequence[torch.Tensor],
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, x: torch.Tensor, spans: Sequence[CacheSpan], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, H] (in place), the caches and tables as `DenseStack`'s; the experts each token
+        """x [T, H] (in place), the spans and tables as `DenseStack`'s; the experts each token
         was routed to, [layers, T, top_k] int64 (largest weight first)."""
         s, n = self.shape, len(self.layers)
         if any(not c.w[5] and not c.experts for c in self._c_layers):
             raise ValueError("a layer without expert stacks needs place_experts before a call")
-        t = check_step(x, k_cache, v_cache, start, cos, sin, s.hidden, s.n_kv_heads, s.head_dim,
-                       n)  # fmt: skip
-        kp = np.array([c.data_ptr() for c in k_cache], dtype=np.uint64)
-        vp = np.array([c.data_ptr() for c in v_cache], dtype=np.uint64)
-        ids = torch.empty((n, t, s.top_k), dtype=torch.int32)
-        threads = self.team.pick(t)
+        a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, n)
+        pos, seq, kp, vp = a.pointers()
+        ids = torch.empty((n, a.tokens, s.top_k), dtype=torch.int32)
+        threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
-        rc = self._fn(x.data_ptr(), t, start, ctypes.addressof(self._c_layers), n,
-                      ctypes.byref(self._dims), kp.ctypes.data, vp.ctypes.data, cos.data_ptr(),
-                      sin.data_ptr(), ids.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
-        self.team.record(t, threads, time.perf_counter() - t0)
+        rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers), n,
+                      ctypes.byref(self._dims), kp, vp, cos.data_ptr(), sin.data_ptr(),
+                      ids.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
+        self.team.record(a.tokens, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "MoE layers")
         return ids.long()
 

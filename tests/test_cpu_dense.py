@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_dense import PROJECTIONS, DenseLayer, DenseShape, DenseStack
+from kernels.cpu_dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, DenseStack
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_team import PROBE_EVERY, TeamSize
 from kernels.quant import QType
@@ -110,7 +110,7 @@ def test_dense_stack_matches_torch(kernels: CpuExperts, qtype: QType, t: int, st
     x, kc, vc, cos, sin = _inputs(t, start, 2)
     ref_kc, ref_vc = [c.clone() for c in kc], [c.clone() for c in vc]
     want = _reference(x.clone(), floats, ref_kc, ref_vc, start, cos, sin, qtype)
-    stack(x, kc, vc, start, cos, sin)
+    stack(x, [CacheSpan(kc, vc, start, t)], cos, sin)
     tol = TOL[qtype] * want.abs().max()
     assert (x - want).abs().max() <= tol
     for got_c, want_c in zip(kc + vc, ref_kc + ref_vc, strict=True):
@@ -122,12 +122,33 @@ def test_chunks_and_threads_give_the_same_bits(kernels: CpuExperts) -> None:
     layers, _ = _layers(QType.Q4_1, 2, bias=True)
     x, kc, vc, cos, sin = _inputs(7, 0, 2)
     whole = x.clone()
-    DenseStack(kernels, SHAPE, layers)(whole, kc, vc, 0, cos, sin)
+    DenseStack(kernels, SHAPE, layers)(whole, [CacheSpan(kc, vc, 0, 7)], cos, sin)
     one = DenseStack(CpuExperts(threads=1, native=kernels.native), SHAPE, layers)
     parts = [x[:3].clone(), x[3:].clone()]
-    one(parts[0], kc, vc, 0, cos[:3].contiguous(), sin[:3].contiguous())
-    one(parts[1], kc, vc, 3, cos[3:].contiguous(), sin[3:].contiguous())
+    one(parts[0], [CacheSpan(kc, vc, 0, 3)], cos[:3].contiguous(), sin[:3].contiguous())
+    one(parts[1], [CacheSpan(kc, vc, 3, 4)], cos[3:].contiguous(), sin[3:].contiguous())
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_a_batch_gives_each_sequence_its_bits_alone(kernels: CpuExperts) -> None:
+    # three sequences in one call (a prompt chunk after 2 cached tokens, a decode token at 5,
+    # a first prompt chunk) against each alone: the same hidden rows and caches, bit for bit
+    layers, _ = _layers(QType.Q4_1, 2, bias=True)
+    stack = DenseStack(kernels, SHAPE, layers)
+    spans = [(2, 4), (5, 1), (0, 3)]
+    inputs = [_inputs(t, start, 2) for start, t in spans]
+    alone = []
+    for (start, t), (x, kc, vc, cos, sin) in zip(spans, inputs, strict=True):
+        kc, vc, x = [c.clone() for c in kc], [c.clone() for c in vc], x.clone()
+        stack(x, [CacheSpan(kc, vc, start, t)], cos, sin)
+        alone.append((x, kc, vc))
+    x = torch.cat([i[0] for i in inputs])
+    cos, sin = (torch.cat([i[k] for i in inputs]) for k in (3, 4))
+    stack(x, [CacheSpan(i[1], i[2], start, t) for (start, t), i in zip(spans, inputs, strict=True)],
+          cos, sin)  # fmt: skip
+    assert torch.equal(x, torch.cat([a[0] for a in alone]))
+    for i, a in zip(inputs, alone, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(i[1] + i[2], a[1] + a[2], strict=True))
 
 
 def test_bad_inputs_are_refused(kernels: CpuExperts) -> None:
@@ -135,11 +156,15 @@ def test_bad_inputs_are_refused(kernels: CpuExperts) -> None:
     stack = DenseStack(kernels, SHAPE, layers)
     x, kc, vc, cos, sin = _inputs(2, 0, 1)
     with pytest.raises(ValueError, match="x must be"):
-        stack(x[:, :64].contiguous(), kc, vc, 0, cos, sin)
+        stack(x[:, :64].contiguous(), [CacheSpan(kc, vc, 0, 2)], cos, sin)
     with pytest.raises(ValueError, match="cannot hold"):
-        stack(x, kc, vc, 3, cos, sin)
+        stack(x, [CacheSpan(kc, vc, 3, 2)], cos, sin)
     with pytest.raises(ValueError, match="cache layers"):
-        stack(x, kc + kc, vc, 0, cos, sin)
+        stack(x, [CacheSpan(kc + kc, vc, 0, 2)], cos, sin)
+    with pytest.raises(ValueError, match="spans hold 3 tokens, x 2"):
+        stack(x, [CacheSpan(kc, vc, 0, 3)], cos, sin)
+    with pytest.raises(ValueError, match="share a cache"):
+        stack(x, [CacheSpan(kc, vc, 0, 1), CacheSpan(kc, vc, 1, 1)], cos, sin)
     bad = DenseLayer(layers[0].attn_norm, layers[0].ffn_norm, layers[0].weights[1:] * 2,
                      layers[0].biases)  # fmt: skip
     with pytest.raises(ValueError, match="holds"):

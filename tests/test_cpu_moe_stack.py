@@ -14,9 +14,11 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.cpu_dense import CacheSpan
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_moe_stack import MoEStack
 from kernels.quant import QType
+from stratad.engine.batch import Seq
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.weights_mode import QuantWeights
 from stratad.model.loader import load_model
@@ -75,6 +77,32 @@ def test_chunks_and_threads_give_the_same_bits(tiny_moe: Model, kernels: CpuExpe
     assert torch.equal(one(prompt[9:], cache)[-1], whole)
 
 
+def test_a_batch_gives_each_sequence_its_bits_alone(tiny_moe: Model, kernels: CpuExperts) -> None:
+    """`step` over three sequences (a decode token after a prompt, a second prompt chunk, a
+    first prompt whose every logit is asked for) in one call: each sequence's logits and cache
+    the bits of it alone, and the same routing counts."""
+    fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    alone = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
+    firsts = [list(range(5, 12)), list(range(30, 34)), []]
+    nexts = [[9], list(range(50, 56)), list(range(60, 65))]
+    caches = {f: [f.new_cache(16) for _ in firsts] for f in (fast, alone)}
+    for f in (fast, alone):
+        for c, tokens in zip(caches[f], firsts, strict=True):
+            if tokens:
+                f(tokens, c)
+    pairs = enumerate(zip(caches[fast], nexts, strict=True))
+    batch = [Seq(c, n, all_logits=i == 2) for i, (c, n) in pairs]
+    got = fast.step(batch)
+    for i, (c, n) in enumerate(zip(caches[alone], nexts, strict=True)):
+        want = alone(n, c, all_logits=i == 2)
+        assert torch.equal(got[i], want)
+        mine = caches[fast][i]
+        assert mine.length == c.length and mine.tokens == c.tokens
+        assert all(torch.equal(a, b) for a, b in zip(mine.k + mine.v, c.k + c.v, strict=True))
+    assert [g.shape[0] for g in got] == [1, 1, 5]
+    assert torch.equal(fast.route_counts, alone.route_counts)
+
+
 def test_the_portable_kernels_agree(tiny_moe: Model, kernels: CpuExperts) -> None:
     prompt = list(range(7, 17))
     fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
@@ -91,9 +119,9 @@ def test_bad_inputs_are_refused(tiny_moe: Model, kernels: CpuExperts) -> None:
     x = torch.zeros(2, tiny_moe.spec.hidden)
     cos = torch.zeros(2, tiny_moe.spec.head_dim // 2)
     with pytest.raises(ValueError, match="x must be"):
-        stack(x[:, :32].contiguous(), cache.k, cache.v, 0, cos, cos)
+        stack(x[:, :32].contiguous(), [CacheSpan(cache.k, cache.v, 0, 2)], cos, cos)
     with pytest.raises(ValueError, match="cannot hold"):
-        stack(x, cache.k, cache.v, 3, cos, cos)
+        stack(x, [CacheSpan(cache.k, cache.v, 3, 2)], cos, cos)
     layer = stack.layers[0]
     swapped = dataclasses.replace(layer, weights=layer.weights[1:2] + layer.weights[1:])
     with pytest.raises(ValueError, match="holds"):  # k's blocks where q's belong

@@ -6,6 +6,11 @@
  * Every phase is split over the team, whose threads meet at spin barriers between phases
  * (team.h); a token's attention is the same loop over its keys whatever the other tokens of
  * the call, so results depend neither on how a prompt is chunked nor on the thread count.
+ *
+ * A call's tokens may belong to several sequences (the engine's batch: each running request's
+ * next tokens): token t sits at position pos[t] of sequence seq[t], whose layer-l keys and
+ * values are k_cache[seq[t] L + l], v_cache[seq[t] L + l]. The products read each weight row
+ * once for every token of the call; only attention looks at a token's own sequence.
  */
 #include "team.h"
 #include "attend.h"
@@ -27,11 +32,14 @@ typedef struct { /* one layer's attention weights */
 
 typedef struct { /* a call's state, shared by the team */
     attn_dims_t dm;
-    int64_t T, start;
+    int64_t T, L;             /* tokens, layers */
+    const int64_t *pos;       /* [T] each token's position in its sequence */
+    const int32_t *seq;       /* [T] its sequence: its caches are [seq L .. seq L + L) */
+    int64_t span;             /* the most keys a token attends: max pos + 1 */
     float *x;                 /* [T, H] the residual stream */
     float *h, *tmp;           /* [T, H]: x normed; the o product */
     float *qkv, *att;         /* [T, Hq D + 2 Hkv D], [T, Hq D] */
-    float *scores;            /* [threads, start + T] */
+    float *scores;            /* [threads, span] */
     acts_t xa, aa;            /* int8 copies of h and att */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
@@ -72,14 +80,19 @@ static int attn_mats(mat_t *m, const attn_weights_t *w, const attn_dims_t *dm) {
     return err;
 }
 
-/* allocate s's buffers for T tokens after `start` on `threads` threads (x, the caches, the
- * tables and dm set by the caller); 0 or -3 */
+/* allocate s's buffers for its T tokens on `threads` threads (x, pos, seq, the caches, the
+ * tables and dm set by the caller); 0, -2 for a negative position, or -3 */
 static int attn_alloc(attn_step_t *s, int threads) {
     const int64_t T = s->T, H = s->dm.hidden, D = s->dm.head_dim;
     const int64_t QD = s->dm.n_heads * D, W = QD + 2 * s->dm.n_kv_heads * D;
+    s->span = 1;
+    for (int64_t t = 0; t < T; t++) {
+        if (s->pos[t] < 0 || s->seq[t] < 0) return -2;
+        if (s->pos[t] + 1 > s->span) s->span = s->pos[t] + 1;
+    }
 #define FLOATS(n) malloc(sizeof(float) * (size_t)(n))
     s->h = FLOATS(T * H), s->tmp = FLOATS(T * H), s->qkv = FLOATS(T * W);
-    s->att = FLOATS(T * QD), s->scores = FLOATS(threads * (s->start + T));
+    s->att = FLOATS(T * QD), s->scores = FLOATS(threads * s->span);
 #undef FLOATS
     s->vec = malloc(sizeof(int64_t) * (size_t)T);
     s->outs = malloc(sizeof(float *) * (size_t)(4 * T));
@@ -121,8 +134,8 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
     if (hn) rms_norm(v, hn, D, dm->eps, v);
     if (which < 2) rope(v, s->cos_t + t * D / 2, s->sin_t + t * D / 2, D, dm->rope_interleaved);
     if (which) {
-        uint16_t *dst = (which == 1 ? s->k_cache : s->v_cache)[l];
-        dst += ((s->start + t) * nkv + (j - nh) % nkv) * D;
+        uint16_t *dst = (which == 1 ? s->k_cache : s->v_cache)[s->seq[t] * s->L + l];
+        dst += (s->pos[t] * nkv + (j - nh) % nkv) * D;
         for (int64_t e = 0; e < D; e++) dst[e] = to_f16(v[e]);
     }
 }
@@ -133,7 +146,7 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
                         int *sense, int me) {
     const attn_dims_t *dm = &s->dm;
     const int64_t T = s->T, H = dm->hidden, D = dm->head_dim, nh = dm->n_heads;
-    const int64_t nkv = dm->n_kv_heads, QD = nh * D, W = QD + 2 * nkv * D, S = s->start + T;
+    const int64_t nkv = dm->n_kv_heads, QD = nh * D, W = QD + 2 * nkv * D, S = s->span;
     float **const qkv_outs[3] = {s->outs, s->outs + T, s->outs + 2 * T};
     float **const o_outs[1] = {s->outs + 3 * T};
 #pragma omp for schedule(static) nowait
@@ -150,9 +163,9 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(dynamic) nowait
     for (int64_t i = 0; i < T * nh; i++) {
-        int64_t t = i / nh, hd = i % nh, kv = hd / (nh / nkv);
-        attend(s->qkv + t * W + hd * D, s->k_cache[l] + kv * D, s->v_cache[l] + kv * D,
-               s->start + t + 1, nkv * D, D, s->scores + me * S, s->att + t * QD + hd * D);
+        int64_t t = i / nh, hd = i % nh, kv = hd / (nh / nkv), c = s->seq[t] * s->L + l;
+        attend(s->qkv + t * W + hd * D, s->k_cache[c] + kv * D, s->v_cache[c] + kv * D,
+               s->pos[t] + 1, nkv * D, D, s->scores + me * S, s->att + t * QD + hd * D);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait

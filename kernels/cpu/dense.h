@@ -17,7 +17,8 @@
  * quantized; down rows; residual. Many tokens (a prompt) go through every phase together, so a
  * weight row is read once for up to VEC_TILE of them. A token's attention is the same loop
  * over its keys whatever the other tokens of the call: results do not depend on how a prompt
- * is chunked, nor on the thread count (every value is computed by one thread in one order).
+ * is chunked, nor on the thread count (every value is computed by one thread in one order),
+ * nor on which other sequences' tokens share the call (a batch: attn_layer.h).
  */
 
 typedef struct {                /* one layer, as kernels/cpu_dense.py's _Layer mirrors it */
@@ -34,18 +35,19 @@ typedef struct {                /* the shapes, as kernels/cpu_dense.py's _Dims m
     float eps;
 } dense_dims_t;
 
-/* x [T, H] (the residual stream, updated in place) through n_layers layers for the tokens at
- * positions start .. start + T - 1; k_cache[l], v_cache[l]: layer l's [>= start + T, Hkv, D]
- * halves; cos/sin [T, D / 2]. Returns 0 or an error as strata_matmul. */
-int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t *layers,
-                        int64_t n_layers, const dense_dims_t *dm, uint16_t *const *k_cache,
-                        uint16_t *const *v_cache, const float *cos_t, const float *sin_t,
-                        int threads, const uint8_t *tab) {
+/* x [T, H] (the residual stream, updated in place) through n_layers layers; token t at
+ * position pos[t] of sequence seq[t], whose layer l keys and values are k_cache[seq[t] n_layers
+ * + l], v_cache[...]: [> pos[t], Hkv, D] halves; cos/sin [T, D / 2] at each token's position.
+ * Returns 0 or an error as strata_matmul. */
+int strata_dense_layers(float *x, int64_t T, const int64_t *pos, const int32_t *seq,
+                        const dense_layer_t *layers, int64_t n_layers, const dense_dims_t *dm,
+                        uint16_t *const *k_cache, uint16_t *const *v_cache, const float *cos_t,
+                        const float *sin_t, int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, F = dm->ffn;
-    attn_step_t s = {{H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
-                      dm->eps},
-                     T, start, x};
-    s.k_cache = k_cache, s.v_cache = v_cache, s.cos_t = cos_t, s.sin_t = sin_t, s.tab = tab;
+    attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
+                            dm->eps},
+                     .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
+                     .v_cache = v_cache, .cos_t = cos_t, .sin_t = sin_t, .tab = tab};
     attn_weights_t aw[n_layers > 0 ? n_layers : 1];
     mat_t mats[7];
     int err = 0;
@@ -65,8 +67,8 @@ int strata_dense_layers(float *x, int64_t T, int64_t start, const dense_layer_t 
     float **outs = malloc(sizeof(float *) * (size_t)(3 * T));
     acts_t ga;
     int bad = acts_alloc(&ga, T, F, gu, 2 * F, tab);
-    if (attn_alloc(&s, threads) || bad || !gu || !outs) {
-        err = -3;
+    if ((err = attn_alloc(&s, threads)) || bad || !gu || !outs) {
+        err = err ? err : -3;
         goto done;
     }
     for (int64_t t = 0; t < T; t++) {

@@ -176,19 +176,20 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t
     spin_barrier(&s->bar, sense);
 }
 
-/* x [T, H] (in place) through n_layers MoE layers for the tokens at positions start ..
- * start + T - 1; caches and tables as strata_dense_layers; ids [n_layers, T, K]: the experts
- * each token was routed to (the engine's routing counts). Returns 0 or an error as
- * strata_matmul. */
-int strata_moe_layers(float *x, int64_t T, int64_t start, const moe_layer_t *layers,
-                      int64_t n_layers, const moe_dims_t *dm, uint16_t *const *k_cache,
-                      uint16_t *const *v_cache, const float *cos_t, const float *sin_t,
-                      int32_t *ids, int threads, const uint8_t *tab) {
+/* x [T, H] (in place) through n_layers MoE layers; positions, sequences, caches and tables
+ * as strata_dense_layers (a batch's tokens share the products: a routed expert's rows are read
+ * once for every token of the call routed to it); ids [n_layers, T, K]: the experts each token
+ * was routed to (the engine's routing counts). Returns 0 or an error as strata_matmul. */
+int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *seq,
+                      const moe_layer_t *layers, int64_t n_layers, const moe_dims_t *dm,
+                      uint16_t *const *k_cache, uint16_t *const *v_cache, const float *cos_t,
+                      const float *sin_t, int32_t *ids, int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, E = dm->n_experts, F = dm->ffn, K = dm->top_k;
-    attn_step_t s = {{H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
-                      dm->eps},
-                     T, start, x, NULL, NULL, NULL, NULL, NULL, {0}, {0}, NULL, NULL,
-                     k_cache, v_cache, cos_t, sin_t, tab, {0, 0, 0, 1}};
+    attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
+                            dm->eps},
+                     .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
+                     .v_cache = v_cache, .cos_t = cos_t, .sin_t = sin_t, .tab = tab,
+                     .bar = {0, 0, 0, 1}};
     route_t r = {E, K, F, T * K, 0};
     attn_weights_t aw[n_layers > 0 ? n_layers : 1];
     mat_t mats[8];
@@ -205,8 +206,8 @@ int strata_moe_layers(float *x, int64_t T, int64_t start, const moe_layer_t *lay
     }
     if (err || dm->head_dim > MAX_HEAD_DIM) return err ? err : -2;
     if (threads < 1) threads = 1;
-    if (attn_alloc(&s, threads) || route_alloc(&r, T, H, tab)) {
-        err = -3;
+    if ((err = attn_alloc(&s, threads)) || route_alloc(&r, T, H, tab)) {
+        err = err ? err : -3;
         goto done;
     }
 #pragma omp parallel num_threads(threads)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_dense import CACHE_DTYPE
+from kernels.cpu_dense import CACHE_DTYPE, CacheSpan
 from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
@@ -109,7 +109,8 @@ def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
 
 
 class ReferenceForward:
-    """Computes logits for new tokens of one sequence, appending to its KV cache."""
+    """Computes logits for new tokens of a sequence (`__call__`) or of a batch (`step`),
+    appending to their KV caches."""
 
     def __init__(
         self,
@@ -154,28 +155,61 @@ class ReferenceForward:
         return KVCache.allocate(self.spec, max_len, self.device, dtype)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        """A batch, one sequence after another: the reference defines each sequence alone."""
+        """A batch: each sequence's logits as `__call__` gives them. The reference defines
+        each sequence alone and runs them one after another; the one-call layers of the cpu
+        engine take the whole batch in one call (every weight read once for all its tokens),
+        each sequence's results bit for bit those of it alone."""
         check_batch(seqs)
-        return [self(s.tokens, s.cache, s.all_logits) for s in seqs]
+        if self.stack is not None:
+            return self._stacked(seqs)
+        return [self._alone(s.tokens, s.cache, s.all_logits) for s in seqs]
 
-    @torch.inference_mode()
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, V] for every new token (or [1, V] for the last one)."""
+        if cache.length + len(tokens) > cache.capacity:
+            raise ValueError(
+                f"{cache.length + len(tokens)} tokens exceed the KV cache of {cache.capacity}"
+            )
+        if self.stack is not None:
+            return self._stacked([Seq(cache, tokens, all_logits)])[0]
+        return self._alone(tokens, cache, all_logits)
+
+    @torch.inference_mode()
+    def _stacked(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        """`step` through the one-call layers: every sequence's new tokens in one call."""
+        assert self.stack is not None
+        spec, stage = self.spec, self.timer.stage
+        spans = [CacheSpan(s.cache.k, s.cache.v, s.cache.length, len(s.tokens)) for s in seqs]
+        positions = torch.cat([torch.arange(sp.start, sp.start + sp.length) for sp in spans])
+        x = self.embed(torch.tensor([t for s in seqs for t in s.tokens], device=self.device))
+        x = x.to(self.dtype).contiguous()  # [T, H]
+        cos, sin = rope_tables(spec, positions, self.device)
+        with stage("layers"):
+            routed = self.stack(x, spans, cos, sin)
+        if routed is not None:  # [layers, T, k]: the MoE stack's experts per token
+            flat = routed.reshape(spec.n_layers, -1)
+            self.route_counts.scatter_add_(1, flat, torch.ones_like(flat))
+        rows: list[int] = []  # the rows whose logits each sequence asks for, in order
+        at = 0
+        for s in seqs:
+            n = len(s.tokens)
+            rows.extend(range(at, at + n) if s.all_logits else (at + n - 1,))
+            at += n
+            s.cache.length += n
+            s.cache.tokens.extend(s.tokens)
+        with stage("head"):
+            logits = self.lm_head(rms_norm(x[rows], self.norm, spec.rms_eps)).float()
+        return list(logits.split([len(s.tokens) if s.all_logits else 1 for s in seqs]))
+
+    @torch.inference_mode()
+    def _alone(self, tokens: list[int], cache: KVCache, all_logits: bool) -> torch.Tensor:
+        """One sequence, layer by layer."""
         spec, start, t = self.spec, cache.length, len(tokens)
-        if start + t > cache.capacity:
-            raise ValueError(f"{start + t} tokens exceed the KV cache of {cache.capacity}")
         ids = torch.tensor(tokens, device=self.device)
         x = self.embed(ids).to(self.dtype)  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
         stage = self.timer.stage
-        if self.stack is not None:
-            with stage("layers"):
-                x = x.contiguous()
-                routed = self.stack(x, cache.k, cache.v, start, cos, sin)
-            if routed is not None:  # [layers, T, k]: the MoE stack's experts per token
-                flat = routed.reshape(spec.n_layers, -1)
-                self.route_counts.scatter_add_(1, flat, torch.ones_like(flat))
-        for i, layer in enumerate(self.layers if self.stack is None else ()):
+        for i, layer in enumerate(self.layers):
             with stage("attention"):
                 x = x + self._attention(
                     i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels.cpu_dense import CacheSpan
 from kernels.cpu_moe_stack import MoEStack
 from stratad.engine.store_moe import ExpertProvider
 
@@ -57,18 +58,12 @@ class StoreStack:
         return True
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        k_cache: Sequence[torch.Tensor],
-        v_cache: Sequence[torch.Tensor],
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, x: torch.Tensor, spans: Sequence[CacheSpan], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """`MoEStack.__call__`; then each layer's distinct routed experts counted by tier."""
         if not self._refresh():
             raise RuntimeError("the expert store can no longer address every expert in place")
-        routed = self.stack(x, k_cache, v_cache, start, cos, sin)
+        routed = self.stack(x, spans, cos, sin)
         for layer, ids in enumerate(routed):
             used = sorted(set(ids.flatten().tolist()))
             tiers = self._tiers[layer]
