@@ -5,7 +5,7 @@ same run, each in a process of its own so that each one's resident memory is its
     python -m bench.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
                              [--repeats 3] [--threads N] [--reference] [--json PATH]
                              [--store-ram-gib G] [--memory-limit-gib L]
-                             [--llamacpp-repack on|off]
+                             [--llamacpp-repack on|off] [--batch B]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
 spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
@@ -24,6 +24,12 @@ a model larger than L is read from the disk again wherever the kernel dropped it
 `--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
 default it copies them into its own interleaved layout for the CPU's vector units, which
 needs RAM for the whole model.
+
+`--batch B` serves B clients at once: B prompts (different tokens) prefilled in one step, then
+B sequences decoded together, one token each per step, as the daemon steps its running
+requests (Strata: `forward.step`, one kernel call a step for all of them; llama.cpp: one
+`llama_decode` over B sequence ids, as llama-server's parallel slots). Tokens/s are the sum
+over the B sequences.
 """
 
 from __future__ import annotations
@@ -54,14 +60,15 @@ def _rss() -> dict[str, int]:
             kib["RssFile"], "peak_rss_bytes": peak}  # fmt: skip
 
 
-def _prompt(n: int, vocab: int) -> list[int]:
-    return [(1000 + 7919 * i) % vocab for i in range(n)]
+def _prompt(n: int, vocab: int, seq: int = 0) -> list[int]:
+    return [(1000 + 7919 * i + 104729 * seq) % vocab for i in range(n)]
 
 
 def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     import torch
 
     from kernels.cpu_experts import CpuExperts
+    from stratad.engine.batch import Seq
     from stratad.engine.forward import ReferenceForward
     from stratad.engine.weights_mode import QuantWeights
     from stratad.model.loader import load_model
@@ -72,17 +79,19 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     weights = None if reference else QuantWeights(CpuExperts(args.threads))
     store = _store(model, args.store_ram_gib) if args.engine == "store" else None
     forward = ReferenceForward(model, weights=weights, experts=store)
-    prompt = _prompt(args.prompt_len, model.spec.vocab_size)
+    prompts = [_prompt(args.prompt_len, model.spec.vocab_size, b) for b in range(args.batch)]
     prefill, decode = [], []
     for _ in range(args.repeats):
-        cache = forward.new_cache(args.prompt_len + args.decode_tokens + 1)
+        # the batch's sequences stepped together, as the daemon steps its running requests
+        caches = [forward.new_cache(args.prompt_len + args.decode_tokens + 1) for _ in prompts]
         t0 = time.perf_counter()
-        logits = forward(prompt, cache)[-1]
-        prefill.append(args.prompt_len / (time.perf_counter() - t0))
+        logits = forward.step([Seq(c, p) for c, p in zip(caches, prompts, strict=True)])
+        prefill.append(args.batch * args.prompt_len / (time.perf_counter() - t0))
         t0 = time.perf_counter()
         for _ in range(args.decode_tokens):
-            logits = forward([int(logits.argmax())], cache)[-1]
-        decode.append(args.decode_tokens / (time.perf_counter() - t0))
+            nexts = [[int(lg[-1].argmax())] for lg in logits]
+            logits = forward.step([Seq(c, n) for c, n in zip(caches, nexts, strict=True)])
+        decode.append(args.batch * args.decode_tokens / (time.perf_counter() - t0))
     stats = {} if store is None else {"store": msgspec.to_builtins(store.stats())}
     return {"prefill_tps": prefill, "decode_tps": decode, "weights": forward.mode.name,
             **stats, **_rss()}  # fmt: skip
@@ -108,6 +117,8 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp.llama_cpp as raw
     from llama_cpp import Llama
 
+    if args.batch > 1:
+        return _llamacpp_batch(args)
     if args.llamacpp_repack == "off":  # llama-cli's --no-repack: Llama() has no argument for it
         default = raw.llama_model_default_params
 
@@ -134,12 +145,63 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     return {"prefill_tps": prefill, "decode_tps": decode, **_rss()}
 
 
+def _llamacpp_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """llama.cpp with `--batch` sequences decoded together (as llama-server's parallel slots
+    run them): one `llama_decode` a step over every sequence's token, each its own sequence id
+    in a unified KV cache; the prompts in one call. Greedy, as `run_llamacpp`."""
+    import llama_cpp.llama_cpp as raw
+    import numpy as np
+
+    raw.llama_backend_init()
+    mp = raw.llama_model_default_params()
+    mp.n_gpu_layers, mp.use_extra_bufts = 0, args.llamacpp_repack == "on"
+    model = raw.llama_model_load_from_file(str(args.model).encode(), mp)
+    n_vocab = raw.llama_vocab_n_tokens(raw.llama_model_get_vocab(model))
+    b, n = args.batch, args.prompt_len
+    cp = raw.llama_context_default_params()
+    cp.n_ctx = b * (n + args.decode_tokens + 16)
+    cp.n_batch, cp.n_seq_max, cp.kv_unified = b * n, b, True
+    cp.n_threads = cp.n_threads_batch = args.threads
+    ctx = raw.llama_init_from_model(model, cp)
+    batch = raw.llama_batch_init(b * n, 0, 1)
+    prompts = [_prompt(n, n_vocab, i) for i in range(b)]
+
+    def decode_items(items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """(token, position, sequence, wants logits) in one call; each wanted row's argmax."""
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, wants) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, wants
+        if raw.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return [int(np.ctypeslib.as_array(raw.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax())
+                for i, item in enumerate(items) if item[3]]  # fmt: skip
+
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        raw.llama_memory_clear(raw.llama_get_memory(ctx), True)
+        t0 = time.perf_counter()
+        nexts = decode_items([(tok, p, s, p == n - 1) for s, prompt in enumerate(prompts)
+                              for p, tok in enumerate(prompt)])  # fmt: skip
+        prefill.append(b * n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        for step in range(args.decode_tokens):
+            nexts = decode_items([(tok, n + step, s, True) for s, tok in enumerate(nexts)])
+        decode.append(b * args.decode_tokens / (time.perf_counter() - t0))
+    result = {"prefill_tps": prefill, "decode_tps": decode, **_rss()}  # before the frees
+    raw.llama_batch_free(batch)
+    raw.llama_free(ctx)
+    raw.llama_model_free(model)
+    return result
+
+
 def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one engine in a fresh interpreter (in a memory cgroup of its own when limited);
     its JSON result, or its failure (e.g. killed at the memory limit) as {"failed": why}."""
     cmd = [sys.executable, "-m", "bench.cpu_only", "--engine", engine, "--model", str(args.model),
            "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
            "--repeats", str(args.repeats), "--threads", str(args.threads),
+           "--batch", str(args.batch),
            "--store-ram-gib", str(args.store_ram_gib), "--llamacpp-repack", args.llamacpp_repack,
            "--memory-limit-gib", str(args.memory_limit_gib),
            "--cgroup", f"strata-bench-{os.getpid()}-{engine}"]  # fmt: skip
@@ -190,6 +252,12 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoded together (several clients); figures are their sum",
+    )
     p.add_argument("--reference", action="store_true", help="also the torch reference engine")
     p.add_argument(
         "--store-ram-gib",
@@ -230,7 +298,7 @@ def main() -> None:
     engines += ["store"] if args.store_ram_gib >= 0 else []
     result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
               "threads": args.threads, "prompt_len": args.prompt_len,
-              "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+              "decode_tokens": args.decode_tokens, "repeats": args.repeats, "batch": args.batch,
               "memory_limit_gib": args.memory_limit_gib, "llamacpp_repack": args.llamacpp_repack,
               "engines": {}}  # fmt: skip
     for name in engines:
