@@ -11,17 +11,30 @@
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
  */
 
+/* 8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes xv: one VNNI
+ * instruction where the CPU has one (AVX512-VNNI with VL, or AVX-VNNI: recent Intel and AMD
+ * Zen 4 on), else maddubs then madd. The same integers either way: maddubs's int16 pair sums
+ * cannot saturate here, the activations being within +-127 (quantize_act) and every weight
+ * byte within 128 in magnitude (128 x 127 x 2 < 32767). */
+static inline __m256i dot_u8s8(__m256i u, __m256i xv) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xv);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+#endif
+}
+
 /* 8 int32 lanes of w . x for 32 int8 pairs; aw = |w|, so x takes w's sign */
 static inline __m256i dot32(__m256i aw, __m256i w, const int8_t *x) {
     __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return dot_u8s8(aw, _mm256_sign_epi8(xv, w));
 }
 
 /* the same with unsigned weights u (0..127): no sign juggling */
 static inline __m256i udot32(__m256i u, const int8_t *x) {
-    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+    return dot_u8s8(u, _mm256_loadu_si256((const __m256i *)x));
 }
 
 /* The 32-value block types, by kind: 0 Q4_0, 1 Q4_0 split, 2 Q8_0, 3 IQ4_NL, 4 Q4_1, 5 Q5_0,

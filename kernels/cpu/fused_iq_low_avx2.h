@@ -1,8 +1,8 @@
 /* AVX2 row dots for the low-bit i-quants (included by fused_avx2.h; layouts in
  * decode_iq_low.h). Per 32-value group: its grid points' magnitudes in one register, its
  * signs as +1/-1 bytes in another, applied to the activation (_mm256_sign_epi8) before the
- * unsigned-by-signed byte dot (maddubs, then madd into 8 int32 lanes), dotted with every
- * activation that uses the row.
+ * unsigned-by-signed byte dot (dot_u8s8: VNNI, or maddubs then madd, into 8 int32 lanes),
+ * dotted with every activation that uses the row.
  *
  * Lookup-bound, so as llama.cpp's AVX2 dots: per super-block, vector code turns the packed
  * fields into what the groups read with plain scalar loads (grid_prep: 16-bit grid indices,
@@ -187,8 +187,7 @@ static inline __attribute__((always_inline)) void grid_scales(int kind, const ui
 
 /* 8 int32 lanes of the group's dot with x: signs onto x, then |w| . x */
 static inline __m256i signed_dot32(__m256i u, __m256i s, const int8_t *x) {
-    __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), s);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+    return dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), s));
 }
 
 static inline __attribute__((always_inline)) void grid_rowdot_body(
