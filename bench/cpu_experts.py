@@ -121,11 +121,15 @@ def expert_rate(cpu: CpuExperts, fmt: CpuExpertFormat, blobs: list[torch.Tensor]
     token_ids = [t for t in range(tokens) for _ in range(TOP_K)]
     weights = [0.125] * per_call
 
+    if per_call > len(blobs):
+        raise ValueError(f"{tokens} tokens need {per_call} distinct experts, {len(blobs)} made")
+    starts = range(0, len(blobs) - per_call + 1, per_call)  # whole calls only
+
     def sweep() -> None:
-        for start in range(0, len(blobs), per_call):
+        for start in starts:
             cpu.moe(x, blobs[start : start + per_call], token_ids, weights, fmt, out)
 
-    return _rate(len(blobs) * fmt.nbytes, _timed(sweep))
+    return _rate(len(starts) * per_call * fmt.nbytes, _timed(sweep))
 
 
 def torch_rate(fmt: CpuExpertFormat, blobs: list[torch.Tensor], n: int = 8) -> dict[str, float]:
