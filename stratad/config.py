@@ -75,6 +75,11 @@ class ServerConfig(_Section, frozen=True):
     leaves. (/v1/completions defaults to 16, as OpenAI's does.)"""
     prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 128
     """Prompt tokens per prefill step; a cancelled request frees the engine within one."""
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    """Requests generated at once (as llama-server's --parallel): each step computes every
+    running request's next tokens in one batch, so N clients share each read of the weights.
+    Each holds a KV cache of the whole context (N times the memory of one); 1 serves one
+    request at a time, in arrival order."""
     conversation_cache_mib: Annotated[int, msgspec.Meta(ge=0)] = 512
     """Host memory for the KV of recent conversations (prefix reuse across requests)."""
     pinned_prefix_mib: Annotated[int, msgspec.Meta(ge=0)] = 256

@@ -47,6 +47,17 @@ socket = ""
 [engine]
 threads = 1
 """,
+    # several requests at once (tests/test_parallel.py)
+    "parallel": """
+[model]
+aliases = ["m"]
+[server]
+parallel = 3
+[control]
+socket = ""
+[engine]
+threads = 1
+""",
     # the fuzz test: a short context and short default completions keep each example fast
     "fuzz": """
 [model]

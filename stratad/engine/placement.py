@@ -139,7 +139,9 @@ def start_plan(
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
-            engine = offload_vram_bytes(spec, model.dense_values(), blob, size, max_context,
+            # a KV cache of the whole context per request served at once (server.parallel)
+            kv_tokens = max_context * config.server.parallel
+            engine = offload_vram_bytes(spec, model.dense_values(), blob, size, kv_tokens,
                                         prefetch, (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (
@@ -173,16 +175,17 @@ def offload_vram_bytes(
     dense_values: int,
     blob_bytes: int,
     dtype_bytes: int,
-    max_context: int,
+    kv_tokens: int,
     prefetch: bool,
     layer_share: float = 1.0,
 ) -> int:
     """What the offload engine allocates in VRAM besides its expert slots, for the share of
-    the layers one device runs: dense weights, the KV cache, the two prefill staging buffers
+    the layers one device runs: dense weights, the KV caches (`kv_tokens`: the context times
+    the requests served at once), the two prefill staging buffers
     (two layers of blobs in flight, one dequantized for the grouped GEMMs) and the decode
     fetch staging (top-k blobs, and two layers' guesses when prefetching)."""
     dense = layer_share * dense_values * dtype_bytes
-    kv = 2 * spec.n_layers * layer_share * max_context * spec.kv_dim * dtype_bytes
+    kv = 2 * spec.n_layers * layer_share * kv_tokens * spec.kv_dim * dtype_bytes
     fetched = (3 if prefetch else 1) * spec.n_experts_used * blob_bytes
     dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * dtype_bytes
     staging = 2 * spec.n_experts * blob_bytes + dequantized + fetched

@@ -120,6 +120,7 @@ class Engine:
                 else server.prefill_chunk
             ),
             prefix_store=self.prefixes,
+            parallel=server.parallel,
         )
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
@@ -265,21 +266,26 @@ class Engine:
             grammar=spec.grammar,
         )
         # one event per sampled token, the end-of-sequence token included
+        seq = self.generator.start(req)
+        events = self.generator.events(seq, cancelled)
         n = 0
-        for n, event in enumerate(self.generator.run(req, cancelled), start=1):
-            if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
-                computed = len(prepared.prompt) - self.generator.cached_tokens
-                log.info("prefill timing: %d tokens, %s", computed,
-                         stages_text(self.timer.collect()))  # fmt: skip
-                self.timer.reset()  # from here on: decode steps only
-            yield Delta(
-                text=event.text,
-                logprobs=self._logprobs(event),
-                finish_reason=event.finish_reason,
-                prompt_tokens=len(prepared.prompt),
-                completion_tokens=n,
-                cached_tokens=self.generator.cached_tokens,
-            )
+        try:
+            for n, event in enumerate(events, start=1):
+                if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
+                    computed = len(prepared.prompt) - seq.cached_tokens
+                    log.info("prefill timing: %d tokens, %s", computed,
+                             stages_text(self.timer.collect()))  # fmt: skip
+                    self.timer.reset()  # from here on: decode steps only
+                yield Delta(
+                    text=event.text,
+                    logprobs=self._logprobs(event),
+                    finish_reason=event.finish_reason,
+                    prompt_tokens=len(prepared.prompt),
+                    completion_tokens=n,
+                    cached_tokens=seq.cached_tokens,
+                )
+        finally:
+            events.close()  # its cache is free again, whatever ended the run
         if self.timer.enabled and n > 1:
             self._log_timing(n - 1)
 
@@ -330,12 +336,13 @@ class Engine:
             )
             for k, v in self.last_timing.items()
         ]
-        cache = self.generator.cache
+        held = sum(c.length for c in self.generator.caches)
+        room = self.max_context * len(self.generator.caches)
         kv: list[tuple[str, str, dict[str, str], float]] = [
-            ("strata:kv_cache_usage_perc", "share (0-1) of the KV cache's tokens in use",
-             {}, cache.length / max(self.max_context, 1)),
-            ("strata:kv_cache_tokens", "tokens whose KV the working cache holds", {},
-             float(cache.length)),
+            ("strata:kv_cache_usage_perc", "share (0-1) of the KV caches' tokens in use",
+             {}, held / max(room, 1)),
+            ("strata:kv_cache_tokens", "tokens whose KV the working caches hold", {},
+             float(held)),
         ]  # fmt: skip
         # the offload engine's misses computed on the CPU (engine.pcie_frac < 1), by stage
         stages = getattr(self.forward, "stages", [self.forward])

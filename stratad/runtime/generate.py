@@ -1,15 +1,21 @@
-"""One request at a time through the step loop, reusing the KV of known prefixes.
+"""Requests through the step loop, several at once, reusing the KV of known prefixes.
 
-`Generator.run` admits a request as a `Sequence` on the working cache, after loading the
-longest known prefix of its prompt (the working cache's own, or a snapshot in the
-`PrefixStore`), then steps the loop until the sequence stops. `cancelled()` is polled before
-every step (a prompt chunk or a decoded token), so a cancelled request frees the engine
-within one of either.
+`Generator.start` admits a request as a `Sequence` on one of its working caches (`parallel`
+of them), after loading the longest known prefix of its prompt (that cache's own, or a
+snapshot in the `PrefixStore`); `events` then yields that sequence's events until it stops.
+Every running sequence advances in the same `StepLoop.step` (one batched forward): asking one
+sequence for its next event steps the loop when that sequence has none waiting, and the
+events of the others wait in their own queues until their callers ask. So callers that take
+turns (the scheduler's engine thread, one event of each request in turn) share every step.
+`cancelled()` is polled before every step (a prompt chunk or a decoded token), so a cancelled
+request frees its cache within one of either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import collections
+import collections.abc
+from collections.abc import Callable
 
 from stratad.engine.kv import KVCache
 from stratad.engine.prefix import PrefixStore
@@ -18,9 +24,12 @@ from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.step import Forward, StepLoop
 
+# a request's events; closing it ends the request and frees its cache
+Events = collections.abc.Generator[GenerationEvent, None, None]
+
 
 class Generator:
-    """Runs requests one at a time on a forward pass, reusing the KV of known prefixes."""
+    """Runs requests on a forward pass, up to `parallel` at once, reusing known prefixes."""
 
     def __init__(
         self,
@@ -30,57 +39,119 @@ class Generator:
         *,
         prefill_chunk: int = 128,
         prefix_store: PrefixStore | None = None,
+        parallel: int = 1,
     ) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self.cache: KVCache = forward.new_cache(max_context)
+        self.caches: list[KVCache] = [forward.new_cache(max_context) for _ in range(parallel)]
         self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
-        self.cached_tokens = 0  # prompt tokens the last run reused instead of computing
-        self._scope = ""  # whose conversation the working cache holds
+        self._scopes = [""] * parallel  # whose conversation each working cache holds
+        self._used = [0] * parallel  # when each cache was last taken, for least-recently-used
+        self._taken = 0
+        self.cached_tokens = 0  # prompt tokens the last request started reused, not computed
+        self._owner: dict[int, Sequence] = {}  # cache index -> the sequence running on it
+        self._waiting: dict[Sequence, collections.deque[GenerationEvent]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         self.loop = StepLoop(forward, prefill_chunk, self.store, self.timer)
 
-    def _reuse(self, prompt: list[int], scope: str) -> int:
-        """Load the longest prefix of `prompt` known in `scope` into the cache; its length.
+    @property
+    def cache(self) -> KVCache:
+        """The first working cache (the only one with `parallel` 1)."""
+        return self.caches[0]
+
+    @property
+    def free(self) -> int:
+        """Working caches no running request holds."""
+        return len(self.caches) - len(self._owner)
+
+    def _pick(self, prompt: list[int], scope: str) -> int:
+        """A free cache: the one whose own conversation shares most of `prompt`, else the one
+        taken longest ago."""
+        free = [i for i in range(len(self.caches)) if i not in self._owner]
+        if not free:
+            raise RuntimeError(f"all {len(self.caches)} working caches are in use")
+
+        def live(i: int) -> int:
+            return self.caches[i].common_prefix(prompt) if self._scopes[i] == scope else 0
+
+        return max(free, key=lambda i: (live(i), -self._used[i]))
+
+    def _reuse(self, i: int, prompt: list[int], scope: str) -> int:
+        """Load the longest prefix of `prompt` known in `scope` into cache i; its length.
 
         At least the last prompt token is left to compute: its logits pick the first token.
         """
-        live = self.cache.common_prefix(prompt) if scope == self._scope else 0
+        cache = self.caches[i]
+        live = cache.common_prefix(prompt) if scope == self._scopes[i] else 0
         snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)
-        if min(live, keep) < self.cache.length:
+        if min(live, keep) < cache.length:
             # the conversation in the cache is about to be overwritten: set it aside
-            self.store.save(self.cache, self.cache.length, scope=self._scope)
-        self._scope = scope
+            self.store.save(cache, cache.length, scope=self._scopes[i])
+        self._scopes[i] = scope
         if snap is not None and n > live:
-            self.store.restore(snap, keep, self.cache)
+            self.store.restore(snap, keep, cache)
         else:
-            self.cache.truncate(keep)
+            cache.truncate(keep)
         return keep
 
-    def run(
-        self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
-    ) -> Iterator[GenerationEvent]:
+    def start(self, req: GenerationRequest) -> Sequence:
+        """Admit `req` on a free working cache; its `Sequence` (`cached_tokens`: the prompt
+        tokens reused instead of computed). Follow with `events`, which gives the cache back."""
         if not req.prompt:
             raise ValueError("empty prompt")
         if len(req.prompt) + 1 > self.max_context:
             raise ValueError(
                 f"prompt of {len(req.prompt)} tokens does not fit the context of {self.max_context}"
             )
-        pos = self.cached_tokens = self._reuse(req.prompt, req.scope)
+        i = self._pick(req.prompt, req.scope)
+        pos = self._reuse(i, req.prompt, req.scope)
         if 0 < req.pin <= pos:
-            self.store.save(self.cache, req.pin, pinned=True, scope=req.scope)
-        seq = Sequence(req, self.cache, self.tokenizer, self.max_context)
+            self.store.save(self.caches[i], req.pin, pinned=True, scope=req.scope)
+        seq = Sequence(req, self.caches[i], self.tokenizer, self.max_context)
+        seq.cached_tokens = self.cached_tokens = pos
+        self._taken += 1
+        self._used[i] = self._taken
+        self._owner[i] = seq
+        self._waiting[seq] = collections.deque()
         self.loop.add(seq)
+        return seq
+
+    def events(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Events:
+        """`seq`'s events until it stops, is cancelled, or the iterator is closed; then its
+        cache is free again (its KV kept for the next request of the same conversation)."""
         try:
+            waiting = self._waiting[seq]
             while not cancelled():
-                for _, event in self.loop.step():
-                    if seq.sampled == 1 and cancelled():  # cancelled during the prompt
-                        return
-                    yield event
-                    if event.finish_reason is not None:
-                        return
+                if not waiting:
+                    self._step()
+                    continue
+                event = waiting.popleft()
+                if seq.sampled == 1 and cancelled():  # cancelled during the prompt
+                    return
+                yield event
+                if event.finish_reason is not None:
+                    return
         finally:
-            if seq in self.loop.running:
-                self.loop.remove(seq)
+            self._release(seq)
+
+    def run(self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False) -> Events:
+        """`start` then `events`: one request's events (nothing is admitted before the first
+        is asked for)."""
+        yield from self.events(self.start(req), cancelled)
+
+    def _step(self) -> None:
+        """One step of every running sequence; each one's events to its own queue."""
+        for s, event in self.loop.step():
+            self._waiting[s].append(event)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.loop.running:
+            self.loop.remove(seq)
+        self._waiting.pop(seq, None)
+        for i, s in list(self._owner.items()):
+            if s is seq:
+                del self._owner[i]

@@ -6,10 +6,14 @@ check it (`Engine.prepare`, off the engine thread and the event loop, so that to
 I/O overlap the running job), then `submit` it. A request waiting for the tokenizer holds its
 place in the queue: a burst of large prompts is refused, not tokenized all at once.
 
-The engine thread takes tickets in arrival order and runs each to the end; its deltas cross
-to the event loop through the ticket's asyncio queue. A ticket cancelled by its client
-(disconnect) is skipped while it waits, and stopped within one prefill chunk or decode step
-while it runs (`Engine.run` polls `ticket.is_cancelled`).
+The engine thread takes tickets in arrival order, up to `parallel` at a time, and runs them
+together: it asks each running job for its next delta in turn, and the engine computes every
+running job's next tokens in one batched step (`stratad/runtime/generate.py`), so N clients
+share each read of the weights. A job that ends frees its place for the next ticket at once.
+With `parallel` 1 a job runs alone, to its end. Deltas cross to the event loop through the
+ticket's asyncio queue. A ticket cancelled by its client (disconnect) is skipped while it
+waits, and stopped within one prefill chunk or decode step while it runs (`Engine.run` polls
+`ticket.is_cancelled`).
 
 No torch here: the server imports this module.
 """
@@ -86,6 +90,7 @@ class Ticket:
         self.first_token: float | None = None
         self.finished: float | None = None
         self.last: Delta | None = None  # the final delta (finish reason, usage)
+        self.last_at: float | None = None  # when the engine gave its last delta
         self.token_gaps: list[float] = []  # seconds between consecutive tokens
         self.cancelled_at: float | None = None
         self.cancelled_by = ""  # "client" (it went away) or "drain" (the daemon is stopping)
@@ -128,10 +133,17 @@ class Ticket:
 
 
 class Scheduler:
-    """FIFO service of tickets by one engine thread."""
+    """FIFO service of tickets by one engine thread, up to `parallel` at once."""
 
-    def __init__(self, max_queue: int, on_finished: Callable[[Ticket], None] | None = None) -> None:
-        self.max_queue = max_queue
+    def __init__(
+        self,
+        max_queue: int,
+        on_finished: Callable[[Ticket], None] | None = None,
+        parallel: int = 1,
+    ) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        self.max_queue, self.parallel = max_queue, parallel
         # what every finished ticket is reported to (the HTTP metrics, the control socket's
         # meter): one account of each request, taken where it ran
         self.listeners: list[Callable[[Ticket], None]] = [on_finished] if on_finished else []
@@ -142,7 +154,7 @@ class Scheduler:
         self.drain_reason: str | None = None  # why it drains: "stopping", "stratactl drain"
         self.held: str | None = None  # e.g. "pinning": loaded, but not to serve yet
         self.engine: Backend | None = None
-        self.running: Ticket | None = None
+        self.running: list[Ticket] = []  # started by the engine thread, not yet finished
         self._preparing = 0  # admitted, not yet submitted: waiting for the tokenizer
         self._queue: collections.deque[Ticket] = collections.deque()
         self._cv = threading.Condition()
@@ -175,16 +187,17 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return 1 if self.running is not None else 0
+        return len(self.running)
 
     @property
     def in_flight(self) -> int:
         return self.waiting + self.num_running
 
     def retry_after(self) -> int:
-        """Seconds until a slot is likely free: the queue ahead times the mean service time."""
+        """Seconds until a slot is likely free: the queue ahead times the mean service time,
+        over the jobs served at once."""
         ahead = self.waiting + self.num_running
-        return int(min(max(math.ceil(ahead * self._service_s), 1), 600))
+        return int(min(max(math.ceil(ahead * self._service_s / self.parallel), 1), 600))
 
     # --- the handlers' side ------------------------------------------------------------------
 
@@ -271,7 +284,7 @@ class Scheduler:
     def cancel_all(self) -> int:
         """Cancel every queued and running request (the daemon stops); how many there were."""
         with self._cv:
-            pending = list(self._queue) + ([self.running] if self.running else [])
+            pending = list(self._queue) + list(self.running)
         for t in pending:
             t.cancel(by="drain")
         return len(pending)
@@ -289,46 +302,67 @@ class Scheduler:
 
     # --- the engine thread -------------------------------------------------------------------
 
-    def _next(self) -> Ticket:
+    def _take(self, jobs: dict[Ticket, Iterator[Delta] | None]) -> None:
+        """Wait for work if there is none; then start queued tickets while places are free."""
         with self._cv:
-            while not self._queue:
+            while not self._queue and not jobs:
                 self._cv.wait()
-            ticket = self._queue.popleft()
-            self.running = ticket
-            return ticket
+            while self._queue and len(jobs) < self.parallel:
+                ticket = self._queue.popleft()
+                self.running.append(ticket)
+                jobs[ticket] = None  # its run begins on its first turn
 
     def _loop(self) -> None:
+        jobs: dict[Ticket, Iterator[Delta] | None] = {}  # running tickets, in arrival order
         while True:
-            ticket = self._next()
-            try:
-                if not ticket.is_cancelled():
-                    self._run(ticket)
-            finally:
+            self._take(jobs)
+            for ticket in list(jobs):
+                if self._turn(ticket, jobs):
+                    continue
+                jobs.pop(ticket)
                 ticket.finished = time.monotonic()
-                self.running = None
+                with self._cv:
+                    self.running.remove(ticket)
                 self._after(ticket)  # accounted before its client sees the end
                 ticket._push(None)
 
-    def _run(self, ticket: Ticket) -> None:
+    def _turn(self, ticket: Ticket, jobs: dict[Ticket, Iterator[Delta] | None]) -> bool:
+        """The ticket's next delta; False once its run ended (or never began: cancelled)."""
         assert self.engine is not None
-        ticket.started = last = time.monotonic()
+        job = jobs[ticket]
+        if job is None:
+            if ticket.is_cancelled():
+                return False
+            ticket.started = time.monotonic()
+            job = jobs[ticket] = iter(self.engine.run(ticket.prepared, ticket.is_cancelled))
         try:
-            for delta in self.engine.run(ticket.prepared, ticket.is_cancelled):
-                now = time.monotonic()
-                if ticket.first_token is None:
-                    ticket.first_token = now
-                else:
-                    ticket.token_gaps.append(now - last)
-                last = now
-                ticket.last = delta
-                ticket._push(delta)
+            delta = next(job)
+        except StopIteration:
+            self._served(ticket)
+            return False
         except JobError as e:
             ticket.error = str(e)
             ticket._push(e)
+            self._served(ticket)
+            return False
         except Exception as e:  # a bug in the engine: say so once, keep serving others
             log.exception("the engine failed on a request")
             ticket.error = f"{type(e).__name__}: {e}"
             ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
+            self._served(ticket)
+            return False
+        now = time.monotonic()
+        if ticket.first_token is None:
+            ticket.first_token = now
+        else:
+            ticket.token_gaps.append(now - (ticket.last_at or now))
+        ticket.last_at = now
+        ticket.last = delta
+        ticket._push(delta)
+        return True
+
+    def _served(self, ticket: Ticket) -> None:
+        assert ticket.started is not None
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - ticket.started)
 
     def _after(self, ticket: Ticket) -> None:

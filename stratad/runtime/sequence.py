@@ -63,6 +63,7 @@ class Sequence:
         self.text, self.emitted, self.sampled = "", 0, 0
         self.token: int | None = None  # the last sampled token, not yet in the cache
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens reused from a known prefix, not computed
 
     @property
     def prefilling(self) -> bool:

@@ -1,0 +1,178 @@
+"""Several requests at once (`server.parallel`): the generator runs every running request's
+next tokens in one batched step, and each request gets exactly what it gets alone; the
+scheduler's engine thread takes turns between the jobs it runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from kernels.cpu_experts import CpuExperts
+from stratad.engine.batch import Seq
+from stratad.engine.forward import ReferenceForward
+from stratad.engine.kv import KVCache
+from stratad.engine.prefix import PrefixStore
+from stratad.engine.sampling import SamplingParams
+from stratad.engine.weights_mode import QuantWeights
+from stratad.model.loader import load_model
+from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.jobs import Delta, Job, PreparedJob
+from stratad.runtime.scheduler import Scheduler
+from stratad.runtime.sequence import GenerationRequest
+from tests.server_helpers import shared_daemon, tiny_moe_path
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Recording:
+    """The forward, with how many sequences each step carried."""
+
+    def __init__(self, forward: ReferenceForward) -> None:
+        self.forward, self.sizes = forward, list[int]()
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return self.forward.new_cache(max_len)
+
+    def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        self.sizes.append(len(seqs))
+        return self.forward.step(seqs)
+
+
+@pytest.fixture(scope="module")
+def engine() -> tuple[ReferenceForward, object]:
+    """The cpu engine on the tiny MoE: its layers in one kernel call, a batch in one call."""
+    model = load_model(tiny_moe_path())
+    forward = ReferenceForward(model, weights=QuantWeights(CpuExperts(threads=2)))
+    assert forward.stack is not None
+    return forward, tokenizer_from_gguf(model.metadata)
+
+
+def _gen(engine: tuple, parallel: int) -> tuple[Generator, Recording]:
+    forward, tokenizer = engine
+    rec = Recording(forward)
+    store = PrefixStore(1 << 30, 1 << 30)
+    return Generator(rec, tokenizer, 256, prefill_chunk=32, prefix_store=store,
+                     parallel=parallel), rec  # fmt: skip
+
+
+def _req(n: int, start: int, max_tokens: int) -> GenerationRequest:
+    prompt = list(range(start, start + n))
+    return GenerationRequest(prompt, max_tokens=max_tokens, sampling=GREEDY, ignore_eos=True)
+
+
+def _events(runs: list[Iterator]) -> list[list[tuple[int, str, str | None]]]:
+    """Every run's events, asking each for one in turn (as the scheduler does)."""
+    got: list[list[tuple[int, str, str | None]]] = [[] for _ in runs]
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            event = next(runs[i], None)
+            if event is None:
+                live.remove(i)
+            else:
+                got[i].append((event.token, event.text, event.finish_reason))
+    return got
+
+
+def test_requests_share_steps_and_get_what_they_get_alone(engine: tuple) -> None:
+    # a long prompt (three chunks), a short one, one that ends first
+    reqs = [_req(70, 100, 6), _req(7, 900, 10), _req(40, 2000, 3)]
+    alone, one = _gen(engine, 1)
+    want = [_events([alone.run(r)])[0] for r in reqs]
+    gen, rec = _gen(engine, 3)
+    got = _events([gen.run(r) for r in reqs])
+    assert got == want
+    assert [e[-1][2] for e in got] == ["length"] * 3
+    assert max(rec.sizes) == 3 and len(rec.sizes) < len(one.sizes)
+    assert gen.free == 3 and not gen.loop.running
+
+
+def test_a_conversation_keeps_its_cache(engine: tuple) -> None:
+    gen, _ = _gen(engine, 2)
+    first, other = _req(50, 100, 4), _req(30, 3000, 4)
+    for r in (first, other):
+        _events([gen.run(r)])
+    _events([gen.run(first)])  # the cache that holds it, not the one taken longest ago
+    assert gen.cached_tokens == 49  # all but the last prompt token, from its own cache
+    assert sorted(c.tokens[0] for c in gen.caches) == [100, 3000]  # the other one kept too
+
+
+def test_every_cache_in_use_is_refused_and_a_closed_run_frees_its_own(engine: tuple) -> None:
+    gen, _ = _gen(engine, 1)
+    run = gen.run(_req(10, 100, 50))
+    next(run)
+    with pytest.raises(RuntimeError, match="in use"):
+        gen.start(_req(5, 400, 2))
+    run.close()  # the client went away mid-answer
+    assert gen.free == 1 and not gen.loop.running
+    assert _events([gen.run(_req(5, 400, 2))])[0]
+
+
+class Turns:
+    """An engine that notes whose delta it makes, three per job."""
+
+    model_id, max_context = "turns", 64
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def prepare(self, job: Job) -> PreparedJob:
+        return PreparedJob(job=job, prompt=(1,), max_tokens=3)
+
+    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]:
+        for i in range(3):
+            self.order.append(str(job.job.prompt))
+            yield Delta(text=str(i), finish_reason="length" if i == 2 else None)
+
+
+@pytest.mark.parametrize(("parallel", "order"), [(1, "AAABBB"), (2, "ABABAB")])
+def test_the_engine_thread_takes_turns(parallel: int, order: str) -> None:
+    scheduler, engine = Scheduler(max_queue=4, parallel=parallel), Turns()
+    scheduler.state = "ready"
+
+    async def serve() -> list[str]:
+        tickets = []
+        for name in "AB":  # both queued before the engine thread starts
+            scheduler.admit()
+            tickets.append(scheduler.submit(engine.prepare(Job(prompt=name))))
+        scheduler.attach(engine)
+        texts = []
+        for t in tickets:
+            texts.append("".join([d.text async for d in t.stream()]))
+        return texts
+
+    assert asyncio.run(serve()) == ["012", "012"]
+    assert "".join(engine.order) == order
+    assert scheduler.num_running == 0
+
+
+def test_a_daemon_serves_clients_at_once_as_one_by_one() -> None:
+    """`server.parallel = 3` over HTTP: four clients at once (one waits for a place), one of
+    them gone mid-answer; each answer the daemon's answer to that request alone."""
+    daemon = shared_daemon("parallel")
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+    prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "Dear sir,"]
+
+    def complete(prompt: str) -> str:
+        out = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+        return out.choices[0].text
+
+    def leave() -> int:  # a stream its client drops after two chunks
+        stream = client.completions.create(model="m", prompt="Hello", max_tokens=200,
+                                           temperature=0, stream=True)  # fmt: skip
+        n = sum(1 for _, _ in zip(range(2), stream, strict=False))
+        stream.close()
+        return n
+
+    with ThreadPoolExecutor(5) as pool:
+        left = pool.submit(leave)
+        together = list(pool.map(complete, prompts))
+    assert left.result() == 2
+    alone = [complete(p) for p in prompts]
+    assert together == alone and all(alone)
