@@ -1,0 +1,155 @@
+"""Several clients over HTTP: the daemon's throughput as clients are added, per
+`server.parallel`.
+
+    python -m bench.http_clients [--model PATH] [--parallel 1,4] [--clients 1,4]
+                                 [--max-tokens 64] [--requests 3] [--json PATH]
+
+For each `server.parallel` value, starts `stratad` (its own process, a free port, the
+engine `auto` picks on this host), and for each client count runs that many clients at once,
+each sending `--requests` completions one after another (`openai`, greedy, a prompt that
+each client varies so that no two share a prefix). Prints per (parallel, clients): completion
+tokens per second summed over the clients (tokens the server reported in `usage`, over the
+wall time of the whole round), the median request latency, and the median time to the first
+token of a streamed request. The default model is the packaged SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stratad exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"stratad not ready within {timeout:.0f} s")
+
+
+def _client(base: str, index: int, args: argparse.Namespace) -> list[dict[str, float]]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    out = []
+    for r in range(args.requests):
+        prompt = f"{index * 100 + r}, {index * 100 + r + 1}, {index * 100 + r + 2},"
+        t0 = time.perf_counter()
+        stream = client.completions.create(model="m", prompt=prompt, max_tokens=args.max_tokens,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})  # fmt: skip
+        first, tokens = None, 0
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        out.append({"seconds": time.perf_counter() - t0, "first_token_s": first or 0.0,
+                    "tokens": tokens})  # fmt: skip
+    return out
+
+
+def run_round(base: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        per_client = list(pool.map(lambda i: _client(base, i, args), range(clients)))
+    wall = time.perf_counter() - t0
+    reqs = [r for c in per_client for r in c]
+    tokens = sum(r["tokens"] for r in reqs)
+    return {"clients": clients, "requests": len(reqs), "completion_tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall,
+            "latency_s": statistics.median(r["seconds"] for r in reqs),
+            "first_token_s": statistics.median(r["first_token_s"] for r in reqs)}  # fmt: skip
+
+
+def serve(model: Path, parallel: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "stratad.toml"
+        config.write_text(f'[model]\naliases = ["m"]\n[server]\nparallel = {parallel}\n'
+                          f'max_queue = 64\n[control]\nsocket = ""\n')  # fmt: skip
+        log = open(Path(tmp) / "stratad.log", "wb")  # noqa: SIM115 (closed below)
+        cmd = [sys.executable, "-m", "stratad", str(model), "--config", str(config),
+               "--port", str(port)]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(base, proc, args.start_timeout)
+            _client(base, 999, argparse.Namespace(requests=1, max_tokens=4))  # warm up
+            rounds = []
+            for clients in args.clients:
+                r = run_round(base, clients, args)
+                r["parallel"] = parallel
+                rounds.append(r)
+                print(f"parallel {parallel}, {clients} clients: {r['tokens_per_s']:.1f} tok/s in"
+                      f" all, request {r['latency_s']:.2f} s, first token"
+                      f" {r['first_token_s']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+            return rounds
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            log.close()
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"model {r['model']}, {r['max_tokens']} completion tokens a request, "
+             f"{r['requests']} requests per client", "",
+             "| server.parallel | clients | tok/s in all | request latency (s) |"
+             " first token (s) |", "|" + " --- |" * 5]  # fmt: skip
+    for x in r["rounds"]:
+        lines.append(f"| {x['parallel']} | {x['clients']} | {x['tokens_per_s']:.1f} |"
+                     f" {x['latency_s']:.2f} | {x['first_token_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from stratad.model.default import default_model_path
+
+    def ints(s: str) -> list[int]:
+        return [int(x) for x in s.split(",")]
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--parallel", type=ints, default=[1, 4])
+    p.add_argument("--clients", type=ints, default=[1, 4])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=3, help="requests per client, in turn")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    model = args.model or default_model_path()
+    if not model.is_file():
+        p.error(f"no model file at {model}")
+    rounds = [r for n in args.parallel for r in serve(model, n, args)]
+    result = {"model": str(model), "max_tokens": args.max_tokens, "requests": args.requests,
+              "rounds": rounds}  # fmt: skip
+    print(markdown(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
