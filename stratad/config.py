@@ -214,7 +214,8 @@ class StoreConfig(_Section, frozen=True):
     """An expert routed while not in VRAM takes a slot (the policy evicts another)."""
     resident_budget_gib: Annotated[float, msgspec.Meta(ge=0)] | Literal["auto"] = "auto"
     """RAM for resident expert copies: GiB, or auto = MemTotal (or the cgroup limit) minus
-    resident_headroom_gib, reserve_runtime_gib, the dense weights and the server's host caches."""
+    resident_headroom_gib, reserve_runtime_gib, the dense weights, the working KV caches where
+    they are in RAM (no GPU) and the server's host caches."""
     resident_headroom_gib: Annotated[float, msgspec.Meta(ge=0)] = 4.0
     """RAM left to the rest of the host (STRATA_RESIDENT_HEADROOM_GIB); re-check it after a
     GPU runtime upgrade (one ROCm release kept 1 GiB more host RAM than the one before)."""

@@ -8,14 +8,17 @@ import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import openai
 import pytest
 import torch
 
 from kernels.cpu_experts import CpuExperts
+from stratad.config import Config, EngineConfig, ServerConfig
 from stratad.engine.batch import Seq
 from stratad.engine.forward import ReferenceForward
 from stratad.engine.kv import KVCache
+from stratad.engine.placement import start_plan
 from stratad.engine.prefix import PrefixStore
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.weights_mode import QuantWeights
@@ -176,3 +179,18 @@ def test_a_daemon_serves_clients_at_once_as_one_by_one() -> None:
     assert left.result() == 2
     alone = [complete(p) for p in prompts]
     assert together == alone and all(alone)
+
+
+def test_the_ram_plan_counts_every_kv_cache() -> None:
+    """On a CPU host the working KV caches are host RAM: one of the whole context for each
+    request served at once, counted before the expert store's RAM budget."""
+    model = load_model(tiny_moe_path())
+    spec, cpu = model.spec, torch.device("cpu")
+    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="cpu"))
+    kv = {}
+    for n in (1, 3):
+        config = msgspec.structs.replace(config, server=ServerConfig(parallel=n))
+        start = start_plan(config, model, cpu, [None], 1 << 20)
+        kv[n] = dict(start.reserves)["KV caches (server.parallel)"]
+    one = 2 * spec.n_layers * start.max_context * spec.kv_dim * 2  # halves
+    assert kv == {1: one, 3: 3 * one}

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from kernels import cpu_build
+from kernels.cpu_dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
 from stratad.engine.experts import blob_layouts, fast_path_refusal
 from stratad.engine.kernel_table import Lookup, model_shapes, tuned
@@ -132,7 +133,7 @@ def start_plan(
     if device.type != "cuda":
         frees = [None] * len(devices)
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
-    stages, found = [], None
+    stages, found, kv_host = [], None, 0
     if backend == "offload":
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
@@ -157,8 +158,12 @@ def start_plan(
         # byte per value or less, memory-mapped)
         per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0
         dense_host = model.dense_values() * per_value
+        if device.type == "cpu":  # the working KV caches: halves in the cpu engine's one call
+            kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
+            kv_host = (2 * spec.n_layers * max_context * spec.kv_dim * kv_bytes
+                       * config.server.parallel)  # fmt: skip
     return StartPlan(
-        backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host)),
+        backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host, kv_host)),
         dtype, max_context, found,
     )  # fmt: skip
 

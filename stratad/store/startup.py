@@ -48,12 +48,17 @@ def open_source(config: StoreConfig, model: Model) -> ExpertSource:
     return ModelExperts(model)
 
 
-def daemon_reserves(config: Config, dense_host_bytes: int) -> list[tuple[str, int]]:
+def daemon_reserves(
+    config: Config, dense_host_bytes: int, kv_host_bytes: int = 0
+) -> list[tuple[str, int]]:
     """What the daemon holds in host RAM besides the resident set and the named store
-    reserves: dense weights kept on the host (0 when they live on the GPU) and the server's
-    host caches."""
+    reserves: dense weights kept on the host (0 when they live on the GPU), the working KV
+    caches where they are on the host (one of the whole context per `server.parallel`), and
+    the server's host caches."""
+    kv = [("KV caches (server.parallel)", kv_host_bytes)] if kv_host_bytes else []
     return [
         ("dense weights", dense_host_bytes),
+        *kv,
         ("server.conversation_cache_mib", config.server.conversation_cache_mib * MiB),
         ("server.pinned_prefix_mib", config.server.pinned_prefix_mib * MiB),
     ]
