@@ -96,6 +96,30 @@ def test_requests_share_steps_and_get_what_they_get_alone(engine: tuple) -> None
     assert gen.free == 3 and not gen.loop.running
 
 
+def test_a_long_prompt_arriving_costs_the_running_one_a_step_per_turn(engine: tuple) -> None:
+    """A request decoding, then a 200-token prompt (7 chunks of 32): taking turns, the
+    decoding one gets a token at every step of the other's prefill, not all after it."""
+    gen, rec = _gen(engine, 2)
+    running = gen.turns(gen.start(_req(10, 100, 30)))
+    assert next(running) is not None  # its prompt in one step, its first token
+    arriving = gen.turns(gen.start(_req(200, 3000, 10)))
+    order = []
+    while len(order) < 16:
+        order.append("r" if next(running) is not None else "-")
+        order.append("a" if next(arriving) is not None else "-")
+    # one step a round: the running one's turn steps the loop in the first round only (after
+    # that its event is waiting), the arriving one's in every round; its 7th chunk, with its
+    # first token, is the 7th step: round 6
+    first = order.index("a")
+    assert first == 2 * 6 - 1
+    assert order[:first:2] == ["r"] * 6  # a token of the running one in each of those rounds
+    assert order[1:first:2] == ["-"] * 5
+    assert max(rec.sizes[1:]) == 2
+    running.close()
+    arriving.close()
+    assert gen.free == 2
+
+
 def test_a_conversation_keeps_its_cache(engine: tuple) -> None:
     gen, _ = _gen(engine, 2)
     first, other = _req(50, 100, 4), _req(30, 3000, 4)

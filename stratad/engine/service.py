@@ -242,8 +242,9 @@ class Engine:
 
     def run(
         self, job: Job | PreparedJob, cancelled: Callable[[], bool] = lambda: False
-    ) -> Iterator[Delta]:
-        """Generate; stops early without a final delta if `cancelled()` turns true."""
+    ) -> Iterator[Delta | None]:
+        """Generate; stops early without a final delta if `cancelled()` turns true. None: a
+        step ran (a prompt chunk, or other requests' tokens) with no output for this job."""
         prepared = job if isinstance(job, PreparedJob) else self.prepare(job)
         spec = prepared.job
         req = GenerationRequest(
@@ -267,10 +268,14 @@ class Engine:
         )
         # one event per sampled token, the end-of-sequence token included
         seq = self.generator.start(req)
-        events = self.generator.events(seq, cancelled)
+        turns = self.generator.turns(seq, cancelled)
         n = 0
         try:
-            for n, event in enumerate(events, start=1):
+            for event in turns:
+                if event is None:
+                    yield None
+                    continue
+                n += 1
                 if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
                     computed = len(prepared.prompt) - seq.cached_tokens
                     log.info("prefill timing: %d tokens, %s", computed,
@@ -285,7 +290,7 @@ class Engine:
                     cached_tokens=seq.cached_tokens,
                 )
         finally:
-            events.close()  # its cache is free again, whatever ended the run
+            turns.close()  # its cache is free again, whatever ended the run
         if self.timer.enabled and n > 1:
             self._log_timing(n - 1)
 

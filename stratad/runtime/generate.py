@@ -2,11 +2,13 @@
 
 `Generator.start` admits a request as a `Sequence` on one of its working caches (`parallel`
 of them), after loading the longest known prefix of its prompt (that cache's own, or a
-snapshot in the `PrefixStore`); `events` then yields that sequence's events until it stops.
+snapshot in the `PrefixStore`); `turns` then yields that sequence's events until it stops.
 Every running sequence advances in the same `StepLoop.step` (one batched forward): asking one
-sequence for its next event steps the loop when that sequence has none waiting, and the
-events of the others wait in their own queues until their callers ask. So callers that take
-turns (the scheduler's engine thread, one event of each request in turn) share every step.
+sequence for its next turn steps the loop when that sequence has no event waiting (and gives
+None when the step gave it none: a prompt chunk), and the events of the others wait in their
+own queues until their callers ask. So callers that take turns (the scheduler's engine
+thread, one turn of each request in turn) share every step, and a long prompt arriving costs
+the running requests one step per turn, not its whole prefill.
 `cancelled()` is polled before every step (a prompt chunk or a decoded token), so a cancelled
 request frees its cache within one of either.
 """
@@ -26,6 +28,8 @@ from stratad.runtime.step import Forward, StepLoop
 
 # a request's events; closing it ends the request and frees its cache
 Events = collections.abc.Generator[GenerationEvent, None, None]
+# the same with None for a turn that stepped the loop and gave this request no event
+Turns = collections.abc.Generator[GenerationEvent | None, None, None]
 
 
 class Generator:
@@ -120,14 +124,17 @@ class Generator:
         self.loop.add(seq)
         return seq
 
-    def events(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Events:
+    def turns(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Turns:
         """`seq`'s events until it stops, is cancelled, or the iterator is closed; then its
-        cache is free again (its KV kept for the next request of the same conversation)."""
+        cache is free again (its KV kept for the next request of the same conversation).
+        None: this turn ran a step that gave `seq` no event (a chunk of its prompt)."""
         try:
             waiting = self._waiting[seq]
             while not cancelled():
                 if not waiting:
                     self._step()
+                    if not waiting:
+                        yield None
                     continue
                 event = waiting.popleft()
                 if seq.sampled == 1 and cancelled():  # cancelled during the prompt
@@ -137,6 +144,14 @@ class Generator:
                     return
         finally:
             self._release(seq)
+
+    def events(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Events:
+        """`turns` without the empty ones."""
+        turns = self.turns(seq, cancelled)
+        try:
+            yield from (event for event in turns if event is not None)
+        finally:
+            turns.close()
 
     def run(self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False) -> Events:
         """`start` then `events`: one request's events (nothing is admitted before the first

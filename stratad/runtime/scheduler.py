@@ -47,7 +47,10 @@ class Backend(Protocol):
 
     def prepare(self, job: Job) -> PreparedJob: ...
 
-    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]: ...
+    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta | None]:
+        """The job's deltas; None for a turn with nothing to send (a step for other jobs, or a
+        prompt chunk), so that the engine thread can take the next job's turn."""
+        ...
 
 
 class Refused(Exception):
@@ -302,7 +305,7 @@ class Scheduler:
 
     # --- the engine thread -------------------------------------------------------------------
 
-    def _take(self, jobs: dict[Ticket, Iterator[Delta] | None]) -> None:
+    def _take(self, jobs: dict[Ticket, Iterator[Delta | None] | None]) -> None:
         """Wait for work if there is none; then start queued tickets while places are free."""
         with self._cv:
             while not self._queue and not jobs:
@@ -313,7 +316,7 @@ class Scheduler:
                 jobs[ticket] = None  # its run begins on its first turn
 
     def _loop(self) -> None:
-        jobs: dict[Ticket, Iterator[Delta] | None] = {}  # running tickets, in arrival order
+        jobs: dict[Ticket, Iterator[Delta | None] | None] = {}  # running tickets, in arrival order
         while True:
             self._take(jobs)
             for ticket in list(jobs):
@@ -326,7 +329,7 @@ class Scheduler:
                 self._after(ticket)  # accounted before its client sees the end
                 ticket._push(None)
 
-    def _turn(self, ticket: Ticket, jobs: dict[Ticket, Iterator[Delta] | None]) -> bool:
+    def _turn(self, ticket: Ticket, jobs: dict[Ticket, Iterator[Delta | None] | None]) -> bool:
         """The ticket's next delta; False once its run ended (or never began: cancelled)."""
         assert self.engine is not None
         job = jobs[ticket]
@@ -351,6 +354,8 @@ class Scheduler:
             ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
             self._served(ticket)
             return False
+        if delta is None:  # a step with nothing for this job: the next job's turn
+            return True
         now = time.monotonic()
         if ticket.first_token is None:
             ticket.first_token = now
