@@ -104,7 +104,8 @@ class Generator:
 
     def start(self, req: GenerationRequest) -> Sequence:
         """Admit `req` on a free working cache; its `Sequence` (`cached_tokens`: the prompt
-        tokens reused instead of computed). Follow with `events`, which gives the cache back."""
+        tokens reused instead of computed). Follow with `turns` or `events`, which give the cache
+        back when they end or are closed."""
         if not req.prompt:
             raise ValueError("empty prompt")
         if len(req.prompt) + 1 > self.max_context:
