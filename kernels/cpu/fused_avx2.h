@@ -317,8 +317,17 @@ static inline __attribute__((always_inline)) void grid_group_dot(
     }
 }
 
-/* IQ3_S: 4 grid values (1..15) per 9-bit index, gathered 8 indices (32 values) at a time,
- * the signs as byte masks; 8 4-bit scales per super-block in one vector */
+/* grid row i (4 bytes) of IQ3_S's table */
+static inline int grid_row4(const uint8_t *grid, size_t i) {
+    uint32_t v;
+    memcpy(&v, grid + 4 * i, 4);
+    return (int)v;
+}
+
+/* IQ3_S: 4 grid values (1..15) per 9-bit index, gathered 8 indices (32 values) at a time
+ * into a register (_mm256_setr_epi32: the rows went through a stack array first, whose 32-byte
+ * reload of 4-byte stores missed store-to-load forwarding), the signs as byte masks; 8 4-bit
+ * scales per super-block in one vector */
 static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
     const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
     float *out) {
@@ -336,13 +345,14 @@ static inline __attribute__((always_inline)) void rowdot_iq3_s_body(
             _mm256_store_ps(scx[j], _mm256_mul_ps(d8, xd));
         }
         for (int i = 0; i < 8; i++) { /* indices 8i .. 8i + 7: values 32i .. 32i + 31 */
-            int g[8];
-            for (int k = 0; k < 8; k++) {
-                uint32_t v;
-                memcpy(&v, grid + 4 * (qs[8 * i + k] | ((qh[i] >> k) & 1) << 8), 4);
-                g[k] = (int)v;
-            }
-            __m256i w = _mm256_loadu_si256((const __m256i *)g);
+            const uint8_t *q = qs + 8 * i;
+            const size_t h = qh[i];
+#define IX(k) ((size_t)q[k] | (h >> (k) & 1) << 8)
+            __m256i w = _mm256_setr_epi32(grid_row4(grid, IX(0)), grid_row4(grid, IX(1)),
+                                          grid_row4(grid, IX(2)), grid_row4(grid, IX(3)),
+                                          grid_row4(grid, IX(4)), grid_row4(grid, IX(5)),
+                                          grid_row4(grid, IX(6)), grid_row4(grid, IX(7)));
+#undef IX
             grid_group_dot(w, bit_bytes(sg + 4 * i), a, vec, nt, 256 * c + 32 * i, i, scx, acc);
         }
     }
