@@ -14,21 +14,20 @@ failed, tracebacks in the daemon's log.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.daemon import daemon
 
 CHECKS = (
     "not_a_server_error,status_code_conformance,content_type_conformance,"
@@ -48,50 +47,6 @@ socket = ""
 [engine]
 threads = {threads}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def daemon(model: str | None, work: Path, context: int, threads: int) -> Iterator[str]:
-    """A stratad on a free loopback port; its base URL once /health says 200."""
-    config = work / "stratad.toml"
-    config.write_text(CONFIG.format(context=context, threads=threads))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "stratad", *([model] if model else []), "--config",
-           str(config), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    with open(work / "stratad.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"stratad exited {proc.returncode}; see {work / 'stratad.log'}")
-            if _healthy(url):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stratad not ready in 300 s; see {work / 'stratad.log'}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def schemathesis_cmd(url: str, args: argparse.Namespace, reports: Path) -> list[str]:
@@ -177,7 +132,8 @@ def _failed_checks(event: dict[str, Any]) -> Iterator[str]:
 def run(args: argparse.Namespace) -> Result:
     work = Path(tempfile.mkdtemp(prefix="strata-fuzz-"))
     reports = work / "reports"
-    with daemon(args.model, work, args.context, args.threads) as url:
+    config = CONFIG.format(context=args.context, threads=args.threads)
+    with daemon(args.model, work, config) as url:
         cmd = schemathesis_cmd(url, args, reports)
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.max_time + 600)

@@ -17,37 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"stratad exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"stratad not ready within {timeout:.0f} s")
+from bench.daemon import daemon
 
 
 def _client(base: str, index: int, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -86,32 +64,20 @@ def run_round(base: str, clients: int, args: argparse.Namespace) -> dict[str, An
 
 
 def serve(model: Path, parallel: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "stratad.toml"
-        config.write_text(f'[model]\naliases = ["m"]\n[server]\nparallel = {parallel}\n'
-                          f'max_queue = 64\n[control]\nsocket = ""\n')  # fmt: skip
-        log = open(Path(tmp) / "stratad.log", "wb")  # noqa: SIM115 (closed below)
-        cmd = [sys.executable, "-m", "stratad", str(model), "--config", str(config),
-               "--port", str(port)]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            _wait_ready(base, proc, args.start_timeout)
-            _client(base, 999, argparse.Namespace(requests=1, max_tokens=4))  # warm up
-            rounds = []
-            for clients in args.clients:
-                r = run_round(base, clients, args)
-                r["parallel"] = parallel
-                rounds.append(r)
-                print(f"parallel {parallel}, {clients} clients: {r['tokens_per_s']:.1f} tok/s in"
-                      f" all, request {r['latency_s']:.2f} s, first token"
-                      f" {r['first_token_s']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
-            return rounds
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-            log.close()
+    config = (f'[model]\naliases = ["m"]\n[server]\nparallel = {parallel}\nmax_queue = 64\n'
+              '[control]\nsocket = ""\n')  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, daemon(str(model), Path(tmp), config,
+                                                      args.start_timeout) as base:  # fmt: skip
+        _client(base, 999, argparse.Namespace(requests=1, max_tokens=4))  # warm up
+        rounds = []
+        for clients in args.clients:
+            r = run_round(base, clients, args)
+            r["parallel"] = parallel
+            rounds.append(r)
+            print(f"parallel {parallel}, {clients} clients: {r['tokens_per_s']:.1f} tok/s in"
+                  f" all, request {r['latency_s']:.2f} s, first token"
+                  f" {r['first_token_s']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+        return rounds
 
 
 def markdown(r: dict[str, Any]) -> str:
