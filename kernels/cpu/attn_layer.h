@@ -175,6 +175,19 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
     spin_barrier(&s->bar, sense);
 }
 
+/* after attn_phases: x += the o product in s->tmp, then x normed by `norm` into s->h and
+ * quantized into s->xa, the input of the layer's second half; by every thread of the team,
+ * without a barrier at the end */
+static void ffn_input(attn_step_t *s, const float *norm) {
+    const int64_t H = s->dm.hidden;
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < s->T; t++) {
+        for (int64_t e = 0; e < H; e++) s->x[t * H + e] += s->tmp[t * H + e];
+        rms_norm(s->x + t * H, norm, H, s->dm.eps, s->h + t * H);
+        quantize_act(&s->xa, t, s->h + t * H);
+    }
+}
+
 /* the thread's number, and the barrier set to the team that came (maybe fewer than asked);
  * called by every thread at the start of the parallel region */
 static int team_join(spin_barrier_t *bar) {

@@ -85,12 +85,7 @@ int strata_dense_layers(float *x, int64_t T, const int64_t *pos, const int32_t *
             for (int i = 4; i < 7; i++)
                 mat_init(&m[i], ly->w[i], ly->qtype[i], 0, mats[i].rows, mats[i].cols);
             attn_phases(&s, &aw[l], m, l, &sense, me);
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < T; t++) {
-                for (int64_t e = 0; e < H; e++) x[t * H + e] += s.tmp[t * H + e];
-                rms_norm(x + t * H, ly->ffn_norm, H, dm->eps, s.h + t * H);
-                quantize_act(&s.xa, t, s.h + t * H);
-            }
+            ffn_input(&s, ly->ffn_norm);
             spin_barrier(&s.bar, &sense);
             rows_tasks(&m[4], 2, &s.xa, s.vec, gu_outs, T, tab);
             spin_barrier(&s.bar, &sense);

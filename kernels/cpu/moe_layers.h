@@ -188,8 +188,7 @@ int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *se
     attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
                             dm->eps},
                      .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
-                     .v_cache = v_cache, .cos_t = cos_t, .sin_t = sin_t, .tab = tab,
-                     .bar = {0, 0, 0, 1}};
+                     .v_cache = v_cache, .cos_t = cos_t, .sin_t = sin_t, .tab = tab};
     route_t r = {E, K, F, T * K, 0};
     attn_weights_t aw[n_layers > 0 ? n_layers : 1];
     mat_t mats[8];
@@ -220,12 +219,7 @@ int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *se
             for (int i = 4; i < 8; i++)
                 mat_init(&m[i], ly->w[i], ly->qtype[i], 0, mats[i].rows, mats[i].cols);
             attn_phases(&s, &aw[l], m, l, &sense, me);
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < T; t++) {
-                for (int64_t e = 0; e < H; e++) x[t * H + e] += s.tmp[t * H + e];
-                rms_norm(x + t * H, ly->ffn_norm, H, dm->eps, s.h + t * H);
-                quantize_act(&s.xa, t, s.h + t * H);
-            }
+            ffn_input(&s, ly->ffn_norm);
             if (me == 0) r.ids = ids + l * T * K; /* read after the barrier */
             spin_barrier(&s.bar, &sense);
             moe_phases(&s, &r, &m[4], ly->experts, dm->norm_topk, &sense);
