@@ -97,7 +97,7 @@ def test_the_tables_follow_the_pinning(
     assert store.stats().ram_hits == 0 and store.stats().file_hits > 0
     for i, unit in enumerate(store.ram.units):  # the pinner's work, done here at once
         store.source.read_into(unit.layer, unit.expert, store.ram.slot(i))
-        store.ram.ready[i] = True
+        store.ram.mark_ready(i)
     for _ in range(NEW - 1):
         tokens.append(int(fast([tokens[-1]], cache)[-1].argmax()))
     assert tokens == want[0]

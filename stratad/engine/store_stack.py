@@ -34,6 +34,7 @@ class StoreStack:
         self.stack, self.store = stack, store
         n = len(stack.layers)
         self._ready = [-1] * n  # each layer's pinned copies when its table was made
+        self._version = -1  # the store's ready_version when the tables were last checked
         self._tiers: list[list[str]] = [[] for _ in range(n)]
         self._keep: list[object] = [None] * n  # the tensors the tables point into
 
@@ -44,7 +45,11 @@ class StoreStack:
         return out if out._refresh() else None
 
     def _refresh(self) -> bool:
-        """Address anew each layer whose pinned copies changed; False if one cannot be."""
+        """Address anew each layer whose pinned copies changed; False if one cannot be. Once
+        pinning is done (the store's ready_version still), one comparison a step."""
+        version = self.store.ready_version()
+        if version == self._version:
+            return True
         for layer, seen in enumerate(self._ready):
             ready = self.store.ready_in(layer)
             if ready == seen:
@@ -55,6 +60,7 @@ class StoreStack:
             self.stack.place_experts(layer, _table(experts))
             self._tiers[layer] = [tier for _, tier in experts]
             self._keep[layer], self._ready[layer] = experts, ready
+        self._version = version
         return True
 
     def __call__(

@@ -164,7 +164,7 @@ class Pinner:
                 )
                 self.failed.append((unit, str(e)))
                 continue
-            self.ram.ready[i] = True
+            self.ram.mark_ready(i)
 
     def _run(self) -> None:
         s = self.settings

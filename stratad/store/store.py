@@ -148,6 +148,11 @@ class ExpertStore:
             out.append((mapped, "file"))
         return out
 
+    def ready_version(self) -> int:
+        """Changes whenever a RAM copy starts (or stops) serving: while it holds, `in_place`
+        and `ready_in` answer as before."""
+        return self.ram.version
+
     def ready_in(self, layer: int) -> int:
         """How many of `layer`'s RAM copies are pinned (and serve) now."""
         return sum(self.ram.ready[i] for i in self._ram_slots[layer])

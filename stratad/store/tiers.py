@@ -37,6 +37,7 @@ class ResidentRAM:
         self.nbytes = sum(self.sizes)
         self.index = {u: i for i, u in enumerate(self.units)}
         self.ready = [False] * len(self.units)
+        self.version = 0  # changes whenever `ready` does (mark_ready, close)
         self._map = mmap.mmap(-1, self.nbytes) if self.nbytes else None
         self.buf = (
             torch.frombuffer(self._map, dtype=torch.uint8)
@@ -56,6 +57,11 @@ class ResidentRAM:
         """The blob's bytes if resident and filled, else None."""
         i = self.index.get(unit)
         return self.slot(i) if i is not None and self.ready[i] else None
+
+    def mark_ready(self, i: int) -> None:
+        """Slot i is filled: it serves its expert from now on."""
+        self.ready[i] = True
+        self.version += 1
 
     def chunks(self, chunk_bytes: int) -> list[range]:
         """Consecutive slots grouped into chunks of at most `chunk_bytes` (one slot at least)."""
@@ -97,6 +103,7 @@ class ResidentRAM:
                     locker.unlock(ptr, n)
             self._locked.clear()
         self.ready = [False] * len(self.units)
+        self.version += 1
         self.buf = torch.empty(0, dtype=torch.uint8)
         self._map = None
 
