@@ -71,7 +71,6 @@ class StoreStack:
             raise RuntimeError("the expert store can no longer address every expert in place")
         routed = self.stack(x, spans, cos, sin)
         for layer, ids in enumerate(routed):
-            used = sorted(set(ids.flatten().tolist()))
             tiers = self._tiers[layer]
-            self.store.count(layer, used, [tiers[e] for e in used])
+            self.store.count(layer, [tiers[e] for e in set(ids.flatten().tolist())])
         return routed

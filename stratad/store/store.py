@@ -118,7 +118,7 @@ class ExpertStore:
             blob, tier = self._held(layer, e)
             mapped = None if blob is not None or admits else self.source.mapped(layer, e)
             if mapped is not None:
-                self.count(layer, [e], ["file"])
+                self.count(layer, ["file"])
                 got.append((mapped, None, tier))
                 continue
             blob = self._read(layer, e) if blob is None else blob
@@ -157,9 +157,9 @@ class ExpertStore:
         """How many of `layer`'s RAM copies are pinned (and serve) now."""
         return sum(self.ram.ready[i] for i in self._ram_slots[layer])
 
-    def count(self, layer: int, experts: Sequence[int], tiers: Sequence[str]) -> None:
-        """Count `experts` of `layer` as served from `tiers` (in_place's, for those a step
-        used; a file-tier answer counts as a read of its bytes)."""
+    def count(self, layer: int, tiers: Sequence[str]) -> None:
+        """Count experts of `layer` as served, one from each of `tiers` (in_place's, for those
+        a step used; a file-tier answer counts as a read of its bytes)."""
         for tier in tiers:
             self.hits[tier] += 1
             if tier == "file":
