@@ -23,6 +23,7 @@ from stratad.engine.prefix import PrefixStore
 from stratad.engine.sampling import SamplingParams
 from stratad.engine.weights_mode import QuantWeights
 from stratad.model.loader import load_model
+from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Delta, Job, PreparedJob
@@ -48,9 +49,13 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def engine() -> tuple[ReferenceForward, object]:
+def model() -> Model:
+    return load_model(tiny_moe_path())
+
+
+@pytest.fixture(scope="module")
+def engine(model: Model) -> tuple[ReferenceForward, object]:
     """The cpu engine on the tiny MoE: its layers in one kernel call, a batch in one call."""
-    model = load_model(tiny_moe_path())
     forward = ReferenceForward(model, weights=QuantWeights(CpuExperts(threads=2)))
     assert forward.stack is not None
     return forward, tokenizer_from_gguf(model.metadata)
@@ -205,10 +210,9 @@ def test_a_daemon_serves_clients_at_once_as_one_by_one() -> None:
     assert together == alone and all(alone)
 
 
-def test_the_ram_plan_counts_every_kv_cache() -> None:
+def test_the_ram_plan_counts_every_kv_cache(model: Model) -> None:
     """On a CPU host the working KV caches are host RAM: one of the whole context for each
     request served at once, counted before the expert store's RAM budget."""
-    model = load_model(tiny_moe_path())
     spec, cpu = model.spec, torch.device("cpu")
     config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="cpu"))
     kv = {}
