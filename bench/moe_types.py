@@ -1,12 +1,16 @@
 """The fused MoE decode kernels per GGUF type, at a model's shapes, against HBM's rate.
 
     python -m bench.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
-                              [--formats iq2_xxs iq1_s ...]
+                              [--formats iq2_xxs iq1_s ...] [--tokens 1,8,32]
+                              [--configs 16:1:4 8:8:4 ...] [--aligned-only]
 
 For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
-as blocks and as aligned words) it builds `--experts` random experts in VRAM and times one
-decode token's `fused_moe` (top-k routed, CUDA graph, median of --repeats with the spread):
-microseconds per call and the weight bytes read per second (k experts' three projections).
+as blocks and as aligned words) it builds `--experts` random experts in VRAM and times
+`fused_moe` for T decode tokens (each routed to a random top-k, CUDA graph, median of
+--repeats with the spread): microseconds per call and the weight bytes read per second (the
+distinct routed experts' three projections: the kernels read each once for all its tokens).
+`--configs` times each launch setting `block_n:super_blocks:num_warps` (default: the
+built-in `MoeConfig`).
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
 `stratactl bench kernels` times the same kernels (each type the model holds) among all the
 others, against ceilings it measures; this driver compares every type at once.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -49,26 +54,40 @@ def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
     return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
 
 
-def time_format(mix: tuple[QType, QType, QType], aligned: bool, a: argparse.Namespace) -> dict:
+def _config(text: str) -> MoeConfig:
+    n, sbs, w = (int(v) for v in text.split(":"))
+    return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w)
+
+
+def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
+    return torch.stack([torch.randperm(a.experts, device="cuda")[: a.top_k]
+                        for _ in range(t)]).to(torch.int32)  # fmt: skip
+
+
+def time_format(
+    mix: tuple[QType, QType, QType], aligned: bool, a: argparse.Namespace, t: int,
+    cfg: MoeConfig,
+) -> dict:  # fmt: skip
     h, f = a.hidden, a.ffn
     experts = [(_matrix(mix[0], f, h), _matrix(mix[1], f, h), _matrix(mix[2], h, f))
                for _ in range(a.experts)]  # fmt: skip
     table = expert_table(experts).cuda()  # type: ignore[arg-type]
     nbytes = sum(m.numel() for m in experts[0])
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    weights = torch.full((1, a.top_k), 1.0 / a.top_k, device="cuda")
-    ids = torch.randperm(a.experts, device="cuda")[: a.top_k].to(torch.int32)[None]
-    fmt, cfg = ExpertFormat(*mix), MoeConfig()
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    weights = torch.full((t, a.top_k), 1.0 / a.top_k, device="cuda")
+    ids = _route(t, a)
+    fmt = ExpertFormat(*mix)
     for _ in range(3):  # compile, warm
         fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(a.calls):
             fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
-    times = []
+    times, distinct = [], []
     for _ in range(a.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ids.copy_(torch.randperm(a.experts, device="cuda")[: a.top_k].to(torch.int32)[None])
+        ids.copy_(_route(t, a))
+        distinct.append(int(ids.unique().numel()))
         start.record()
         graph.replay()
         end.record()
@@ -78,8 +97,10 @@ def time_format(mix: tuple[QType, QType, QType], aligned: bool, a: argparse.Name
     return {
         "us": us,
         "spread_us": [min(times), max(times)],
-        "gbs": a.top_k * nbytes / us / 1e3,
+        "gbs": statistics.median(distinct) * nbytes / us / 1e3,
         "expert_mib": nbytes / 2**20,
+        "tokens": t,
+        "config": asdict(cfg),
     }
 
 
@@ -93,6 +114,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
                    metavar="FORMAT", help="the formats to time (default: all)")
+    p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                   help="tokens per call, comma-separated (default 1)")  # fmt: skip
+    p.add_argument("--configs", nargs="+", type=_config, default=[MoeConfig()],
+                   metavar="N:SB:W", help="block_n:super_blocks:num_warps settings to time")
+    p.add_argument("--aligned-only", action="store_true")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -107,17 +133,21 @@ def main() -> None:
     d2d = 2 * 5 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # read + write
     del src, dst
     print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
-    print(f"{'format':22} {'path':10} {'us/call':>8} {'spread':>17} {'GB/s':>7} {'of D2D':>7}")
+    print(f"{'format':22} {'path':10} {'T':>3} {'config':>8} {'us/call':>8} {'spread':>17}"
+          f" {'GB/s':>7} {'of D2D':>7}")  # fmt: skip
     out: dict[str, object] = {"d2d_gbs": d2d, "device": torch.cuda.get_device_name()}
     for name in a.formats:
         mix = FORMATS[name]
-        for aligned in (False, True):
-            r = time_format(mix, aligned, a)
-            path = "aligned" if aligned else "unaligned"
-            out[f"{name}/{path}"] = r
-            lo, hi = r["spread_us"]
-            print(f"{name:22} {path:10} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f} {r['gbs']:7.0f}"
-                  f" {100 * r['gbs'] / d2d:6.1f}%")  # fmt: skip
+        for aligned in (True,) if a.aligned_only else (False, True):
+            for t in a.tokens:
+                for cfg in a.configs:
+                    r = time_format(mix, aligned, a, t, cfg)
+                    path = "aligned" if aligned else "unaligned"
+                    tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
+                    out[f"{name}/{path}/t{t}/{tag}"] = r
+                    lo, hi = r["spread_us"]
+                    print(f"{name:22} {path:10} {t:3} {tag:>8} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f}"
+                          f" {r['gbs']:7.0f} {100 * r['gbs'] / d2d:6.1f}%")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
 

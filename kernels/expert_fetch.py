@@ -3,14 +3,16 @@
 The second of the GPU's miss paths (the first is the fused MoE kernel reading host memory in
 place, `kernels.moe`). One launch per layer, with the routing still on the device:
 
-  for every (token, slot) s routed to expert e = ids[s]:
+  for every (token, slot) s routed to expert e = ids[s], f the first pair routed to e:
     - e's blob address (`table[e, 0]`, its gate matrix, which starts the blob) lies in the
-      host range [host_lo, host_hi): the blob is copied, by every program of row s in pieces
-      of CHUNK bytes, into `staging[s]`, and `step_table[s]` points at the copy;
+      host range [host_lo, host_hi): the blob is copied once, by every program of row f in
+      pieces of CHUNK bytes, into `staging[f]`, and `step_table[s]` points at the copy;
     - otherwise (a VRAM slot): `step_table[s]` is e's row of `table`, unchanged;
-    - e < 0 (computed elsewhere, the CPU miss path): `slot_ids[s]` is -1.
+    - `slot_ids[s]` is f, so that the fused kernels still see which pairs share an expert
+      (and read it once for all of them); e < 0 (computed elsewhere, the CPU miss path): -1.
 
-`fused_moe(x, slot_ids, weights, step_table, ffn)` then reads every expert from VRAM. A copy
+`fused_moe(x, slot_ids, weights, step_table, ffn)` then reads every expert from VRAM. A batch
+of tokens copies the union of its missed experts, each once. A copy
 kernel with hundreds of programs each holding many wide loads in flight keeps the PCIe link
 busy, which the compute kernel, with its dependent loads and arithmetic per block, does not.
 The bytes that cross the link are the same as in place: the blob once per step.
@@ -50,40 +52,46 @@ def _fetch_kernel(
     stage_stride,
     N16,  # blob bytes / 16
     N_CHUNKS,  # cdiv(blob bytes, chunk)
+    N_PAIRS,
     CHUNK_WORDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr,  # a power of two >= N_PAIRS: the scan for a pair's first sharer
 ):
     s = tl.program_id(0)
     c = tl.program_id(1)
     e = tl.load(ids_ptr + s).to(tl.int64)
     s64 = s.to(tl.int64)
     if e >= 0:
+        at = tl.arange(0, PAIRS)
+        every = tl.load(ids_ptr + at, mask=at < N_PAIRS, other=-1)
+        first = tl.min(tl.where((every == e) & (at < N_PAIRS), at, PAIRS))  # the first sharer
         gate = tl.load(table_ptr + e * 3)
         up = tl.load(table_ptr + e * 3 + 1)
         down = tl.load(table_ptr + e * 3 + 2)
         missed = (gate >= host_lo) & (gate < host_hi)
         if missed:
-            base = stage_base + s64 * stage_stride
+            base = stage_base + first.to(tl.int64) * stage_stride
             if c == 0:
                 tl.store(step_ptr + s64 * 3, base)
                 tl.store(step_ptr + s64 * 3 + 1, base + (up - gate))
                 tl.store(step_ptr + s64 * 3 + 2, base + (down - gate))
-            # blobs and staging rows are 16-byte aligned (the launcher checks): say so, so that
-            # each thread moves 16 bytes per load, not 4
-            src_words = tl.multiple_of(gate.to(tl.pointer_type(tl.int32)), 16)
-            dst_words = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
-            for part in range(c, N_CHUNKS, tl.num_programs(1)):
-                lo = part * CHUNK_WORDS
-                for w0 in range(lo, lo + CHUNK_WORDS, BLOCK):
-                    w = tl.multiple_of(w0, BLOCK) + tl.arange(0, BLOCK)
-                    mask = w < N16 * 4  # whole 16-byte pieces: the loads stay 16 bytes wide
-                    tl.store(dst_words + w, tl.load(src_words + w, mask=mask), mask=mask)
+            if first == s:  # the first sharer copies the blob, once for all of them
+                # blobs and staging rows are 16-byte aligned (the launcher checks): say so, so that
+                # each thread moves 16 bytes per load, not 4
+                src_words = tl.multiple_of(gate.to(tl.pointer_type(tl.int32)), 16)
+                dst_words = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
+                for part in range(c, N_CHUNKS, tl.num_programs(1)):
+                    lo = part * CHUNK_WORDS
+                    for w0 in range(lo, lo + CHUNK_WORDS, BLOCK):
+                        w = tl.multiple_of(w0, BLOCK) + tl.arange(0, BLOCK)
+                        mask = w < N16 * 4  # whole 16-byte pieces: the loads stay 16 bytes wide
+                        tl.store(dst_words + w, tl.load(src_words + w, mask=mask), mask=mask)
         elif c == 0:
             tl.store(step_ptr + s64 * 3, gate)
             tl.store(step_ptr + s64 * 3 + 1, up)
             tl.store(step_ptr + s64 * 3 + 2, down)
         if c == 0:
-            tl.store(slot_ids_ptr + s, s.to(tl.int32))
+            tl.store(slot_ids_ptr + s, first.to(tl.int32))
     elif c == 0:
         tl.store(slot_ids_ptr + s, -1)
 
@@ -126,8 +134,8 @@ def fetch_experts(
     grid = (n, min(chunks, config.programs))
     _fetch_kernel[grid](
         ids, table, step, slot_ids, staging.data_ptr(), host[0], host[1], staging.stride(0),
-        blob_bytes // 16, chunks, CHUNK_WORDS=config.chunk // 4, BLOCK=config.block,
-        num_warps=config.num_warps,
+        blob_bytes // 16, chunks, n, CHUNK_WORDS=config.chunk // 4, BLOCK=config.block,
+        PAIRS=triton.next_power_of_2(n), num_warps=config.num_warps,
     )  # fmt: skip
     return slot_ids, step
 
@@ -139,17 +147,17 @@ def fetch_experts_ref(
     flat = ids.reshape(-1).tolist()
     rows = table.cpu().tolist()
     step: list[list[int] | None] = []
-    for s, e in enumerate(flat):
+    for e in flat:
         if e < 0:
             step.append(None)
             continue
         gate, up, down = rows[e]
         if host[0] <= gate < host[1]:
-            base = staging_base + s * stride
+            base = staging_base + flat.index(e) * stride
             step.append([base, base + up - gate, base + down - gate])
         else:
             step.append([gate, up, down])
-    slot_ids = torch.tensor([s if e >= 0 else -1 for s, e in enumerate(flat)], dtype=torch.int32)
+    slot_ids = torch.tensor([flat.index(e) if e >= 0 else -1 for e in flat], dtype=torch.int32)
     return slot_ids.view(ids.shape), torch.tensor(
         [r if r is not None else [0, 0, 0] for r in step], dtype=torch.int64
     )

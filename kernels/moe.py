@@ -72,9 +72,16 @@ class MoeConfig:
     # Q4_0 blocks (of 32 columns) per reduction step: 32 keeps more loads in flight (the
     # H200's graph-timed tuning at a3b's shapes: 25.9 against 28.7 us with 8)
     block_b: int = 32
-    block_k: int = 256  # columns per reduction step of the GGUF-block types
+    block_k: int = 256  # columns per reduction step of the value-by-value GGUF-block types
+    # K-quant super-blocks (256 columns) per reduction step of the Q4_K/Q5_K/Q6_K readers:
+    # every load of a step is in flight at once (a power of two)
+    super_blocks: int = 1
     num_warps: int = 4
     num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.super_blocks < 1 or self.super_blocks & (self.super_blocks - 1):
+            raise ValueError(f"super_blocks must be a power of two, got {self.super_blocks}")
 
 
 # --- Triton ------------------------------------------------------------------------------
@@ -137,14 +144,61 @@ def _rows_dot(
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
+    SBS: tl.constexpr,
 ):
     """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K]."""
     if QTYPE == Q4_0:
         acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
     else:
         acc = blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
-                              BLOCK_N, BLOCK_K, ALIGNED)  # fmt: skip
+                              BLOCK_N, BLOCK_K, ALIGNED, SBS)  # fmt: skip
     return acc
+
+
+@triton.jit
+def _group(ids_ptr, s, e, N_PAIRS, PAIRS: tl.constexpr):
+    """Pairs routed to expert `e`, for program `s`: (whether s is the first of them, the
+    pairs [PAIRS] as a mask over 0..PAIRS-1). Grouping lets one program read an expert's rows
+    once for every token routed to it; the other programs of that expert do nothing."""
+    at = tl.arange(0, PAIRS)
+    every = tl.load(ids_ptr + at, mask=at < N_PAIRS, other=-1)
+    members = (every == e) & (at < N_PAIRS)
+    first = tl.min(tl.where(members, at, PAIRS)) == s
+    return first, members
+
+
+@triton.jit
+def _next_member(members, j, PAIRS: tl.constexpr):
+    """The next pair after j of an expert's group (PAIRS: none)."""
+    at = tl.arange(0, PAIRS)
+    return tl.min(tl.where(members & (at > j), at, PAIRS))
+
+
+@triton.jit
+def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, UP_ROW, tab_ptr,
+                  Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
+                  SBS: tl.constexpr):  # fmt: skip
+    """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows`."""
+    x = x_ptr + t.to(tl.int64) * H
+    g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
+                  BLOCK_K, ALIGNED, SBS)  # fmt: skip
+    u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
+                  ALIGNED, SBS)  # fmt: skip
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
+
+
+@triton.jit
+def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW, tab_ptr,
+               Q_DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+               BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr):  # fmt: skip
+    """part[s] = weight[s] * (down @ act[s]) on `rows`."""
+    w = tl.load(weights_ptr + s)
+    act = act_ptr + s.to(tl.int64) * F
+    y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
+                      BLOCK_K, ALIGNED, SBS)  # fmt: skip
+    tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
 @triton.jit
@@ -158,6 +212,7 @@ def _gate_up_kernel(
     GATE_ROW,  # bytes per row of gate / up (GGUF-block types)
     UP_ROW,
     tab_ptr,  # the i-quants' tables (kernels.iq_tables)
+    N_PAIRS,  # T * k
     TOP_K: tl.constexpr,
     Q_GATE: tl.constexpr,
     Q_UP: tl.constexpr,
@@ -165,23 +220,32 @@ def _gate_up_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
+    SBS: tl.constexpr,  # K-quant super-blocks per step
+    PAIRS: tl.constexpr,  # 0: one program per pair; else a power of two >= N_PAIRS (grouped)
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair
-    t = s // TOP_K
     e = tl.load(ids_ptr + s).to(tl.int64)
-    if e >= 0:  # a negative id: this slot is computed elsewhere (the CPU miss path)
-        gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
-        up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < F
-        x = x_ptr + t.to(tl.int64) * H
-        g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED)  # fmt: skip
-        u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED)  # fmt: skip
-        act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < F
+    if PAIRS == 0:
+        if e >= 0:  # a negative id: this slot is computed elsewhere (the CPU miss path)
+            gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
+            up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
+            _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
+                          UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
+                          ALIGNED, SBS)  # fmt: skip
+    else:
+        first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
+        if (e >= 0) & first:
+            gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
+            up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
+            j = s
+            for _ in range(tl.sum(members.to(tl.int32))):  # the expert's rows stay in cache
+                _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
+                              GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
+                              BLOCK_K, ALIGNED, SBS)  # fmt: skip
+                j = _next_member(members, j, PAIRS)
 
 
 @triton.jit
@@ -195,28 +259,46 @@ def _down_kernel(
     F,
     DOWN_ROW,
     tab_ptr,
+    N_PAIRS,
     Q_DOWN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
+    SBS: tl.constexpr,
+    PAIRS: tl.constexpr,  # as in _gate_up_kernel
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < H
     e = tl.load(ids_ptr + s).to(tl.int64)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if e >= 0:  # skipped slots contribute zero
-        w = tl.load(weights_ptr + s)
+    if e < 0:  # skipped slots contribute zero
+        tl.store(part_ptr + s.to(tl.int64) * H + rows, tl.zeros([BLOCK_N], tl.float32),
+                 mask=rmask)  # fmt: skip
+    elif PAIRS == 0:
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
-        act = act_ptr + s.to(tl.int64) * F
-        y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N,
-                          BLOCK_B, BLOCK_K, ALIGNED)  # fmt: skip
-    tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
+        _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
+                   tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS)  # fmt: skip
+    else:
+        first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
+        if first:
+            down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
+            j = s
+            for _ in range(tl.sum(members.to(tl.int32))):
+                _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
+                           DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
+                           ALIGNED, SBS)  # fmt: skip
+                j = _next_member(members, j, PAIRS)
 
 
 # --- launchers ---------------------------------------------------------------------------
+
+
+def _grouped(tokens: int, pairs: int) -> int:
+    """The kernels' PAIRS: 0 for one token (its k experts are distinct: a program per pair),
+    else the power of two the grouping scans (several tokens may share an expert)."""
+    return 0 if tokens == 1 else triton.next_power_of_2(pairs)
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
@@ -246,14 +328,16 @@ def moe_gate_up(
     t, h = x.shape
     # raises for a row length the types' blocks do not divide
     gate_row, up_row = row_bytes(fmt.gate, h), row_bytes(fmt.up, h)
-    act = torch.empty(t * ids.shape[1], ffn, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(ffn, config.block_n), t * ids.shape[1])
+    pairs = t * ids.shape[1]
+    act = torch.empty(pairs, ffn, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(ffn, config.block_n), pairs)
     _gate_up_kernel[grid](
-        x, ids, table, act, h, ffn, gate_row, up_row, iq_tables(x.device),
+        x, ids, table, act, h, ffn, gate_row, up_row, iq_tables(x.device), pairs,
         TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), BLOCK_N=config.block_n,
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
-        ALIGNED=aligned and fmt.aligned(h, ffn), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        ALIGNED=aligned and fmt.aligned(h, ffn), SBS=config.super_blocks,
+        PAIRS=_grouped(t, pairs),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
@@ -279,10 +363,11 @@ def moe_down(
     ffn = act.shape[1]
     _down_kernel[grid](
         act, ids, weights.contiguous(), table, part, hidden, ffn, row_bytes(fmt.down, ffn),
-        iq_tables(act.device),
+        iq_tables(act.device), t * k,
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SBS=config.super_blocks, PAIRS=_grouped(t, t * k), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden)
 

@@ -7,8 +7,9 @@ tile decoder) costs several byte loads per weight; the common types get a block-
 instead, so each load serves several values and each (sub-)block's scale is applied once to
 its dot:
 - Q4_K and Q5_K (where the blobs are aligned): the 128 bytes of nibbles (and Q5_K's plane
-  of 5th bits) as 32-bit words.
-- Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights.
+  of 5th bits) as 32-bit words, `super_blocks` super-blocks per step.
+- Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights,
+  `super_blocks` super-blocks per step.
 - Q8_0: blocks of 32 int8 with one scale each.
 - Q2_K (aligned: codes as words) and Q3_K (one code byte per 4 weights, one high-bit byte
   per 8): each 16-value sub-block's scale once.
@@ -66,37 +67,51 @@ def _values_rows_dot(
 
 @triton.jit
 def _q45_k_rows_dot(
-    w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, FIVE_BIT: tl.constexpr
+    w_ptr,
+    rows,
+    row_mask,
+    x_ptr,
+    K,
+    ROW_BYTES,
+    BLOCK_N: tl.constexpr,
+    FIVE_BIT: tl.constexpr,
+    SBS: tl.constexpr,
 ):
     """[BLOCK_N] float32: rows of a Q4_K (144-byte) or Q5_K (176: a 32-byte plane of 5th bits
     before the nibbles) matrix at byte address w_ptr (rows and blocks 16-byte aligned) dot
-    x [K], a super-block (256 values) per step. Its 128 bytes of nibbles are read as 32-bit
-    words [pair, word]: byte b of word w of pair p holds value 64p + 4w + b (low nibble,
-    sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block 2p + 1); Q5_K's 5th bit of
-    sub-block s, value j, is bit s of byte j of the plane. Each sub-block's dot is scaled
-    once: d * sc * sum(q x) - dmin * m * sum(x)."""
+    x [K], SBS super-blocks (256 values each) per step: a decode GEMV is bound by the loads in
+    flight, so a step issues every load of SBS super-blocks at once. A super-block's 128 bytes
+    of nibbles are read as 32-bit words [pair, word]: byte b of word w of pair p holds value
+    64p + 4w + b (low nibble, sub-block 2p) and 64p + 32 + 4w + b (high nibble, sub-block
+    2p + 1); Q5_K's 5th bit of sub-block s, value j, is bit s of byte j of the plane. The tile
+    is [BN, (super-block, pair), word]. Each sub-block's dot is scaled once:
+    d * sc * sum(q x) - dmin * m * sum(x)."""
     rows64 = rows.to(tl.int64)[:, None, None]  # [BN, 1, 1]
-    pair = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
+    sp = tl.arange(0, 4 * SBS)[None, :, None]  # [1, P, 1]: (super-block of the step, pair)
     word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
-    mask3 = row_mask[:, None, None]
+    sp2 = tl.arange(0, 4 * SBS)[None, :]  # [1, P]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     nbytes = 144 + 32 * FIVE_BIT  # the block's bytes
-    for sb in range(0, K // 256):
-        blk = w_ptr + rows64 * ROW_BYTES + sb * nbytes  # [BN, 1, 1]
+    nsb = K // 256
+    for sb0 in range(0, nsb, SBS):
+        sb, pair = sb0 + sp // 4, sp % 4
+        smask = sb < nsb  # [1, P, 1]
+        mask3 = row_mask[:, None, None] & smask
+        blk = w_ptr + rows64 * ROW_BYTES + sb * nbytes  # [BN, P, 1]
         qs = blk + nbytes - 128
         q = tl.load((qs + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
                     other=0)  # fmt: skip
         if FIVE_BIT:
             qh = tl.load((blk + 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3,
-                         other=0)  # fmt: skip  # [BN, 1, 8]
-        xb = x_ptr + sb * 256 + pair * 64 + word * 4  # [1, 4, 8]
-        dot_lo = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
-        dot_hi = tl.zeros([BLOCK_N, 4, 8], dtype=tl.float32)
-        sum_lo = tl.zeros([1, 4, 8], dtype=tl.float32)
-        sum_hi = tl.zeros([1, 4, 8], dtype=tl.float32)
+                         other=0)  # fmt: skip  # [BN, P, 8]
+        xb = x_ptr + sb * 256 + pair * 64 + word * 4  # [1, P, 8]
+        dot_lo = tl.zeros([BLOCK_N, 4 * SBS, 8], dtype=tl.float32)
+        dot_hi = tl.zeros([BLOCK_N, 4 * SBS, 8], dtype=tl.float32)
+        sum_lo = tl.zeros([1, 4 * SBS, 8], dtype=tl.float32)
+        sum_hi = tl.zeros([1, 4 * SBS, 8], dtype=tl.float32)
         for b in tl.static_range(4):
-            x_lo = tl.load(xb + b).to(tl.float32)
-            x_hi = tl.load(xb + 32 + b).to(tl.float32)
+            x_lo = tl.load(xb + b, mask=smask, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + 32 + b, mask=smask, other=0.0).to(tl.float32)
             lo = (q >> (8 * b)) & 0xF
             hi = (q >> (8 * b + 4)) & 0xF
             if FIVE_BIT:
@@ -106,12 +121,13 @@ def _q45_k_rows_dot(
             dot_hi += hi.to(tl.float32) * x_hi
             sum_lo += x_lo
             sum_hi += x_hi
-        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * nbytes  # [BN, 1]
-        hmask = row_mask[:, None]
+        sb2, pair2 = sb0 + sp2 // 4, sp2 % 4
+        hmask = row_mask[:, None] & (sb2 < nsb)  # [BN, P]
+        head = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb2 * nbytes  # [BN, P]
         d = _load_f16(head, hmask)
         dmin = _load_f16(head + 2, hmask)
-        sub = 2 * tl.arange(0, 4)[None, :]  # [1, 4]: the low nibbles' sub-blocks
-        sc_lo, m_lo = _k_scale_min(head + 4, sub, hmask)  # [BN, 4]
+        sub = 2 * pair2  # the low nibbles' sub-blocks
+        sc_lo, m_lo = _k_scale_min(head + 4, sub, hmask)  # [BN, P]
         sc_hi, m_hi = _k_scale_min(head + 4, sub + 1, hmask)
         part = (d * sc_lo) * tl.sum(dot_lo, axis=2) - (dmin * m_lo) * tl.sum(sum_lo, axis=2)
         part += (d * sc_hi) * tl.sum(dot_hi, axis=2) - (dmin * m_hi) * tl.sum(sum_hi, axis=2)
@@ -120,28 +136,37 @@ def _q45_k_rows_dot(
 
 
 @triton.jit
-def _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
-    """Q6_K (210 bytes: ql 128 | qh 64 | int8 scales 16 | d). Half n of a super-block holds
-    values 128n + 32k + l (k 0..3, l 0..31): low 4 bits in ql[64n + l] (k 0, 2: low nibble
-    of ql[.. + 32 (k odd)]; k 2, 3: high nibble), top 2 bits at shift 2k of qh[32n + l],
-    scale sc[8n + 2k + l // 16]. The tile is [BN, n, l // 16, l % 16]."""
-    n = tl.arange(0, 2)[None, :, None, None]
+def _q6_k_rows_dot(
+    w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr
+):
+    """Q6_K (210 bytes: ql 128 | qh 64 | int8 scales 16 | d), SBS super-blocks per step.
+    Half n of a super-block holds values 128n + 32k + l (k 0..3, l 0..31): low 4 bits in
+    ql[64n + l] (k 0, 2: low nibble of ql[.. + 32 (k odd)]; k 2, 3: high nibble), top 2 bits
+    at shift 2k of qh[32n + l], scale sc[8n + 2k + l // 16]. The tile is
+    [BN, (super-block, n), l // 16, l % 16]."""
+    hn = tl.arange(0, 2 * SBS)[None, :, None, None]  # (super-block of the step, half)
     g = tl.arange(0, 2)[None, None, :, None]
     l16 = tl.arange(0, 16)[None, None, None, :]
     lane = g * 16 + l16  # l: 0..31
-    mask4 = row_mask[:, None, None, None]
-    mask3 = row_mask[:, None, None]
+    hn3 = tl.arange(0, 2 * SBS)[None, :, None]
+    g3 = tl.arange(0, 2)[None, None, :]
+    hn2 = tl.arange(0, 2 * SBS)[None, :]
+    rows64 = rows.to(tl.int64)
+    nsb = K // 256
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for sb in range(0, K // 256):
-        blk = w_ptr + rows.to(tl.int64)[:, None, None, None] * ROW_BYTES + sb * 210
+    for sb0 in range(0, nsb, SBS):
+        sb, n = sb0 + hn // 2, hn % 2
+        smask = sb < nsb
+        mask4 = row_mask[:, None, None, None] & smask
+        blk = w_ptr + rows64[:, None, None, None] * ROW_BYTES + sb * 210
         qa = tl.load(blk + 64 * n + lane, mask=mask4, other=0).to(tl.int32)
         qb = tl.load(blk + 64 * n + 32 + lane, mask=mask4, other=0).to(tl.int32)
         qh = tl.load(blk + 128 + 32 * n + lane, mask=mask4, other=0).to(tl.int32)
-        xb = x_ptr + sb * 256 + 128 * n + lane  # [1, 2, 2, 16]
-        sc_at = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES + sb * 210 + 192
-        n3 = tl.arange(0, 2)[None, :, None]
-        g3 = tl.arange(0, 2)[None, None, :]
-        part = tl.zeros([BLOCK_N, 2, 2], dtype=tl.float32)
+        xb = x_ptr + sb * 256 + 128 * n + lane  # [1, HN, 2, 16]
+        sb3, n3 = sb0 + hn3 // 2, hn3 % 2
+        mask3 = row_mask[:, None, None] & (sb3 < nsb)
+        sc_at = w_ptr + rows64[:, None, None] * ROW_BYTES + sb3 * 210 + 192
+        part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
             if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
                 low = qa
@@ -152,12 +177,13 @@ def _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
             else:
                 low = low >> 4
             q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
-            x = tl.load(xb + 32 * k).to(tl.float32)
-            dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, 2, 2]
+            x = tl.load(xb + 32 * k, mask=smask, other=0.0).to(tl.float32)
+            dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, HN, 2]
             sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)
             part += sc.to(tl.float32) * dot
-        d_at = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES + sb * 210 + 208  # [BN, 1]
-        d = _load_f16(d_at, row_mask[:, None])
+        sb2 = sb0 + hn2 // 2
+        d_at = w_ptr + rows64[:, None] * ROW_BYTES + sb2 * 210 + 208  # [BN, HN]
+        d = _load_f16(d_at, row_mask[:, None] & (sb2 < nsb))
         acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
     return acc
 
@@ -271,13 +297,14 @@ def blocks_rows_dot(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
+    SBS: tl.constexpr,
 ):
     """Rows of a projection of GGUF blocks of QTYPE dot x [K] (ALIGNED: rows and blobs on 16
-    bytes)."""
+    bytes; SBS: the K-quants' super-blocks per step)."""
     if QTYPE == Q4_K and ALIGNED:
-        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, False)
+        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, False, SBS)
     elif QTYPE == Q5_K and ALIGNED:
-        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, True)
+        acc = _q45_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, True, SBS)
     elif QTYPE == IQ4_XS and ALIGNED:
         acc = _iq4_xs_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
     elif QTYPE == Q2_K and ALIGNED:
@@ -285,7 +312,7 @@ def blocks_rows_dot(
     elif QTYPE == Q3_K:
         acc = _q3_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == Q6_K:
-        acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
+        acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, SBS)
     elif QTYPE == Q8_0:
         acc = _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == IQ3_S:

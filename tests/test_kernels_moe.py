@@ -9,6 +9,7 @@ from gguf import quants as gguf_quants
 
 from kernels.moe import (
     ExpertFormat,
+    MoeConfig,
     expert_table,
     fused_moe,
     fused_moe_ref,
@@ -203,3 +204,75 @@ def test_fused_moe_mixed_types_gpu(mix: tuple[QType, QType, QType]) -> None:
 def test_expert_format_refuses_a_type_without_a_kernel() -> None:
     with pytest.raises(ValueError, match="F16"):
         ExpertFormat(QType.Q4_K, QType.Q4_K, QType.F16)
+
+
+def _routed(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t tokens routed to k of e experts each (e small: tokens share experts), weights."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    return ids, torch.rand(t, k, generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("mix", "t", "super_blocks"),
+    [((QType.Q4_K, QType.Q4_K, QType.Q6_K), 3, 2), ((QType.Q4_0, QType.Q4_0, QType.Q8_0), 9, 1)],
+    ids=["q4_k_m-t3", "q4_0-t9"],
+)
+def test_grouped_tokens_equal_alone(
+    mix: tuple[QType, QType, QType], t: int, super_blocks: int
+) -> None:
+    """Several tokens routed to shared experts (the batched decode's shape): the kernels read
+    each expert once for all of its tokens, and every token's output is bit for bit the one it
+    gets alone, and the reference's."""
+    x, _, _, table, experts = _mixed_case(mix, 1, 2, 3, 512, 256, "cpu")
+    x = torch.randn(t, 512, generator=torch.Generator().manual_seed(t))
+    ids, weights = _routed(t, 2, 3, seed=t)
+    ids[1, 0] = -1  # computed elsewhere: skipped, its neighbours unchanged
+    cfg, fmt = MoeConfig(super_blocks=super_blocks), ExpertFormat(*mix)
+    got = fused_moe(x, ids, weights, table, 256, cfg, aligned=True, fmt=fmt)
+    for i in range(t):
+        alone = fused_moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], table, 256, cfg,
+                          aligned=True, fmt=fmt)  # fmt: skip
+        assert torch.equal(got[i : i + 1], alone), f"token {i} differs from its output alone"
+    kept = torch.where(ids >= 0, weights, 0.0)
+    ref = fused_moe_ref(x, ids.clamp(min=0), kept, experts)
+    assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.parametrize("super_blocks", [1, 2, 4])
+def test_k_quant_super_blocks_per_step(super_blocks: int) -> None:
+    """The K-quant readers take several super-blocks per step, the last step masked where the
+    row's super-blocks do not fill it (768 columns: 3 super-blocks)."""
+    mix = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+    x, ids, weights, table, experts = _mixed_case(mix, 2, 2, 3, 768, 256, "cpu")
+    got = fused_moe(x, ids, weights, table, 256, MoeConfig(super_blocks=super_blocks),
+                    aligned=True, fmt=ExpertFormat(*mix))  # fmt: skip
+    ref = fused_moe_ref(x, ids, weights, experts)
+    assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+def test_super_blocks_must_be_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        MoeConfig(super_blocks=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 33])
+@pytest.mark.parametrize("super_blocks", [1, 8])
+def test_grouped_q4_k_m_gpu(t: int, super_blocks: int) -> None:
+    """a3b's expert shapes in the Q4_K_M mix, t tokens over 16 experts (shared), bfloat16:
+    each token's output alone is bit for bit its output in the batch, near the reference."""
+    mix = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
+    x, _, _, table, experts = _mixed_case(mix, 1, 8, 16, 2048, 768, "cuda")
+    x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(t)).bfloat16()
+    ids, weights = _routed(t, 8, 16, seed=t)
+    cfg, fmt = MoeConfig(super_blocks=super_blocks), ExpertFormat(*mix)
+    xc, idc, wc = x.cuda(), ids.cuda(), weights.cuda()
+    got = fused_moe(xc, idc, wc, table, 768, cfg, aligned=True, fmt=fmt)
+    for i in range(t):
+        alone = fused_moe(xc[i : i + 1], idc[i : i + 1], wc[i : i + 1], table, 768, cfg,
+                          aligned=True, fmt=fmt)  # fmt: skip
+        assert torch.equal(got[i : i + 1], alone), f"token {i} differs from its output alone"
+    ref = fused_moe_ref(x, ids, weights, experts).float()
+    err = (got.float().cpu() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative error {err:.2e}"

@@ -46,7 +46,7 @@ from stratad.engine.kv import KVCache
 from stratad.engine.layers import rms_norm, route, swiglu
 from stratad.engine.offload_attention import OffloadAttention
 from stratad.engine.offload_config import OffloadConfig
-from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
+from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.prefetch import ExpertPrefetch
 from stratad.engine.slots import initial_residents
 from stratad.engine.split_step import SplitParts, SplitStep
@@ -144,20 +144,24 @@ class OffloadForward:
             not self.host.has(layer, x) and x not in residents[layer]
             for layer in own for x in range(spec.n_experts)
         )  # fmt: skip
-        rows = FUSED_MAX_TOKENS * spec.n_experts_used if file_only else 0
+        # distinct experts: at most a layer's, at most the pairs of the longest fused pass
+        rows = min(FUSED_MAX_TOKENS * spec.n_experts_used, spec.n_experts) if file_only else 0
         self.files = FileMisses(self.host, rows, self.device)
         return ExpertTable(self.host, self.layouts, own, residents, self.device, self.config,
                            self.files.address)  # fmt: skip
 
     def _init_fetch(self) -> None:
-        """VRAM staging for one decode token's missed experts (the copy miss path)."""
-        nbytes, k = self.layouts.slot_bytes, self.spec.n_experts_used
+        """VRAM staging for the missed experts of a fused pass of up to FETCH_MAX_TOKENS tokens
+        (the copy miss path; a row per (token, slot), filled for the first pair of each
+        missed expert)."""
+        nbytes, pairs = self.layouts.slot_bytes, self.spec.n_experts_used * FETCH_MAX_TOKENS
         self._host_span = self.host.span
         # every blob (host rows start on pages, VRAM slots and staging rows on 16 bytes) and
         # every projection in it starts on 16 bytes: the kernels may load 16 bytes at a time
         self._aligned = self.layouts.offsets_aligned and self._host_span[0] % 16 == 0
         nothing_to_miss = self.experts.complete
-        rows = k if self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss else 0
+        copy = self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss
+        rows = pairs if copy else 0
         self._fetch_buf = torch.zeros((rows, nbytes), dtype=torch.uint8, device=self.device)
 
     def _split_parts(self) -> SplitParts:

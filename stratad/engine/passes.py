@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A pass of at most this many tokens routes to few experts: the fused kernels read each
-# routed expert where it is (VRAM slot, or a miss path). Longer passes route to nearly every
-# expert of a layer, so the layer's experts are staged whole and run as grouped GEMMs.
-FUSED_MAX_TOKENS = 8
+# A pass of at most this many tokens goes through the fused kernels, which read each routed
+# expert once where it is (VRAM slot, or a miss path) for every token routed to it (a batch
+# of decode steps, a short prompt, a drafted window). Longer passes route to nearly every
+# expert of a layer many times over, so the layer's experts are staged whole and run as
+# grouped GEMMs.
+FUSED_MAX_TOKENS = 64
+# A fused pass of at most this many tokens copies the union of its missed experts into VRAM
+# staging (the copy miss path, each expert once); a longer one reads its misses in place.
+FETCH_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)

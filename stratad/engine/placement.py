@@ -23,6 +23,7 @@ from kernels.cpu_dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
 from stratad.engine.experts import blob_layouts, fast_path_refusal
 from stratad.engine.kernel_table import Lookup, model_shapes, tuned
+from stratad.engine.passes import FETCH_MAX_TOKENS
 from stratad.engine.stages import balanced_split, parse_split
 from stratad.engine.switches import miss_paths
 from stratad.model.loader import is_pack
@@ -188,10 +189,11 @@ def offload_vram_bytes(
     the layers one device runs: dense weights, the KV caches (`kv_tokens`: the context times
     the requests served at once), the two prefill staging buffers
     (two layers of blobs in flight, one dequantized for the grouped GEMMs) and the decode
-    fetch staging (top-k blobs, and two layers' guesses when prefetching)."""
+    fetch staging (top-k blobs for each of a fused pass's first FETCH_MAX_TOKENS tokens, and
+    two layers' guesses when prefetching)."""
     dense = layer_share * dense_values * dtype_bytes
     kv = 2 * spec.n_layers * layer_share * kv_tokens * spec.kv_dim * dtype_bytes
-    fetched = (3 if prefetch else 1) * spec.n_experts_used * blob_bytes
+    fetched = (FETCH_MAX_TOKENS + (2 if prefetch else 0)) * spec.n_experts_used * blob_bytes
     dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * dtype_bytes
     staging = 2 * spec.n_experts * blob_bytes + dequantized + fetched
     return int(dense + kv + staging)

@@ -68,6 +68,9 @@ class ExpertPrefetch:
         self.guess_stream = torch.cuda.Stream(device) if on_gpu else None
         self.copy_stream = torch.cuda.Stream(device) if on_gpu else None
         self._guess: dict[int, _Guess] = {}  # layer -> its guess, until the layer takes it
+        # whether this pass forked the side streams: only then may `finish` join them (in a
+        # graph capture, waiting on a stream the capture never forked is an error)
+        self._forked = False
         # on the device (the captured step updates them): routed experts that were guessed, all
         self.score = torch.zeros(2, dtype=torch.int64, device=device)
 
@@ -89,6 +92,7 @@ class ExpertPrefetch:
             return
         main = torch.cuda.current_stream(device)
         self.guess_stream.wait_stream(main)  # x and routed are ready; buf[nxt % 2] was read
+        self._forked = True
         with torch.cuda.stream(self.guess_stream):
             self._score(layer, routed)
             planned = self._plan(nxt, x) if nxt is not None else None
@@ -136,11 +140,14 @@ class ExpertPrefetch:
         return guess.table
 
     def finish(self) -> None:
-        """End of a pass: the current stream joins the side streams (a captured graph must)."""
-        if self.guess_stream is not None and self.copy_stream is not None:
+        """End of a pass: the current stream joins the side streams if the pass forked them
+        (a captured graph must; a pass that made no guess, such as a step of several
+        sequences, has nothing to join and must not wait on streams its capture never saw)."""
+        if self._forked and self.guess_stream is not None and self.copy_stream is not None:
             main = torch.cuda.current_stream(self.experts.device)
             main.wait_stream(self.guess_stream)
             main.wait_stream(self.copy_stream)
+        self._forked = False
 
     def accuracy(self) -> float:
         """The share of routed experts that were guessed, since the last `reset_score`."""
