@@ -1,7 +1,9 @@
 """Decode attention: one query token per sequence over its KV cache, with GQA.
 
 q [B, Hq, D] attends to the first seq_lens[b] positions of k/v caches [B, S, Hkv, D]
-(any strides with a contiguous last dim, so a slot of a larger cache pool is a view).
+(any strides with a contiguous last dim, so a slot of a larger cache pool is a view), or of B
+separate caches of one shape [S, Hkv, D] found through their addresses `kv_addrs` [B, 2]
+(a batch of sequences, each with its own cache, in one launch).
 Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llama.cpp do.
 Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
@@ -155,6 +157,7 @@ def _decode_attention_kernel(
     acc_ptr,  # [B, Hq, n_splits, D] float32
     count_ptr,  # [B * Hkv] int32, zero between launches
     out_ptr,  # [B, Hq, D]
+    addr_ptr,  # [B, 2] int64: each sequence's K and V cache (BY_ADDR); else unread
     scale,
     S,
     stride_qb,
@@ -183,6 +186,7 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,  # next power of two of N_SPLITS
     MERGE_J: tl.constexpr,
     DOT_F32: tl.constexpr,
+    BY_ADDR: tl.constexpr,  # sequence b's K/V at the addresses addr_ptr[b] (stride_kb unread)
 ):
     """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
     piece it writes the output; with more it writes its partials, and the last program of
@@ -202,8 +206,14 @@ def _decode_attention_kernel(
     q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_at, mask=q_mask, other=0.0)
     q = q.to(tl.float32) if DOT_F32 else q.to(k_ptr.dtype.element_ty)
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    if BY_ADDR:
+        k_seq = tl.load(addr_ptr + 2 * b).to(tl.pointer_type(k_ptr.dtype.element_ty))
+        v_seq = tl.load(addr_ptr + 2 * b + 1).to(tl.pointer_type(v_ptr.dtype.element_ty))
+    else:
+        k_seq = k_ptr + b * stride_kb
+        v_seq = v_ptr + b * stride_vb
+    k_base = k_seq + kv_head * stride_kh
+    v_base = v_seq + kv_head * stride_vh
     m_i, l_i, acc = _attend(
         q, k_base, v_base, stride_ks, stride_vs, start, end, scale, D, BLOCK_G, BLOCK_D,
         BLOCK_S, DOT_F32,
@@ -286,6 +296,7 @@ def _launch(
     scale: float,
     cfg: AttentionConfig,
     counts: torch.Tensor,
+    kv_addrs: torch.Tensor | None,
 ) -> None:
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_cache.shape
@@ -301,7 +312,8 @@ def _launch(
     block_s = cfg.block_s if interpreted else max(cfg.block_s, 16)
     block_h = triton.next_power_of_2(group)
     _decode_attention_kernel[(B, Hkv, n_splits)](
-        q, k_cache, v_cache, seq_lens, m, l, acc, counts, out, scale * _LOG2E, S,
+        q, k_cache, v_cache, seq_lens, m, l, acc, counts, out,
+        kv_addrs if kv_addrs is not None else seq_lens, scale * _LOG2E, S,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -312,7 +324,7 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(D) if interpreted else max(triton.next_power_of_2(D), 16),
         BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
         MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BY_ADDR=kv_addrs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -331,6 +343,7 @@ def decode_attention(
     scale: float | None = None,
     config: AttentionConfig | None = None,
     counts: torch.Tensor | None = None,
+    kv_addrs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
@@ -340,7 +353,23 @@ def decode_attention(
     `config.split_s` positions are split across programs (see the module). `counts`
     (`attention_counts`) is the kernel's zeroed scratch; without it each call allocates
     one. Calls running at once on different streams need their own.
+
+    `kv_addrs` [B, 2] int64 (on the device): sequence b's caches are the [S, Hkv, D] tensors
+    at addresses (k, v) = kv_addrs[b], each of the shape, strides and dtype of k/v_cache
+    [1, S, Hkv, D] (one of them, or any cache of the kind): B sequences with caches of their
+    own in one launch. The caller keeps the caches alive while the kernel may read them.
     """
+    if kv_addrs is not None:
+        if k_cache.shape[0] != 1 or kv_addrs.shape != (q.shape[0], 2):
+            raise ValueError(
+                f"with kv_addrs, k/v_cache are one template [1, S, Hkv, D] and kv_addrs is"
+                f" [B={q.shape[0]}, 2]; got {tuple(k_cache.shape)}, {tuple(kv_addrs.shape)}"
+            )
+        if kv_addrs.dtype != torch.int64 or kv_addrs.device != q.device:
+            raise ValueError(f"kv_addrs must be int64 on {q.device}")
+        k_cache = k_cache.expand(q.shape[0], *k_cache.shape[1:])  # the checks' shapes
+        v_cache = v_cache.expand(q.shape[0], *v_cache.shape[1:])
+        kv_addrs = kv_addrs.contiguous()
     _check_inputs(q, k_cache, v_cache, seq_lens)
     cfg = config or AttentionConfig()
     _check_config(cfg)
@@ -359,7 +388,7 @@ def decode_attention(
     if B == 0:
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts)
+    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, kv_addrs)
     return out
 
 

@@ -1,6 +1,8 @@
 """Decode attention's input in one launch: from a token's fused q|k|v projection, per-head
 RMSNorm of q and k (Qwen3's qk-norm, optional), RoPE by position tables, the new key and
-value written into the KV cache at their position, and the rotated queries returned.
+value written into the KV cache at their position, and the rotated queries returned. The
+tokens may belong to different sequences, each with a cache of its own, found through their
+addresses (`kv_addrs`): a decode batch in one launch.
 
 Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
 a few microseconds of launch for a few kilobytes of work. One program per (token, head):
@@ -33,6 +35,7 @@ def _attn_input_kernel(
     q_ptr,  # [T, HQ, D] out
     k_cache_ptr,  # [S, HKV, D]
     v_cache_ptr,  # [S, HKV, D]
+    addr_ptr,  # [T, 2] int64: token t's K and V cache (BY_ADDR); else unread
     stride_t,
     eps,
     HQ: tl.constexpr,
@@ -41,9 +44,14 @@ def _attn_input_kernel(
     HALF: tl.constexpr,
     NEOX: tl.constexpr,
     NORM: tl.constexpr,
+    BY_ADDR: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if BY_ADDR:  # this token's sequence's caches
+        cache_ty = tl.pointer_type(k_cache_ptr.dtype.element_ty)
+        k_cache_ptr = tl.load(addr_ptr + 2 * t).to(cache_ty)
+        v_cache_ptr = tl.load(addr_ptr + 2 * t + 1).to(cache_ty)
     i = tl.arange(0, HALF)
     first, second = rope_pairs(i, HALF, NEOX)
     src = qkv_ptr + t * stride_t + h * D
@@ -91,10 +99,14 @@ def attn_input(
     v_cache: torch.Tensor,
     style: RopeStyle,
     eps: float,
+    kv_addrs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] at positions pos [T] -> rotated q [T, Hq, D]; the rotated k
     and the v go into k_cache/v_cache [S, Hkv, D] at pos. `norms`: per-head (q, k) RMSNorm
-    weights [D], or None. cos/sin: float32 [P, D/2] tables by position (full rotation)."""
+    weights [D], or None. cos/sin: float32 [P, D/2] tables by position (full rotation).
+    `kv_addrs` [T, 2] int64 on the device: token t's k and v go into the caches at addresses
+    kv_addrs[t] instead, each contiguous of k_cache's shape and dtype (k_cache, v_cache: any
+    one of them)."""
     s, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous [S, Hkv, D] of one shape")
@@ -109,13 +121,20 @@ def attn_input(
         raise ValueError(f"pos must be integers [{qkv.shape[0]}]")
     if qkv.dtype != k_cache.dtype or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("qkv and the cache must share a dtype; the tables must be contiguous")
+    if kv_addrs is not None and (
+        kv_addrs.shape != (qkv.shape[0], 2) or kv_addrs.dtype != torch.int64
+        or kv_addrs.device != qkv.device or not kv_addrs.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(f"kv_addrs must be contiguous int64 [{qkv.shape[0]}, 2] on {qkv.device}")
     q = torch.empty((qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
     if qkv.shape[0]:
         qw, kw = norms if norms is not None else (cos, cos)  # unread without NORM
         _attn_input_kernel[(qkv.shape[0], hq + 2 * hkv)](
-            qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache, qkv.stride(0), eps,
+            qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache,
+            kv_addrs if kv_addrs is not None else pos, qkv.stride(0), eps,
             HQ=hq, HKV=hkv, D=d, HALF=d // 2, NEOX=RopeStyle(style) == RopeStyle.NEOX,
-            NORM=norms is not None, num_warps=1 if d <= 128 else 2,
+            NORM=norms is not None, BY_ADDR=kv_addrs is not None,
+            num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q
 

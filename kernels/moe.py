@@ -19,6 +19,13 @@ layer:
      (the offload engine sums the parts into the residual stream: `kernels.norm.add_rmsnorm`)
 The slots are summed in a fixed order: the result is deterministic.
 
+Several tokens (a decode batch, a short prompt, a drafted window) may share experts. The grid
+still has a program per (row block, pair), but for T > 1 the pairs are grouped by expert: the
+first pair routed to an expert computes every pair routed to it, one after the other, so the
+expert's rows come from memory once and from the SM's cache for the rest; the other programs
+of that expert return at once (`_group`). Each pair's arithmetic is that of a lone token, so a
+token's output is bit for bit the same in any batch.
+
 Three tiers as everywhere in kernels/: Triton bodies, launchers (`moe_gate_up`, `moe_down`)
 that check inputs and build grids, and `fused_moe` (the operation). `fused_moe_ref` is the
 torch reference.

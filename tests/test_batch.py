@@ -199,3 +199,41 @@ def test_batch_of_b_equals_alone_gpu(
         assert _greedy(engine, MANY[:b]) == many_alone[:b], f"B = {b}"
     if graphs:
         assert engine.graph.captured >= 4
+
+
+@pytest.mark.gpu
+def test_graph_per_batch_size_serves_other_caches_gpu(
+    tiny_moe: Model, many_alone: list[list[int]]
+) -> None:
+    """A step reads every cache through its address, so the capture of a batch of three
+    serves three other caches: no new capture, each sequence its tokens alone."""
+    engine = _offload(tiny_moe, "cuda", graphs=True)
+    assert engine.graph.by_address
+    first = _greedy(engine, MANY[:3])
+    captured = engine.graph.captured
+    second = _greedy(engine, MANY[3:6])  # three new caches
+    assert engine.graph.captured == captured
+    assert first == many_alone[:3] and second == many_alone[3:6]
+
+
+@pytest.mark.gpu
+def test_failed_capture_runs_the_step_eagerly_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    """A step that cannot be captured (here it reads a value on the host while capturing)
+    runs eagerly, with one WARNING, and is not captured again."""
+    from stratad.engine.decode_graph import DecodeGraph
+    from stratad.engine.kv import KVCache
+
+    def step(tok, pos, caches, addrs):  # type: ignore[no-untyped-def]
+        if torch.cuda.is_current_stream_capturing():
+            tok.sum().item()  # a host synchronisation: refused inside a capture
+        return tok.float()[:, None] * 2, tok[None]
+
+    buf = torch.zeros(4, 1, 8, device="cuda")
+    caches = [KVCache([buf], [buf.clone()])]
+    graph = DecodeGraph(step, torch.device("cuda"), by_address=False)
+    with caplog.at_level("WARNING", logger="stratad.engine"):
+        for t in (3, 4, 5):
+            logits, _ = graph.replay([t], caches)
+            assert logits.item() == 2 * t
+    assert graph.captured == 0
+    assert [r.levelname for r in caplog.records].count("WARNING") == 1

@@ -1,81 +1,140 @@
 """The offload engine's decode step captured as a CUDA graph and replayed per token.
 
-The step's inputs (B tokens, their positions) live in two device tensors the graph reads,
-and its outputs (logits, routed ids) in the tensors the capture produced. Attention reads
-the lengths on the device, so one capture serves every position of the same B caches: a
-batch whose sequences stay the same replays one graph for all of its steps. The last few
-captures are kept (each holds its own intermediate buffers); a new set of caches is
-captured anew.
+The step's inputs live in device tensors the graph reads: the B tokens, their positions and,
+where the pass reads every KV cache through its address, the caches' addresses [L, B, 2]
+(`KVCache.addrs`). Attention reads the lengths on the device, so one capture serves every
+position; with the addresses an input too, one capture per batch size and cache kind serves
+every set of B caches, so a request joining or leaving the batch replays another size's
+graph instead of capturing anew. Caches of mixed kinds (or a pass that writes a cache through
+its own tensors) are captured per set of caches, as the graph then holds their buffers. The
+last few captures are kept (each holds its own intermediate buffers).
+
+A capture that fails runs that step eagerly instead, with one WARNING: a request never fails
+for a graph. The same key is not captured again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from stratad.engine.kv import KVCache
 
-KEPT = 4  # captures kept, least recently replayed dropped first
+log = logging.getLogger("stratad.engine")
 
+KEPT = 8  # captures kept, least recently replayed dropped first
+
+# step(tokens [B], positions [B], caches, addresses [L, B, 2] or None) -> (logits, ids)
 Step = Callable[
-    [torch.Tensor, torch.Tensor, Sequence[KVCache]], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, Sequence[KVCache], torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor],
 ]
 
 
 @dataclass
 class _Capture:
-    caches: tuple[KVCache, ...]  # held, so that their identity stays theirs
+    caches: tuple[KVCache, ...]  # captured per set of caches: held, so their identity stays
     graph: torch.cuda.CUDAGraph
     tok: torch.Tensor
     pos: torch.Tensor
+    addrs: torch.Tensor | None  # [L, B, 2], filled before each replay (captured per size)
     logits: torch.Tensor
     ids: torch.Tensor
 
 
 class DecodeGraph:
-    def __init__(self, step: Step, device: torch.device) -> None:
-        """`step(tokens [B], positions [B], caches)` -> (logits [B, V], ids): the eager pass
-        the graph records."""
-        self.step, self.device = step, device
-        self._captures: OrderedDict[tuple[int, ...], _Capture] = OrderedDict()
+    def __init__(self, step: Step, device: torch.device, by_address: bool) -> None:
+        """`step(tokens, positions, caches, addresses)` -> (logits [B, V], ids): the eager
+        pass the graph records. `by_address`: given the addresses, the pass reads and writes
+        every cache through them only (so a capture serves any caches of its size)."""
+        self.step, self.device, self.by_address = step, device, by_address
+        self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
+        self._failed: set[Hashable] = set()  # keys whose capture failed: run eagerly
         self.captured = 0  # captures made so far
+        self.warned = False
+
+    def _key(self, caches: Sequence[KVCache]) -> tuple[Hashable, bool]:
+        """(the capture's key, whether it is per size: by the caches' addresses)."""
+        first = caches[0]
+        if self.by_address and all(first.same_kind(c) for c in caches[1:]):
+            return ("size", len(caches), tuple(first.k[0].shape), first.k[0].dtype), True
+        return ("caches", tuple(id(c) for c in caches)), False
 
     def replay(
         self, tokens: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids) of one step, in the graph's own tensors."""
-        key = tuple(id(c) for c in caches)
+        """(logits [B, V], routed ids) of one step, in the graph's own tensors (or the eager
+        step's, where the capture failed)."""
+        key, by_size = self._key(caches)
+        if key in self._failed:
+            return self._eager(tokens, caches)
         cap = self._captures.get(key)
-        if cap is None or any(a is not b for a, b in zip(cap.caches, caches, strict=True)):
-            cap = self._capture(tuple(caches))
+        if cap is not None and not by_size and any(
+            a is not b for a, b in zip(cap.caches, caches, strict=True)
+        ):
+            cap = None  # another set of caches with the identities of freed ones
+        if cap is None:
+            try:
+                cap = self._capture(tuple(caches), by_size)
+            except Exception as err:  # noqa: BLE001 (any failure: the step runs eagerly)
+                self._failed.add(key)
+                if not self.warned:
+                    self.warned = True
+                    log.warning(
+                        "decode graph: the capture of a step of %d sequences failed (%s: %s);"
+                        " such steps run without a graph (slower, same tokens)",
+                        len(caches), type(err).__name__, err,
+                    )  # fmt: skip
+                return self._eager(tokens, caches)
             self._captures[key] = cap
             while len(self._captures) > KEPT:
                 self._captures.popitem(last=False)
         self._captures.move_to_end(key)
+        self._fill(cap, tokens, caches)
+        cap.graph.replay()
+        return cap.logits, cap.ids
+
+    def _eager(
+        self, tokens: list[int], caches: Sequence[KVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tok = torch.tensor(tokens, device=self.device)
+        pos = torch.tensor([c.length for c in caches], device=self.device)
+        return self.step(tok, pos, caches, None)
+
+    def _fill(self, cap: _Capture, tokens: list[int], caches: Sequence[KVCache]) -> None:
+        """The step's inputs into the capture's tensors (before its replay)."""
         if len(caches) == 1:  # no host-to-device copy for the common case
             cap.tok.fill_(tokens[0])
             cap.pos.fill_(caches[0].length)
         else:
             cap.tok.copy_(torch.tensor(tokens))
             cap.pos.copy_(torch.tensor([c.length for c in caches]))
-        cap.graph.replay()
-        return cap.logits, cap.ids
+        if cap.addrs is not None:
+            cap.addrs.copy_(_gather(caches, cap.addrs.device))
 
-    def _capture(self, caches: tuple[KVCache, ...]) -> _Capture:
+    def _capture(self, caches: tuple[KVCache, ...], by_size: bool) -> _Capture:
         b, device = len(caches), self.device
         tok = torch.zeros(b, dtype=torch.long, device=device)
         pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
+        addrs = _gather(caches, pos.device).clone() if by_size else None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
             for _ in range(2):
-                self.step(tok, pos, caches)
+                self.step(tok, pos, caches, addrs)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits, ids = self.step(tok, pos, caches)
+            logits, ids = self.step(tok, pos, caches, addrs)
         self.captured += 1
-        return _Capture(caches, graph, tok, pos, logits, ids)
+        held = () if by_size else caches  # a per-size capture holds no cache alive
+        return _Capture(held, graph, tok, pos, addrs, logits, ids)
+
+
+def _gather(caches: Sequence[KVCache], device: torch.device) -> torch.Tensor:
+    """The caches' addresses [L, B, 2] on `device` (one gather there)."""
+    return torch.stack([c.addrs[device] for c in caches], 1)

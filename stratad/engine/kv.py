@@ -1,4 +1,6 @@
-"""The KV cache of one sequence: preallocated per-layer key and value buffers."""
+"""The KV cache of one sequence: preallocated per-layer key and value buffers, and their
+addresses on each device that holds some of them (the decode kernels find every sequence's
+cache of a batch through them, in one launch)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ class KVCache:
     v: list[torch.Tensor]
     length: int = 0  # tokens whose keys and values are stored
     tokens: list[int] = field(default_factory=list)  # the ids behind them (for prefix reuse)
+    # per device: [layers, 2] int64, each layer's (k, v) buffer address (made once: a decode
+    # step gathers them on the device, which a CUDA graph can replay)
+    addrs: dict[torch.device, torch.Tensor] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        table = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v,
+                                                                            strict=True)],
+                             dtype=torch.int64)  # fmt: skip
+        self.addrs = {d: table.to(d) for d in {t.device for t in self.k}}
 
     @classmethod
     def allocate(
@@ -28,6 +39,12 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[0]
+
+    def same_kind(self, other: KVCache) -> bool:
+        """Whether the two caches' buffers have one shape and dtype (a kernel reading several
+        caches through their addresses takes the strides of one)."""
+        a, b = self.k[0], other.k[0]
+        return a.shape == b.shape and a.dtype == b.dtype and len(self.k) == len(other.k)
 
     def truncate(self, length: int) -> None:
         """Forget everything after `length` tokens (the buffers are reused as they are)."""

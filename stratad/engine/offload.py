@@ -125,7 +125,9 @@ class OffloadForward:
         guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.files.enabled
         self.prefetch = ExpertPrefetch(self.experts, self._guess_route, spec.n_experts_used,
                                        config.kernels.prefetch, self._host_span, guess)  # fmt: skip
-        self.graph = DecodeGraph(self._decode_pass, device)
+        # with the fused input kernel a batched step reads and writes every cache by address:
+        # one capture per batch size serves every set of caches
+        self.graph = DecodeGraph(self._decode_pass, device, self.attention.fused_input)
         self.split = SplitStep(self._split_parts(), device, config.graphs)
 
     # -- placement -----------------------------------------------------------------------
@@ -341,14 +343,25 @@ class OffloadForward:
         return x
 
     def _decode_pass(
-        self, tokens: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        caches: Sequence[KVCache],
+        kv_addrs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence."""
-        x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)))
+        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence; `kv_addrs`
+        [L, B, 2]: the caches' addresses, read by the pass instead of the caches' own (a
+        graph captured per batch size)."""
+        x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)), kv_addrs)
         return self.head(x), ids.reshape(ids.shape[0], -1)
 
     def run_layers(
-        self, x: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache], step: Pass
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        caches: Sequence[KVCache],
+        step: Pass,
+        kv_addrs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, T, k]).
         A staged pass streams each layer's experts while the previous layer computes."""
@@ -356,7 +369,7 @@ class OffloadForward:
         if step.staged:
             self.staging.begin(self.layer_ids.start)
         if step.decode:
-            self.attention.begin_decode(pos)
+            self.attention.begin_decode(pos, caches, kv_addrs)
         parts = None
         for i in self.layer_ids:
             if step.staged and i + 1 < self.layer_ids.stop:

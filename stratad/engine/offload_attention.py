@@ -3,8 +3,11 @@ tables, the KV-cache write, and attention itself.
 
 Decode attends split-K over the static cache, its length read on the device (so one
 captured graph serves every position); where the model allows, the norms, the rotation and
-the cache write are one kernel (`kernels.attn_input`). A prefill chunk attends with torch's
-scaled_dot_product_attention over the cache up to its end.
+the cache write are one kernel (`kernels.attn_input`). A decode step of several sequences
+whose caches are of one kind runs attention (and the fused input) once for the whole batch,
+each sequence's cache found through its address (`KVCache.addrs`, gathered on the device once
+per step). A prefill chunk attends with torch's scaled_dot_product_attention over the cache up to
+its end.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from stratad.engine.dense import DenseLayer
 from stratad.engine.kv import KVCache
 from stratad.engine.layers import apply_rope, rope_tables
 from stratad.engine.offload_config import OffloadConfig
-from stratad.engine.passes import Decode, Pass
+from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.model.spec import ModelSpec
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -47,11 +50,24 @@ class OffloadAttention:
             and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
-        self.counts = attention_counts(1, spec.n_kv_heads, device)  # the kernel's scratch
+        # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
+        self.counts = attention_counts(FUSED_MAX_TOKENS, spec.n_kv_heads, device)
+        self.kv_addrs: torch.Tensor | None = None  # [L, B, 2] of this decode pass's caches
 
-    def begin_decode(self, pos: torch.Tensor) -> None:
-        """A decode pass at positions pos [B]: each cache's length, once for every layer."""
+    def begin_decode(
+        self, pos: torch.Tensor, caches: Sequence[KVCache], addrs: torch.Tensor | None = None
+    ) -> None:
+        """A decode pass at positions pos [B]: each cache's length, once for every layer, and
+        the caches' addresses [L, B, 2] when given (a graph captured per batch size fills
+        them; every cache is then read and written through them), else where several caches
+        are of one kind (one device-side gather: a captured graph replays it)."""
         self.lens = pos + 1
+        batch = 1 < len(caches) <= FUSED_MAX_TOKENS and all(
+            caches[0].same_kind(c) for c in caches[1:]
+        )
+        if addrs is None and batch:
+            addrs = torch.stack([c.addrs[pos.device] for c in caches], 1)
+        self.kv_addrs = addrs
 
     def __call__(
         self,
@@ -66,12 +82,38 @@ class OffloadAttention:
         output projections over every row of the pass, attention per sequence."""
         spec = self.spec
         qkv = self.linear(h, w.qkv, w.qkv_bias)
-        outs = [
-            self._one(w, i, qkv[rows], pos[rows], cache, step, b)
-            for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if step.decode and self.kv_addrs is not None:
+            out = self._batch(w, i, qkv, pos, caches, self.kv_addrs[i])
+        else:
+            outs = [
+                self._one(w, i, qkv[rows], pos[rows], cache, step, b)
+                for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, None)
+
+    def _batch(
+        self,
+        w: DenseLayer,
+        i: int,
+        qkv: torch.Tensor,
+        pos: torch.Tensor,
+        caches: Sequence[KVCache],
+        addrs: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode batch's attention [B, Hq, D], sequence b's cache found at addrs[b] [B, 2]
+        (caches of one kind): the fused input and the attention one launch each."""
+        spec = self.spec
+        k, v = caches[0].k[i], caches[0].v[i]  # the kind of every cache
+        if self.fused_input:
+            norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
+            q = attn_input(qkv, pos, norms, self.cos, self.sin, k, v, self.style,  # type: ignore[arg-type]
+                           spec.rms_eps, kv_addrs=addrs)  # fmt: skip
+        else:  # the input op by op, each sequence into its own cache
+            q = torch.cat([self._input(w, i, qkv[b : b + 1], pos[b : b + 1], cache)
+                           for b, cache in enumerate(caches)])  # fmt: skip
+        return decode_attention(q, k[None], v[None], self.lens, config=self.config,
+                                counts=self.counts, kv_addrs=addrs)  # fmt: skip
 
     def _one(
         self,

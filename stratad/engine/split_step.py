@@ -43,7 +43,7 @@ class SplitParts:
     top_k: int
     hidden: int
     embed: Callable[[torch.Tensor], torch.Tensor]  # tokens [B] -> x [B, H]
-    begin: Callable[[torch.Tensor], None]  # the decode positions [B], once per pass
+    begin: Callable[[torch.Tensor, Sequence[KVCache]], None]  # positions [B], once per pass
     # (layer, x, parts | None, pos, caches) -> (x, normed h, weights [B, k], ids [B, k] int32)
     attend_route: Callable[
         [int, torch.Tensor, torch.Tensor | None, torch.Tensor, Sequence[KVCache]],
@@ -141,7 +141,7 @@ class SplitStep:
             def run() -> None:
                 if i == p.layers.start:
                     b.x, parts = p.embed(b.tok), None
-                    p.begin(b.pos)
+                    p.begin(b.pos, caches)
                 else:
                     parts = with_cpu_part()
                 assert b.x is not None
