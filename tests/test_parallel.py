@@ -5,6 +5,7 @@ scheduler's engine thread takes turns between the jobs it runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,6 +100,43 @@ def test_requests_share_steps_and_get_what_they_get_alone(engine: tuple) -> None
     assert [e[-1][2] for e in got] == ["length"] * 3
     assert max(rec.sizes) == 3 and len(rec.sizes) < len(one.sizes)
     assert gen.free == 3 and not gen.loop.running
+
+
+# a schema llguidance compiles but cannot follow: it fails on the first sampled token
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                           "required": ["next"]}}, "$ref": "#/$defs/n"}  # fmt: skip
+
+
+def test_a_request_failing_mid_step_leaves_its_neighbours_tokens(engine: tuple) -> None:
+    """Three requests share steps; the middle one's grammar fails when it samples (in a step
+    shared with the others, after the first had sampled): it alone gets the error, and both
+    neighbours get every token they get alone (before, the first lost that step's token)."""
+    from stratad.server.structured import json_grammar
+
+    reqs = [_req(9, 300, 8), _req(5, 600, 8), _req(12, 1200, 8)]
+    failing = dataclasses.replace(reqs[1], grammar=json_grammar(ENDLESS, "response_format"))
+    alone, _ = _gen(engine, 1)
+    want = [_events([alone.run(r)])[0] for r in (reqs[0], reqs[2])]
+    gen, rec = _gen(engine, 3)
+    runs = [gen.run(reqs[0]), gen.run(failing), gen.run(reqs[2])]
+    got: list[list[tuple[int, str, str | None]]] = [[], [], []]
+    errors: list[str] = []
+    live = [0, 1, 2]
+    while live:
+        for i in list(live):
+            try:
+                event = next(runs[i], None)
+            except RuntimeError as err:
+                errors.append(f"{i}: {err}")
+                live.remove(i)
+                continue
+            if event is None:
+                live.remove(i)
+            else:
+                got[i].append((event.token, event.text, event.finish_reason))
+    assert len(errors) == 1 and errors[0].startswith("1: the grammar refused"), errors
+    assert got[1] == [] and [got[0], got[2]] == want
+    assert max(rec.sizes) >= 2 and gen.free == 3 and not gen.loop.running
 
 
 def test_a_long_prompt_arriving_costs_the_running_one_a_step_per_turn(engine: tuple) -> None:

@@ -10,7 +10,8 @@ own queues until their callers ask. So callers that take turns (the scheduler's 
 thread, one turn of each request in turn) share every step, and a long prompt arriving costs
 the running requests one step per turn, not its whole prefill.
 `cancelled()` is polled before every step (a prompt chunk or a decoded token), so a cancelled
-request frees its cache within one of either.
+request frees its cache within one of either. A request whose own part of a step failed gets
+that error from `turns`; the others of the step keep their events.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from stratad.engine.prefix import PrefixStore
 from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
-from stratad.runtime.step import Forward, StepLoop
+from stratad.runtime.step import Forward, Outcome, StepLoop
 
 # a request's events; closing it ends the request and frees its cache
 Events = collections.abc.Generator[GenerationEvent, None, None]
@@ -57,7 +58,7 @@ class Generator:
         self._taken = 0
         self.cached_tokens = 0  # prompt tokens the last request started reused, not computed
         self._owner: dict[int, Sequence] = {}  # cache index -> the sequence running on it
-        self._waiting: dict[Sequence, collections.deque[GenerationEvent]] = {}
+        self._waiting: dict[Sequence, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         self.loop = StepLoop(forward, prefill_chunk, self.store, self.timer)
 
@@ -138,6 +139,8 @@ class Generator:
                         yield None
                     continue
                 event = waiting.popleft()
+                if isinstance(event, Exception):  # its own part of a step failed
+                    raise event
                 if seq.sampled == 1 and cancelled():  # cancelled during the prompt
                     return
                 yield event
@@ -160,9 +163,9 @@ class Generator:
         yield from self.events(self.start(req), cancelled)
 
     def _step(self) -> None:
-        """One step of every running sequence; each one's events to its own queue."""
-        for s, event in self.loop.step():
-            self._waiting[s].append(event)
+        """One step of every running sequence; each one's outcome to its own queue."""
+        for s, outcome in self.loop.step():
+            self._waiting[s].append(outcome)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.loop.running:

@@ -4,7 +4,9 @@
 (a prompt chunk, or the token sampled last), runs one batched forward over all of them
 (`Forward.step`: B sequences, each its own KV cache), then samples each sequence whose
 prompt is done and records pinned prefixes. A sequence that finished leaves the loop; its
-cache is the caller's again.
+cache is the caller's again. A sequence whose own part of the step fails (its grammar refuses,
+its sampler raises) leaves the loop with that error as its outcome; the others' outcomes of
+the same step stand, so one request's failure never changes another's tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from stratad.engine.kv import KVCache
 from stratad.engine.prefix import PrefixStore
 from stratad.engine.timing import StageTimer
 from stratad.runtime.sequence import GenerationEvent, Sequence
+
+# what a step gave one sequence: its next event, or the error that ended it
+Outcome = GenerationEvent | Exception
 
 
 class Forward(Protocol):
@@ -49,25 +54,38 @@ class StepLoop:
     def remove(self, seq: Sequence) -> None:
         self.running.remove(seq)
 
-    def step(self) -> list[tuple[Sequence, GenerationEvent]]:
-        """Advance every running sequence once: the events of those that sampled a token
-        (a sequence still in its prompt samples nothing); finished ones leave the loop."""
+    def step(self) -> list[tuple[Sequence, Outcome]]:
+        """Advance every running sequence once: the outcomes of those that sampled a token (a
+        sequence still in its prompt samples nothing) or failed; finished and failed ones
+        leave the loop."""
         seqs = list(self.running)
         if not seqs:
             return []
         batch = [Seq(s.cache, s.next_tokens(self.prefill_chunk)) for s in seqs]
         logits = self.forward.step(batch)
-        events = []
+        out: list[tuple[Sequence, Outcome]] = []
         for s, b, lg in zip(seqs, batch, logits, strict=True):
-            if s.prefilling:
-                s.computed(len(b.tokens))
-                if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
-                    self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
-                if s.prefilling:
-                    continue
-            with self.timer.stage("sampling"):
-                event = s.sample(lg[-1])
-            events.append((s, event))
+            try:
+                event = self._advance(s, len(b.tokens), lg)
+            except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
+                self.running.remove(s)
+                out.append((s, err))
+                continue
+            if event is None:
+                continue
+            out.append((s, event))
             if event.finish_reason is not None:
                 self.running.remove(s)
-        return events
+        return out
+
+    def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> GenerationEvent | None:
+        """Sequence s after the step computed its n tokens: its event, or None (a prompt
+        chunk that samples nothing)."""
+        if s.prefilling:
+            s.computed(n)
+            if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
+                self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
+            if s.prefilling:
+                return None
+        with self.timer.stage("sampling"):
+            return s.sample(logits[-1])
