@@ -188,3 +188,25 @@ def test_a_template_that_reads_tools_gets_them(smollm_tokenizer: Tokenizer) -> N
         "TOOLS get_weather [user]Weather in Paris?[assistant]CALL get_weather Paris"
         "[tool]sunny, 21 C"
     )
+
+
+def test_deeply_nested_arguments_stay_text(smollm_tokenizer: Tokenizer) -> None:
+    """A call in the history whose arguments nest 2,000 deep (a 4 KB request; parsing it
+    raised RecursionError, answered 500): written as the text it came as, in both prompt
+    forms; arguments of a usual depth still reach a template as an object."""
+    deep = "[" * 2000 + "]" * 2000
+    history = [
+        CONVERSATION[0],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": deep}}]},
+    ]  # fmt: skip
+    text = smollm_tokenizer.decode(smollm_tokenizer.encode_chat(history, True, [TOOLS[0]]))
+    assert deep in text
+    messages, _ = tool_prompt.for_template("{{ tools }}", history, [TOOLS[0]])
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == deep
+    nested = json.dumps({"a": [[{"b": "]]]"}]]})
+    messages, _ = tool_prompt.for_template("{{ tools }}", [{**history[1], "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}]}],
+        [TOOLS[0]])  # fmt: skip
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == json.loads(nested)

@@ -15,6 +15,7 @@ assistant's turn, the results as `<tool_response>` blocks in a user turn.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -66,7 +67,25 @@ def for_template(
     return hermes_messages(messages, tools), None
 
 
+# Arguments nested deeper than this stay text: no tool takes them, and parsing, encoding or
+# rendering them recurses once per level (`"[" * 2000 + "]" * 2000` raised RecursionError)
+MAX_DEPTH = 64
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _depth(text: str) -> int:
+    """How deep the brackets of JSON text nest (outside its strings)."""
+    depth = deepest = 0
+    for c in _NOT_BRACKET.sub("", _STRING.sub("", text)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def _arguments(text: str) -> Any:
+    if _depth(text) > MAX_DEPTH:
+        return text  # written as it came
     try:
         return json.loads(text)
     except json.JSONDecodeError:
