@@ -326,6 +326,60 @@ def test_json_object_mode(client: openai.OpenAI, daemon: Daemon) -> None:
     assert "objectx" in err["message"]
 
 
+# schemas a client may send that no reply can follow, or too large to compile in bounded time
+SCHEMAS_REFUSED: dict[str, Any] = {
+    "recursive": {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                  "required": ["next"]}}, "$ref": "#/$defs/n"},
+    "cyclic": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+               "$ref": "#/$defs/a"},
+    "nested quantifier": {"type": "string", "pattern": "^a{1000}{1000}$"},
+    "600 optional": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                      for i in range(600)}},
+    "15,000 required": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                         for i in range(15_000)},
+                        "required": [f"p{i}" for i in range(15_000)]},
+}  # fmt: skip
+
+
+def test_unfollowable_schemas_are_the_clients_400(daemon: Daemon) -> None:
+    """Each schema of the corpus is answered 400 naming the schema, before generation (they
+    were 500s after the first sampled token, or 200 with empty content for the cycle), and
+    the same through a forced tool's parameters; /health answers within a second while they
+    compile."""
+    import threading
+    import time
+
+    slowest: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            t = time.monotonic()
+            assert daemon.get("/health")[0] == 200
+            slowest.append(time.monotonic() - t)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for name, schema in SCHEMAS_REFUSED.items():
+            fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+            status, err = _error(daemon, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "x"}], "response_format": fmt,
+                "max_tokens": 4})  # fmt: skip
+            assert status == 400, (name, status, err)
+            assert err["param"].startswith("response_format"), (name, err)
+            assert "<" not in err["message"], err  # no parser state dump
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            status, err = _error(daemon, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                "tool_choice": "required", "max_tokens": 4})  # fmt: skip
+            assert status == 400, (name, "tools", status, err)
+    finally:
+        done.set()
+        poller.join()
+    assert slowest and max(slowest) < 1.0, max(slowest)
+
+
 def test_unsupported_fields_are_refused_or_logged_once(daemon: Daemon) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     function = {"name": "f", "parameters": {"type": "object"}}

@@ -16,6 +16,7 @@ import llguidance
 import numpy as np
 import torch
 
+from stratad.grammars import LIMITS
 from stratad.model.tokenizer import Tokenizer
 
 _LOCK = threading.Lock()
@@ -38,22 +39,50 @@ def bridge(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         return found
 
 
+PROBE_STEPS = 32  # tokens a check follows into a grammar (a forced tool call's text first)
+
+
 def check(tokenizer: Tokenizer, grammar: str) -> str | None:
-    """Why `grammar` cannot constrain this model (None: it can)."""
+    """Why `grammar` cannot constrain this model (None: it can). Beyond validating it, the
+    first steps are taken (each time the first token allowed, up to PROBE_STEPS or the end): a
+    grammar that cannot start (a required cycle of `$ref`s, a pattern whose lexer outgrows
+    its limits, a row of too many items) fails here, before generation, not at the request's
+    first sampled tokens."""
+    lexicon = bridge(tokenizer)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, bridge(tokenizer)
+        grammar, lexicon, limits=LIMITS
     )
-    return "; ".join(messages) if failed else None
+    if failed:
+        return "; ".join(messages)
+    probe = Constraint(tokenizer, grammar)
+    for _ in range(PROBE_STEPS):
+        allowed = probe.allowed().nonzero()
+        if probe.matcher.is_error():
+            return _error(probe.matcher)
+        if allowed.numel() == 0:
+            return "it allows no token here"
+        first = int(allowed[0])
+        if first in tokenizer.eos_ids or probe.matcher.is_stopped():
+            return None  # it may end here
+        probe.matcher.consume_token(first)
+        if probe.matcher.is_error():
+            return _error(probe.matcher)
+    return None
+
+
+def _error(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error in one line (terse errors end in a marker of their own)."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 class Constraint:
     """One sequence's grammar state."""
 
     def __init__(self, tokenizer: Tokenizer, grammar: str) -> None:
-        self.matcher = llguidance.LLMatcher(bridge(tokenizer), grammar, log_level=0)
+        self.matcher = llguidance.LLMatcher(bridge(tokenizer), grammar, log_level=0, limits=LIMITS)
         self.vocab = tokenizer.vocab_size
         if self.matcher.is_error():
-            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
+            raise ValueError(f"the grammar failed: {_error(self.matcher)}")
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -62,5 +91,4 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            why = self.matcher.get_error()
-            raise RuntimeError(f"the grammar refused a token it allowed: {why}")
+            raise RuntimeError(f"the grammar refused a token it allowed: {_error(self.matcher)}")

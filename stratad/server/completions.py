@@ -32,6 +32,9 @@ _CHAT_FIELDS = fields.known_fields(oa.ChatCompletionRequest)
 _TEXT_FIELDS = fields.known_fields(oa.CompletionRequest)
 WATCH_INTERVAL_S = 0.025
 TOKENIZER_THREADS = 2  # prompts tokenized at once; the rest wait (holding their queue place)
+# bodies decoded at once: a request's schema compiles there (up to seconds for a large one),
+# never on the event loop, which must keep answering /health and the watchdog
+DECODE_THREADS = 2
 
 
 async def _watch(request: web.Request, ticket: Ticket) -> None:
@@ -60,6 +63,7 @@ class Completions:
         self.config = config
         self.default_max_tokens = config.default_max_tokens or None
         self._tokenizers = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+        self._decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="decode")
 
     def unavailable(self) -> web.Response:
         s = self.scheduler
@@ -109,7 +113,8 @@ class Completions:
             late.force_close()
             return late
         try:
-            req, jobs = self._decode(body, chat)
+            loop = asyncio.get_running_loop()
+            req, jobs = await loop.run_in_executor(self._decoders, self._decode, body, chat)
         except msgspec.ValidationError as e:
             return error_response(400, *explain(str(e)))
         except msgspec.DecodeError as e:

@@ -12,18 +12,23 @@ from typing import Any
 
 import llguidance
 
+from stratad.grammars import LIMITS, too_large
 from stratad.server.openai import RequestError, ResponseFormat
 
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 def json_grammar(schema: dict[str, Any], param: str) -> str:
-    """The grammar of `schema`'s instances; RequestError naming `param` if it is not one."""
+    """The grammar of `schema`'s instances; RequestError naming `param` if it is not one (or
+    is too large to follow: `stratad.grammars`)."""
+    why = too_large(schema)
+    if why is not None:
+        raise RequestError(f"{param} is too large a JSON schema: {why}", param)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as e:
         raise RequestError(f"{param} is not a usable JSON schema: {e}", param) from None
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=LIMITS)
     if failed:
         raise RequestError(f"{param} is not a usable JSON schema: {'; '.join(messages)}", param)
     return grammar
