@@ -214,15 +214,21 @@ def test_prefetch_tokens_match_reference_gpu(tiny_moe: Model, graphs: bool) -> N
 
 @pytest.mark.gpu
 def test_bf16_logits_within_tolerance_gpu(tiny_moe: Model) -> None:
+    """bfloat16 against the float32 reference, every prompt position's logits. Routing is
+    discontinuous: where a router's top-k is a near tie, bfloat16's rounding may pick the
+    other expert and that position's logits move far (the 18th token of PROMPT does so at
+    layer 2 through the fused kernels, 0.27). A scaling or indexing bug moves every
+    position: the median position must be within 2e-2, and most positions within 5e-2."""
     from stratad.engine.experts import blob_layouts
 
     ref = ReferenceForward(tiny_moe)
     budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
     off = OffloadForward(tiny_moe, torch.device("cuda"), OffloadConfig(expert_vram_bytes=budget))
-    want = ref(PROMPT, ref.new_cache(128))[-1]
-    got = off(PROMPT, off.new_cache(128))[-1].float().cpu()
-    rel = (got - want).norm() / want.norm()
-    assert rel < 2e-2, f"bf16 relative logit error {rel:.2e}"
+    want = ref(PROMPT, ref.new_cache(128), all_logits=True)
+    got = off(PROMPT, off.new_cache(128), all_logits=True).float().cpu()
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)  # [T]
+    assert rel.median() < 2e-2, f"bf16 relative logit errors {rel.tolist()}"
+    assert (rel < 5e-2).float().mean() > 0.75, f"bf16 relative logit errors {rel.tolist()}"
 
 
 def test_offload_refuses_dense(smollm_model: Model) -> None:
