@@ -113,19 +113,28 @@ class Tokenizer:
 
         A conversation whose content names no control token is the rendered text encoded as
         it is; one that does is rendered with its content marked, and each piece encoded by
-        what it is (the text around a piece of content may then split differently).
+        what it is (the text around a piece of content may then split differently). The same
+        holds for every string of the tools and of the history's tool calls (names,
+        descriptions, arguments, schema keys) that a template writes itself: user-controlled
+        text stays text wherever the template puts it.
         """
         template = self.chat_template or CHATML_TEMPLATE
         messages, given = tool_prompt.for_template(template, messages, tools)
-        extra = {"tools": given} if given else {}
         contents = [m.get("content") for m in messages]
-        if not any(isinstance(c, str) and self._names_control(c) for c in contents):
+        calls = [m.get("tool_calls") for m in messages]
+        if not any(isinstance(c, str) and self._names_control(c) for c in contents) and not (
+            self._names_control_in(calls) or self._names_control_in(given)
+        ):
+            extra = {"tools": given} if given else {}
             text = self.apply_chat_template(messages, add_generation_prompt, **extra)
             return self.encode(text, False)
         marked = [
             {**m, "content": _OPEN + _MARKS.sub("", c) + _CLOSE} if isinstance(c, str) else m
             for m, c in zip(messages, contents, strict=True)
         ]
+        marked = [{**m, "tool_calls": self._mark(m["tool_calls"])} if m.get("tool_calls") else m
+                  for m in marked]  # fmt: skip
+        extra = {"tools": self._mark(given)} if given else {}
         ids: list[int] = []
         depth = 0
         rendered = self.apply_chat_template(marked, add_generation_prompt, **extra)
@@ -136,6 +145,33 @@ class Tokenizer:
                 hf = self._text_only if depth else self.hf
                 ids += hf.encode_batch([piece], add_special_tokens=False)[0].ids
         return ids
+
+    def _names_control_in(self, value: Any) -> bool:
+        """Whether any string in `value` (nested lists and dicts, keys too) names a control
+        token."""
+        todo = [value]
+        while todo:
+            v = todo.pop()
+            if isinstance(v, str):
+                if self._names_control(v):
+                    return True
+            elif isinstance(v, dict):
+                todo.extend(v.keys())
+                todo.extend(v.values())
+            elif isinstance(v, list):
+                todo.extend(v)
+        return False
+
+    def _mark(self, value: Any) -> Any:
+        """`value` with every string that names a control token marked as content."""
+        if isinstance(value, str):
+            named = self._names_control(value)
+            return _OPEN + _MARKS.sub("", value) + _CLOSE if named else value
+        if isinstance(value, dict):
+            return {self._mark(k): self._mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark(v) for v in value]
+        return value
 
     def _names_control(self, text: str) -> bool:
         return any(t in text for t in self._control_texts)
