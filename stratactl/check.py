@@ -1,9 +1,10 @@
 """`stratactl check`: the pre-start check (systemd ExecStartPre, the container entrypoint).
 
 Each check prints ok, warn or fail with what it found; the exit code is 1 when any check
-fails, 0 otherwise. Nothing is loaded: the model's header is read, and for a MoE model the
-residency plan is computed dry with the store's own planning code (which imports torch: only
-then, and only here). `--after-restart` also asks the running daemon for its plan and
+fails, 0 otherwise. No weight is read: a GGUF's header gets the daemon's own checks (every
+tensor inside the file, aligned and apart, its shape what the hyper-parameters make it; this
+maps the file and imports torch), and for a MoE model the residency plan is computed dry with
+the store's own planning code. `--after-restart` also asks the running daemon for its plan and
 coverage and says whether the start landed short of the dry plan.
 """
 
@@ -97,14 +98,12 @@ def read_model_info(path: Path) -> ModelInfo:
             raise OSError(f"{path}: no *.safetensors files")
         arch = str((cfg.get("architectures") or [cfg.get("model_type", "?")])[0])
         return ModelInfo(path, arch, int(cfg.get("num_hidden_layers", 0)), n_experts, size)
-    from gguf import GGUFReader  # numpy only
+    from stratad.model.loader import load_model  # the daemon's checks: nothing is read
 
-    from stratad.model.gguf_meta import gguf_metadata
-
-    meta = gguf_metadata(GGUFReader(path))
-    arch = str(meta.get("general.architecture", "?"))
-    return ModelInfo(path, arch, int(meta.get(f"{arch}.block_count", 0)),
-                     int(meta.get(f"{arch}.expert_count", 0) or 0), path.stat().st_size)
+    model = load_model(path)
+    spec = model.spec
+    return ModelInfo(path, str(model.metadata.get("general.architecture", spec.arch)),
+                     spec.n_layers, spec.n_experts, path.stat().st_size)
 
 
 def check_model(config: Config) -> tuple[ModelInfo | None, Result]:

@@ -190,3 +190,119 @@ def test_top_k_as_a_whole_float() -> None:
     assert (top_k(b"0.0"), top_k(b"3.0"), top_k(b"5")) == (0, 3, 5)
     with pytest.raises(oa.RequestError, match="top_k must be a whole number, not 2.5"):
         top_k(b"2.5")
+
+
+# --- lying GGUF headers: what a file states checked against the file and the architecture
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.test_store_fakes import tiny_moe_gguf
+
+    return tiny_moe_gguf(tmp_path_factory)
+
+
+def _lying(src: Path, dst: Path, tensor: str | None, part: int, value: int,
+           field: str | None = None) -> Path:  # fmt: skip
+    """A copy of `src` with one number of its header changed: part `part` of a tensor's info
+    (2 dims count, 3 dims, 4 type, 5 offset; a negative value adds to the number), or the
+    metadata `field`."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    shutil.copy(src, dst)
+    reader = GGUFReader(dst, "r+")
+    if field is not None:
+        at = reader.fields[field].parts[-1]
+    else:
+        at = next(t for t in reader.tensors if t.name == tensor).field.parts[part]
+    at[0] = value if value >= 0 else int(at[0]) - value
+    reader.data.flush()
+    return dst
+
+
+LIES = [  # (what, tensor, part, value, field, the error names)
+    ("offset moved by a byte", "blk.0.attn_output.weight", 5, -1, None, "alignment"),
+    ("Q4_0 stated as F32", "blk.1.ffn_gate_exps.weight", 4, 0, None, "overlap"),
+    ("16 experts stated, 8 held", None, 0, 16, "qwen3moe.expert_count", "router of layer 0"),
+    ("context length 0", None, 0, 0, "qwen3moe.context_length", "context length is 0"),
+    ("no attention heads", None, 0, 0, "qwen3moe.attention.head_count", "attention heads is 0"),
+    ("a billion layers", None, 0, 10**9, "qwen3moe.block_count", "1,000,000,000 layers"),
+    ("3 layers stated, 4 held", None, 0, 3, "qwen3moe.block_count", "states 3 layers"),
+    ("top-99 of 8", None, 0, 99, "qwen3moe.expert_used_count", "top-99"),
+]
+
+
+@pytest.mark.parametrize(("what", "tensor", "part", "value", "field", "named"), LIES,
+                         ids=[c[0] for c in LIES])  # fmt: skip
+def test_lying_header_is_one_line(
+    tiny_gguf: Path, tmp_path: Path, what: str, tensor: str | None, part: int, value: int,
+    field: str | None, named: str,
+) -> None:  # fmt: skip
+    """Each lie was a SIGSEGV or SIGABRT in native code after "loaded", or a traceback; now
+    the load refuses it in one line naming it, before any byte is read through it."""
+    path = _lying(tiny_gguf, tmp_path / "lying.gguf", tensor, part, value, field)
+    with pytest.raises(ModelError) as info:
+        load_model(path)
+    assert named in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_lying_header_fails_the_check_and_the_daemon(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stratactl check` runs the daemon's checks (it passed these files), and the daemon
+    exits with the code the unit never restarts, one ERROR line."""
+    import json
+
+    from stratactl.__main__ import main as stratactl
+
+    path = _lying(tiny_gguf, tmp_path / "lying.gguf", "blk.1.ffn_gate_exps.weight", 4, 0)
+    config = tmp_path / "check.toml"
+    config.write_text(f'[model]\npath = "{path}"\n[engine]\ndevice = "cpu"\n')
+    capsys.readouterr()
+    assert stratactl(["check", "--json", "--config", str(config)]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["model"]["status"] == "fail" and "overlap" in checks["model"]["detail"]
+    proc = subprocess.run([sys.executable, "-m", "stratad", str(path), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == EXIT_BAD_MODEL and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "overlap" in errors[0], proc.stderr
+
+
+def test_header_fuzz_loads_or_refuses_in_one_line(tmp_path: Path) -> None:
+    """A mutation loop over a header's numbers (tensors' dims, type and offset, the
+    architecture's counts): every variant loads or is refused with one line; no other
+    exception, no signal (the test process would die). On the one-layer llama file: no
+    tokenizer to parse, so each load takes milliseconds."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "fuzz.gguf"
+    _write_llama(path)
+    reader = GGUFReader(path, "r+")
+    targets = []
+    for t in reader.tensors:
+        p = t.field.parts
+        targets += [(p[5], [int(p[5][0]) + 32, int(p[5][0]) + 4, 2**40]),
+                    (p[4], [1, 2, 8, 14, 200]), (p[3], [0, int(p[3][0]) * 2, 2**40]),
+                    (p[2], [0, 3])]  # fmt: skip
+    for name in ("llama.embedding_length", "llama.attention.head_count_kv",
+                 "llama.feed_forward_length", "llama.block_count", "llama.context_length",
+                 "llama.attention.head_count"):  # fmt: skip
+        targets.append((reader.fields[name].parts[-1], [0, 1, 3, 2**31]))
+    outcomes = []
+    for at, values in targets:
+        old = int(at[0])
+        for value in values:
+            at[0] = value
+            reader.data.flush()
+            try:
+                load_model(path)
+                outcomes.append("loaded")
+            except ModelError as e:
+                assert "\n" not in str(e), str(e)
+                outcomes.append("refused")
+        at[0] = old
+        reader.data.flush()
+    assert outcomes.count("refused") > len(outcomes) // 2, outcomes

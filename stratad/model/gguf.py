@@ -13,6 +13,7 @@ from gguf import GGUFReader
 from kernels.quant import SUPPORTED_QTYPES, QTensor, QType, row_bytes
 from stratad.model.archs import arch_for_gguf
 from stratad.model.gguf_meta import gguf_metadata
+from stratad.model.shapes import check_model
 from stratad.model.spec import Model, ModelError
 
 
@@ -32,14 +33,42 @@ def open_gguf(path: Path) -> GGUFReader:
 
 
 def _check_extent(reader: GGUFReader, path: Path) -> None:
+    """Every tensor's bytes lie inside the file, on the file's alignment, and apart from every
+    other tensor's (a type id or offset that lies would have kernels read past a buffer)."""
     size = path.stat().st_size
+    align = int(reader.alignment)
+    spans = []
     for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+        start, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ModelError(
                 f"{path}: truncated: tensor {t.name!r} needs bytes up to {end:,}"
                 f" but the file has {size:,}"
             )
+        if (start - int(reader.data_offset)) % align:
+            raise ModelError(
+                f"{path}: tensor {t.name!r} starts at {start:,}, off the file's {align}-byte"
+                " alignment"
+            )
+        spans.append((start, end, t.name))
+    spans.sort()
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise ModelError(
+                f"{path}: tensors {name!r} and {other!r} overlap (bytes {start:,} to {end:,}):"
+                " a tensor's type or shape does not match its data"
+            )
+
+
+def _check_layers(reader: GGUFReader, n_layers: int, path: Path) -> None:
+    """The block count the metadata states is the blocks the tensors hold."""
+    held = {int(t.name.split(".")[1]) for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}  # fmt: skip
+    if held != set(range(n_layers)):
+        raise ModelError(
+            f"{path}: the metadata states {n_layers:,} layers; the tensors hold"
+            f" {len(held):,} (blk.{min(held, default=0)} to blk.{max(held, default=-1)})"
+        )
 
 
 def _as_qtensor(t: object, path: Path) -> QTensor:
@@ -70,6 +99,7 @@ def load_gguf(path: Path) -> Model:
     meta = gguf_metadata(reader)
     arch = arch_for_gguf(meta, str(path))
     spec = arch.spec_from_gguf(meta, str(path))
+    _check_layers(reader, spec.n_layers, path)
     names = arch.gguf_names(spec)
     tensors: dict[str, QTensor] = {}
     for t in reader.tensors:
@@ -80,8 +110,8 @@ def load_gguf(path: Path) -> Model:
     if "lm_head.weight" not in tensors:
         spec = replace(spec, tie_embeddings=True)
     model = Model(spec=spec, tensors=tensors, source=path, metadata=meta)
-    for i in range(spec.n_layers):  # fail at load, naming the tensor, not mid-request
-        arch.layer(model, i)
+    # fail at load, naming the tensor, not mid-request (or in a kernel)
+    check_model(model, [arch.layer(model, i) for i in range(spec.n_layers)])
     model.tensor("model.embed_tokens.weight")
     model.tensor("model.norm.weight")
     return model

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from kernels.quant import QTensor, QType
 from stratad.model.archs import arch_for_hf
+from stratad.model.shapes import check_model
 from stratad.model.spec import Model, ModelError
 
 _DTYPES = {torch.float32: QType.F32, torch.float16: QType.F16, torch.bfloat16: QType.BF16}
@@ -79,8 +80,7 @@ def load_hf(model_dir: Path) -> Model:
     if spec.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     model = Model(spec=spec, tensors=tensors, source=model_dir, metadata=config)
-    for i in range(spec.n_layers):
-        arch.layer(model, i)
+    check_model(model, [arch.layer(model, i) for i in range(spec.n_layers)])
     model.tensor("model.embed_tokens.weight")
     model.tensor("model.norm.weight")
     return model

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from stratad.model.shapes import check_spec
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import (
     AttentionWeights,
@@ -69,7 +70,7 @@ class Arch:
             return meta.get(full, default) if default is not None else _require(meta, full, source)
 
         hidden = int(get("embedding_length"))
-        n_heads = int(get("attention.head_count"))
+        n_heads = _heads(int(get("attention.head_count")), source)
         vocab = int(meta.get(f"{a}.vocab_size", len(meta.get("tokenizer.ggml.tokens", []))))
         spec = ModelSpec(
             arch=cls.name,
@@ -92,6 +93,7 @@ class Arch:
             shared_expert_ffn=int(get("expert_shared_feed_forward_length", 0)),
             norm_topk_prob=cls._gguf_norm_topk(meta, a),
         )
+        check_spec(spec, source)
         spec.validate()
         return spec
 
@@ -123,7 +125,7 @@ class Arch:
         if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
             raise ModelError(f"{source}: models mixing dense and MoE layers are not supported")
         hidden = int(get("hidden_size"))
-        n_heads = int(get("num_attention_heads"))
+        n_heads = _heads(int(get("num_attention_heads")), source)
         spec = ModelSpec(
             arch=cls.name,
             n_layers=int(get("num_hidden_layers")),
@@ -141,6 +143,7 @@ class Arch:
             qk_norm=cls.qk_norm,
             **cls._hf_moe_fields(config, source),
         )
+        check_spec(spec, source)
         spec.validate()
         return spec
 
@@ -253,6 +256,13 @@ class Arch:
             ffn_norm=t(f"{hf}.post_attention_layernorm.weight"),
             mlp=block,
         )
+
+
+def _heads(n: int, source: str) -> int:
+    """The attention head count a file states (the head dim's divisor when it states none)."""
+    if n < 1:
+        raise ModelError(f"{source}: attention heads is {n}; it must be at least 1")
+    return n
 
 
 def arch_for_gguf(meta: Mapping[str, Any], source: str) -> type[Arch]:
