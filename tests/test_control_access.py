@@ -39,6 +39,16 @@ def test_non_member_is_refused_by_peer_credentials() -> None:
         assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
 
 
+def test_a_burst_of_refusals_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Refused connects log one WARNING per refusal every few seconds, not one each."""
+    assert os.getuid() == 0
+    with caplog.at_level("WARNING", logger="stratad"), serving(mode=0o666) as (path, _):
+        for _ in range(5):
+            assert as_nobody(path)[0] == "error"
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in refused]
+
+
 def test_non_member_is_stopped_by_the_file_mode() -> None:
     assert os.getuid() == 0
     with serving(mode=0o660) as (path, _):

@@ -217,6 +217,8 @@ def test_profile_save_writes_only_beside_the_configured_profile(tmp_path: Path) 
         profile_target("link/evil.json", configured)
     with pytest.raises(Unavailable, match="store.expert_profile is not set"):
         profile_target("p.json", "")
+    with pytest.raises(Unavailable, match="NUL"):  # was a traceback
+        profile_target("p\0.json", configured)
 
 
 def test_a_failed_profile_save_leaves_no_tmp(tmp_path: Path) -> None:
@@ -224,4 +226,17 @@ def test_a_failed_profile_save_leaves_no_tmp(tmp_path: Path) -> None:
     target.mkdir()  # os.replace onto a directory fails
     with pytest.raises(OSError):
         save_profile(profile_from_counts([[1, 2], [3, 4]]), target)
-    assert not (tmp_path / "p.json.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_profile_save_follows_no_link_placed_at_its_temporary(tmp_path: Path) -> None:
+    """A link where the old temporary file went (NAME.json.tmp) pointing out of the
+    directory: the save writes its own new file, the link's target is untouched."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    home = tmp_path / "profiles"
+    home.mkdir()
+    (home / "p.json.tmp").symlink_to(outside)
+    save_profile(profile_from_counts([[1, 2], [3, 4]]), home / "p.json")
+    assert outside.read_text() == "keep"
+    assert (home / "p.json").is_file() and not (home / "p.json").is_symlink()

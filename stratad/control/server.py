@@ -145,6 +145,7 @@ class ControlServer:
         self.max_clients = max_clients
         self.max_clients_per_peer = max_clients_per_peer
         self.idle_timeout_s = idle_timeout_s
+        self._refusals = _Refusals()  # one WARNING per peer every few seconds
         self.clients = 0
         self._per_uid: collections.Counter[int] = collections.Counter()
         # per uid, its connections waiting for a request, longest-waiting first
@@ -256,7 +257,7 @@ class ControlServer:
         peer = peer_of(writer.get_extra_info("socket"))
         refusal = self.access.refusal(peer)
         if refusal is not None:
-            log.warning("control socket: refused %s", refusal)
+            self._refusals.warn(peer.uid, refusal)
             reply = ErrorReply(code="permission", error=f"permission denied: {refusal}")
             await _send(writer, reply)
             return
@@ -377,3 +378,27 @@ class ControlServer:
 async def _send(writer: asyncio.StreamWriter, reply: object) -> None:
     writer.write(encode(reply))  # type: ignore[arg-type]
     await writer.drain()
+
+
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+class _Refusals:
+    """Refused connects logged as one WARNING per peer uid every REFUSAL_LOG_EVERY_S seconds,
+    the next line counting those held back (a burst of 2,001 refused connects logged 2,001
+    lines)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self._held: collections.Counter[int] = collections.Counter()
+
+    def warn(self, uid: int, refusal: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(uid)
+        if last is not None and now - last < REFUSAL_LOG_EVERY_S:
+            self._held[uid] += 1
+            return
+        self._last[uid] = now
+        held = self._held.pop(uid, 0)
+        more = f" ({held} more since the last line)" if held else ""
+        log.warning("control socket: refused %s%s", refusal, more)

@@ -233,6 +233,8 @@ def profile_target(path: str, configured: str) -> Path:
     so a peer never picks a directory."""
     if not configured:
         raise Unavailable("store.expert_profile is not set: profile-save writes only beside it")
+    if "\0" in path:
+        raise Unavailable("the profile name holds a NUL byte")
     home = Path(configured).parent
     target = Path(path) if path else Path(configured)
     if not target.is_absolute():

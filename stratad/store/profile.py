@@ -8,6 +8,7 @@ experts in the fastest tiers. A profile is a small JSON file (`store.expert_prof
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,11 +65,15 @@ def merge(a: ExpertProfile, b: ExpertProfile) -> ExpertProfile:
 
 
 def save_profile(profile: ExpertProfile, path: Path) -> None:
-    """Write atomically (a reader never sees half a file)."""
+    """Write atomically (a reader never sees half a file), through a temporary file created
+    new beside it (exclusively: a link placed where it would go is never followed out)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        tmp.write_bytes(msgspec.json.encode(profile))
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # as a plain write would leave it (mkstemp: 0600)
+            f.write(msgspec.json.encode(profile))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)  # nothing half-written is left behind
