@@ -190,9 +190,10 @@ class Engine:
         if job.messages is None:
             text = job.prompt or ""
         else:
-            text = "".join(m.content + "".join(c.arguments for c in m.tool_calls)
+            text = "".join(m.content + "".join(c.name + c.arguments for c in m.tool_calls)
                            for m in job.messages)  # fmt: skip
-            text += "".join(str(t.parameters or "") + (t.description or "") for t in job.tools)
+            text += "".join(t.name + str(t.parameters or "") + (t.description or "")
+                            for t in job.tools)  # fmt: skip
         nbytes, most = len(text.encode()), self.info.max_context * self.tokenizer.max_token_bytes
         if nbytes > most:
             raise JobError(
