@@ -59,5 +59,5 @@ def check_pack(pack: Path, verify: bool) -> tuple[Literal["ok", "fail"], str]:
     failed = verify_checksums(pack, manifest, progress)
     if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        return "fail", f"{len(failed)} blobs fail their checksum: {failed[0]}{more}"
+        return "fail", f"{len(failed)} blobs or tensors fail their checksum: {failed[0]}{more}"
     return "ok", what + ", every checksum verified"

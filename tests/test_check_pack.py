@@ -92,5 +92,31 @@ def test_verify_names_a_damaged_blob(
     assert rc == 0  # without --verify: the structure only (checksums on first read)
     rc, checks = _check(tmp_path, copy, capsys, "--verify")
     assert rc == 1 and checks["pack"]["status"] == "fail"
-    assert checks["pack"]["detail"].startswith("1 blobs fail their checksum:")
+    assert checks["pack"]["detail"].startswith("1 blobs or tensors fail their checksum:")
     assert "layer 2, expert 6" in checks["pack"]["detail"]
+
+
+def test_a_flipped_dense_byte_is_named_and_refused(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flipped byte in dense.bin (served silently before: logprobs moved, /health ok,
+    `check --verify` exit 0) fails `check --verify` and the daemon's open of the pack."""
+    from stratad.store.manifest import DENSE_NAME
+    from stratad.store.packed import load_pack
+
+    copy = tmp_path / "damaged.pack"
+    shutil.copytree(pack, copy)
+    manifest = read_manifest(copy)
+    assert all(d.crc32 is not None for d in manifest.dense)
+    t = next(d for d in manifest.dense if d.name == "model.norm.weight").tensor
+    with open(copy / DENSE_NAME, "r+b") as f:
+        f.seek(t.offset + 3)
+        b = f.read(1)
+        f.seek(t.offset + 3)
+        f.write(bytes([b[0] ^ 0x10]))
+    rc, checks = _check(tmp_path, copy, capsys, "--verify")
+    assert rc == 1 and checks["pack"]["status"] == "fail"
+    assert "model.norm.weight" in checks["pack"]["detail"], checks["pack"]
+    with pytest.raises(PackError, match="model.norm.weight .* fails its checksum"):
+        load_pack(copy)
+    load_pack(pack)  # the intact one opens

@@ -14,6 +14,7 @@ does not know.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -93,6 +94,9 @@ class Blob(msgspec.Struct, frozen=True):
 class DenseTensor(msgspec.Struct, frozen=True):
     name: str  # Hugging Face name, as in `Model.tensors`
     tensor: TensorLayout
+    # CRC-32 of its bytes, checked at every open (None: a pack written before dense
+    # checksums, which is served unchecked)
+    crc32: int | None = None
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,6 +163,24 @@ def expert_bytes(raw: torch.Tensor, layout: ExpertLayout) -> ExpertBytes:
 def blob_view(raw: torch.Tensor, layout: ExpertLayout) -> MLPWeights:
     """The expert held in `raw` (uint8 [>= layout.nbytes]) as MLPWeights of views onto it."""
     return MLPWeights(*(tensor_view(raw, t) for t in layout.projections))
+
+
+def check_dense(dense: torch.Tensor, manifest: Manifest, where: str) -> list[str]:
+    """Each dense tensor's bytes (of the mapped dense.bin, uint8) against its CRC-32: the
+    messages of those that fail (empty: intact, or no checksums recorded)."""
+    failed = []
+    for d in manifest.dense:
+        t = d.tensor
+        if d.crc32 is None:
+            continue
+        crc = zlib.crc32(dense[t.offset : t.offset + t.nbytes].numpy().data)
+        if crc != d.crc32:
+            failed.append(
+                f"{where}: tensor {d.name} (offset {t.offset:,}, {t.nbytes:,} bytes) fails its"
+                f" checksum (crc32 {crc:08x}, the manifest says {d.crc32:08x}): the pack is"
+                " damaged; re-create it with `stratactl pack`"
+            )
+    return failed
 
 
 def _rows(shape: tuple[int, ...]) -> int:

@@ -259,9 +259,8 @@ def write_pack(
                 offset = f.tell()
                 f.write(data)
                 f.write(bytes(align(offset + len(data), PROJ_ALIGN) - offset - len(data)))
-                dense.append(
-                    DenseTensor(name, TensorLayout(t.qtype.name, tuple(t.shape), offset, len(data)))
-                )
+                where = TensorLayout(t.qtype.name, tuple(t.shape), offset, len(data))
+                dense.append(DenseTensor(name, where, zlib.crc32(data)))
             # dense.bin is mapped as one tensor; a page-multiple size keeps float views legal
             f.write(bytes(align(f.tell(), BLOB_ALIGN) - f.tell()))
             dense_nbytes = f.tell()

@@ -26,6 +26,7 @@ from stratad.store.manifest import (
     Manifest,
     PackError,
     check_blobs,
+    check_dense,
     read_manifest,
     tensor_view,
 )
@@ -81,6 +82,10 @@ def load_pack(pack_dir: Path) -> tuple[Model, Manifest]:
     dense = map_file(pack_dir / DENSE_NAME, manifest.dense_nbytes)
     experts = map_file(pack_dir / EXPERTS_NAME, manifest.experts_nbytes)
     check_blobs(manifest, manifest.experts_nbytes, str(pack_dir / EXPERTS_NAME))
+    # the dense weights are read whole at start anyway: a flipped byte is refused, not served
+    damaged = check_dense(dense, manifest, str(pack_dir / DENSE_NAME))
+    if damaged:
+        raise PackError(damaged[0])
     tensors = {d.name: tensor_view(dense, d.tensor) for d in manifest.dense}
     tensors |= _expert_stacks(manifest, experts)
     try:

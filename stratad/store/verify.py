@@ -1,6 +1,7 @@
 """Every checksum of a pack on request (`stratactl check --verify`): each blob of experts.bin
-read and its CRC-32 checked, each one that fails named. (Its structure is checked at every
-open: `manifest.check_blobs`.)"""
+and each tensor of dense.bin read and its CRC-32 checked, each one that fails named. (Its
+structure is checked at every open, `manifest.check_blobs`, and so are the dense tensors'
+checksums: the daemon reads them whole at start.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from stratad.store.manifest import Manifest
+from stratad.store.manifest import DENSE_NAME, Manifest, check_dense
+from stratad.store.packed import map_file
 from stratad.store.sources import BlobCorrupt, PackExperts
 
 
@@ -37,4 +39,5 @@ def verify_checksums(
                 last = now
     finally:
         source.close()
-    return failed
+    dense = map_file(Path(pack_dir) / DENSE_NAME, manifest.dense_nbytes)
+    return failed + check_dense(dense, manifest, str(Path(pack_dir) / DENSE_NAME))
