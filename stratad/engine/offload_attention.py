@@ -79,7 +79,8 @@ class OffloadAttention:
         step: Pass,
     ) -> torch.Tensor:
         """Layer i's attention output [T, H] for h [T, H] at positions pos [T]: the qkv and
-        output projections over every row of the pass, attention per sequence."""
+        output projections over every row of the pass, attention per sequence (a decode
+        batch of caches of one kind: in one launch)."""
         spec = self.spec
         qkv = self.linear(h, w.qkv, w.qkv_bias)
         if step.decode and self.kv_addrs is not None:
