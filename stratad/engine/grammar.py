@@ -39,15 +39,16 @@ def bridge(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         return found
 
 
-PROBE_STEPS = 32  # tokens a check follows into a grammar (a forced tool call's text first)
+PROBE_STEPS = 8  # free choices a check makes into a grammar (forced text costs none)
 
 
 def check(tokenizer: Tokenizer, grammar: str) -> str | None:
     """Why `grammar` cannot constrain this model (None: it can). Beyond validating it, the
-    first steps are taken (each time the first token allowed, up to PROBE_STEPS or the end): a
-    grammar that cannot start (a required cycle of `$ref`s, a pattern whose lexer outgrows
-    its limits, a row of too many items) fails here, before generation, not at the request's
-    first sampled tokens."""
+    first steps are taken: the text the grammar forces (a forced tool call's opening) at
+    once, then the first token allowed, up to PROBE_STEPS choices or the end. A grammar that
+    cannot start (a required cycle of `$ref`s, a pattern whose lexer outgrows its limits, a
+    row of too many items) fails here, before generation, not at the request's first
+    sampled tokens."""
     lexicon = bridge(tokenizer)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, lexicon, limits=LIMITS
@@ -55,18 +56,24 @@ def check(tokenizer: Tokenizer, grammar: str) -> str | None:
     if failed:
         return "; ".join(messages)
     probe = Constraint(tokenizer, grammar)
+    m = probe.matcher
     for _ in range(PROBE_STEPS):
+        forced = m.compute_ff_tokens()
+        if forced and not m.is_error():
+            m.consume_tokens(forced)
+        if m.is_error():
+            return _error(m)
         allowed = probe.allowed().nonzero()
-        if probe.matcher.is_error():
-            return _error(probe.matcher)
+        if m.is_error():
+            return _error(m)
         if allowed.numel() == 0:
             return "it allows no token here"
         first = int(allowed[0])
-        if first in tokenizer.eos_ids or probe.matcher.is_stopped():
+        if first in tokenizer.eos_ids or m.is_stopped():
             return None  # it may end here
-        probe.matcher.consume_token(first)
-        if probe.matcher.is_error():
-            return _error(probe.matcher)
+        m.consume_token(first)
+        if m.is_error():
+            return _error(m)
     return None
 
 
