@@ -380,6 +380,17 @@ def test_unfollowable_schemas_are_the_clients_400(daemon: Daemon) -> None:
     assert slowest and max(slowest) < 1.0, max(slowest)
 
 
+def test_a_tool_schema_nested_too_deep_is_400(daemon: Daemon) -> None:
+    """An offered tool's schema (not forced: the template writes it) nested 300 deep is the
+    client's 400 naming it, not a RecursionError in the template."""
+    deep = json.loads('{"type": "object", "properties": {"a": ' * 150 + "{}" + "}}" * 150)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "max_tokens": 2}
+    status, err = _error(daemon, "/v1/chat/completions", body)
+    assert status == 400 and err["param"] == "tools[0].function.parameters", err
+    assert "nested" in err["message"], err
+
+
 def test_unsupported_fields_are_refused_or_logged_once(daemon: Daemon) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     function = {"name": "f", "parameters": {"type": "object"}}

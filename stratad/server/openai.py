@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from stratad.grammars import too_large
 from stratad.protocol import Health as Health  # /health's body, shared with stratactl status
 from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
@@ -212,6 +213,11 @@ def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     messages = tuple(_message(m, i) for i, m in enumerate(req.messages))
+    for i, t in enumerate(req.tools or ()):  # a template writes them: bounded before it does
+        why = too_large(t.function.parameters) if t.function.parameters is not None else None
+        if why is not None:
+            param = f"tools[{i}].function.parameters"
+            raise RequestError(f"{param} is too large a JSON schema: {why}", param)
     tools = tuple(
         jobs.Tool(t.function.name, t.function.description, t.function.parameters)
         for t in req.tools or ()
