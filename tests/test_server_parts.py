@@ -241,3 +241,15 @@ def test_hold_reports_and_refuses() -> None:
     assert not scheduler.ready and scheduler.status == "pinning"
     with pytest.raises(Unavailable, match="pinning"):
         asyncio.run(submit())
+
+
+def test_health_says_pinning_while_the_model_loads() -> None:
+    """With `store.ready_after_pinning` the store pins while the model loads: /health said
+    `loading` all along; it says `pinning` while the operations report pinning."""
+    from stratad.runtime.health import health_of
+
+    scheduler = Scheduler(max_queue=4)
+    assert health_of(scheduler, None).status == "loading"
+    assert health_of(scheduler, None, pinning=True).status == "pinning"
+    scheduler.state = "ready"
+    assert health_of(scheduler, None, pinning=True).status == "ok"  # loaded: it serves

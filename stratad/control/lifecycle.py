@@ -144,6 +144,7 @@ class Operations:
         app.on_shutdown.append(self._on_shutdown)
         self._scheduler = server.scheduler
         self._http = server
+        server.pinning = lambda: self.state.state == "pinning"  # /health says so while loading
         server.scheduler.listeners.append(lambda ticket: meter_ticket(self.state, ticket))
         self.state.serving = server
 

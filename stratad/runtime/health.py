@@ -17,12 +17,16 @@ _STATUS: dict[str, HealthStatus] = {
 }
 
 
-def health_of(scheduler: Scheduler, model: str | None, degraded: str | None = None) -> Health:
-    """`degraded`: why a daemon that serves does so short of its configuration (else None)."""
+def health_of(
+    scheduler: Scheduler, model: str | None, degraded: str | None = None, pinning: bool = False
+) -> Health:
+    """`degraded`: why a daemon that serves does so short of its configuration (else None);
+    `pinning`: the daemon pins its resident set while the model loads (`loading` until then
+    said nothing of it)."""
     s = scheduler
     status: HealthStatus = _STATUS.get(s.state, "failed")
     reason: str | None = None
-    if status == "ok" and s.held == "pinning":
+    if (status == "ok" and s.held == "pinning") or (status == "loading" and pinning):
         status = "pinning"
     elif status == "ok" and degraded:
         status, reason = "degraded", degraded

@@ -101,6 +101,8 @@ class Server:
         )
         self._loader: threading.Thread | None = None
         self.degraded: Callable[[], str | None] = lambda: None
+        # whether the daemon pins its resident set while it loads (the operations set it)
+        self.pinning: Callable[[], bool] = lambda: False
         """Why the daemon serves short of its configuration (set once the engine is known)."""
         self.openapi = render_openapi()
         self.completions = Completions(self.scheduler, config, self.metrics)
@@ -182,7 +184,7 @@ class Server:
 
     def health(self) -> oa.Health:
         """The one health body: /health serves it, the control socket's status carries it."""
-        return health_of(self.scheduler, self.model_name, self.degraded())
+        return health_of(self.scheduler, self.model_name, self.degraded(), self.pinning())
 
     def begin_drain(self, reason: str) -> None:
         self.scheduler.begin_drain(reason)
