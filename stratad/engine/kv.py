@@ -22,9 +22,8 @@ class KVCache:
     addrs: dict[torch.device, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        table = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v,
-                                                                            strict=True)],
-                             dtype=torch.int64)  # fmt: skip
+        pairs = [[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v, strict=True)]
+        table = torch.tensor(pairs, dtype=torch.int64)
         self.addrs = {d: table.to(d) for d in {t.device for t in self.k}}
 
     @classmethod
