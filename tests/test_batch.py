@@ -209,7 +209,7 @@ def test_graph_per_batch_size_serves_other_caches_gpu(
     """A step reads every cache through its address, so the capture of a batch of three
     serves three other caches: no new capture, each sequence its tokens alone."""
     engine = _offload(tiny_moe, "cuda", graphs=True)
-    assert engine.graph.by_address
+    assert engine.attention.fused_input  # every cache read and written by address
     first = _greedy(engine, MANY[:3])
     captured = engine.graph.captured
     second = _greedy(engine, MANY[3:6])  # three new caches
@@ -231,7 +231,7 @@ def test_failed_capture_runs_the_step_eagerly_gpu(caplog: pytest.LogCaptureFixtu
 
     buf = torch.zeros(4, 1, 8, device="cuda")
     caches = [KVCache([buf], [buf.clone()])]
-    graph = DecodeGraph(step, torch.device("cuda"), by_address=False)
+    graph = DecodeGraph(step, torch.device("cuda"), by_address=lambda _: False)
     with caplog.at_level("WARNING", logger="stratad.engine"):
         for t in (3, 4, 5):
             logits, _ = graph.replay([t], caches)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, kv_addresses
 
 log = logging.getLogger("stratad.engine")
 
@@ -47,10 +47,13 @@ class _Capture:
 
 
 class DecodeGraph:
-    def __init__(self, step: Step, device: torch.device, by_address: bool) -> None:
+    def __init__(
+        self, step: Step, device: torch.device, by_address: Callable[[Sequence[KVCache]], bool]
+    ) -> None:
         """`step(tokens, positions, caches, addresses)` -> (logits [B, V], ids): the eager
-        pass the graph records. `by_address`: given the addresses, the pass reads and writes
-        every cache through them only (so a capture serves any caches of its size)."""
+        pass the graph records. `by_address(caches)`: whether, given their addresses, the pass
+        reads and writes those caches through them only (a capture then serves any caches of
+        its size)."""
         self.step, self.device, self.by_address = step, device, by_address
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._failed: set[Hashable] = set()  # keys whose capture failed: run eagerly
@@ -60,7 +63,7 @@ class DecodeGraph:
     def _key(self, caches: Sequence[KVCache]) -> tuple[Hashable, bool]:
         """(the capture's key, whether it is per size: by the caches' addresses)."""
         first = caches[0]
-        if self.by_address and all(first.same_kind(c) for c in caches[1:]):
+        if self.by_address(caches):
             return ("size", len(caches), tuple(first.k[0].shape), first.k[0].dtype), True
         return ("caches", tuple(id(c) for c in caches)), False
 
@@ -114,13 +117,13 @@ class DecodeGraph:
             cap.tok.copy_(torch.tensor(tokens))
             cap.pos.copy_(torch.tensor([c.length for c in caches]))
         if cap.addrs is not None:
-            cap.addrs.copy_(_gather(caches, cap.addrs.device))
+            cap.addrs.copy_(kv_addresses(caches, cap.addrs.device))
 
     def _capture(self, caches: tuple[KVCache, ...], by_size: bool) -> _Capture:
         b, device = len(caches), self.device
         tok = torch.zeros(b, dtype=torch.long, device=device)
         pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
-        addrs = _gather(caches, pos.device).clone() if by_size else None
+        addrs = kv_addresses(caches, pos.device).clone() if by_size else None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
@@ -134,7 +137,3 @@ class DecodeGraph:
         held = () if by_size else caches  # a per-size capture holds no cache alive
         return _Capture(held, graph, tok, pos, addrs, logits, ids)
 
-
-def _gather(caches: Sequence[KVCache], device: torch.device) -> torch.Tensor:
-    """The caches' addresses [L, B, 2] on `device` (one gather there)."""
-    return torch.stack([c.addrs[device] for c in caches], 1)

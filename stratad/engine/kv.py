@@ -4,6 +4,7 @@ cache of a batch through them, in one launch)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,3 +58,9 @@ class KVCache:
                 break
             n += 1
         return n
+
+
+def kv_addresses(caches: Sequence[KVCache], device: torch.device) -> torch.Tensor:
+    """The caches' buffer addresses [L, B, 2] on `device`: one gather there, which a captured
+    graph replays."""
+    return torch.stack([c.addrs[device] for c in caches], 1)

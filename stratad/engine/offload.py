@@ -127,7 +127,8 @@ class OffloadForward:
                                        config.kernels.prefetch, self._host_span, guess)  # fmt: skip
         # with the fused input kernel a batched step reads and writes every cache by address:
         # one capture per batch size serves every set of caches
-        self.graph = DecodeGraph(self._decode_pass, device, self.attention.fused_input)
+        by_address = self.attention.by_address if self.attention.fused_input else lambda _: False
+        self.graph = DecodeGraph(self._decode_pass, device, by_address)
         self.split = SplitStep(self._split_parts(), device, config.graphs)
 
     # -- placement -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from kernels.attention import attention_counts, decode_attention
 from kernels.attn_input import attn_input
 from kernels.rope import RopeStyle, rope_table
 from stratad.engine.dense import DenseLayer
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, kv_addresses
 from stratad.engine.layers import apply_rope, rope_tables
 from stratad.engine.offload_config import OffloadConfig
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
@@ -62,12 +62,14 @@ class OffloadAttention:
         them; every cache is then read and written through them), else where several caches
         are of one kind (one device-side gather: a captured graph replays it)."""
         self.lens = pos + 1
-        batch = 1 < len(caches) <= FUSED_MAX_TOKENS and all(
-            caches[0].same_kind(c) for c in caches[1:]
-        )
-        if addrs is None and batch:
-            addrs = torch.stack([c.addrs[pos.device] for c in caches], 1)
+        if addrs is None and len(caches) > 1 and self.by_address(caches):
+            addrs = kv_addresses(caches, pos.device)
         self.kv_addrs = addrs
+
+    def by_address(self, caches: Sequence[KVCache]) -> bool:
+        """Whether a decode step of `caches` may read them through their addresses: caches of
+        one kind, no more than the kernel's scratch holds."""
+        return len(caches) <= FUSED_MAX_TOKENS and all(caches[0].same_kind(c) for c in caches)
 
     def __call__(
         self,
