@@ -193,7 +193,8 @@ class ControlConfig(_Section, frozen=True):
     """Control connections open at once, at most."""
     max_clients_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 8
     """Control connections one uid may hold at once, so that no one peer locks the others
-    out."""
+    out; one more waits up to a second for one of them to go idle or close, then is
+    refused."""
 
 
 class StoreConfig(_Section, frozen=True):

@@ -18,7 +18,7 @@ import pytest
 
 from stratactl.__main__ import main as stratactl
 from stratactl.client import Client, DaemonError
-from stratad.control.server import ControlError, ControlServer
+from stratad.control.server import ADMIT_WAIT_S, ControlError, ControlServer
 from stratad.protocol import (
     MAX_REQUEST_BYTES,
     DrainReply,
@@ -158,13 +158,16 @@ def test_waiting_drains_hold_no_worker_and_fill_the_peer_limit() -> None:
     assert os.getuid() == 0
     with serving(mode=0o666, gid=65534) as (path, provider):
         waits = [threading.Thread(target=lambda: Client(path, timeout_s=10).request(
-            DrainRequest(wait_s=2.0), DrainReply)) for _ in range(8)]  # fmt: skip
+            DrainRequest(wait_s=4.0), DrainReply)) for _ in range(8)]  # fmt: skip
         for t in waits:
             t.start()
         time.sleep(0.5)
-        # root's 8 connections all wait in a drain, none idle: a ninth is refused
+        # root's 8 connections all wait in a drain, none idle: a ninth waits for a slot
+        # (ADMIT_WAIT_S), then is refused
+        t0 = time.monotonic()
         with pytest.raises(DaemonError, match="uid 0 holds 8 control connections"):
             Client(path).request(StatusRequest(), StatusReply)
+        assert ADMIT_WAIT_S <= time.monotonic() - t0 < 3
         t0 = time.monotonic()
         assert as_nobody(path)[0] == "status"  # the 4 workers are not held by the drains
         assert time.monotonic() - t0 < 1.5
@@ -197,3 +200,17 @@ def test_concurrent_clients(ctl: tuple[Path, ShortCoverage]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def test_a_connection_over_the_peer_limit_gets_the_first_slot_that_frees() -> None:
+    with serving(mode=0o666, gid=65534) as (path, _):
+        waits = [threading.Thread(target=lambda: Client(path, timeout_s=10).request(
+            DrainRequest(wait_s=1.0), DrainReply)) for _ in range(8)]  # fmt: skip
+        for t in waits:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()  # all 8 busy: the ninth waits for the first drain to end
+        assert Client(path).request(StatusRequest(), StatusReply).state == "serving"
+        assert time.monotonic() - t0 < ADMIT_WAIT_S
+        for t in waits:
+            t.join()

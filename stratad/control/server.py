@@ -6,7 +6,9 @@ credentials (SO_PEERCRED): root, the daemon's own user, or a member of the socke
 A malformed, unknown or oversized message gets an `ErrorReply`; nothing a client sends can stop
 the daemon, nor lock others out: a connection closes after `control.idle_timeout_s` without a
 request; one uid holds at most `control.max_clients_per_peer` connections (a new one closes
-that uid's longest-idle one, or is refused if none is idle); a `drain` that waits does so on
+that uid's longest-idle one; if none is idle it waits up to `ADMIT_WAIT_S` for one to become
+idle or close, so that clients which just hung up never lock their uid out, and is refused
+after that); a `drain` that waits does so on
 the loop, never holding one of the few worker threads. A failing verb is
 answered in our words; the exception goes to the daemon's log.
 """
@@ -52,6 +54,7 @@ log = logging.getLogger("stratad.control")
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 MAX_DRAIN_WAIT_S = 3600.0
+ADMIT_WAIT_S = 1.0  # a connection over its uid's limit waits this long for a slot
 DRAIN_POLL_S = 0.1
 
 
@@ -152,6 +155,7 @@ class ControlServer:
         # each uid's connections waiting for a request, oldest first; the value says whether
         # the connection has been answered before (see _evict)
         self._idle: dict[int, dict[asyncio.StreamWriter, bool]] = collections.defaultdict(dict)
+        self._slot_freed: asyncio.Condition | None = None  # made on the loop's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -223,6 +227,7 @@ class ControlServer:
         self._loop = loop
         asyncio.set_event_loop(loop)
         quiet_accept_errors(loop, log)
+        self._slot_freed = asyncio.Condition()
         server = loop.run_until_complete(
             asyncio.start_unix_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES)
         )
@@ -264,7 +269,7 @@ class ControlServer:
         if self.clients > self.max_clients:
             await _send(writer, ErrorReply(code="busy", error="too many control connections"))
             return
-        if self._per_uid[peer.uid] >= self.max_clients_per_peer and not self._evict(peer.uid):
+        if not await self._admit(peer.uid):
             await _send(writer, ErrorReply(
                 code="busy", error=f"uid {peer.uid} holds {self.max_clients_per_peer} control"
                 " connections already (control.max_clients_per_peer)",
@@ -277,6 +282,28 @@ class ControlServer:
             self._per_uid[peer.uid] -= 1
             if not self._per_uid[peer.uid]:
                 del self._per_uid[peer.uid], self._idle[peer.uid]
+            await self._free_slot()
+
+    async def _admit(self, uid: int) -> bool:
+        """Whether a new connection of `uid` may stay: under the limit, or room made by
+        closing an idle one, within `ADMIT_WAIT_S` (a hung-up client's connection counts
+        until its answer is written and its end of file read)."""
+        assert self._slot_freed is not None
+        deadline = time.monotonic() + ADMIT_WAIT_S
+        async with self._slot_freed:
+            while self._per_uid[uid] >= self.max_clients_per_peer and not self._evict(uid):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), left)
+        return True
+
+    async def _free_slot(self) -> None:
+        """A connection closed or went idle: wake connections waiting in `_admit`."""
+        if self._slot_freed is not None:
+            async with self._slot_freed:
+                self._slot_freed.notify_all()
 
     def _evict(self, uid: int) -> bool:
         """Close `uid`'s longest-idle connection to make room; false if none is idle. One
@@ -298,6 +325,7 @@ class ControlServer:
         while True:
             idle = self._idle[peer.uid]
             idle[writer] = answered
+            await self._free_slot()  # evictable now
             try:
                 line = await asyncio.wait_for(reader.readline(), self.idle_timeout_s)
             except (ValueError, asyncio.LimitOverrunError):
