@@ -75,6 +75,11 @@ class ServerConfig(_Section, frozen=True):
     leaves. (/v1/completions defaults to 16, as OpenAI's does.)"""
     prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 128
     """Prompt tokens per prefill step; a cancelled request frees the engine within one."""
+    step_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Tokens one engine step computes at most: a token of every generating request, then
+    prompt chunks in arrival order (chunked prefill beside decodes, so a long prompt arriving
+    delays the others' next tokens by one chunk's time at most); 0: one prefill chunk plus
+    one token per parallel request."""
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     """Requests generated at once (as llama-server's --parallel): each step computes every
     running request's next tokens in one batch, so N clients share each read of the weights.

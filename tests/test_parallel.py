@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -39,13 +39,14 @@ class Recording:
     """The forward, with how many sequences each step carried."""
 
     def __init__(self, forward: ReferenceForward) -> None:
-        self.forward, self.sizes = forward, list[int]()
+        self.forward, self.sizes, self.tokens = forward, list[int](), list[int]()
 
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         self.sizes.append(len(seqs))
+        self.tokens.append(sum(len(s.tokens) for s in seqs))
         return self.forward.step(seqs)
 
 
@@ -100,6 +101,24 @@ def test_requests_share_steps_and_get_what_they_get_alone(engine: tuple) -> None
     assert [e[-1][2] for e in got] == ["length"] * 3
     assert max(rec.sizes) == 3 and len(rec.sizes) < len(one.sizes)
     assert gen.free == 3 and not gen.loop.running
+
+
+def test_prompts_arriving_together_share_the_step_budget_with_the_decodes(engine: tuple) -> None:
+    """A request decoding and two 64-token prompts (two chunks of 32 each) arriving together:
+    every step computes at most one chunk beside the decodes (the default budget, 32 + 3), the
+    decoding one gets a token at every step, and each gets what it gets alone."""
+    reqs = [_req(5, 100, 12), _req(64, 1000, 3), _req(64, 2000, 3)]
+    alone, _ = _gen(engine, 1)
+    want = [_events([alone.run(r)])[0] for r in reqs]
+    gen, rec = _gen(engine, 3)
+    first = gen.events(gen.start(reqs[0]))
+    head = next(first)  # its prompt and first token: one step
+    arriving = [gen.events(gen.start(r)) for r in reqs[1:]]
+    got = _events([first, *arriving])
+    assert [[(head.token, head.text, head.finish_reason), *got[0]], *got[1:]] == want
+    # the second prompt's two chunks, then the third's, each beside the decodes
+    assert rec.tokens[:5] == [5, 1 + 32, 1 + 32, 2 + 32, 2 + 32]
+    assert max(rec.tokens) <= 32 + 3 and gen.free == 3
 
 
 # a schema llguidance compiles but cannot follow: it fails on the first sampled token
@@ -185,25 +204,41 @@ def test_every_cache_in_use_is_refused_and_a_closed_run_frees_its_own(engine: tu
 
 
 class Turns:
-    """An engine that notes whose delta it makes, three per job."""
+    """An engine that notes whose delta each step makes, three per job."""
 
     model_id, max_context = "turns", 64
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: int) -> None:
+        self.parallel = parallel
         self.order: list[str] = []
+        self.jobs: dict[object, list] = {}  # handle -> [name, deltas given]
 
     def prepare(self, job: Job) -> PreparedJob:
         return PreparedJob(job=job, prompt=(1,), max_tokens=3)
 
-    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]:
-        for i in range(3):
-            self.order.append(str(job.job.prompt))
-            yield Delta(text=str(i), finish_reason="length" if i == 2 else None)
+    def add(self, job: PreparedJob) -> object:
+        handle = object()
+        self.jobs[handle] = [str(job.job.prompt), 0]
+        return handle
+
+    def step(self) -> list[tuple[object, Delta | Exception]]:
+        out: list[tuple[object, Delta | Exception]] = []
+        for handle, job in list(self.jobs.items()):
+            self.order.append(job[0])
+            i = job[1]
+            job[1] += 1
+            out.append((handle, Delta(text=str(i), finish_reason="length" if i == 2 else None)))
+            if i == 2:
+                del self.jobs[handle]
+        return out
+
+    def abort(self, handle: object) -> None:
+        self.jobs.pop(handle, None)
 
 
 @pytest.mark.parametrize(("parallel", "order"), [(1, "AAABBB"), (2, "ABABAB")])
-def test_the_engine_thread_takes_turns(parallel: int, order: str) -> None:
-    scheduler, engine = Scheduler(max_queue=4, parallel=parallel), Turns()
+def test_the_engine_thread_steps_every_running_job(parallel: int, order: str) -> None:
+    scheduler, engine = Scheduler(max_queue=4), Turns(parallel)
     scheduler.state = "ready"
 
     async def serve() -> list[str]:

@@ -19,6 +19,7 @@ from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.sequence import GenerationRequest, Sequence
 from stratad.runtime.step import StepLoop
+from stratad.runtime.step_plan import StepBudget
 from tests.test_store_fakes import tiny_moe_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,7 +50,7 @@ def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=8,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     engine = OffloadForward(model, torch.device("cpu"), cfg)
-    loop = StepLoop(engine, prefill_chunk=8, prefixes=PrefixStore(0, 0))
+    loop = StepLoop(engine, StepBudget.auto(8, 3), prefixes=PrefixStore(0, 0))
     seqs = [Sequence(r, engine.new_cache(64), tok, 64) for r in reqs]
     for s in seqs:
         loop.add(s)

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import openai
@@ -26,24 +26,43 @@ ORIGIN = "https://app.example"
 
 
 class SlowPrefill:
-    """An engine that thinks for PREFILL_S before its first token, then says 'a b c'."""
+    """An engine that thinks for PREFILL_S before a job's first token, then says 'a b c'
+    (steps of 10 ms)."""
 
     model_id = "slow"
     max_context = 4096
+    parallel = 1
+    WORDS = ("a", " b", " c")
+
+    def __init__(self) -> None:
+        self.jobs: dict[object, list[float]] = {}  # handle -> [first token at, tokens given]
 
     def prepare(self, job: Job) -> PreparedJob:
         return PreparedJob(job=job, prompt=(1, 2, 3), max_tokens=job.max_tokens or 3)
 
-    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta]:
-        deadline = time.monotonic() + PREFILL_S
-        while time.monotonic() < deadline:
-            if cancelled():
-                return
-            time.sleep(0.01)
-        words = ["a", " b", " c"]
-        for n, w in enumerate(words, start=1):
-            yield Delta(text=w, finish_reason="length" if n == len(words) else None,
-                        prompt_tokens=3, completion_tokens=n)  # fmt: skip
+    def add(self, job: PreparedJob) -> object:
+        handle = object()
+        self.jobs[handle] = [time.monotonic() + PREFILL_S, 0]
+        return handle
+
+    def step(self) -> list[tuple[object, Delta | Exception]]:
+        time.sleep(0.01)
+        out: list[tuple[object, Delta | Exception]] = []
+        for handle, job in list(self.jobs.items()):
+            if time.monotonic() < job[0]:
+                continue
+            job[1] += 1
+            n = int(job[1])
+            last = n == len(self.WORDS)
+            out.append((handle, Delta(text=self.WORDS[n - 1], prompt_tokens=3,
+                                      finish_reason="length" if last else None,
+                                      completion_tokens=n)))  # fmt: skip
+            if last:
+                del self.jobs[handle]
+        return out
+
+    def abort(self, handle: object) -> None:
+        self.jobs.pop(handle, None)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +34,22 @@ from stratad.runtime.jobs import (
     TokenLogprob,
     TopLogprob,
 )
-from stratad.runtime.sequence import GenerationEvent, GenerationRequest
+from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.store.pinning import ProgressFn
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
+
+
+@dataclass(eq=False)
+class Running:
+    """A job on the engine: its sequence and the tokens it has been given."""
+
+    job: PreparedJob
+    seq: Sequence
+    tokens: int = 0
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -59,8 +69,9 @@ def pick_device(name: str) -> torch.device:
 
 
 class Engine:
-    """`run` takes one job at a time (the scheduler's engine thread serialises them);
-    `prepare` only tokenises and may run on any thread meanwhile."""
+    """The scheduler's engine thread drives it one step at a time: `add` a prepared job when
+    a place is free, `step`, `abort` a cancelled one; `prepare` only tokenises and may run
+    on any thread meanwhile."""
 
     def __init__(self, config: Config, on_pin_progress: ProgressFn | None = None) -> None:
         path = Path(config.model.path) if config.model.path else default_model_path()
@@ -101,7 +112,11 @@ class Engine:
         if self.backend in ("reference", "cpu"):
             weights = cpu_weights(config.engine) if self.backend == "cpu" else None
             self.forward = ReferenceForward(
-                self.model, device, dtype, experts=expert_store, timer=self.timer,
+                self.model,
+                device,
+                dtype,
+                experts=expert_store,
+                timer=self.timer,
                 weights=weights,
             )
             log.info("weights: %s", self.forward.mode.name)
@@ -121,7 +136,9 @@ class Engine:
             ),
             prefix_store=self.prefixes,
             parallel=server.parallel,
+            step_tokens=server.step_tokens,
         )
+        self._running: dict[Sequence, Running] = {}
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
         self.info = EngineInfo(
@@ -241,16 +258,17 @@ class Engine:
             pin=min(pin, len(prompt) - 1),
         )
 
-    def run(
-        self, job: Job | PreparedJob, cancelled: Callable[[], bool] = lambda: False
-    ) -> Iterator[Delta | None]:
-        """Generate; stops early without a final delta if `cancelled()` turns true. None: a
-        step ran (a prompt chunk, or other requests' tokens) with no output for this job."""
-        prepared = job if isinstance(job, PreparedJob) else self.prepare(job)
-        spec = prepared.job
+    @property
+    def parallel(self) -> int:
+        """Requests that run at once (one working cache each)."""
+        return len(self.generator.caches)
+
+    def add(self, job: PreparedJob) -> Running:
+        """Start a prepared job on a free working cache; it computes from the next `step`."""
+        spec = job.job
         req = GenerationRequest(
-            prompt=list(prepared.prompt),
-            max_tokens=prepared.max_tokens,
+            prompt=list(job.prompt),
+            max_tokens=job.max_tokens,
             sampling=SamplingParams(
                 temperature=spec.temperature,
                 top_k=spec.top_k,
@@ -263,37 +281,73 @@ class Engine:
                 logprobs=spec.logprobs,
             ),
             stop=spec.stop,
-            pin=prepared.pin,
+            pin=job.pin,
             scope=spec.scope,
             grammar=spec.grammar,
         )
-        # one event per sampled token, the end-of-sequence token included
-        seq = self.generator.start(req)
-        turns = self.generator.turns(seq, cancelled)
-        n = 0
+        run = Running(job, self.generator.start(req))
+        self._running[run.seq] = run
+        return run
+
+    def step(self) -> list[tuple[Running, Delta | Exception]]:
+        """One batched step of every running job: a delta for each that sampled a token (the
+        last one has its finish reason), or the error that ended its own part. A job that
+        ended is off the engine. Raises if the forward itself failed (every running job
+        is then off the engine: its caller fails them all)."""
         try:
-            for event in turns:
-                if event is None:
-                    yield None
-                    continue
-                n += 1
-                if n == 1 and self.timer.enabled:  # prefill and the first sample are behind us
-                    computed = len(prepared.prompt) - seq.cached_tokens
-                    log.info("prefill timing: %d tokens, %s", computed,
-                             stages_text(self.timer.collect()))  # fmt: skip
-                    self.timer.reset()  # from here on: decode steps only
-                yield Delta(
-                    text=event.text,
-                    logprobs=self._logprobs(event),
-                    finish_reason=event.finish_reason,
-                    prompt_tokens=len(prepared.prompt),
-                    completion_tokens=n,
-                    cached_tokens=seq.cached_tokens,
-                )
+            outcomes = self.generator.step()
+        except Exception:
+            for run in list(self._running.values()):
+                self.abort(run)
+            raise
+        out: list[tuple[Running, Delta | Exception]] = []
+        for seq, outcome in outcomes:
+            run = self._running[seq]
+            if isinstance(outcome, Exception):
+                self.abort(run)
+                out.append((run, outcome))
+                continue
+            run.tokens += 1
+            if run.tokens == 1 and self.timer.enabled:  # its prefill and first sample are done
+                computed = len(run.job.prompt) - seq.cached_tokens
+                log.info("prefill timing: %d tokens, %s", computed,
+                         stages_text(self.timer.collect()))  # fmt: skip
+                self.timer.reset()  # from here on: decode steps only
+            out.append((run, Delta(
+                text=outcome.text,
+                logprobs=self._logprobs(outcome),
+                finish_reason=outcome.finish_reason,
+                prompt_tokens=len(run.job.prompt),
+                completion_tokens=run.tokens,
+                cached_tokens=seq.cached_tokens,
+            )))  # fmt: skip
+            if outcome.finish_reason is not None:
+                self.abort(run)
+        return out
+
+    def abort(self, run: Running) -> None:
+        """Take a job off the engine (ended, failed or cancelled); its cache is free again.
+        Idempotent."""
+        if self._running.pop(run.seq, None) is None:
+            return
+        self.generator.finish(run.seq)
+        if self.timer.enabled and run.tokens > 1:
+            self._log_timing(run.tokens - 1)
+
+    def run(self, job: Job | PreparedJob) -> Iterator[Delta]:
+        """One job's deltas, stepping the engine until it ends: for a caller with one request
+        at a time (tests, tools), never beside the scheduler's engine thread."""
+        run = self.add(job if isinstance(job, PreparedJob) else self.prepare(job))
+        try:
+            while run.seq in self._running:
+                for r, item in self.step():
+                    if r is not run:
+                        continue
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
         finally:
-            turns.close()  # its cache is free again, whatever ended the run
-        if self.timer.enabled and n > 1:
-            self._log_timing(n - 1)
+            self.abort(run)
 
     def _logprobs(self, event: GenerationEvent) -> TokenLogprob | None:
         drawn = event.sample

@@ -2,16 +2,17 @@
 
 `Generator.start` admits a request as a `Sequence` on one of its working caches (`parallel`
 of them), after loading the longest known prefix of its prompt (that cache's own, or a
-snapshot in the `PrefixStore`); `turns` then yields that sequence's events until it stops.
-Every running sequence advances in the same `StepLoop.step` (one batched forward): asking one
-sequence for its next turn steps the loop when that sequence has no event waiting (and gives
-None when the step gave it none: a prompt chunk), and the events of the others wait in their
-own queues until their callers ask. So callers that take turns (the scheduler's engine
-thread, one turn of each request in turn) share every step, and a long prompt arriving costs
-the running requests one step per turn, not its whole prefill.
-`cancelled()` is polled before every step (a prompt chunk or a decoded token), so a cancelled
-request frees its cache within one of either. A request whose own part of a step failed gets
-that error from `turns`; the others of the step keep their events.
+snapshot in the `PrefixStore`). `step` advances every running sequence the step's plan picks
+in one batched forward and returns what each got (an event, or the error that ended it);
+`finish` ends a sequence (done, failed or cancelled) and gives its cache back. The daemon's
+engine thread calls exactly these, one step at a time (`stratad.engine.service.Engine`).
+
+For a caller with one request, or a test that interleaves a few: `turns` yields one
+sequence's events, stepping the loop when it has none waiting (None: a step gave it none, a
+prompt chunk); the others' events wait in their own queues until their callers ask.
+`cancelled()` is polled before every step, so a cancelled request frees its cache within one.
+A request whose own part of a step failed gets that error from `turns`; the others of the
+step keep their events.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.step import Forward, Outcome, StepLoop
+from stratad.runtime.step_plan import StepBudget
 
 # a request's events; closing it ends the request and frees its cache
 Events = collections.abc.Generator[GenerationEvent, None, None]
@@ -45,7 +47,10 @@ class Generator:
         prefill_chunk: int = 128,
         prefix_store: PrefixStore | None = None,
         parallel: int = 1,
+        step_tokens: int = 0,
     ) -> None:
+        """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
+        beside a token of every running request)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
@@ -60,7 +65,8 @@ class Generator:
         self._owner: dict[int, Sequence] = {}  # cache index -> the sequence running on it
         self._waiting: dict[Sequence, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
-        self.loop = StepLoop(forward, prefill_chunk, self.store, self.timer)
+        budget = StepBudget.auto(prefill_chunk, parallel, step_tokens)
+        self.loop = StepLoop(forward, budget, self.store, self.timer)
 
     @property
     def cache(self) -> KVCache:
@@ -122,7 +128,7 @@ class Generator:
         self._taken += 1
         self._used[i] = self._taken
         self._owner[i] = seq
-        self._waiting[seq] = collections.deque()
+        self._waiting[seq] = collections.deque()  # for `turns`
         self.loop.add(seq)
         return seq
 
@@ -134,7 +140,8 @@ class Generator:
             waiting = self._waiting[seq]
             while not cancelled():
                 if not waiting:
-                    self._step()
+                    for s, outcome in self.step():
+                        self._waiting[s].append(outcome)
                     if not waiting:
                         yield None
                     continue
@@ -147,7 +154,7 @@ class Generator:
                 if event.finish_reason is not None:
                     return
         finally:
-            self._release(seq)
+            self.finish(seq)
 
     def events(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Events:
         """`turns` without the empty ones."""
@@ -162,12 +169,21 @@ class Generator:
         is asked for)."""
         yield from self.events(self.start(req), cancelled)
 
-    def _step(self) -> None:
-        """One step of every running sequence; each one's outcome to its own queue."""
-        for s, outcome in self.loop.step():
-            self._waiting[s].append(outcome)
+    def step(self) -> list[tuple[Sequence, Outcome]]:
+        """One step: the outcome of every sequence that sampled a token or failed in it. A
+        sequence that finished or failed has left the loop; `finish` gives its cache back.
+        If the forward itself fails, every running sequence's cache is forgotten (what the
+        step wrote is not known) and the error raised: the caller ends them all."""
+        try:
+            return self.loop.step()
+        except Exception:
+            for s in self.loop.running:
+                s.cache.truncate(0)
+            raise
 
-    def _release(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ends (done, failed or cancelled): its cache is free again, its KV kept for
+        the next request of the same conversation. Idempotent."""
         if seq in self.loop.running:
             self.loop.remove(seq)
         self._waiting.pop(seq, None)

@@ -6,14 +6,16 @@ check it (`Engine.prepare`, off the engine thread and the event loop, so that to
 I/O overlap the running job), then `submit` it. A request waiting for the tokenizer holds its
 place in the queue: a burst of large prompts is refused, not tokenized all at once.
 
-The engine thread takes tickets in arrival order, up to `parallel` at a time, and runs them
-together: it asks each running job for its next delta in turn, and the engine computes every
-running job's next tokens in one batched step (`stratad/runtime/generate.py`), so N clients
-share each read of the weights. A job that ends frees its place for the next ticket at once.
-With `parallel` 1 a job runs alone, to its end. Deltas cross to the event loop through the
-ticket's asyncio queue. A ticket cancelled by its client (disconnect) is skipped while it
-waits, and stopped within one prefill chunk or decode step while it runs (`Engine.run` polls
-`ticket.is_cancelled`).
+The engine thread is one loop of steps (`_loop`): start queued tickets in arrival order while
+the engine has a free place (`parallel` of them), take cancelled ones off it, then
+`engine.step()`: one batched forward computes every running job's next tokens (prompt chunks
+beside decodes, `stratad/runtime/step_plan.py`), so N clients share each read of the
+weights, and each job that sampled gets its delta. A job that ends frees its place for the
+next ticket before the next step. With `parallel` 1 a job runs alone, to its end. Deltas
+cross to the event loop through the ticket's asyncio queue. A ticket cancelled by its client
+(disconnect) is skipped while it waits, and stopped before the next step while it runs. A
+job whose own part of a step fails gets its error alone; a step that fails as a whole fails
+the jobs it ran, and the loop goes on.
 
 No torch here: the server imports this module.
 """
@@ -26,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
@@ -45,11 +47,25 @@ class Backend(Protocol):
     @property
     def max_context(self) -> int: ...
 
+    @property
+    def parallel(self) -> int:
+        """Jobs the engine runs at once."""
+        ...
+
     def prepare(self, job: Job) -> PreparedJob: ...
 
-    def run(self, job: PreparedJob, cancelled: Callable[[], bool]) -> Iterator[Delta | None]:
-        """The job's deltas; None for a turn with nothing to send (a step for other jobs, or a
-        prompt chunk), so that the engine thread can take the next job's turn."""
+    def add(self, job: PreparedJob) -> object:
+        """Start a job (a place is free); its handle, which `step` names it by."""
+        ...
+
+    def step(self) -> list[tuple[object, Delta | Exception]]:
+        """One step of every running job: a delta for each that sampled a token (the last one
+        with its finish reason), or the error that ended it; an ended job is off the engine.
+        Raises if the step as a whole failed (every running job is then off the engine)."""
+        ...
+
+    def abort(self, handle: object) -> None:
+        """Take a running job off the engine (its client went away)."""
         ...
 
 
@@ -142,11 +158,9 @@ class Scheduler:
         self,
         max_queue: int,
         on_finished: Callable[[Ticket], None] | None = None,
-        parallel: int = 1,
     ) -> None:
-        if parallel < 1:
-            raise ValueError(f"parallel must be >= 1, got {parallel}")
-        self.max_queue, self.parallel = max_queue, parallel
+        self.max_queue = max_queue
+        self.parallel = 1  # the engine's, once attached
         # what every finished ticket is reported to (the HTTP metrics, the control socket's
         # meter): one account of each request, taken where it ran
         self.listeners: list[Callable[[Ticket], None]] = [on_finished] if on_finished else []
@@ -167,8 +181,9 @@ class Scheduler:
     # --- state -------------------------------------------------------------------------------
 
     def attach(self, engine: Backend) -> None:
-        """The model is loaded: start serving."""
+        """The model is loaded: start serving (as many jobs at once as the engine runs)."""
         self.engine = engine
+        self.parallel = engine.parallel
         if self.state == "loading":  # a drain begun while it loaded stays
             self.state = "ready"
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -305,57 +320,55 @@ class Scheduler:
 
     # --- the engine thread -------------------------------------------------------------------
 
-    def _take(self, jobs: dict[Ticket, Iterator[Delta | None] | None]) -> None:
-        """Wait for work if there is none; then start queued tickets while places are free."""
-        with self._cv:
-            while not self._queue and not jobs:
-                self._cv.wait()
-            while self._queue and len(jobs) < self.parallel:
-                ticket = self._queue.popleft()
-                self.running.append(ticket)
-                jobs[ticket] = None  # its run begins on its first turn
-
     def _loop(self) -> None:
-        jobs: dict[Ticket, Iterator[Delta | None] | None] = {}  # running tickets, in arrival order
+        """One step after another: admit, drop the cancelled, step, deliver."""
+        engine = self.engine
+        assert engine is not None
+        jobs: dict[object, Ticket] = {}  # the engine's handles of the running tickets
         while True:
-            self._take(jobs)
-            for ticket in list(jobs):
-                if self._turn(ticket, jobs):
+            for ticket in self._take(len(jobs)):
+                jobs[engine.add(ticket.prepared)] = ticket
+            for handle, ticket in list(jobs.items()):
+                if ticket.is_cancelled():
+                    engine.abort(handle)
+                    self._end(jobs.pop(handle))
+            if not jobs:
+                continue
+            try:
+                out = engine.step()
+            except Exception as e:  # a bug in the engine: say so once, keep serving
+                log.exception("the engine failed on a step of %d requests", len(jobs))
+                for ticket in jobs.values():
+                    self._fail(ticket, e)
+                    self._end(ticket)
+                jobs.clear()
+                continue
+            for handle, item in out:
+                ticket = jobs[handle]
+                if isinstance(item, Exception):
+                    if not isinstance(item, JobError):
+                        log.error("the engine failed on a request", exc_info=item)
+                    self._fail(ticket, item)
+                elif self._deliver(ticket, item):
                     continue
-                jobs.pop(ticket)
-                ticket.finished = time.monotonic()
-                with self._cv:
-                    self.running.remove(ticket)
-                self._after(ticket)  # accounted before its client sees the end
-                ticket._push(None)
+                self._end(jobs.pop(handle))
 
-    def _turn(self, ticket: Ticket, jobs: dict[Ticket, Iterator[Delta | None] | None]) -> bool:
-        """The ticket's next delta; False once its run ended (or never began: cancelled)."""
-        assert self.engine is not None
-        job = jobs[ticket]
-        if job is None:
-            if ticket.is_cancelled():
-                return False
-            ticket.started = time.monotonic()
-            job = jobs[ticket] = iter(self.engine.run(ticket.prepared, ticket.is_cancelled))
-        try:
-            delta = next(job)
-        except StopIteration:
-            self._served(ticket)
-            return False
-        except JobError as e:
-            ticket.error = str(e)
-            ticket._push(e)
-            self._served(ticket)
-            return False
-        except Exception as e:  # a bug in the engine: say so once, keep serving others
-            log.exception("the engine failed on a request")
-            ticket.error = f"{type(e).__name__}: {e}"
-            ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
-            self._served(ticket)
-            return False
-        if delta is None:  # a step with nothing for this job: the next job's turn
-            return True
+    def _take(self, running: int) -> list[Ticket]:
+        """Wait for work if there is none; then the queued tickets to start, while places are
+        free (a ticket cancelled while it waited left the queue already)."""
+        with self._cv:
+            while not self._queue and not running:
+                self._cv.wait()
+            started: list[Ticket] = []
+            while self._queue and running + len(started) < self.parallel:
+                ticket = self._queue.popleft()
+                ticket.started = time.monotonic()
+                self.running.append(ticket)
+                started.append(ticket)
+            return started
+
+    def _deliver(self, ticket: Ticket, delta: Delta) -> bool:
+        """Send a delta to its client; False once it was the last."""
         now = time.monotonic()
         if ticket.first_token is None:
             ticket.first_token = now
@@ -364,7 +377,28 @@ class Scheduler:
         ticket.last_at = now
         ticket.last = delta
         ticket._push(delta)
-        return True
+        if delta.finish_reason is None:
+            return True
+        self._served(ticket)
+        return False
+
+    def _fail(self, ticket: Ticket, err: Exception) -> None:
+        """The job ended with an error: the client's (`JobError`) or the engine's, in our words."""
+        if isinstance(err, JobError):
+            ticket.error = str(err)
+            ticket._push(err)
+        else:
+            ticket.error = f"{type(err).__name__}: {err}"
+            ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
+        self._served(ticket)
+
+    def _end(self, ticket: Ticket) -> None:
+        """The ticket left the engine: accounted before its client sees the end."""
+        ticket.finished = time.monotonic()
+        with self._cv:
+            self.running.remove(ticket)
+        self._after(ticket)
+        ticket._push(None)
 
     def _served(self, ticket: Ticket) -> None:
         assert ticket.started is not None

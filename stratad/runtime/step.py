@@ -1,12 +1,13 @@
 """The generation loop as one step: schedule -> forward(batch) -> sample and update.
 
-`StepLoop` holds the running sequences. Each `step` gives every one of them its next tokens
-(a prompt chunk, or the token sampled last), runs one batched forward over all of them
-(`Forward.step`: B sequences, each its own KV cache), then samples each sequence whose
-prompt is done and records pinned prefixes. A sequence that finished leaves the loop; its
-cache is the caller's again. A sequence whose own part of the step fails (its grammar refuses,
-its sampler raises) leaves the loop with that error as its outcome; the others' outcomes of
-the same step stand, so one request's failure never changes another's tokens.
+`StepLoop` holds the running sequences. Each `step` plans what each computes (`plan_step`:
+every decoding sequence's token, then prompt chunks in arrival order within the step's
+budget), runs one batched forward over those (`Forward.step`: B sequences, each its own KV
+cache), then samples each sequence whose prompt is done and records pinned prefixes. A
+sequence that finished leaves the loop; its cache is the caller's again. A sequence whose
+own part of the step fails (its grammar refuses, its sampler raises) leaves the loop with
+that error as its outcome; the others' outcomes of the same step stand, so one request's
+failure never changes another's tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from stratad.engine.kv import KVCache
 from stratad.engine.prefix import PrefixStore
 from stratad.engine.timing import StageTimer
 from stratad.runtime.sequence import GenerationEvent, Sequence
+from stratad.runtime.step_plan import StepBudget, Want, plan_step
 
 # what a step gave one sequence: its next event, or the error that ended it
 Outcome = GenerationEvent | Exception
@@ -38,11 +40,11 @@ class StepLoop:
     def __init__(
         self,
         forward: Forward,
-        prefill_chunk: int,
+        budget: StepBudget,
         prefixes: PrefixStore,
         timer: StageTimer | None = None,
     ) -> None:
-        self.forward, self.prefill_chunk, self.prefixes = forward, prefill_chunk, prefixes
+        self.forward, self.budget, self.prefixes = forward, budget, prefixes
         self.timer = timer or StageTimer(enabled=False)
         self.running: list[Sequence] = []
 
@@ -55,13 +57,16 @@ class StepLoop:
         self.running.remove(seq)
 
     def step(self) -> list[tuple[Sequence, Outcome]]:
-        """Advance every running sequence once: the outcomes of those that sampled a token (a
-        sequence still in its prompt samples nothing) or failed; finished and failed ones
-        leave the loop."""
-        seqs = list(self.running)
-        if not seqs:
+        """Advance the running sequences the plan picks: the outcomes of those that sampled a
+        token (a sequence still in its prompt samples nothing) or failed; finished and failed
+        ones leave the loop."""
+        if not self.running:
             return []
-        batch = [Seq(s.cache, s.next_tokens(self.prefill_chunk)) for s in seqs]
+        nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
+        wants = [Want(len(t), not s.prefilling) for s, t in zip(self.running, nexts, strict=True)]
+        picked = plan_step(wants, self.budget)
+        seqs = [self.running[i] for i in picked]
+        batch = [Seq(self.running[i].cache, nexts[i]) for i in picked]
         logits = self.forward.step(batch)
         out: list[tuple[Sequence, Outcome]] = []
         for s, b, lg in zip(seqs, batch, logits, strict=True):

@@ -92,9 +92,7 @@ class Server:
         self.metrics = ServerMetrics()
         if model_name:
             self.metrics.serve(model_name)
-        self.scheduler = Scheduler(
-            config.max_queue, on_finished=self._finished, parallel=config.parallel
-        )
+        self.scheduler = Scheduler(config.max_queue, on_finished=self._finished)
         self.metrics.bind_scheduler(
             running=lambda: float(self.scheduler.num_running),
             waiting=lambda: float(self.scheduler.waiting),
