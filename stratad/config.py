@@ -80,11 +80,13 @@ class ServerConfig(_Section, frozen=True):
     prompt chunks in arrival order (chunked prefill beside decodes, so a long prompt arriving
     delays the others' next tokens by one chunk's time at most); 0: one prefill chunk plus
     one token per parallel request."""
-    parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    parallel: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
     """Requests generated at once (as llama-server's --parallel): each step computes every
     running request's next tokens in one batch, so N clients share each read of the weights.
     Each holds a KV cache of the whole context (N times the memory of one); 1 serves one
-    request at a time, in arrival order."""
+    request at a time, in arrival order. 0 (auto): up to 4, as many as keep those caches
+    within an eighth of the memory they live in (free VRAM on a GPU, RAM on a CPU); the
+    start-up log and `stratactl check` say how many and why."""
     conversation_cache_mib: Annotated[int, msgspec.Meta(ge=0)] = 512
     """Host memory for the KV of recent conversations (prefix reuse across requests)."""
     pinned_prefix_mib: Annotated[int, msgspec.Meta(ge=0)] = 256

@@ -295,3 +295,22 @@ def test_the_ram_plan_counts_every_kv_cache(model: Model) -> None:
         kv[n] = dict(start.reserves)["KV caches (server.parallel)"]
     one = 2 * spec.n_layers * start.max_context * spec.kv_dim * 2  # halves
     assert kv == {1: one, 3: 3 * one}
+
+
+def test_auto_parallel_is_sized_from_memory(model: Model) -> None:
+    """`server.parallel = 0` (the default): up to 4 requests at once, as many whole-context KV
+    caches as fit in an eighth of the host's RAM on a CPU; counted in the RAM plan too."""
+    cpu = torch.device("cpu")
+    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="cpu"))
+    assert config.server.parallel == 0
+    one = start_plan(config, model, cpu, [None], 1 << 20, host_bytes=1 << 40).parallel.kv_bytes
+    counts = {}
+    for host in (1 << 40, 8 * 2 * one + 1, 8 * one - 1):
+        start = start_plan(config, model, cpu, [None], 1 << 20, host_bytes=host)
+        counts[host] = start.parallel.count
+        assert dict(start.reserves)["KV caches (server.parallel)"] == counts[host] * one
+    assert list(counts.values()) == [4, 2, 1]
+    assert "auto: at most 4" in start.parallel.describe()
+    fixed = msgspec.structs.replace(config, server=ServerConfig(parallel=6))
+    start = start_plan(fixed, model, cpu, [None], 1 << 20, host_bytes=1 << 40)
+    assert start.parallel.count == 6 and "(server.parallel)" in start.parallel.describe()

@@ -296,7 +296,9 @@ def dry_plan(
     store = placement.store_config(config, model_path)
     source = open_source(store, model)
     try:
-        start = placement.start_plan(config, model, device, free_vram, slot_bytes(source))
+        start = placement.start_plan(
+            config, model, device, free_vram, slot_bytes(source), host_total[0]
+        )
         planned = plan_store(
             store, source, stages=start.stages, reserves=start.reserves, host_total=host_total
         )
@@ -317,6 +319,7 @@ def dry_plan(
                 "engine": start.backend,
                 "vram_slots": slots,
                 "layer_split": ",".join(map(str, plan.bounds)),
+                "parallel": start.parallel.describe(),
                 "ram_budget": budget.describe(),
             },
         ),

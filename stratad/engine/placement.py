@@ -1,10 +1,11 @@
 """What a start places, computed once for the daemon and for `stratactl check`.
 
 The engine that will run (`choose_backend`), the layer split over the GPUs, each device's
-VRAM slots and the host reserves are functions of the configuration, the model and the free
-VRAM readings, and nothing else. The daemon and the dry run both call `start_plan` and hand
-its stages to the store's one placement function (`stratad.store.plan.place`), so the plan
-hash that `check` prints is the one the daemon runs, with auto slots and with a split.
+VRAM slots, the requests served at once and the host reserves are functions of the
+configuration, the model, the free VRAM readings and the host's RAM, and nothing else. The
+daemon and the dry run both call `start_plan` and hand its stages to the store's one
+placement function (`stratad.store.plan.place`), so the plan hash that `check` prints is the
+one the daemon runs, with auto slots and with a split.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from stratad.engine.stages import balanced_split, parse_split
 from stratad.engine.switches import miss_paths
 from stratad.model.loader import is_pack
 from stratad.model.spec import Model, ModelError, ModelSpec
+from stratad.store.admission import mem_total
 from stratad.store.plan import Stage, slot_count
 from stratad.store.sizes import GiB
 from stratad.store.startup import daemon_reserves
@@ -85,6 +87,40 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Requests served at once: `server.parallel`, or (0, auto) as many working KV caches of
+    the whole context as fit in `AUTO_KV_SHARE` of the memory they live in, at most
+    `AUTO_MOST` and at least one, as llama-server sizes its slots."""
+
+    count: int
+    kv_bytes: int  # one working cache: the whole context's keys and values
+    memory: int | None  # what the caches live in (free VRAM, or the host's RAM); None: unread
+    where: str  # "VRAM" or "RAM"
+    auto: bool
+
+    def describe(self) -> str:
+        total = self.kv_bytes * self.count / GiB
+        caches = f"{self.count} KV caches of the whole context, {total:.2f} GiB of {self.where}"
+        if not self.auto:
+            return f"{caches} (server.parallel)"
+        if self.memory is None:
+            return f"{caches} (server.parallel auto: {self.where} size unknown, one)"
+        return (f"{caches} (server.parallel auto: at most {AUTO_MOST}, the caches within"
+                f" {AUTO_KV_SHARE:.0%} of {self.memory / GiB:.1f} GiB)")  # fmt: skip
+
+
+AUTO_MOST = 4  # requests at once that `server.parallel = 0` chooses at most
+AUTO_KV_SHARE = 1 / 8  # the memory the working KV caches may take when it chooses
+
+
+def parallel_for(configured: int, kv_bytes: int, memory: int | None, where: str) -> Parallel:
+    if configured:
+        return Parallel(configured, kv_bytes, memory, where, auto=False)
+    fits = 1 if memory is None else int(memory * AUTO_KV_SHARE) // max(kv_bytes, 1)
+    return Parallel(min(max(fits, 1), AUTO_MOST), kv_bytes, memory, where, auto=True)
+
+
+@dataclass(frozen=True)
 class StartPlan:
     """Everything a start plans from, besides the expert source and the host's MemTotal."""
 
@@ -94,6 +130,7 @@ class StartPlan:
     reserves: tuple[tuple[str, int], ...]  # host RAM besides the resident set
     dtype: torch.dtype
     max_context: int
+    parallel: Parallel
     # the offload engine's tuning table (its launch settings and switches), looked up once
     kernels: Lookup | None = None
 
@@ -112,10 +149,13 @@ def start_plan(
     device: torch.device,
     free_vram: Sequence[int | None],
     source_slot_bytes: int,
+    host_bytes: int | None = None,
 ) -> StartPlan:
     """The start's plan inputs for `device`; `free_vram`: each GPU's free bytes before the
     engine allocates (one per `engine.gpus`, or one for `device`; None: no reading);
-    `source_slot_bytes`: the largest blob stride of the expert source (the store's slot)."""
+    `source_slot_bytes`: the largest blob stride of the expert source (the store's slot);
+    `host_bytes`: the host's RAM (MemTotal or the cgroup limit, read when None), which sizes
+    an auto `server.parallel` on a CPU."""
     spec = model.spec
     backend = choose_backend(config.engine.backend, model, device)
     dtype = compute_dtype(config.engine.dtype, device)
@@ -140,9 +180,12 @@ def start_plan(
         size = torch.finfo(dtype).bits // 8
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
+        known = [f for f in frees if f is not None]
+        parallel = parallel_for(config.server.parallel, 2 * n * max_context * spec.kv_dim * size,
+                                sum(known) if known else None, "VRAM")  # fmt: skip
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
-            # a KV cache of the whole context per request served at once (server.parallel)
-            kv_tokens = max_context * config.server.parallel
+            # a KV cache of the whole context per request served at once
+            kv_tokens = max_context * parallel.count
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size, kv_tokens,
                                         prefetch, (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
@@ -159,13 +202,18 @@ def start_plan(
         # byte per value or less, memory-mapped)
         per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0
         dense_host = model.dense_values() * per_value
-        if device.type == "cpu":  # the working KV caches: halves in the cpu engine's one call
-            kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
-            kv_host = (2 * spec.n_layers * max_context * spec.kv_dim * kv_bytes
-                       * config.server.parallel)  # fmt: skip
+        # the working KV caches: halves in the cpu engine's one call
+        kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
+        one = 2 * spec.n_layers * max_context * spec.kv_dim * kv_bytes
+        if device.type == "cpu":
+            host = host_bytes if host_bytes is not None else mem_total()[0]
+            parallel = parallel_for(config.server.parallel, one, host, "RAM")
+            kv_host = one * parallel.count
+        else:
+            parallel = parallel_for(config.server.parallel, one, frees[0], "VRAM")
     return StartPlan(
         backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host, kv_host)),
-        dtype, max_context, found,
+        dtype, max_context, parallel, found,
     )  # fmt: skip
 
 

@@ -135,7 +135,7 @@ class Engine:
                 else server.prefill_chunk
             ),
             prefix_store=self.prefixes,
-            parallel=server.parallel,
+            parallel=start.parallel.count,
             step_tokens=server.step_tokens,
         )
         self._running: dict[Sequence, Running] = {}
@@ -157,6 +157,8 @@ class Engine:
             max_context,
             time.monotonic() - t0,
         )
+        log.info("serving up to %d requests at once: %s", start.parallel.count,
+                 start.parallel.describe())  # fmt: skip
 
     @property
     def model_id(self) -> str:
