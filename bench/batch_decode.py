@@ -22,7 +22,7 @@ import torch
 
 from kernels.tuning import KernelConfigs, load_configs
 from stratad.engine.batch import Seq
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
 
 

@@ -69,8 +69,8 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
 
     from kernels.cpu_experts import CpuExperts
     from stratad.engine.batch import Seq
-    from stratad.engine.forward import ReferenceForward
-    from stratad.engine.weights_mode import QuantWeights
+    from stratad.engine.reference.forward import ReferenceForward
+    from stratad.engine.reference.weights_mode import QuantWeights
     from stratad.model.loader import load_model
 
     # as the daemon runs them: the cpu engine leaves the cores to its kernels' team

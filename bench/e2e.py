@@ -25,8 +25,8 @@ from kernels.expert_fetch import fetch_experts
 from kernels.link_pace import ns_per_blob
 from kernels.moe import fused_moe
 from kernels.tuning import KernelConfigs, load_configs
-from stratad.engine.cpu_misses import balanced_frac
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.cpu_misses import balanced_frac
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
 from stratad.store.hostmem import read_bps
 

@@ -28,7 +28,7 @@ import torch
 
 from kernels.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
 from kernels.quant import QType
-from stratad.engine.bench_weights import random_blocks
+from stratad.tuning.bench_weights import random_blocks
 
 FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "q4_0": (QType.Q4_0, QType.Q4_0, QType.Q4_0),
@@ -49,7 +49,7 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
 
 
 def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
-    """Random blocks with finite scales (`stratad.engine.bench_weights`), Q4_0 split."""
+    """Random blocks with finite scales (`stratad.tuning.bench_weights`), Q4_0 split."""
     data = random_blocks(qtype, rows, cols, torch.device("cuda"))
     return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
 

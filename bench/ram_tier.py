@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from stratad.engine.experts import blob_layouts
-from stratad.engine.offload import OffloadConfig
+from stratad.engine.offload.experts import blob_layouts
+from stratad.engine.offload.forward import OffloadConfig
 from stratad.model.spec import Model
 
 

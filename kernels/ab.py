@@ -27,7 +27,7 @@ NOISE_FLOOR: Mapping[str, float] = {
     "cold-read": 0.01,  # prefill of a long prompt from cold (seed 001: ±1%)
     "prompt-8k": 0.07,  # an 8K prompt (seed 001: ±7%)
     "decode": 0.07,  # decode tokens per second (seed 001: ±7%)
-    "kernel": 0.03,  # one kernel in a CUDA graph (the tuner's margin, stratad.engine.tuner)
+    "kernel": 0.03,  # one kernel in a CUDA graph (the tuner's margin, stratad.tuning.tuner)
 }
 
 

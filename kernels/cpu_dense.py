@@ -1,6 +1,6 @@
 """A stack of dense transformer layers in one call of the CPU kernels (`kernels/cpu/dense.h`).
 
-The algorithm is the torch forward's (`stratad/engine/forward.py` with
+The algorithm is the torch forward's (`stratad/engine/reference/forward.py` with
 `weights_mode.QuantWeights`, the reference this is tested against): RMSNorm, q/k/v products,
 bias, RoPE, causal GQA attention (each token over its keys, as decode computes it), o product,
 residual, RMSNorm, SwiGLU, residual. In C, every layer of a step runs in one OpenMP team with

@@ -1,6 +1,6 @@
 """A stack of MoE transformer layers in one call of the CPU kernels (`kernels/cpu/moe_layers.h`).
 
-The algorithm is the torch forward's (`stratad/engine/forward.py` with
+The algorithm is the torch forward's (`stratad/engine/reference/forward.py` with
 `weights_mode.QuantWeights`, the reference this is tested against) for Qwen3-MoE's layers:
 RMSNorm, q/k/v products, bias, per-head q/k RMSNorm, RoPE, causal GQA attention over the half
 cache, o product, residual, RMSNorm, the router's softmax top-k, the routed SwiGLU experts

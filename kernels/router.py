@@ -5,7 +5,7 @@ The torch sequence (softmax, topk, sum, divide, cast of the ids) is six kernels 
 at decode that is launch time, not work. One program per token holds its row of router
 logits (E <= a few hundred) in registers and picks the k largest one by one, ties to the
 lower expert index; the k weights and ids stay in registers until one store each.
-Probabilities are float32 as in the reference `stratad.engine.layers.route`.
+Probabilities are float32 as in the reference `stratad.engine.reference.layers.route`.
 
 Three tiers as everywhere in kernels/: the Triton body, the launcher `route_topk`, and the
 torch reference `route_topk_ref`.

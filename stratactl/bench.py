@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _shapes(model: str) -> tuple[Any, dict[str, Any]]:
     """The shapes to time at, and what they came from."""
-    from stratad.engine.kernel_bench import BenchShapes, expert_mixes
     from stratad.model.synth_presets import PRESETS, VOCAB_SIZE
+    from stratad.tuning.kernel_bench import BenchShapes, expert_mixes
 
     if model in PRESETS and not Path(model).exists():
         from kernels.quant import QType
@@ -104,7 +104,7 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     import torch
 
     from kernels.roofline import judge, measure_ceilings, table
-    from stratad.engine.kernel_bench import run_cases
+    from stratad.tuning.kernel_bench import run_cases
 
     gpu = device.type == "cuda"
     if not gpu:  # the interpreter: short context and prefill, a small head, 8 staged experts
@@ -146,9 +146,8 @@ def _settings(shapes: Any, gpu: bool) -> tuple[Any, str]:
     import dataclasses
 
     from kernels.tuning import KernelConfigs
-    from stratad.engine.kernel_bench import INTERPRETED_BENCH
-    from stratad.engine.kernel_table import lookup, this_stack
-    from stratad.engine.tuner import Shapes
+    from stratad.engine.offload.kernel_table import Shapes, lookup, this_stack
+    from stratad.tuning.kernel_bench import INTERPRETED_BENCH
 
     if not gpu:
         return INTERPRETED_BENCH, "the interpreter's (wide programs, few of them)"

@@ -132,7 +132,7 @@ def _driver(amd: bool) -> str | None:
 def _tables() -> Report:
     import torch
 
-    from stratad.engine.kernel_table import lookup, this_stack
+    from stratad.engine.offload.kernel_table import lookup, this_stack
 
     if not torch.cuda.is_available():
         return {"stack": None, "path": None, "reason": "no-gpu",

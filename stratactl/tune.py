@@ -44,7 +44,9 @@ def _stack(args: argparse.Namespace) -> tables.Stack | str:
         named = tables.parse_name(f"{args.stack}.json")
         hint = "expected ARCH-BACKEND-VERSION, e.g. sm90-cuda-12.8"
         return named or f"--stack {args.stack!r}: {hint}"
-    from stratad.engine.kernel_table import this_stack  # the daemon's choice, torch imported
+    from stratad.engine.offload.kernel_table import (
+        this_stack,  # the daemon's choice, torch imported
+    )
 
     found = this_stack()
     return found if not isinstance(found, str) else f"{found} (pass --stack to name one)"
@@ -57,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     import torch  # the measurement needs the GPU runtime; other verbs start without it
 
     from kernels.tuning import TUNED, configs_to_json
-    from stratad.engine.tuner import tune
     from stratad.model.spec import ModelError
+    from stratad.tuning.tuner import tune
 
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(wanted) - set(TUNED))
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from stratad.engine.tuner import Shapes
+    from stratad.engine.offload.kernel_table import Shapes
 
     if args.model is not None:
         from stratad.model.loader import load_model

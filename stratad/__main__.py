@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu_build.py)
     from stratad.control.lifecycle import Operations
     from stratad.control.server import ControlError
-    from stratad.engine.service import Engine
     from stratad.model.spec import ModelError
+    from stratad.runtime.service import Engine
     from stratad.server.app import Server
     from stratad.store.admission import AdmissionRefused
     from stratad.store.manifest import PackError

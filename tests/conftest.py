@@ -35,6 +35,6 @@ def smollm_model(smollm_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def smollm_forward(smollm_model):  # type: ignore[no-untyped-def]
-    from stratad.engine.forward import ReferenceForward
+    from stratad.engine.reference.forward import ReferenceForward
 
     return ReferenceForward(smollm_model)

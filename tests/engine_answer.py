@@ -12,8 +12,8 @@ from typing import Any
 @functools.cache
 def _engine() -> Any:
     from kernels.cpu_experts import CpuExperts
-    from stratad.engine.forward import ReferenceForward
-    from stratad.engine.weights_mode import QuantWeights
+    from stratad.engine.reference.forward import ReferenceForward
+    from stratad.engine.reference.weights_mode import QuantWeights
     from stratad.model.default import default_model_path
     from stratad.model.loader import load_model
     from stratad.model.tokenizer_build import load_tokenizer

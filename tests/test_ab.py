@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kernels import ab, tables
-from stratad.engine.kernel_table import lookup
+from stratad.engine.offload.kernel_table import lookup
 
 
 def series(*values: float) -> Callable[[], float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from stratad.engine.forward import ReferenceForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.synth import get_preset, write_synth
 from stratad.model.tokenizer_build import tokenizer_from_gguf

@@ -13,10 +13,10 @@ import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
 from stratad.engine.batch import Seq, check_batch, chunks
-from stratad.engine.experts import blob_layouts
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.offload import OffloadConfig, OffloadForward
-from stratad.engine.stages import StagedForward
+from stratad.engine.offload.experts import blob_layouts
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.stages import StagedForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
@@ -221,8 +221,8 @@ def test_graph_per_batch_size_serves_other_caches_gpu(
 def test_failed_capture_runs_the_step_eagerly_gpu(caplog: pytest.LogCaptureFixture) -> None:
     """A step that cannot be captured (here it reads a value on the host while capturing)
     runs eagerly, with one WARNING, and is not captured again."""
-    from stratad.engine.decode_graph import DecodeGraph
     from stratad.engine.kv import KVCache
+    from stratad.engine.offload.decode_graph import DecodeGraph
 
     def step(tok, pos, caches, addrs):  # type: ignore[no-untyped-def]
         if torch.cuda.is_current_stream_capturing():

@@ -50,8 +50,8 @@ def test_the_shapes_and_each_type_mix_the_experts_hold() -> None:
     import torch
 
     from kernels.quant import QTensor
-    from stratad.engine.kernel_bench import BenchShapes, expert_mixes
     from stratad.model.spec import Model, ModelSpec
+    from stratad.tuning.kernel_bench import BenchShapes, expert_mixes
 
     spec = ModelSpec("qwen3moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
                      vocab_size=1000, rms_eps=1e-6, rope_theta=1e6, context_length=4096,
@@ -73,7 +73,7 @@ def test_every_kernel_once_per_type_it_reads() -> None:
     prefill's dequantization once per down type, every other kernel once per phase."""
     import torch
 
-    from stratad.engine.kernel_bench import GROUPS, INTERPRETED_BENCH, BenchShapes, cases
+    from stratad.tuning.kernel_bench import GROUPS, INTERPRETED_BENCH, BenchShapes, cases
 
     mixes = ((QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q4_K,) * 3)
     s = BenchShapes(256, 4, 2, 64, 256, 8, 2, 1000, True, mixes, context=8, cache=16, prefill=4)

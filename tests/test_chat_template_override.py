@@ -26,7 +26,7 @@ def test_the_override_replaces_the_models_template(tmp_path: Path) -> None:
     config = Config(model=ModelConfig(path=str(tiny_moe_path()), chat_template=str(template)))
     model = load_model(Path(config.model.path))
     own = load_tokenizer(model)
-    # what the engine loads (stratad.engine.service.Engine), without the engine's start
+    # what the engine loads (stratad.runtime.service.Engine), without the engine's start
     tokenizer = load_tokenizer(model, config.model.chat_template_text())
     messages = [{"role": "user", "content": "Hi there"}]
     prompt = tokenizer.apply_chat_template(messages)

@@ -1,6 +1,6 @@
 """A stack of dense layers in one kernel call (kernels/cpu_dense.py, kernels/cpu/dense.h)
-against the torch layers (stratad/engine/layers.py) on small shapes, and the team size chosen
-by measurement (kernels/cpu_team.py).
+against the torch layers (stratad/engine/reference/layers.py) on small shapes, and the team size
+chosen by measurement (kernels/cpu_team.py).
 
 The reference rounds each product's input as the kernels do (`q8`, int8 per block of 32; not
 for float weights, whose products take the floats) and computes in float32 with torch's
@@ -16,7 +16,7 @@ from kernels.cpu_dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, De
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_team import PROBE_EVERY, TeamSize
 from kernels.quant import QType
-from stratad.engine.layers import apply_rope, rms_norm, rope_tables
+from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
 from tests.test_cpu_experts import blocks, dense, q8
 

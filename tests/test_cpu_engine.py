@@ -1,5 +1,5 @@
 """The `cpu` engine: the reference's layers with every product read from the GGUF blocks by
-the compiled CPU kernels (`stratad/engine/weights_mode.py`), against the reference."""
+the compiled CPU kernels (`stratad/engine/reference/weights_mode.py`), against the reference."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from kernels.cpu_experts import CpuExperts
 from kernels.quant import QTensor, QType, row_bytes
-from stratad.engine.forward import ReferenceForward
 from stratad.engine.placement import choose_backend
-from stratad.engine.weights_mode import FloatLinear, QuantLinear, QuantWeights
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import FloatLinear, QuantLinear, QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import PRESETS, write_synth

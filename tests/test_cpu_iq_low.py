@@ -19,7 +19,7 @@ from kernels import iq_tables
 from kernels.cpu_build import SOURCE_DIR
 from kernels.cpu_experts import CPU_EXPERT_QTYPES, CpuExperts
 from kernels.quant import QType
-from stratad.engine.bench_weights import random_blocks
+from stratad.tuning.bench_weights import random_blocks
 
 HEADERS = ("decode.h", "decode_iq_low.h")
 

@@ -1,11 +1,12 @@
 """A MoE model's layers in one kernel call (kernels/cpu_moe_stack.py, kernels/cpu/moe_layers.h)
-against the cpu engine's layer-by-layer path (the torch layers of stratad/engine/forward.py,
-each product one kernel call: `QuantWeights(one_call=False)`), on the synthetic tiny MoE
-(Qwen3-MoE's layers: per-head q/k norms, softmax top-k routing).
+against the cpu engine's layer-by-layer path (the torch layers of
+stratad/engine/reference/forward.py, each product one kernel call:
+`QuantWeights(one_call=False)`), on the synthetic tiny MoE (Qwen3-MoE's layers: per-head q/k
+norms, softmax top-k routing).
 
-The two differ only where the one call keeps keys and values in halves (as llama.cpp does,
-the per-projection path in float32) and sums in its own order: logits close, the same greedy
-tokens and the same routing."""
+The two differ only where the one call keeps keys and values in halves (as llama.cpp does, the
+per-projection path in float32) and sums in its own order: logits close, the same greedy tokens
+and the same routing."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from kernels.cpu_experts import CpuExperts
 from kernels.cpu_moe_stack import MoEStack
 from kernels.quant import QType
 from stratad.engine.batch import Seq
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.weights_mode import QuantWeights
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import PRESETS, write_synth
@@ -132,7 +133,7 @@ def test_a_layer_the_call_does_not_cover_runs_layer_by_layer(
     tiny_moe: Model, kernels: CpuExperts
 ) -> None:
     """A shared expert (Qwen2-MoE's) is not in the one call: the torch layers run instead."""
-    from stratad.engine.cpu_stacks import moe_stack
+    from stratad.engine.reference.cpu_stacks import moe_stack
     from stratad.model.archs import ARCHS
     from stratad.model.weights import MLPWeights, MoEWeights
 

@@ -20,9 +20,9 @@ import pytest
 
 from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.config import load_config, override
-from stratad.engine.service import Engine
 from stratad.env import Env
 from stratad.runtime.jobs import Job
+from stratad.runtime.service import Engine
 from stratad.store.manifest import EXPERTS_NAME, read_manifest
 from stratad.store.original import open_original
 from stratad.store.pack import write_pack

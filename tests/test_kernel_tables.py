@@ -15,7 +15,7 @@ from kernels import table_file, tables
 from kernels.expert_fetch import FetchConfig
 from kernels.moe import MoeConfig
 from kernels.tuning import KernelConfigs, TuningTableError, configs_from_json, load_configs
-from stratad.engine.kernel_table import kernel_configs, lookup
+from stratad.engine.offload.kernel_table import kernel_configs, lookup
 
 ROOT = Path(__file__).resolve().parents[1]
 A3B = {"hidden": 2048, "ffn": 768, "top_k": 8, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128,

@@ -67,7 +67,7 @@ def test_rope(
 @pytest.mark.parametrize("style", list(RopeStyle))
 def test_rope_from_tables_matches_engine_reference(style: RopeStyle) -> None:
     """cos/sin tables by position (float64 angles) give the engine's torch rotation."""
-    from stratad.engine.layers import apply_rope as engine_rope
+    from stratad.engine.reference.layers import apply_rope as engine_rope
 
     x = randn(3, 4, 16, dtype=torch.float32, seed=4)
     positions = torch.tensor([0, 9, 40000], device=DEVICE)

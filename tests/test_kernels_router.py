@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.router import route_topk, route_topk_ref
-from stratad.engine.layers import route
+from stratad.engine.reference.layers import route
 
 
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 8, 2), (3, 60, 4), (5, 128, 8), (2, 64, 6)])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels.link_pace import ns_per_blob, pace_ns
-from stratad.engine.cpu_misses import balanced_frac
-from stratad.engine.offload_config import OffloadConfig
+from stratad.engine.offload.config import OffloadConfig
+from stratad.engine.offload.cpu_misses import balanced_frac
 
 
 def _table(n: int, base: int) -> torch.Tensor:

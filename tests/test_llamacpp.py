@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from stratad.engine.forward import ReferenceForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from tests.gguf_export import export_f32
 

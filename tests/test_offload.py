@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.offload import OffloadConfig, OffloadForward
-from stratad.engine.slots import SlotPolicy, initial_residents
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.slots import SlotPolicy, initial_residents
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
@@ -46,7 +46,7 @@ def _greedy(forward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
 
 
 def _offload(model: Model, slots_per_layer: int, device: str, ram=None, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
-    from stratad.engine.experts import blob_layouts
+    from stratad.engine.offload.experts import blob_layouts
 
     budget = slots_per_layer * model.spec.n_layers * blob_layouts(model).slot_bytes
     kw.setdefault("kernels", INTERPRETED if device == "cpu" else KernelConfigs())
@@ -219,7 +219,7 @@ def test_bf16_logits_within_tolerance_gpu(tiny_moe: Model) -> None:
     other expert and that position's logits move far (the 18th token of PROMPT does so at
     layer 2 through the fused kernels, 0.27). A scaling or indexing bug moves every
     position: the median position must be within 2e-2, and most positions within 5e-2."""
-    from stratad.engine.experts import blob_layouts
+    from stratad.engine.offload.experts import blob_layouts
 
     ref = ReferenceForward(tiny_moe)
     budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
@@ -244,7 +244,7 @@ def test_split_dequant_bit_exact() -> None:
 
     from kernels.moe import split_q4_0
     from kernels.quant import QType, dequantize
-    from stratad.engine.experts import dequant_split
+    from stratad.engine.offload.experts import dequant_split
 
     values = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
     blocks = torch.from_numpy(gguf_quants.quantize(values.numpy(), GGMLQuantizationType.Q4_0))

@@ -16,10 +16,10 @@ import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
 from stratad.__main__ import EXIT_BAD_MODEL
-from stratad.engine.experts import blob_layouts, kernel_layouts
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.host_experts import HostExperts, default_lock
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.experts import blob_layouts, kernel_layouts
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.store.manifest import EXPERTS_NAME, read_manifest
 from stratad.store.pack import write_pack
 from stratad.store.packed import load_pack

@@ -14,23 +14,23 @@ import torch
 from kernels.cpu_experts import CpuExperts
 from kernels.quant import QType, row_bytes
 from kernels.tuning import INTERPRETED
-from stratad.engine.bench_weights import random_blocks
-from stratad.engine.cpu_misses import CompiledMath, TorchMath
-from stratad.engine.experts import (
+from stratad.engine.offload.cpu_misses import CompiledMath, TorchMath
+from stratad.engine.offload.experts import (
     BlobLayout,
     blob_layouts,
     fast_path_refusal,
     kernel_layouts,
     moe_layers,
 )
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.host_experts import HostExperts
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.host_experts import HostExperts
 from stratad.engine.placement import offload_supported
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import get_preset, write_synth
 from stratad.store.sources import ModelExperts
+from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
 
 PROMPT = list(range(100, 118))  # a 16-token staged chunk, then 2 tokens through the fused kernels

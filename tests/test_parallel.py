@@ -17,17 +17,17 @@ import torch
 from kernels.cpu_experts import CpuExperts
 from stratad.config import Config, EngineConfig, ServerConfig
 from stratad.engine.batch import Seq
-from stratad.engine.forward import ReferenceForward
 from stratad.engine.kv import KVCache
 from stratad.engine.placement import start_plan
-from stratad.engine.prefix import PrefixStore
-from stratad.engine.sampling import SamplingParams
-from stratad.engine.weights_mode import QuantWeights
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Delta, Job, PreparedJob
+from stratad.runtime.prefix import PrefixStore
+from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.scheduler import Scheduler
 from stratad.runtime.sequence import GenerationRequest
 from tests.server_helpers import shared_daemon, tiny_moe_path

@@ -13,7 +13,7 @@ from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
 from kernels.quant import QType, block_geometry, row_bytes
-from stratad.engine.forward import ReferenceForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from tests.test_quant import FP16_FIELDS
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layouts
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.offload import OffloadConfig, OffloadForward
-from stratad.engine.prefix import PrefixStore
-from stratad.engine.sampling import SamplingParams
+from stratad.engine.offload.experts import blob_layouts
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
+from stratad.runtime.prefix import PrefixStore
+from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest, Sequence
 from stratad.runtime.step import StepLoop
 from stratad.runtime.step_plan import StepBudget

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.runtime.sampling import Sampler, SamplingParams
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
 

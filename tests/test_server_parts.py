@@ -9,13 +9,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.prefix import PrefixStore, common_prefix
-from stratad.engine.sampling import SamplingParams
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Job, PreparedJob
+from stratad.runtime.prefix import PrefixStore, common_prefix
+from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.scheduler import QueueFull, Scheduler, Unavailable
 from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED
-from stratad.engine.experts import blob_layouts
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.offload import OffloadConfig
-from stratad.engine.stages import StagedForward, balanced_split, parse_split
+from stratad.engine.offload.experts import blob_layouts
+from stratad.engine.offload.forward import OffloadConfig
+from stratad.engine.offload.stages import StagedForward, balanced_split, parse_split
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth

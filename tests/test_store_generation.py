@@ -11,8 +11,8 @@ import torch
 
 from kernels.cpu_experts import CpuExperts
 from stratad.config import StoreConfig
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.weights_mode import QuantWeights
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths

@@ -1,7 +1,8 @@
-"""The cpu engine's one-call MoE layers over the expert store (`stratad/engine/store_stack.py`):
-a CPU-only host's daemon, no VRAM slots, each expert read where it lies (its pinned RAM copy,
-else the GGUF's mapping). Held bit for bit to the same call over the model's own stacks, with
-the store's counters and the pinning's progress followed."""
+"""The cpu engine's one-call MoE layers over the expert store
+(`stratad/engine/reference/store_stack.py`): a CPU-only host's daemon, no VRAM slots, each
+expert read where it lies (its pinned RAM copy, else the GGUF's mapping). Held bit for bit to
+the same call over the model's own stacks, with the store's counters and the pinning's progress
+followed."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_moe_stack import MoEStack
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.store_stack import StoreStack
-from stratad.engine.weights_mode import QuantWeights
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.store_stack import StoreStack
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.store.plan import GiB

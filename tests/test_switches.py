@@ -8,8 +8,8 @@ from pathlib import Path
 
 from kernels import ab, tables
 from stratad.config import EngineConfig, parse_config
-from stratad.engine.kernel_table import lookup
-from stratad.engine.switches import miss_paths
+from stratad.engine.offload.kernel_table import lookup
+from stratad.engine.offload.switches import miss_paths
 
 TABLE = "sm90-cuda-13.0"
 

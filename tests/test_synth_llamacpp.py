@@ -25,7 +25,7 @@ from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
 from kernels.quant import SUPPORTED_QTYPES
-from stratad.engine.forward import ReferenceForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.model.loader import load_model
 from tests.gguf_scan import scan, tensor_bytes

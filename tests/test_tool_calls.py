@@ -104,7 +104,7 @@ def _request(**kw: Any) -> ChatCompletionRequest:
 
 
 def test_forced_grammar_follows_the_schema(smollm_tokenizer: Tokenizer) -> None:
-    from stratad.engine.grammar import Constraint
+    from stratad.runtime.grammar import Constraint
 
     def accepts(grammar: str, text: str) -> bool:
         c = Constraint(smollm_tokenizer, grammar)

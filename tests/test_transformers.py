@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 
-from stratad.engine.forward import ReferenceForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 
 COMMON: dict[str, Any] = dict(

@@ -24,7 +24,7 @@ from kernels.tuning import (
     configs_from_json,
     load_configs,
 )
-from stratad.engine.kernel_table import configs_for
+from stratad.engine.offload.kernel_table import configs_for
 
 STACK = "sm90-cuda-12.8"
 
@@ -78,7 +78,7 @@ def test_tune_refuses_bad_input(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
 def test_tune_without_a_gpu_says_so(tmp_path: Path) -> None:
-    from stratad.engine.kernel_table import kernel_configs, this_stack
+    from stratad.engine.offload.kernel_table import kernel_configs, this_stack
 
     r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), interpret=False)
     assert r.returncode == 1 and "no GPU" in r.stderr and "Traceback" not in r.stderr
@@ -120,9 +120,9 @@ def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: P
 
 
 def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ignore[no-untyped-def]
-    from stratad.engine.experts import blob_layouts
-    from stratad.engine.forward import ReferenceForward
-    from stratad.engine.offload import OffloadConfig, OffloadForward
+    from stratad.engine.offload.experts import blob_layouts
+    from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+    from stratad.engine.reference.forward import ReferenceForward
 
     model = tiny_moe_model
     settings = replace(KernelConfigs(), attention=AttentionConfig(block_s=8, split_s=8),
@@ -142,7 +142,7 @@ def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ig
 
 
 def test_a_candidate_must_clearly_beat_the_default() -> None:
-    from stratad.engine.tuner import _pick
+    from stratad.tuning.tuner import _pick
 
     assert _pick([(10.0, "default"), (9.8, "a"), (9.9, "b")], margin=0.03) == (10.0, "default")
     assert _pick([(10.0, "default"), (9.5, "a"), (9.0, "b")], margin=0.03) == (9.0, "b")

@@ -62,7 +62,7 @@ class _EventTagger(logging.Filter):
 
 
 def engine_view(engine: Any) -> EngineView:
-    """The control socket's view of `stratad.engine.service.Engine` (duck-typed: no torch here)."""
+    """The control socket's view of `stratad.runtime.service.Engine` (duck-typed: no torch here)."""
     info = engine.info
     spec = engine.model.spec
     vram = None

@@ -22,11 +22,11 @@ import torch
 from kernels import cpu_build
 from kernels.cpu_dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
-from stratad.engine.experts import blob_layouts, fast_path_refusal
-from stratad.engine.kernel_table import Lookup, model_shapes, tuned
+from stratad.engine.offload.experts import blob_layouts, fast_path_refusal
+from stratad.engine.offload.kernel_table import Lookup, model_shapes, tuned
+from stratad.engine.offload.stages import balanced_split, parse_split
+from stratad.engine.offload.switches import miss_paths
 from stratad.engine.passes import FETCH_MAX_TOKENS
-from stratad.engine.stages import balanced_split, parse_split
-from stratad.engine.switches import miss_paths
 from stratad.model.loader import is_pack
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.admission import mem_total

@@ -5,7 +5,7 @@ of them), after loading the longest known prefix of its prompt (that cache's own
 snapshot in the `PrefixStore`). `step` advances every running sequence the step's plan picks
 in one batched forward and returns what each got (an event, or the error that ended it);
 `finish` ends a sequence (done, failed or cancelled) and gives its cache back. The daemon's
-engine thread calls exactly these, one step at a time (`stratad.engine.service.Engine`).
+engine thread calls exactly these, one step at a time (`stratad.runtime.service.Engine`).
 
 For a caller with one request, or a test that interleaves a few: `turns` yields one
 sequence's events, stepping the loop when it has none waiting (None: a step gave it none, a
@@ -22,9 +22,9 @@ import collections.abc
 from collections.abc import Callable
 
 from stratad.engine.kv import KVCache
-from stratad.engine.prefix import PrefixStore
 from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
+from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.step import Forward, Outcome, StepLoop
 from stratad.runtime.step_plan import StepBudget

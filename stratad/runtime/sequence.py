@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratad.engine.grammar import Constraint
 from stratad.engine.kv import KVCache
-from stratad.engine.sampling import Sample, Sampler, SamplingParams
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
+from stratad.runtime.grammar import Constraint
+from stratad.runtime.sampling import Sample, Sampler, SamplingParams
 
 
 @dataclass(frozen=True)

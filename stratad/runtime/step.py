@@ -19,8 +19,8 @@ import torch
 
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache
-from stratad.engine.prefix import PrefixStore
 from stratad.engine.timing import StageTimer
+from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.step_plan import StepBudget, Want, plan_step
 

@@ -3,7 +3,7 @@
 `response_format` `json_object` allows any JSON object, `json_schema` the schema's instances
 (`strict` or not: both are enforced). JSON is written compactly (no free whitespace), so that
 a small model cannot spend its tokens on blank lines. The engine checks the grammar against
-the model's vocabulary and masks each draw with it (`stratad.engine.grammar`).
+the model's vocabulary and masks each draw with it (`stratad.runtime.grammar`).
 """
 
 from __future__ import annotations

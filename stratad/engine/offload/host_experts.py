@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stratad.engine.experts import ExpertLayouts, from_stored
+from stratad.engine.offload.experts import ExpertLayouts, from_stored
 from stratad.model.spec import ExpertUnit
 from stratad.store.lock import CudaHostLocker, LockChoice, NoLocker
 from stratad.store.pinning import Pinner, PinSettings, ProgressFn

@@ -59,6 +59,34 @@ def lookup(
                   bucket.shapes, table.switch_values)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """The shapes a tuning table's buckets are keyed by (`stratactl tune` measures at them)."""
+
+    hidden: int
+    ffn: int  # one expert's
+    top_k: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int = 128  # the router's rows
+    context: int = 1024
+    cache: int = 4096  # the daemon's default max_context
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> Shapes:
+        return cls(spec.hidden, spec.expert_ffn, spec.n_experts_used, spec.n_heads,
+                   spec.n_kv_heads, spec.head_dim, spec.n_experts)  # fmt: skip
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    @property
+    def gate_bytes(self) -> int:
+        return self.ffn * (self.hidden // 32) * 18
+
+
 def configs_for(
     stack: tables.Stack, dirs: Sequence[Path] = tables.SEARCH_PATH
 ) -> tuple[KernelConfigs, int, str]:
@@ -69,8 +97,6 @@ def configs_for(
 
 def model_shapes(spec: ModelSpec) -> dict[str, int]:
     """A model's shapes under the names a table's buckets use (what `stratactl tune` writes)."""
-    from stratad.engine.tuner import Shapes
-
     return asdict(Shapes.of(spec))
 
 

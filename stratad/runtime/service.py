@@ -1,30 +1,19 @@
-"""The engine as the daemon runs it: model, tokenizer and generator behind `Job`s."""
+"""The engine as the daemon runs it: a model runner, its tokenizer and the generator behind
+`Job`s: tokenising and checking requests, one step of every running job at a time, and
+what each step's tokens become (deltas with text, logprobs and usage)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from stratad.config import Config
-from stratad.engine import grammar, placement
-from stratad.engine.backend import OffloadTiers, free_vram, open_offload
-from stratad.engine.forward import ReferenceForward
-from stratad.engine.offload import OffloadForward
-from stratad.engine.prefix import PrefixStore, common_prefix
-from stratad.engine.sampling import SamplingParams
-from stratad.engine.stages import StagedForward
-from stratad.engine.template_form import template_message, template_tools
-from stratad.engine.timing import StageTimer, stages_text, tier_shares
-from stratad.engine.weights_mode import cpu_weights
-from stratad.model.default import default_model_path
-from stratad.model.loader import load_model
+from stratad.engine.runner import open_runner
+from stratad.engine.timing import stages_text, tier_shares
 from stratad.model.tokenizer_build import load_tokenizer
+from stratad.runtime import grammar
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import (
     Delta,
@@ -34,10 +23,11 @@ from stratad.runtime.jobs import (
     TokenLogprob,
     TopLogprob,
 )
+from stratad.runtime.prefix import PrefixStore, common_prefix
+from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
+from stratad.runtime.template_form import template_message, template_tools
 from stratad.store.pinning import ProgressFn
-from stratad.store.startup import open_source, open_store, slot_bytes
-from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
 
@@ -59,74 +49,27 @@ class EngineInfo:
     device: str
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"engine.device={name!r} but no GPU is visible to torch")
-    return device
-
-
 class Engine:
     """The scheduler's engine thread drives it one step at a time: `add` a prepared job when
     a place is free, `step`, `abort` a cancelled one; `prepare` only tokenises and may run
     on any thread meanwhile."""
 
     def __init__(self, config: Config, on_pin_progress: ProgressFn | None = None) -> None:
-        path = Path(config.model.path) if config.model.path else default_model_path()
-        device = pick_device(config.engine.device)
-        if config.engine.threads:
-            torch.set_num_threads(config.engine.threads)
-        t0 = time.monotonic()
-        self.model = load_model(path)
+        self.runner = runner = open_runner(config, on_pin_progress)
+        self.model, self.forward, self.store = runner.model, runner.forward, runner.store
+        self.backend, self.timer = runner.backend, runner.timer
+        max_context = runner.start.max_context
         self.tokenizer = load_tokenizer(self.model, config.model.chat_template_text())
         own = "the model's own" if self.tokenizer.chat_template else "ChatML (the model has none)"
         log.info("chat template: %s", config.model.chat_template or own)
-        self.timer = StageTimer(enabled=config.engine.decode_timing)
         self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
-        # MoE models read their experts through the store (planned tiers, paced pinning,
-        # coverage: stratad/store) or, on a GPU, run the offload engine from the same plan;
-        # both place them with the plan `stratactl check` computes. Dense models need neither.
-        store_config = placement.store_config(config, path)
-        source = open_source(store_config, self.model) if self.model.spec.is_moe else None
-        start = placement.start_plan(config, self.model, device, free_vram(config, device),
-                                     slot_bytes(source) if source else 0)  # fmt: skip
-        self.backend, dtype, max_context = start.backend, start.dtype, start.max_context
-        self.store: ExpertStore | OffloadTiers | None = None
-        self.forward: ReferenceForward | OffloadForward | StagedForward
-        expert_store: ExpertStore | None = None
-        if source is not None and self.backend == "offload":
-            self.forward, self.store = open_offload(
-                config, self.model, start, source, self.timer, on_pin_progress
-            )
-        elif source is not None:
-            self.store = expert_store = open_store(
-                store_config,
-                source,
-                compute_device=device,
-                reserves=start.reserves,
-                on_pin_progress=on_pin_progress,
-                stages=start.stages,
-            )
-        if self.backend in ("reference", "cpu"):
-            weights = cpu_weights(config.engine) if self.backend == "cpu" else None
-            self.forward = ReferenceForward(
-                self.model,
-                device,
-                dtype,
-                experts=expert_store,
-                timer=self.timer,
-                weights=weights,
-            )
-            log.info("weights: %s", self.forward.mode.name)
         server = config.server
         self.prefixes = PrefixStore(
             conversation_bytes=server.conversation_cache_mib << 20,
             pinned_bytes=server.pinned_prefix_mib << 20,
         )
         self.generator = Generator(
-            self.forward,
+            runner,
             self.tokenizer,
             max_context,
             prefill_chunk=(
@@ -135,30 +78,18 @@ class Engine:
                 else server.prefill_chunk
             ),
             prefix_store=self.prefixes,
-            parallel=start.parallel.count,
+            parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
         )
         self._running: dict[Sequence, Running] = {}
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
         self.info = EngineInfo(
-            model_id=config.model.name or path.name,
+            model_id=config.model.name or runner.path.name,
             arch=self.model.spec.arch,
             max_context=max_context,
-            device=str(device),
+            device=str(runner.device),
         )
-        log.info(
-            "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",
-            path,
-            self.model.spec.arch,
-            self.model.spec.n_layers,
-            dtype,
-            device,
-            max_context,
-            time.monotonic() - t0,
-        )
-        log.info("serving up to %d requests at once: %s", start.parallel.count,
-                 start.parallel.describe())  # fmt: skip
 
     @property
     def model_id(self) -> str:

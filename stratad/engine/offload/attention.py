@@ -21,11 +21,11 @@ from torch.nn.attention.bias import causal_lower_right
 from kernels.attention import attention_counts, decode_attention
 from kernels.attn_input import attn_input
 from kernels.rope import RopeStyle, rope_table
-from stratad.engine.dense import DenseLayer
 from stratad.engine.kv import KVCache, kv_addresses
-from stratad.engine.layers import apply_rope, rope_tables
-from stratad.engine.offload_config import OffloadConfig
+from stratad.engine.offload.config import OffloadConfig
+from stratad.engine.offload.dense import DenseLayer
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
+from stratad.engine.reference.layers import apply_rope, rope_tables
 from stratad.model.spec import ModelSpec
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

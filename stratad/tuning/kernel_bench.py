@@ -7,12 +7,12 @@ launches for each GGUF type mix the model's experts hold, and the copy of k miss
 from page-locked RAM (`kernels.expert_fetch`). Prefill (a chunk of `prefill` tokens): the
 projections as torch GEMMs, the norms, RoPE, torch's attention, the router, each expert
 projection's dequantization for a whole layer (`kernels.dequant` / `kernels.dequant_blocks`)
-and the grouped GEMMs over it (`stratad.engine.grouped`). Each case says the bytes it must
+and the grouped GEMMs over it (`stratad.engine.offload.grouped`). Each case says the bytes it must
 move and the FLOPs it must do; `kernels.roofline` holds them to the device's ceilings. The
-dense weights are dequantized once at load (`stratad.engine.dense`): whatever type the file
+dense weights are dequantized once at load (`stratad.engine.offload.dense`): whatever type the file
 stores them in, decode's projections run in the compute dtype, and are timed so.
 
-The weights are random, laid out as the engine keeps them (`stratad.engine.bench_weights`).
+The weights are random, laid out as the engine keeps them (`stratad.tuning.bench_weights`).
 A decode case whose weights would fit in L2 cycles through copies (distinct experts, copies
 of the projections) that outgrow it, as decode reads every layer from memory.
 """
@@ -39,9 +39,9 @@ from kernels.roofline import Row, time_us
 from kernels.rope import RopeStyle, rope_table
 from kernels.router import route_topk
 from kernels.tuning import INTERPRETED, KernelConfigs
-from stratad.engine.bench_weights import ExpertLayer, Mix, expert_layers
-from stratad.engine.grouped import grouped_swiglu
+from stratad.engine.offload.grouped import grouped_swiglu
 from stratad.model.spec import Model, ModelSpec
+from stratad.tuning.bench_weights import ExpertLayer, Mix, expert_layers
 
 GROUPS = ("linear", "norm", "rope", "attention", "router", "moe", "fetch", "dequant", "grouped")
 # the interpreter runs a program as numpy operations: fewer, wider programs finish sooner

@@ -21,10 +21,10 @@ import logging
 
 import torch
 
-from stratad.engine.experts import ExpertLayouts
-from stratad.engine.host_experts import HostExperts
-from stratad.engine.offload_config import OffloadConfig
-from stratad.engine.slots import SlotPolicy
+from stratad.engine.offload.config import OffloadConfig
+from stratad.engine.offload.experts import ExpertLayouts
+from stratad.engine.offload.host_experts import HostExperts
+from stratad.engine.offload.slots import SlotPolicy
 
 log = logging.getLogger("stratad.engine")
 

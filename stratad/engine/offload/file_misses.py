@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from stratad.engine.host_experts import HostExperts
+from stratad.engine.offload.host_experts import HostExperts
 
 
 class FileMisses:

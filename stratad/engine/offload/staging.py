@@ -17,9 +17,9 @@ import torch
 
 from kernels.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
 from kernels.dequant_blocks import dequant_blocks
-from stratad.engine.expert_table import ExpertTable
-from stratad.engine.experts import dequant_blobs
-from stratad.engine.grouped import grouped_swiglu
+from stratad.engine.offload.expert_table import ExpertTable
+from stratad.engine.offload.experts import dequant_blobs
+from stratad.engine.offload.grouped import grouped_swiglu
 
 
 class ExpertStaging:

@@ -4,7 +4,7 @@ A model whose layers are all dense llama layers runs them in `kernels.cpu_dense.
 one whose layers are all MoE layers with routed experts only (Qwen3-MoE: per-head q/k norms
 or none) in `kernels.cpu_moe_stack.MoEStack`. Anything else (a shared expert, full-width q/k
 norms, a weight the kernels do not read, mixed layers) runs layer by layer in torch
-(`stratad/engine/forward.py`), which defines what both compute.
+(`stratad/engine/reference/forward.py`), which defines what both compute.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from kernels.cpu_experts import CpuExperts, PreparedMoE
 from kernels.cpu_moe_stack import MoEStack
 from kernels.quant import QTensor
 from stratad.config import EngineConfig
-from stratad.engine.cpu_stacks import dense_stack, moe_stack
-from stratad.engine.layers import attention, attention_by_row
-from stratad.engine.store_moe import ExpertProvider, StoreExperts
-from stratad.engine.store_stack import StoreStack
+from stratad.engine.reference.cpu_stacks import dense_stack, moe_stack
+from stratad.engine.reference.layers import attention, attention_by_row
+from stratad.engine.reference.store_moe import ExpertProvider, StoreExperts
+from stratad.engine.reference.store_stack import StoreStack
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import LayerWeights, MoEWeights
 
@@ -178,7 +178,7 @@ class QuantWeights:
         self, spec: ModelSpec, layers: list[LayerWeights], store: ExpertProvider | None = None
     ) -> LayerStack | None:
         """Every layer in one kernel call per step where the model's layers allow it
-        (`stratad/engine/cpu_stacks.py`: all dense, or all MoE of routed experts; with a
+        (`stratad/engine/reference/cpu_stacks.py`: all dense, or all MoE of routed experts; with a
         `store`, MoE layers whose experts it addresses in place: `store_stack.py`); else None:
         layer by layer (also with `one_call` off: the per-projection path, for tests)."""
         if not self.one_call:

@@ -15,10 +15,10 @@ from dataclasses import replace
 import torch
 
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.expert_table import ExpertTable
-from stratad.engine.host_experts import HostExperts
 from stratad.engine.kv import KVCache
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.expert_table import ExpertTable
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.host_experts import HostExperts
 from stratad.engine.passes import Decode, Pass
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError

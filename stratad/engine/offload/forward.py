@@ -35,22 +35,22 @@ from kernels.moe import moe_down, moe_gate_up
 from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from kernels.router import route_topk
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.cpu_misses import CpuMisses, expert_math
-from stratad.engine.decode_graph import DecodeGraph
-from stratad.engine.dense import DenseLayer, dense_layers
-from stratad.engine.expert_table import ExpertTable
-from stratad.engine.experts import kernel_layouts
-from stratad.engine.file_misses import FileMisses
-from stratad.engine.host_experts import HostExperts, default_lock
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import rms_norm, route, swiglu
-from stratad.engine.offload_attention import OffloadAttention
-from stratad.engine.offload_config import OffloadConfig
+from stratad.engine.offload.attention import OffloadAttention
+from stratad.engine.offload.config import OffloadConfig
+from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
+from stratad.engine.offload.decode_graph import DecodeGraph
+from stratad.engine.offload.dense import DenseLayer, dense_layers
+from stratad.engine.offload.expert_table import ExpertTable
+from stratad.engine.offload.experts import kernel_layouts
+from stratad.engine.offload.file_misses import FileMisses
+from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.offload.prefetch import ExpertPrefetch
+from stratad.engine.offload.slots import initial_residents
+from stratad.engine.offload.split_step import SplitParts, SplitStep
+from stratad.engine.offload.staging import ExpertStaging
 from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pass
-from stratad.engine.prefetch import ExpertPrefetch
-from stratad.engine.slots import initial_residents
-from stratad.engine.split_step import SplitParts, SplitStep
-from stratad.engine.staging import ExpertStaging
+from stratad.engine.reference.layers import rms_norm, route, swiglu
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
 from stratad.store.sources import ModelExperts
@@ -75,7 +75,7 @@ class OffloadForward:
         residency plan); by default an even share of `config.expert_vram_bytes`. `ram`: each
         layer's experts with a RAM copy (the plan's; None: every expert), the others are read
         from the file when routed. `layers`:
-        the layers this engine runs (a pipeline stage, see `stratad.engine.stages`); the
+        the layers this engine runs (a pipeline stage, see `stratad.engine.offload.stages`); the
         first stage embeds, the last computes the logits."""
         spec = self.spec = model.spec
         self.layer_ids = layers if layers is not None else range(spec.n_layers)

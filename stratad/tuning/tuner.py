@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -25,35 +25,9 @@ from kernels.expert_fetch import FetchConfig, fetch_experts
 from kernels.linear import LinearConfig, decode_linear
 from kernels.moe import MoeConfig, fused_moe
 from kernels.tuning import TUNED, KernelConfigs
-from stratad.model.spec import ModelSpec
+from stratad.engine.offload.kernel_table import Shapes
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Shapes:
-    hidden: int
-    ffn: int  # one expert's
-    top_k: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_experts: int = 128  # the router's rows
-    context: int = 1024
-    cache: int = 4096  # the daemon's default max_context
-
-    @classmethod
-    def of(cls, spec: ModelSpec) -> Shapes:
-        return cls(spec.hidden, spec.expert_ffn, spec.n_experts_used, spec.n_heads,
-                   spec.n_kv_heads, spec.head_dim, spec.n_experts)  # fmt: skip
-
-    @property
-    def qkv_rows(self) -> int:
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-    @property
-    def gate_bytes(self) -> int:
-        return self.ffn * (self.hidden // 32) * 18
 
 
 def candidates(default: KernelConfigs) -> dict[str, list[Any]]:

@@ -2,7 +2,7 @@
 
 `reference`: the torch reference forward; a MoE model's experts come through the expert store
 (`stratad.store`), on any device. `offload`: the GPU engine for MoE models larger than VRAM
-(`stratad.engine.offload`): the hottest experts in VRAM slots, the plan's RAM copies in the
+(`stratad.engine.offload.forward`): the hottest experts in VRAM slots, the plan's RAM copies in the
 store's page-locked arena (pinned at a paced rate while the engine loads), the rest read from
 the model file on a miss; misses cross PCIe (`engine.gpu_miss`). Both start from the same
 deterministic residency plan, so the plan hash, the coverage line and the control socket's views
@@ -15,17 +15,15 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from stratad.config import Config
-from stratad.engine.cpu_misses import balanced_frac
-from stratad.engine.experts import kernel_layouts
-from stratad.engine.host_experts import HostExperts, default_lock
-from stratad.engine.kernel_table import model_shapes, tuned
-from stratad.engine.offload import OffloadConfig, OffloadForward
+from stratad.engine.offload.cpu_misses import balanced_frac
+from stratad.engine.offload.experts import kernel_layouts
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.offload.kernel_table import model_shapes, tuned
+from stratad.engine.offload.stages import StagedForward
+from stratad.engine.offload.switches import Chosen, miss_paths
 from stratad.engine.placement import StartPlan
-from stratad.engine.stages import StagedForward
-from stratad.engine.switches import Chosen, miss_paths
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
@@ -38,15 +36,6 @@ from stratad.store.startup import plan_and_admit
 from stratad.store.store import StoreStats
 
 log = logging.getLogger("stratad.engine")
-
-
-def free_vram(config: Config, device: torch.device) -> list[int | None]:
-    """Each engine GPU's free VRAM now (before the engine allocates): one per `engine.gpus`
-    when they split the layers, else one for `device` (None on the CPU)."""
-    if device.type != "cuda":
-        return [None]
-    gpus = config.engine.gpus if len(config.engine.gpus) >= 2 else [device.index]
-    return [int(torch.cuda.mem_get_info(torch.device("cuda", g))[0]) for g in gpus]
 
 
 class OffloadTiers:

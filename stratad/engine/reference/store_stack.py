@@ -8,7 +8,7 @@ call as an address table, and the store counts what each step used by tier after
 counts the per-layer path's fetches. The tables follow the pinning: a layer whose RAM copies
 were pinned since the last step is addressed anew (the file's pages before, the locked copy
 after). A store that must fetch (a pack's file tier, VRAM slots) keeps the per-layer path
-(`stratad/engine/store_moe.py`).
+(`stratad/engine/reference/store_moe.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from kernels.cpu_dense import CacheSpan
 from kernels.cpu_moe_stack import MoEStack
-from stratad.engine.store_moe import ExpertProvider
+from stratad.engine.reference.store_moe import ExpertProvider
 
 
 def _table(experts: Sequence[tuple[Sequence[torch.Tensor], str]]) -> np.ndarray:

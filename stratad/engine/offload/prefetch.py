@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.expert_fetch import FetchConfig, fetch_experts
-from stratad.engine.expert_table import ExpertTable
+from stratad.engine.offload.expert_table import ExpertTable
 
 
 @dataclass

@@ -23,9 +23,9 @@ import torch
 
 from kernels.cpu_build import CpuKernelsUnavailable
 from kernels.cpu_experts import CpuExpertFormat, CpuExperts
-from stratad.engine.expert_table import ExpertTable
-from stratad.engine.experts import BlobLayout
-from stratad.engine.layers import swiglu
+from stratad.engine.offload.expert_table import ExpertTable
+from stratad.engine.offload.experts import BlobLayout
+from stratad.engine.reference.layers import swiglu
 from stratad.engine.timing import StageTimer
 
 log = logging.getLogger(__name__)

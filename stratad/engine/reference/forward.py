@@ -2,7 +2,7 @@
 
 This is the definition of what the model computes. Every fast path (Triton kernels,
 offloaded experts) is tested against it. The same sequence of layers serves a model on a
-CPU from its GGUF blocks: with `QuantWeights` (`stratad/engine/weights_mode.py`) every
+CPU from its GGUF blocks: with `QuantWeights` (`stratad/engine/reference/weights_mode.py`) every
 projection is a product by the compiled CPU kernels instead of a float matrix (the `cpu`
 backend), and a model of dense layers runs them all in one kernel call per step
 (`kernels/cpu_dense.py`, tested against these layers); the default `FloatWeights` is the
@@ -20,10 +20,9 @@ from kernels.cpu_dense import CACHE_DTYPE, CacheSpan
 from kernels.quant import QTensor
 from stratad.engine.batch import Seq, check_batch
 from stratad.engine.kv import KVCache
-from stratad.engine.layers import apply_rope, rms_norm, rope_tables, route
-from stratad.engine.store_moe import ExpertProvider
-from stratad.engine.timing import StageTimer
-from stratad.engine.weights_mode import (
+from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
+from stratad.engine.reference.store_moe import ExpertProvider
+from stratad.engine.reference.weights_mode import (
     FloatEmbedding,
     FloatLinear,
     FloatWeights,
@@ -31,6 +30,7 @@ from stratad.engine.weights_mode import (
     Routed,
     WeightMode,
 )
+from stratad.engine.timing import StageTimer
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights

@@ -1,0 +1,128 @@
+"""The model runner: a model, its forward pass and its experts' tiers, opened from the config.
+
+`open_runner` loads the model, plans the start (`placement.start_plan`: which forward, the
+layer split, the VRAM slots, the requests served at once, the host reserves), opens the
+expert store (reference and cpu forwards) or the offload engine's tiers, and builds the
+forward. `Runner.step` runs one batched forward: B sequences, each its own KV cache and its
+next tokens. The runtime (`stratad.runtime.service`) decides what each step computes and
+what its logits become; nothing here knows of requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stratad.config import Config
+from stratad.engine import placement
+from stratad.engine.batch import Seq
+from stratad.engine.kv import KVCache
+from stratad.engine.offload.forward import OffloadForward
+from stratad.engine.offload.stages import StagedForward
+from stratad.engine.offload.start import OffloadTiers, open_offload
+from stratad.engine.placement import StartPlan
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import cpu_weights
+from stratad.engine.timing import StageTimer
+from stratad.model.default import default_model_path
+from stratad.model.loader import load_model
+from stratad.model.spec import Model
+from stratad.store.pinning import ProgressFn
+from stratad.store.startup import open_source, open_store, slot_bytes
+from stratad.store.store import ExpertStore
+
+log = logging.getLogger("stratad.engine")
+
+
+@dataclass(frozen=True)
+class Runner:
+    """A loaded model and the forward that runs it."""
+
+    path: Path
+    model: Model
+    device: torch.device
+    start: StartPlan  # the engine, the split, the slots, the requests at once, the context
+    forward: ReferenceForward | OffloadForward | StagedForward
+    store: ExpertStore | OffloadTiers | None  # the experts' tiers, as the control socket reads
+    timer: StageTimer
+
+    @property
+    def backend(self) -> str:
+        return self.start.backend
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return self.forward.new_cache(max_len)
+
+    def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+        """One batched forward: each sequence's tokens appended to its cache; the logits of
+        each one's last new token (of every new token where it asks)."""
+        return self.forward.step(seqs)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"engine.device={name!r} but no GPU is visible to torch")
+    return device
+
+
+def free_vram(config: Config, device: torch.device) -> list[int | None]:
+    """Each engine GPU's free VRAM now (before the engine allocates): one per `engine.gpus`
+    when they split the layers, else one for `device` (None on the CPU)."""
+    if device.type != "cuda":
+        return [None]
+    gpus = config.engine.gpus if len(config.engine.gpus) >= 2 else [device.index]
+    return [int(torch.cuda.mem_get_info(torch.device("cuda", g))[0]) for g in gpus]
+
+
+def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Runner:
+    """Load the model and start its forward as the configuration and the machine say.
+
+    MoE models read their experts through the store (planned tiers, paced pinning, coverage:
+    stratad/store) or, on a GPU, run the offload engine from the same plan; both place them
+    with the plan `stratactl check` computes. Dense models need neither."""
+    path = Path(config.model.path) if config.model.path else default_model_path()
+    device = pick_device(config.engine.device)
+    if config.engine.threads:
+        torch.set_num_threads(config.engine.threads)
+    t0 = time.monotonic()
+    model = load_model(path)
+    timer = StageTimer(enabled=config.engine.decode_timing)
+    store_config = placement.store_config(config, path)
+    source = open_source(store_config, model) if model.spec.is_moe else None
+    start = placement.start_plan(config, model, device, free_vram(config, device),
+                                 slot_bytes(source) if source else 0)  # fmt: skip
+    forward: ReferenceForward | OffloadForward | StagedForward
+    store: ExpertStore | OffloadTiers | None = None
+    if source is not None and start.backend == "offload":
+        forward, store = open_offload(config, model, start, source, timer, on_pin_progress)
+    else:
+        experts = None
+        if source is not None:
+            store = experts = open_store(store_config, source, compute_device=device,
+                                         reserves=start.reserves, on_pin_progress=on_pin_progress,
+                                         stages=start.stages)  # fmt: skip
+        weights = cpu_weights(config.engine) if start.backend == "cpu" else None
+        forward = ReferenceForward(model, device, start.dtype, experts=experts, timer=timer,
+                                   weights=weights)  # fmt: skip
+        log.info("weights: %s", forward.mode.name)
+    log.info(
+        "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",
+        path,
+        model.spec.arch,
+        model.spec.n_layers,
+        start.dtype,
+        device,
+        start.max_context,
+        time.monotonic() - t0,
+    )
+    log.info("serving up to %d requests at once: %s", start.parallel.count,
+             start.parallel.describe())  # fmt: skip
+    return Runner(path, model, device, start, forward, store, timer)
