@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernels.cpu_experts import CpuExperts
+from stratactl.client import Client
 from stratad.config import Config, EngineConfig, ServerConfig
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache
@@ -24,13 +25,14 @@ from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.protocol import StatusReply, StatusRequest
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Delta, Job, PreparedJob
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.scheduler import Scheduler
 from stratad.runtime.sequence import GenerationRequest
-from tests.server_helpers import shared_daemon, tiny_moe_path
+from tests.server_helpers import shared_daemon, tiny_moe_path, wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -257,30 +259,43 @@ def test_the_engine_thread_steps_every_running_job(parallel: int, order: str) ->
     assert scheduler.num_running == 0
 
 
-def test_a_daemon_serves_clients_at_once_as_one_by_one() -> None:
-    """`server.parallel = 3` over HTTP: four clients at once (one waits for a place), one of
-    them gone mid-answer; each answer the daemon's answer to that request alone."""
+def test_sixteen_clients_at_once_get_what_they_get_alone() -> None:
+    """`server.parallel = 3` over HTTP: sixteen openai clients at once (the rest wait for a
+    place), four of them gone mid-stream; each answer is the daemon's answer to that request
+    alone, /health and `stratactl status` come back to idle, and the log has no ERROR."""
     daemon = shared_daemon("parallel")
     client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
-    prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "Dear sir,"]
+    prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "Dear sir,",
+               "def fib(n):", "Roses are red", "In 1492", "The best way to",
+               "Q: What is 2+2?", "Hello, my name is", "Water boils at", "Step one:"]  # fmt: skip
 
     def complete(prompt: str) -> str:
-        out = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+        out = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
         return out.choices[0].text
 
-    def leave() -> int:  # a stream its client drops after two chunks
-        stream = client.completions.create(model="m", prompt="Hello", max_tokens=200,
+    def leave(prompt: str) -> int:  # a stream its client drops after two chunks
+        stream = client.completions.create(model="m", prompt=prompt, max_tokens=200,
                                            temperature=0, stream=True)  # fmt: skip
         n = sum(1 for _, _ in zip(range(2), stream, strict=False))
         stream.close()
         return n
 
-    with ThreadPoolExecutor(5) as pool:
-        left = pool.submit(leave)
+    with ThreadPoolExecutor(16) as pool:
+        left = [pool.submit(leave, p) for p in ("Hello", "Why", "Tell me", "Once")]
         together = list(pool.map(complete, prompts))
-    assert left.result() == 2
+    assert [f.result() for f in left] == [2] * 4
     alone = [complete(p) for p in prompts]
     assert together == alone and all(alone)
+
+    def idle() -> bool:
+        health = msgspec.json.decode(daemon.get("/health")[1])
+        status = Client(daemon.log.parent / "stratad.sock").request(StatusRequest(), StatusReply)
+        assert status.health is not None
+        return (health["running"], health["waiting"]) == (0, 0) == (
+            status.health.running, status.health.waiting)  # fmt: skip
+
+    wait_until(idle, timeout=10, interval=0.05)
+    assert " ERROR " not in daemon.log.read_text()
 
 
 def test_the_ram_plan_counts_every_kv_cache(model: Model) -> None:
