@@ -27,10 +27,10 @@ from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.protocol import StatusReply, StatusRequest
 from stratad.runtime.generate import Generator
-from stratad.runtime.jobs import Delta, Job, PreparedJob
+from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
-from stratad.runtime.scheduler import Scheduler
+from stratad.runtime.scheduler import EngineFailed, Scheduler
 from stratad.runtime.sequence import GenerationRequest
 from tests.server_helpers import shared_daemon, tiny_moe_path, wait_until
 
@@ -219,6 +219,10 @@ class Turns:
         return PreparedJob(job=job, prompt=(1,), max_tokens=3)
 
     def add(self, job: PreparedJob) -> object:
+        if job.job.prompt == "bad":
+            raise JobError("cannot start this one", "prompt")
+        if job.job.prompt == "bug":
+            raise RuntimeError("a bug starting this one")
         handle = object()
         self.jobs[handle] = [str(job.job.prompt), 0]
         return handle
@@ -257,6 +261,29 @@ def test_the_engine_thread_steps_every_running_job(parallel: int, order: str) ->
     assert asyncio.run(serve()) == ["012", "012"]
     assert "".join(engine.order) == order
     assert scheduler.num_running == 0
+
+
+def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -> None:
+    scheduler, engine = Scheduler(max_queue=8), Turns(2)
+    scheduler.state = "ready"
+
+    async def serve() -> list[str]:
+        tickets = []
+        for name in ("A", "bad", "bug", "B"):
+            scheduler.admit()
+            tickets.append(scheduler.submit(engine.prepare(Job(prompt=name))))
+        scheduler.attach(engine)
+        out = []
+        for t in tickets:
+            try:
+                out.append("".join([d.text async for d in t.stream()]))
+            except (JobError, EngineFailed) as e:
+                out.append(type(e).__name__)
+        return out
+
+    got = asyncio.run(asyncio.wait_for(serve(), 10))  # a dead engine thread would never answer
+    assert got == ["012", "JobError", "EngineFailed", "012"]
+    assert scheduler.num_running == 0 and "a bug starting this one" in caplog.text
 
 
 def test_sixteen_clients_at_once_get_what_they_get_alone() -> None:

@@ -327,7 +327,13 @@ class Scheduler:
         jobs: dict[object, Ticket] = {}  # the engine's handles of the running tickets
         while True:
             for ticket in self._take(len(jobs)):
-                jobs[engine.add(ticket.prepared)] = ticket
+                try:
+                    jobs[engine.add(ticket.prepared)] = ticket
+                except Exception as e:  # its own start failed (e.g. its grammar): it alone
+                    if not isinstance(e, JobError):
+                        log.exception("the engine could not start a request")
+                    self._fail(ticket, e)
+                    self._end(ticket)
             for handle, ticket in list(jobs.items()):
                 if ticket.is_cancelled():
                     engine.abort(handle)
