@@ -123,6 +123,22 @@ def test_prompts_arriving_together_share_the_step_budget_with_the_decodes(engine
     assert max(rec.tokens) <= 32 + 3 and gen.free == 3
 
 
+def test_nothing_reads_a_cache_past_its_length(engine: tuple) -> None:
+    """Host caches are allocated uninitialised (their pages commit as tokens reach them): with
+    every buffer full of NaN first, the cpu engine's tokens (its one-call layers' attention in
+    C) are those of zeroed caches."""
+    forward, tokenizer = engine
+    rec = Recording(forward)
+    outs = []
+    for fill in (0.0, float("nan")):
+        gen = Generator(rec, tokenizer, 96, prefill_chunk=16, parallel=2)
+        for c in gen.caches:
+            for t in c.k + c.v:
+                t.fill_(fill)
+        outs.append(_events([gen.run(_req(20, 100, 6)), gen.run(_req(3, 700, 9))]))
+    assert outs[0] == outs[1]
+
+
 # a schema llguidance compiles but cannot follow: it fails on the first sampled token
 ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
                            "required": ["next"]}}, "$ref": "#/$defs/n"}  # fmt: skip

@@ -29,11 +29,20 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype
+        cls,
+        spec: ModelSpec,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        zeroed: bool = True,
     ) -> KVCache:
+        """`zeroed` False: the buffers as allocated, for a forward that never reads past
+        `length` (on the host their pages then commit only as tokens reach them, so the
+        working caches of short requests take little RAM)."""
         shape = (max_len, spec.n_kv_heads, spec.head_dim)
-        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.n_layers)]
-        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+        new = torch.zeros if zeroed else torch.empty
+        k = [new(shape, device=device, dtype=dtype) for _ in range(spec.n_layers)]
+        v = [new(shape, device=device, dtype=dtype) for _ in range(spec.n_layers)]
         return cls(k, v)
 
     @property

@@ -152,7 +152,9 @@ class ReferenceForward:
 
     def new_cache(self, max_len: int) -> KVCache:
         dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
-        return KVCache.allocate(self.spec, max_len, self.device, dtype)
+        # its attention reads a cache up to its length, never further (torch slices, and the
+        # cpu engine's C loops): host pages commit as tokens reach them
+        return KVCache.allocate(self.spec, max_len, self.device, dtype, zeroed=False)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """A batch: each sequence's logits as `__call__` gives them. The reference defines
