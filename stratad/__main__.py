@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     if server.loading:
         log.info("stopped while the model was loading")
         return _exit(server, 0)
+    if ops.forced:
+        log.info("stopped (forced)")
+        return _exit(server, 0, now=True)
     if failed:
         # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
         if isinstance(failed[0], AdmissionRefused):
@@ -129,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit(server: Any, code: int) -> int:
+def _exit(server: Any, code: int, now: bool = False) -> int:
     """Exit with `code`; at once if the model still loads, since the interpreter's exit under a
-    thread inside torch aborts the process (exit 134 instead of `code`)."""
-    if server.loading:
+    thread inside torch aborts the process (exit 134 instead of `code`), or when `now` (a forced
+    stop: the interpreter's exit would wait for threads still at work)."""
+    if server.loading or now:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -25,9 +25,9 @@ threads = 1
 """
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
+def _start(tmp_path: Path, extra: str = "") -> tuple[subprocess.Popen[bytes], int, Path]:
     config = tmp_path / "stratad.toml"
-    config.write_text(CONFIG)
+    config.write_text(extra + CONFIG)
     log = tmp_path / "stratad.log"
     port = free_port()
     with open(log, "wb") as out:
@@ -112,3 +112,34 @@ def test_sigterm_while_starting_stops_with_a_log_line(tmp_path: Path) -> None:
                 proc.kill()
         text = log.read_text()
         assert said in text and "Traceback" not in text, text
+
+
+# an operator's chat template that takes hours to render (nested loops within the sandbox's
+# range limit)
+ENDLESS_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}{{ messages[0].content }}")  # fmt: skip
+
+
+def test_a_second_sigterm_stops_at_once_while_a_template_renders(tmp_path: Path) -> None:
+    """A request stuck in the chat template (on a worker thread, beyond any cancel): the second
+    SIGTERM exits 0 at once, without waiting for the thread, and with no ERROR line."""
+    template = tmp_path / "endless.jinja"
+    template.write_text(ENDLESS_TEMPLATE)
+    proc, port, log = _start(tmp_path, f'[model]\nchat_template = "{template}"\n')
+    try:
+        wait_until(lambda: _serving(port), timeout=180, interval=0.2)
+        stuck = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        _send(stuck, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        time.sleep(0.5)  # it renders
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: b"stopping" in log.read_bytes(), timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 3  # not the 5 s backstop
+        text = log.read_text()
+        assert "stopped (forced)" in text and " ERROR " not in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -48,6 +48,7 @@ log = logging.getLogger("stratad")
 STATUS_INTERVAL_S = 1.0  # at most one STATUS= line a second while pinning
 PIN_POLL_S = 0.5
 SHUTDOWN_GRACE_S = 2.0  # after the drain: for answers still being written out
+FORCED_CLEANUP_S = 0.5  # after a second stop signal: for the cancelled requests' last words
 
 
 class _EventTagger(logging.Filter):
@@ -258,10 +259,30 @@ class Operations:
         """Serve HTTP (server.host, server.port) until SIGTERM/SIGINT (or `stop()`), then shut
         down (the app's on_shutdown hooks run: in-flight requests finish), then close the
         control socket."""
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         try:
-            asyncio.run(self._serve(app))
+            loop.run_until_complete(self._serve(app))
         finally:
-            self.close()
+            try:  # as asyncio.run ends, but for the executor when forced
+                tasks = asyncio.all_tasks(loop)
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                if not self._forced:  # forced: what still runs on a thread is left (`forced`)
+                    loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+                self.close()
+
+    @property
+    def forced(self) -> bool:
+        """A second stop signal came: the caller exits at once when `serve` returns, without
+        waiting for work still on a thread (a request's tokenizer or chat template)."""
+        return self._forced
 
     def _serving_ready(self) -> bool:
         if self.state.engine is None:
@@ -314,7 +335,13 @@ class Operations:
             self._drain_task = asyncio.ensure_future(self._http.drain())
             with contextlib.suppress(asyncio.CancelledError):  # a second signal
                 await self._drain_task
-        await runner.cleanup()
+        if not self._forced:
+            await runner.cleanup()
+            return
+        # forced: the cancelled requests' last words go out at once; a handler still waiting
+        # on a thread (a chat template that never ends) is not waited for
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(runner.cleanup(), FORCED_CLEANUP_S)
 
     def close(self) -> None:
         if self.control is not None:

@@ -106,7 +106,7 @@ class Parallel:
         if self.memory is None:
             return f"{caches} (server.parallel auto: {self.where} size unknown, one)"
         return (f"{caches} (server.parallel auto: at most {AUTO_MOST}, the caches within"
-                f" {AUTO_KV_SHARE:.0%} of {self.memory / GiB:.1f} GiB)")  # fmt: skip
+                f" 1/{round(1 / AUTO_KV_SHARE)} of {self.memory / GiB:.1f} GiB)")  # fmt: skip
 
 
 AUTO_MOST = 4  # requests at once that `server.parallel = 0` chooses at most
