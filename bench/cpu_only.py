@@ -6,6 +6,7 @@ same run, each in a process of its own so that each one's resident memory is its
                              [--repeats 3] [--threads N] [--reference] [--json PATH]
                              [--store-ram-gib G] [--memory-limit-gib L]
                              [--llamacpp-repack on|off] [--batch B]
+                             [--llama-bench PATH] [--alternate]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
 spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
@@ -24,6 +25,13 @@ a model larger than L is read from the disk again wherever the kernel dropped it
 `--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
 default it copies them into its own interleaved layout for the CPU's vector units, which
 needs RAM for the whole model.
+
+`--llama-bench PATH` times llama.cpp with its own tools built from source for this host
+(`bench/llamacpp_build.sh SOURCE DIR cpu`: the host's instruction set, AMX off): `llama-bench`
+(`-p`, `-n`, `-t`, `-r`), and `llama-batched-bench` beside it with `--batch`; without it, the
+pip build of llama-cpp-python through its Python loop, which is no peer (a generic build, and
+Python between tokens). `--alternate` runs the engines in turn, one repeat each, `--repeats`
+times, so that a drift of the host's speed falls on both.
 
 `--batch B` serves B clients at once: B prompts (different tokens) prefilled in one step, then
 B sequences decoded together, one token each per step, as the daemon steps its running
@@ -145,6 +153,46 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     return {"prefill_tps": prefill, "decode_tps": decode, **_rss()}
 
 
+def run_llama_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """llama.cpp's own `llama-bench` (a native build: `bench/llamacpp_build.sh SOURCE DIR cpu`)
+    timing its own loop: prefill of the prompt (`-p`) and decode of `--decode-tokens` (`-n`),
+    the process's peak RSS from its rusage. `--batch` > 1: `llama-batched-bench`, beside it,
+    with B sequences of the prompt each, decoded together (`-npl B`)."""
+    binary = Path(args.llama_bench)
+    if args.batch > 1:
+        return _llama_batched_bench(binary.with_name("llama-batched-bench"), args)
+    cmd = [str(binary), "-m", str(args.model), "-p", str(args.prompt_len), "-n",
+           str(args.decode_tokens), "-t", str(args.threads), "-r", str(args.repeats),
+           "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    tests = json.loads(out.stdout)
+    prefill = [t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0]
+    decode = [t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0]
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"prefill_tps": [float(x) for x in prefill[0]["samples_ts"]],
+            "decode_tps": [float(x) for x in decode[0]["samples_ts"]],
+            "rss_bytes": peak, "peak_rss_bytes": peak,
+            "build": f"{tests[0].get('build_commit', '?')} {tests[0].get('cpu_info', '')}".strip(),
+            "command": " ".join(cmd)}  # fmt: skip
+
+
+def _llama_batched_bench(binary: Path, args: argparse.Namespace) -> dict[str, Any]:
+    b, n, t = args.batch, args.prompt_len, args.decode_tokens
+    cmd = [str(binary), "-m", str(args.model), "-c", str(b * (n + t + 16)), "-b", str(b * n),
+           "-ub", "512", "-npp", str(n), "-ntg", str(t), "-npl", str(b), "-t", str(args.threads),
+           "-kvu", "--output-format", "jsonl"]  # fmt: skip
+    prefill, decode = [], []
+    for _ in range(args.repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        lines = (out.stdout + "\n" + out.stderr).splitlines()
+        rows = [json.loads(line) for line in lines if line.startswith("{")]
+        prefill.append(float(rows[-1]["speed_pp"]))
+        decode.append(float(rows[-1]["speed_tg"]))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"prefill_tps": prefill, "decode_tps": decode, "rss_bytes": peak,
+            "peak_rss_bytes": peak, "command": " ".join(cmd)}  # fmt: skip
+
+
 def _llamacpp_batch(args: argparse.Namespace) -> dict[str, Any]:
     """llama.cpp with `--batch` sequences decoded together (as llama-server's parallel slots
     run them): one `llama_decode` a step over every sequence's token, each its own sequence id
@@ -204,6 +252,7 @@ def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
            "--batch", str(args.batch),
            "--store-ram-gib", str(args.store_ram_gib), "--llamacpp-repack", args.llamacpp_repack,
            "--memory-limit-gib", str(args.memory_limit_gib),
+           *(["--llama-bench", args.llama_bench] if args.llama_bench else []),
            "--cgroup", f"strata-bench-{os.getpid()}-{engine}"]  # fmt: skip
     if args.memory_limit_gib > 0:
         memlimit.drop_cached(args.model)
@@ -277,8 +326,18 @@ def main() -> None:
         default="on",
         help="llama.cpp's CPU repacking of the weights (off: --no-repack)",
     )
+    p.add_argument(
+        "--llama-bench",
+        help="a native llama-bench binary (bench/llamacpp_build.sh ... cpu): llama.cpp timed by"
+        " its own tool (llama-batched-bench beside it for --batch), in place of the pip build",
+    )
+    p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="run the engines in turn, one repeat each, --repeats times (against drift)",
+    )
     p.add_argument("--cgroup", default="strata-bench", help=argparse.SUPPRESS)
-    p.add_argument("--engine", choices=["strata", "store", "reference", "llamacpp"],
+    p.add_argument("--engine", choices=["strata", "store", "reference", "llamacpp", "llama-bench"],
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -288,22 +347,35 @@ def main() -> None:
     if args.engine:  # a child: one engine, its result as one JSON line
         limit = args.memory_limit_gib
         group = memlimit.confine(limit, args.cgroup) if limit > 0 else None
-        result = run_llamacpp(args) if args.engine == "llamacpp" else run_strata(
-            args, reference=args.engine == "reference")  # fmt: skip
+        if args.engine == "llama-bench":
+            result = run_llama_bench(args)
+        elif args.engine == "llamacpp":
+            result = run_llamacpp(args)
+        else:
+            result = run_strata(args, reference=args.engine == "reference")
         if group is not None:
             result["cgroup_peak_bytes"] = memlimit.peak_bytes(group)
         print(json.dumps(result))
         return
-    engines = ["strata", "llamacpp"] + (["reference"] if args.reference else [])
-    engines += ["store"] if args.store_ram_gib >= 0 else []
+    engines = ["strata", "llama-bench" if args.llama_bench else "llamacpp"]
+    engines += (["reference"] if args.reference else []) + (
+        ["store"] if args.store_ram_gib >= 0 else [])  # fmt: skip
     result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
               "threads": args.threads, "prompt_len": args.prompt_len,
               "decode_tokens": args.decode_tokens, "repeats": args.repeats, "batch": args.batch,
               "memory_limit_gib": args.memory_limit_gib, "llamacpp_repack": args.llamacpp_repack,
               "engines": {}}  # fmt: skip
-    for name in engines:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        result["engines"][name] = _child(name, args)
+    rounds = args.repeats if args.alternate else 1
+    per_round = argparse.Namespace(**{**vars(args), "repeats": 1}) if args.alternate else args
+    for r in range(rounds):
+        for name in engines:
+            print(f"{name} ({r + 1} of {rounds}) ...", file=sys.stderr, flush=True)
+            got = _child(name, per_round)
+            seen = result["engines"].setdefault(name, got)
+            if seen is not got and "failed" not in got:  # a later round: its figures too
+                for key in ("prefill_tps", "decode_tps"):
+                    seen[key] = seen[key] + got[key]
+                seen["peak_rss_bytes"] = max(seen["peak_rss_bytes"], got["peak_rss_bytes"])
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
