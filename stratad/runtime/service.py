@@ -16,6 +16,7 @@ from stratad.model.tokenizer_build import load_tokenizer
 from stratad.runtime import grammar
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import (
+    CONTEXT_LENGTH_EXCEEDED,
     Delta,
     Job,
     JobError,
@@ -150,6 +151,7 @@ class Engine:
                 f"the prompt has {nbytes:,} bytes of text, more than the context of"
                 f" {self.info.max_context} tokens can hold (at most {most:,} bytes)",
                 field,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         prompt = self.tokenize(job)
         if not prompt:
@@ -160,12 +162,14 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.info.max_context}"
                 " (prompt and completion together)",
                 field,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         if job.max_tokens is not None and job.max_tokens > room:
             raise JobError(
                 f"max_tokens={job.max_tokens} does not fit: the context holds"
                 f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
                 "max_tokens",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         vocab = self.tokenizer.vocab_size
         for token, _ in job.logit_bias:
