@@ -29,6 +29,7 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.template_form import template_message, template_tools
 from stratad.store.pinning import ProgressFn
+from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
 
@@ -320,6 +321,8 @@ class Engine:
         for _ in self.generator.run(req):
             pass
         self.generator.cache.truncate(0)
+        if isinstance(self.store, ExpertStore):  # the lookups by tier count requests' alone
+            self.store.forget_lookups()
 
     def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""
