@@ -34,6 +34,7 @@ from stratactl.client import (
     socket_path,
 )
 from stratad.config import Config, ConfigError, load_config
+from stratad.control.server import listener
 from stratad.env import Env
 from stratad.protocol import CoverageReply, CoverageRequest, PlanReply, PlanRequest
 
@@ -272,15 +273,29 @@ def check_tables(root: Path, gpu: bool) -> Result:
                   " | ".join(c.message for c in choices))
 
 
-def check_socket_dir(config: Config) -> Result | None:
+def check_socket(config: Config, after_restart: bool) -> Result:
+    """Whether the daemon can set up its control socket: no live daemon holds the path (one
+    that does is the daemon just restarted with `--after-restart`; before a start it would make
+    the new one refuse to start) and its directory is writable."""
     if not config.control.socket:
         return Result("socket", "ok", "control.socket is empty: no control socket")
     path = Path(config.control.socket)
+    if path.is_socket():
+        holder = listener(path)
+        if holder is not None and after_restart:
+            return Result("socket", "ok", f"{path}: the running daemon's (pid {holder.pid})")
+        if holder is not None:
+            return Result("socket", "fail", f"{path}: held by a live daemon (pid {holder.pid}):"
+                          " a second stratad refuses to start on it; stop that one, or give"
+                          " this one another control.socket")  # fmt: skip
+        stale = "; a stale socket file there (its daemon is gone), which the daemon replaces"
+    else:
+        stale = ""
     d = path.parent
     while not d.exists() and d != d.parent:
         d = d.parent
     if os.access(d, os.W_OK | os.X_OK):
-        return Result("socket", "ok", f"{path}: {d} is writable")
+        return Result("socket", "ok", f"{path}: {d} is writable{stale}")
     return Result("socket", "warn", f"{path}: {d} is not writable for uid {os.getuid()}: the"
                   " daemon runs without a control socket (systemd: RuntimeDirectory=strata)")
 
@@ -345,9 +360,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Result], Any]:
     results.append(check_memlock(config, dry, gpu))
     results.append(gpu_result)
     results.append(check_tables(args.root, gpu))
-    socket_result = check_socket_dir(config)
-    if socket_result is not None:
-        results.append(socket_result)
+    results.append(check_socket(config, args.after_restart))
     if args.after_restart:
         results.extend(check_running(args, config, dry))
     else:

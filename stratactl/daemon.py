@@ -126,11 +126,11 @@ def format_coverage(r: CoverageReply) -> list[str]:
         f" ({100 * covered / max(r.experts, 1):.1f}%; {r.in_ram} in RAM = {100 * share:.1f}%,"
         f" {r.in_vram} in VRAM), {100 * r.routed_mass:.1f}% of the routed mass",
     ]
+    file = r.file or "the file"
     if r.complete:
-        lines.append("  complete: no routed expert is read from the pack file")
+        lines.append(f"  complete: no routed expert is read from {file}")
     else:
-        lines.append(f"  INCOMPLETE: {r.in_file_only} experts are read from the pack file when"
-                     " routed")
+        lines.append(f"  INCOMPLETE: {r.in_file_only} experts are read from {file} when routed")
         if r.estimated_cost:
             lines.append(f"  estimated cost: {r.estimated_cost}")
     lines.append(f"  file reads so far: {r.file_reads} ({gib(r.file_read_bytes)})")

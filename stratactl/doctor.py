@@ -223,9 +223,14 @@ def _log(args: argparse.Namespace) -> Report:
             lines = [e.render() for e in read_file(stream) if e.level >= 30]
         return {"source": str(args.log), "warnings": lines[-args.warnings:] if args.warnings
                 else []}  # fmt: skip
-    if shutil.which("journalctl") is None:
+    from stratactl.logs import NO_JOURNAL, journal_present
+
+    if not journal_present():
         return {"source": None, "warnings": [],
-                "summary": "no journal on this host: pass the daemon's log with --log FILE"}
+                "summary": f"{NO_JOURNAL}; pass that log with --log FILE"}
+    if shutil.which("journalctl") is None:
+        return {"source": None, "warnings": [], "summary": "a journal but no journalctl to read"
+                " it on this host: pass the daemon's log with --log FILE"}  # fmt: skip
     r = subprocess.run(["journalctl", "-u", args.unit, "-p", "warning", "-n", str(args.warnings),
                         "--no-pager", "-o", "short-iso", "-q"],
                        capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -268,8 +273,12 @@ def render(report: Report) -> str:
     if env.get("unknown_strata"):
         rows.append(("env", "not read by stratad (a typo?): " + ", ".join(env["unknown_strata"])))
     log = report.get("log", {})
-    rows.append(("log", f"last WARNING lines from {log.get('source') or '-'}"
-                 + (f": {log['summary']}" if log.get("summary") else "")
-                 if "error" not in log else get("log", "x")))
+    source = f" from {log['source']}" if log.get("source") else ""
+    rows.append(("log", f"last WARNING lines{source}" if "error" not in log
+                 else get("log", "x")))  # fmt: skip
     text = "\n".join(f"{name:<9} {value}" for name, value in rows)
-    return "\n".join([text, *(f"  {line}" for line in log.get("warnings", []))])
+    # under the heading: the lines and what the reader said, never nothing
+    under = [*log.get("warnings", []), *([log["summary"]] if log.get("summary") else [])]
+    if not under and "error" not in log:
+        under = ["no WARNING line"]
+    return "\n".join([text, *(f"  {line}" for line in under)])

@@ -3,8 +3,9 @@
 Topics: coverage (how many experts keep a RAM copy, and the cost when not all do), warnings
 (every WARNING and worse), timing (stage timings), plan (the residency plan and its hash).
 Reads the journal (systemd-python's reader; the unit's entries, or a directory of journal
-files copied from another host) and falls back to a log file (`--file`, `-` for stdin, e.g.
-`docker logs stratad 2>&1 | stratactl logs coverage --file -`).
+files copied from another host) or a log file (`--file`, `-` for stdin, e.g.
+`docker logs stratad 2>&1 | stratactl logs coverage --file -`). On a host without a journal
+and without `--file` it says where the daemon's log goes instead and exits 0.
 """
 
 from __future__ import annotations
@@ -130,7 +131,15 @@ def read_journal(unit: str, directory: Path | None, since: datetime | None) -> I
         yield Entry(when.replace(tzinfo=None) if when else None, level, logger, message, event)
 
 
-def _journal_present() -> bool:
+# Where the daemon's log goes on a host without a journal, for those who look for it there.
+NO_JOURNAL = (
+    "no systemd journal on this host: stratad writes its log to its standard error (the"
+    " terminal it runs in, `docker logs`, or the file its service manager sends it to)"
+)
+
+
+def journal_present() -> bool:
+    """Whether this host keeps a systemd journal (files under /var/log or /run/log)."""
     return any(d.is_dir() and any(d.iterdir()) for d in JOURNAL_DIRS)
 
 
@@ -151,11 +160,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             return fail(f"{args.file}: {e.strerror}")
         entries = read_file(stream)
-    elif args.journal_dir or _journal_present():
+    elif args.journal_dir or journal_present():
         entries = read_journal(args.unit, args.journal_dir, since)
-    else:
-        return fail("no systemd journal on this host: pass the daemon's log with --file PATH"
-                    " (or - for stdin, e.g. from `docker logs`)")
+    else:  # nothing is wrong: the lines are elsewhere
+        print(f"{NO_JOURNAL}; read it with --file PATH (- for stdin, e.g."
+              " `docker logs stratad 2>&1 | stratactl logs --file -`)", file=sys.stderr)
+        return 0
     try:
         for entry in _filtered(entries, topics, since):
             if args.json:

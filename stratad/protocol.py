@@ -180,7 +180,7 @@ class LayerCoverage(_Message, frozen=True):
     in_ram: int
     """Experts with a RAM copy (whether or not they also hold a VRAM slot)."""
     file_only: int
-    """Experts with neither: read from the pack file whenever they are routed to."""
+    """Experts with neither: read from the file (`CoverageReply.file`) whenever routed to."""
     routed_mass: float
     """Share of this layer's routed mass (from the profile) whose experts have a RAM or VRAM
     copy; without a profile, the share of its experts."""
@@ -196,13 +196,16 @@ class CoverageReply(_Reply, frozen=True, tag="coverage"):
     """Share of the routed mass whose experts need no file read."""
     complete: bool = True
     file_reads: int = 0
-    """Expert reads from the pack file since start."""
+    """Expert reads from the file since start."""
     file_read_bytes: int = 0
     estimated_cost: str = ""
     """In words: what the missing coverage costs (empty when complete)."""
     estimated_slowdown: float | None = None
     """Estimated fraction of prompt speed lost (0.26 = 26 % slower); None when unknown."""
     layers: list[LayerCoverage] = msgspec.field(default_factory=list)
+    file: str = ""
+    """The file experts without a copy are read from, in words ("the model file PATH", "the
+    pack file PATH"); empty where the reply is of a plan alone."""
 
 
 class Tier(_Message, frozen=True):

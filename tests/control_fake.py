@@ -56,7 +56,8 @@ class ShortCoverage:
             layers=[LayerCoverage(layer=0, experts=8, in_vram=0, in_ram=8, file_only=0,
                                   routed_mass=1.0),
                     LayerCoverage(layer=1, experts=8, in_vram=0, in_ram=3, file_only=5,
-                                  routed_mass=0.6)])
+                                  routed_mass=0.6)],
+            file="the pack file /var/lib/strata/a3b.pack/experts.bin")
 
     def plan(self) -> PlanReply:
         return PlanReply(hash="0123456789ab", moe=True, ram=Tier(experts=11, bytes=11 * 57344),

@@ -74,7 +74,8 @@ def test_coverage_short_exits_3_with_the_table(
     assert stratactl(["coverage", "--socket", str(path)]) == 3
     out = capsys.readouterr().out
     assert "coverage: 11 of 16 experts keep a copy in RAM or VRAM (68.8%" in out
-    assert "INCOMPLETE: 5 experts are read from the pack file when routed" in out
+    assert ("INCOMPLETE: 5 experts are read from the pack file"
+            " /var/lib/strata/a3b.pack/experts.bin when routed") in out
     assert "expect up to 26% less prompt speed" in out
     assert "    1       8     0     3     5       60.0%" in out
     assert stratactl(["coverage", "--json", "--socket", str(path)]) == 3

@@ -8,6 +8,7 @@ WARNING), and where that file is gone the daemon refuses to start, in one line, 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,9 @@ from stratad.env import Env
 from stratad.runtime.jobs import Job
 from stratad.runtime.service import Engine
 from stratad.store.manifest import EXPERTS_NAME, read_manifest
-from stratad.store.original import open_original
+from stratad.store.original import open_original, repair_source
 from stratad.store.pack import write_pack
+from stratad.store.sources import PackExperts
 from tests.daemon import free_port, running_daemon
 from tests.server_helpers import request, wait_until
 from tests.test_store_fakes import tiny_moe_gguf
@@ -149,3 +151,20 @@ def test_an_original_stands_in_only_at_its_recorded_size(
     )  # fmt: skip
     older = msgspec.structs.replace(manifest, source_nbytes=0)
     assert "does not record its size" in open_original(older)[1]
+
+
+def test_a_healthy_pack_is_not_called_damaged(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With its model file there, a healthy pack's start says what would stand in for a blob
+    that fails, not that one is damaged (a damaged one is named, at WARNING, when it is read)."""
+    gguf = tiny_moe_gguf(tmp_path_factory)
+    write_pack(gguf, tmp_path / "tiny-moe.pack")
+    with caplog.at_level(logging.INFO, logger="stratad.store"):
+        original = repair_source(PackExperts(tmp_path / "tiny-moe.pack"))
+    assert original is not None and not original.damaged
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "each expert blob's checksum is checked when it is first read; should one fail, the"
+        f" model file the pack was made from ({gguf.absolute()}) stands in for it"
+    ]

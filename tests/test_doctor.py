@@ -3,12 +3,17 @@ environment and log parts read what is there. (With a daemon: tests/test_ops_dae
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from stratactl import doctor as doctor_verb
+from stratactl import logs
 from stratad.store.hostmem import read_bps
 
 PARTS = {"host", "versions", "gpu", "tables", "memlock", "ram", "cpu_kernels", "daemon",
@@ -68,6 +73,20 @@ def test_without_a_daemon_human(tmp_path: Path) -> None:
     assert "not read by stratad (a typo?): STRATA_MODLE" in r.stdout
     assert "  2025-01-31 08:00:01 WARNING stratad.engine: no tuning table" in r.stdout
     assert "INFO stratad: serving" not in r.stdout
+
+
+def test_without_a_journal_the_log_part_says_where_the_log_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host without a journal: a line under the log heading says so (not an empty part)."""
+    monkeypatch.setattr(logs, "JOURNAL_DIRS", (tmp_path / "absent",))
+    args = argparse.Namespace(log=None, unit="stratad.service", warnings=20)
+    lines = doctor_verb.render({"log": doctor_verb._log(args)}).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("log "))
+    assert lines[at] == "log       last WARNING lines"
+    assert lines[at + 1].startswith("  no systemd journal on this host: stratad writes its log"
+                                    " to its standard error"), lines  # fmt: skip
+    assert lines[at + 1].endswith("pass that log with --log FILE")
 
 
 def test_a_bad_value_is_reported_not_fatal(tmp_path: Path) -> None:

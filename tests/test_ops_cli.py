@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from stratactl import logs
 from stratactl.__main__ import main as stratactl
 from tests.control_fake import ShortCoverage, serving
 
@@ -85,6 +86,22 @@ def test_logs_from_a_real_journal(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert [(g["event"], g["level"]) for g in got] == [("coverage", 30), ("plan", 20)]
     assert stratactl(["logs", "warnings", "--journal-dir", str(journal_dir)]) == 0
     assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_logs_without_a_journal_says_where_the_log_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A host without a journal (a container, a laptop) is no error: the README's command says
+    where the daemon's log goes and how to read it, and exits 0."""
+    empty = tmp_path / "journal"
+    empty.mkdir()
+    monkeypatch.setattr(logs, "JOURNAL_DIRS", (empty, tmp_path / "absent"))
+    assert stratactl(["logs", "coverage", "warnings", "--since", "1h"]) == 0
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("no systemd journal on this host: stratad writes its log to its"
+                              " standard error"), out.err  # fmt: skip
+    assert "--file PATH" in out.err
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 
 from stratad.protocol import MAX_REQUEST_BYTES, StatusReply, StatusRequest, decode_reply
 from tests.control_fake import as_nobody, raw
-from tests.daemon import running_daemon
+from tests.daemon import free_port, running_daemon
 
 
 class NotifyListener:
@@ -180,6 +180,36 @@ def test_check_and_check_after_restart(daemon: Daemon) -> None:
     assert data["ok"] is True and checks["gpu"]["detail"] == "engine.device = cpu: no GPU needed"
     assert set(checks) >= {"config", "model", "plan", "memory", "memlock", "gpu", "tables",
                            "socket", "port"}
+
+
+def test_a_second_daemon_on_the_socket_is_refused(daemon: Daemon) -> None:
+    """Another stratad on the same control socket: `check` says a live daemon holds it (the
+    running one's pid; the daemon itself after a restart), and the second daemon refuses to
+    start instead of serving where stratactl cannot reach it. The first serves on."""
+    pid = json.loads(ctl(daemon, "status", "--json").stdout)["pid"]
+    config = daemon.log.parent / "second.toml"
+    config.write_text(f'[control]\nsocket = "{daemon.socket}"\n[engine]\ndevice = "cpu"\n')
+
+    def check(*extra: str) -> dict[str, str]:
+        r = subprocess.run([sys.executable, "-m", "stratactl", "check", "--json", "--config",
+                            str(config), *extra], capture_output=True, text=True, timeout=120)
+        return next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "socket")
+
+    held = check()
+    assert held["status"] == "fail", held
+    assert held["detail"].startswith(f"{daemon.socket}: held by a live daemon (pid {pid})")
+    mine = check("--after-restart", "--socket", str(daemon.socket))
+    assert mine == {"name": "socket", "status": "ok",
+                    "detail": f"{daemon.socket}: the running daemon's (pid {pid})"}  # fmt: skip
+    second = subprocess.run([sys.executable, "-m", "stratad", "--config", str(config),
+                             "--port", str(free_port())], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert second.returncode == 1, second.stderr
+    assert f"ERROR stratad: {daemon.socket}: another stratad is listening there (pid {pid})" in (
+        second.stderr)
+    assert "loaded" not in second.stderr  # refused before loading the model
+    r = ctl(daemon, "status", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["pid"] == pid
 
 
 def test_doctor_reads_the_running_daemon(daemon: Daemon) -> None:

@@ -267,6 +267,32 @@ def test_unknown_model_is_404(client: openai.OpenAI, daemon: Daemon) -> None:
         assert r.model == served
 
 
+def test_context_overflow_is_context_length_exceeded(
+    client: openai.OpenAI, daemon: Daemon
+) -> None:
+    """OpenAI's `code` for what the context cannot hold, which LiteLLM and LangChain key on:
+    a prompt too long (by its tokens, or by its bytes before tokenizing) and a max_tokens
+    beyond what the prompt leaves; other 400s carry no code."""
+    context = client.models.list().data[0].max_model_len  # type: ignore[attr-defined]
+    cases = [
+        ({"prompt": "word " * (context + 100)}, "prompt"),
+        ({"prompt": "word " * 400_000}, "prompt"),  # 2 MB: refused by its byte count
+        ({"prompt": "Hi", "max_tokens": context}, "max_tokens"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, **body)  # type: ignore[call-overload]
+        err = info.value
+        assert (err.code, err.param) == ("context_length_exceeded", param), err.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * (context + 100)}]
+        )
+    assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    status, err = _error(daemon, "/v1/completions", {"prompt": "Hi", "logit_bias": {"49152": 1}})
+    assert status == 400 and err["param"] == "logit_bias" and err["code"] is None, err
+
+
 PERSON = {
     "type": "object",
     "properties": {

@@ -37,6 +37,7 @@ class FakeSource:
         self, n_layers: int, n_experts: int, hidden: int = 256, ffn: int = 64, touch: bool = True
     ) -> None:
         self.label = "fake.pack/experts.bin"
+        self.kind = "pack file"
         self.n_layers, self.n_experts = n_layers, n_experts
         self.layouts = tuple(q4_layout(hidden, ffn) for _ in range(n_layers))
         self.stats = ReadStats()

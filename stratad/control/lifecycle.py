@@ -34,7 +34,13 @@ from aiohttp import web
 
 from stratad.config import Config
 from stratad.control.gate import gate_middleware, meter_ticket
-from stratad.control.server import ControlError, ControlServer, parse_mode, resolve_group
+from stratad.control.server import (
+    ControlError,
+    ControlServer,
+    SocketHeld,
+    parse_mode,
+    resolve_group,
+)
 from stratad.control.signals import StopSignals, exit_later
 from stratad.control.state import DaemonState, EngineView, StoreView
 from stratad.control.store_view import store_view_of
@@ -109,9 +115,10 @@ class Operations:
     def start(self) -> None:
         """Journal logging, the control socket, STATUS=loading.
 
-        A bad control.mode or control.group raises ControlError (a config error); a socket
-        that cannot be set up (its directory not writable, another daemon there) costs
-        stratactl, not serving: one WARNING.
+        A bad control.mode or control.group raises ControlError (a config error), and so does
+        another live daemon on the socket's path (`SocketHeld`: this one would serve where
+        stratactl cannot reach it); a socket that cannot be set up otherwise (its directory
+        not writable) costs stratactl, not serving: one WARNING.
         """
         handler = journal_handler(self.sd_env)
         if handler is not None:
@@ -131,6 +138,8 @@ class Operations:
             try:
                 control.start()
                 self.control = control
+            except SocketHeld:
+                raise
             except ControlError as e:
                 log.warning("no control socket, stratactl cannot reach this daemon: %s", e)
         self.state.set_state("loading")

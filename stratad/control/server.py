@@ -62,6 +62,11 @@ class ControlError(RuntimeError):
     """The socket cannot be set up (path in use by a live daemon, no permission, bad group)."""
 
 
+class SocketHeld(ControlError):
+    """Another live daemon listens on the socket's path: a second one must not start beside
+    it (stratactl would reach the first, and the second could never be reached)."""
+
+
 @dataclass(frozen=True)
 class Peer:
     pid: int
@@ -82,6 +87,18 @@ def peer_of(sock: socket.socket) -> Peer:
                 if line.startswith("Groups:"):
                     groups.update(int(g) for g in line.split()[1:])
     return Peer(pid, uid, gid, frozenset(groups))
+
+
+def listener(path: Path, timeout_s: float = 1.0) -> Peer | None:
+    """The process listening on the Unix socket at `path` (who accepted a connection to it),
+    or None when nothing does: no socket there, or a stale file whose daemon died."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout_s)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return None
+        return peer_of(probe)
 
 
 @dataclass(frozen=True)
@@ -199,14 +216,12 @@ class ControlServer:
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 raise ControlError(f"{self.path} exists and is not a socket; not replacing it")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                try:
-                    probe.connect(str(self.path))
-                except OSError:
-                    os.unlink(self.path)  # a stale socket from a daemon that died
-                else:
-                    raise ControlError(f"{self.path}: another stratad is listening there")
+            holder = listener(self.path)
+            if holder is not None:
+                raise SocketHeld(f"{self.path}: another stratad is listening there (pid"
+                                 f" {holder.pid}); stop it first, or give this one another"
+                                 " control.socket")  # fmt: skip
+            os.unlink(self.path)  # a stale socket from a daemon that died
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Until the chmod below the umask's mode applies, which never grants others write

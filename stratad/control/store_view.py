@@ -79,6 +79,7 @@ def coverage_reply(
     bandwidths: Any = None,
     file_reads: int = 0,
     file_read_bytes: int = 0,
+    file: str = "",
 ) -> CoverageReply:
     """Coverage of a `ResidencyPlan`, per layer and overall, with the cost estimate."""
     from stratad.store.coverage import coverage, prompt_cost
@@ -133,6 +134,7 @@ def coverage_reply(
         estimated_cost=cost,
         estimated_slowdown=slowdown,
         layers=layers,
+        file=file,
     )
 
 
@@ -168,6 +170,7 @@ class ExpertStoreView:
         its checksum) covers nothing."""
         stats = self.store.stats()
         plan, damaged = self.store.plan, self.damaged_units()
+        source = getattr(self.store, "source", None)
         if damaged:
             plan = dataclasses.replace(plan, ram=tuple(u for u in plan.ram if u not in damaged))
         reply = coverage_reply(
@@ -177,6 +180,7 @@ class ExpertStoreView:
             getattr(self.store, "bandwidths", None),
             stats.file_reads,
             stats.file_bytes,
+            f"the {source.kind} {source.label}" if source is not None else "",
         )
         if damaged:
             reply = msgspec.structs.replace(

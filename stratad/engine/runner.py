@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,20 @@ def free_vram(config: Config, device: torch.device) -> list[int | None]:
     return [int(torch.cuda.mem_get_info(torch.device("cuda", g))[0]) for g in gpus]
 
 
+def weight_types(model: Model) -> str:
+    """The types the weights hold, most tensors first, the routed experts apart: "experts
+    Q4_0 (12 stacks); the rest F32 (21 tensors), F16 (16), Q8_0 (2)"."""
+
+    def counted(names: list[str], unit: str) -> str:
+        counts = Counter(model.tensors[n].qtype.name for n in names)
+        return ", ".join(f"{q} ({n}{f' {unit}' if i == 0 else ''})"
+                         for i, (q, n) in enumerate(counts.most_common()))  # fmt: skip
+
+    experts = [n for n in model.tensors if ".experts." in n]
+    rest = counted([n for n in model.tensors if ".experts." not in n], "tensors")
+    return f"experts {counted(experts, 'stacks')}; the rest {rest}" if experts else rest
+
+
 def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Runner:
     """Load the model and start its forward as the configuration and the machine say.
 
@@ -112,7 +127,7 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
         weights = cpu_weights(config.engine) if start.backend == "cpu" else None
         forward = ReferenceForward(model, device, start.dtype, experts=experts, timer=timer,
                                    weights=weights)  # fmt: skip
-        log.info("weights: %s", forward.mode.name)
+        log.info("weights: %s; %s, %s", weight_types(model), forward.mode.name, forward.path)
     log.info(
         "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",
         path,

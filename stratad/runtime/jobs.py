@@ -117,9 +117,16 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
 class JobError(ValueError):
     """A job the engine refuses (e.g. a prompt longer than the context): a client error.
 
-    `param` names the request field at fault, for the OpenAI-style error body.
+    `param` names the request field at fault and `code` the kind of refusal where OpenAI names
+    one (`CONTEXT_LENGTH_EXCEEDED`), for the OpenAI-style error body.
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+# OpenAI's error code for a prompt, or a prompt and max_tokens, that the context cannot hold
+# (LiteLLM and LangChain key on it)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -16,6 +16,7 @@ from stratad.model.tokenizer_build import load_tokenizer
 from stratad.runtime import grammar
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import (
+    CONTEXT_LENGTH_EXCEEDED,
     Delta,
     Job,
     JobError,
@@ -28,6 +29,7 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.template_form import template_message, template_tools
 from stratad.store.pinning import ProgressFn
+from stratad.store.store import ExpertStore
 
 log = logging.getLogger("stratad.engine")
 
@@ -150,6 +152,7 @@ class Engine:
                 f"the prompt has {nbytes:,} bytes of text, more than the context of"
                 f" {self.info.max_context} tokens can hold (at most {most:,} bytes)",
                 field,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         prompt = self.tokenize(job)
         if not prompt:
@@ -160,12 +163,14 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.info.max_context}"
                 " (prompt and completion together)",
                 field,
+                CONTEXT_LENGTH_EXCEEDED,
             )
         if job.max_tokens is not None and job.max_tokens > room:
             raise JobError(
                 f"max_tokens={job.max_tokens} does not fit: the context holds"
                 f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
                 "max_tokens",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         vocab = self.tokenizer.vocab_size
         for token, _ in job.logit_bias:
@@ -316,6 +321,8 @@ class Engine:
         for _ in self.generator.run(req):
             pass
         self.generator.cache.truncate(0)
+        if isinstance(self.store, ExpertStore):  # the lookups by tier count requests' alone
+            self.store.forget_lookups()
 
     def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""

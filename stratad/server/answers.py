@@ -60,7 +60,7 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
     except EngineFailed as e:
         return error_response(500, str(e), None)
     except JobError as e:
-        return error_response(400, str(e), e.param)
+        return error_response(400, str(e), e.param, code=e.code)
     lasts = [c.last for c in choices if c.last is not None and c.last.finish_reason]
     if len(lasts) < len(tickets):
         return error_response(

@@ -149,7 +149,7 @@ class Completions:
             for t in tickets:
                 t.cancel()
             if isinstance(e, JobError):
-                return error_response(400, str(e), e.param)
+                return error_response(400, str(e), e.param, code=e.code)
             kind = "queue_full" if e.status == 429 else "unavailable"
             self.metrics.rejected.inc(reason=kind)
             return error_response(e.status, str(e), None, code=kind, retry_after=e.retry_after)

@@ -117,7 +117,12 @@ def repair_source(source: PackExperts) -> OriginalExperts | None:
     else None once every blob has passed its check (`DamagedPack` when one fails)."""
     original, why = open_original(source.manifest)
     if original is not None:
-        log.info("a damaged expert blob will be read from the model file %s", original.label)
+        # a fact about the fallback, not a finding: a blob that fails says so when it is read
+        log.info(
+            "each expert blob's checksum is checked when it is first read; should one fail, the"
+            " model file the pack was made from (%s) stands in for it",
+            original.label,
+        )
         return original
     total = source.manifest.experts_nbytes
     log.info(

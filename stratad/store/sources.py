@@ -69,6 +69,7 @@ class ReadStats:
 
 class ExpertSource(Protocol):
     label: str  # for messages: the file experts are read from
+    kind: str  # what that file is, for messages: "pack file" or "model file"
     n_layers: int
     n_experts: int
     layouts: tuple[ExpertLayout, ...]  # per layer
@@ -97,6 +98,7 @@ class PackExperts:
         self.manifest = manifest or read_manifest(pack_dir)
         self.path = Path(pack_dir) / EXPERTS_NAME
         self.label = str(self.path)
+        self.kind = "pack file"
         spec = self.manifest.spec
         self.n_layers, self.n_experts = spec.n_layers, spec.n_experts
         self.layouts = self.manifest.layouts
@@ -169,6 +171,7 @@ class ModelExperts:
         spec = model.spec
         arch = ARCHS[spec.arch]
         self.label = str(model.source)
+        self.kind = "model file"  # a GGUF read in place, or a Hugging Face directory's files
         self.n_layers, self.n_experts = spec.n_layers, spec.n_experts
         self._stacks = [arch.layer(model, i).mlp.experts for i in range(spec.n_layers)]  # type: ignore[union-attr]
         self.layouts = tuple(expert_layout(s.expert(0)) for s in self._stacks)

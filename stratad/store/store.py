@@ -165,6 +165,12 @@ class ExpertStore:
             if tier == "file":
                 self.source.stats.add(self.layouts[layer].nbytes)
 
+    def forget_lookups(self) -> None:
+        """Start the lookups by tier over at zero: those so far were no request's (the daemon's
+        warm-up, which runs while pinning may still be under way and so finds experts in the
+        file that the plan keeps in RAM). The file reads stay counted: they were made."""
+        self.hits = dict.fromkeys(self.hits, 0)
+
     def _held(self, layer: int, expert: int) -> tuple[torch.Tensor | None, str]:
         """The expert's VRAM slot or RAM copy (counted by tier), or (None, "file")."""
         unit = ExpertUnit(layer, expert)

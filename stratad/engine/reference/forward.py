@@ -150,6 +150,16 @@ class ReferenceForward:
             (self.spec.n_layers, max(self.spec.n_experts, 1)), dtype=torch.int64
         )
 
+    @property
+    def path(self) -> str:
+        """How a step reaches the weights, for the start-up log."""
+        experts = ", the routed experts from the store's tiers" if self.experts is not None else ""
+        if self.stack is not None:
+            return f"every layer in one kernel call per step{experts}"
+        if self.store_experts is not None or any(w.routed for w in self.layers):
+            return f"layer by layer, a layer's routed experts in one kernel call{experts}"
+        return f"layer by layer{experts}"
+
     def new_cache(self, max_len: int) -> KVCache:
         dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
         # its attention reads a cache up to its length, never further (torch slices, and the

@@ -135,7 +135,10 @@ class QuantWeights:
 
     @property
     def name(self) -> str:
-        return f"GGUF blocks read by the CPU kernels ({self.kernels.threads} threads)"
+        cast = (f", {', '.join(sorted(self.fallbacks))} dequantized to float32 (rows the kernels"
+                " do not read)" if self.fallbacks else "")  # fmt: skip
+        n = self.kernels.threads
+        return f"GGUF blocks read by the CPU kernels ({n} thread{'s' * (n != 1)}){cast}"
 
     def reads(self, t: QTensor) -> bool:
         return t.qtype in self.kernels.supported and len(t.shape) == 2 and t.shape[1] % 32 == 0
