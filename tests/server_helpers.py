@@ -40,6 +40,8 @@ aliases = ["m"]
 [server]
 api_key = "{API_KEY}"
 max_queue = 8
+# one request at a time: the queue and cancellation tests line requests up behind another
+parallel = 1
 max_body_bytes = 1048576
 allowed_hosts = ["strata.test"]
 [control]
