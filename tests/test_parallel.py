@@ -244,6 +244,9 @@ class Turns:
         return handle
 
     def step(self) -> list[tuple[object, Delta | Exception]]:
+        if any(job[0] == "boom" for job in self.jobs.values()):
+            self.jobs.clear()  # as the engine: a failed step takes every job off it
+            raise RuntimeError("the forward failed")
         out: list[tuple[object, Delta | Exception]] = []
         for handle, job in list(self.jobs.items()):
             self.order.append(job[0])
@@ -300,6 +303,31 @@ def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -
     got = asyncio.run(asyncio.wait_for(serve(), 10))  # a dead engine thread would never answer
     assert got == ["012", "JobError", "EngineFailed", "012"]
     assert scheduler.num_running == 0 and "a bug starting this one" in caplog.text
+
+
+def test_a_failed_step_fails_the_jobs_it_ran_and_the_loop_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scheduler, engine = Scheduler(max_queue=8), Turns(2)
+    scheduler.state = "ready"
+
+    async def serve() -> list[str]:
+        tickets = []
+        for name in ("A", "boom", "B"):  # A and boom run together; B waits for a place
+            scheduler.admit()
+            tickets.append(scheduler.submit(engine.prepare(Job(prompt=name))))
+        scheduler.attach(engine)
+        out = []
+        for t in tickets:
+            try:
+                out.append("".join([d.text async for d in t.stream()]))
+            except EngineFailed as e:
+                out.append(type(e).__name__)
+        return out
+
+    got = asyncio.run(asyncio.wait_for(serve(), 10))
+    assert got == ["EngineFailed", "EngineFailed", "012"]
+    assert scheduler.num_running == 0 and "the engine failed on a step of 2" in caplog.text
 
 
 def test_sixteen_clients_at_once_get_what_they_get_alone() -> None:
