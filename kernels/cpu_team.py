@@ -7,7 +7,11 @@ beats two (SmolLM2 decode on 2 cores beside a test run: 17 ms a step on one thre
 two; llama.cpp alike, 45-53 tok/s on one thread and 16-20 on two), while on idle cores two win.
 Which holds changes with the host's load, so the team size is measured: each call shape
 (its token count) keeps a moving average of its time per team size, runs at the fastest, and
-tries the others once every `PROBE_EVERY` calls. The results do not depend on the team size
+tries the others once every `PROBE_EVERY` calls. Only calls of up to `PROBE_MAX_TOKENS`
+tokens are measured (decode steps, which repeat by the hundred): a longer call runs on every
+thread, since its work dwarfs a stalled barrier and a try on one thread would cost a whole
+prompt half its speed (each prompt length is a shape of its own, seen once or twice). The
+results do not depend on the team size
 (every value is computed by one thread in one order), only the time does. A size r times
 slower than the best is tried r times less often (up to `MAX_BACKOFF`), so the tries cost
 at most some 1/`PROBE_EVERY` of the time however slow the other size has become (two threads
@@ -22,6 +26,7 @@ PROBE_EVERY = 32  # calls between tries of another size, times how much slower i
 MAX_BACKOFF = 32  # at most PROBE_EVERY * MAX_BACKOFF calls between tries
 SMOOTHING = 0.5  # weight of a new time in the moving average (a size tried seldom moves fast)
 MAX_SHAPES = 64  # call shapes remembered (token counts; a server sees few)
+PROBE_MAX_TOKENS = 8  # longer calls (prompt chunks) always run on the whole team
 
 
 @dataclass
@@ -41,6 +46,8 @@ class TeamSize:
         self._shapes: dict[int, _Shape] = {}
 
     def pick(self, key: int) -> int:
+        if key > PROBE_MAX_TOKENS:
+            return self.threads
         shape = self._shapes.get(key)
         if shape is None:
             if len(self._shapes) >= MAX_SHAPES:

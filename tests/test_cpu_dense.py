@@ -14,7 +14,7 @@ import torch
 
 from kernels.cpu_dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, DenseStack
 from kernels.cpu_experts import CpuExperts
-from kernels.cpu_team import PROBE_EVERY, TeamSize
+from kernels.cpu_team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
 from kernels.quant import QType
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
@@ -187,3 +187,15 @@ def test_team_size_follows_the_faster() -> None:
         n = team.pick(1)
         team.record(1, n, seconds[n])
     assert team.pick(1) == 2 and TeamSize(1).sizes == [1]
+
+
+def test_a_prompt_chunk_runs_on_the_whole_team_untried() -> None:
+    """A call of more than PROBE_MAX_TOKENS tokens is not measured: the second prompt of a
+    length ran on one thread before, at half its speed on an idle host."""
+    team = TeamSize(2)
+    picks = []
+    for _ in range(3):
+        picks.append(team.pick(PROBE_MAX_TOKENS + 1))
+        team.record(PROBE_MAX_TOKENS + 1, picks[-1], 1.0)
+    assert picks == [2, 2, 2]
+    assert [team.pick(PROBE_MAX_TOKENS) for _ in range(2)] == [2, 1]  # a decode-sized one is
