@@ -121,6 +121,31 @@ def test_accept_errors_are_logged_once_in_a_while(daemon: Daemon) -> None:
     assert daemon.get("/health")[0] == 200
 
 
+def test_a_burst_past_the_cap_never_runs_the_daemon_out_of_descriptors(daemon: Daemon) -> None:
+    """40 connects at once with descriptors for the cap (6) and two more: six are served,
+    34 get 503 at once, and the accepts never fail (asyncio's own server took up to 128
+    connections before counting one: a 256-descriptor daemon ran out in a burst of 300)."""
+    pid = _pid(daemon)
+    said = daemon.log.read_text().count("cannot accept connections")
+    time.sleep(1.5)  # the earlier tests' connections closed (idle_timeout_s = 1)
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + 8, hard))
+    try:
+        burst = [_connect(daemon) for _ in range(40)]
+        answers = []
+        for sock in burst:
+            sock.settimeout(5)
+            answers.append(sock.recv(65536))
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    for sock in burst:
+        sock.close()
+    assert sum(a.startswith(b"HTTP/1.1 503") for a in answers) == 34
+    assert daemon.log.read_text().count("cannot accept connections") == said
+    time.sleep(1.5)
+    assert daemon.get("/health")[0] == 200
+
+
 def test_malformed_requests_get_400_and_one_line_in_a_while(daemon: Daemon) -> None:
     """aiohttp logs a request head it cannot parse as an ERROR with a traceback; a client
     could fill the log with them. Found by schemathesis's probe (a NUL byte in a header)."""

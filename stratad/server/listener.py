@@ -13,10 +13,12 @@ limit, keeps descriptors for /health's answers, the control socket and the model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import resource
+import socket
 import time
 from typing import Any
 
@@ -141,17 +143,39 @@ BUSY = (
 ) + _BUSY_BODY
 
 
-class _Busy(asyncio.Protocol):
-    """A connection over the cap: 503, then close, without reading the request."""
+ACCEPT_BATCH = 32  # connections accepted per wake-up of the loop, at most
+ACCEPT_PAUSE_S = 0.2  # after the process ran out of descriptors: the accepts wait this long
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(BUSY)
-        transport.close()
+
+def _listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for every address `host` names (as asyncio's
+    create_server makes them); OSError if one cannot be bound."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 class CappedSite(web.BaseSite):
-    """A TCP site that answers connections past `max_connections` with 503 and closes them."""
+    """A TCP site that never holds more than `max_connections` connections: it accepts them
+    itself (asyncio's server accepts up to 128 at a time before counting any, which ran a
+    256-descriptor daemon out of descriptors in a burst of connects), a few per wake-up,
+    answers one past the cap with 503 and closes it at once, and when the process has run
+    out of descriptors anyway stops accepting for a moment instead of retrying each one."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, max_connections: int) -> None:
         super().__init__(runner)
@@ -159,29 +183,78 @@ class CappedSite(web.BaseSite):
         self.max_connections = max_connections
         self.refused = 0
         self.started = False
+        self._socks: list[socket.socket] = []
+        self._pending = 0  # accepted, not yet handed to aiohttp
         self._say = RateLimitedLog(log)
+        self._say_fds = RateLimitedLog(log)
 
     @property
     def name(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def start(self) -> None:
-        await super().start()
+    @property
+    def open_connections(self) -> int:
         server = self._runner.server
         assert isinstance(server, WebServer)
+        return len(server.connections) + self._pending
 
-        def connection() -> asyncio.Protocol:
-            if len(server.connections) >= self.max_connections:
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._socks = _listening_sockets(self.host, self.port)
+        for sock in self._socks:
+            loop.add_reader(sock.fileno(), self._accept, loop, sock)
+        self.started = True
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in self._socks:
+            loop.remove_reader(sock.fileno())
+            sock.close()
+        self._socks = []
+        await super().stop()
+
+    def _accept(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:
+                if e.errno not in _RESOURCE_ERRNOS:
+                    raise
+                self._say_fds(logging.WARNING, "cannot accept connections: %s (the open-file"
+                              " limit is %d)", e.strerror or e, _nofile())  # fmt: skip
+                loop.remove_reader(sock.fileno())
+                loop.call_later(ACCEPT_PAUSE_S, self._resume, loop, sock)
+                return
+            if self.open_connections >= self.max_connections:
                 self.refused += 1
                 self._say(logging.WARNING, "refused a connection: %d are open"
                           " (server.max_connections)", self.max_connections)  # fmt: skip
-                return _Busy()
-            return server()
+                with contextlib.suppress(OSError):
+                    conn.setblocking(False)
+                    conn.send(BUSY)
+                conn.close()
+                continue
+            self._pending += 1
+            loop.create_task(self._connect(loop, conn))
 
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(connection, self.host, self.port, backlog=128,
-                                                reuse_address=True)  # fmt: skip
-        self.started = True
+    def _resume(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        if sock in self._socks:  # not stopped meanwhile
+            loop.add_reader(sock.fileno(), self._accept, loop, sock)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        server = self._runner.server
+        assert isinstance(server, WebServer)
+        try:
+            await loop.connect_accepted_socket(server, conn)
+        except OSError:
+            conn.close()
+        finally:
+            self._pending -= 1
 
 
 _HTTP_LOG.addFilter(MalformedRequests())
