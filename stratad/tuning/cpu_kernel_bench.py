@@ -241,7 +241,7 @@ def _expert_cases(s: CpuShapes, mix: Mix, kernels: CpuExperts, working: int) -> 
 
         distinct = sum(d for _, d in routes) / len(routes)
         yield Case("moe", phase, f"experts {mix_name(mix)}",
-                   f"{t}x{k}: {distinct:.0f} of {e} [{f}, {h}]", run, len(routes),
+                   f"{t}x{k}: {distinct:.0f} of {e} experts", run, len(routes),
                    round(distinct * blob), 6 * t * k * f * h)  # fmt: skip
 
 
