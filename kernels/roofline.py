@@ -8,8 +8,10 @@ its bytes over the matching copy rate, its FLOPs over the matmul rate, and the l
 its share is that ideal over the time measured. A share near 1 is as fast as the device
 allows; a share above 1 means the bytes came from a cache (L2), not from memory.
 
-On a host without a GPU the "device" is the CPU: the copy rates are memory copies, and the
-Triton kernels run in Triton's interpreter, whose timings say nothing about a GPU.
+The cpu engine's kernels (`stratad.tuning.cpu_kernel_bench`, on a host without a GPU) are held
+to the host's memory read rate instead of a copy rate (link "read"), the float32 GEMM rate,
+and the floor of a call. `measure_ceilings` on the CPU (the Triton kernels in Triton's
+interpreter) is for the tests of the GPU report: its timings say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ class Ceilings:
     d2d_gbs: float  # device→device, read + write counted
     matmul_tflops: dict[str, float]  # by dtype name: "bfloat16", "float16" (CPU: "float32")
     launch_us: float  # the smallest Triton kernel, timed as the kernels are
+    read_gbs: float = 0.0  # the host's memory read rate (the cpu engine's kernels' link)
+
+    def gbs(self, link: str) -> float:
+        """The bandwidth of `link`: "h2d", "d2d" or "read"."""
+        return {"h2d": self.h2d_gbs, "d2d": self.d2d_gbs, "read": self.read_gbs}[link]
 
     def matmul(self, dtype: str) -> float:
         """The rate of `dtype`, else the best measured (a dtype not measured)."""
@@ -47,7 +54,7 @@ class Row:
     us: float  # per call
     nbytes: int = 0  # that the kernel must move (read + write)
     flops: int = 0
-    link: str = "d2d"  # the bandwidth ceiling its bytes cross: "d2d" or "h2d"
+    link: str = "d2d"  # the bandwidth ceiling its bytes cross: "d2d", "h2d" or "read"
     dtype: str = "bfloat16"  # the matmul rate its FLOPs are held to
 
 
@@ -57,7 +64,7 @@ class Judged:
     rate: float  # achieved, in `unit`
     unit: str  # "GB/s" or "TFLOP/s"
     share: float  # ideal time / measured time
-    bound: str  # which ceiling sets the ideal: "h2d", "d2d", "matmul" or "launch"
+    bound: str  # which ceiling sets the ideal: the row's link, "matmul" or "launch"
     flagged: bool
 
     def to_json(self) -> dict[str, object]:
@@ -68,9 +75,8 @@ class Judged:
 
 def judge(row: Row, ceilings: Ceilings, flag_below: float = FLAG_BELOW) -> Judged:
     """The row's achieved rate and its share of what the ceilings allow."""
-    bw = ceilings.h2d_gbs if row.link == "h2d" else ceilings.d2d_gbs
     ideal = {  # microseconds each ceiling allows
-        row.link: row.nbytes / bw / 1e3,
+        row.link: row.nbytes / ceilings.gbs(row.link) / 1e3,
         "matmul": row.flops / ceilings.matmul(row.dtype) / 1e6,
         "launch": ceilings.launch_us,
     }
@@ -92,11 +98,21 @@ def table(judged: list[Judged], flag_below: float) -> str:
         mark = "  << slow" if j.flagged else ""
         lines.append(f"{r.phase:8} {r.kernel:30.30} {r.shape:26.26} {r.us:9.1f}"
                      f" {j.rate:8.3g} {j.unit:<7} {j.share:5.0%} {j.bound:>6}{mark}")  # fmt: skip
+    return "\n".join(lines + summary(judged, flag_below))
+
+
+def summary(judged: list[Judged], flag_below: float) -> list[str]:
+    """A report's last lines: the kernels under `flag_below`, and the slowest against its
+    ceiling."""
     slow = [j for j in judged if j.flagged]
-    lines.append(f"{len(slow)} of {len(judged)} kernels under {flag_below:.0%} of the ceiling"
-                 + (": " + ", ".join(f"{j.row.phase} {j.row.kernel}" for j in slow)
-                    if slow else ""))  # fmt: skip
-    return "\n".join(lines)
+    lines = [f"{len(slow)} of {len(judged)} kernels under {flag_below:.0%} of the ceiling"
+             + (": " + ", ".join(f"{j.row.phase} {j.row.kernel}" for j in slow)
+                if slow else "")]  # fmt: skip
+    if judged:
+        worst = min(judged, key=lambda j: j.share)
+        lines.append(f"slowest: {worst.row.phase} {worst.row.kernel}, {worst.share:.0%} of its"
+                     f" ceiling ({worst.bound})")  # fmt: skip
+    return lines
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -135,7 +151,7 @@ def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
     d2d, h2d = _copy_rates(copy_bytes, device)
     n = (4096 if quick else 8192) if gpu else (256 if quick else 512)
     dtypes = (torch.bfloat16, torch.float16) if gpu else (torch.float32,)
-    rates = {str(d).removeprefix("torch."): _matmul_tflops(n, d, device) for d in dtypes}
+    rates = {str(d).removeprefix("torch."): matmul_tflops(n, d, device) for d in dtypes}
     out = torch.zeros(1, dtype=torch.float32, device=device)
     _one_store[(1,)](out)
     launch = time_us(lambda: _one_store[(1,)](out), device, rep_ms=10)
@@ -156,7 +172,8 @@ def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float]:
     return d2d, nbytes / _wall_us(lambda: dst.copy_(host, non_blocking=True), device) / 1e3
 
 
-def _matmul_tflops(n: int, dtype: torch.dtype, device: torch.device) -> float:
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """TFLOP/s of an [n, n] product in `dtype` (the best of a few)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)

@@ -8,15 +8,17 @@ kernel under `--flag-below` is flagged. `--json PATH` writes the whole report (v
 device, ceilings, every row) for a bug report. Meant to take under two minutes on a GPU
 (the timing budget per kernel is fixed; not yet run on one).
 
-Without a GPU it runs on the CPU, the Triton kernels in Triton's interpreter, at small
-context and prefill lengths: that checks the command works, its timings mean nothing.
+On a host without a GPU it benchmarks the cpu engine's kernels instead (the compiled ones
+that serve there, `stratad.tuning.cpu_kernel_bench`): each weight product at the model's
+shapes and types, at a decode step, a step of 4 and of 8 sequences and a prefill chunk, held
+to the host's measured memory read rate, a float32 GEMM's rate and the floor of a call. The
+GPU kernels are not timed there (Triton's interpreter would say nothing about a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -61,17 +63,75 @@ def run(args: argparse.Namespace) -> int:
     if args.model not in PRESETS and not Path(args.model).exists():
         presets = ", ".join(PRESETS)
         return fail(f"--model {args.model}: no such model file (nor a synth preset: {presets})")
+    from kernels.cpu_build import quiet_openmp
+
+    quiet_openmp()  # before torch's import: its OpenMP team must not spin beside the kernels'
     import torch  # the measurement needs the device runtime; other verbs start without it
 
-    gpu = torch.cuda.is_available()
-    if not gpu:  # before Triton is imported: its kernels then run on the CPU
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():
+        return _bench_cpu(args, groups, started)
     try:
         shapes, source = _shapes(args.model)
     except ValueError as err:  # ModelError, UnknownPreset
         return fail(str(err))
-    device = torch.device("cuda" if gpu else "cpu")
-    return _bench(args, groups, shapes, source, device, started)
+    return _bench(args, groups, shapes, source, torch.device("cuda"), started)
+
+
+def _bench_cpu(args: argparse.Namespace, groups: tuple[str, ...], started: float) -> int:
+    """The cpu engine's kernels against the host's ceilings (no GPU here)."""
+    from kernels.cpu_build import CpuKernelsUnavailable
+    from kernels.cpu_experts import CpuExperts
+    from kernels.roofline import judge
+    from stratad.tuning import cpu_kernel_bench as cb
+
+    cpu_groups = tuple(g for g in groups if g in cb.GROUPS)
+    if not cpu_groups:
+        return fail(f"--kernels {args.kernels}: no kernel of the cpu engine among them (it runs"
+                    f" {' and '.join(cb.GROUPS)}); the GPU kernels need a GPU")  # fmt: skip
+    try:
+        shapes, source = _cpu_shapes(args.model)
+        kernels = CpuExperts()
+    except (ValueError, CpuKernelsUnavailable) as err:  # ModelError, UnknownPreset
+        return fail(str(err))
+    say = _progress
+    name = f"{cb.cpu_name()} ({kernels.threads} threads)"
+    say(f"device: {name}: the cpu engine's kernels")
+    say(f"shapes: {shapes.describe()}")
+    ceilings = cb.measure_ceilings(kernels, quick=args.quick)
+    say(f"ceilings: read {ceilings.read_gbs:.1f} GB/s, float32 matmul"
+        f" {ceilings.matmul('float32') * 1e3:.0f} GFLOP/s, call {ceilings.launch_us:.1f} us")
+    working = (2 if args.quick else 4) * cb.last_level_cache()
+    rows = cb.run_cases(shapes, kernels, working, cpu_groups, say,
+                        budget_s=0.05 if args.quick else 0.2)  # fmt: skip
+    judged = [judge(r, ceilings, args.flag_below) for r in rows]
+    print(f"device: {name}: the cpu engine's kernels against the host's read rate"
+          f" ({ceilings.read_gbs:.1f} GB/s)")  # fmt: skip
+    print("the GPU kernels are not benchmarked on a CPU host")
+    print(cb.table(judged, args.flag_below, ceilings.read_gbs))
+    seconds = time.perf_counter() - started
+    print(f"{seconds:.1f} s", flush=True)
+    if args.json is not None:
+        report = _cpu_report(name, kernels.threads, source, shapes, ceilings, judged,
+                             args.flag_below, seconds)  # fmt: skip
+        try:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as err:
+            return fail(f"cannot write {args.json}: {err}")
+        say(f"wrote {args.json}")
+    return 0
+
+
+def _cpu_shapes(model: str) -> tuple[Any, dict[str, Any]]:
+    """The cpu engine's products of a preset or a model file, and what they came from."""
+    from stratad.model.synth_presets import PRESETS
+    from stratad.tuning.cpu_kernel_bench import CpuShapes
+
+    if model in PRESETS and not Path(model).exists():
+        return CpuShapes.of_preset(PRESETS[model]), {"preset": model}
+    from stratad.model.loader import load_model
+
+    m = load_model(Path(model))  # the tensors are views of the mapped file: nothing is read
+    return CpuShapes.of_model(m), {"file": str(model), "arch": m.spec.arch}
 
 
 def _shapes(model: str) -> tuple[Any, dict[str, Any]]:
@@ -106,31 +166,27 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     from kernels.roofline import judge, measure_ceilings, table
     from stratad.tuning.kernel_bench import run_cases
 
-    gpu = device.type == "cuda"
-    if not gpu:  # the interpreter: short context and prefill, a small head, 8 staged experts
-        shapes = dataclasses.replace(shapes, context=64, cache=128, prefill=16,
-                                     vocab=min(shapes.vocab, 1024), staged=8)  # fmt: skip
-    elif args.quick:
+    if args.quick:
         shapes = dataclasses.replace(shapes, prefill=1024)
     say = _progress
-    name = torch.cuda.get_device_name(device) if gpu else "cpu (Triton interpreter)"
-    say(f"device: {name}" + ("" if gpu else ": the timings say nothing about a GPU"))
+    name = torch.cuda.get_device_name(device)
+    say(f"device: {name}")
     say(f"shapes: {shapes.describe()}")
-    ceilings = measure_ceilings(device, quick=args.quick or not gpu)
+    ceilings = measure_ceilings(device, quick=args.quick)
     say(f"ceilings: H2D {ceilings.h2d_gbs:.1f} GB/s, D2D {ceilings.d2d_gbs:.1f} GB/s, matmul "
         + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.matmul_tflops.items())
         + f", launch {ceilings.launch_us:.1f} us")  # fmt: skip
-    cfg, settings = _settings(shapes, gpu)
+    cfg, settings = _settings(shapes)
     say(f"launch settings: {settings}")
-    dtype = torch.bfloat16 if gpu else torch.float32
-    rows = run_cases(shapes, device, dtype, cfg, groups, say, rep_ms=10 if args.quick else 20)
+    rows = run_cases(shapes, device, torch.bfloat16, cfg, groups, say,
+                     rep_ms=10 if args.quick else 20)  # fmt: skip
     judged = [judge(r, ceilings, args.flag_below) for r in rows]
-    print(f"device: {name}" + ("" if gpu else " - interpreter timings are not meaningful"))
+    print(f"device: {name}")
     print(table(judged, args.flag_below))
     seconds = time.perf_counter() - started
     print(f"{seconds:.1f} s", flush=True)
     if args.json is not None:
-        report = _report(name, gpu, source, shapes, ceilings, judged, args.flag_below, seconds)
+        report = _report(name, source, shapes, ceilings, judged, args.flag_below, seconds)
         report["launch_settings"] = settings
         try:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
@@ -140,17 +196,14 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
     return 0
 
 
-def _settings(shapes: Any, gpu: bool) -> tuple[Any, str]:
+def _settings(shapes: Any) -> tuple[Any, str]:
     """The launch settings the daemon would take here (its tuning table's bucket nearest
     these shapes), and the line that says which."""
     import dataclasses
 
     from kernels.tuning import KernelConfigs
     from stratad.engine.offload.kernel_table import Shapes, lookup, this_stack
-    from stratad.tuning.kernel_bench import INTERPRETED_BENCH
 
-    if not gpu:
-        return INTERPRETED_BENCH, "the interpreter's (wide programs, few of them)"
     stack = this_stack()
     if isinstance(stack, str):
         return KernelConfigs(), f"the defaults: {stack}"
@@ -160,33 +213,68 @@ def _settings(shapes: Any, gpu: bool) -> tuple[Any, str]:
     return found.configs, found.message
 
 
-def _report(name: str, gpu: bool, source: dict[str, Any], shapes: Any, ceilings: Any,
+def _report(name: str, source: dict[str, Any], shapes: Any, ceilings: Any,
             judged: list[Any], flag_below: float, seconds: float) -> dict[str, Any]:  # fmt: skip
     import dataclasses
+
+    import torch
+    import triton
+
+    shape = {k: v for k, v in dataclasses.asdict(shapes).items() if k != "mixes"}
+    shape["mixes"] = [[q.name for q in mix] for mix in shapes.mixes]
+    versions = {"triton": triton.__version__, "cuda": torch.version.cuda,
+                "hip": torch.version.hip}  # fmt: skip
+    ceiling = {k: v for k, v in dataclasses.asdict(ceilings).items() if k != "read_gbs"}
+    return _common(seconds, versions, {"name": name, "type": "cuda"}, {**source, "shapes": shape},
+                   ceiling, judged, flag_below)  # fmt: skip
+
+
+def _cpu_report(name: str, threads: int, source: dict[str, Any], shapes: Any, ceilings: Any,
+                judged: list[Any], flag_below: float,
+                seconds: float) -> dict[str, Any]:  # fmt: skip
+    import dataclasses
+
+    shape = {"hidden": shapes.hidden, "ffn": shapes.ffn, "n_experts": shapes.n_experts,
+             "top_k": shapes.top_k, "prefill": shapes.prefill,
+             "products": [{"names": p.names, "rows": p.rows, "cols": p.cols,
+                           "type": p.qtype.name} for p in shapes.products],
+             "mixes": [[q.name for q in mix] for mix in shapes.mixes],
+             "left_out": list(shapes.left_out)}  # fmt: skip
+    ceiling = {k: v for k, v in dataclasses.asdict(ceilings).items()
+               if k not in ("h2d_gbs", "d2d_gbs")}  # fmt: skip
+    report = _common(seconds, {}, {"name": name, "type": "cpu", "threads": threads},
+                     {**source, "shapes": shape}, ceiling, judged, flag_below)  # fmt: skip
+    for row, j in zip(report["rows"], judged, strict=True):
+        row["read_share"] = float(f"{j.row.nbytes / j.row.us / 1e3 / ceilings.read_gbs:.4g}")
+    return report
+
+
+def _common(seconds: float, versions: dict[str, Any], device: dict[str, Any],
+            model: dict[str, Any], ceilings: dict[str, Any], judged: list[Any],
+            flag_below: float) -> dict[str, Any]:  # fmt: skip
+    """The report both devices write."""
     import importlib.metadata
     import platform
 
     import torch
-    import triton
 
     try:
         strata = importlib.metadata.version("strata")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
         strata = "source tree"
-    shape = {k: v for k, v in dataclasses.asdict(shapes).items() if k != "mixes"}
-    shape["mixes"] = [[q.name for q in mix] for mix in shapes.mixes]
+    worst = min(judged, key=lambda j: j.share, default=None)
     return {
         "schema": 1,
         "seconds": round(seconds, 2),
         "versions": {"strata": strata, "torch": torch.__version__,
-                     "triton": triton.__version__, "python": platform.python_version(),
-                     "cuda": torch.version.cuda, "hip": torch.version.hip},  # fmt: skip
-        "device": {"name": name, "type": "cuda" if gpu else "cpu", "interpreted": not gpu},
-        "model": {**source, "shapes": shape},
-        "ceilings": dataclasses.asdict(ceilings),
+                     "python": platform.python_version(), **versions},  # fmt: skip
+        "device": device,
+        "model": model,
+        "ceilings": ceilings,
         "flag_below": flag_below,
         "rows": [j.to_json() for j in judged],
         "flagged": [f"{j.row.phase} {j.row.kernel}" for j in judged if j.flagged],
+        "slowest": f"{worst.row.phase} {worst.row.kernel}" if worst is not None else None,
     }
 
 

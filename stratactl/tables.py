@@ -3,8 +3,9 @@
 `select` detects the GPU architecture and the installed ROCm (or CUDA) version and names the
 table that matches exactly; else the nearest runtime version's table of the same architecture
 (which the daemon uses, with a warning), or says that none fits and what that costs. Exit 0 on
-an exact match, 3 otherwise (the daemon still runs, perhaps slower), 1 when the stack cannot be
-detected.
+an exact match, 3 otherwise (the daemon still runs, perhaps slower), 1 when a GPU is found but
+its runtime version is not. A host without a GPU has nothing to select (the cpu engine's
+kernels need no table): it says so, exit 0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from kernels import tables
 from stratactl.client import fail, print_json
 
 EXIT_NO_MATCH = 3
+NOTHING_ON_A_CPU = ("no GPU: nothing to select on a CPU (the cpu engine's kernels need no"
+                    " tuning table)")  # fmt: skip
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -64,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
         except tables.TableError as e:
             return fail(str(e))
         stacks, notes = found.stacks, found.notes
-    if not stacks:
+    if not stacks:  # detect() found no GPU (one without its runtime raised TableError)
         if args.json:
-            print_json({"stacks": [], "notes": list(notes)})
-        return fail("; ".join(notes) + ": no tuning table to select")
+            print_json({"stacks": [], "notes": list(notes), "message": NOTHING_ON_A_CPU})
+        else:
+            print(NOTHING_ON_A_CPU)
+        return 0
     choices = [tables.select(s, dirs) for s in stacks]
     if args.json:
         print_json({

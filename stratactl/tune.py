@@ -6,7 +6,8 @@ kept. The table is named for this GPU stack (`<arch>-<backend>-<version>.json`),
 `stratactl tables select` and the daemon look for it; the daemon reads it at start. Its header
 names the arch, runtime, Triton and torch versions and the device; each model shape tuned is a
 bucket: tuning another model adds its bucket to the stack's table (the same shapes replace
-theirs), keeping the header's measured mismatch cost and the A/B switch defaults.
+theirs), keeping the header's measured mismatch cost and the A/B switch defaults. A host
+without a GPU has nothing to tune (the cpu engine's kernels need no table): it says so, exit 0.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+NOTHING_ON_A_CPU = "no GPU: nothing to tune on a CPU (the cpu engine's kernels need no table)"
+
+
 def _stack(args: argparse.Namespace) -> tables.Stack | str:
     if args.stack:
         named = tables.parse_name(f"{args.stack}.json")
-        hint = "expected ARCH-BACKEND-VERSION, e.g. sm90-cuda-12.8"
-        return named or f"--stack {args.stack!r}: {hint}"
+        return named or f"--stack {args.stack!r}: expected ARCH-BACKEND-VERSION"
     from stratad.engine.offload.kernel_table import (
         this_stack,  # the daemon's choice, torch imported
     )
@@ -53,25 +56,30 @@ def _stack(args: argparse.Namespace) -> tables.Stack | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = _stack(args)
-    if isinstance(stack, str):
-        return fail(stack)
-    import torch  # the measurement needs the GPU runtime; other verbs start without it
-
-    from kernels.tuning import TUNED, configs_to_json
-    from stratad.model.spec import ModelError
-    from stratad.tuning.tuner import tune
+    from kernels.tuning import TUNED
 
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(wanted) - set(TUNED))
     if unknown:
         return fail(f"--kernels: cannot tune {', '.join(unknown)} (known: {', '.join(TUNED)})")
+    if args.stack and tables.parse_name(f"{args.stack}.json") is None:
+        return fail(f"--stack {args.stack!r}: expected ARCH-BACKEND-VERSION, e.g. sm90-cuda-12.8")
+    import torch  # the measurement needs the GPU runtime; other verbs start without it
+
     if torch.cuda.is_available():
         device = torch.device("cuda")
-    elif os.environ.get("TRITON_INTERPRET") == "1":
+    elif os.environ.get("TRITON_INTERPRET") == "1" and args.stack:
         device = torch.device("cpu")  # the interpreter: for tests, not for a real table
     else:
-        return fail("no GPU: tuning measures the kernels on the GPU that will run them")
+        print(NOTHING_ON_A_CPU)
+        return 0
+    stack = _stack(args)
+    if isinstance(stack, str):
+        return fail(stack)
+    from kernels.tuning import configs_to_json
+    from stratad.model.spec import ModelError
+    from stratad.tuning.tuner import tune
+
     try:
         shapes = _shapes(args)
     except (ModelError, ValueError) as err:

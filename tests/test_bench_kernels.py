@@ -1,6 +1,7 @@
 """`stratactl bench kernels`: the share of a ceiling and the flag on synthetic timings, the
-shapes and type mixes read from a model file, the command end to end on the CPU (a table and
-a JSON report), a missing model refused; on a GPU, the real run at a3b's shapes."""
+shapes and type mixes read from a model file; on a CPU host the cpu engine's kernels end to
+end against the host's read rate (a table naming the slowest and a JSON report), a missing
+model refused; on a GPU, the real run at a3b's shapes."""
 
 from __future__ import annotations
 
@@ -91,50 +92,139 @@ def test_every_kernel_once_per_type_it_reads() -> None:
     assert all(c.nbytes > 0 for c in built)
 
 
+def test_the_report_names_the_slowest_against_its_ceiling() -> None:
+    rows = [judge(Row("decode", "a", "-", 12.5, nbytes=40_000_000), CEILINGS),
+            judge(Row("decode", "b", "-", 50.0, nbytes=40_000_000), CEILINGS)]  # fmt: skip
+    assert table(rows, 0.3).splitlines()[-1] == "slowest: decode b, 20% of its ceiling (d2d)"
+
+
+def test_a_cpu_row_is_held_to_the_read_rate() -> None:
+    """The cpu engine's link is the host's memory read rate: 40 MB at 20 GB/s is 2 ms."""
+    cpu = Ceilings(0.0, 0.0, {"float32": 0.1}, launch_us=5.0, read_gbs=20.0)
+    row = judge(Row("decode", "matmul q", "-", 4000.0, nbytes=40_000_000, flops=2 * 10**7,
+                    link="read", dtype="float32"), cpu)  # fmt: skip
+    assert (row.bound, row.unit) == ("read", "GB/s") and row.share == pytest.approx(0.5)
+
+
+def test_the_cpu_products_of_a_dense_preset() -> None:
+    from stratad.model.synth_presets import PRESETS
+    from stratad.tuning.cpu_kernel_bench import CpuShapes
+
+    s = CpuShapes.of_preset(PRESETS["tiny-dense"])
+    got = [(p.names, p.rows, p.cols, p.qtype.name, p.prefill) for p in s.products]
+    assert got == [("q/o", 256, 256, "F32", True), ("k/v", 128, 256, "F32", True),
+                   ("gate/up", 512, 256, "Q8_0", True), ("down", 256, 512, "Q8_0", True),
+                   ("head", 49152, 256, "Q8_0", False)]  # fmt: skip
+    assert s.mixes == () and s.n_experts == 0 and s.left_out == ()
+
+
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path_factory.mktemp("bench") / "report.json"
+def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-moe in llama-quantize's Q4_K_M types: q, o and the head each their own type, the
+    experts' down in Q5_0 on some layers and Q8_0 on others."""
+    from stratad.model.ftype_rules import get_ftype
+    from stratad.model.synth import get_preset, write_synth
+
+    path = tmp_path_factory.mktemp("cpu-bench") / "tiny-moe-q4_k_m.gguf"
+    write_synth(get_preset("tiny-moe"), path, ftype=get_ftype("q4_k_m"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cpu_run(q4_k_m: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the command benchmarks its kernels (the GPU test)")
+    out = q4_k_m.parent / "report.json"
     r = subprocess.run([sys.executable, "-m", "stratactl", "bench", "kernels", "--model",
-                        "tiny-moe", "--json", str(out)],
+                        str(q4_k_m), "--quick", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     return r, json.loads(out.read_text())
 
 
-def test_the_command_prints_one_table_and_says_the_timings_mean_nothing_here(
+def test_the_cpu_products_of_a_model_file_each_type_once(q4_k_m: Path) -> None:
+    from stratad.model.loader import load_model
+    from stratad.tuning.cpu_kernel_bench import CpuShapes
+
+    model = load_model(q4_k_m)
+    s = CpuShapes.of_model(model)
+    t = model.tensor
+    attn = "model.layers.{}.self_attn.{}_proj.weight"
+    for name in ("q", "k", "v", "o"):  # every layer's type of each projection is timed
+        types = {t(attn.format(i, name)).qtype for i in range(model.spec.n_layers)}
+        assert types <= {p.qtype for p in s.products if name in p.names.split("/")}, name
+    assert [p.names for p in s.products if not p.prefill] == ["head"]
+    down = "model.layers.{}.mlp.experts.down_proj"
+    downs = [t(down.format(i)).qtype for i in range(model.spec.n_layers)]
+    assert [m[2] for m in s.mixes] == list(dict.fromkeys(downs)) and len(s.mixes) == 2
+    assert (s.hidden, s.ffn, s.n_experts, s.top_k, s.prefill) == (256, 128, 8, 2, 128)
+
+
+def test_on_a_cpu_host_the_cpu_engines_kernels_are_held_to_the_read_rate(
     cpu_run: tuple[subprocess.CompletedProcess, dict],
 ) -> None:
-    r, _ = cpu_run
-    if "cuda" in r.stdout.split("\n")[0]:
-        pytest.skip("a GPU is here: the CPU run is the GPU test's")
-    assert "interpreter timings are not meaningful" in r.stdout
-    for kernel in ("linear qkv", "decode_attention", "moe_gate_up Q4_0", "moe_down Q4_0",
-                   "fetch_experts", "dequant Q4_0", "grouped_swiglu", "route_topk",
-                   "add_rmsnorm", "attn_input", "rope_table"):  # fmt: skip
-        assert kernel in r.stdout, kernel
-    assert "kernels under 30% of the ceiling" in r.stdout
-    assert "ceilings: H2D" in r.stderr and "[ 1] decode linear qkv" in r.stderr  # progress
+    r, report = cpu_run
+    lines = r.stdout.splitlines()
+    read = report["ceilings"]["read_gbs"]
+    assert lines[0].startswith("device: ") and f"host's read rate ({read:.1f} GB/s)" in lines[0]
+    assert lines[1] == "the GPU kernels are not benchmarked on a CPU host"
+    assert "interpreter" not in r.stdout and "decode_attention" not in r.stdout  # no Triton
+    header = lines[2].split()
+    assert header == ["phase", "kernel", "shape", "us", "weights", "GB/s", "of", "read", "share",
+                      "bound"]  # fmt: skip
+    rows = [ln for ln in lines if ln.split()[0] in ("decode", "batch4", "batch8", "prefill")]
+    assert len(rows) == len(report["rows"])
+    kernels = {ln[9:39].strip() for ln in rows}  # the kernel column
+    assert {"matmul q Q4_K", "matmul k/v Q8_0", "matmul o Q5_K", "matmul router F32",
+            "matmul head Q6_K", "experts Q4_K/Q4_K/Q5_0", "experts Q4_K/Q4_K/Q8_0"} <= kernels
+    for row, line in zip(report["rows"], rows, strict=True):
+        gbs = row["nbytes"] / row["us"] / 1e3
+        assert row["link"] == "read" and row["nbytes"] > 0
+        assert row["read_share"] == pytest.approx(gbs / read, rel=1e-3)
+        cells = line[67:].split()  # past the shape: us, weights (value unit), GB/s, of read
+        assert float(cells[3]) == pytest.approx(gbs, abs=0.006)
+        assert cells[4] == f"{gbs / read:.0%}"
+    phases = {(row["phase"], row["kernel"]) for row in report["rows"]}
+    for phase in ("decode", "batch4", "batch8", "prefill"):
+        assert (phase, "experts Q4_K/Q4_K/Q8_0") in phases and (phase, "matmul q Q4_K") in phases
+    assert ("prefill", "matmul head Q6_K") not in phases  # a prompt's last token only
+    slowest = min(report["rows"], key=lambda row: row["share"])
+    assert report["slowest"] == f"{slowest['phase']} {slowest['kernel']}"
+    assert lines[-2].startswith(f"slowest: {report['slowest']}, ")
+    assert "kernels under 30% of the ceiling" in lines[-3]
+    assert "ceilings: read" in r.stderr and "[ 1] decode matmul q Q4_K" in r.stderr  # progress
 
 
-def test_the_json_report_holds_versions_device_ceilings_and_rows(
+def test_the_cpu_json_report_holds_versions_device_ceilings_and_rows(
     cpu_run: tuple[subprocess.CompletedProcess, dict],
 ) -> None:
     _, report = cpu_run
     assert {"schema", "seconds", "versions", "device", "model", "ceilings", "flag_below", "rows",
-            "flagged", "launch_settings"} <= report.keys()  # fmt: skip
+            "flagged", "slowest"} <= report.keys()  # fmt: skip
     assert report["schema"] == 1 and 0 < report["seconds"] < 120
-    assert {"strata", "torch", "triton", "python"} <= report["versions"].keys()
-    assert report["device"]["type"] in ("cpu", "cuda")
-    assert report["device"]["interpreted"] == (report["device"]["type"] == "cpu")
-    assert report["model"] == {"preset": "tiny-moe", "shapes": report["model"]["shapes"]}
-    assert report["model"]["shapes"]["mixes"] == [["Q4_0", "Q4_0", "Q4_0"]]
-    assert {"h2d_gbs", "d2d_gbs", "matmul_tflops", "launch_us"} <= report["ceilings"].keys()
-    assert len(report["rows"]) >= 20
+    assert {"strata", "torch", "python"} <= report["versions"].keys()
+    assert report["device"]["type"] == "cpu" and report["device"]["threads"] >= 1
+    assert report["model"]["arch"] == "qwen3moe"
+    assert report["model"]["shapes"]["mixes"] == [["Q4_K", "Q4_K", "Q5_0"],
+                                                  ["Q4_K", "Q4_K", "Q8_0"]]  # fmt: skip
+    assert report["ceilings"].keys() == {"read_gbs", "matmul_tflops", "launch_us"}
+    assert report["ceilings"]["read_gbs"] > 0 and report["ceilings"]["matmul_tflops"]["float32"]
     for row in report["rows"]:
-        assert row.keys() == ROW_KEYS and row["us"] > 0 and row["phase"] in ("decode", "prefill")
+        assert row.keys() == ROW_KEYS | {"read_share"} and row["us"] > 0
     flagged = [f"{r['phase']} {r['kernel']}" for r in report["rows"] if r["flagged"]]
     assert report["flagged"] == flagged
     assert all((r["share"] < report["flag_below"]) == r["flagged"] for r in report["rows"])
+
+
+def test_a_cpu_host_refuses_only_gpu_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert stratactl(["bench", "kernels", "--model", "tiny-moe", "--kernels", "attention"]) == 1
+    assert "no kernel of the cpu engine among them" in capsys.readouterr().err
 
 
 def test_a_missing_model_file_is_refused_clearly(

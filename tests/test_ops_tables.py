@@ -139,11 +139,16 @@ def test_gpu_without_rocm_install(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert rc == 1 and "AMD GPU gfx1100 found but no ROCm version under" in err
 
 
-def test_no_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_gpu_nothing_to_select(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU host: the cpu engine's kernels need no table, which is the answer (exit 0)."""
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi either
-    rc, _, err = select(tmp_path, table_dir(tmp_path), capsys)
-    assert rc == 1 and "no GPU found" in err
+    line = "no GPU: nothing to select on a CPU (the cpu engine's kernels need no tuning table)"
+    assert select(tmp_path, table_dir(tmp_path), capsys) == (0, line + "\n", "")
+    rc, out, _ = select(tmp_path, tmp_path / "tables", capsys, "--json")
+    assert rc == 0 and json.loads(out) == {
+        "stacks": [], "notes": ["no GPU found (no KFD GPU node, no nvidia-smi GPU)"],
+        "message": line}  # fmt: skip
 
 
 def test_cuda_through_a_stub_nvidia_smi(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -77,13 +77,15 @@ def test_tune_refuses_bad_input(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without a GPU")
-def test_tune_without_a_gpu_says_so(tmp_path: Path) -> None:
+def test_tune_without_a_gpu_has_nothing_to_tune(tmp_path: Path) -> None:
+    """A CPU host: the cpu engine's kernels need no table, which is the answer (exit 0)."""
     from stratad.engine.offload.kernel_table import kernel_configs, this_stack
 
+    line = "no GPU: nothing to tune on a CPU (the cpu engine's kernels need no table)\n"
     r = _ctl("tune", "--stack", STACK, "--out", str(tmp_path), interpret=False)
-    assert r.returncode == 1 and "no GPU" in r.stderr and "Traceback" not in r.stderr
-    r = _ctl("tune", "--out", str(tmp_path))  # nothing to name the table for
-    assert r.returncode == 1 and "pass --stack" in r.stderr
+    assert (r.returncode, r.stdout, r.stderr) == (0, line, "")
+    r = _ctl("tune", "--out", str(tmp_path))  # nothing to name a table for, interpreter or not
+    assert (r.returncode, r.stdout, r.stderr) == (0, line, "")
     assert not list(tmp_path.iterdir())
     assert isinstance(this_stack(), str) and kernel_configs("cpu") == INTERPRETED
 

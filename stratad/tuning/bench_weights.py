@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.quant import QType, block_geometry, row_bytes
+from kernels.quant import FLOAT_QTYPES, QType, block_geometry, row_bytes
 
 log = logging.getLogger("stratad.engine")
 Mix = tuple[QType, QType, QType]  # gate, up, down
@@ -20,7 +20,12 @@ Mix = tuple[QType, QType, QType]  # gate, up, down
 
 def random_blocks(qtype: QType, rows: int, cols: int, device: torch.device) -> torch.Tensor:
     """[rows, row bytes] random GGUF blocks of `qtype` whose fp16 scales are small and finite
-    (every block type's first field is one, and some K-quants' second too)."""
+    (every block type's first field is one, and some K-quants' second too); a float type's
+    values are normal numbers (random bytes would hold subnormals and NaNs)."""
+    if qtype in FLOAT_QTYPES:
+        dtype = {QType.F32: torch.float32, QType.F16: torch.float16}.get(qtype, torch.bfloat16)
+        values = torch.randn(rows, cols, device=device).to(dtype)
+        return values.view(torch.uint8).reshape(rows, row_bytes(qtype, cols))
     block, nbytes = block_geometry(qtype)
     raw = torch.randint(0, 256, (rows * cols // block, nbytes), dtype=torch.uint8, device=device)
     scale = (torch.rand(raw.shape[0], device=device) * 1e-3).half().view(torch.uint8)
