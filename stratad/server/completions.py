@@ -136,6 +136,7 @@ class Completions:
                 model=engine.model_id,
                 n=req.n or 1,
                 tools=isinstance(req, oa.ChatCompletionRequest) and tool_calls.parses_calls(req),
+                timings=bool(req.timings_per_token),
             )
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
