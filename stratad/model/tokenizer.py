@@ -24,6 +24,7 @@ import tokenizers
 
 from stratad.model import tool_prompt
 from stratad.model.chat_template import CHATML_TEMPLATE, render_chat
+from stratad.model.fim import FimTokens
 
 # Around each message's content while the template renders, to tell its text from the
 # template's markup (private-use code points: removed from the content first).
@@ -46,6 +47,7 @@ class Tokenizer:
         add_bos: bool,
         strip_leading_space: bool = False,
         chat_template: str | None = None,
+        fim: FimTokens | None = None,
     ) -> None:
         if add_bos and bos_id is None:
             raise ValueError("the tokenizer adds a BOS token but declares none")
@@ -60,6 +62,7 @@ class Tokenizer:
         # sentencepiece's "add dummy prefix": encode writes a space before the text, decode drops it
         self.strip_leading_space = strip_leading_space
         self.chat_template = chat_template
+        self.fim = fim or FimTokens()  # fill-in-the-middle tokens (`stratad.model.fim`)
 
     @property
     def max_token_bytes(self) -> int:
@@ -89,6 +92,25 @@ class Tokenizer:
             assert self.bos_id is not None
             return [self.bos_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with no BOS, control tokens written in it read as text (code to
+        infill may spell `<|endoftext|>`)."""
+        ids: list[int] = self._text_only.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def chat_text(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text a conversation becomes by the template (what `encode_chat` encodes,
+        llama-server's /apply-template), `tools` written as `encode_chat` writes them."""
+        template = self.chat_template or CHATML_TEMPLATE
+        messages, given = tool_prompt.for_template(template, messages, tools)
+        extra = {"tools": given} if given else {}
+        return self.apply_chat_template(messages, add_generation_prompt, **extra)
 
     @functools.cached_property
     def _control_texts(self) -> tuple[str, ...]:

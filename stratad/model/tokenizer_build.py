@@ -16,6 +16,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from stratad.model.chat_template import end_of_turn_markers
+from stratad.model.fim import find_fim, gguf_declared
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 
@@ -169,6 +170,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], chat_template: str | None = Non
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
         strip_leading_space=strip,
         chat_template=template,
+        fim=find_fim(vocab, gguf_declared(meta)),
     )
 
 
@@ -321,6 +323,7 @@ def tokenizer_from_hf(model_dir: Path, chat_template: str | None = None) -> Toke
         add_bos=add_bos,
         strip_leading_space=strip,
         chat_template=template,
+        fim=find_fim(hf.get_vocab(with_added_tokens=True), {}),
     )
 
 

@@ -89,6 +89,8 @@ class TopLogprob(msgspec.Struct, frozen=True):
     token: str
     bytes: bytes
     logprob: float
+    id: int = -1
+    """the token's id (llama-server's probabilities name it)"""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -98,6 +100,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     bytes: bytes
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    id: int = -1
 
 
 class Delta(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,6 +111,10 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
     """The token this step sampled, if the job asked for logprobs (not the end-of-sequence
     token that stops it)."""
     finish_reason: str | None = None
+    stopping_word: str = ""
+    """The stop string that ended it (finish_reason "stop" by a stop string, not EOS)."""
+    token: int | None = None
+    """The token this step sampled (the end-of-sequence token that stops it too)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

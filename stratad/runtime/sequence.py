@@ -39,6 +39,7 @@ class GenerationEvent:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | None while running
     sample: Sample | None = None  # the draw, with its logprobs if the request asked
+    stopping_word: str = ""  # the stop string that ended it, if one did
 
 
 class Sequence:
@@ -97,7 +98,8 @@ class Sequence:
         self.text += self.decoder.feed(token)
         cut = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
         if cut is not None:
-            return self._end(drawn, self.text[self.emitted : cut], "stop")
+            word = next(s for s in self.req.stop if s and self.text.startswith(s, cut))
+            return self._end(drawn, self.text[self.emitted : cut], "stop", word)
         if self.sampled >= self.budget:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "length")
         # hold back text that could still turn into a stop string
@@ -106,9 +108,9 @@ class Sequence:
         self.emitted = max(self.emitted, safe)
         return GenerationEvent(token, text, sample=drawn)
 
-    def _end(self, drawn: Sample, text: str, reason: str) -> GenerationEvent:
+    def _end(self, drawn: Sample, text: str, reason: str, word: str = "") -> GenerationEvent:
         self.finish_reason = reason
-        return GenerationEvent(drawn.token, text, reason, drawn)
+        return GenerationEvent(drawn.token, text, reason, drawn, word)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -102,6 +102,11 @@ class Engine:
         return self.info.max_context
 
     @property
+    def model_path(self) -> str:
+        """The file or folder the model was read from (llama-server's /props names it)."""
+        return str(self.runner.path)
+
+    @property
     def model_aliases(self) -> tuple[str, ...]:
         """Other names requests may give for the model (`model.aliases`)."""
         return self.aliases
@@ -255,6 +260,8 @@ class Engine:
                 text=outcome.text,
                 logprobs=self._logprobs(outcome),
                 finish_reason=outcome.finish_reason,
+                stopping_word=outcome.stopping_word,
+                token=outcome.token,
                 prompt_tokens=len(run.job.prompt),
                 completion_tokens=run.tokens,
                 cached_tokens=seq.cached_tokens,
@@ -299,9 +306,10 @@ class Engine:
             bytes=tok.token_bytes(drawn.token),
             logprob=drawn.logprob,
             top=tuple(
-                TopLogprob(token=tok.token_text(t), bytes=tok.token_bytes(t), logprob=lp)
+                TopLogprob(token=tok.token_text(t), bytes=tok.token_bytes(t), logprob=lp, id=t)
                 for t, lp in drawn.top
             ),
+            id=drawn.token,
         )
 
     def _log_timing(self, steps: int) -> None:

@@ -15,6 +15,7 @@ from stratad.server import tool_calls
 from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
 from stratad.server.sse import ClientGone, EventStream
+from stratad.server.timings import Timings, timings_of
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -23,6 +24,7 @@ class Header(msgspec.Struct, frozen=True):
     model: str
     n: int = 1  # choices per prompt
     tools: bool = False  # the replies are read for tool calls
+    timings: bool = False  # llama-server's `timings` on the answer and each chunk
 
 
 class _Choice:
@@ -68,6 +70,7 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
         )
     asked = tickets[0].prepared.job.logprobs is not None
     usage = _usage_of(lasts, h.n)
+    timings = timings_of(list(zip(tickets, lasts, strict=True))) if h.timings else None
     body: msgspec.Struct
     if chat:
         body = rs.ChatCompletion(
@@ -85,6 +88,7 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
                 for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
             usage=usage,
+            timings=timings,
         )
     else:
         body = rs.Completion(
@@ -102,6 +106,7 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
                 for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
             ],
             usage=usage,
+            timings=timings,
         )
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
@@ -116,6 +121,7 @@ def _chunk(
     offset: int = 0,
     index: int = 0,
     calls: list[tt.ToolCallDelta] | None = None,
+    timings: Timings | None = None,
 ) -> msgspec.Struct:
     """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
@@ -127,6 +133,7 @@ def _chunk(
             created=h.created,
             model=h.model,
             choices=[rs.ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)],
+            timings=timings,
         )
     clp = rs.completion_logprobs([logprobs], offset) if logprobs is not None else None
     return rs.Completion(
@@ -139,6 +146,7 @@ def _chunk(
                 index=index, text=text or "", finish_reason=finish, logprobs=clp
             )
         ],
+        timings=timings,
     )
 
 
@@ -194,16 +202,18 @@ async def _stream_choice(
     try:
         async for d in ticket.stream():
             last = d
+            timings = timings_of([(ticket, d)]) if h.timings else None
             if reader is not None:
-                await _send_read(stream, reader, d, h, index)
+                await _send_read(stream, reader, d, h, index, timings)
             elif d.text or d.logprobs:
                 await stream.send(_chunk(h, chat, d.text, None, logprobs=d.logprobs,
-                                         offset=offset, index=index))  # fmt: skip
+                                         offset=offset, index=index, timings=timings))  # fmt: skip
                 offset += len(d.logprobs.token) if d.logprobs else 0
             if d.finish_reason:
                 called = reader is not None and reader.calls > 0
                 finish = tool_calls.finish_reason(d.finish_reason, called)
-                await stream.send(_chunk(h, chat, None if chat else "", finish, index=index))
+                await stream.send(_chunk(h, chat, None if chat else "", finish, index=index,
+                                         timings=timings))  # fmt: skip
     except (EngineFailed, JobError) as e:
         await stream.send(msgspec.json.decode(rs.error_body(str(e), "server_error", None)))
         return False
@@ -223,7 +233,12 @@ async def _stream_choice(
 
 
 async def _send_read(
-    stream: EventStream, reader: tool_calls.CallReader, d: Delta, h: Header, index: int
+    stream: EventStream,
+    reader: tool_calls.CallReader,
+    d: Delta,
+    h: Header,
+    index: int,
+    timings: Timings | None = None,
 ) -> None:
     """A delta of a reply read for tool calls, in order: its text once known not to be a call,
     each call made; the token's logprobs, if asked, with the first chunk (alone if the text is
@@ -233,12 +248,13 @@ async def _send_read(
     logprobs = d.logprobs
     for part in parts:
         if isinstance(part, str):
-            await stream.send(_chunk(h, True, part, None, logprobs=logprobs, index=index))
+            await stream.send(
+                _chunk(h, True, part, None, logprobs=logprobs, index=index, timings=timings)
+            )
         else:
             call = tt.ToolCallDelta(index=k, id=part.id, type="function", function=part.function)
-            await stream.send(
-                _chunk(h, True, None, None, logprobs=logprobs, index=index, calls=[call])
-            )
+            await stream.send(_chunk(h, True, None, None, logprobs=logprobs, index=index,
+                                     calls=[call], timings=timings))  # fmt: skip
             k += 1
         logprobs = None
     if logprobs is not None:

@@ -27,6 +27,8 @@ from stratad.server import responses as rs
 from stratad.server.completions import Completions
 from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
+from stratad.server.llama_routes import PATHS as LLAMA_PATHS
+from stratad.server.llama_routes import LlamaRoutes
 from stratad.server.metrics import CONTENT_TYPE, Collector, ServerMetrics, StoreView
 from stratad.server.openapi import render as render_openapi
 from stratad.server.tokens import TokenRoutes
@@ -74,7 +76,7 @@ def host_allowed(host: str | None, allowed: tuple[str, ...]) -> bool:
 
 DRAIN_RETRY_AFTER_S = 30
 OPEN_PATHS = frozenset({"/v1/health"})  # under /v1/ but, like /health, open without the key
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # outside /v1/ but keyed
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"}) | LLAMA_PATHS  # outside /v1/ but keyed
 
 
 def needs_key(path: str) -> bool:
@@ -105,6 +107,7 @@ class Server:
         self.openapi = render_openapi()
         self.completions = Completions(self.scheduler, config, self.metrics)
         self.tokens = TokenRoutes(config.body_timeout_s)
+        self.llama = LlamaRoutes(self.completions)  # llama-server's native API
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.add_routes(
             [
@@ -118,6 +121,7 @@ class Server:
                 web.post("/detokenize", self.tokens.detokenize),
                 web.get("/metrics", self.metrics_text),
                 web.get("/openapi.json", self.openapi_json),
+                *self.llama.routes(),
             ]
         )
         enable_cors(self.app, config.allowed_origins)
@@ -126,7 +130,7 @@ class Server:
         """The model is loaded: serve it."""
         self.model_name = engine.model_id
         self.metrics.serve(engine.model_id)
-        self.tokens.codec = getattr(engine, "tokenizer", None)
+        self.tokens.codec = self.llama.codec = getattr(engine, "tokenizer", None)
         self.tokens.max_context = engine.max_context
         gauges = getattr(engine, "gauges", None)
         if gauges is not None:

@@ -1,4 +1,5 @@
-"""The two completion routes: decode and check, prepare, queue, then answer or stream.
+"""The completion routes' common path: decode and check, prepare, queue, then answer or stream
+(OpenAI's two routes here; llama-server's in `stratad.server.llama_routes`).
 
 Each request's job is cancelled when its client goes away: aiohttp cancels the handler (the
 daemon runs with `handler_cancellation`), a watcher polls the connection in case it does not,
@@ -12,7 +13,9 @@ import asyncio
 import hashlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -56,7 +59,25 @@ def cache_scope(request: web.Request, user: str | None) -> str:
     return hashlib.sha256(f"{key}\0{user or ''}".encode()).hexdigest()[:16]
 
 
+# what answers a request once its jobs are queued: (request, engine, tickets) -> the response
+Answer = Callable[[web.Request, Backend, list[Ticket]], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A decoded completion request: its jobs (one per choice) and how to answer them."""
+
+    jobs: list[Job]
+    answer: Answer
+    model: str | None = None
+    """the model it names (None: whatever is served)"""
+    user: str | None = None
+    """the end user it names (its cached prefixes are its own)"""
+
+
 class Completions:
+    """The completion routes' common path: read, decode, queue, answer (`serve`)."""
+
     def __init__(self, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
@@ -69,16 +90,19 @@ class Completions:
         s = self.scheduler
         return error_response(503, f"the server is {s.status}", None, retry_after=s.retry_after())
 
+    def event_stream(self, request: web.Request) -> EventStream:
+        """The SSE writer of a streamed answer, with the server's buffer and timeouts."""
+        c = self.config
+        return EventStream(request, c.send_buffer_bytes, c.send_timeout_s, c.sse_keepalive_s)
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=True)
+        return await self.serve(request, lambda body: self._decode(body, chat=True))
 
     async def text(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=False)
+        return await self.serve(request, lambda body: self._decode(body, chat=False))
 
-    def _decode(
-        self, body: bytes, chat: bool
-    ) -> tuple[oa.ChatCompletionRequest | oa.CompletionRequest, list[Job]]:
-        """The request and its jobs: one per choice (`n` per prompt), in choice order."""
+    def _decode(self, body: bytes, chat: bool) -> Parsed:
+        """The request's jobs, one per choice (`n` per prompt) in choice order, and its answer."""
         req: oa.ChatCompletionRequest | oa.CompletionRequest
         if chat:
             req = decode_json(body, oa.ChatCompletionRequest)
@@ -100,9 +124,33 @@ class Completions:
             grammar, param = forced, "tools"
         if grammar is not None:
             jobs = [msgspec.structs.replace(j, grammar=grammar, grammar_param=param) for j in jobs]
-        return req, jobs
+        return Parsed(jobs, self._answer(req, chat), req.model, req.user)
 
-    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    def _answer(self, req: oa.ChatCompletionRequest | oa.CompletionRequest, chat: bool) -> Answer:
+        async def answer(
+            request: web.Request, engine: Backend, tickets: list[Ticket]
+        ) -> web.StreamResponse:
+            header = Header(
+                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                created=int(time.time()),
+                model=engine.model_id,
+                n=req.n or 1,
+                tools=isinstance(req, oa.ChatCompletionRequest) and tool_calls.parses_calls(req),
+                timings=bool(req.timings_per_token),
+            )
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                stream = self.event_stream(request)
+                return await stream_answer(stream, tickets, header, chat, include_usage)
+            return await collect_answer(tickets, header, chat)
+
+        return answer
+
+    async def serve(
+        self, request: web.Request, decode: Callable[[bytes], Parsed]
+    ) -> web.StreamResponse:
+        """Read the body, `decode` it (on a worker thread), queue its jobs, then answer; the
+        jobs are cancelled if the client leaves. Every completion route comes through here."""
         try:
             body = await asyncio.wait_for(request.read(), self.config.body_timeout_s)
         except TimeoutError:
@@ -114,7 +162,7 @@ class Completions:
             return late
         try:
             loop = asyncio.get_running_loop()
-            req, jobs = await loop.run_in_executor(self._decoders, self._decode, body, chat)
+            parsed = await loop.run_in_executor(self._decoders, decode, body)
         except msgspec.ValidationError as e:
             return error_response(400, *explain(str(e)))
         except msgspec.DecodeError as e:
@@ -123,15 +171,15 @@ class Completions:
             return error_response(400, "the body nests JSON too deeply to read", None)
         except oa.RequestError as e:
             return error_response(400, str(e), e.param)
-        scope = cache_scope(request, req.user)
-        jobs = [msgspec.structs.replace(j, scope=scope) for j in jobs]
+        scope = cache_scope(request, parsed.user)
+        jobs = [msgspec.structs.replace(j, scope=scope) for j in parsed.jobs]
         engine = self.scheduler.engine
         if engine is None or not self.scheduler.ready:
             self.metrics.rejected.inc(reason="unavailable")
             return self.unavailable()
-        if not serves(engine, req.model):
+        if not serves(engine, parsed.model):
             return error_response(
-                404, f"The model `{req.model}` does not exist (this server serves"
+                404, f"The model `{parsed.model}` does not exist (this server serves"
                 f" `{engine.model_id}`)", "model", code="model_not_found",
             )  # fmt: skip
         tickets: list[Ticket] = []
@@ -160,22 +208,7 @@ class Completions:
         watchers = [asyncio.create_task(_watch(request, t)) for t in tickets]
         done = False
         try:
-            header = Header(
-                id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                created=int(time.time()),
-                model=engine.model_id,
-                n=req.n or 1,
-                tools=isinstance(req, oa.ChatCompletionRequest) and tool_calls.parses_calls(req),
-            )
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                stream = EventStream(
-                    request, self.config.send_buffer_bytes, self.config.send_timeout_s,
-                    self.config.sse_keepalive_s,
-                )  # fmt: skip
-                response = await stream_answer(stream, tickets, header, chat, include_usage)
-            else:
-                response = await collect_answer(tickets, header, chat)
+            response = await parsed.answer(request, engine, tickets)
             done = True
             return response
         finally:

@@ -122,6 +122,8 @@ class _Sampling(_Struct, frozen=True):
     """token id (as a string) -> added to its logit before sampling, -100 to 100"""
     response_format: ResponseFormat | None = None
     """json_object or json_schema: the output follows it, token by token"""
+    timings_per_token: bool | None = None
+    """llama-server's: the answer, and each streamed chunk, carries `timings`"""
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -196,7 +198,8 @@ def _common(req: _Sampling) -> dict[str, object]:
     }
 
 
-def _message(m: Message, i: int) -> ChatMessage:
+def chat_message(m: Message, i: int) -> ChatMessage:
+    """A request message as the engine takes it (`i`: its index, for errors)."""
     if m.role == "tool" and not m.tool_call_id:
         raise RequestError("a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
     if m.tool_calls and m.role != "assistant":
@@ -212,7 +215,7 @@ def _message(m: Message, i: int) -> ChatMessage:
 def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-    messages = tuple(_message(m, i) for i, m in enumerate(req.messages))
+    messages = tuple(chat_message(m, i) for i, m in enumerate(req.messages))
     for i, t in enumerate(req.tools or ()):  # a template writes them: bounded before it does
         why = too_large(t.function.parameters) if t.function.parameters is not None else None
         if why is not None:

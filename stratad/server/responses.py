@@ -11,6 +11,7 @@ import msgspec
 
 from stratad.runtime import jobs
 from stratad.server import tool_types as tt
+from stratad.server.timings import Timings
 
 
 class _Struct(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,13 +111,15 @@ class ChatChoice(_Struct, frozen=True):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletion(_Struct, frozen=True):
+class ChatCompletion(_Struct, frozen=True, omit_defaults=True):
     id: str
     object: Literal["chat.completion"]
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings | None = None
+    """llama-server's, when the request sets `timings_per_token`"""
 
 
 class ChunkDelta(_Struct, frozen=True, omit_defaults=True):
@@ -139,6 +142,8 @@ class ChatCompletionChunk(_Struct, frozen=True, omit_defaults=True):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    timings: Timings | None = None
+    """llama-server's, when the request sets `timings_per_token`"""
 
 
 class CompletionChoice(_Struct, frozen=True):
@@ -155,6 +160,8 @@ class Completion(_Struct, frozen=True, omit_defaults=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    timings: Timings | None = None
+    """llama-server's, when the request sets `timings_per_token`"""
 
 
 class ModelCard(_Struct, frozen=True):

@@ -102,6 +102,11 @@ class EventStream:
     async def done(self) -> None:
         self.stop_keepalive()
         await self._write(DONE)
+        await self.end()
+
+    async def end(self) -> None:
+        """Close the stream: after `done`'s marker, or without one (llama-server sends none)."""
+        self.stop_keepalive()
         try:
             await asyncio.wait_for(self.response.write_eof(), self.send_timeout_s)
         except (ConnectionError, RuntimeError) as e:

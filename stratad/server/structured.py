@@ -2,8 +2,10 @@
 
 `response_format` `json_object` allows any JSON object, `json_schema` the schema's instances
 (`strict` or not: both are enforced). JSON is written compactly (no free whitespace), so that
-a small model cannot spend its tokens on blank lines. The engine checks the grammar against
-the model's vocabulary and masks each draw with it (`stratad.runtime.grammar`).
+a small model cannot spend its tokens on blank lines. llama-server's `grammar` field is GBNF
+(llama.cpp's grammar format), converted to Lark by llguidance's own converter. The engine checks
+the grammar against the model's vocabulary and masks each draw with it
+(`stratad.runtime.grammar`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from stratad.grammars import LIMITS, too_large
 from stratad.server.openai import RequestError, ResponseFormat
@@ -46,3 +49,16 @@ def response_grammar(fmt: ResponseFormat | None) -> str | None:
         )
     schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
     return json_grammar(schema, "response_format.json_schema.schema")
+
+
+def gbnf_grammar(text: str, param: str) -> str:
+    """The grammar of a GBNF text (Lark, as llguidance reads it, passes as it is);
+    RequestError naming `param` if it is not a grammar that can be followed."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+    except Exception as e:  # the converter raises plain Exceptions ("Rule 'x' not found")
+        raise RequestError(f"{param} is not a valid GBNF grammar: {e}", param) from None
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=LIMITS)
+    if failed:
+        raise RequestError(f"{param} is not a valid GBNF grammar: {'; '.join(messages)}", param)
+    return grammar
