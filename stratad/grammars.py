@@ -1,4 +1,6 @@
-"""Bounds on the grammars a request may bring (llguidance's JSON form; no torch).
+"""Bounds on the grammars a request may bring (llguidance's JSON form; no torch), and the
+check that a grammar can start (`probe`), run where the caller likes (in a child process
+for the daemon: `stratad.runtime.grammar_check`).
 
 A client's schema becomes a grammar the server compiles and the engine follows token by token;
 both take time and memory that grow with the schema. These bounds make an oversized or
@@ -11,14 +13,17 @@ print the parser's state, which can hold the schema).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import llguidance
+import numpy as np
 
 MAX_PROPERTIES = 5_000
 MAX_NODES = 50_000
 MAX_DEPTH = 64
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+PROBE_STEPS = 8  # free choices a check makes into a grammar (forced text costs none)
 
 
 def schema_size(schema: Any) -> tuple[int, int, int]:
@@ -50,3 +55,44 @@ def too_large(schema: Any) -> str | None:
     if depth > MAX_DEPTH:
         return f"nested {depth:,} deep (at most {MAX_DEPTH})"
     return None
+
+
+def probe(
+    lexicon: llguidance.LLTokenizer, grammar: str, eos: Collection[int], vocab: int
+) -> str | None:
+    """Why `grammar` cannot constrain a model of this vocabulary (None: it can). Beyond
+    validating it, the first steps are taken: the text the grammar forces (a forced tool
+    call's opening) at once, then the first token allowed, up to PROBE_STEPS choices or the
+    end. A grammar that cannot start (a required cycle of `$ref`s, a pattern whose lexer
+    outgrows its limits, a row of too many items) fails here, before generation, not at the
+    request's first sampled tokens."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, lexicon, limits=LIMITS
+    )
+    if failed:
+        return "; ".join(messages)
+    m = llguidance.LLMatcher(lexicon, grammar, log_level=0, limits=LIMITS)
+    for _ in range(PROBE_STEPS):
+        if m.is_error():
+            return matcher_error(m)
+        forced = m.compute_ff_tokens()
+        if forced and not m.is_error():
+            m.consume_tokens(forced)
+        if m.is_error():
+            return matcher_error(m)
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:vocab].nonzero()[0]
+        if m.is_error():
+            return matcher_error(m)
+        if allowed.size == 0:
+            return "it allows no token here"
+        first = int(allowed[0])
+        if first in eos or m.is_stopped():
+            return None  # it may end here
+        m.consume_token(first)
+    return matcher_error(m) if m.is_error() else None
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error in one line (terse errors end in a marker of their own)."""
+    return str(matcher.get_error()).replace("<non-verbose/>", "").strip()

@@ -16,7 +16,7 @@ import llguidance
 import numpy as np
 import torch
 
-from stratad.grammars import LIMITS
+from stratad.grammars import LIMITS, matcher_error, probe
 from stratad.model.tokenizer import Tokenizer
 
 _LOCK = threading.Lock()
@@ -39,47 +39,10 @@ def bridge(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
         return found
 
 
-PROBE_STEPS = 8  # free choices a check makes into a grammar (forced text costs none)
-
-
 def check(tokenizer: Tokenizer, grammar: str) -> str | None:
-    """Why `grammar` cannot constrain this model (None: it can). Beyond validating it, the
-    first steps are taken: the text the grammar forces (a forced tool call's opening) at
-    once, then the first token allowed, up to PROBE_STEPS choices or the end. A grammar that
-    cannot start (a required cycle of `$ref`s, a pattern whose lexer outgrows its limits, a
-    row of too many items) fails here, before generation, not at the request's first
-    sampled tokens."""
-    lexicon = bridge(tokenizer)
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, lexicon, limits=LIMITS
-    )
-    if failed:
-        return "; ".join(messages)
-    probe = Constraint(tokenizer, grammar)
-    m = probe.matcher
-    for _ in range(PROBE_STEPS):
-        forced = m.compute_ff_tokens()
-        if forced and not m.is_error():
-            m.consume_tokens(forced)
-        if m.is_error():
-            return _error(m)
-        allowed = probe.allowed().nonzero()
-        if m.is_error():
-            return _error(m)
-        if allowed.numel() == 0:
-            return "it allows no token here"
-        first = int(allowed[0])
-        if first in tokenizer.eos_ids or m.is_stopped():
-            return None  # it may end here
-        m.consume_token(first)
-        if m.is_error():
-            return _error(m)
-    return None
-
-
-def _error(matcher: llguidance.LLMatcher) -> str:
-    """The matcher's error in one line (terse errors end in a marker of their own)."""
-    return matcher.get_error().replace("<non-verbose/>", "").strip()
+    """Why `grammar` cannot constrain this model (None: it can): `stratad.grammars.probe`, in
+    this process (the daemon runs it in a child: `stratad.runtime.grammar_check`)."""
+    return probe(bridge(tokenizer), grammar, tokenizer.eos_ids, tokenizer.vocab_size)
 
 
 class Constraint:
@@ -89,7 +52,7 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(bridge(tokenizer), grammar, log_level=0, limits=LIMITS)
         self.vocab = tokenizer.vocab_size
         if self.matcher.is_error():
-            raise ValueError(f"the grammar failed: {_error(self.matcher)}")
+            raise ValueError(f"the grammar failed: {matcher_error(self.matcher)}")
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -98,4 +61,5 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused a token it allowed: {_error(self.matcher)}")
+            why = matcher_error(self.matcher)
+            raise RuntimeError(f"the grammar refused a token it allowed: {why}")

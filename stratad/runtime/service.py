@@ -13,8 +13,8 @@ from stratad.config import Config
 from stratad.engine.runner import open_runner
 from stratad.engine.timing import stages_text, tier_shares
 from stratad.model.tokenizer_build import load_tokenizer
-from stratad.runtime import grammar
 from stratad.runtime.generate import Generator
+from stratad.runtime.grammar_check import GrammarChecker, Vocabulary
 from stratad.runtime.jobs import (
     CONTEXT_LENGTH_EXCEEDED,
     Delta,
@@ -64,6 +64,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model, config.model.chat_template_text())
         own = "the model's own" if self.tokenizer.chat_template else "ChatML (the model has none)"
         log.info("chat template: %s", config.model.chat_template or own)
+        self.grammars = GrammarChecker(Vocabulary.of(self.tokenizer))  # a request's, checked
         self.last_timing: dict[str, float] = {}  # ms per decode step by stage, last request
         server = config.server
         self.prefixes = PrefixStore(
@@ -185,7 +186,7 @@ class Engine:
                     "logit_bias",
                 )
         if job.grammar is not None:
-            why = grammar.check(self.tokenizer, job.grammar)
+            why = self.grammars.check(job.grammar)
             if why is not None:
                 raise JobError(f"{job.grammar_param} cannot be followed: {why}", job.grammar_param)
         pin = 0
