@@ -39,6 +39,7 @@ class GenerationEvent:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | None while running
     sample: Sample | None = None  # the draw, with its logprobs if the request asked
+    stop: str | None = None  # the stop string that ended it
 
 
 class Sequence:
@@ -95,9 +96,10 @@ class Sequence:
         if token in self.eos and not self.req.ignore_eos:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "stop")
         self.text += self.decoder.feed(token)
-        cut = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
-        if cut is not None:
-            return self._end(drawn, self.text[self.emitted : cut], "stop")
+        found = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
+        if found is not None:
+            cut, stop = found
+            return self._end(drawn, self.text[self.emitted : cut], "stop", stop)
         if self.sampled >= self.budget:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "length")
         # hold back text that could still turn into a stop string
@@ -106,11 +108,14 @@ class Sequence:
         self.emitted = max(self.emitted, safe)
         return GenerationEvent(token, text, sample=drawn)
 
-    def _end(self, drawn: Sample, text: str, reason: str) -> GenerationEvent:
+    def _end(
+        self, drawn: Sample, text: str, reason: str, stop: str | None = None
+    ) -> GenerationEvent:
         self.finish_reason = reason
-        return GenerationEvent(drawn.token, text, reason, drawn)
+        return GenerationEvent(drawn.token, text, reason, drawn, stop)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """Where the first stop string in `text` (from `start` on) begins, and which it is."""
+    found = [(i, s) for s in stops if s and (i := text.find(s, start)) >= 0]
     return min(found) if found else None

@@ -165,7 +165,7 @@ class Engine:
                 field,
                 CONTEXT_LENGTH_EXCEEDED,
             )
-        if job.max_tokens is not None and job.max_tokens > room:
+        if job.max_tokens is not None and job.max_tokens > room and not job.fit_max_tokens:
             raise JobError(
                 f"max_tokens={job.max_tokens} does not fit: the context holds"
                 f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
@@ -192,7 +192,7 @@ class Engine:
         return PreparedJob(
             job=job,
             prompt=tuple(prompt),
-            max_tokens=room if job.max_tokens is None else job.max_tokens,
+            max_tokens=room if job.max_tokens is None else min(job.max_tokens, room),
             pin=min(pin, len(prompt) - 1),
         )
 
@@ -255,6 +255,7 @@ class Engine:
                 text=outcome.text,
                 logprobs=self._logprobs(outcome),
                 finish_reason=outcome.finish_reason,
+                stop_sequence=outcome.stop,
                 prompt_tokens=len(run.job.prompt),
                 completion_tokens=run.tokens,
                 cached_tokens=seq.cached_tokens,
