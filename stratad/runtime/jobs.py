@@ -47,6 +47,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     """A prompt given as token ids (checked against the vocabulary by the engine)."""
     max_tokens: int | None = 256
     """Completion tokens at most; None: whatever the context has room for."""
+    fit_max_tokens: bool = False
+    """A `max_tokens` the context cannot hold beside the prompt is cut to what it leaves, not
+    refused (Anthropic's clients ask for more than a small model's context holds)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

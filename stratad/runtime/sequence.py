@@ -96,9 +96,9 @@ class Sequence:
         if token in self.eos and not self.req.ignore_eos:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "stop")
         self.text += self.decoder.feed(token)
-        cut = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
-        if cut is not None:
-            word = next(s for s in self.req.stop if s and self.text.startswith(s, cut))
+        found = _find_stop(self.text, self.req.stop, max(self.emitted - self.hold, 0))
+        if found is not None:
+            cut, word = found
             return self._end(drawn, self.text[self.emitted : cut], "stop", word)
         if self.sampled >= self.budget:
             return self._end(drawn, self.text[self.emitted :] + self.decoder.flush(), "length")
@@ -113,6 +113,7 @@ class Sequence:
         return GenerationEvent(drawn.token, text, reason, drawn, word)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """Where the first stop string in `text` (from `start` on) begins, and which it is."""
+    found = [(i, s) for s in stops if s and (i := text.find(s, start)) >= 0]
     return min(found) if found else None

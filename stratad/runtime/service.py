@@ -171,7 +171,7 @@ class Engine:
                 field,
                 CONTEXT_LENGTH_EXCEEDED,
             )
-        if job.max_tokens is not None and job.max_tokens > room:
+        if job.max_tokens is not None and job.max_tokens > room and not job.fit_max_tokens:
             raise JobError(
                 f"max_tokens={job.max_tokens} does not fit: the context holds"
                 f" {self.info.max_context} tokens and the prompt takes {len(prompt)}",
@@ -198,7 +198,7 @@ class Engine:
         return PreparedJob(
             job=job,
             prompt=tuple(prompt),
-            max_tokens=room if job.max_tokens is None else job.max_tokens,
+            max_tokens=room if job.max_tokens is None else min(job.max_tokens, room),
             pin=min(pin, len(prompt) - 1),
         )
 

@@ -22,9 +22,10 @@ from aiohttp import web
 from stratad.config import ServerConfig
 from stratad.runtime.health import health_of
 from stratad.runtime.scheduler import STOPPING, Backend, Scheduler, Ticket
+from stratad.server import anthropic_routes as anthropic
 from stratad.server import openai as oa
 from stratad.server import responses as rs
-from stratad.server.completions import Completions
+from stratad.server.completions import Completions, presented_key
 from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
 from stratad.server.llama_routes import PATHS as LLAMA_PATHS
@@ -108,11 +109,14 @@ class Server:
         self.completions = Completions(self.scheduler, config, self.metrics)
         self.tokens = TokenRoutes(config.body_timeout_s)
         self.llama = LlamaRoutes(self.completions)  # llama-server's native API
+        self.anthropic = anthropic.Messages(self.completions)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.completions.chat),
                 web.post("/v1/completions", self.completions.text),
+                web.post(anthropic.MESSAGES, self.anthropic.messages),
+                web.post(anthropic.COUNT_TOKENS, self.anthropic.count_tokens),
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{id:.+}", self.model),
                 web.get("/health", self.health_route),
@@ -219,6 +223,8 @@ class Server:
         route = request.match_info.route.resource
         name = route.canonical if route is not None else "other"
         response = await self._guarded(request, handler)
+        if anthropic.owns(request.path):
+            response = anthropic.anthropic_error(response)
         self.metrics.http_requests.inc(handler=name, status=str(response.status))
         return response
 
@@ -231,7 +237,7 @@ class Server:
             return error_response(403, "this Host is not allowed (server.allowed_hosts)", None)
         # a CORS preflight never carries the key (without server.allowed_origins: 405)
         if self.config.api_key and request.method != "OPTIONS" and needs_key(request.path):
-            given = request.headers.get("Authorization", "")
+            given = presented_key(request)  # `Authorization`, or Anthropic's `x-api-key`
             expected = f"Bearer {self.config.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
                 response = error_response(

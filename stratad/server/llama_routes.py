@@ -11,7 +11,9 @@ request's prompt, stop strings or grammar.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -25,7 +27,7 @@ from stratad.server import fields, infill
 from stratad.server import llama_answers as la
 from stratad.server import llama_requests as lr
 from stratad.server import openai as oa
-from stratad.server.completions import Completions, Parsed
+from stratad.server.completions import Completions
 from stratad.server.errors import error_response, param_of
 from stratad.server.validation import decode_json, explain
 
@@ -35,6 +37,32 @@ _KNOWN = {
     lr.CompletionRequest: fields.known_fields(lr.CompletionRequest),
     lr.InfillRequest: fields.known_fields(lr.InfillRequest),
 }
+
+
+# what answers a request once its jobs are queued: (request, engine, tickets) -> the response
+Answer = Callable[[web.Request, Backend, list[Ticket]], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A decoded llama-server request: its jobs (one per prompt) and how to answer them."""
+
+    jobs: list[Job]
+    answer: Answer
+    model: str | None = None
+    """the model it names (None: whatever is served)"""
+    user: str | None = None
+    """the end user it names (its cached prefixes are its own)"""
+
+
+def _with_jobs(parsed: Parsed) -> tuple[Parsed, list[Job]]:
+    return parsed, parsed.jobs
+
+
+async def _answer_parsed(
+    request: web.Request, parsed: Parsed, engine: Backend, tickets: list[Ticket]
+) -> web.StreamResponse:
+    return await parsed.answer(request, engine, tickets)
 
 
 class _Struct(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,7 +140,9 @@ class LlamaRoutes:
         codec = self.codec
         if codec is None:
             return self.completions.unavailable()
-        return await self.completions.serve(request, lambda body: self._decode(body, kind, codec))
+        return await self.completions.serve(
+            request, lambda body: _with_jobs(self._decode(body, kind, codec)), _answer_parsed
+        )
 
     def _decode(
         self, body: bytes, kind: type[lr.CompletionRequest], codec: lr.LlamaCodec

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
 from stratad import __version__
+from stratad.server import anthropic as am
+from stratad.server import anthropic_answers as aa
 from stratad.server import openai as oa
 from stratad.server import responses as rs
 from stratad.server import tokens as tk
@@ -33,6 +35,12 @@ _TYPES: tuple[Any, ...] = (
     tk.TokenizeResponse,
     tk.DetokenizeRequest,
     tk.DetokenizeResponse,
+    am.MessagesRequest,
+    am.CountTokensRequest,
+    aa.MessageResponse,
+    aa.CountTokensResponse,
+    aa.AnthropicError,
+    aa.Event,
 )
 
 
@@ -120,6 +128,37 @@ def _json_op(summary: str, request: type, response: type) -> dict[str, Any]:
     }
 
 
+def _anthropic_op(summary: str, request: type, response: type, stream: bool) -> dict[str, Any]:
+    """An operation of Anthropic's Messages API: its errors in Anthropic's shape, its stream
+    Anthropic's named events."""
+    answer: dict[str, Any] = {"application/json": {"schema": _ref(response)}}
+    if stream:
+        events = [_ref(t) for t in (*get_args(aa.Event), aa.AnthropicError)]
+        answer["text/event-stream"] = {"schema": {
+            "type": "object",
+            "properties": {
+                "event": {"type": "string"},
+                "data": {"type": "string", "contentMediaType": "application/json",
+                         "contentSchema": {"anyOf": events}},
+            },
+            "required": ["event", "data"],
+        }}  # fmt: skip
+    errors = {**_ERRORS, "404": _error("`model` names a model this server does not serve.")}
+    shaped = {"application/json": {"schema": _ref(aa.AnthropicError)}}
+    return {
+        "summary": summary,
+        "security": [{}, {"bearer": []}, {"x-api-key": []}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(request)}},
+        },
+        "responses": {
+            "200": {"description": response.__doc__ or response.__name__, "content": answer},
+            **{k: {**v, "content": shaped} for k, v in errors.items()},
+        },
+    }
+
+
 def _health() -> dict[str, Any]:
     return {
         "get": {
@@ -163,8 +202,9 @@ def build_spec() -> dict[str, Any]:
             "title": "Strata",
             "version": __version__,
             "description": (
-                "OpenAI-compatible completions from stratad. Extensions: `top_k`, `min_p`,"
-                " and `strata_prefix` (pin a shared prompt prefix's KV for reuse)."
+                "OpenAI-compatible completions from stratad, and Anthropic's Messages API."
+                " Extensions: `top_k`, `min_p`, and `strata_prefix` (pin a shared prompt"
+                " prefix's KV for reuse)."
             ),
         },
         "paths": {
@@ -180,6 +220,14 @@ def build_spec() -> dict[str, Any]:
                 "post": _completion_op(
                     "Text completion", oa.CompletionRequest, rs.Completion, rs.Completion
                 )
+            },
+            "/v1/messages": {
+                "post": _anthropic_op("Anthropic's Messages API: a message (`stream`: its events)",
+                                      am.MessagesRequest, aa.MessageResponse, stream=True)
+            },
+            "/v1/messages/count_tokens": {
+                "post": _anthropic_op("Anthropic's Messages API: a conversation's prompt tokens",
+                                      am.CountTokensRequest, aa.CountTokensResponse, stream=False)
             },
             "/v1/models": {
                 "get": {
@@ -245,7 +293,10 @@ def build_spec() -> dict[str, Any]:
         },
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
     }
 

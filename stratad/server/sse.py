@@ -1,4 +1,5 @@
-"""Server-sent events for streamed completions: `data: <json>` frames, then `data: [DONE]`.
+"""Server-sent events for streamed completions: `data: <json>` frames, then `data: [DONE]`
+(OpenAI's), or `event: <name>` and `data: <json>` frames up to the stream's end (Anthropic's).
 
 A write to a client that has gone away raises `ClientGone`; the handler then cancels the job.
 So does a client that stops reading: once `send_buffer_bytes` of events wait in the daemon for
@@ -96,10 +97,13 @@ class EventStream:
             elif due:
                 self._last_write = time.monotonic()  # busy or full: look again one period on
 
-    async def send(self, event: Any) -> None:
-        await self._write(b"data: " + msgspec.json.encode(event) + b"\n\n")
+    async def send(self, event: Any, name: str | None = None) -> None:
+        """One event: its `data` the JSON of `event`, its `event` line `name` if given."""
+        head = b"event: " + name.encode() + b"\n" if name else b""
+        await self._write(head + b"data: " + msgspec.json.encode(event) + b"\n\n")
 
     async def done(self) -> None:
+        """`data: [DONE]`, and the end of the stream."""
         self.stop_keepalive()
         await self._write(DONE)
         await self.end()

@@ -199,19 +199,29 @@ def forced_grammar(req: ChatCompletionRequest) -> str | None:
         return None
     if not tools:
         raise RequestError("tool_choice other than auto or none needs tools", "tool_choice")
-    indices = list(range(len(tools)))
-    if isinstance(choice, tt.NamedToolChoice):
-        indices = [i for i in indices if tools[i].function.name == choice.function.name]
+    name = choice.function.name if isinstance(choice, tt.NamedToolChoice) else None
+    return call_grammar([t.function for t in tools], name, "tools[{i}].function.parameters")
+
+
+def call_grammar(functions: list[tt.FunctionDef], name: str | None, schema_param: str) -> str:
+    """The grammar of one call of the function `name` (None: of any of `functions`).
+
+    RequestError for a name not among them, or a schema llguidance cannot compile, naming
+    `schema_param` (the schema's field, `{i}` the function's index) for that one.
+    """
+    indices = list(range(len(functions)))
+    if name is not None:
+        indices = [i for i in indices if functions[i].name == name]
         if not indices:
             raise RequestError(
-                f"tool_choice names the function {choice.function.name[:64]!r}, which is not"
-                " among tools", "tool_choice",
-            )  # fmt: skip
-    grammar, why = _grammar([tools[i].function for i in indices])
+                f"tool_choice names the function {name[:64]!r}, which is not among tools",
+                "tool_choice",
+            )
+    grammar, why = _grammar([functions[i] for i in indices])
     if not why:
         return grammar
     for i in indices:  # name the function whose schema fails
-        if _grammar([tools[i].function])[1]:
-            param = f"tools[{i}].function.parameters"
+        if _grammar([functions[i]])[1]:
+            param = schema_param.format(i=i)
             raise RequestError(f"{param} is not a usable JSON schema: {'; '.join(why)}", param)
     raise RequestError(f"the tools cannot be forced: {'; '.join(why)}", "tools")
