@@ -99,7 +99,9 @@ def test_a_batch_gives_each_sequence_its_bits_alone(tiny_moe: Model, kernels: Cp
         assert torch.equal(got[i], want)
         mine = caches[fast][i]
         assert mine.length == c.length and mine.tokens == c.tokens
-        assert all(torch.equal(a, b) for a, b in zip(mine.k + mine.v, c.k + c.v, strict=True))
+        n = c.length  # past it a cache holds whatever its allocation held (never read)
+        assert all(torch.equal(a[:n], b[:n]) for a, b in zip(mine.k + mine.v, c.k + c.v,
+                                                              strict=True))  # fmt: skip
     assert [g.shape[0] for g in got] == [1, 1, 5]
     assert torch.equal(fast.route_counts, alone.route_counts)
 
