@@ -160,7 +160,11 @@ def _listening_sockets(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as e:  # as asyncio's own server words it
+                raise OSError(e.errno, f"error while attempting to bind on address {address!r}:"
+                              f" {(e.strerror or str(e)).lower()}") from None  # fmt: skip
             sock.listen(128)
             sock.setblocking(False)
     except OSError:
