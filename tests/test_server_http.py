@@ -137,11 +137,13 @@ def test_openai_client_reads_past_the_comments(plain: str) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "a b c"
 
 
-async def _preflight(url: str, path: str, origin: str) -> tuple[int, dict[str, str]]:
+async def _preflight(
+    url: str, path: str, origin: str, asked: str = "authorization, content-type"
+) -> tuple[int, dict[str, str]]:
     headers = {
         "Origin": origin,
         "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type",
+        "Access-Control-Request-Headers": asked,
     }
     async with aiohttp.ClientSession() as s, s.options(url + path, headers=headers) as r:
         return r.status, dict(r.headers)
@@ -175,3 +177,12 @@ def test_cors_answers_the_configured_origin_only(cors: str) -> None:
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
     status, headers = asyncio.run(_get(cors, "/v1/models", {"Origin": ORIGIN}))
     assert status == 401  # the key still guards the API itself
+
+
+def test_cors_lets_anthropics_browser_sdk_send_its_headers(cors: str) -> None:
+    asked = ("x-api-key, anthropic-version, anthropic-dangerous-direct-browser-access,"
+             " content-type")  # fmt: skip
+    status, headers = asyncio.run(_preflight(cors, "/v1/messages", ORIGIN, asked))
+    assert status == 200, headers
+    allowed = headers["Access-Control-Allow-Headers"].lower()
+    assert all(h.strip() in allowed for h in asked.split(","))
