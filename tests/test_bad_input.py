@@ -181,7 +181,7 @@ def test_top_k_as_a_whole_float() -> None:
     """JSON Schema's integer admits 0.0: top_k 0.0 and 3.0 are taken, 2.5 refused by name."""
     import msgspec
 
-    from stratad.server import openai as oa
+    from stratad.server.openai import requests as oa
 
     def top_k(raw: bytes) -> int:
         body = b'{"prompt": "x", "top_k": ' + raw + b"}"

@@ -17,9 +17,9 @@ from stratad.model import tool_prompt
 from stratad.model.gguf_meta import gguf_metadata
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf
-from stratad.server import tool_calls
-from stratad.server import tool_types as tt
-from stratad.server.openai import ChatCompletionRequest, RequestError
+from stratad.server.openai.requests import ChatCompletionRequest, RequestError
+from stratad.server.tools import calls as tool_calls
+from stratad.server.tools import types as tt
 
 WEATHER = {
     "type": "object",

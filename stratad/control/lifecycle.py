@@ -46,7 +46,12 @@ from stratad.control.state import DaemonState, EngineView, StoreView
 from stratad.control.store_view import store_view_of
 from stratad.protocol import Progress
 from stratad.runtime.scheduler import STOPPING
-from stratad.server.listener import CappedSite, connection_cap, handler_args, quiet_accept_errors
+from stratad.server.http.listener import (
+    CappedSite,
+    connection_cap,
+    handler_args,
+    quiet_accept_errors,
+)
 from stratad.systemd import EVENT_FIELD, Notifier, SystemdEnv, classify, event, journal_handler
 
 log = logging.getLogger("stratad")

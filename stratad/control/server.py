@@ -48,7 +48,7 @@ from stratad.protocol import (
     decode_request,
     encode,
 )
-from stratad.server.listener import quiet_accept_errors
+from stratad.server.http.listener import quiet_accept_errors
 
 log = logging.getLogger("stratad.control")
 

@@ -4,7 +4,7 @@ A GGUF may name them (`tokenizer.ggml.fim_pre_token_id`, ..., or the older
 `tokenizer.ggml.prefix_token_id` / `suffix_token_id` / `middle_token_id`); otherwise they are
 the control tokens spelled as a family of code models spells them (llama.cpp's table in
 `llama-vocab.cpp`: Qwen's `<|fim_prefix|>`, StarCoder's `<fim_prefix>`, CodeLlama's `<PRE>`,
-...). `/infill` builds its prompt from them (`stratad.server.infill`).
+...). `/infill` builds its prompt from them (`stratad.server.llama.infill`).
 """
 
 from __future__ import annotations

@@ -22,15 +22,15 @@ from aiohttp import web
 from stratad.config import ServerConfig
 from stratad.runtime.health import health_of
 from stratad.runtime.scheduler import STOPPING, Backend, Scheduler, Ticket
-from stratad.server import anthropic_routes as anthropic
-from stratad.server import openai as oa
-from stratad.server import responses as rs
+from stratad.server.anthropic import routes as anthropic
 from stratad.server.completions import Completions, presented_key
-from stratad.server.cors import enable_cors
 from stratad.server.errors import error_response
-from stratad.server.llama_routes import PATHS as LLAMA_PATHS
-from stratad.server.llama_routes import LlamaRoutes
+from stratad.server.http.cors import enable_cors
+from stratad.server.llama.routes import PATHS as LLAMA_PATHS
+from stratad.server.llama.routes import LlamaRoutes
 from stratad.server.metrics import CONTENT_TYPE, Collector, ServerMetrics, StoreView
+from stratad.server.openai import requests as oa
+from stratad.server.openai import responses as rs
 from stratad.server.openapi import render as render_openapi
 from stratad.server.tokens import TokenRoutes
 

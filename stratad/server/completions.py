@@ -1,7 +1,7 @@
 """The completion routes' common path: decode and check, prepare, queue, then answer or stream.
 OpenAI's two routes are here; the steps are `Completions.serve`'s, which the other front ends
-take too (llama-server's in `stratad.server.llama_routes`, Anthropic's in
-`stratad.server.anthropic_routes`).
+take too (llama-server's in `stratad.server.llama.routes`, Anthropic's in
+`stratad.server.anthropic.routes`).
 
 Each request's job is cancelled when its client goes away: aiohttp cancels the handler (the
 daemon runs with `handler_cancellation`), a watcher polls the connection in case it does not,
@@ -26,12 +26,13 @@ from aiohttp import web
 from stratad.config import ServerConfig
 from stratad.runtime.jobs import Job, JobError, PreparedJob
 from stratad.runtime.scheduler import Backend, Refused, Scheduler, Ticket
-from stratad.server import fields, structured, tool_calls
-from stratad.server import openai as oa
-from stratad.server.answers import Header, collect_answer, stream_answer
+from stratad.server import fields, structured
 from stratad.server.errors import error_response
+from stratad.server.http.sse import EventStream
 from stratad.server.metrics import ServerMetrics
-from stratad.server.sse import EventStream
+from stratad.server.openai import requests as oa
+from stratad.server.openai.answers import Header, collect_answer, stream_answer
+from stratad.server.tools import calls as tool_calls
 from stratad.server.validation import decode_json, explain
 
 _CHAT_FIELDS = fields.known_fields(oa.ChatCompletionRequest)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from stratad.server.responses import error_body
+from stratad.server.openai.responses import error_body
 
 
 def error_response(

@@ -13,7 +13,7 @@ import threading
 
 import msgspec
 
-from stratad.server.openai import RequestError
+from stratad.server.openai.requests import RequestError
 
 log = logging.getLogger("stratad.server")
 

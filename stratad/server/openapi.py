@@ -14,11 +14,11 @@ from typing import Any, get_args
 import msgspec
 
 from stratad import __version__
-from stratad.server import anthropic as am
-from stratad.server import anthropic_answers as aa
-from stratad.server import openai as oa
-from stratad.server import responses as rs
 from stratad.server import tokens as tk
+from stratad.server.anthropic import answers as aa
+from stratad.server.anthropic import requests as am
+from stratad.server.openai import requests as oa
+from stratad.server.openai import responses as rs
 
 _REF = "#/components/schemas/{name}"
 _TYPES: tuple[Any, ...] = (

@@ -16,7 +16,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from stratad.grammars import LIMITS, too_large
-from stratad.server.openai import RequestError, ResponseFormat
+from stratad.server.openai.requests import RequestError, ResponseFormat
 
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 

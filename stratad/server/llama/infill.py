@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stratad.server.openai import RequestError
+from stratad.server.openai.requests import RequestError
 
 if TYPE_CHECKING:
-    from stratad.server.llama_requests import InfillRequest, LlamaCodec
+    from stratad.server.llama.requests import InfillRequest, LlamaCodec
 
 SNIPPET = "\n\n--- snippet ---\n\n"  # between extra files, for a model without a file separator
 

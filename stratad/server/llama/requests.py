@@ -18,8 +18,8 @@ import msgspec
 from stratad.model.fim import FimTokens
 from stratad.runtime.jobs import Job
 from stratad.server import fields, structured
-from stratad.server import openai as oa
-from stratad.server.openai import RequestError
+from stratad.server.openai import requests as oa
+from stratad.server.openai.requests import RequestError
 from stratad.server.tokens import TextCodec
 
 # llama-server's defaults for /completion (its README and GET /props)

@@ -16,9 +16,9 @@ from typing import Any
 
 import llguidance
 
-from stratad.server import responses as rs
-from stratad.server import tool_types as tt
-from stratad.server.openai import ChatCompletionRequest, RequestError
+from stratad.server.openai import responses as rs
+from stratad.server.openai.requests import ChatCompletionRequest, RequestError
+from stratad.server.tools import types as tt
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # the Hermes form's own separators, so that a forced call reads like the model's free ones

@@ -1,5 +1,5 @@
 """OpenAI request schemas (msgspec) and their translation into engine `Job`s (the responses:
-`stratad.server.responses`).
+`stratad.server.openai.responses`).
 
 The request structs carry their bounds as `msgspec.Meta`, so decoding is the validation and
 the OpenAPI description (`stratad.server.openapi`) is generated from the same types. What a
@@ -17,7 +17,7 @@ from stratad.grammars import too_large
 from stratad.protocol import Health as Health  # /health's body, shared with stratactl status
 from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
-from stratad.server import tool_types as tt
+from stratad.server.tools import types as tt
 
 MAX_STOP = 4
 MAX_N = 8  # choices per prompt

@@ -1,6 +1,6 @@
 """OpenAI response schemas (msgspec): completions and their chunks, usage, log-probabilities,
 the model list and the error body. The requests and their translation into engine jobs are
-`stratad.server.openai`'s.
+`stratad.server.openai.requests`'s.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Literal
 import msgspec
 
 from stratad.runtime import jobs
-from stratad.server import tool_types as tt
-from stratad.server.timings import Timings
+from stratad.server.llama.timings import Timings
+from stratad.server.tools import types as tt
 
 
 class _Struct(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,12 +23,13 @@ from stratad import __version__
 from stratad.runtime.jobs import Job, Tool
 from stratad.runtime.scheduler import Backend, Ticket
 from stratad.runtime.template_form import template_message, template_tools
-from stratad.server import fields, infill
-from stratad.server import llama_answers as la
-from stratad.server import llama_requests as lr
-from stratad.server import openai as oa
+from stratad.server import fields
 from stratad.server.completions import Completions
 from stratad.server.errors import error_response, param_of
+from stratad.server.llama import answers as la
+from stratad.server.llama import infill
+from stratad.server.llama import requests as lr
+from stratad.server.openai import requests as oa
 from stratad.server.validation import decode_json, explain
 
 PATHS = frozenset({"/completion", "/completions", "/infill", "/apply-template", "/props",

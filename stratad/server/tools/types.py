@@ -1,8 +1,8 @@
 """OpenAI's tool schemas (msgspec): the functions offered, `tool_choice`, and the calls an
 assistant message carries, in requests (a conversation's history) and in replies alike.
 
-`stratad.server.openai` puts them into its request and response types; what is done with them
-is `stratad.server.tool_calls`.
+`stratad.server.openai.requests` puts them into its request and response types; what is done
+with them is `stratad.server.tools.calls`.
 """
 
 from __future__ import annotations

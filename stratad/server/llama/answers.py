@@ -13,11 +13,11 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, Job, JobError, TokenLogprob
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server import responses as rs
 from stratad.server.errors import error_response
-from stratad.server.llama_requests import DEFAULTS
-from stratad.server.sse import ClientGone, EventStream
-from stratad.server.timings import Timings, timings_of
+from stratad.server.http.sse import ClientGone, EventStream
+from stratad.server.llama.requests import DEFAULTS
+from stratad.server.llama.timings import Timings, timings_of
+from stratad.server.openai import responses as rs
 
 SLOT = -1  # the `id_slot` of every answer: requests are placed by the scheduler, not by slot
 SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # Strata's order (vLLM's)

@@ -1,5 +1,5 @@
 """Anthropic's Messages API answers: a message from a job's deltas, whole or as Anthropic's
-server-sent events, with tool calls read out of the text (`stratad.server.tool_calls`).
+server-sent events, with tool calls read out of the text (`stratad.server.tools.calls`).
 
 A stream is `message_start`, `ping`, then per content block `content_block_start`, its
 `content_block_delta`s (`text_delta`; a call's input whole in one `input_json_delta`) and
@@ -18,10 +18,10 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, JobError
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server import tool_calls
-from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
-from stratad.server.sse import ClientGone, EventStream
+from stratad.server.http.sse import ClientGone, EventStream
+from stratad.server.tools import calls as tool_calls
+from stratad.server.tools import types as tt
 
 # Anthropic's error types by HTTP status (`error.type`); another 4xx is invalid_request_error,
 # another 5xx api_error

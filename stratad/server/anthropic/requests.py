@@ -1,11 +1,11 @@
 """Anthropic's Messages API: its request schemas (msgspec) and their translation into the
-engine's `Job` (the answers: `stratad.server.anthropic_answers`; the routes:
-`stratad.server.anthropic_routes`).
+engine's `Job` (the answers: `stratad.server.anthropic.answers`; the routes:
+`stratad.server.anthropic.routes`).
 
 A conversation becomes the `ChatMessage`s an OpenAI request would: `system` the first message,
 a user turn's `tool_result` blocks `tool` messages, an assistant turn's `tool_use` blocks its
 `tool_calls`; the tools become `Tool`s, a forced `tool_choice` the grammar of one call
-(`stratad.server.tool_calls`) and `output_config.format` a JSON schema's
+(`stratad.server.tools.calls`) and `output_config.format` a JSON schema's
 (`stratad.server.structured`). What the schemas cannot say (images, a block in the wrong turn)
 `messages_job` refuses with `RequestError`, naming the field.
 """
@@ -20,9 +20,8 @@ import msgspec
 from stratad.grammars import too_large
 from stratad.runtime import jobs
 from stratad.runtime.jobs import ChatMessage, Job
-from stratad.server import structured, tool_calls
-from stratad.server import tool_types as tt
-from stratad.server.openai import (
+from stratad.server import structured
+from stratad.server.openai.requests import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
     TOKENS_MAX,
@@ -30,6 +29,8 @@ from stratad.server.openai import (
     StopString,
     Tokens,
 )
+from stratad.server.tools import calls as tool_calls
+from stratad.server.tools import types as tt
 
 MAX_STOP_SEQUENCES = 16
 BLOCK_SEPARATOR = "\n\n"  # between the text blocks of one turn

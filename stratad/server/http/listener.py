@@ -5,7 +5,7 @@ A client must not hold the daemon's sockets for free: a connection with no reque
 closes after `server.idle_timeout_s` (aiohttp's keep-alive timer, which also runs from the
 connect to a complete request head, so a slow-header client is bounded by it too); a body gets
 `server.body_timeout_s` (`stratad.server.completions`); a stream whose client stops reading
-gets `server.send_timeout_s` (`stratad.server.sse`). Past `server.max_connections` open
+gets `server.send_timeout_s` (`stratad.server.http.sse`). Past `server.max_connections` open
 connections a new one is answered 503 and closed at once, so the cap, set under the open-file
 limit, keeps descriptors for /health's answers, the control socket and the model's files.
 """

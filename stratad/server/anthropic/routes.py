@@ -2,10 +2,10 @@
 `POST /v1/messages/count_tokens`, on the daemon's port beside OpenAI's.
 
 A message request takes the OpenAI routes' steps (`Completions.serve`: read, decode off the
-event loop, queue, cancel when the client leaves) with its own decoding
-(`stratad.server.anthropic`) and answer (`stratad.server.anthropic_answers`). Every error on
-these paths, the guard's included, is written in OpenAI's shape where it arises and rewritten
-into Anthropic's on the way out (`anthropic_error`).
+event loop, queue, cancel when the client leaves) with its own decoding (`requests`) and
+answer (`answers`, both in this package). Every error on these paths, the guard's included,
+is written in OpenAI's shape where it arises and rewritten into Anthropic's on the way out
+(`anthropic_error`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Job
 from stratad.runtime.scheduler import Backend, Ticket
-from stratad.server import anthropic as am
-from stratad.server import anthropic_answers as aa
 from stratad.server import fields
+from stratad.server.anthropic import answers as aa
+from stratad.server.anthropic import requests as am
 from stratad.server.completions import Completions, Refusal
 from stratad.server.validation import decode_json
 

@@ -10,12 +10,12 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, JobError, TokenLogprob
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server import responses as rs
-from stratad.server import tool_calls
-from stratad.server import tool_types as tt
 from stratad.server.errors import error_response
-from stratad.server.sse import ClientGone, EventStream
-from stratad.server.timings import Timings, timings_of
+from stratad.server.http.sse import ClientGone, EventStream
+from stratad.server.llama.timings import Timings, timings_of
+from stratad.server.openai import responses as rs
+from stratad.server.tools import calls as tool_calls
+from stratad.server.tools import types as tt
 
 
 class Header(msgspec.Struct, frozen=True):
