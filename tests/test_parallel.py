@@ -282,13 +282,15 @@ def test_the_engine_thread_steps_every_running_job(parallel: int, order: str) ->
     assert scheduler.num_running == 0
 
 
-def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -> None:
+def _answers(names: tuple[str, ...]) -> tuple[list[str], Scheduler]:
+    """Jobs `names` queued, then served by `Turns` with two places: each one's text, or the
+    name of the error it got (within 10 s: a dead engine thread would never answer)."""
     scheduler, engine = Scheduler(max_queue=8), Turns(2)
     scheduler.state = "ready"
 
     async def serve() -> list[str]:
         tickets = []
-        for name in ("A", "bad", "bug", "B"):
+        for name in names:
             scheduler.admit()
             tickets.append(scheduler.submit(engine.prepare(Job(prompt=name))))
         scheduler.attach(engine)
@@ -300,7 +302,11 @@ def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -
                 out.append(type(e).__name__)
         return out
 
-    got = asyncio.run(asyncio.wait_for(serve(), 10))  # a dead engine thread would never answer
+    return asyncio.run(asyncio.wait_for(serve(), 10)), scheduler
+
+
+def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -> None:
+    got, scheduler = _answers(("A", "bad", "bug", "B"))
     assert got == ["012", "JobError", "EngineFailed", "012"]
     assert scheduler.num_running == 0 and "a bug starting this one" in caplog.text
 
@@ -308,24 +314,7 @@ def test_a_job_that_cannot_start_fails_alone(caplog: pytest.LogCaptureFixture) -
 def test_a_failed_step_fails_the_jobs_it_ran_and_the_loop_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    scheduler, engine = Scheduler(max_queue=8), Turns(2)
-    scheduler.state = "ready"
-
-    async def serve() -> list[str]:
-        tickets = []
-        for name in ("A", "boom", "B"):  # A and boom run together; B waits for a place
-            scheduler.admit()
-            tickets.append(scheduler.submit(engine.prepare(Job(prompt=name))))
-        scheduler.attach(engine)
-        out = []
-        for t in tickets:
-            try:
-                out.append("".join([d.text async for d in t.stream()]))
-            except EngineFailed as e:
-                out.append(type(e).__name__)
-        return out
-
-    got = asyncio.run(asyncio.wait_for(serve(), 10))
+    got, scheduler = _answers(("A", "boom", "B"))  # A and boom run together; B waits
     assert got == ["EngineFailed", "EngineFailed", "012"]
     assert scheduler.num_running == 0 and "the engine failed on a step of 2" in caplog.text
 

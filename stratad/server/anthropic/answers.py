@@ -18,7 +18,7 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, JobError
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server.errors import error_response
+from stratad.server.finished import CANCELLED, Unfinished, deltas_of
 from stratad.server.http.sse import ClientGone, EventStream
 from stratad.server.tools import calls as tool_calls
 from stratad.server.tools import types as tt
@@ -37,7 +37,6 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-CANCELLED = "the request was cancelled (the server is shutting down)"
 
 
 def error_type(status: int) -> str:
@@ -207,19 +206,12 @@ def _json(status: int, body: msgspec.Struct) -> web.Response:
 
 async def collect_message(ticket: Ticket, h: Header) -> web.Response:
     """The whole message; an error in OpenAI's shape (the routes turn it into Anthropic's)."""
-    parts: list[str] = []
-    last: Delta | None = None
     try:
-        async for d in ticket.stream():
-            parts.append(d.text)
-            last = d
-    except EngineFailed as e:
-        return error_response(500, str(e), None)
-    except JobError as e:
-        return error_response(400, str(e), e.param, code=e.code)
-    if last is None or not last.finish_reason:
-        return error_response(503, CANCELLED, None, retry_after=5)
-    text = "".join(parts)
+        deltas = await deltas_of(ticket)
+    except Unfinished as e:
+        return e.response
+    last = deltas[-1]
+    text = "".join(d.text for d in deltas)
     content, calls = tool_calls.read_reply(text) if h.tools else (text, [])
     blocks: list[Content] = [TextContent(text=content)] if content else []
     blocks += [_tool_use(c) for c in calls]

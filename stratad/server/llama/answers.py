@@ -13,7 +13,7 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, Job, JobError, TokenLogprob
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server.errors import error_response
+from stratad.server.finished import CANCELLED, Unfinished, deltas_of
 from stratad.server.http.sse import ClientGone, EventStream
 from stratad.server.llama.requests import DEFAULTS
 from stratad.server.llama.timings import Timings, timings_of
@@ -211,29 +211,15 @@ def _json(body: Any) -> web.Response:
 async def collect(a: Answer, tickets: list[Ticket]) -> web.Response:
     results: list[Result] = []
     for i, ticket in enumerate(tickets):
-        parts: list[str] = []
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        last: Delta | None = None
         try:
-            async for d in ticket.stream():
-                parts.append(d.text)
-                tokens += _generated(d)
-                if d.logprobs is not None:
-                    logprobs.append(d.logprobs)
-                last = d
-        except EngineFailed as e:
-            return error_response(500, str(e), None)
-        except JobError as e:
-            return error_response(400, str(e), e.param, code=e.code)
-        if last is None or not last.finish_reason:
-            return error_response(
-                503, "the request was cancelled (the server is shutting down)", None,
-                retry_after=5,
-            )  # fmt: skip
+            deltas = await deltas_of(ticket)
+        except Unfinished as e:
+            return e.response
+        tokens = [t for d in deltas for t in _generated(d)]
+        logprobs = [d.logprobs for d in deltas if d.logprobs is not None]
         asked = ticket.prepared.job.logprobs is not None
-        results.append(_result(a, ticket, i, last, "".join(parts), tokens,
-                               logprobs if asked else None))  # fmt: skip
+        results.append(_result(a, ticket, i, deltas[-1], "".join(d.text for d in deltas),
+                               tokens, logprobs if asked else None))  # fmt: skip
     return _json(results[0] if len(results) == 1 else results)
 
 
@@ -274,7 +260,7 @@ async def _stream_one(events: EventStream, a: Answer, ticket: Ticket, index: int
         await events.send(msgspec.json.decode(rs.error_body(str(e), "server_error", None)))
         return False
     if last is None or not last.finish_reason:  # cancelled by a drain, not the client
-        gone = "the request was cancelled (the server is shutting down)"
+        gone = CANCELLED
         await events.send(msgspec.json.decode(rs.error_body(gone, "server_error", None)))
         return False
     await events.send(_result(a, ticket, index, last, "", [], None))

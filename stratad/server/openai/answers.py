@@ -10,7 +10,7 @@ from aiohttp import web
 
 from stratad.runtime.jobs import Delta, JobError, TokenLogprob
 from stratad.runtime.scheduler import EngineFailed, Ticket
-from stratad.server.errors import error_response
+from stratad.server.finished import CANCELLED, Unfinished, deltas_of
 from stratad.server.http.sse import ClientGone, EventStream
 from stratad.server.llama.timings import Timings, timings_of
 from stratad.server.openai import responses as rs
@@ -57,17 +57,11 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
     try:
         for ticket in tickets:
             choices.append(c := _Choice())
-            async for d in ticket.stream():
+            for d in await deltas_of(ticket):
                 c.add(d)
-    except EngineFailed as e:
-        return error_response(500, str(e), None)
-    except JobError as e:
-        return error_response(400, str(e), e.param, code=e.code)
-    lasts = [c.last for c in choices if c.last is not None and c.last.finish_reason]
-    if len(lasts) < len(tickets):
-        return error_response(
-            503, "the request was cancelled (the server is shutting down)", None, retry_after=5
-        )
+    except Unfinished as e:
+        return e.response
+    lasts = [c.last for c in choices if c.last is not None]
     asked = tickets[0].prepared.job.logprobs is not None
     usage = _usage_of(lasts, h.n)
     timings = timings_of(list(zip(tickets, lasts, strict=True))) if h.timings else None
@@ -221,7 +215,7 @@ async def _stream_choice(
         await stream.send(
             msgspec.json.decode(
                 rs.error_body(
-                    "the request was cancelled (the server is shutting down)",
+                    CANCELLED,
                     "server_error",
                     None,
                 )
