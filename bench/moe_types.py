@@ -9,8 +9,8 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 `fused_moe` for T decode tokens (each routed to a random top-k, CUDA graph, median of
 --repeats with the spread): microseconds per call and the weight bytes read per second (the
 distinct routed experts' three projections: the kernels read each once for all its tokens).
-`--configs` times each launch setting `block_n:super_blocks:num_warps` (default: the
-built-in `MoeConfig`).
+`--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
+for the int8 dots of Q4_K and Q6_K (default: the built-in `MoeConfig`).
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
 `stratactl bench kernels` times the same kernels (each type the model holds) among all the
 others, against ceilings it measures; this driver compares every type at once.
@@ -55,8 +55,11 @@ def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
 
 
 def _config(text: str) -> MoeConfig:
-    n, sbs, w = (int(v) for v in text.split(":"))
-    return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w)
+    """`block_n:super_blocks:num_warps`, `:i8` after them for the int8 dots."""
+    fields = text.split(":")
+    int8 = fields[-1] == "i8"
+    n, sbs, w = (int(v) for v in fields[: 3])
+    return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w, int8_dots=int8)
 
 
 def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
@@ -144,6 +147,7 @@ def main() -> None:
                     r = time_format(mix, aligned, a, t, cfg)
                     path = "aligned" if aligned else "unaligned"
                     tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
+                    tag += ":i8" if cfg.int8_dots else ""
                     out[f"{name}/{path}/t{t}/{tag}"] = r
                     lo, hi = r["spread_us"]
                     print(f"{name:22} {path:10} {t:3} {tag:>8} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f}"

@@ -42,6 +42,14 @@ import triton.language as tl
 from kernels.gemv import GEMV_QTYPES
 from kernels.iq_tables import iq_tables
 from kernels.moe_dots import blocks_rows_dot
+from kernels.moe_dots_q8 import (
+    Q8_DOT_QTYPES,
+    dequantize_q8_ref,
+    dp4a_in_asm,
+    q8_rows_dot,
+    quantize_q8,
+    quantize_q8_ref,
+)
 from kernels.quant import QTensor, QType, row_bytes
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
@@ -64,6 +72,10 @@ class ExpertFormat:
             if qtype not in MOE_QTYPES:
                 raise ValueError(f"the fused MoE kernels do not read {qtype.name} ({name})")
 
+    def int8(self, qtype: QType, config: MoeConfig, aligned: bool) -> bool:
+        """Whether a projection of `qtype` is dotted in int8 (`MoeConfig.int8_dots`)."""
+        return config.int8_dots and aligned and qtype in Q8_DOT_QTYPES
+
     def aligned(self, hidden: int, ffn: int) -> bool:
         """Whether the Q4_0 projections' nibble words start 16-byte aligned (in a 16-byte
         aligned blob): then the kernels load 16 bytes at a time."""
@@ -83,6 +95,9 @@ class MoeConfig:
     # K-quant super-blocks (256 columns) per reduction step of the Q4_K/Q5_K/Q6_K readers:
     # every load of a step is in flight at once (a power of two)
     super_blocks: int = 1
+    # Q4_K and Q6_K dotted in int8 (`kernels.moe_dots_q8`: the activation quantized to 8 bits
+    # per 32 values once, four codes per dp4a) where the blobs are aligned; else in float32
+    int8_dots: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -152,9 +167,15 @@ def _rows_dot(
     BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr,
     SBS: tl.constexpr,
+    x8_ptr,
+    X8: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K]."""
-    if QTYPE == Q4_0:
+    """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K] (X8: dot x's Q8
+    row at x8_ptr in int8, `kernels.moe_dots_q8`)."""
+    if X8:
+        acc = q8_rows_dot(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, QTYPE, BLOCK_N, SBS, ASM)
+    elif QTYPE == Q4_0:
         acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
     else:
         acc = blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
@@ -185,13 +206,15 @@ def _next_member(members, j, PAIRS: tl.constexpr):
 def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, UP_ROW, tab_ptr,
                   Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
-                  SBS: tl.constexpr):  # fmt: skip
+                  SBS: tl.constexpr, x8_ptr, X8_ROW, X8_GATE: tl.constexpr,
+                  X8_UP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows`."""
     x = x_ptr + t.to(tl.int64) * H
+    x8 = x8_ptr + t.to(tl.int64) * X8_ROW
     g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
-                  BLOCK_K, ALIGNED, SBS)  # fmt: skip
+                  BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM)  # fmt: skip
     u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
-                  ALIGNED, SBS)  # fmt: skip
+                  ALIGNED, SBS, x8, X8_UP, ASM)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -199,12 +222,14 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
 @triton.jit
 def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW, tab_ptr,
                Q_DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-               BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr):  # fmt: skip
+               BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr, act8_ptr,
+               A8_ROW, X8_DOWN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """part[s] = weight[s] * (down @ act[s]) on `rows`."""
     w = tl.load(weights_ptr + s)
     act = act_ptr + s.to(tl.int64) * F
+    act8 = act8_ptr + s.to(tl.int64) * A8_ROW
     y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED, SBS)  # fmt: skip
+                      BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM)  # fmt: skip
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -220,6 +245,8 @@ def _gate_up_kernel(
     UP_ROW,
     tab_ptr,  # the i-quants' tables (kernels.iq_tables)
     N_PAIRS,  # T * k
+    x8_ptr,  # [T, X8_ROW] uint8: x's Q8 rows (X8_GATE or X8_UP); else unread
+    X8_ROW,
     TOP_K: tl.constexpr,
     Q_GATE: tl.constexpr,
     Q_UP: tl.constexpr,
@@ -229,6 +256,9 @@ def _gate_up_kernel(
     ALIGNED: tl.constexpr,
     SBS: tl.constexpr,  # K-quant super-blocks per step
     PAIRS: tl.constexpr,  # 0: one program per pair; else a power of two >= N_PAIRS (grouped)
+    X8_GATE: tl.constexpr,  # gate / up dotted with x's Q8 rows
+    X8_UP: tl.constexpr,
+    ASM: tl.constexpr,  # dp4a as inline PTX (else its emulation)
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair
@@ -241,7 +271,7 @@ def _gate_up_kernel(
             up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
             _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
-                          ALIGNED, SBS)  # fmt: skip
+                          ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if (e >= 0) & first:
@@ -251,7 +281,8 @@ def _gate_up_kernel(
             for _ in range(tl.sum(members.to(tl.int32))):  # the expert's rows stay in cache
                 _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
                               GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
-                              BLOCK_K, ALIGNED, SBS)  # fmt: skip
+                              BLOCK_K, ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP,
+                              ASM)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -267,6 +298,8 @@ def _down_kernel(
     DOWN_ROW,
     tab_ptr,
     N_PAIRS,
+    act8_ptr,  # [T * k, A8_ROW] uint8: act's Q8 rows (X8_DOWN); else unread
+    A8_ROW,
     Q_DOWN: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -274,6 +307,8 @@ def _down_kernel(
     ALIGNED: tl.constexpr,
     SBS: tl.constexpr,
     PAIRS: tl.constexpr,  # as in _gate_up_kernel
+    X8_DOWN: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
@@ -286,7 +321,8 @@ def _down_kernel(
     elif PAIRS == 0:
         down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
         _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
-                   tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS)  # fmt: skip
+                   tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
+                   X8_DOWN, ASM)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
@@ -295,7 +331,7 @@ def _down_kernel(
             for _ in range(tl.sum(members.to(tl.int32))):
                 _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
                            DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
-                           ALIGNED, SBS)  # fmt: skip
+                           ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -338,12 +374,15 @@ def moe_gate_up(
     pairs = t * ids.shape[1]
     act = torch.empty(pairs, ffn, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(ffn, config.block_n), pairs)
+    x8_gate, x8_up = fmt.int8(fmt.gate, config, aligned), fmt.int8(fmt.up, config, aligned)
+    x8 = quantize_q8(x) if x8_gate or x8_up else x
     _gate_up_kernel[grid](
-        x, ids, table, act, h, ffn, gate_row, up_row, iq_tables(x.device), pairs,
+        x, ids, table, act, h, ffn, gate_row, up_row, iq_tables(x.device), pairs, x8,
+        x8.shape[1] if x8 is not x else 0,
         TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), BLOCK_N=config.block_n,
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
         ALIGNED=aligned and fmt.aligned(h, ffn), SBS=config.super_blocks,
-        PAIRS=_grouped(t, pairs),
+        PAIRS=_grouped(t, pairs), X8_GATE=x8_gate, X8_UP=x8_up, ASM=dp4a_in_asm(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -368,12 +407,15 @@ def moe_down(
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
     ffn = act.shape[1]
+    x8_down = fmt.int8(fmt.down, config, aligned)
+    act8 = quantize_q8(act) if x8_down else act
     _down_kernel[grid](
         act, ids, weights.contiguous(), table, part, hidden, ffn, row_bytes(fmt.down, ffn),
-        iq_tables(act.device), t * k,
+        iq_tables(act.device), t * k, act8, act8.shape[1] if x8_down else 0,
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
-        SBS=config.super_blocks, PAIRS=_grouped(t, t * k), num_warps=config.num_warps,
+        SBS=config.super_blocks, PAIRS=_grouped(t, t * k), X8_DOWN=x8_down,
+        ASM=dp4a_in_asm(act.device), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden)
@@ -435,13 +477,20 @@ def fused_moe_ref(
     ids: torch.Tensor,
     weights: torch.Tensor,
     experts: list[tuple[QTensor, QTensor, QTensor]],
+    int8: tuple[bool, bool, bool] = (False, False, False),
 ) -> torch.Tensor:
-    """Dequantize each routed expert (standard GGUF blocks) and compute in float32."""
+    """Dequantize each routed expert (standard GGUF blocks) and compute in float32; `int8`:
+    which of gate, up, down take their input as its Q8 row stands for it (`kernels
+    .moe_dots_q8`, as the kernels' int8 dots do)."""
+
+    def q8(v: torch.Tensor, on: bool) -> torch.Tensor:
+        return dequantize_q8_ref(quantize_q8_ref(v[None]), v.numel())[0] if on else v
+
     out = torch.zeros(x.shape, dtype=torch.float32)
     xf = x.float().cpu()
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
             gate, up, down = (w.dequantize() for w in experts[int(ids[t, s])])
-            h = torch.nn.functional.silu(gate @ xf[t]) * (up @ xf[t])
-            out[t] += float(weights[t, s]) * (down @ h)
+            h = torch.nn.functional.silu(gate @ q8(xf[t], int8[0])) * (up @ q8(xf[t], int8[1]))
+            out[t] += float(weights[t, s]) * (down @ q8(h, int8[2]))
     return out.to(x.dtype)

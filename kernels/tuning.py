@@ -90,7 +90,12 @@ def configs_from_kernels(kernels: Mapping[str, Any], source: str = "table") -> K
                     f"{source}: unknown setting kernels.{name}.{key}"
                     f" (known: {', '.join(sorted(known))})"
                 )
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if isinstance(getattr(default, key), bool):  # a switch (MoeConfig.int8_dots)
+                if not isinstance(value, bool):
+                    raise TuningTableError(
+                        f"{source}: kernels.{name}.{key} = {value!r} is not true or false"
+                    )
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TuningTableError(
                     f"{source}: kernels.{name}.{key} = {value!r} is not a positive integer"
                 )

@@ -97,6 +97,7 @@ def test_tune_without_a_gpu_has_nothing_to_tune(tmp_path: Path) -> None:
         ({"moe": {"block_m": 4}}, "unknown setting kernels.moe.block_m"),
         ({"fetch": {"block": 0}}, "kernels.fetch.block = 0 is not a positive integer"),
         ({"attention": {"split_s": True}}, "is not a positive integer"),
+        ({"moe": {"int8_dots": 1}}, "kernels.moe.int8_dots = 1 is not true or false"),
     ],
 )
 def test_bad_tables_are_refused_with_the_key_named(kernels: dict, match: str) -> None:  # type: ignore[type-arg]
@@ -107,6 +108,8 @@ def test_bad_tables_are_refused_with_the_key_named(kernels: dict, match: str) ->
 def test_a_partial_table_keeps_the_other_defaults() -> None:
     got = configs_from_json({"kernels": {"fetch": {"chunk": 32768}}})
     assert got == replace(KernelConfigs(), fetch=FetchConfig(chunk=32768))
+    got = configs_from_json({"kernels": {"moe": {"int8_dots": True}}})
+    assert got == replace(KernelConfigs(), moe=replace(KernelConfigs().moe, int8_dots=True))
 
 
 def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: Path) -> None:
