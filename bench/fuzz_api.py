@@ -1,6 +1,7 @@
 """Fuzz the HTTP API from the OpenAPI document the daemon serves, with schemathesis.
 
     python -m bench.fuzz_api [--model PATH] [--max-examples 40] [--max-time 600] [--seed 1]
+                             [--schemas] [--no-openapi]
 
 Starts `stratad` on loopback (the default model unless --model; a short context and short
 default completions keep each example cheap), points schemathesis at its `/openapi.json`
@@ -8,7 +9,9 @@ and runs its examples, coverage and fuzzing phases, bounded by an example count 
 and a time limit. Checked: no 5xx (`not_a_server_error`), every answer's status, content type,
 headers and body as the document describes them, bad input refused and valid input accepted.
 Prints (and with --out writes) a Markdown summary: requests sent, 5xx answers, checks that
-failed, tracebacks in the daemon's log.
+failed, tracebacks in the daemon's log. `--schemas` then sends the same daemon the hostile JSON
+schema corpus of `bench/schema_corpus.py` (each answer 400 or valid JSON of the schema, never
+5xx, /health within a second throughout); `--no-openapi` skips schemathesis.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import schema_corpus
 from bench.daemon import daemon
 
 CHECKS = (
@@ -129,24 +133,31 @@ def _failed_checks(event: dict[str, Any]) -> Iterator[str]:
                 )
 
 
-def run(args: argparse.Namespace) -> Result:
+def run(args: argparse.Namespace) -> tuple[Result | None, schema_corpus.CorpusResult | None]:
     work = Path(tempfile.mkdtemp(prefix="strata-fuzz-"))
     reports = work / "reports"
     config = CONFIG.format(context=args.context, threads=args.threads)
+    result, corpus = None, None
     with daemon(args.model, work, config) as url:
-        cmd = schemathesis_cmd(url, args, reports)
-        t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.max_time + 600)
-        (work / "schemathesis.out").write_text(proc.stdout + proc.stderr)
-        shown = " ".join(["schemathesis", *cmd[3:]]).replace(url, "http://127.0.0.1:PORT")
-        shown = shown.replace(str(reports), "REPORTS")
-        result = Result(shown, proc.returncode, time.monotonic() - t0)
-    read_reports(reports, result)
+        if args.openapi:
+            cmd = schemathesis_cmd(url, args, reports)
+            t0 = time.monotonic()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.max_time + 600)
+            (work / "schemathesis.out").write_text(proc.stdout + proc.stderr)
+            shown = " ".join(["schemathesis", *cmd[3:]]).replace(url, "http://127.0.0.1:PORT")
+            shown = shown.replace(str(reports), "REPORTS")
+            result = Result(shown, proc.returncode, time.monotonic() - t0)
+        if args.schemas:
+            corpus = schema_corpus.run(url, max_tokens=args.schema_max_tokens)
     log = (work / "stratad.log").read_text(errors="replace")
-    result.tracebacks = log.count("Traceback (most recent call last)")
-    result.log_errors = [line for line in log.splitlines() if " ERROR " in line]
+    if result is not None:
+        read_reports(reports, result)
+        result.tracebacks = log.count("Traceback (most recent call last)")
+        result.log_errors = [line for line in log.splitlines() if " ERROR " in line]
+    if corpus is not None:
+        corpus.tracebacks = log.count("Traceback (most recent call last)")
     print(f"daemon log, schemathesis output and reports: {work}", file=sys.stderr)
-    return result
+    return result, corpus
 
 
 def parser() -> argparse.ArgumentParser:
@@ -158,23 +169,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default=CHECKS, help="schemathesis checks (comma-separated)")
     p.add_argument("--context", type=int, default=256, help="the daemon's model.max_context")
     p.add_argument("--threads", type=int, default=1, help="the daemon's engine.threads")
+    p.add_argument("--schemas", action="store_true",
+                   help="send the hostile JSON schema corpus too (bench/schema_corpus.py)")
+    p.add_argument("--no-openapi", dest="openapi", action="store_false",
+                   help="skip schemathesis (with --schemas: the corpus alone)")
+    p.add_argument("--schema-max-tokens", type=int, default=48,
+                   help="max_tokens of each corpus request")
     p.add_argument("--out", type=Path, help="write the Markdown summary here too")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    result = run(args)
+    result, corpus = run(args)
     text = (
         f"# API fuzz run, {datetime.date.today().isoformat()}\n\n"
         f"stratad on {args.model or 'the default model'}, loopback, model.max_context ="
-        f" {args.context}, server.default_max_tokens = 8.\n\n{result.markdown()}"
+        f" {args.context}, server.default_max_tokens = 8.\n"
     )
+    clean = True
+    if result is not None:
+        text += f"\n## OpenAPI (schemathesis)\n\n{result.markdown()}"
+        clean = result.server_errors == 0 and not result.failures and result.tracebacks == 0
+        clean = clean and result.exit_code == 0
+    if corpus is not None:
+        text += f"\n## JSON schema corpus\n\n{corpus.markdown()}"
+        clean = clean and corpus.clean
     print(text)
     if args.out:
         args.out.write_text(text)
-    clean = result.server_errors == 0 and not result.failures and result.tracebacks == 0
-    return 0 if clean and result.exit_code == 0 else 1
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

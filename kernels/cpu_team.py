@@ -64,6 +64,11 @@ class TeamSize:
             return others[shape.calls % len(others)]
         return shape.best
 
+    def measured(self, key: int) -> list[int]:
+        """The team sizes calls of this shape have been timed on so far."""
+        shape = self._shapes.get(key)
+        return sorted(shape.seconds) if shape else []
+
     def record(self, key: int, threads: int, seconds: float) -> None:
         shape = self._shapes.get(key)
         if shape is None or shape.calls == 1:

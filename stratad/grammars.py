@@ -7,8 +7,9 @@ both take time and memory that grow with the schema. These bounds make an oversi
 unfollowable schema the client's 400, found before generation, in bounded time: at most
 `MAX_PROPERTIES` object properties and `MAX_NODES` schema nodes (OpenAI's structured outputs
 allow 5,000 properties) nested at most `MAX_DEPTH` deep (a template writes a tool's schema
-recursively), and llguidance's own parser limits (`LIMITS`), with terse errors (verbose ones
-print the parser's state, which can hold the schema).
+recursively), number bounds within +-2^53 (`MAX_BOUND`), and llguidance's own parser limits
+(`LIMITS`), with terse errors (verbose ones print the parser's state, which can hold the
+schema).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import numpy as np
 MAX_PROPERTIES = 5_000
 MAX_NODES = 50_000
 MAX_DEPTH = 64
+# llguidance holds a number's bounds as float64 and an integer's as int64: past 2^53 a bound is
+# not kept exactly, past 2^63 it is clamped (`minimum: 1e300` allowed 2^63 - 1, outside the
+# schema), and an integer range clamped to -2^63 at both ends crashed the process (SIGSEGV)
+MAX_BOUND = 2**53
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+VALUES = ("enum", "const", "default", "examples")  # instances, not schemas: not searched
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 PROBE_STEPS = 8  # free choices a check makes into a grammar (forced text costs none)
 
@@ -45,8 +52,29 @@ def schema_size(schema: Any) -> tuple[int, int, int]:
     return properties, nodes, deepest
 
 
+def far_bound(schema: Any) -> str | None:
+    """The first number bound of `schema` past +-MAX_BOUND, as `keyword value` (None: none
+    is), found without recursion."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in BOUNDS:
+                v = node.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > MAX_BOUND:
+                    text = repr(v)
+                    return f"{key} {text if len(text) <= 24 else text[:20] + '...'}"
+            todo.extend(v for k, v in node.items() if k not in VALUES)
+        elif isinstance(node, list):
+            todo.extend(node)
+    return None
+
+
 def too_large(schema: Any) -> str | None:
     """Why `schema` is too large to compile (None: it is not)."""
+    far = far_bound(schema)
+    if far is not None:
+        return f"{far} is beyond +-2^53, past which a bound is not kept exactly"
     properties, nodes, depth = schema_size(schema)
     if properties > MAX_PROPERTIES:
         return f"{properties:,} object properties (at most {MAX_PROPERTIES:,})"

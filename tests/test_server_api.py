@@ -361,6 +361,9 @@ SCHEMAS_REFUSED: dict[str, Any] = {
     "cyclic": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                "$ref": "#/$defs/a"},
     "nested quantifier": {"type": "string", "pattern": "^a{1000}{1000}$"},
+    # clamped to 2^63 - 1: a 200 whose value the schema refuses; clamped to -2^63: SIGSEGV
+    "integer past 2^63": {"type": "integer", "minimum": 1e300, "maximum": 1e301},
+    "integer past -2^63": {"type": "integer", "minimum": -1e301, "maximum": -1e300},
     "600 optional": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
                                                       for i in range(600)}},
     "15,000 required": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
