@@ -75,6 +75,12 @@ class ServerConfig(_Section, frozen=True):
     leaves. (/v1/completions defaults to 16, as OpenAI's does.)"""
     prefill_chunk: Annotated[int, msgspec.Meta(ge=1)] = 128
     """Prompt tokens per prefill step; a cancelled request frees the engine within one."""
+    embeddings: Literal["off", "mean", "last"] = "mean"
+    """`POST /v1/embeddings`: each input's final-norm hidden states pooled into one
+    L2-normalised vector of the model's width, by their `mean` over the input's tokens or the
+    `last` token's (for a model trained to embed that way); `off` answers 501. An input is
+    computed as a prompt is, on a working KV cache, so it takes no memory a completion would
+    not."""
     step_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Tokens one engine step computes at most: a token of every generating request, then
     prompt chunks in arrival order (chunked prefill beside decodes, so a long prompt arriving

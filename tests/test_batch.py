@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.tuning import INTERPRETED, KernelConfigs
-from stratad.engine.batch import Seq, check_batch, chunks
+from stratad.engine.batch import Output, Seq, check_batch, chunks
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.stages import StagedForward
@@ -116,9 +116,27 @@ def test_verify_window_logits_cpu(tiny_moe: Model) -> None:
     ref(PROMPTS[0], r_cache)
     engine.step([Seq(a, PROMPTS[0]), Seq(b, PROMPTS[1])])
     want = ref([7, 8, 9], r_cache, all_logits=True)
-    got, _ = engine.step([Seq(a, [7, 8, 9], all_logits=True), Seq(b, [5])])
+    got, _ = engine.step([Seq(a, [7, 8, 9], Output.LOGITS), Seq(b, [5])])
     assert got.shape == want.shape
     assert (got - want).abs().max() < 1e-3
+
+
+def test_hidden_rows_cpu(tiny_moe: Model) -> None:
+    """A sequence asking for its tokens' final-norm hidden states (what an embedding pools)
+    gets the reference's: a prompt over two chunks beside another prompt, then one more token
+    beside a decode (a step that must not be taken for a decode, which gives logits only).
+    The reference's rows are the final norm's: its output matrix makes them its logits."""
+    ref, engine = ReferenceForward(tiny_moe), _offload(tiny_moe, "cpu")
+    r_cache, a, b = ref.new_cache(64), engine.new_cache(64), engine.new_cache(64)
+    want = ref.step([Seq(r_cache, PROMPTS[3], Output.HIDDEN)])[0]
+    assert want.shape == (len(PROMPTS[3]), tiny_moe.spec.hidden)
+    logits = ref(PROMPTS[3], ref.new_cache(64), all_logits=True)
+    assert torch.allclose(ref.lm_head(want), logits, atol=1e-4)
+    got = engine.step([Seq(a, PROMPTS[3], Output.HIDDEN), Seq(b, PROMPTS[0])])[0]
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-3
+    want = ref.step([Seq(r_cache, [5], Output.HIDDEN)])[0]
+    got = engine.step([Seq(a, [5], Output.HIDDEN), Seq(b, [7])])[0]
+    assert got.shape == (1, tiny_moe.spec.hidden) and (got - want).abs().max() < 1e-3
 
 
 def test_staged_batch_cpu(tiny_moe: Model, alone: list[list[int]]) -> None:

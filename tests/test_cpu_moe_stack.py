@@ -19,7 +19,7 @@ from kernels.cpu_dense import CacheSpan
 from kernels.cpu_experts import CpuExperts
 from kernels.cpu_moe_stack import MoEStack
 from kernels.quant import QType
-from stratad.engine.batch import Seq
+from stratad.engine.batch import Output, Seq
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.loader import load_model
@@ -79,9 +79,10 @@ def test_chunks_and_threads_give_the_same_bits(tiny_moe: Model, kernels: CpuExpe
 
 
 def test_a_batch_gives_each_sequence_its_bits_alone(tiny_moe: Model, kernels: CpuExperts) -> None:
-    """`step` over three sequences (a decode token after a prompt, a second prompt chunk, a
-    first prompt whose every logit is asked for) in one call: each sequence's logits and cache
-    the bits of it alone, and the same routing counts."""
+    """`step` over three sequences (a decode token after a prompt, a second prompt chunk whose
+    final-norm hidden states are asked for, a first prompt whose every logit is asked for) in
+    one call: each sequence's rows and cache the bits of it alone, and the same routing
+    counts."""
     fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
     alone = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
     firsts = [list(range(5, 12)), list(range(30, 34)), []]
@@ -91,18 +92,18 @@ def test_a_batch_gives_each_sequence_its_bits_alone(tiny_moe: Model, kernels: Cp
         for c, tokens in zip(caches[f], firsts, strict=True):
             if tokens:
                 f(tokens, c)
-    pairs = enumerate(zip(caches[fast], nexts, strict=True))
-    batch = [Seq(c, n, all_logits=i == 2) for i, (c, n) in pairs]
-    got = fast.step(batch)
+    outs = [Output.NEXT, Output.HIDDEN, Output.LOGITS]
+    got = fast.step([Seq(*a) for a in zip(caches[fast], nexts, outs, strict=True)])
     for i, (c, n) in enumerate(zip(caches[alone], nexts, strict=True)):
-        want = alone(n, c, all_logits=i == 2)
+        want = alone.step([Seq(c, n, outs[i])])[0]
         assert torch.equal(got[i], want)
         mine = caches[fast][i]
         assert mine.length == c.length and mine.tokens == c.tokens
         n = c.length  # past it a cache holds whatever its allocation held (never read)
         assert all(torch.equal(a[:n], b[:n]) for a, b in zip(mine.k + mine.v, c.k + c.v,
                                                               strict=True))  # fmt: skip
-    assert [g.shape[0] for g in got] == [1, 1, 5]
+    v, h = tiny_moe.spec.vocab_size, tiny_moe.spec.hidden
+    assert [tuple(g.shape) for g in got] == [(1, v), (6, h), (5, v)]
     assert torch.equal(fast.route_counts, alone.route_counts)
 
 

@@ -1,7 +1,8 @@
 """The HTTP server in-process over real sockets, with an engine whose prefill is slow on
-purpose: SSE keep-alive comments before the first token, and CORS (off by default, then on for
-the configured origins only). The engine is the one part faked: tiny-moe prefills too fast to
-show a keep-alive, and CORS does not depend on it."""
+purpose: SSE keep-alive comments before the first token, CORS (off by default, then on for
+the configured origins only), and the embeddings route turned off. The engine is the one part
+faked: tiny-moe prefills too fast to show a keep-alive, and neither CORS nor a route turned off
+depends on it."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def serving(config: ServerConfig) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def plain() -> Iterator[str]:
-    with serving(ServerConfig(sse_keepalive_s=KEEPALIVE_S, api_key="k")) as url:
+    with serving(ServerConfig(sse_keepalive_s=KEEPALIVE_S, api_key="k", embeddings="off")) as url:
         yield url
 
 
@@ -152,6 +153,15 @@ async def _preflight(
 async def _get(url: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
     async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
         return r.status, dict(r.headers)
+
+
+def test_embeddings_turned_off_answer_501(plain: str) -> None:
+    client = openai.OpenAI(base_url=f"{plain}/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.embeddings.create(model="slow", input="hi")
+    assert info.value.status_code == 501, info.value
+    assert "server.embeddings" in info.value.message
+    assert isinstance(info.value.body, dict) and info.value.body["type"] == "not_supported_error"
 
 
 def test_cors_is_off_by_default(plain: str) -> None:

@@ -4,14 +4,16 @@
 sequence adds one token to a started cache is one decode pass (B rows, one token each);
 anything else is prefill, its tokens packed in order into chunks of at most the engine's
 `prefill_chunk` tokens, a chunk holding the end of one sequence's tokens and the start of
-the next one's. Each sequence gets the logits of its last new token, or of every new token
-when it asks (a verify window).
+the next one's. Each sequence gets what its `Output` asks: the logits of its last new token,
+of every new token (a verify window), or the final norm's output of every new token (the
+hidden states an embedding pools).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import torch
@@ -20,13 +22,26 @@ from stratad.engine.kv import KVCache
 from stratad.engine.passes import Chunk, Pass, Span
 
 
+class Output(Enum):
+    """What a sequence of a batch gets back from the step."""
+
+    NEXT = "next"  # logits [1, V] of its last new token: the next token is drawn from them
+    LOGITS = "logits"  # logits [T, V] of every new token (a drafted window to verify)
+    HIDDEN = "hidden"  # the final norm's output [T, H] float32 of every new token (pooling)
+
+
 @dataclass(frozen=True)
 class Seq:
     """One sequence of a batch: `tokens` to append to `cache`."""
 
     cache: KVCache
     tokens: list[int]
-    all_logits: bool = False  # the logits of every new token, not only of the last
+    out: Output = Output.NEXT
+
+    @classmethod
+    def logits(cls, cache: KVCache, tokens: list[int], every: bool) -> Seq:
+        """The sequence asking for the logits of its last new token, or of `every` one."""
+        return cls(cache, tokens, Output.LOGITS if every else Output.NEXT)
 
 
 class Layers(Protocol):
@@ -44,6 +59,11 @@ class Layers(Protocol):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] float32 of the hidden rows x [R, H]."""
+        ...
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [R, H] float32 of the hidden rows x [R, H] (what `head`
+        multiplies by the output matrix)."""
         ...
 
     def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
@@ -67,8 +87,10 @@ def check_batch(seqs: Sequence[Seq]) -> None:
 
 
 def is_decode(seqs: Sequence[Seq]) -> bool:
-    """Every sequence adds one token to a started cache."""
-    return all(len(s.tokens) == 1 and s.cache.length > 0 for s in seqs)
+    """Every sequence adds one token to a started cache and asks for its logits."""
+    return all(
+        len(s.tokens) == 1 and s.cache.length > 0 and s.out is not Output.HIDDEN for s in seqs
+    )
 
 
 def chunks(lengths: Sequence[int], budget: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -95,7 +117,8 @@ def _append(cache: KVCache, tokens: list[int]) -> None:
 
 
 def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-    """Each sequence's logits: [1, V] of its last new token, or [T, V] with `all_logits`."""
+    """Each sequence's `Output`: logits [1, V] of its last new token, [T, V] of every one, or
+    the final norm's output [T, H]."""
     check_batch(seqs)
     if is_decode(seqs):
         logits = layers.decode([s.tokens[0] for s in seqs], [s.cache for s in seqs])
@@ -108,18 +131,23 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         tokens = [t for b, at, n in part for t in seqs[b].tokens[at : at + n]]
         pos = [p for s in spans for p in range(s.start, s.start + s.tokens)]
         x = layers.run(tokens, pos, [seqs[b].cache for b, _, _ in part], Chunk(spans))
-        wanted: list[tuple[int, int]] = []  # (sequence, row) of the logits asked for
+        heads: list[tuple[int, int]] = []  # (sequence, row) of the logits asked for
+        norms: list[tuple[int, int]] = []  # (sequence, row) of the final norm's outputs
         row = 0
         for b, at, n in part:
-            if seqs[b].all_logits:
-                wanted.extend((b, r) for r in range(row, row + n))
+            want = seqs[b].out
+            if want is Output.HIDDEN:
+                norms.extend((b, r) for r in range(row, row + n))
+            elif want is Output.LOGITS:
+                heads.extend((b, r) for r in range(row, row + n))
             elif at + n == len(seqs[b].tokens):
-                wanted.append((b, row + n - 1))
+                heads.append((b, row + n - 1))
             row += n
-        if wanted:
-            logits = layers.head(x[torch.tensor([r for _, r in wanted], device=x.device)])
-            for (b, _), lg in zip(wanted, logits.split(1), strict=True):
-                out[b].append(lg)
+        for wanted, rows_of in ((heads, layers.head), (norms, layers.final_norm)):
+            if wanted:
+                rows = rows_of(x[torch.tensor([r for _, r in wanted], device=x.device)])
+                for (b, _), r in zip(wanted, rows.split(1), strict=True):
+                    out[b].append(r)
         for b, at, n in part:
             _append(seqs[b].cache, seqs[b].tokens[at : at + n])
     return [torch.cat(o) for o in out]

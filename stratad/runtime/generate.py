@@ -4,7 +4,9 @@
 of them), after loading the longest known prefix of its prompt (that cache's own, or a
 snapshot in the `PrefixStore`). `step` advances every running sequence the step's plan picks
 in one batched forward and returns what each got (an event, or the error that ended it);
-`finish` ends a sequence (done, failed or cancelled) and gives its cache back. The daemon's
+`finish` ends a sequence (done, failed or cancelled) and gives its cache back. `pool` admits
+an embedding request the same way (`stratad.runtime.pooling`): it computes its whole prompt on
+the least recently used free cache and its one event is the pooled vector. The daemon's
 engine thread calls exactly these, one step at a time (`stratad.runtime.service.Engine`).
 
 For a caller with one request, or a test that interleaves a few: `turns` yields one
@@ -24,9 +26,10 @@ from collections.abc import Callable
 from stratad.engine.kv import KVCache
 from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
+from stratad.runtime.pooling import Pooling, PoolingRequest
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
-from stratad.runtime.step import Forward, Outcome, StepLoop
+from stratad.runtime.step import Active, Forward, Outcome, StepLoop
 from stratad.runtime.step_plan import StepBudget
 
 # a request's events; closing it ends the request and frees its cache
@@ -62,8 +65,8 @@ class Generator:
         self._used = [0] * parallel  # when each cache was last taken, for least-recently-used
         self._taken = 0
         self.cached_tokens = 0  # prompt tokens the last request started reused, not computed
-        self._owner: dict[int, Sequence] = {}  # cache index -> the sequence running on it
-        self._waiting: dict[Sequence, collections.deque[Outcome]] = {}
+        self._owner: dict[int, Active] = {}  # cache index -> the sequence running on it
+        self._waiting: dict[Active, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         budget = StepBudget.auto(prefill_chunk, parallel, step_tokens)
         self.loop = StepLoop(forward, budget, self.store, self.timer)
@@ -125,12 +128,36 @@ class Generator:
             self.store.save(self.caches[i], req.pin, pinned=True, scope=req.scope)
         seq = Sequence(req, self.caches[i], self.tokenizer, self.max_context)
         seq.cached_tokens = self.cached_tokens = pos
+        self._admit(i, seq)
+        return seq
+
+    def pool(self, req: PoolingRequest) -> Pooling:
+        """Admit an embedding request on the free working cache taken longest ago (it reuses
+        no prefix: every token's hidden state is pooled); its `Pooling`, which `step` advances
+        like a sequence until its one event. The conversation that cache held is set aside
+        first, as for any request; the prompt's KV stays there for the next one of `scope`."""
+        if len(req.prompt) > self.max_context:
+            raise ValueError(
+                f"prompt of {len(req.prompt)} tokens does not fit the context of {self.max_context}"
+            )
+        i = self._pick([], req.scope)
+        cache = self.caches[i]
+        if cache.length:
+            self.store.save(cache, cache.length, scope=self._scopes[i])
+        cache.truncate(0)
+        self._scopes[i] = req.scope
+        seq = Pooling(req, cache, self.max_context)
+        self.cached_tokens = 0
+        self._admit(i, seq)
+        return seq
+
+    def _admit(self, i: int, seq: Active) -> None:
+        """`seq` runs on working cache i from the next step."""
         self._taken += 1
         self._used[i] = self._taken
         self._owner[i] = seq
         self._waiting[seq] = collections.deque()  # for `turns`
         self.loop.add(seq)
-        return seq
 
     def turns(self, seq: Sequence, cancelled: Callable[[], bool] = lambda: False) -> Turns:
         """`seq`'s events until it stops, is cancelled, or the iterator is closed; then its
@@ -148,6 +175,7 @@ class Generator:
                 event = waiting.popleft()
                 if isinstance(event, Exception):  # its own part of a step failed
                     raise event
+                assert isinstance(event, GenerationEvent), "turns are a generating sequence's"
                 if seq.sampled == 1 and cancelled():  # cancelled during the prompt
                     return
                 yield event
@@ -169,7 +197,7 @@ class Generator:
         is asked for)."""
         yield from self.events(self.start(req), cancelled)
 
-    def step(self) -> list[tuple[Sequence, Outcome]]:
+    def step(self) -> list[tuple[Active, Outcome]]:
         """One step: the outcome of every sequence that sampled a token or failed in it. A
         sequence that finished or failed has left the loop; `finish` gives its cache back.
         If the forward itself fails, every running sequence's cache is forgotten (what the
@@ -181,7 +209,7 @@ class Generator:
                 s.cache.truncate(0)
             raise
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Active) -> None:
         """`seq` ends (done, failed or cancelled): its cache is free again, its KV kept for
         the next request of the same conversation. Idempotent."""
         if seq in self.loop.running:

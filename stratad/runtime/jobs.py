@@ -7,7 +7,7 @@ import this module; only the engine side imports torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -38,8 +38,24 @@ class Tool(msgspec.Struct, frozen=True):
     parameters: dict[str, Any] | None = None
 
 
+# how an embedding pools its prompt's hidden states: their mean, or the last token's
+PoolingKind = Literal["mean", "last"]
+
+
+class Embed(msgspec.Struct, frozen=True, kw_only=True):
+    """What an embedding job asks instead of a completion: its prompt's final-norm hidden
+    states pooled into one L2-normalised vector."""
+
+    pooling: PoolingKind = "mean"
+    """as `server.embeddings` says"""
+    dimensions: int | None = None
+    """The vector's length the client asked for; None: the model's width, the only one
+    served (checked by the engine)."""
+
+
 class Job(msgspec.Struct, frozen=True, kw_only=True):
-    """One completion request. Exactly one of `messages`, `prompt` and `prompt_ids` is set."""
+    """One completion request, or an embedding (`embed`). Exactly one of `messages`, `prompt`
+    and `prompt_ids` is set."""
 
     messages: tuple[ChatMessage, ...] | None = None
     prompt: str | None = None
@@ -76,6 +92,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     scope: str = ""
     """Whose cached prefixes it may reuse: a hash of its API key and `user` (the server's
     `cache_scope`); requests of one scope never see another's."""
+    embed: Embed | None = None
+    """An embedding: the prompt's pooled hidden state instead of a completion (its sampling
+    fields unused); None: a completion."""
 
 
 class PreparedJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +141,9 @@ class Delta(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache instead of being computed."""
+    embedding: bytes | None = None
+    """An embedding job's vector, on its one (last) delta: float32 little-endian, the bytes
+    OpenAI's base64 encoding carries."""
 
 
 class JobError(ValueError):

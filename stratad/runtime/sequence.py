@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stratad.engine.batch import Output
 from stratad.engine.kv import KVCache
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
 from stratad.runtime.grammar import Constraint
@@ -43,6 +44,8 @@ class GenerationEvent:
 
 
 class Sequence:
+    out = Output.NEXT  # what it asks of each forward: the logits its next token is drawn from
+
     def __init__(
         self, req: GenerationRequest, cache: KVCache, tokenizer: Tokenizer, max_context: int
     ) -> None:

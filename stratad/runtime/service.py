@@ -1,6 +1,7 @@
 """The engine as the daemon runs it: a model runner, its tokenizer and the generator behind
 `Job`s: tokenising and checking requests, one step of every running job at a time, and
-what each step's tokens become (deltas with text, logprobs and usage)."""
+what each step's tokens become (deltas with text, logprobs and usage; an embedding job's one
+delta carries its pooled vector)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from stratad.config import Config
 from stratad.engine.runner import open_runner
@@ -18,15 +21,18 @@ from stratad.runtime.grammar_check import GrammarChecker, Vocabulary
 from stratad.runtime.jobs import (
     CONTEXT_LENGTH_EXCEEDED,
     Delta,
+    Embed,
     Job,
     JobError,
     PreparedJob,
     TokenLogprob,
     TopLogprob,
 )
+from stratad.runtime.pooling import PooledEvent, PoolingRequest
 from stratad.runtime.prefix import PrefixStore, common_prefix
 from stratad.runtime.sampling import SamplingParams
-from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
+from stratad.runtime.sequence import GenerationEvent, GenerationRequest
+from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
 from stratad.store.pinning import ProgressFn
 from stratad.store.store import ExpertStore
@@ -39,7 +45,7 @@ class Running:
     """A job on the engine: its sequence and the tokens it has been given."""
 
     job: PreparedJob
-    seq: Sequence
+    seq: Active
     tokens: int = 0
 
 
@@ -84,7 +90,7 @@ class Engine:
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
         )
-        self._running: dict[Sequence, Running] = {}
+        self._running: dict[Active, Running] = {}
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
         self.info = EngineInfo(
@@ -130,9 +136,10 @@ class Engine:
             vocab = self.tokenizer.vocab_size
             bad = next((t for t in job.prompt_ids if not 0 <= t < vocab), None)
             if bad is not None:
+                field = _field(job)
                 raise JobError(
-                    f"the prompt has token id {bad}; the vocabulary has ids 0 to {vocab - 1}",
-                    "prompt",
+                    f"the {field} has token id {bad}; the vocabulary has ids 0 to {vocab - 1}",
+                    field,
                 )
             return list(job.prompt_ids)
         return self.tokenizer.encode(job.prompt or "", add_special=True)
@@ -142,7 +149,7 @@ class Engine:
 
         Raises `JobError` (naming the field) for what the client must change.
         """
-        field = "messages" if job.messages is not None else "prompt"
+        field = _field(job)
         # refused before tokenizing (which holds the GIL for seconds on megabytes of text):
         # the context's tokens cannot stand for more bytes than this
         if job.messages is None:
@@ -155,14 +162,16 @@ class Engine:
         nbytes, most = len(text.encode()), self.info.max_context * self.tokenizer.max_token_bytes
         if nbytes > most:
             raise JobError(
-                f"the prompt has {nbytes:,} bytes of text, more than the context of"
+                f"the {field} has {nbytes:,} bytes of text, more than the context of"
                 f" {self.info.max_context} tokens can hold (at most {most:,} bytes)",
                 field,
                 CONTEXT_LENGTH_EXCEEDED,
             )
         prompt = self.tokenize(job)
         if not prompt:
-            raise JobError("the prompt is empty", field)
+            raise JobError(f"the {field} is empty", field)
+        if job.embed is not None:
+            return self._prepare_embedding(job, job.embed, prompt)
         room = self.info.max_context - len(prompt)
         if room < 1:
             raise JobError(
@@ -202,6 +211,22 @@ class Engine:
             pin=min(pin, len(prompt) - 1),
         )
 
+    def _prepare_embedding(self, job: Job, embed: Embed, prompt: list[int]) -> PreparedJob:
+        context, width = self.info.max_context, self.model.spec.hidden
+        if len(prompt) > context:
+            raise JobError(
+                f"the input has {len(prompt)} tokens; the context holds {context}",
+                "input",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        if embed.dimensions is not None and embed.dimensions != width:
+            raise JobError(
+                f"dimensions={embed.dimensions} cannot be served: this model's embeddings have"
+                f" {width} dimensions, and it was not trained for shortened ones",
+                "dimensions",
+            )
+        return PreparedJob(job=job, prompt=tuple(prompt), max_tokens=0)
+
     @property
     def parallel(self) -> int:
         """Requests that run at once (one working cache each)."""
@@ -210,6 +235,11 @@ class Engine:
     def add(self, job: PreparedJob) -> Running:
         """Start a prepared job on a free working cache; it computes from the next `step`."""
         spec = job.job
+        if spec.embed is not None:
+            pooled = PoolingRequest(list(job.prompt), spec.embed.pooling, spec.scope)
+            run = Running(job, self.generator.pool(pooled))
+            self._running[run.seq] = run
+            return run
         req = GenerationRequest(
             prompt=list(job.prompt),
             max_tokens=job.max_tokens,
@@ -250,6 +280,15 @@ class Engine:
             if isinstance(outcome, Exception):
                 self.abort(run)
                 out.append((run, outcome))
+                continue
+            if isinstance(outcome, PooledEvent):
+                self.abort(run)
+                out.append((run, Delta(
+                    text="",
+                    finish_reason=outcome.finish_reason,
+                    prompt_tokens=len(run.job.prompt),
+                    embedding=float32_bytes(outcome.vector),
+                )))  # fmt: skip
                 continue
             run.tokens += 1
             if run.tokens == 1 and self.timer.enabled:  # its prefill and first sample are done
@@ -387,3 +426,14 @@ class Engine:
             ),
         ]
 
+
+def _field(job: Job) -> str:
+    """The request field a job's prompt came from, named when it is refused."""
+    if job.embed is not None:
+        return "input"
+    return "messages" if job.messages is not None else "prompt"
+
+
+def float32_bytes(vector: torch.Tensor) -> bytes:
+    """A vector as float32 little-endian bytes (OpenAI's base64 embeddings carry these)."""
+    return vector.detach().float().cpu().numpy().astype("<f4").tobytes()

@@ -1,10 +1,12 @@
 """The generation loop as one step: schedule -> forward(batch) -> sample and update.
 
-`StepLoop` holds the running sequences. Each `step` plans what each computes (`plan_step`:
-every decoding sequence's token, then prompt chunks in arrival order within the step's
-budget), runs one batched forward over those (`Forward.step`: B sequences, each its own KV
-cache), then samples each sequence whose prompt is done and records pinned prefixes. A
-sequence that finished leaves the loop; its cache is the caller's again. A sequence whose
+`StepLoop` holds the running sequences: generating `Sequence`s, and `Pooling`s (embedding
+requests, which compute their prompt and pool its hidden states instead of sampling). Each
+`step` plans what each computes (`plan_step`: every decoding sequence's token, then prompt
+chunks in arrival order within the step's budget), runs one batched forward over those
+(`Forward.step`: B sequences, each its own KV cache), then samples each sequence whose
+prompt is done, records pinned prefixes, and pools the poolings' rows. A sequence that
+finished leaves the loop; its cache is the caller's again. A sequence whose
 own part of the step fails (its grammar refuses, its sampler raises) leaves the loop with
 that error as its outcome; the others' outcomes of the same step stand, so one request's
 failure never changes another's tokens.
@@ -20,12 +22,15 @@ import torch
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache
 from stratad.engine.timing import StageTimer
+from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.step_plan import StepBudget, Want, plan_step
 
-# what a step gave one sequence: its next event, or the error that ended it
-Outcome = GenerationEvent | Exception
+# a request in the loop: one that generates, or one that pools its prompt (an embedding)
+Active = Sequence | Pooling
+# what a step gave one of them: its next event, or the error that ended it
+Outcome = GenerationEvent | PooledEvent | Exception
 
 
 class Forward(Protocol):
@@ -46,17 +51,17 @@ class StepLoop:
     ) -> None:
         self.forward, self.budget, self.prefixes = forward, budget, prefixes
         self.timer = timer or StageTimer(enabled=False)
-        self.running: list[Sequence] = []
+        self.running: list[Active] = []
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Active) -> None:
         if any(s.cache is seq.cache for s in self.running):
             raise ValueError("a KV cache can serve one running sequence at a time")
         self.running.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Active) -> None:
         self.running.remove(seq)
 
-    def step(self) -> list[tuple[Sequence, Outcome]]:
+    def step(self) -> list[tuple[Active, Outcome]]:
         """Advance the running sequences the plan picks: the outcomes of those that sampled a
         token (a sequence still in its prompt samples nothing) or failed; finished and failed
         ones leave the loop."""
@@ -66,12 +71,12 @@ class StepLoop:
         wants = [Want(len(t), not s.prefilling) for s, t in zip(self.running, nexts, strict=True)]
         picked = plan_step(wants, self.budget)
         seqs = [self.running[i] for i in picked]
-        batch = [Seq(self.running[i].cache, nexts[i]) for i in picked]
-        logits = self.forward.step(batch)
-        out: list[tuple[Sequence, Outcome]] = []
-        for s, b, lg in zip(seqs, batch, logits, strict=True):
+        batch = [Seq(s.cache, nexts[i], s.out) for i, s in zip(picked, seqs, strict=True)]
+        rows = self.forward.step(batch)
+        out: list[tuple[Active, Outcome]] = []
+        for s, b, r in zip(seqs, batch, rows, strict=True):
             try:
-                event = self._advance(s, len(b.tokens), lg)
+                event = s.pool(r) if isinstance(s, Pooling) else self._advance(s, len(b.tokens), r)
             except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
                 self.running.remove(s)
                 out.append((s, err))
@@ -94,3 +99,4 @@ class StepLoop:
                 return None
         with self.timer.stage("sampling"):
             return s.sample(logits[-1])
+

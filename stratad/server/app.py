@@ -31,6 +31,7 @@ from stratad.server.llama.routes import LlamaRoutes
 from stratad.server.metrics import CONTENT_TYPE, Collector, ServerMetrics, StoreView
 from stratad.server.openai import requests as oa
 from stratad.server.openai import responses as rs
+from stratad.server.openai.embeddings import Embeddings
 from stratad.server.openapi import render as render_openapi
 from stratad.server.tokens import TokenRoutes
 
@@ -110,11 +111,13 @@ class Server:
         self.tokens = TokenRoutes(config.body_timeout_s)
         self.llama = LlamaRoutes(self.completions)  # llama-server's native API
         self.anthropic = anthropic.Messages(self.completions)
+        self.embeddings = Embeddings(self.completions, config.embeddings)
         self.app = web.Application(client_max_size=config.max_body_bytes, middlewares=[self._guard])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self.completions.chat),
                 web.post("/v1/completions", self.completions.text),
+                web.post("/v1/embeddings", self.embeddings.create),
                 web.post(anthropic.MESSAGES, self.anthropic.messages),
                 web.post(anthropic.COUNT_TOKENS, self.anthropic.count_tokens),
                 web.get("/v1/models", self.models),

@@ -17,6 +17,7 @@ from stratad import __version__
 from stratad.server import tokens as tk
 from stratad.server.anthropic import answers as aa
 from stratad.server.anthropic import requests as am
+from stratad.server.openai import embeddings as em
 from stratad.server.openai import requests as oa
 from stratad.server.openai import responses as rs
 
@@ -27,6 +28,8 @@ _TYPES: tuple[Any, ...] = (
     rs.ChatCompletion,
     rs.ChatCompletionChunk,
     rs.Completion,
+    em.EmbeddingRequest,
+    em.EmbeddingList,
     rs.ModelList,
     rs.ErrorResponse,
     oa.Health,
@@ -128,6 +131,17 @@ def _json_op(summary: str, request: type, response: type) -> dict[str, Any]:
     }
 
 
+def _embeddings_op() -> dict[str, Any]:
+    op = _json_op("Embeddings: each input's pooled hidden state", em.EmbeddingRequest,
+                  em.EmbeddingList)  # fmt: skip
+    op["responses"].update({
+        "404": _error("`model` names a model this server does not serve (`model_not_found`)."),
+        "429": _ERRORS["429"],
+        "501": _error("Embeddings are off on this server (`server.embeddings`)."),
+    })  # fmt: skip
+    return op
+
+
 def _anthropic_op(summary: str, request: type, response: type, stream: bool) -> dict[str, Any]:
     """An operation of Anthropic's Messages API: its errors in Anthropic's shape, its stream
     Anthropic's named events."""
@@ -221,6 +235,7 @@ def build_spec() -> dict[str, Any]:
                     "Text completion", oa.CompletionRequest, rs.Completion, rs.Completion
                 )
             },
+            "/v1/embeddings": {"post": _embeddings_op()},
             "/v1/messages": {
                 "post": _anthropic_op("Anthropic's Messages API: a message (`stream`: its events)",
                                       am.MessagesRequest, aa.MessageResponse, stream=True)

@@ -386,6 +386,10 @@ class OffloadForward:
         """Logits [R, V] float32 of the hidden rows x [R, H]."""
         return self.linear(rms_norm(x, self.norm, self.spec.rms_eps), self.lm_head).float()
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [R, H] float32 of the hidden rows x [R, H]."""
+        return rms_norm(x, self.norm, self.spec.rms_eps).float()
+
     def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         """Logits [B, V] after one more token of each sequence (see `batch.Layers`)."""
         self.experts.apply()
@@ -406,9 +410,9 @@ class OffloadForward:
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        """One step of a batch: each sequence's logits ([1, V], or [T, V] if it asks)."""
+        """One step of a batch: each sequence's `Output` (logits [1, V], or what it asks)."""
         return run_batch(self, seqs)
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """The ReferenceForward interface: logits [1, V] of the last token ([T, V] of all)."""
-        return self.step([Seq(cache, tokens, all_logits)])[0]
+        return self.step([Seq.logits(cache, tokens, all_logits)])[0]

@@ -161,6 +161,9 @@ class StagedForward:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].head(x.to(self.stages[-1].device))
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages[-1].final_norm(x.to(self.stages[-1].device))
+
     def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         for stage in self.stages:
             stage.experts.apply()
@@ -172,4 +175,4 @@ class StagedForward:
         return run_batch(self, seqs)
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        return self.step([Seq(cache, tokens, all_logits)])[0]
+        return self.step([Seq.logits(cache, tokens, all_logits)])[0]

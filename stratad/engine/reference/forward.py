@@ -18,7 +18,7 @@ import torch
 
 from kernels.cpu_dense import CACHE_DTYPE, CacheSpan
 from kernels.quant import QTensor
-from stratad.engine.batch import Seq, check_batch
+from stratad.engine.batch import Output, Seq, check_batch
 from stratad.engine.kv import KVCache
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.reference.store_moe import ExpertProvider
@@ -109,8 +109,8 @@ def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
 
 
 class ReferenceForward:
-    """Computes logits for new tokens of a sequence (`__call__`) or of a batch (`step`),
-    appending to their KV caches."""
+    """Computes logits for new tokens of a sequence (`__call__`) or of a batch (`step`: what
+    each sequence's `Output` asks), appending to their KV caches."""
 
     def __init__(
         self,
@@ -167,14 +167,15 @@ class ReferenceForward:
         return KVCache.allocate(self.spec, max_len, self.device, dtype, zeroed=False)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        """A batch: each sequence's logits as `__call__` gives them. The reference defines
+        """A batch: each sequence's `Output` (logits as `__call__` gives them, or the final
+        norm's output [T, H] float32 of its new tokens). The reference defines
         each sequence alone and runs them one after another; the one-call layers of the cpu
         engine take the whole batch in one call (every weight read once for all its tokens),
         each sequence's results bit for bit those of it alone."""
         check_batch(seqs)
         if self.stack is not None:
             return self._stacked(seqs)
-        return [self._alone(s.tokens, s.cache, s.all_logits) for s in seqs]
+        return [self._alone(s.tokens, s.cache, s.out) for s in seqs]
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Logits [T, V] for every new token (or [1, V] for the last one)."""
@@ -182,9 +183,10 @@ class ReferenceForward:
             raise ValueError(
                 f"{cache.length + len(tokens)} tokens exceed the KV cache of {cache.capacity}"
             )
+        seq = Seq.logits(cache, tokens, all_logits)
         if self.stack is not None:
-            return self._stacked([Seq(cache, tokens, all_logits)])[0]
-        return self._alone(tokens, cache, all_logits)
+            return self._stacked([seq])[0]
+        return self._alone(tokens, cache, seq.out)
 
     @torch.inference_mode()
     def _stacked(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
@@ -201,20 +203,32 @@ class ReferenceForward:
         if routed is not None:  # [layers, T, k]: the MoE stack's experts per token
             flat = routed.reshape(spec.n_layers, -1)
             self.route_counts.scatter_add_(1, flat, torch.ones_like(flat))
-        rows: list[int] = []  # the rows whose logits each sequence asks for, in order
+        rows: list[int] = []  # the rows each sequence asks for, in order
+        sizes: list[int] = []
         at = 0
         for s in seqs:
             n = len(s.tokens)
-            rows.extend(range(at, at + n) if s.all_logits else (at + n - 1,))
+            mine = range(at + n - 1, at + n) if s.out is Output.NEXT else range(at, at + n)
+            rows.extend(mine)
+            sizes.append(len(mine))
             at += n
             s.cache.length += n
             s.cache.tokens.extend(s.tokens)
         with stage("head"):
-            logits = self.lm_head(rms_norm(x[rows], self.norm, spec.rms_eps)).float()
-        return list(logits.split([len(s.tokens) if s.all_logits else 1 for s in seqs]))
+            normed = rms_norm(x[rows], self.norm, spec.rms_eps).split(sizes)
+            heads = [i for i, s in enumerate(seqs) if s.out is not Output.HIDDEN]
+            logits = (
+                self.lm_head(torch.cat([normed[i] for i in heads])).float().split(
+                    [sizes[i] for i in heads])
+                if heads else ()
+            )  # fmt: skip
+        out = [n.float() for n in normed]
+        for i, lg in zip(heads, logits, strict=True):
+            out[i] = lg
+        return out
 
     @torch.inference_mode()
-    def _alone(self, tokens: list[int], cache: KVCache, all_logits: bool) -> torch.Tensor:
+    def _alone(self, tokens: list[int], cache: KVCache, out: Output) -> torch.Tensor:
         """One sequence, layer by layer."""
         spec, start, t = self.spec, cache.length, len(tokens)
         ids = torch.tensor(tokens, device=self.device)
@@ -234,10 +248,11 @@ class ReferenceForward:
                 x = x + self._moe(i, layer, h)
         cache.length = start + t
         cache.tokens.extend(tokens)
-        if not all_logits:
+        if out is Output.NEXT:
             x = x[-1:]
         with stage("head"):
-            return self.lm_head(rms_norm(x, self.norm, spec.rms_eps)).float()
+            normed = rms_norm(x, self.norm, spec.rms_eps)
+            return normed.float() if out is Output.HIDDEN else self.lm_head(normed).float()
 
     def _attention(
         self,

@@ -138,7 +138,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
 # One prompt (text, or token ids), or a list of prompts (texts, or lists of token ids): a
-# JSON Schema union allows one array type, so the list's items are checked in `_prompts`.
+# JSON Schema union allows one array type, so the list's items are checked in `prompts_of`.
 Prompt = Annotated[str, msgspec.Meta(min_length=1)] | Annotated[
     list[str | int | TokenIds], msgspec.Meta(min_length=1)
 ]
@@ -246,8 +246,10 @@ def choices(job: Job, n: int) -> list[Job]:
     ]
 
 
-def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | tuple[int, ...]]:
-    """The prompts of a completion request: texts or token-id tuples."""
+def prompts_of(
+    prompt: str | list[str | int | list[int]], param: str = "prompt"
+) -> list[str | tuple[int, ...]]:
+    """The prompts of a `Prompt` field named `param`: texts or token-id tuples."""
     if isinstance(prompt, str):
         return [prompt]
     kinds = {type(p) for p in prompt}
@@ -258,9 +260,9 @@ def _prompts(prompt: str | list[str | int | list[int]]) -> list[str | tuple[int,
     if kinds == {list}:
         return [tuple(p) for p in prompt]  # type: ignore[arg-type]
     raise RequestError(
-        "prompt must be a string, a list of strings, a list of token ids or a list of such"
+        f"{param} must be a string, a list of strings, a list of token ids or a list of such"
         " lists, not a mix",
-        "prompt",
+        param,
     )
 
 
@@ -272,7 +274,7 @@ def completion_jobs(req: CompletionRequest) -> list[Job]:
         raise RequestError("suffix is not supported", "suffix")
     if req.strata_prefix is not None and req.strata_prefix.messages:
         raise RequestError("a completion has no messages; pin tokens", "strata_prefix.messages")
-    prompts, n = _prompts(req.prompt), req.n or 1
+    prompts, n = prompts_of(req.prompt), req.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise RequestError(
             f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; at most"
