@@ -1,5 +1,5 @@
 """A/B/A a kernel path's switch on this machine and record the verdict as the architecture's
-default in a tuning table (`kernels.ab` decides, `kernels.table_file` holds it).
+default in a tuning table (`kernels.tuning.ab` decides, `kernels.tuning.table_file` holds it).
 
 Each arm is a command with `{value}` (the switch's setting) and `{json}` (a file the command
 writes its figures to) in it; `--metric` names the figure (a list of repeats counts as its
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kernels import ab
+from kernels.tuning import ab
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning import KernelConfigs, load_configs
+from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.batch import Seq
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model

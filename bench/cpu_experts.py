@@ -1,4 +1,4 @@
-"""How fast the CPU expert kernels (kernels/cpu_experts.py) turn weight bytes into outputs,
+"""How fast the CPU expert kernels (kernels/cpu/experts.py) turn weight bytes into outputs,
 against the host's read bandwidth.
 
     python -m bench.cpu_experts [--json PATH] [--threads N ...] [--types Q4_K Q6_K ...]
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_experts import CpuExpertFormat, CpuExperts, physical_cores
-from kernels.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
-from kernels.quant import quantize as quantize_blocks
+from kernels.cpu.experts import CpuExpertFormat, CpuExperts, physical_cores
+from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
+from kernels.formats.quant import quantize as quantize_blocks
 
 HIDDEN, FFN, TOP_K = 2048, 768, 8
 TYPES = ["Q4_0", "Q4_0s", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS",
@@ -101,7 +101,7 @@ def expert_blobs(fmt: CpuExpertFormat, min_bytes: int = 256 << 20) -> list[torch
     shapes = ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))
     parts = [_matrix(q, r, c, gen) for q, (r, c) in zip(fmt.qtypes, shapes, strict=True)]
     if fmt.q4_0_split:
-        from kernels.moe import split_q4_0
+        from kernels.experts.moe import split_q4_0
 
         parts = [split_q4_0(p.reshape(r, -1)) if q == QType.Q4_0 else p
                  for p, q, (r, _) in zip(parts, fmt.qtypes, shapes, strict=True)]  # fmt: skip

@@ -56,7 +56,7 @@ from typing import Any
 import msgspec
 
 from bench import memlimit
-from kernels.cpu_build import OMP_WAIT
+from kernels.cpu.build import OMP_WAIT
 
 
 def _rss() -> dict[str, int]:
@@ -76,7 +76,7 @@ def _prompt(n: int, vocab: int, seq: int = 0) -> list[int]:
 def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     import torch
 
-    from kernels.cpu_experts import CpuExperts
+    from kernels.cpu.experts import CpuExperts
     from stratad.engine.batch import Seq
     from stratad.engine.reference.forward import ReferenceForward
     from stratad.engine.reference.weights_mode import QuantWeights
@@ -179,7 +179,7 @@ def run_llama_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def _llama_env() -> dict[str, str]:
     """The environment llama.cpp's tools run in: this one without the passive OpenMP wait that
-    `bench` asks for its own runtimes (`kernels.cpu_build.quiet_openmp`), which is not
+    `bench` asks for its own runtimes (`kernels.cpu.build.quiet_openmp`), which is not
     llama.cpp's setting and cuts its decode by two thirds here (45 against 130 tok/s)."""
     return {k: v for k, v in os.environ.items() if k != OMP_WAIT[0]}
 

@@ -21,10 +21,10 @@ import torch
 
 from bench.e2e_report import markdown
 from bench.ram_tier import ram_tier
-from kernels.expert_fetch import fetch_experts
-from kernels.link_pace import ns_per_blob
-from kernels.moe import fused_moe
-from kernels.tuning import KernelConfigs, load_configs
+from kernels.experts.expert_fetch import fetch_experts
+from kernels.experts.link_pace import ns_per_blob
+from kernels.experts.moe import fused_moe
+from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.model.loader import load_model
@@ -326,7 +326,7 @@ def parser() -> argparse.ArgumentParser:
         "--link-gbs",
         type=float,
         help="emulate a slower PCIe link: each blob the decode miss copy moves also waits on"
-        " the GPU for the time this rate would add (kernels.link_pace; turns prefetch off)",
+        " the GPU for the time this rate would add (kernels.experts.link_pace; turns prefetch off)",
     )
     p.add_argument(
         "--gpu-miss",

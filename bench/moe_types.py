@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
-from kernels.quant import QType
+from kernels.experts.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
+from kernels.formats.quant import QType
 from stratad.tuning.bench_weights import random_blocks
 
 FORMATS: dict[str, tuple[QType, QType, QType]] = {

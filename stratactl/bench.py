@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model not in PRESETS and not Path(args.model).exists():
         presets = ", ".join(PRESETS)
         return fail(f"--model {args.model}: no such model file (nor a synth preset: {presets})")
-    from kernels.cpu_build import quiet_openmp
+    from kernels.cpu.build import quiet_openmp
 
     quiet_openmp()  # before torch's import: its OpenMP team must not spin beside the kernels'
     import torch  # the measurement needs the device runtime; other verbs start without it
@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench_cpu(args: argparse.Namespace, groups: tuple[str, ...], started: float) -> int:
     """The cpu engine's kernels against the host's ceilings (no GPU here)."""
-    from kernels.cpu_build import CpuKernelsUnavailable
-    from kernels.cpu_experts import CpuExperts
-    from kernels.roofline import judge
+    from kernels.cpu.build import CpuKernelsUnavailable
+    from kernels.cpu.experts import CpuExperts
+    from kernels.tuning.roofline import judge
     from stratad.tuning import cpu_kernel_bench as cb
 
     cpu_groups = tuple(g for g in groups if g in cb.GROUPS)
@@ -140,7 +140,7 @@ def _shapes(model: str) -> tuple[Any, dict[str, Any]]:
     from stratad.tuning.kernel_bench import BenchShapes, expert_mixes
 
     if model in PRESETS and not Path(model).exists():
-        from kernels.quant import QType
+        from kernels.formats.quant import QType
 
         p = PRESETS[model]
         if not p.is_moe:
@@ -163,7 +163,7 @@ def _bench(args: argparse.Namespace, groups: tuple[str, ...], shapes: Any,
 
     import torch
 
-    from kernels.roofline import judge, measure_ceilings, table
+    from kernels.tuning.roofline import judge, measure_ceilings, table
     from stratad.tuning.kernel_bench import run_cases
 
     if args.quick:
@@ -201,7 +201,7 @@ def _settings(shapes: Any) -> tuple[Any, str]:
     these shapes), and the line that says which."""
     import dataclasses
 
-    from kernels.tuning import KernelConfigs
+    from kernels.tuning.configs import KernelConfigs
     from stratad.engine.offload.kernel_table import Shapes, lookup, this_stack
 
     stack = this_stack()

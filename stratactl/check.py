@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kernels import tables
+from kernels.tuning import tables
 from stratactl.check_pack import MANIFEST, check_pack, pack_dir, pack_header
 from stratactl.client import (
     Client,

@@ -171,7 +171,7 @@ def _ram() -> Report:
 def _cpu_kernels() -> Report:
     """Whether the C compiler builds the CPU kernels (the cpu engine and the CPU's share of a
     GPU step's misses), and where the library is cached."""
-    from kernels import cpu_build
+    from kernels.cpu import build as cpu_build
 
     try:
         return {"library": str(cpu_build.build()), "compiler": " ".join(cpu_build.compiler())}

@@ -14,7 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kernels import tables
+from kernels.tuning import tables
 from stratactl.client import fail, print_json
 
 EXIT_NO_MATCH = 3

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from kernels import tables
+from kernels.tuning import tables
 from stratactl.client import fail, print_json
 
 
@@ -56,7 +56,7 @@ def _stack(args: argparse.Namespace) -> tables.Stack | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels.tuning import TUNED
+    from kernels.tuning.configs import TUNED
 
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(wanted) - set(TUNED))
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     stack = _stack(args)
     if isinstance(stack, str):
         return fail(stack)
-    from kernels.tuning import configs_to_json
+    from kernels.tuning.configs import configs_to_json
     from stratad.model.spec import ModelError
     from stratad.tuning.tuner import tune
 
@@ -134,7 +134,7 @@ def _header(torch, device, stack: tables.Stack) -> dict[str, str]:  # type: igno
 def _merged(path: Path, stack: tables.Stack, bucket: dict, header: dict) -> dict:  # type: ignore[type-arg]
     """The table to write: the existing one's other buckets, switches and measured mismatch
     cost kept (an unreadable one is replaced), this run's bucket and header."""
-    from kernels import table_file
+    from kernels.tuning import table_file
 
     try:
         old = table_file.read(path, stack.key) if path.exists() else None

@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from kernels.cpu_build import quiet_openmp
+    from kernels.cpu.build import quiet_openmp
 
-    quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu_build.py)
+    quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu/build.py)
     from stratad.control.lifecycle import Operations
     from stratad.control.server import ControlError
     from stratad.model.spec import ModelError

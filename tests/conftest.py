@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kernels.cpu_build import quiet_openmp
+from kernels.cpu.build import quiet_openmp
 
-quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu_build.py)
+quiet_openmp()  # before torch loads its OpenMP runtime (see kernels/cpu/build.py)
 
 import torch  # noqa: E402
 

@@ -11,7 +11,7 @@ from typing import Any
 
 @functools.cache
 def _engine() -> Any:
-    from kernels.cpu_experts import CpuExperts
+    from kernels.cpu.experts import CpuExperts
     from stratad.engine.reference.forward import ReferenceForward
     from stratad.engine.reference.weights_mode import QuantWeights
     from stratad.model.default import default_model_path

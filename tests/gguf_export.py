@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from kernels.quant import QType, dequantize, quantize
+from kernels.formats.quant import QType, dequantize, quantize
 from stratad.model.gguf import open_gguf
 
 

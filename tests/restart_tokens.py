@@ -18,11 +18,11 @@ import json
 import sys
 from typing import Any
 
-from kernels.cpu_build import quiet_openmp
+from kernels.cpu.build import quiet_openmp
 
 quiet_openmp()  # as stratad's entry point, before torch loads
 
-from kernels.cpu_dense import DenseStack  # noqa: E402
+from kernels.cpu.dense import DenseStack  # noqa: E402
 from stratad.config import parse_config  # noqa: E402
 from stratad.engine.batch import Seq  # noqa: E402
 from stratad.engine.runner import open_runner  # noqa: E402

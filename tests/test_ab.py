@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import ab, tables
+from kernels.tuning import ab, tables
 from stratad.engine.offload.kernel_table import lookup
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tuning import INTERPRETED, KernelConfigs
+from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.batch import Output, Seq, check_batch, chunks
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward

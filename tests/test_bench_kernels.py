@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.quant import QType
-from kernels.roofline import Ceilings, Row, judge, table
+from kernels.formats.quant import QType
+from kernels.tuning.roofline import Ceilings, Row, judge, table
 from stratactl.__main__ import main as stratactl
 
 CEILINGS = Ceilings(h2d_gbs=50.0, d2d_gbs=4000.0, matmul_tflops={"bfloat16": 800.0},
@@ -50,7 +50,7 @@ def test_the_shapes_and_each_type_mix_the_experts_hold() -> None:
     """A Q4_K_M-like file: Q4_K gate/up everywhere, Q6_K down in some layers."""
     import torch
 
-    from kernels.quant import QTensor
+    from kernels.formats.quant import QTensor
     from stratad.model.spec import Model, ModelSpec
     from stratad.tuning.kernel_bench import BenchShapes, expert_mixes
 

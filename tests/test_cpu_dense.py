@@ -1,6 +1,6 @@
-"""A stack of dense layers in one kernel call (kernels/cpu_dense.py, kernels/cpu/dense.h)
+"""A stack of dense layers in one kernel call (kernels/cpu/dense.py, kernels/cpu/dense.h)
 against the torch layers (stratad/engine/reference/layers.py) on small shapes, and the team size
-chosen by measurement (kernels/cpu_team.py).
+chosen by measurement (kernels/cpu/team.py).
 
 The reference rounds each product's input as the kernels do (`q8`, int8 per block of 32; not
 for float weights, whose products take the floats) and computes in float32 with torch's
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, DenseStack
-from kernels.cpu_experts import CpuExperts
-from kernels.cpu_team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
-from kernels.quant import QType
+from kernels.cpu.dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, DenseStack
+from kernels.cpu.experts import CpuExperts
+from kernels.cpu.team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
+from kernels.formats.quant import QType
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
 from tests.test_cpu_experts import blocks, dense, q8

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_experts import CpuExperts
-from kernels.quant import QTensor, QType, row_bytes
+from kernels.cpu.experts import CpuExperts
+from kernels.formats.quant import QTensor, QType, row_bytes
 from stratad.engine.placement import choose_backend
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import FloatLinear, QuantLinear, QuantWeights

@@ -1,4 +1,4 @@
-"""The CPU expert kernels (kernels/cpu_experts.py, kernels/cpu/*.c) against torch references.
+"""The CPU expert kernels (kernels/cpu/experts.py, kernels/cpu/*.c) against torch references.
 
 Tolerance. The kernels round each block of 32 activations to int8 (scale amax / 127), so the
 references here apply the same rounding in torch (`q8`) and then compute in float64: what is
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import CpuKernelsUnavailable
-from kernels.cpu_experts import CPU_EXPERT_QTYPES, CpuExpertFormat, CpuExperts
-from kernels.moe import split_q4_0
-from kernels.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
+from kernels.cpu.build import CpuKernelsUnavailable
+from kernels.cpu.experts import CPU_EXPERT_QTYPES, CpuExpertFormat, CpuExperts
+from kernels.experts.moe import split_q4_0
+from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
 
 ALL = sorted(CPU_EXPERT_QTYPES, key=lambda t: t.name)
 FP16_AT = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
@@ -57,7 +57,7 @@ def blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
     values = torch.randn(rows, cols, generator=gen) / cols**0.5
     if qtype in FLOAT_QTYPES:
         return values.to(_FLOAT_DTYPE[qtype]).view(torch.uint8).reshape(rows, -1)
-    from kernels.quant import quantize
+    from kernels.formats.quant import quantize
 
     return quantize(values, qtype).reshape(rows, -1)
 

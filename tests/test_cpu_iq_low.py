@@ -3,7 +3,7 @@ matches the Python side's, and the row dots' one-activation build matches their 
 (Each type against its torch reference: tests/test_cpu_experts.py.)
 
 The CPU kernels (kernels/cpu/decode.h, decode_iq_low.h) index the one tables buffer of
-`kernels.iq_tables` at offsets written as #defines, and name GGUF types by their codes: both
+`kernels.formats.iq_tables` at offsets written as #defines, and name GGUF types by their codes: both
 are read back from the headers here, so a table appended or moved on one side only fails here
 by name (the per-type products in test_cpu_experts.py fail too, less legibly).
 """
@@ -15,10 +15,10 @@ import re
 import pytest
 import torch
 
-from kernels import iq_tables
-from kernels.cpu_build import SOURCE_DIR
-from kernels.cpu_experts import CPU_EXPERT_QTYPES, CpuExperts
-from kernels.quant import QType
+from kernels.cpu.build import SOURCE_DIR
+from kernels.cpu.experts import CPU_EXPERT_QTYPES, CpuExperts
+from kernels.formats import iq_tables
+from kernels.formats.quant import QType
 from stratad.tuning.bench_weights import random_blocks
 
 HEADERS = ("decode.h", "decode_iq_low.h")

@@ -1,4 +1,4 @@
-"""A MoE model's layers in one kernel call (kernels/cpu_moe_stack.py, kernels/cpu/moe_layers.h)
+"""A MoE model's layers in one kernel call (kernels/cpu/moe_stack.py, kernels/cpu/moe_layers.h)
 against the cpu engine's layer-by-layer path (the torch layers of
 stratad/engine/reference/forward.py, each product one kernel call:
 `QuantWeights(one_call=False)`), on the synthetic tiny MoE (Qwen3-MoE's layers: per-head q/k
@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.cpu_dense import CacheSpan
-from kernels.cpu_experts import CpuExperts
-from kernels.cpu_moe_stack import MoEStack
-from kernels.quant import QType
+from kernels.cpu.dense import CacheSpan
+from kernels.cpu.experts import CpuExperts
+from kernels.cpu.moe_stack import MoEStack
+from kernels.formats.quant import QType
 from stratad.engine.batch import Output, Seq
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights

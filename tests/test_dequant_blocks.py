@@ -1,13 +1,14 @@
-"""kernels/dequant_blocks.py: many matrices of GGUF blocks dequantized in one launch, bit for
-bit against the torch dequantization (`kernels.quant.dequantize`) in each output dtype."""
+"""kernels/formats/dequant_blocks.py: many matrices of GGUF blocks dequantized in one launch, bit
+for bit against the torch dequantization (`kernels.formats.quant.dequantize`) in each output
+dtype."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.dequant_blocks import BlocksConfig, dequant_blocks, dequant_blocks_ref
-from kernels.quant import QType, block_geometry, quantize, row_bytes
+from kernels.formats.dequant_blocks import BlocksConfig, dequant_blocks, dequant_blocks_ref
+from kernels.formats.quant import QType, block_geometry, quantize, row_bytes
 
 CASES = [
     (QType.Q4_K, 5, 256),

@@ -1,5 +1,5 @@
-"""Split-Q4_0 dequantization (kernels/dequant.py): the Triton kernel bit for bit against its
-torch reference and against the GGUF dequantization of the same blocks (kernels/quant.py),
+"""Split-Q4_0 dequantization (kernels/formats/dequant.py): the Triton kernel bit for bit against its
+torch reference and against the GGUF dequantization of the same blocks (kernels/formats/quant.py),
 for every output dtype, on contiguous and strided inputs, aligned or not.
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by
@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dequant import (
+from kernels.experts.moe import split_q4_0
+from kernels.formats.dequant import (
     DEQUANT_DTYPES,
     dequant_q4_0_split,
     dequant_q4_0_split_ref,
     nibble_words,
 )
-from kernels.moe import split_q4_0
-from kernels.quant import QTensor, QType
+from kernels.formats.quant import QTensor, QType
 
 DTYPES = pytest.mark.parametrize("dtype", DEQUANT_DTYPES, ids=str)
 # Large scales overflow float16 on purpose (to inf, as in torch); numpy warns in the interpreter.

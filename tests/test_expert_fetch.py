@@ -8,8 +8,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kernels.expert_fetch import FetchConfig, fetch_experts, fetch_experts_ref
-from kernels.moe import fused_moe, split_q4_0
+from kernels.experts.expert_fetch import FetchConfig, fetch_experts, fetch_experts_ref
+from kernels.experts.moe import fused_moe, split_q4_0
 
 SMALL = FetchConfig(chunk=256, block=16)  # several programs per blob even for tiny blobs
 FEW = FetchConfig(chunk=256, block=16, programs=3)  # each program copies every third chunk

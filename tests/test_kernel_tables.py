@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kernels import table_file, tables
-from kernels.expert_fetch import FetchConfig
-from kernels.moe import MoeConfig
-from kernels.tuning import KernelConfigs, TuningTableError, configs_from_json, load_configs
+from kernels.experts.expert_fetch import FetchConfig
+from kernels.experts.moe import MoeConfig
+from kernels.tuning import table_file, tables
+from kernels.tuning.configs import KernelConfigs, TuningTableError, configs_from_json, load_configs
 from stratad.engine.offload.kernel_table import kernel_configs, lookup
 
 ROOT = Path(__file__).resolve().parents[1]

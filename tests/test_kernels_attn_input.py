@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attn_input import attn_input, attn_input_ref
-from kernels.rope import RopeStyle
+from kernels.layers.attn_input import attn_input, attn_input_ref
+from kernels.layers.rope import RopeStyle
 from tests.kernel_cases import DEVICE
 
 

@@ -1,4 +1,4 @@
-"""kernels.gemv: the Triton quantized matmul against its torch reference, and the reference
+"""kernels.layers.gemv: the Triton quantized matmul against its torch reference, and the reference
 against an independent float64 dequantize-then-matmul (gguf-py's numpy dequantizer).
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by
@@ -16,7 +16,15 @@ import torch
 import triton
 from gguf import quants as gguf_quants
 
-from kernels.gemv import (
+from kernels.formats.quant import (
+    QUANTIZE_QTYPES,
+    QTensor,
+    QType,
+    block_geometry,
+    quantize,
+    row_bytes,
+)
+from kernels.layers.gemv import (
     GEMV_QTYPES,
     GemvConfig,
     default_gemv_config,
@@ -24,7 +32,6 @@ from kernels.gemv import (
     qmatmul,
     qmatmul_ref,
 )
-from kernels.quant import QUANTIZE_QTYPES, QTensor, QType, block_geometry, quantize, row_bytes
 from tests.test_quant import FP16_FIELDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

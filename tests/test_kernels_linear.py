@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from kernels.linear import LinearConfig, decode_linear, decode_linear_ref
+from kernels.layers.linear import LinearConfig, decode_linear, decode_linear_ref
 from tests.kernel_cases import FLOATS, TOL, randn
 
 # Reductions of a few hundred products: half outputs differ by a rounding or two.

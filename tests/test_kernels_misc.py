@@ -16,20 +16,20 @@ import pytest
 import torch
 import triton  # noqa: F401  (imported for the failure when it is missing)
 
-from kernels import attention
-from kernels.activation import (
+from kernels.layers import attention
+from kernels.layers.activation import (
     ActivationConfig,
     silu_mul,
     silu_mul_packed,
     silu_mul_ref,
 )
-from kernels.attention import (
+from kernels.layers.attention import (
     AttentionConfig,
     attention_counts,
     decode_attention,
     decode_attention_ref,
 )
-from kernels.rope import (
+from kernels.layers.rope import (
     RopeConfig,
     RopeStyle,
     apply_rope,
@@ -343,7 +343,7 @@ def test_misc_kernels_real_shapes_gpu() -> None:
 @pytest.mark.gpu
 def test_decode_attention_engine_config_long_cache_gpu() -> None:
     """The offload engine's decode attention on a3b's heads over a 32K static cache, 1K long."""
-    from kernels.tuning import KernelConfigs
+    from kernels.tuning.configs import KernelConfigs
 
     engine = KernelConfigs().attention
 

@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kernels.moe import (
+from kernels.experts.moe import (
     ExpertFormat,
     MoeConfig,
     expert_table,
@@ -17,7 +17,7 @@ from kernels.moe import (
     split_q4_0_ok,
     unsplit_q4_0,
 )
-from kernels.quant import QTensor, QType, block_geometry, quantize
+from kernels.formats.quant import QTensor, QType, block_geometry, quantize
 
 
 def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:

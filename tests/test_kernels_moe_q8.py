@@ -1,13 +1,18 @@
-"""The fused MoE kernels' int8 dots (`kernels.moe_dots_q8`) against their references."""
+"""The fused MoE kernels' int8 dots (`kernels.experts.moe_dots_q8`) against their references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe import ExpertFormat, MoeConfig, fused_moe, fused_moe_ref
-from kernels.moe_dots_q8 import dequantize_q8_ref, q8_row_bytes, quantize_q8, quantize_q8_ref
-from kernels.quant import QType
+from kernels.experts.moe import ExpertFormat, MoeConfig, fused_moe, fused_moe_ref
+from kernels.experts.moe_dots_q8 import (
+    dequantize_q8_ref,
+    q8_row_bytes,
+    quantize_q8,
+    quantize_q8_ref,
+)
+from kernels.formats.quant import QType
 from tests.test_kernels_moe import _mixed_case, _routed
 
 Q4_K_M = (QType.Q4_K, QType.Q4_K, QType.Q6_K)

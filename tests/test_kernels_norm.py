@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import NormConfig, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from kernels.layers.norm import NormConfig, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from tests.kernel_cases import DEVICE, FLOATS, TOL, randn
 
 

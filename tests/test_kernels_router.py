@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.router import route_topk, route_topk_ref
+from kernels.experts.router import route_topk, route_topk_ref
 from stratad.engine.reference.layers import route
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kernels.link_pace import ns_per_blob, pace_ns
+from kernels.experts.link_pace import ns_per_blob, pace_ns
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.cpu_misses import balanced_frac
 
@@ -45,7 +45,7 @@ def test_balanced_split() -> None:
 
 @pytest.mark.gpu
 def test_pace_waits_on_the_gpu() -> None:
-    from kernels.link_pace import pace_link
+    from kernels.experts.link_pace import pace_link
 
     table = torch.cat([_table(4, 1 << 20), _table(4, 1 << 30)]).cuda()
     span = (1 << 20, (1 << 20) + 4 * 4096)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tuning import INTERPRETED, KernelConfigs
+from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.slots import SlotPolicy, initial_residents
 from stratad.engine.reference.forward import ReferenceForward
@@ -242,8 +242,8 @@ def test_split_dequant_bit_exact() -> None:
     from gguf import GGMLQuantizationType
     from gguf import quants as gguf_quants
 
-    from kernels.moe import split_q4_0
-    from kernels.quant import QType, dequantize
+    from kernels.experts.moe import split_q4_0
+    from kernels.formats.quant import QType, dequantize
     from stratad.engine.offload.experts import dequant_split
 
     values = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.tuning import INTERPRETED, KernelConfigs
+from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.engine.offload.experts import blob_layouts, kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward

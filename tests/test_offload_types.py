@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_experts import CpuExperts
-from kernels.quant import QType, row_bytes
-from kernels.tuning import INTERPRETED
+from kernels.cpu.experts import CpuExperts
+from kernels.formats.quant import QType, row_bytes
+from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.cpu_misses import CompiledMath, TorchMath
 from stratad.engine.offload.experts import (
     BlobLayout,

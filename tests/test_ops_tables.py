@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import tables
+from kernels.tuning import tables
 from stratactl.__main__ import main as stratactl
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from kernels.cpu_experts import CpuExperts
+from kernels.cpu.experts import CpuExperts
 from stratactl.client import Client
 from stratad.config import Config, EngineConfig, ServerConfig
 from stratad.engine.batch import Seq

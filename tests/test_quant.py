@@ -1,4 +1,4 @@
-"""kernels.quant: torch dequantizers bit-exact with gguf-py (a port of llama.cpp's
+"""kernels.formats.quant: torch dequantizers bit-exact with gguf-py (a port of llama.cpp's
 dequantize_row_*), quantizers, QTensor, and the refusal of unsupported types."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import quants as gguf_quants
 
-from kernels.quant import (
+from kernels.formats.quant import (
     FLOAT_QTYPES,
     QUANTIZE_QTYPES,
     SUPPORTED_QTYPES,

@@ -1,6 +1,6 @@
-"""Dense weights of the types only `kernels.quant` reads (no fused kernel) through the loader
-and the reference engine: the same logits as the file with those weights stored as F32
-values that gguf-py dequantized."""
+"""Dense weights of the types only `kernels.formats.quant` reads (no fused kernel) through the
+loader and the reference engine: the same logits as the file with those weights stored as F32 values
+that gguf-py dequantized."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
-from kernels.quant import QType, block_geometry, row_bytes
+from kernels.formats.quant import QType, block_geometry, row_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.loader import load_model
 from tests.test_quant import FP16_FIELDS

@@ -1,6 +1,6 @@
 """Ten starts of one config answer the same prompts with the same tokens at temperature 0.
 
-The CPU kernels choose each call's team size by timing it (kernels/cpu_team.py): a prompt runs
+The CPU kernels choose each call's team size by timing it (kernels/cpu/team.py): a prompt runs
 on the whole team, a decode step on whichever size measured faster in this process, tried
 again now and then. So each start is a process of its own (tests/restart_tokens.py), half of
 them with a team of one thread and half with two, run two at a time (each the other's busy

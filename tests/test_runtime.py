@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tuning import INTERPRETED
+from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.reference.forward import ReferenceForward

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.quant import QTensor, QType
+from kernels.formats.quant import QTensor, QType
 from stratad.model.weights import MLPWeights
 from stratad.store.manifest import ExpertLayout, expert_layout
 from stratad.store.sources import ReadStats

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from kernels.cpu_experts import CpuExperts
+from kernels.cpu.experts import CpuExperts
 from stratad.config import StoreConfig
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import torch
 
-from kernels.cpu_experts import CpuExperts
-from kernels.cpu_moe_stack import MoEStack
+from kernels.cpu.experts import CpuExperts
+from kernels.cpu.moe_stack import MoEStack
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.store_stack import StoreStack
 from stratad.engine.reference.weights_mode import QuantWeights

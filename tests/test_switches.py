@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kernels import ab, tables
+from kernels.tuning import ab, tables
 from stratad.config import EngineConfig, parse_config
 from stratad.engine.offload.kernel_table import lookup
 from stratad.engine.offload.switches import miss_paths

@@ -24,7 +24,7 @@ import torch
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
-from kernels.quant import SUPPORTED_QTYPES
+from kernels.formats.quant import SUPPORTED_QTYPES
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.model.loader import load_model

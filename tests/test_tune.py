@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import tables
-from kernels.attention import AttentionConfig
-from kernels.expert_fetch import FetchConfig
-from kernels.tuning import (
+from kernels.experts.expert_fetch import FetchConfig
+from kernels.layers.attention import AttentionConfig
+from kernels.tuning import tables
+from kernels.tuning.configs import (
     INTERPRETED,
     KernelConfigs,
     TuningTableError,

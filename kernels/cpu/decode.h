@@ -15,7 +15,7 @@
  *   Q6_K (210): ql 128 | qh 64 | int8 scales 16 | d  IQ4_XS (136): d | sh u16 | sl 4 | qs 128
  *   IQ3_S (110): d | qs 64 | qh 8 | signs 32 | scales 4
  *   the low-bit i-quants (IQ3_XXS, IQ2_*, IQ1_S): decode_iq_low.h
- * Split Q4_0 (kernels.moe.split_q4_0): a matrix's fp16 scales [rows, nb], then its nibbles
+ * Split Q4_0 (kernels.experts.moe.split_q4_0): a matrix's fp16 scales [rows, nb], then its nibbles
  * [rows, nb, 16]; `row` is the row's scales and `aux` its nibbles.
  * Multi-byte fields are read with memcpy: a blob may sit at any byte offset.
  */
@@ -31,7 +31,7 @@ enum {
     T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23, T_BF16 = 30,
 };
 
-/* the tables buffer (kernels/iq_tables.py): IQ3_S grid at 0, IQ4 levels at 2048 */
+/* the tables buffer (kernels/formats/iq_tables.py): IQ3_S grid at 0, IQ4 levels at 2048 */
 #define IQ3_S_GRID 0
 #define IQ4_VALUES 2048
 

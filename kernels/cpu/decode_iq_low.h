@@ -3,7 +3,7 @@
  * factor per 16 values, value i = fs[i / 16] * q[i].
  *
  * Each stores indices into a lattice codebook (the grid: 4 or 8 small integers per point) and
- * sign bits; layouts as kernels/quant_iq.py (bytes; d is the fp16 scale):
+ * sign bits; layouts as kernels/formats/quant_iq.py (bytes; d is the fp16 scale):
  *   IQ3_XXS (98): d | qs 64 (grid of 4) | 8 x u32 (4 x 7-bit sign index, 4-bit scale)
  *   IQ2_XXS (66): d | 8 x (4 grid indices (grid of 8) | u32 as IQ3_XXS's)
  *   IQ2_XS (74):  d | 32 x u16 (9-bit index, 7-bit sign index) | scales 8 (4-bit)
@@ -14,7 +14,7 @@
  * C kernels and the torch references scale the same integers by the same floats.
  */
 
-/* the grids and ksigns in the tables buffer: kernels/iq_tables.py's offsets, which
+/* the grids and ksigns in the tables buffer: kernels/formats/iq_tables.py's offsets, which
  * tests/test_cpu_iq_low.py reads back from here */
 #define IQ3_XXS_GRID 2064
 #define IQ2_XXS_GRID 3088

@@ -1,6 +1,6 @@
 /* A stack of dense transformer layers (llama's: RMSNorm, GQA attention with RoPE, SwiGLU) in
  * one call: the cpu engine's whole forward but for the embedding and the head
- * (kernels/cpu_dense.py launches it; stratad/engine/forward.py is the torch definition).
+ * (kernels/cpu/dense.py launches it; stratad/engine/forward.py is the torch definition).
  * Included by experts.c after its row dots.
  *
  * Why one call: a token's step is some 300 small pieces of work (30 layers of 7 products,
@@ -21,7 +21,7 @@
  * nor on which other sequences' tokens share the call (a batch: attn_layer.h).
  */
 
-typedef struct {                /* one layer, as kernels/cpu_dense.py's _Layer mirrors it */
+typedef struct {                /* one layer, as kernels/cpu/dense.py's _Layer mirrors it */
     const float *attn_norm;     /* [H] */
     const float *ffn_norm;      /* [H] */
     const float *bias[3];       /* q [Hq D], k [Hkv D], v [Hkv D], or NULL */
@@ -29,7 +29,7 @@ typedef struct {                /* one layer, as kernels/cpu_dense.py's _Layer m
     int32_t qtype[7];
 } dense_layer_t;
 
-typedef struct {                /* the shapes, as kernels/cpu_dense.py's _Dims mirrors it */
+typedef struct {                /* the shapes, as kernels/cpu/dense.py's _Dims mirrors it */
     int64_t hidden, n_heads, n_kv_heads, head_dim, ffn;
     int32_t rope_interleaved;
     float eps;

@@ -1,7 +1,7 @@
 /* Quantized CPU expert kernels: MoE experts and dense matmuls straight from GGUF blocks.
  *
- * Plain C11 + OpenMP, no Python: built and loaded by kernels/cpu_build.py, called through
- * ctypes (which releases the GIL) by kernels/cpu_experts.py.
+ * Plain C11 + OpenMP, no Python: built and loaded by kernels/cpu/build.py, called through
+ * ctypes (which releases the GIL) by kernels/cpu/experts.py.
  *
  * Activations are quantized once per vector to int8 in blocks of 32 (float scale d per block,
  * as llama.cpp's Q8_0, plus the block's sums for the types with a minimum or an offset).
@@ -46,7 +46,7 @@ typedef struct { /* n int8 vectors of k values (k % 32 == 0) and their float ori
     float *x16;  /* [n, k / 16]: the same per 16 values */
     const float *f;
     int64_t fstride;
-    const uint8_t *tab; /* the lookup tables (kernels/iq_tables.py; offsets in decode*.h) */
+    const uint8_t *tab; /* the lookup tables (kernels/formats/iq_tables.py; offsets in decode*.h) */
 } acts_t;
 
 typedef void (*rowdot_fn)(const uint8_t *row, const uint8_t *aux, int64_t cols,

@@ -1,6 +1,6 @@
 /* A stack of MoE transformer layers (Qwen3-MoE's: RMSNorm, GQA attention with per-head q/k
  * RMSNorm and RoPE, a softmax top-k router over routed SwiGLU experts) in one call
- * (kernels/cpu_moe_stack.py launches it; stratad/engine/forward.py is the torch definition).
+ * (kernels/cpu/moe_stack.py launches it; stratad/engine/forward.py is the torch definition).
  * Included by experts.c after attn_layer.h.
  *
  * Why one call: as torch ops, a decode step of the a3b (48 layers) was some 700 pieces of
@@ -15,7 +15,7 @@
  * top-k order into the residual, as strata_moe_parts and the torch forward sum it.
  */
 
-typedef struct {                /* one layer, as kernels/cpu_moe_stack.py's _Layer mirrors it */
+typedef struct {                /* one layer, as kernels/cpu/moe_stack.py's _Layer mirrors it */
     const float *attn_norm;     /* [H] */
     const float *ffn_norm;      /* [H] */
     const float *bias[3];       /* q, k, v biases or NULL */
@@ -28,7 +28,7 @@ typedef struct {                /* one layer, as kernels/cpu_moe_stack.py's _Lay
     const uint8_t *const *experts;
 } moe_layer_t;
 
-typedef struct {                /* the shapes, as kernels/cpu_moe_stack.py's _Dims mirrors it */
+typedef struct {                /* the shapes, as kernels/cpu/moe_stack.py's _Dims mirrors it */
     int64_t hidden, n_heads, n_kv_heads, head_dim, n_experts, top_k, ffn;
     int32_t rope_interleaved, norm_topk;
     float eps;

@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kernels import cpu_build
-from kernels.cpu_dense import CACHE_DTYPE
+from kernels.cpu import build as cpu_build
+from kernels.cpu.dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
 from stratad.engine.offload.experts import blob_layouts, fast_path_refusal
 from stratad.engine.offload.kernel_table import Lookup, model_shapes, tuned
@@ -75,7 +75,7 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
 
 def offload_supported(model: Model) -> bool:
     """A MoE model whose every expert projection the fused kernels read
-    (`kernels.moe.MOE_QTYPES`)."""
+    (`kernels.experts.moe.MOE_QTYPES`)."""
     return model.spec.is_moe and fast_path_refusal(model) is None
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from kernels.quant import SUPPORTED_QTYPES, QTensor, QType, row_bytes
+from kernels.formats.quant import SUPPORTED_QTYPES, QTensor, QType, row_bytes
 from stratad.model.archs import arch_for_gguf
 from stratad.model.gguf_meta import gguf_metadata
 from stratad.model.shapes import check_model

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kernels.quant import QTensor, QType
+from kernels.formats.quant import QTensor, QType
 from stratad.model.archs import arch_for_hf
 from stratad.model.shapes import check_model
 from stratad.model.spec import Model, ModelError

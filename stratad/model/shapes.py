@@ -8,7 +8,7 @@ spec before anything reads through them, naming the first tensor at fault.
 
 from __future__ import annotations
 
-from kernels.quant import QTensor
+from kernels.formats.quant import QTensor
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
 

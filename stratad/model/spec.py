@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels.quant import QTensor
+from kernels.formats.quant import QTensor
 
 
 class ModelError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.quant import QTensor
+from kernels.formats.quant import QTensor
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import msgspec
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from kernels.quant import FLOAT_QTYPES, QTensor, QType
+from kernels.formats.quant import FLOAT_QTYPES, QTensor, QType
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import MLPWeights
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from kernels.quant import QTensor, QType
+from kernels.formats.quant import QTensor, QType
 from stratad.model.archs import ARCHS, Arch
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import MLPWeights

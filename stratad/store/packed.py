@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.quant import FLOAT_QTYPES, QTensor
+from kernels.formats.quant import FLOAT_QTYPES, QTensor
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model
 from stratad.store.manifest import (

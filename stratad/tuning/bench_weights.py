@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.quant import FLOAT_QTYPES, QType, block_geometry, row_bytes
+from kernels.formats.quant import FLOAT_QTYPES, QType, block_geometry, row_bytes
 
 log = logging.getLogger("stratad.engine")
 Mix = tuple[QType, QType, QType]  # gate, up, down

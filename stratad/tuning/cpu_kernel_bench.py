@@ -2,9 +2,9 @@
 (`stratactl bench kernels` on a host without a GPU).
 
 The cpu engine reads every weight from its GGUF blocks with the compiled kernels
-(`kernels.cpu_experts`): a projection (q, k, v, o, the router, the output head; a dense
+(`kernels.cpu.experts`): a projection (q, k, v, o, the router, the output head; a dense
 model's gate, up and down) with `PreparedMatmul`, a layer's routed experts with `PreparedMoE`
-(`kernels/cpu_dense.py` and `kernels/cpu_moe_stack.py` run the same products for every layer
+(`kernels/cpu/dense.py` and `kernels/cpu/moe_stack.py` run the same products for every layer
 in one call). Each product is timed once per weight type the model holds it in, at a decode
 step (one token), a step of 4 and of 8 sequences (which share each read of a weight) and a
 prefill chunk (`server.prefill_chunk` tokens; the head computes a prompt's last token only,
@@ -15,7 +15,7 @@ A decode step reads every weight from memory (a model is larger than any cache),
 cycles through copies of its weights that outgrow the last-level cache. Its ideal time is the
 largest of its weight bytes over the host's read rate (`stratad.store.hostmem.read_bps`), its
 multiply-adds over a float32 GEMM's rate on the same cores (torch's), and the floor of a call
-(the smallest product, timed as the others are); `kernels.roofline.judge` holds the measured
+(the smallest product, timed as the others are); `kernels.tuning.roofline.judge` holds the measured
 time to it. The weights are random blocks (`stratad.tuning.bench_weights.random_blocks`).
 """
 
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_experts import CpuExperts, PreparedMatmul
-from kernels.quant import QType, row_bytes
-from kernels.roofline import Ceilings, Judged, Row, matmul_tflops, summary
+from kernels.cpu.experts import CpuExperts, PreparedMatmul
+from kernels.formats.quant import QType, row_bytes
+from kernels.tuning.roofline import Ceilings, Judged, Row, matmul_tflops, summary
 from stratad.model.spec import Model
 from stratad.model.synth_presets import VOCAB_SIZE, SynthPreset
 from stratad.store.hostmem import read_bps
@@ -247,7 +247,7 @@ def _expert_cases(s: CpuShapes, mix: Mix, kernels: CpuExperts, working: int) -> 
 
 def _median_sweep(run: Callable[[], object], budget_s: float) -> float:
     """Seconds of one sweep: the median of at least 3 within `budget_s` (after 3 untimed,
-    which page the copies in and let each product's team size settle, `kernels.cpu_team`)."""
+    which page the copies in and let each product's team size settle, `kernels.cpu.team`)."""
     for _ in range(3):
         run()
     times: list[float] = []

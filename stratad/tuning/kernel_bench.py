@@ -1,16 +1,16 @@
 """Every kernel the offload engine launches, timed at a model's shapes (`stratactl bench kernels`).
 
-Decode (one token): the dense projections (`kernels.linear`, the output head included), the
-RMS norm and the residual add fused with it, the attention input (q/k norms, RoPE, KV write),
-decode attention over a `context`-position cache, the router's top-k, the fused MoE's two
-launches for each GGUF type mix the model's experts hold, and the copy of k missed experts
-from page-locked RAM (`kernels.expert_fetch`). Prefill (a chunk of `prefill` tokens): the
-projections as torch GEMMs, the norms, RoPE, torch's attention, the router, each expert
-projection's dequantization for a whole layer (`kernels.dequant` / `kernels.dequant_blocks`)
-and the grouped GEMMs over it (`stratad.engine.offload.grouped`). Each case says the bytes it must
-move and the FLOPs it must do; `kernels.roofline` holds them to the device's ceilings. The
-dense weights are dequantized once at load (`stratad.engine.offload.dense`): whatever type the file
-stores them in, decode's projections run in the compute dtype, and are timed so.
+Decode (one token): the dense projections (`kernels.layers.linear`, the output head included), the
+RMS norm and the residual add fused with it, the attention input (q/k norms, RoPE, KV write), decode
+attention over a `context`-position cache, the router's top-k, the fused MoE's two launches for each
+GGUF type mix the model's experts hold, and the copy of k missed experts from page-locked RAM
+(`kernels.experts.expert_fetch`). Prefill (a chunk of `prefill` tokens): the projections as torch
+GEMMs, the norms, RoPE, torch's attention, the router, each expert projection's dequantization for a
+whole layer (`kernels.formats.dequant` / `kernels.formats.dequant_blocks`) and the grouped GEMMs
+over it (`stratad.engine.offload.grouped`). Each case says the bytes it must move and the FLOPs it
+must do; `kernels.tuning.roofline` holds them to the device's ceilings. The dense weights are
+dequantized once at load (`stratad.engine.offload.dense`): whatever type the file stores them in,
+decode's projections run in the compute dtype, and are timed so.
 
 The weights are random, laid out as the engine keeps them (`stratad.tuning.bench_weights`).
 A decode case whose weights would fit in L2 cycles through copies (distinct experts, copies
@@ -26,19 +26,19 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import attention_counts, decode_attention
-from kernels.attn_input import attn_input
-from kernels.dequant import DequantConfig, dequant_q4_0_split
-from kernels.dequant_blocks import dequant_blocks
-from kernels.expert_fetch import fetch_experts
-from kernels.linear import LinearConfig, decode_linear
-from kernels.moe import ExpertFormat, moe_down, moe_gate_up
-from kernels.norm import add_rmsnorm, rmsnorm
-from kernels.quant import QType
-from kernels.roofline import Row, time_us
-from kernels.rope import RopeStyle, rope_table
-from kernels.router import route_topk
-from kernels.tuning import INTERPRETED, KernelConfigs
+from kernels.experts.expert_fetch import fetch_experts
+from kernels.experts.moe import ExpertFormat, moe_down, moe_gate_up
+from kernels.experts.router import route_topk
+from kernels.formats.dequant import DequantConfig, dequant_q4_0_split
+from kernels.formats.dequant_blocks import dequant_blocks
+from kernels.formats.quant import QType
+from kernels.layers.attention import attention_counts, decode_attention
+from kernels.layers.attn_input import attn_input
+from kernels.layers.linear import LinearConfig, decode_linear
+from kernels.layers.norm import add_rmsnorm, rmsnorm
+from kernels.layers.rope import RopeStyle, rope_table
+from kernels.tuning.configs import INTERPRETED, KernelConfigs
+from kernels.tuning.roofline import Row, time_us
 from stratad.engine.offload.grouped import grouped_swiglu
 from stratad.model.spec import Model, ModelSpec
 from stratad.tuning.bench_weights import ExpertLayer, Mix, expert_layers

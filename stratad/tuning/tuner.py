@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionConfig, attention_counts, decode_attention
-from kernels.dequant import DequantConfig, dequant_q4_0_split
-from kernels.expert_fetch import FetchConfig, fetch_experts
-from kernels.linear import LinearConfig, decode_linear
-from kernels.moe import MoeConfig, fused_moe
-from kernels.tuning import TUNED, KernelConfigs
+from kernels.experts.expert_fetch import FetchConfig, fetch_experts
+from kernels.experts.moe import MoeConfig, fused_moe
+from kernels.formats.dequant import DequantConfig, dequant_q4_0_split
+from kernels.layers.attention import AttentionConfig, attention_counts, decode_attention
+from kernels.layers.linear import LinearConfig, decode_linear
+from kernels.tuning.configs import TUNED, KernelConfigs
 from stratad.engine.offload.kernel_table import Shapes
 
 Progress = Callable[[str], None]

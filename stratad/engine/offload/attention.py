@@ -3,7 +3,7 @@ tables, the KV-cache write, and attention itself.
 
 Decode attends split-K over the static cache, its length read on the device (so one
 captured graph serves every position); where the model allows, the norms, the rotation and
-the cache write are one kernel (`kernels.attn_input`). A decode step of several sequences
+the cache write are one kernel (`kernels.layers.attn_input`). A decode step of several sequences
 whose caches are of one kind runs attention (and the fused input) once for the whole batch,
 each sequence's cache found through its address (`KVCache.addrs`, gathered on the device once
 per step). A prefill chunk attends with torch's scaled_dot_product_attention over the cache up to
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.attention import attention_counts, decode_attention
-from kernels.attn_input import attn_input
-from kernels.rope import RopeStyle, rope_table
+from kernels.layers.attention import attention_counts, decode_attention
+from kernels.layers.attn_input import attn_input
+from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, kv_addresses
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.dense import DenseLayer

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tuning import KernelConfigs
+from kernels.tuning.configs import KernelConfigs
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class OffloadConfig:
     # with one fetch kernel per layer (wide loads keep the link busy), then compute from VRAM;
     # or read them "in_place" over PCIe from the fused MoE kernel itself.
     gpu_miss: str = "copy"
-    # How the CPU computes its share: the compiled kernels (kernels.cpu_experts) on
+    # How the CPU computes its share: the compiled kernels (kernels.cpu.experts) on
     # `cpu_threads` threads (None: every physical core), else torch dequantizing per use.
     cpu_kernels: bool = True
     cpu_threads: int | None = None
@@ -36,7 +36,7 @@ class OffloadConfig:
     # needs gpu_miss "copy".
     prefetch: bool = False
     # Benchmarks only: each blob a decode step's miss copy moves also waits this long on the
-    # GPU (kernels.link_pace), as over a slower link; needs gpu_miss "copy" and no prefetch.
+    # GPU (kernels.experts.link_pace), as over a slower link; needs gpu_miss "copy" and no prefetch.
     link_wait_ns_per_blob: int = 0
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ the last (1 - pcie_frac) of the misses in slot order. The host must see the rout
 step with a CPU share waits for each layer's routing (`split_step` captures the GPU's work
 between those waits in pieces).
 
-How the CPU computes them is an `ExpertMath`: the compiled kernels (`kernels.cpu_experts`:
+How the CPU computes them is an `ExpertMath`: the compiled kernels (`kernels.cpu.experts`:
 integer dots on the blobs' own bytes, every core, the GIL let go while the GPU works), or,
 where no C compiler is found, torch dequantizing each expert per use (a few hundred MB/s;
 said once at start).
@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu_build import CpuKernelsUnavailable
-from kernels.cpu_experts import CpuExpertFormat, CpuExperts
+from kernels.cpu.build import CpuKernelsUnavailable
+from kernels.cpu.experts import CpuExpertFormat, CpuExperts
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import BlobLayout
 from stratad.engine.reference.layers import swiglu

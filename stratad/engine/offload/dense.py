@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import QTensor
+from kernels.formats.quant import QTensor
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights

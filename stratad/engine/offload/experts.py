@@ -14,8 +14,8 @@ from functools import cached_property
 
 import torch
 
-from kernels.moe import MOE_QTYPES, ExpertFormat, split_q4_0, split_q4_0_ok, unsplit_q4_0
-from kernels.quant import QTensor, QType, dequantize
+from kernels.experts.moe import MOE_QTYPES, ExpertFormat, split_q4_0, split_q4_0_ok, unsplit_q4_0
+from kernels.formats.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
@@ -32,7 +32,8 @@ class BlobLayout:
     gate_bytes: int  # [F, H] blocks
     up_bytes: int  # [F, H]
     down_bytes: int  # [H, F]
-    split: bool = False  # Q4_0 projections in the kernels' split layout (kernels.moe.split_q4_0)
+    # Q4_0 projections in the kernels' split layout (kernels.experts.moe.split_q4_0)
+    split: bool = False
 
     @property
     def up_offset(self) -> int:

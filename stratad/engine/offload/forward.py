@@ -28,12 +28,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as fn
 
-from kernels.expert_fetch import fetch_experts
-from kernels.linear import MAX_TOKENS, decode_linear
-from kernels.link_pace import pace_link
-from kernels.moe import moe_down, moe_gate_up
-from kernels.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
-from kernels.router import route_topk
+from kernels.experts.expert_fetch import fetch_experts
+from kernels.experts.link_pace import pace_link
+from kernels.experts.moe import moe_down, moe_gate_up
+from kernels.experts.router import route_topk
+from kernels.layers.linear import MAX_TOKENS, decode_linear
+from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, run_batch
 from stratad.engine.kv import KVCache
 from stratad.engine.offload.attention import OffloadAttention

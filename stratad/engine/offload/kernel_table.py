@@ -1,5 +1,5 @@
 """Which launch settings the offload engine's kernels use: the tuning table for this GPU stack
-(`kernels.tables`: the exact one, else the nearest runtime version's with a WARNING), at the
+(`kernels.tuning.tables`: the exact one, else the nearest runtime version's with a WARNING), at the
 shape bucket nearest the model's, else the kernels' defaults. One log line at start says which,
 and what a missing table costs."""
 
@@ -11,8 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kernels import table_file, tables
-from kernels.tuning import INTERPRETED, KernelConfigs, TuningTableError, configs_from_kernels
+from kernels.tuning import table_file, tables
+from kernels.tuning.configs import (
+    INTERPRETED,
+    KernelConfigs,
+    TuningTableError,
+    configs_from_kernels,
+)
 from stratad.model.spec import ModelSpec
 
 log = logging.getLogger("stratad.engine")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.expert_fetch import FetchConfig, fetch_experts
+from kernels.experts.expert_fetch import FetchConfig, fetch_experts
 from stratad.engine.offload.expert_table import ExpertTable
 
 

@@ -5,18 +5,18 @@ A prefill chunk of more than a few tokens routes to nearly every expert, so each
 (from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
 a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
 for the layer after next, and `moe` runs the chunk through them as grouped GEMMs. On a GPU
-the dequantization is one Triton launch per projection: split Q4_0 (`kernels.dequant`) into
+the dequantization is one Triton launch per projection: split Q4_0 (`kernels.formats.dequant`) into
 three output buffers reused by every layer (the layer's grouped GEMMs read them on the same
 stream before the next layer's launches overwrite them), the other types
-(`kernels.dequant_blocks`) into fresh ones.
+(`kernels.formats.dequant_blocks`) into fresh ones.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
-from kernels.dequant_blocks import dequant_blocks
+from kernels.formats.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
+from kernels.formats.dequant_blocks import dequant_blocks
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import dequant_blobs
 from stratad.engine.offload.grouped import grouped_swiglu

@@ -1,5 +1,5 @@
 """The offload engine's kernel-path switches, each set by the configuration, else by the A/B/A
-run recorded in this GPU's tuning table (`kernels.ab`, `bench.ab_switch`), else by a built-in
+run recorded in this GPU's tuning table (`kernels.tuning.ab`, `bench.ab_switch`), else by a built-in
 default. Pure functions of the engine section and the table's `switches`, so the placement
 (which sizes the fetch staging by them) and the engine choose alike.
 

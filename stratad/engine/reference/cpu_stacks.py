@@ -1,8 +1,8 @@
 """Which models the cpu engine runs in one kernel call per step, and the call's tensors.
 
-A model whose layers are all dense llama layers runs them in `kernels.cpu_dense.DenseStack`;
+A model whose layers are all dense llama layers runs them in `kernels.cpu.dense.DenseStack`;
 one whose layers are all MoE layers with routed experts only (Qwen3-MoE: per-head q/k norms
-or none) in `kernels.cpu_moe_stack.MoEStack`. Anything else (a shared expert, full-width q/k
+or none) in `kernels.cpu.moe_stack.MoEStack`. Anything else (a shared expert, full-width q/k
 norms, a weight the kernels do not read, mixed layers) runs layer by layer in torch
 (`stratad/engine/reference/forward.py`), which defines what both compute.
 """
@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_dense import DenseLayer, DenseShape, DenseStack
-from kernels.cpu_experts import CpuExperts
-from kernels.cpu_moe_stack import MoELayer, MoEShape, MoEStack
-from kernels.quant import QTensor, QType
+from kernels.cpu.dense import DenseLayer, DenseShape, DenseStack
+from kernels.cpu.experts import CpuExperts
+from kernels.cpu.moe_stack import MoELayer, MoEShape, MoEStack
+from kernels.formats.quant import QTensor, QType
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
 

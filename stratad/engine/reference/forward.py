@@ -5,7 +5,7 @@ offloaded experts) is tested against it. The same sequence of layers serves a mo
 CPU from its GGUF blocks: with `QuantWeights` (`stratad/engine/reference/weights_mode.py`) every
 projection is a product by the compiled CPU kernels instead of a float matrix (the `cpu`
 backend), and a model of dense layers runs them all in one kernel call per step
-(`kernels/cpu_dense.py`, tested against these layers); the default `FloatWeights` is the
+(`kernels/cpu/dense.py`, tested against these layers); the default `FloatWeights` is the
 reference.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_dense import CACHE_DTYPE, CacheSpan
-from kernels.quant import QTensor
+from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
+from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch
 from stratad.engine.kv import KVCache
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu_experts import CpuExperts
-from kernels.quant import QType
+from kernels.cpu.experts import CpuExperts
+from kernels.formats.quant import QType
 from stratad.model.weights import MLPWeights
 from stratad.store.manifest import ExpertBytes, ExpertLayout
 

@@ -1,6 +1,6 @@
 """The cpu engine's one-call MoE layers over the expert store's experts as they lie.
 
-`kernels.cpu_moe_stack.MoEStack` runs every layer of a step in one kernel call, the router
+`kernels.cpu.moe_stack.MoEStack` runs every layer of a step in one kernel call, the router
 included, so no fetch can happen between a layer's routing and its experts. Where the store can
 say where every expert of a layer lies without a fetch (`ExpertStore.in_place`: its RAM copy
 once pinned, else the GGUF's mapping; no VRAM slots), each layer's experts are handed to the
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels.cpu_dense import CacheSpan
-from kernels.cpu_moe_stack import MoEStack
+from kernels.cpu.dense import CacheSpan
+from kernels.cpu.moe_stack import MoEStack
 from stratad.engine.reference.store_moe import ExpertProvider
 
 

@@ -5,7 +5,7 @@ projection (`linear`) and the token embedding (`embedding`).
   (`ReferenceForward`'s definition of what the model computes).
 - `QuantWeights`: the GGUF blocks themselves (memory-mapped from the file, or the store's
   tiers for experts), each product computed by the compiled CPU kernels
-  (`kernels.cpu_experts`: int8 activations per block of 32, as llama.cpp does). A weight the
+  (`kernels.cpu.experts`: int8 activations per block of 32, as llama.cpp does). A weight the
   kernels do not read (rows not a multiple of 32; every GGUF type Strata reads is read) is
   dequantized to float32 instead, and counted (`fallbacks`).
 """
@@ -18,10 +18,10 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu_dense import DenseStack
-from kernels.cpu_experts import CpuExperts, PreparedMoE
-from kernels.cpu_moe_stack import MoEStack
-from kernels.quant import QTensor
+from kernels.cpu.dense import DenseStack
+from kernels.cpu.experts import CpuExperts, PreparedMoE
+from kernels.cpu.moe_stack import MoEStack
+from kernels.formats.quant import QTensor
 from stratad.config import EngineConfig
 from stratad.engine.reference.cpu_stacks import dense_stack, moe_stack
 from stratad.engine.reference.layers import attention, attention_by_row

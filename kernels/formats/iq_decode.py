@@ -1,17 +1,18 @@
 """The i-quants decoded in Triton, two ways:
 
-- `dequant_iq`, value by value: the tile decoder's share (`kernels.gemv._dequant_tile`) for
+- `dequant_iq`, value by value: the tile decoder's share (`kernels.layers.gemv._dequant_tile`) for
   IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S, which the GEMV kernel,
   the fused MoE kernels' fallback row dot and the prefill dequantization call. Each element
   locates its own block, grid point, sign bit and scale, so a tile need not align with blocks.
 - `grid_block`, a super-block at a time for the low-bit grid types (`GRID_QTYPES`: IQ3_XXS,
-  IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S), as [32-value block, grid point, value]: one table word per
-  grid point (its 4 or 8 values), one sign byte and scale per point. The MoE row dot
-  (`kernels.moe_dots_iq`) and the prefill dequantization (`kernels.dequant_blocks`) use it.
+  IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S), as [32-value block, grid point, value]: one table word per grid
+  point (its 4 or 8 values), one sign byte and scale per point. The MoE row dot
+  (`kernels.experts.moe_dots_iq`) and the prefill dequantization (`kernels.formats.dequant_blocks`)
+  use it.
 
-The grids and the sign table are read from the one table buffer (`kernels.iq_tables`, at
+The grids and the sign table are read from the one table buffer (`kernels.formats.iq_tables`, at
 `tab_ptr`). The arithmetic is llama.cpp's, in the order the torch references use
-(`kernels.quant_iq`), so each value is bit-identical to theirs.
+(`kernels.formats.quant_iq`), so each value is bit-identical to theirs.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels import iq_tables
-from kernels.byte_loads import _load_f16, _load_u8, _load_u16, _load_u32
-from kernels.quant import QType, block_geometry
+from kernels.formats import iq_tables
+from kernels.formats.byte_loads import _load_f16, _load_u8, _load_u16, _load_u32
+from kernels.formats.quant import QType, block_geometry
 
 IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
 IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
@@ -106,7 +107,7 @@ def _iq2_scale(at, i, mask):
 @triton.jit
 def dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
     """Float32 weights of i-quant QTYPE for byte pointers to row starts `row_ptr` and
-    columns `ks` (as `kernels.gemv._dequant_tile`)."""
+    columns `ks` (as `kernels.layers.gemv._dequant_tile`)."""
     if QTYPE == IQ4_NL:  # d | 16 bytes of 4-bit codes, laid out as Q4_0's
         blk = row_ptr + (ks // 32) * 18
         j = ks % 32

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu_experts import CpuExperts, _check
-from kernels.cpu_team import TeamSize
-from kernels.quant import QType
+from kernels.cpu.experts import CpuExperts, _check
+from kernels.cpu.team import TeamSize
+from kernels.formats.quant import QType
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -130,7 +130,7 @@ class DenseStack:
         self._dims = _Dims(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim,
                            shape.ffn, int(shape.rope_interleaved), shape.eps)  # fmt: skip
         self._fn, self._tables = kernels._dense, kernels._tables
-        self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu_team.py)
+        self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu/team.py)
 
     def __call__(
         self, x: torch.Tensor, spans: Sequence[CacheSpan], cos: torch.Tensor, sin: torch.Tensor

@@ -1,6 +1,6 @@
 """What a kernel tuning table file holds: a header, one or more shape buckets, switch defaults.
 
-Selection (`kernels.tables`) picks the file for a GPU stack; this module reads it (no torch):
+Selection (`kernels.tuning.tables`) picks the file for a GPU stack; this module reads it (no torch):
 
     {"key": "sm90-cuda-13.0",
      "header": {"arch": "sm90", "backend": "cuda", "runtime": "13.0",   # must agree with key
@@ -15,7 +15,7 @@ A table written before buckets existed (`"kernels"`, `"shapes"`, `"measured_us"`
 no header) reads as one bucket with a header taken from its name. A model whose shapes fall
 between buckets takes the nearest (the smallest summed log2 ratio over the sizes both name).
 `switches` hold per-architecture defaults of the kernel paths that have a switch, each from a
-recorded A/B/A run (`kernels.ab`): the value, and the run's verdict that justified it.
+recorded A/B/A run (`kernels.tuning.ab`): the value, and the run's verdict that justified it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Header:
 @dataclass(frozen=True)
 class Bucket:
     shapes: Mapping[str, int]  # the model shapes the settings were measured at
-    kernels: Mapping[str, Any]  # kernel -> {setting: value}, read by kernels.tuning
+    kernels: Mapping[str, Any]  # kernel -> {setting: value}, read by kernels.tuning.configs
     measured_us: Mapping[str, Any] = field(default_factory=dict)
 
     def distance(self, shapes: Mapping[str, int]) -> float:
@@ -63,7 +63,8 @@ class Bucket:
 @dataclass(frozen=True)
 class Switch:
     value: str | int | bool
-    ab: Mapping[str, Any] = field(default_factory=dict)  # the A/B/A run's record (kernels.ab)
+    # the A/B/A run's record (kernels.tuning.ab)
+    ab: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
-"""The lookup tables of llama.cpp's i-quants as one byte buffer per device, which the
-kernels' decoders (`kernels.gemv._dequant_tile`, `kernels.iq_decode`, the CPU kernels)
-index.
+"""The lookup tables of llama.cpp's i-quants as one byte buffer per device, which the kernels'
+decoders (`kernels.layers.gemv._dequant_tile`, `kernels.formats.iq_decode`, the CPU kernels) index.
 
 Layout (byte offsets, mirrored as constants where the kernels read them):
     IQ3_S_GRID    0      512 grid points x 4 values (odd 1..15), uint8

@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCE_DIR = Path(__file__).parent
 MAIN = "experts.c"  # includes the headers beside it; all of them go into the cache key
 FLAGS = ("-std=c11", "-O3", "-fopenmp", "-shared", "-fPIC")
 NATIVE = "-march=native"

@@ -1,4 +1,4 @@
-"""Row dots of the fused MoE kernels for the GGUF types kept as blocks (`kernels.moe` keeps
+"""Row dots of the fused MoE kernels for the GGUF types kept as blocks (`kernels.experts.moe` keeps
 Q4_0 in its split layout and dots it there).
 
 Each takes rows of one projection at byte address `w_ptr` (ROW_BYTES per row) and an
@@ -14,7 +14,7 @@ its dot:
 - Q2_K (aligned: codes as words) and Q3_K (one code byte per 4 weights, one high-bit byte
   per 8): each 16-value sub-block's scale once.
 - the i-quants IQ4_XS (aligned), IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S: their
-  block shapes in `kernels.moe_dots_iq`.
+  block shapes in `kernels.experts.moe_dots_iq`.
 Every other type (Q4_1, Q5_0, Q5_1, IQ4_NL, and the unaligned blobs of the word readers):
 `_values_rows_dot`, value by value.
 """
@@ -24,11 +24,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.byte_loads import _load_f16
-from kernels.gemv import _dequant_tile, _k_scale_min
-from kernels.iq_decode import GRID_BITS
-from kernels.moe_dots_iq import _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
-from kernels.quant import QType
+from kernels.experts.moe_dots_iq import _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
+from kernels.formats.byte_loads import _load_f16
+from kernels.formats.iq_decode import GRID_BITS
+from kernels.formats.quant import QType
+from kernels.layers.gemv import _dequant_tile, _k_scale_min
 
 Q2_K: tl.constexpr = tl.constexpr(int(QType.Q2_K))
 Q3_K: tl.constexpr = tl.constexpr(int(QType.Q3_K))

@@ -1,7 +1,7 @@
 """Expert fetch for decode: copy the step's missed experts from page-locked RAM into VRAM.
 
 The second of the GPU's miss paths (the first is the fused MoE kernel reading host memory in
-place, `kernels.moe`). One launch per layer, with the routing still on the device:
+place, `kernels.experts.moe`). One launch per layer, with the routing still on the device:
 
   for every (token, slot) s routed to expert e = ids[s], f the first pair routed to e:
     - e's blob address (`table[e, 0]`, its gate matrix, which starts the blob) lies in the
@@ -108,7 +108,7 @@ def fetch_experts(
 
     ids [T, k] routed experts (negative: skipped), table [E, 3] the layer's addresses, host the
     byte range [lo, hi) of the page-locked expert copy. Returns (slot_ids [T, k] int32,
-    step_table [T*k, 3] int64) for `kernels.moe.fused_moe`."""
+    step_table [T*k, 3] int64) for `kernels.experts.moe.fused_moe`."""
     if ids.dim() != 2 or not ids.is_contiguous():
         raise ValueError(f"ids must be contiguous [T, k], got {tuple(ids.shape)}")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 3:

@@ -10,7 +10,7 @@ the machine is. Seed 001 measured the floors: ±1% run to run on long cold reads
 tokens), ±7% on 8K prompts and on decode, where a first-sample "+8.6%" became a dead heat on
 A/B/A.
 
-`record` turns a verdict into a table's `switches` entry (`kernels.table_file`): the value to
+`record` turns a verdict into a table's `switches` entry (`kernels.tuning.table_file`): the value to
 run by default on this architecture, and the run that justifies it. B replaces A only on a
 real difference in B's favour.
 """

@@ -1,11 +1,11 @@
 """GGUF block formats: the quantized tensor type and its bit-exact dequantization.
 
-A `QTensor` keeps a weight as GGUF stores it (raw blocks, row-major, one row of blocks
-per output row) so that kernels can read the blocks directly; `dequantize()` gives the
-float32 values exactly as llama.cpp computes them, in pure torch so it runs where the
-blocks already are (CPU or GPU). The K-quants (256-value super-blocks) live in
-`kernels/quant_k.py`, the i-quants (lattice codebooks) in `kernels/quant_iq.py`; this file
-owns the types, the dispatch and the 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+A `QTensor` keeps a weight as GGUF stores it (raw blocks, row-major, one row of blocks per output
+row) so that kernels can read the blocks directly; `dequantize()` gives the float32 values exactly
+as llama.cpp computes them, in pure torch so it runs where the blocks already are (CPU or GPU). The
+K-quants (256-value super-blocks) live in `kernels/formats/quant_k.py`, the i-quants (lattice
+codebooks) in `kernels/formats/quant_iq.py`; this file owns the types, the dispatch and the 32-value
+formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
 `quantize()` writes blocks of the `QUANTIZE_QTYPES`, for building synthetic models and test
 fixtures.
@@ -21,8 +21,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kernels import quant_iq, quant_k
-from kernels.quant_fields import fp16, nibbles, split_bits
+from kernels.formats import quant_iq, quant_k
+from kernels.formats.quant_fields import fp16, nibbles, split_bits
 
 QType = GGMLQuantizationType
 

@@ -10,13 +10,13 @@ Each projection has its own GGUF type (`ExpertFormat`: a Q4_K_M file mixes Q4_K 
 with Q6_K or Q5_0 down). Q4_0 is read in a split layout (`split_q4_0`): a GGUF block is 18
 bytes, a stride that allows only byte loads, so each matrix keeps its fp16 scales first and
 its nibbles after, read as 32-bit words. The other types (`MOE_QTYPES`) are read as GGUF
-blocks (`kernels.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
+blocks (`kernels.experts.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
 through the GEMV kernel's tile decoder). The bytes
 per expert are those of the GGUF blocks; gate/up are [F, H], down is [H, F]. Two launches per
 layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
-     (the offload engine sums the parts into the residual stream: `kernels.norm.add_rmsnorm`)
+     (the offload engine sums the parts into the residual stream: `kernels.layers.norm.add_rmsnorm`)
 The slots are summed in a fixed order: the result is deterministic.
 
 Several tokens (a decode batch, a short prompt, a drafted window) may share experts. The grid
@@ -39,10 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import GEMV_QTYPES
-from kernels.iq_tables import iq_tables
-from kernels.moe_dots import blocks_rows_dot
-from kernels.moe_dots_q8 import (
+from kernels.experts.moe_dots import blocks_rows_dot
+from kernels.experts.moe_dots_q8 import (
     Q8_DOT_QTYPES,
     dequantize_q8_ref,
     dp4a_in_asm,
@@ -50,7 +48,9 @@ from kernels.moe_dots_q8 import (
     quantize_q8,
     quantize_q8_ref,
 )
-from kernels.quant import QTensor, QType, row_bytes
+from kernels.formats.iq_tables import iq_tables
+from kernels.formats.quant import QTensor, QType, row_bytes
+from kernels.layers.gemv import GEMV_QTYPES
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
@@ -95,8 +95,8 @@ class MoeConfig:
     # K-quant super-blocks (256 columns) per reduction step of the Q4_K/Q5_K/Q6_K readers:
     # every load of a step is in flight at once (a power of two)
     super_blocks: int = 1
-    # Q4_K and Q6_K dotted in int8 (`kernels.moe_dots_q8`: the activation quantized to 8 bits
-    # per 32 values once, four codes per dp4a) where the blobs are aligned; else in float32
+    # Q4_K and Q6_K dotted in int8 (`kernels.experts.moe_dots_q8`: the activation quantized to 8
+    # bits per 32 values once, four codes per dp4a) where the blobs are aligned; else in float32
     int8_dots: bool = False
     num_warps: int = 4
     num_stages: int = 2
@@ -172,7 +172,7 @@ def _rows_dot(
     ASM: tl.constexpr,
 ):
     """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K] (X8: dot x's Q8
-    row at x8_ptr in int8, `kernels.moe_dots_q8`)."""
+    row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
     if X8:
         acc = q8_rows_dot(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, QTYPE, BLOCK_N, SBS, ASM)
     elif QTYPE == Q4_0:
@@ -243,7 +243,7 @@ def _gate_up_kernel(
     F,
     GATE_ROW,  # bytes per row of gate / up (GGUF-block types)
     UP_ROW,
-    tab_ptr,  # the i-quants' tables (kernels.iq_tables)
+    tab_ptr,  # the i-quants' tables (kernels.formats.iq_tables)
     N_PAIRS,  # T * k
     x8_ptr,  # [T, X8_ROW] uint8: x's Q8 rows (X8_GATE or X8_UP); else unread
     X8_ROW,

@@ -1,7 +1,7 @@
 """The launch settings of the offload engine's kernels, and the tuning-table file that holds them.
 
-A table (`kernels.tables` names and selects it; `kernels.table_file` describes the file) holds
-per shape bucket:
+A table (`kernels.tuning.tables` names and selects it; `kernels.tuning.table_file` describes the
+file) holds per shape bucket:
 
     "kernels": {"moe": {"block_n": 32, ...}, "fetch": {...}, "attention": {...},
                 "dequant": {...}, "prefetch": {...}, "linear": {...}}
@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kernels.attention import AttentionConfig
-from kernels.dequant import DequantConfig
-from kernels.expert_fetch import FetchConfig
-from kernels.linear import LinearConfig
-from kernels.moe import MoeConfig
-from kernels.table_file import TableFileError, buckets_of, nearest_bucket
+from kernels.experts.expert_fetch import FetchConfig
+from kernels.experts.moe import MoeConfig
+from kernels.formats.dequant import DequantConfig
+from kernels.layers.attention import AttentionConfig
+from kernels.layers.linear import LinearConfig
+from kernels.tuning.table_file import TableFileError, buckets_of, nearest_bucket
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
 """Dequantization of many matrices of GGUF blocks at once: prefill's expert weights of the
-types the engine keeps as blocks (everything but Q4_0, which it keeps split: `kernels.dequant`).
+types the engine keeps as blocks (everything but Q4_0, which it keeps split:
+`kernels.formats.dequant`).
 
 `sections` [n, bytes] holds one matrix [rows, cols] of GGUF blocks per row (which may be a
 column slice of a wider buffer, e.g. one projection of every expert blob); the result is
 [n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0, IQ3_S and the low-bit
-grid i-quants (IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: `kernels.iq_decode.grid_block`) are
+grid i-quants (IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: `kernels.formats.iq_decode.grid_block`) are
 decoded a block at a time (each scale loaded once per sub-block, the tile stored in the
 blocks' own shape); the other types value by value by the GEMV kernel's tile decoder
-(`kernels.gemv._dequant_tile`). Both follow llama.cpp's formulas in float32, and each value
+(`kernels.layers.gemv._dequant_tile`). Both follow llama.cpp's formulas in float32, and each value
 is rounded once to the output dtype (bfloat16 to nearest even in integers, so Triton's
-interpreter agrees with the GPU): bit-identical to `kernels.quant.dequantize(...).to(dtype)`.
+interpreter agrees with the GPU): bit-identical to
+`kernels.formats.quant.dequantize(...).to(dtype)`.
 
 Three tiers: `_blocks_kernel` (Triton, grid (matrix, row block, column block)),
 `dequant_blocks` (the launcher) and `dequant_blocks_ref` (the torch reference).
@@ -24,13 +26,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import iq_tables
-from kernels.byte_loads import _load_f16, _load_u8
-from kernels.dequant import DEQUANT_DTYPES, _to_bf16
-from kernels.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min
-from kernels.iq_decode import GRID_BITS, GRID_QTYPES, grid_block, grid_block_bytes, grid_width
-from kernels.iq_tables import iq_tables as tables_on
-from kernels.quant import QType, dequantize, row_bytes
+from kernels.formats import iq_tables
+from kernels.formats.byte_loads import _load_f16, _load_u8
+from kernels.formats.dequant import DEQUANT_DTYPES, _to_bf16
+from kernels.formats.iq_decode import (
+    GRID_BITS,
+    GRID_QTYPES,
+    grid_block,
+    grid_block_bytes,
+    grid_width,
+)
+from kernels.formats.iq_tables import iq_tables as tables_on
+from kernels.formats.quant import QType, dequantize, row_bytes
+from kernels.layers.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min
 
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
@@ -58,7 +66,7 @@ def _blocks_kernel(
     cols,
     row_bytes,
     stride_m,
-    tab_ptr,  # the i-quants' tables (kernels.iq_tables)
+    tab_ptr,  # the i-quants' tables (kernels.formats.iq_tables)
     QTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,

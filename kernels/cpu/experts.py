@@ -1,6 +1,6 @@
 """MoE experts and dense matmuls on the CPU, read straight from GGUF blocks.
 
-The C kernels (`kernels/cpu/experts.c`, built at first use by `kernels.cpu_build`) quantize
+The C kernels (`kernels/cpu/experts.c`, built at first use by `kernels.cpu.build`) quantize
 each activation to int8 in blocks of 32 (as llama.cpp's Q8_0) and take integer dot products
 with the weight blocks, multi-threaded with OpenMP. A ctypes call releases the GIL, so the
 CPU computes experts while Python queues GPU work. One `moe` call computes all of a layer's
@@ -27,10 +27,10 @@ import numpy as np
 import psutil
 import torch
 
-from kernels.cpu_build import load
-from kernels.cpu_team import TeamSize
-from kernels.iq_tables import iq_tables
-from kernels.quant import QType, row_bytes
+from kernels.cpu.build import load
+from kernels.cpu.team import TeamSize
+from kernels.formats.iq_tables import iq_tables
+from kernels.formats.quant import QType, row_bytes
 
 CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
     {
@@ -49,7 +49,7 @@ class CpuExpertFormat:
     """One layer's expert blob: [gate | up | down] contiguous bytes.
 
     gate/up are [ffn, hidden] and down is [hidden, ffn] in their GGUF blocks; q4_0_split: the
-    Q4_0 projections are in `kernels.moe.split_q4_0`'s layout (same size)."""
+    Q4_0 projections are in `kernels.experts.moe.split_q4_0`'s layout (same size)."""
 
     qtypes: tuple[QType, QType, QType]  # gate, up, down
     hidden: int
@@ -113,9 +113,9 @@ class CpuExperts:
         self._moe_parts = lib.strata_moe_parts
         self._moe_parts.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P,
                                     _I32, _P]  # fmt: skip
-        self._dense = lib.strata_dense_layers  # kernels/cpu_dense.py
+        self._dense = lib.strata_dense_layers  # kernels/cpu/dense.py
         self._dense.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32, _P]
-        self._moe_layers = lib.strata_moe_layers  # kernels/cpu_moe_stack.py
+        self._moe_layers = lib.strata_moe_layers  # kernels/cpu/moe_stack.py
         self._moe_layers.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32,
                                      _P]  # fmt: skip
         for fn in (self._matmul, self._moe, self._moe_parts, self._dense, self._moe_layers):
@@ -301,7 +301,7 @@ ONE_THREAD_WEIGHTS = 1 << 18
 class PreparedMatmul:
     """x [T, cols] float32 @ W^T -> [T, rows] float32 for one weight checked at `prepare`:
     each call checks x's shape and type only. A product large enough for the team runs on
-    the team size measured fastest for its token count (`kernels.cpu_team`: a busy host's)."""
+    the team size measured fastest for its token count (`kernels.cpu.team`: a busy host's)."""
 
     def __init__(self, kernels: CpuExperts, w: torch.Tensor, qtype: QType, rows: int,
                  cols: int) -> None:  # fmt: skip

@@ -1,7 +1,7 @@
 """Int8 row dots of the fused MoE kernels: the activation quantized once, the weights' codes
 multiplied four at a time in integers.
 
-The float readers (`kernels.moe_dots`) turn every 4- or 6-bit code into a float and multiply
+The float readers (`kernels.experts.moe_dots`) turn every 4- or 6-bit code into a float and multiply
 it: shift, mask, convert and fused multiply-add per weight. On the H100 that bounds a Q4_K
 expert layer by its arithmetic (63 us a layer at a3b's shapes, 13% of the copy rate, where
 Q4_0's lighter reader reaches 27%). Here, as in llama.cpp's decode kernels, the activation is
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.byte_loads import _load_f16
-from kernels.gemv import _k_scale_min
-from kernels.quant import QType
+from kernels.formats.byte_loads import _load_f16
+from kernels.formats.quant import QType
+from kernels.layers.gemv import _k_scale_min
 
 Q8_BLOCK = 32  # values per activation scale
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))

@@ -1,13 +1,13 @@
 """Which kernel tuning table fits the installed GPU stack (selection only: no torch, no tuner).
 
-A table is a JSON file named `<arch>-<backend>-<version>.json`, e.g. `gfx1100-rocm-7.2.0.json`
-or `sm90-cuda-12.8.json`: launch settings measured on that GPU architecture with that runtime
-(`kernels.table_file` reads its content). The version is ROCm's `major.minor.patch`, or CUDA's
-`major.minor`. Lookup: the exact stack; else the table of the nearest runtime version of the
+A table is a JSON file named `<arch>-<backend>-<version>.json`, e.g. `gfx1100-rocm-7.2.0.json` or
+`sm90-cuda-12.8.json`: launch settings measured on that GPU architecture with that runtime
+(`kernels.tuning.table_file` reads its content). The version is ROCm's `major.minor.patch`, or
+CUDA's `major.minor`. Lookup: the exact stack; else the table of the nearest runtime version of the
 same architecture and backend, with one WARNING naming both versions (settings tuned under one
-compiler can be slower under another; the table's header may record by how much); else the
-kernels' default settings, said once. Shipped tables live in `kernels/tables/` (package data);
-`stratactl tune` writes to the state directory, which shadows them.
+compiler can be slower under another; the table's header may record by how much); else the kernels'
+default settings, said once. Shipped tables live in `kernels/tables/` (package data); `stratactl
+tune` writes to the state directory, which shadows them.
 
 Detection reads files, so tests point it at a fake tree (`root`):
 - ROCm: `<rocm>/.info/version` (or `include/rocm-core/rocm_version.h`) for the version, and the
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kernels import table_file
+from kernels.tuning import table_file
 
-PACKAGED_DIR = Path(__file__).parent / "tables"
+PACKAGED_DIR = Path(__file__).parents[1] / "tables"
 STATE_DIR = Path("/var/lib/strata/tables")  # where `stratactl tune` writes (StateDirectory)
 SEARCH_PATH = (STATE_DIR, PACKAGED_DIR)
 

@@ -128,7 +128,7 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream x [T, D] plus the parts [T, P, D] summed in float32 (rounded once
     to x's dtype), and its RMSNorm with weight [D]: (sum, normed), in one launch. Decode adds
-    every layer's routed slots (`kernels.moe.moe_down`'s parts) this way into the stream and
+    every layer's routed slots (`kernels.experts.moe.moe_down`'s parts) this way into the stream and
     norms it for the next block."""
     t, d = x.shape
     if parts.dim() != 3 or parts.shape[0] != t or parts.shape[2] != d or parts.stride(2) != 1:

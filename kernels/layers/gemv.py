@@ -1,12 +1,12 @@
 """Quantized matmul for decode: out [T, N] = x [T, K] @ W^T, W kept as GGUF blocks.
 
-The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in
-registers, so a weight is read once in its compressed size (the point for a model larger
-than GPU memory: bandwidth, not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS,
-IQ2_XS, IQ2_S, IQ1_S (decoded in `kernels.iq_decode`; their tables are a byte buffer the kernel
-reads: `kernels.iq_tables`). Dequantization follows `kernels/quant.py` (llama.cpp's formulas)
-in float32; the products are accumulated in float32.
+The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in registers, so a
+weight is read once in its compressed size (the point for a model larger than GPU memory: bandwidth,
+not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the
+i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S (decoded in
+`kernels.formats.iq_decode`; their tables are a byte buffer the kernel reads:
+`kernels.formats.iq_tables`). Dequantization follows `kernels/formats/quant.py` (llama.cpp's
+formulas) in float32; the products are accumulated in float32.
 
 Three tiers: `_gemv_kernel` (Triton), `gemv()` (launcher: checks, grid), `qmatmul()` (the
 operation on a `QTensor`, any leading dims, float weights via torch). `qmatmul_ref()` is
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.byte_loads import _load_f16, _load_u8
-from kernels.iq_decode import IQ_QTYPES, dequant_iq
-from kernels.iq_tables import iq_tables as tables_on
-from kernels.quant import QTensor, QType, block_geometry
+from kernels.formats.byte_loads import _load_f16, _load_u8
+from kernels.formats.iq_decode import IQ_QTYPES, dequant_iq
+from kernels.formats.iq_tables import iq_tables as tables_on
+from kernels.formats.quant import QTensor, QType, block_geometry
 
 # GGUF type ids as compile-time constants: the kernel is specialized per type.
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
@@ -140,7 +140,8 @@ def _dequant_q45_k(row_ptr, ks, mask, FIVE_BIT: tl.constexpr):
 def _dequant_tile(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
     """Float32 weights for byte pointers to row starts `row_ptr` [BN, 1] and columns
     `ks` [1, BK]; masked-off entries are 0. Each element locates its own block, so the
-    tile need not align with blocks. `tab_ptr`: the i-quants' tables (`kernels.iq_tables`)."""
+    tile need not align with blocks. `tab_ptr`: the i-quants' tables
+    (`kernels.formats.iq_tables`)."""
     if QTYPE == Q8_0:
         blk = row_ptr + (ks // 32) * 34
         d = _load_f16(blk, mask)

@@ -1,4 +1,4 @@
-"""Row dots of the fused MoE kernels for the i-quants (`kernels.moe_dots.blocks_rows_dot`
+"""Row dots of the fused MoE kernels for the i-quants (`kernels.experts.moe_dots.blocks_rows_dot`
 calls them; the same contract: rows of one projection at byte address `w_ptr`, ROW_BYTES
 per row, dot x [K] -> [BLOCK_N] float32, a 256-value super-block per step).
 
@@ -7,7 +7,7 @@ per row, dot x [K] -> [BLOCK_N] float32, a 256-value super-block per step).
 - IQ3_S: a super-block as [32-value block, grid point, 4]: one code, sign byte and table
   lookup per grid point of 4 weights, the block's scale once.
 - IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S (`_grid_rows_dot`): a super-block as
-  `kernels.iq_decode.grid_block` decodes it, [32-value block, grid point, value]: one grid
+  `kernels.formats.iq_decode.grid_block` decodes it, [32-value block, grid point, value]: one grid
   lookup per point (its 4 or 8 values as one 32- or 64-bit word of the table), one sign byte
   per point, the scale once per point's dot.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.byte_loads import _load_f16
-from kernels.iq_decode import (
+from kernels.formats.byte_loads import _load_f16
+from kernels.formats.iq_decode import (
     GRID_BITS,
     IQ3_S_GRID,
     IQ4_VALUES,

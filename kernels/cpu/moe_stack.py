@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.cpu_dense import MAX_HEAD_DIM, CacheSpan, check_step
-from kernels.cpu_experts import CpuExperts, _check
-from kernels.cpu_team import TeamSize
-from kernels.quant import QType
+from kernels.cpu.dense import MAX_HEAD_DIM, CacheSpan, check_step
+from kernels.cpu.experts import CpuExperts, _check
+from kernels.cpu.team import TeamSize
+from kernels.formats.quant import QType
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 WEIGHTS = ("q", "k", "v", "o", "router", "gate", "up", "down")  # moe_layer_t's w[] order
@@ -121,7 +121,7 @@ class MoEStack:
                            shape.n_experts, shape.top_k, shape.ffn, int(shape.rope_interleaved),
                            int(shape.norm_topk), shape.eps)  # fmt: skip
         self._fn, self._tables = kernels._moe_layers, kernels._tables
-        self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu_team.py)
+        self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu/team.py)
         self._tables_in_use: dict[int, np.ndarray] = {}  # place_experts'; kept alive here
 
     def __call__(

@@ -1,7 +1,7 @@
 """Dequantization of split-Q4_0 matrices, many at once: prefill's expert weights.
 
-Layout (`kernels.moe.split_q4_0`): a matrix [rows, cols] with cols % 32 == 0 has nb = cols / 32
-Q4_0 blocks per row and takes rows * nb * 18 bytes,
+Layout (`kernels.experts.moe.split_q4_0`): a matrix [rows, cols] with cols % 32 == 0 has nb = cols /
+32 Q4_0 blocks per row and takes rows * nb * 18 bytes,
 
     bytes [0, rows*nb*2)              fp16 scales d, row-major [rows, nb]
     bytes [rows*nb*2, rows*nb*18)     nibbles, [rows, nb, 16]
@@ -12,17 +12,17 @@ column b*32 + 16 + j is d[r, b] * ((byte[r, b, j] >> 4) - 8). The product is com
 float32 (exact: an fp16 times a 4-bit integer) and rounded once to the output dtype, so the
 result is bit-identical to GGUF's dequantization followed by `.to(dtype)`.
 
-`_dequant_kernel` takes n such matrices, one per row of a uint8 tensor [n, nbytes] (which may
-be a column slice of a wider buffer, e.g. one projection of every expert blob), and writes
-[n, rows, cols]. Its grid is (matrix, block of BLOCK_R rows); each program loops over the
-row's blocks BLOCK_B at a time. Where the nibble area is 4-byte aligned (always for the
-engine's layouts: see `kernels.moe.split_q4_0_ok`) the nibbles are read as 32-bit words, four
-per block, and unpacked in registers: byte i of word w is value 4w + i (low nibble) and
-4w + i + 16 (high nibble). The unpacked values are assembled (`tl.join`, in the order of the
-output columns) into tiles of whole blocks, BLOCK_B blocks of 32 contiguous columns per row,
-stored contiguously. Otherwise every byte is loaded on its own (scales as two bytes), which
-is correct at any alignment. A bfloat16 output is rounded to nearest even with integer
-operations (`_to_bf16`): the same bits on a GPU and in Triton's interpreter, whose own float32
+`_dequant_kernel` takes n such matrices, one per row of a uint8 tensor [n, nbytes] (which may be a
+column slice of a wider buffer, e.g. one projection of every expert blob), and writes [n, rows,
+cols]. Its grid is (matrix, block of BLOCK_R rows); each program loops over the row's blocks BLOCK_B
+at a time. Where the nibble area is 4-byte aligned (always for the engine's layouts: see
+`kernels.experts.moe.split_q4_0_ok`) the nibbles are read as 32-bit words, four per block, and
+unpacked in registers: byte i of word w is value 4w + i (low nibble) and 4w + i + 16 (high nibble).
+The unpacked values are assembled (`tl.join`, in the order of the output columns) into tiles of
+whole blocks, BLOCK_B blocks of 32 contiguous columns per row, stored contiguously. Otherwise every
+byte is loaded on its own (scales as two bytes), which is correct at any alignment. A bfloat16
+output is rounded to nearest even with integer operations (`_to_bf16`): the same bits on a GPU and
+in Triton's interpreter, whose own float32
 -> bfloat16 cast truncates.
 
 Three tiers as everywhere in kernels/: `_dequant_kernel` (Triton), `dequant_q4_0_split`

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kernels.quant_fields import fp16 as _fp16
-from kernels.quant_fields import split_bits
+from kernels.formats.quant_fields import fp16 as _fp16
+from kernels.formats.quant_fields import split_bits
 
 QK_K = 256
 K_SCALE_SIZE = 12

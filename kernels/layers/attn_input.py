@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm import rmsnorm_ref
-from kernels.rope import RopeStyle, rope_pairs, rope_rotate
+from kernels.layers.norm import rmsnorm_ref
+from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
-from kernels.quant_fields import fp16, nibbles, split_bits, uint_le
+from kernels.formats.quant_fields import fp16, nibbles, split_bits, uint_le
 
 QK_K = 256
 
