@@ -23,7 +23,7 @@ import torch
 from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.batch import Seq
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.model.loader import load_model
+from stratad.store.loader import load_model
 
 
 def _spread(xs: list[float]) -> dict[str, object]:

@@ -80,7 +80,7 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     from stratad.engine.batch import Seq
     from stratad.engine.reference.forward import ReferenceForward
     from stratad.engine.reference.weights_mode import QuantWeights
-    from stratad.model.loader import load_model
+    from stratad.store.loader import load_model
 
     # as the daemon runs them: the cpu engine leaves the cores to its kernels' team
     torch.set_num_threads(args.threads if reference else 1)

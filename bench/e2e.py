@@ -27,8 +27,8 @@ from kernels.experts.moe import fused_moe
 from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.model.loader import load_model
 from stratad.store.hostmem import read_bps
+from stratad.store.loader import load_model
 
 
 def measure_pcie(gib: float = 1.0) -> dict[str, float]:

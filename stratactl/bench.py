@@ -128,7 +128,7 @@ def _cpu_shapes(model: str) -> tuple[Any, dict[str, Any]]:
 
     if model in PRESETS and not Path(model).exists():
         return CpuShapes.of_preset(PRESETS[model]), {"preset": model}
-    from stratad.model.loader import load_model
+    from stratad.store.loader import load_model
 
     m = load_model(Path(model))  # the tensors are views of the mapped file: nothing is read
     return CpuShapes.of_model(m), {"file": str(model), "arch": m.spec.arch}
@@ -149,7 +149,7 @@ def _shapes(model: str) -> tuple[Any, dict[str, Any]]:
         shapes = BenchShapes(p.hidden, p.n_heads, p.n_kv_heads, p.head_dim, p.ffn, p.n_experts,
                              p.n_experts_used, VOCAB_SIZE, p.qk_norm, (mix,))  # fmt: skip
         return shapes, {"preset": model}
-    from stratad.model.loader import load_model
+    from stratad.store.loader import load_model
 
     m = load_model(Path(model))  # the tensors are views of the mapped file: nothing is read
     if not m.spec.is_moe:

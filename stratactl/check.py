@@ -99,7 +99,7 @@ def read_model_info(path: Path) -> ModelInfo:
             raise OSError(f"{path}: no *.safetensors files")
         arch = str((cfg.get("architectures") or [cfg.get("model_type", "?")])[0])
         return ModelInfo(path, arch, int(cfg.get("num_hidden_layers", 0)), n_experts, size)
-    from stratad.model.loader import load_model  # the daemon's checks: nothing is read
+    from stratad.store.loader import load_model  # the daemon's checks: nothing is read
 
     model = load_model(path)
     spec = model.spec

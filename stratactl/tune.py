@@ -107,7 +107,7 @@ def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from stratad.engine.offload.kernel_table import Shapes
 
     if args.model is not None:
-        from stratad.model.loader import load_model
+        from stratad.store.loader import load_model
 
         spec = load_model(args.model).spec
         if not spec.is_moe:

@@ -28,7 +28,7 @@ def smollm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_model(smollm_path: Path):  # type: ignore[no-untyped-def]
-    from stratad.model.loader import load_model
+    from stratad.store.loader import load_model
 
     return load_model(smollm_path)
 

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.synth import get_preset, write_synth
 from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.store.loader import load_model
 from tests.daemon import running_daemon
 
 ENV = {"TRITON_INTERPRET": "1"}

@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
 from stratad.__main__ import EXIT_BAD_MODEL
-from stratad.model.loader import load_model
 from stratad.model.spec import ModelError
+from stratad.store.loader import load_model
 
 H, F, V = 64, 96, 32
 

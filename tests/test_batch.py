@@ -17,9 +17,9 @@ from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
+from stratad.store.loader import load_model
 
 # ragged: a one-token prompt, prompts shorter and longer than a 16-token chunk
 PROMPTS = [list(range(100, 103)), list(range(200, 207)), [300], list(range(400, 420)),

@@ -145,7 +145,7 @@ def cpu_run(q4_k_m: Path) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_the_cpu_products_of_a_model_file_each_type_once(q4_k_m: Path) -> None:
-    from stratad.model.loader import load_model
+    from stratad.store.loader import load_model
     from stratad.tuning.cpu_kernel_bench import CpuShapes
 
     model = load_model(q4_k_m)

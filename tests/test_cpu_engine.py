@@ -13,9 +13,9 @@ from kernels.formats.quant import QTensor, QType, row_bytes
 from stratad.engine.placement import choose_backend
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import FloatLinear, QuantLinear, QuantWeights
-from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import PRESETS, write_synth
+from stratad.store.loader import load_model
 
 # The kernels round activations to 8 bits per block of 32, as llama.cpp does, so this engine
 # is held to llama.cpp, teacher-forced on llama.cpp's own greedy continuation: at every

@@ -22,9 +22,9 @@ from kernels.formats.quant import QType
 from stratad.engine.batch import Output, Seq
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import PRESETS, write_synth
+from stratad.store.loader import load_model
 
 TOL = 0.5  # logits (0.21 seen, of logits up to 18)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
+from stratad.store.loader import load_model
 from tests.gguf_export import export_f32
 
 PROMPTS = [

@@ -14,9 +14,9 @@ from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.slots import SlotPolicy, initial_residents
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
+from stratad.store.loader import load_model
 
 # a 16-token chunk (the staged grouped GEMMs), then 2 (the fused kernels with T > 1)
 PROMPT = list(range(100, 118))

@@ -26,9 +26,9 @@ from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import get_preset, write_synth
+from stratad.store.loader import load_model
 from stratad.store.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped

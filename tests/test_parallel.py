@@ -22,7 +22,6 @@ from stratad.engine.kv import KVCache
 from stratad.engine.placement import start_plan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.protocol import StatusReply, StatusRequest
@@ -32,6 +31,7 @@ from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.scheduler import EngineFailed, Scheduler
 from stratad.runtime.sequence import GenerationRequest
+from stratad.store.loader import load_model
 from tests.server_helpers import shared_daemon, tiny_moe_path, wait_until
 
 GREEDY = SamplingParams(temperature=0.0)

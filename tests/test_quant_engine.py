@@ -14,7 +14,7 @@ from gguf import quants as gguf_quants
 
 from kernels.formats.quant import QType, block_geometry, row_bytes
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
+from stratad.store.loader import load_model
 from tests.test_quant import FP16_FIELDS
 
 H, F, V = 256, 256, 32  # 256 columns: one super-block per row for the K- and i-quants

@@ -10,7 +10,6 @@ from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf
@@ -20,6 +19,7 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest, Sequence
 from stratad.runtime.step import StepLoop
 from stratad.runtime.step_plan import StepBudget
+from stratad.store.loader import load_model
 from tests.test_store_fakes import tiny_moe_gguf
 
 GREEDY = SamplingParams(temperature=0.0)

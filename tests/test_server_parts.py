@@ -10,7 +10,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Job, PreparedJob
@@ -20,6 +19,7 @@ from stratad.runtime.scheduler import QueueFull, Scheduler, Unavailable
 from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed
 from stratad.server.metrics import ServerMetrics
+from stratad.store.loader import load_model
 from tests.server_helpers import tiny_moe_path
 
 GREEDY = SamplingParams(temperature=0.0)

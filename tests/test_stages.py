@@ -11,9 +11,9 @@ from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig
 from stratad.engine.offload.stages import StagedForward, balanced_split, parse_split
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
+from stratad.store.loader import load_model
 
 PROMPT = list(range(100, 118))  # a staged chunk of 16, then 2 through the fused kernels
 

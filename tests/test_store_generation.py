@@ -13,9 +13,9 @@ from kernels.cpu.experts import CpuExperts
 from stratad.config import StoreConfig
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
 from stratad.store.bandwidth import Bandwidths
+from stratad.store.loader import load_model
 from stratad.store.manifest import encoded
 from stratad.store.pack import write_pack
 from stratad.store.packed import load_pack

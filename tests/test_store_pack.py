@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from stratactl import pack as pack_cli
-from stratad.model.loader import load_model
 from stratad.model.spec import ExpertUnit, Model
+from stratad.store.loader import load_model
 from stratad.store.lock import LockChoice, NoLocker
 from stratad.store.manifest import (
     BLOB_ALIGN,

@@ -17,8 +17,8 @@ from kernels.cpu.moe_stack import MoEStack
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.store_stack import StoreStack
 from stratad.engine.reference.weights_mode import QuantWeights
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
+from stratad.store.loader import load_model
 from stratad.store.plan import GiB
 from stratad.store.profile import profile_from_counts, save_profile
 from stratad.store.sources import ModelExperts

@@ -27,7 +27,7 @@ from gguf import quants as gguf_quants
 from kernels.formats.quant import SUPPORTED_QTYPES
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
-from stratad.model.loader import load_model
+from stratad.store.loader import load_model
 from tests.gguf_scan import scan, tensor_bytes
 
 PROMPTS = [

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.loader import load_model
+from stratad.store.loader import load_model
 
 COMMON: dict[str, Any] = dict(
     vocab_size=128,

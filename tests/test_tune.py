@@ -31,8 +31,8 @@ STACK = "sm90-cuda-12.8"
 
 @pytest.fixture(scope="module")
 def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from stratad.model.loader import load_model
     from stratad.model.synth import get_preset, write_synth
+    from stratad.store.loader import load_model
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
     write_synth(get_preset("tiny-moe"), path)

@@ -289,8 +289,8 @@ def dry_plan(
     import torch
 
     from stratad.engine import placement
-    from stratad.model.loader import load_model
     from stratad.store.admission import mem_total
+    from stratad.store.loader import load_model
     from stratad.store.startup import open_source, plan_store, slot_bytes
 
     host_total = host_total or mem_total()

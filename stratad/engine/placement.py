@@ -27,9 +27,9 @@ from stratad.engine.offload.kernel_table import Lookup, model_shapes, tuned
 from stratad.engine.offload.stages import balanced_split, parse_split
 from stratad.engine.offload.switches import miss_paths
 from stratad.engine.passes import FETCH_MAX_TOKENS
-from stratad.model.loader import is_pack
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.admission import mem_total
+from stratad.store.loader import is_pack
 from stratad.store.plan import Stage, slot_count
 from stratad.store.sizes import GiB
 from stratad.store.startup import daemon_reserves

@@ -31,8 +31,8 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
-from stratad.model.loader import load_model
 from stratad.model.spec import Model
+from stratad.store.loader import load_model
 from stratad.store.pinning import ProgressFn
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore

@@ -1,10 +1,10 @@
-"""One entry point for every model format."""
+"""One entry point for every model format: a GGUF file, a Hugging Face directory, or a pack
+(`stratactl pack`: the store's own layout, which is why this lives with the store)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stratad.model.archs import ARCHS, Arch
 from stratad.model.spec import Model, ModelError
 
 
@@ -28,7 +28,3 @@ def load_model(path: Path) -> Model:
 
 def is_pack(path: Path) -> bool:
     return path.is_dir() and (path / "manifest.json").is_file()
-
-
-def arch_of(model: Model) -> type[Arch]:
-    return ARCHS[model.spec.arch]
