@@ -28,15 +28,19 @@ ORIGIN = "https://app.example"
 
 class SlowPrefill:
     """An engine that thinks for PREFILL_S before a job's first token, then says 'a b c'
-    (steps of 10 ms)."""
+    (steps of 10 ms). The first job asking for FAIL_ONCE tokens fails at its first token."""
 
     model_id = "slow"
     max_context = 4096
     parallel = 1
     WORDS = ("a", " b", " c")
+    FAIL_ONCE = 13
 
     def __init__(self) -> None:
         self.jobs: dict[object, list[float]] = {}  # handle -> [first token at, tokens given]
+        self.marked: dict[object, str] = {}  # FAIL_ONCE jobs: "fails" (the first), "runs"
+        self.aborted: list[str] = []  # what each marked job that was aborted would have done
+        self.failed = False  # whether the FAIL_ONCE job came
 
     def prepare(self, job: Job) -> PreparedJob:
         return PreparedJob(job=job, prompt=(1, 2, 3), max_tokens=job.max_tokens or 3)
@@ -44,6 +48,9 @@ class SlowPrefill:
     def add(self, job: PreparedJob) -> object:
         handle = object()
         self.jobs[handle] = [time.monotonic() + PREFILL_S, 0]
+        if job.job.max_tokens == self.FAIL_ONCE:
+            self.marked[handle] = "runs" if self.failed else "fails"
+            self.failed = True
         return handle
 
     def step(self) -> list[tuple[object, Delta | Exception]]:
@@ -51,6 +58,10 @@ class SlowPrefill:
         out: list[tuple[object, Delta | Exception]] = []
         for handle, job in list(self.jobs.items()):
             if time.monotonic() < job[0]:
+                continue
+            if self.marked.get(handle) == "fails":
+                out.append((handle, RuntimeError("this choice fails")))
+                del self.jobs[handle], self.marked[handle]
                 continue
             job[1] += 1
             n = int(job[1])
@@ -64,13 +75,15 @@ class SlowPrefill:
 
     def abort(self, handle: object) -> None:
         self.jobs.pop(handle, None)
+        if handle in self.marked:
+            self.aborted.append(self.marked.pop(handle))
 
 
 @contextlib.contextmanager
-def serving(config: ServerConfig) -> Iterator[str]:
+def serving(config: ServerConfig, engine: SlowPrefill | None = None) -> Iterator[str]:
     """The app of `config` on a free port, its loop on a thread; yields the base URL."""
     server = Server(config)
-    server.attach(SlowPrefill())
+    server.attach(engine or SlowPrefill())
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app)
     ready = threading.Event()
@@ -153,6 +166,28 @@ async def _preflight(
 async def _get(url: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
     async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
         return r.status, dict(r.headers)
+
+
+def test_a_failed_choice_stops_its_siblings() -> None:
+    """n = 2, the first choice fails: the answer is the 500 at once, and the other choice is
+    taken off the engine (it ran on for nothing before)."""
+    engine = SlowPrefill()
+    with serving(ServerConfig(api_key="k"), engine) as url:
+        body = {"model": "slow", "prompt": "hi", "n": 2, "max_tokens": SlowPrefill.FAIL_ONCE}
+        status, _ = asyncio.run(_post(url, "/v1/completions", body))
+        assert status == 500
+        deadline = time.monotonic() + 5
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert engine.aborted == ["runs"]
+
+
+async def _post(url: str, path: str, body: dict[str, object]) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer k"}) as r,
+    ):
+        return r.status, await r.read()
 
 
 def test_embeddings_turned_off_answer_501(plain: str) -> None:

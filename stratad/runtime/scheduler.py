@@ -112,7 +112,9 @@ class Ticket:
         self.last_at: float | None = None  # when the engine gave its last delta
         self.token_gaps: list[float] = []  # seconds between consecutive tokens
         self.cancelled_at: float | None = None
-        self.cancelled_by = ""  # "client" (it went away) or "drain" (the daemon is stopping)
+        # "client" (it went away), "drain" (the daemon is stopping) or "request" (answered
+        # without it: another choice of its request failed)
+        self.cancelled_by = ""
         self.error: str | None = None
 
     def cancel(self, by: str = "client") -> None:

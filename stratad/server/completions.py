@@ -199,9 +199,11 @@ class Completions:
         finally:
             for w in watchers:
                 w.cancel()
-            if not done:
-                for t in tickets:
+            for t in tickets:
+                if not done:
                     t.cancel()
+                elif t.finished is None:  # answered without it: another choice failed
+                    t.cancel("request")
 
     async def read(self, request: web.Request) -> bytes:
         """The request's body; Refusal (408) if it does not arrive in time."""
