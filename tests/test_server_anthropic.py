@@ -195,6 +195,8 @@ def _error(daemon: Daemon, body: dict[str, Any], path: str = "/v1/messages") -> 
     ({"model": MODEL, "max_tokens": 4, "messages": ASK, "temperature": 1.5}, "temperature"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "assistant turns"),
+    ({"model": MODEL, "max_tokens": 4, "messages": ASK, "system": [{"text": "Be brief."}]},
+     "type"),  # a system block without its type
 ])  # fmt: skip
 def test_a_bad_request_is_answered_in_anthropics_shape(
     daemon: Daemon, body: dict[str, Any], says: str

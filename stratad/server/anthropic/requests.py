@@ -47,6 +47,14 @@ class TextBlock(_Struct, frozen=True, tag="text", tag_field="type"):
     text: str
 
 
+class SystemBlock(_Struct, frozen=True):
+    """A block of `system`: text only. Not a tagged struct: msgspec requires the tag of a union's
+    member only, so a lone `TextBlock` would let a block without its `type` through."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ImageBlock(_Struct, frozen=True, tag="image", tag_field="type"):
     """Refused: the served models read text."""
 
@@ -158,7 +166,7 @@ class CountTokensRequest(_Struct, frozen=True):
 
     model: str
     messages: Annotated[list[Turn], msgspec.Meta(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    system: str | list[SystemBlock] | None = None
     tools: Annotated[list[ClientTool], msgspec.Meta(max_length=tt.MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
 
@@ -199,7 +207,7 @@ def _text(blocks: list[TextBlock | ImageBlock], param: str) -> str:
     return BLOCK_SEPARATOR.join(b.text for b in blocks if isinstance(b, TextBlock))
 
 
-def _system(system: str | list[TextBlock] | None) -> list[ChatMessage]:
+def _system(system: str | list[SystemBlock] | None) -> list[ChatMessage]:
     if system is None:
         return []
     text = system if isinstance(system, str) else BLOCK_SEPARATOR.join(b.text for b in system)
