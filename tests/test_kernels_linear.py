@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from kernels.layers.linear import LinearConfig, decode_linear, decode_linear_ref
+from kernels.layers.linear import LinearConfig, decode_linear, decode_linear_ref, reduction_step
 from tests.kernel_cases import FLOATS, TOL, randn
 
 # Reductions of a few hundred products: half outputs differ by a rounding or two.
@@ -31,6 +31,17 @@ def test_decode_linear(
         out = decode_linear(x, w, b, config)
         assert out.dtype == dtype and out.shape == (tokens, n)
         torch.testing.assert_close(out, decode_linear_ref(x, w, b), **SUM_TOL[dtype])
+
+
+def test_a_batch_keeps_the_one_token_tile() -> None:
+    """T tokens take a reduction step T times shorter (the partial sums stay the tile tuned for
+    one token), down to 16 columns; the answer is the same (5 tokens, a 2048 step, 300
+    columns: ragged at the batch's step of 256)."""
+    assert [reduction_step(2048, t) for t in (1, 2, 8)] == [2048, 1024, 256]
+    assert reduction_step(64, 8) == 16
+    x, w = randn(5, 300, seed=7), randn(24, 300, seed=8) / 300**0.5
+    out = decode_linear(x, w, config=LinearConfig(block_n=4, block_k=2048))
+    torch.testing.assert_close(out, decode_linear_ref(x, w), **SUM_TOL[torch.float32])
 
 
 def test_decode_linear_reference_and_views() -> None:

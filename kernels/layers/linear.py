@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 MAX_TOKENS = 8  # more rows than this are a GEMM's work (prefill): use torch
+MIN_STEP = 16  # columns per reduction step at the least (a 32-byte load of a bf16 row)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ def _linear_kernel(
     tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=(t[:, None] < T) & (n[None, :] < N))
 
 
+def reduction_step(block_k: int, block_t: int) -> int:
+    """The reduction step for `block_t` tokens: the partial sums [T, block_n, block_k] stay the
+    tile tuned for one token. Kept whole, a batch's tile grows with T and spills registers: 8
+    tokens at the shipped H100/H200 table's 4 x 2048 would hold 64K float32 partial sums, 512
+    registers a thread of 4 warps."""
+    return max(MIN_STEP, block_k // block_t)
+
+
 def decode_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -102,12 +111,13 @@ def decode_linear(
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return out
-    block_n = triton.next_power_of_2(cfg.block_n)
+    block_n, block_t = triton.next_power_of_2(cfg.block_n), triton.next_power_of_2(T)
+    block_k = reduction_step(cfg.block_k, block_t)
     _linear_kernel[(triton.cdiv(N, block_n),)](
         x, weight, x if bias is None else bias, out, T, N, K,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n,
-        BLOCK_K=cfg.block_k, EVEN=N % block_n == 0 and K % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN=N % block_n == 0 and K % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
