@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.batch import Seq
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.loader import load_model
 
 
@@ -65,10 +65,15 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument("--kernel-table", type=Path)
+    p.add_argument(
+        "--kernel-table",
+        help="launch settings: a tuning table file (stratactl tune), or builtin for the"
+        " built-in ones; default: the table the daemon picks for this model on this stack",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
-    configs = load_configs(args.kernel_table) if args.kernel_table else KernelConfigs()
+    model = load_model(Path(args.model))
+    configs = configs_for_run(args.kernel_table, model.spec)
     cfg = OffloadConfig(
         expert_vram_bytes=int(args.expert_vram_gib * 2**30),
         max_context=args.prompt_len + args.decode_tokens + 8,
@@ -76,7 +81,7 @@ def main() -> None:
         graphs=not args.no_graphs,
         kernels=configs,
     )
-    engine = OffloadForward(load_model(Path(args.model)), torch.device("cuda"), cfg)
+    engine = OffloadForward(model, torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]
     one = next((r for r in rows if r["batch"] == 1), None)
     print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"

@@ -24,9 +24,9 @@ from bench.ram_tier import ram_tier
 from kernels.experts.expert_fetch import fetch_experts
 from kernels.experts.link_pace import ns_per_blob
 from kernels.experts.moe import fused_moe
-from kernels.tuning.configs import KernelConfigs, load_configs
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.hostmem import read_bps
 from stratad.store.loader import load_model
 
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     torch.manual_seed(0)
     model = load_model(Path(args.model))
     spec = model.spec
-    configs = load_configs(args.kernel_table) if args.kernel_table else KernelConfigs()
+    configs = configs_for_run(args.kernel_table, model.spec)
     if args.prefetch_programs:
         programs = args.prefetch_programs
         configs = replace(configs, prefetch=replace(configs.prefetch, programs=programs))
@@ -366,8 +366,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kernel-table",
-        type=Path,
-        help="launch settings from this tuning table (stratactl tune); else the defaults",
+        help="launch settings: a tuning table file (stratactl tune), or builtin for the"
+        " built-in ones; default: the table the daemon picks for this model on this stack",
     )
     p.add_argument(
         "--ram-frac",

@@ -15,7 +15,8 @@ from kernels.experts.expert_fetch import FetchConfig
 from kernels.experts.moe import MoeConfig
 from kernels.tuning import table_file, tables
 from kernels.tuning.configs import KernelConfigs, TuningTableError, configs_from_json, load_configs
-from stratad.engine.offload.kernel_table import kernel_configs, lookup
+from stratad.engine.offload.kernel_table import BUILTIN, configs_for_run, kernel_configs, lookup
+from stratad.model.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 A3B = {"hidden": 2048, "ffn": 768, "top_k": 8, "n_heads": 32, "n_kv_heads": 4, "head_dim": 128,
@@ -151,6 +152,19 @@ def test_a_shape_between_buckets_takes_the_nearest(tmp_path: Path) -> None:
     assert load_configs(tmp_path / "sm90-cuda-13.0.json").moe.block_n == 8  # none: the first
     with pytest.raises(TuningTableError, match="not a non-empty list"):
         configs_from_json({"buckets": []})
+
+
+def test_a_benchmark_runs_the_daemons_settings_unless_told(tmp_path: Path) -> None:
+    """A benchmark's launch settings: the table the daemon would pick (here, no GPU stack: the
+    built-in ones; on the CPU, the interpreter's), the built-in ones by name, or a file's."""
+    spec = ModelSpec("qwen3moe", n_layers=2, hidden=2048, n_heads=32, n_kv_heads=4,
+                     head_dim=128, vocab_size=64, rms_eps=1e-6, rope_theta=1e6,
+                     context_length=4096, n_experts=128, n_experts_used=8,
+                     expert_ffn=768)  # fmt: skip
+    assert configs_for_run(None, spec, "cpu") == kernel_configs("cpu")
+    assert configs_for_run(BUILTIN, spec) == KernelConfigs()
+    path = write(tmp_path, "sm90-cuda-13.0")
+    assert configs_for_run(str(path), spec).moe.block_n == 64
 
 
 def test_shipped_tables_read_and_are_package_data() -> None:

@@ -17,6 +17,7 @@ from kernels.tuning.configs import (
     KernelConfigs,
     TuningTableError,
     configs_from_kernels,
+    load_configs,
 )
 from stratad.model.spec import ModelSpec
 
@@ -166,3 +167,16 @@ def kernel_configs(
     found = tuned(device_type, shapes, stack, dirs)
     log.log(found.level, "%s", found.message)
     return found.configs
+
+
+BUILTIN = "builtin"  # a benchmark's --kernel-table for the built-in settings, no table
+
+
+def configs_for_run(table: str | None, spec: ModelSpec, device_type: str = "cuda") -> KernelConfigs:
+    """A benchmark's launch settings: those the daemon would pick for this model on this stack
+    (`table` None), the built-in ones (`BUILTIN`), or a table file's."""
+    if table is None:
+        return kernel_configs(device_type, model_shapes(spec))
+    if table == BUILTIN:
+        return KernelConfigs()
+    return load_configs(Path(table), model_shapes(spec))
