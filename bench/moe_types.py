@@ -2,7 +2,7 @@
 
     python -m bench.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
                               [--formats iq2_xxs iq1_s ...] [--tokens 1,8,32]
-                              [--configs 16:1:4 8:8:4 ...] [--aligned-only]
+                              [--configs 16:1:4 8:8:4 16:1:4:i8 ...] [--aligned-only]
 
 For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
 as blocks and as aligned words) it builds `--experts` random experts in VRAM and times
@@ -10,7 +10,7 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 --repeats with the spread): microseconds per call and the weight bytes read per second (the
 distinct routed experts' three projections: the kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
-for the int8 dots of Q4_K and Q6_K (default: the built-in `MoeConfig`).
+for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 (default: the built-in `MoeConfig`).
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
 `stratactl bench kernels` times the same kernels (each type the model holds) among all the
 others, against ceilings it measures; this driver compares every type at once.

@@ -52,6 +52,20 @@ def test_int8_dots_match_reference(t: int, super_blocks: int) -> None:
         assert torch.equal(got[i : i + 1], alone), f"token {i} differs from its output alone"
 
 
+@pytest.mark.parametrize(
+    "mix", [(QType.Q5_K, QType.Q8_0, QType.Q8_0), (QType.Q8_0, QType.Q5_K, QType.Q5_K)],
+    ids=["q5_k-q8_0-q8_0", "q8_0-q5_k-q5_k"],
+)
+def test_int8_dots_of_q5_k_and_q8_0(mix: tuple[QType, QType, QType]) -> None:
+    """Q5_K (its fifth bits OR-ed into the nibble words) and Q8_0 (blocks read as 16-bit
+    halves) through the int8 dots: the Q8-rounded reference, to float32 rounding."""
+    x, ids, weights, table, experts = _mixed_case(mix, 2, 2, 3, 512, 256, "cpu")
+    cfg = MoeConfig(block_n=128, int8_dots=True)
+    got = fused_moe(x, ids, weights, table, 256, cfg, aligned=True, fmt=ExpertFormat(*mix))
+    ref = fused_moe_ref(x, ids, weights, experts, int8=(True, True, True))
+    assert (got - ref).norm() / ref.norm() < 1e-4
+
+
 def test_int8_dots_only_where_aligned_and_typed() -> None:
     """Unaligned blobs and types without an int8 reader stay on the float32 dots."""
     x, ids, weights, table, experts = _mixed_case(Q4_K_M, 2, 2, 3, 256, 256, "cpu")
@@ -60,7 +74,7 @@ def test_int8_dots_only_where_aligned_and_typed() -> None:
     ref = fused_moe_ref(x, ids, weights, experts)
     assert (got - ref).norm() / ref.norm() < 1e-5
     fmt = ExpertFormat(QType.Q4_K, QType.Q4_K, QType.Q6_K)
-    assert fmt.int8(QType.Q4_K, cfg, True) and not fmt.int8(QType.Q5_K, cfg, True)
+    assert fmt.int8(QType.Q4_K, cfg, True) and not fmt.int8(QType.Q4_0, cfg, True)
     assert not fmt.int8(QType.Q4_K, MoeConfig(), True)
 
 

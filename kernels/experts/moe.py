@@ -95,8 +95,9 @@ class MoeConfig:
     # K-quant super-blocks (256 columns) per reduction step of the Q4_K/Q5_K/Q6_K readers:
     # every load of a step is in flight at once (a power of two)
     super_blocks: int = 1
-    # Q4_K and Q6_K dotted in int8 (`kernels.experts.moe_dots_q8`: the activation quantized to 8
-    # bits per 32 values once, four codes per dp4a) where the blobs are aligned; else in float32
+    # Q4_K, Q5_K, Q6_K and Q8_0 dotted in int8 (`kernels.experts.moe_dots_q8`: the activation
+    # quantized to 8 bits per 32 values once, four codes per dp4a) where the blobs are aligned;
+    # else in float32
     int8_dots: bool = False
     num_warps: int = 4
     num_stages: int = 2

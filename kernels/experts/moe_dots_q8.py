@@ -9,7 +9,8 @@ first quantized to 8 bits per 32 values (`quantize_q8`: a scale per 32 and a sum
 codes stay packed four to a 32-bit word (`& 0x0F0F0F0F` takes four nibbles at once), and one
 `dp4a` instruction multiplies four code bytes by four activation bytes and adds the products
 into an int32. Each (sub-)block's integer dot is scaled once: for Q4_K,
-`d sc xd sum(q xq) - dmin m sum(x)`; for Q6_K, `d sc (xd sum(q xq) - 32 sum(x))`.
+`d sc xd sum(q xq) - dmin m sum(x)` (Q5_K alike, its fifth bits OR-ed into the words); for
+Q6_K, `d sc (xd sum(q xq) - 32 sum(x))`; for Q8_0, `d xd sum(q xq)`.
 
 A Q8 row of K values (K a multiple of 32) is `K` int8 codes, then K / 32 float32 scales,
 then K / 16 float32 sums (each the scale times the sum of 16 codes): `q8_row_bytes(K)` bytes,
@@ -17,9 +18,9 @@ a multiple of 4. `quantize_q8_ref` is its torch definition.
 
 `dp4a` is inline PTX on NVIDIA; elsewhere (ROCm, Triton's interpreter) the same integers come
 from shifts and multiplies (`_dp4a(..., ASM=False)`), so the result does not depend on the
-path. The readers need the blobs 4-byte aligned (Q4_K's words) or 2-byte aligned (Q6_K's
-210-byte blocks, read as 16-bit halves): the launchers use them only where the caller vouches
-for aligned blobs.
+path. The readers need the blobs 4-byte aligned (Q4_K's and Q5_K's words) or 2-byte aligned
+(Q6_K's 210-byte and Q8_0's 34-byte blocks, read as 16-bit halves): the launchers use them only
+where the caller vouches for aligned blobs.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from kernels.layers.gemv import _k_scale_min
 
 Q8_BLOCK = 32  # values per activation scale
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
+Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 # the weight types with an int8 reader here
-Q8_DOT_QTYPES: frozenset[QType] = frozenset({QType.Q4_K, QType.Q6_K})
+Q8_DOT_QTYPES: frozenset[QType] = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0})
 
 
 def q8_row_bytes(k: int) -> int:
@@ -101,15 +104,16 @@ def _load_i32_halves(ptr, mask):
 
 
 @triton.jit
-def _q4_k_rows_dot_q8(
+def _q45_k_rows_dot_q8(
     w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
-    ASM: tl.constexpr,
+    FIVE_BIT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N] float32: rows of a Q4_K matrix (144-byte blocks, 16-byte aligned) dot the Q8
-    row at x8_ptr. The tile is that of `moe_dots._q45_k_rows_dot`: [BN, (super-block, pair),
-    word], byte b of word w of pair p holding value 64p + 4w + b (low nibble) and
-    64p + 32 + 4w + b (high nibble), so a word's four nibbles meet four consecutive codes of
-    the activation, one 32-bit load."""
+    """[BLOCK_N] float32: rows of a Q4_K (144-byte blocks) or Q5_K matrix (176: a 32-byte plane
+    of fifth bits before the nibbles; 16-byte aligned) dot the Q8 row at x8_ptr. The tile is
+    that of `moe_dots._q45_k_rows_dot`: [BN, (super-block, pair), word], byte b of word w of
+    pair p holding value 64p + 4w + b (low nibble) and 64p + 32 + 4w + b (high nibble), so a
+    word's four nibbles meet four consecutive codes of the activation, one 32-bit load; Q5_K's
+    fifth bits of those values are bits 2p and 2p + 1 of the plane's word w."""
     xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
     xs_ptr = (x8_ptr + K + 4 * (K // 32)).to(tl.pointer_type(tl.float32))
     rows64 = rows.to(tl.int64)
@@ -118,22 +122,30 @@ def _q4_k_rows_dot_q8(
     sp2 = tl.arange(0, 4 * SBS)[None, :]  # [1, P]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     nsb = K // 256
+    nbytes = 144 + 32 * FIVE_BIT  # the block's bytes
     for sb0 in range(0, nsb, SBS):
         sb, pair = sb0 + sp // 4, sp % 4
         smask = sb < nsb
-        blk = w_ptr + rows64[:, None, None] * ROW_BYTES + sb * 144
-        q = tl.load((blk + 16 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)),
-                    mask=row_mask[:, None, None] & smask, other=0)  # fmt: skip
+        mask3 = row_mask[:, None, None] & smask
+        blk = w_ptr + rows64[:, None, None] * ROW_BYTES + sb * nbytes
+        q = tl.load((blk + nbytes - 128 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)),
+                    mask=mask3, other=0)  # fmt: skip
+        lo = q & 0x0F0F0F0F
+        hi = (q >> 4) & 0x0F0F0F0F
+        if FIVE_BIT:
+            qh = tl.load((blk + 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3, other=0)
+            lo = lo | (((qh >> (2 * pair)) & 0x01010101) << 4)
+            hi = hi | (((qh >> (2 * pair + 1)) & 0x01010101) << 4)
         xw = x8_ptr + sb * 256 + pair * 64 + word * 4  # [1, P, 8]
         x_lo = tl.load(xw.to(tl.pointer_type(tl.int32)), mask=smask, other=0)
         x_hi = tl.load((xw + 32).to(tl.pointer_type(tl.int32)), mask=smask, other=0)
         zero = tl.zeros_like(q)
-        i_lo = tl.sum(_dp4a(q & 0x0F0F0F0F, x_lo + zero, ASM), axis=2)  # [BN, P]
-        i_hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, x_hi + zero, ASM), axis=2)
+        i_lo = tl.sum(_dp4a(lo, x_lo + zero, ASM), axis=2)  # [BN, P]
+        i_hi = tl.sum(_dp4a(hi, x_hi + zero, ASM), axis=2)
         sb2, pair2 = sb0 + sp2 // 4, sp2 % 4
         smask2 = sb2 < nsb
         hmask = row_mask[:, None] & smask2  # [BN, P]
-        head = w_ptr + rows64[:, None] * ROW_BYTES + sb2 * 144
+        head = w_ptr + rows64[:, None] * ROW_BYTES + sb2 * nbytes
         d = _load_f16(head, hmask)
         dmin = _load_f16(head + 2, hmask)
         sub = 2 * pair2  # the low nibbles' sub-block
@@ -214,6 +226,33 @@ def _q6_k_rows_dot_q8(
 
 
 @triton.jit
+def _q8_0_rows_dot_q8(
+    w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, ASM: tl.constexpr
+):  # fmt: skip
+    """[BLOCK_N] float32: rows of a Q8_0 matrix (34-byte blocks: d | 32 int8; 2-byte aligned)
+    dot the Q8 row at x8_ptr, eight blocks a step: [BN, 8, 8] words of codes."""
+    xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
+    blk = tl.arange(0, 8)[None, :, None]
+    blk2 = tl.arange(0, 8)[None, :]
+    word = tl.arange(0, 8)[None, None, :]
+    row = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES  # [BN, 1, 1]
+    row2 = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    nb = K // 32
+    for b0 in range(0, nb, 8):
+        bmask = (b0 + blk) < nb  # [1, 8, 1]
+        q = _load_i32_halves(row + (b0 + blk) * 34 + 2 + word * 4, row_mask[:, None, None] & bmask)
+        xw = (x8_ptr + (b0 + blk) * 32 + word * 4).to(tl.pointer_type(tl.int32))
+        xq = tl.load(xw, mask=bmask, other=0)
+        dot = tl.sum(_dp4a(q, xq + tl.zeros_like(q), ASM), axis=2)  # [BN, 8]
+        bmask2 = (b0 + blk2) < nb
+        d = _load_f16(row2 + (b0 + blk2) * 34, row_mask[:, None] & bmask2)
+        xd = tl.load(xd_ptr + b0 + blk2, mask=bmask2, other=0.0)  # [1, 8]
+        acc += tl.sum(d * xd * dot.to(tl.float32), axis=1)
+    return acc
+
+
+@triton.jit
 def q8_rows_dot(
     w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     SBS: tl.constexpr, ASM: tl.constexpr,
@@ -221,9 +260,15 @@ def q8_rows_dot(
     """Rows of a projection of GGUF blocks of QTYPE (one of `Q8_DOT_QTYPES`) dot the Q8 row
     at x8_ptr."""
     if QTYPE == Q4_K:
-        acc = _q4_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS, ASM)
-    else:
+        acc = _q45_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS,
+                                 False, ASM)  # fmt: skip
+    elif QTYPE == Q5_K:
+        acc = _q45_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS,
+                                 True, ASM)  # fmt: skip
+    elif QTYPE == Q6_K:
         acc = _q6_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS, ASM)
+    else:
+        acc = _q8_0_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, ASM)
     return acc
 
 
