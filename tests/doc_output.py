@@ -113,9 +113,11 @@ def damaged_pack_lines(gguf: Path, work: Path) -> list[str]:
     finally:
         source.close()
     original.unlink()
+    config = work / "stratad.toml"  # not the host's /etc/strata/stratad.toml
+    config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n')
     r = subprocess.run(
-        [sys.executable, "-m", "stratad", str(pack), "--port", str(free_port()),
-         "--control-socket", str(work / "damaged.sock")],
+        [sys.executable, "-m", "stratad", str(pack), "--config", str(config), "--port",
+         str(free_port()), "--control-socket", str(work / "damaged.sock")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 65, r.stderr
