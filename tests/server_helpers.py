@@ -120,6 +120,11 @@ class Daemon:
     log: Path
     api_key: str | None
 
+    @property
+    def control_socket(self) -> Path:
+        """Its control socket: tests/daemon.py puts one beside the log."""
+        return self.log.parent / "stratad.sock"
+
     def client(self, **kwargs: Any) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
         kwargs.setdefault("max_retries", 0)
