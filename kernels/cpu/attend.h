@@ -98,30 +98,90 @@ static inline float dot_f16(const float *q, const uint16_t *k, int64_t d) {
     return r;
 }
 
+#ifdef __AVX2__
+/* hsum8 of a[0..7] at once, one per lane of the result, each sum in hsum8's order
+ * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): the same bits as a key at a time */
+static inline __m256 hsum8x8(const __m256 *a) {
+    __m256 z[4]; /* z[j]: halves l_i + l_(i+4) of key j (low) and key j + 4 (high) */
+    for (int j = 0; j < 4; j++)
+        z[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20),
+                             _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    /* w0 + w2 and w1 + w3 of keys (0, 1) and (2, 3), each half */
+    __m256 c01 = _mm256_add_ps(_mm256_unpacklo_ps(z[0], z[1]), _mm256_unpackhi_ps(z[0], z[1]));
+    __m256 c23 = _mm256_add_ps(_mm256_unpacklo_ps(z[2], z[3]), _mm256_unpackhi_ps(z[2], z[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#endif
+
 /* out [D] = softmax(q . k_s / sqrt(D)) v over keys s < n, as llama.cpp computes it with its
  * half-precision cache: k and v in halves (rows `stride` apart), q and the probabilities
- * rounded to halves for the products, sums in float */
+ * rounded to halves for the products, sums in float. With AVX2, eight keys' scores at once
+ * (eight independent sums, where one key's dot was a chain of dependent multiply-adds and a
+ * horizontal sum), and the output 64 columns at a time in registers across the keys (where
+ * each key loaded and stored it): the same operations in the same order, the same bits (the
+ * int8 activations downstream turn any rounding change into a visible one). */
 static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t n,
                    int64_t stride, int64_t d, float *scores, float *out) {
     float qh[MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d), mx = -INFINITY;
     for (int64_t i = 0; i < d; i++) qh[i] = half_at((uint16_t[]){to_f16(q[i])});
-    for (int64_t s = 0; s < n; s++) {
-        scores[s] = dot_f16(qh, k + s * stride, d) * scale;
-        mx = fmaxf(mx, scores[s]);
-    }
-    float inv = 1.0f / softmax_exp(scores, n, mx);
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t s = 0; s < n; s++) {
-        const uint16_t *vs = v + s * stride;
-        float p = half_at((uint16_t[]){to_f16(scores[s] * inv)});
-        int64_t i = 0;
+    int64_t s = 0;
 #ifdef __AVX2__
-        for (__m256 pv = _mm256_set1_ps(p); i + 8 <= d; i += 8) {
-            __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
-            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+    for (; d % 8 == 0 && s + 8 <= n; s += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(qh + i);
+            for (int j = 0; j < 8; j++) {
+                const __m128i *kj = (const __m128i *)(k + (s + j) * stride + i);
+                acc[j] = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(_mm_loadu_si128(kj)), acc[j]);
+            }
+        }
+        _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+    }
+#endif
+    for (; s < n; s++) scores[s] = dot_f16(qh, k + s * stride, d) * scale;
+    for (s = 0; s < n; s++) mx = fmaxf(mx, scores[s]);
+    float inv = 1.0f / softmax_exp(scores, n, mx);
+    s = 0;
+#ifdef __AVX2__
+    for (; s + 8 <= n; s += 8) { /* the probabilities rounded to halves, eight at a time */
+        __m256 pr = _mm256_mul_ps(_mm256_loadu_ps(scores + s), _mm256_set1_ps(inv));
+        __m128i h = _mm256_cvtps_ph(pr, _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_ps(scores + s, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; s < n; s++) scores[s] = half_at((uint16_t[]){to_f16(scores[s] * inv)});
+    for (int64_t c = 0; c < d; c += 64) {
+#ifdef __AVX2__
+        if (d - c >= 64) {
+            __m256 o[8];
+            for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
+            for (s = 0; s < n; s++) {
+                const uint16_t *vs = v + s * stride + c;
+                __m256 pv = _mm256_set1_ps(scores[s]);
+                for (int i = 0; i < 8; i++) {
+                    __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + 8 * i)));
+                    o[i] = _mm256_fmadd_ps(pv, vv, o[i]);
+                }
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, o[i]);
+            continue;
         }
 #endif
-        for (; i < d; i++) out[i] += p * half_at(vs + i);
+        int64_t end = d - c < 64 ? d : c + 64;
+        for (int64_t i = c; i < end; i++) out[i] = 0.0f;
+        for (s = 0; s < n; s++) {
+            const uint16_t *vs = v + s * stride;
+            float p = scores[s];
+            int64_t i = c;
+#ifdef __AVX2__
+            for (__m256 pv = _mm256_set1_ps(p); i + 8 <= end; i += 8) {
+                __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
+                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+            }
+#endif
+            for (; i < end; i++) out[i] += p * half_at(vs + i);
+        }
     }
 }
-
