@@ -156,17 +156,25 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_llama_bench(args: argparse.Namespace) -> dict[str, Any]:
     """llama.cpp's own `llama-bench` (a native build: `bench/llamacpp_build.sh SOURCE DIR cpu`)
-    timing its own loop: prefill of the prompt (`-p`) and decode of `--decode-tokens` (`-n`),
-    the process's peak RSS from its rusage. `--batch` > 1: `llama-batched-bench`, beside it,
+    timing its own loop: prefill of the prompt (`-p`) from an empty context, and decode of
+    `--decode-tokens` (`-n`) after a context of the prompt's length (`-d`), the process's peak
+    RSS from its rusage. `--batch` > 1: `llama-batched-bench`, beside it,
     with B sequences of the prompt each, decoded together (`-npl B`)."""
     binary = Path(args.llama_bench)
     if args.batch > 1:
         return _llama_batched_bench(binary.with_name("llama-batched-bench"), args)
-    cmd = [str(binary), "-m", str(args.model), "-p", str(args.prompt_len), "-n",
-           str(args.decode_tokens), "-t", str(args.threads), "-r", str(args.repeats),
-           "-o", "json"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_llama_env())
-    tests = json.loads(out.stdout)
+    base = [str(binary), "-m", str(args.model), "-t", str(args.threads), "-r",
+            str(args.repeats), "-o", "json"]  # fmt: skip
+    # the prompt from an empty context; the decode after it (-d: as Strata decodes here, not
+    # from depth 0, where attention costs nothing)
+    runs = (["-p", str(args.prompt_len), "-n", "0"],
+            ["-p", "0", "-n", str(args.decode_tokens), "-d", str(args.prompt_len)])
+    tests, cmds = [], []
+    for extra in runs:
+        cmd = base + extra
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_llama_env())
+        tests += json.loads(out.stdout)
+        cmds.append(" ".join(cmd))
     prefill = [t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0]
     decode = [t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
@@ -174,7 +182,14 @@ def run_llama_bench(args: argparse.Namespace) -> dict[str, Any]:
             "decode_tps": [float(x) for x in decode[0]["samples_ts"]],
             "rss_bytes": peak, "peak_rss_bytes": peak,
             "build": f"{tests[0].get('build_commit', '?')} {tests[0].get('cpu_info', '')}".strip(),
-            "command": " ".join(cmd)}  # fmt: skip
+            "command": "; ".join(_shown(c, args) for c in cmds)}  # fmt: skip
+
+
+def _shown(command: str, args: argparse.Namespace) -> str:
+    """A command as a result file records it: the binary and the model by their names (the
+    host's folders say nothing of the run)."""
+    command = command.replace(str(args.model), Path(args.model).name)
+    return command.replace(str(Path(args.llama_bench).parent) + "/", "")
 
 
 def _llama_env() -> dict[str, str]:
@@ -198,7 +213,7 @@ def _llama_batched_bench(binary: Path, args: argparse.Namespace) -> dict[str, An
         decode.append(float(rows[-1]["speed_tg"]))
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {"prefill_tps": prefill, "decode_tps": decode, "rss_bytes": peak,
-            "peak_rss_bytes": peak, "command": " ".join(cmd)}  # fmt: skip
+            "peak_rss_bytes": peak, "command": _shown(" ".join(cmd), args)}  # fmt: skip
 
 
 def _llamacpp_batch(args: argparse.Namespace) -> dict[str, Any]:
@@ -368,7 +383,7 @@ def main() -> None:
     engines = ["strata", "llama-bench" if args.llama_bench else "llamacpp"]
     engines += (["reference"] if args.reference else []) + (
         ["store"] if args.store_ram_gib >= 0 else [])  # fmt: skip
-    result = {"model": str(args.model), "file_bytes": args.model.stat().st_size,
+    result = {"model": args.model.name, "file_bytes": args.model.stat().st_size,
               "threads": args.threads, "prompt_len": args.prompt_len,
               "decode_tokens": args.decode_tokens, "repeats": args.repeats, "batch": args.batch,
               "memory_limit_gib": args.memory_limit_gib, "llamacpp_repack": args.llamacpp_repack,

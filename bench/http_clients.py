@@ -110,7 +110,7 @@ def main() -> None:
     if not model.is_file():
         p.error(f"no model file at {model}")
     rounds = [r for n in args.parallel for r in serve(model, n, args)]
-    result = {"model": str(model), "max_tokens": args.max_tokens, "requests": args.requests,
+    result = {"model": Path(model).name, "max_tokens": args.max_tokens, "requests": args.requests,
               "rounds": rounds}  # fmt: skip
     print(markdown(result))
     if args.json:
