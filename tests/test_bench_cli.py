@@ -19,7 +19,7 @@ def test_every_argument_e2e_reads_is_parsed() -> None:
     )
     assert (
         args.prefetch == "off"
-        and args.kernel_table == Path("t.json")
+        and args.kernel_table == "t.json"  # a file, or "builtin" (configs_for_run)
         and args.gpu_miss == "in_place"
     )
 
