@@ -27,8 +27,8 @@ from kernels.experts.moe import fused_moe
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_table import configs_for_run
-from stratad.store.hostmem import read_bps
 from stratad.store.loader import load_model
+from stratad.store.placement.hostmem import read_bps
 
 
 def measure_pcie(gib: float = 1.0) -> dict[str, float]:

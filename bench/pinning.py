@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.lock import LockChoice, choose_locker
-from stratad.store.pinning import Pinner, PinSettings
 from stratad.store.sizes import GiB, MiB
-from stratad.store.tiers import ResidentRAM
+from stratad.store.tiers.lock import LockChoice, choose_locker
+from stratad.store.tiers.memory import ResidentRAM
+from stratad.store.tiers.pinning import Pinner, PinSettings
 
 BLOB = 8 * MiB  # about three a3b experts; a page multiple
 

@@ -17,10 +17,10 @@ def ram_tier(
     placed as the daemon places them, and the cost its coverage WARNING predicts."""
     if frac >= 1.0:
         return None, {}
-    from stratad.store.bandwidth import measure_bandwidths
-    from stratad.store.coverage import coverage, prompt_cost
-    from stratad.store.plan import PlanInputs, place
-    from stratad.store.sources import ModelExperts
+    from stratad.store.placement.bandwidth import measure_bandwidths
+    from stratad.store.placement.coverage import coverage, prompt_cost
+    from stratad.store.placement.plan import PlanInputs, place
+    from stratad.store.tiers.sources import ModelExperts
 
     spec, source = model.spec, ModelExperts(model)
     n = spec.n_layers * spec.n_experts

@@ -28,7 +28,7 @@ def pack_dir(config: Config) -> Path | None:
 
 def pack_header(path: Path) -> tuple[str, int, int, int]:
     """(arch, layers, experts per layer, bytes) of a pack, from its manifest."""
-    from stratad.store.manifest import read_manifest  # imports torch
+    from stratad.store.pack.manifest import read_manifest  # imports torch
 
     m = read_manifest(path)
     return m.spec.arch, m.spec.n_layers, m.spec.n_experts, m.experts_nbytes + m.dense_nbytes
@@ -36,8 +36,8 @@ def pack_header(path: Path) -> tuple[str, int, int, int]:
 
 def check_pack(pack: Path, verify: bool) -> tuple[Literal["ok", "fail"], str]:
     """(status, detail) of the pack's check."""
-    from stratad.store.manifest import EXPERTS_NAME, PackError, check_blobs, read_manifest
-    from stratad.store.verify import verify_checksums
+    from stratad.store.pack.manifest import EXPERTS_NAME, PackError, check_blobs, read_manifest
+    from stratad.store.pack.verify import verify_checksums
 
     try:
         manifest = read_manifest(pack)

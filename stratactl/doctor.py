@@ -161,7 +161,7 @@ def _memlock() -> Report:
 def _ram() -> Report:
     import psutil
 
-    from stratad.store.hostmem import cores, read_bps  # numpy: loaded only here
+    from stratad.store.placement.hostmem import cores, read_bps  # numpy: loaded only here
 
     mem = psutil.virtual_memory()
     return {"total_bytes": mem.total, "available_bytes": mem.available,

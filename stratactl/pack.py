@@ -34,8 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from stratactl.synth import ProgressLine
     from stratad.model.spec import ModelError
-    from stratad.store.manifest import PackError
-    from stratad.store.pack import write_pack
+    from stratad.store.pack.manifest import PackError
+    from stratad.store.pack.write import write_pack
 
     out: Path = args.output
     if out.exists() and not args.force:

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from stratad.model.spec import ModelError
     from stratad.runtime.service import Engine
     from stratad.server.app import Server
-    from stratad.store.admission import AdmissionRefused
-    from stratad.store.manifest import PackError
+    from stratad.store.pack.manifest import PackError
+    from stratad.store.placement.admission import AdmissionRefused
 
     if signals.requested:  # the imports take seconds: a stop may come before anything runs
         log.info("%s while starting: stopped before serving", signals.requested)

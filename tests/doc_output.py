@@ -76,7 +76,7 @@ def _logged(name: str = "stratad") -> Iterator[list[str]]:
 def store_start_lines() -> list[str]:
     """The budget, the plan and full coverage; then, MemAvailable short, the wait, the degraded
     plan and coverage short of it (the fakes of tests/test_store_admission.py, no bytes held)."""
-    from stratad.store.plan import GiB
+    from stratad.store.placement.plan import GiB
     from tests.test_store_admission import CONFIG, FakeClock, start
 
     with _logged() as lines:
@@ -88,9 +88,9 @@ def store_start_lines() -> list[str]:
 def damaged_pack_lines(gguf: Path, work: Path) -> list[str]:
     """A pack of `gguf` with a byte flipped in blob (0, 3): the error its read raises; then
     the line of a stratad that serves it with the model file it was made from gone."""
-    from stratad.store.manifest import EXPERTS_NAME, read_manifest
-    from stratad.store.pack import write_pack
-    from stratad.store.sources import BlobCorrupt, PackExperts
+    from stratad.store.pack.manifest import EXPERTS_NAME, read_manifest
+    from stratad.store.pack.write import write_pack
+    from stratad.store.tiers.sources import BlobCorrupt, PackExperts
     from tests.daemon import free_port
 
     original, pack = work / "original.gguf", work / "damaged.pack"

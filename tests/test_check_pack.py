@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from stratactl.__main__ import main as stratactl
-from stratad.store.manifest import EXPERTS_NAME, MANIFEST_NAME, PackError, read_manifest
-from stratad.store.pack import write_pack
-from stratad.store.sources import PackExperts
+from stratad.store.pack.manifest import EXPERTS_NAME, MANIFEST_NAME, PackError, read_manifest
+from stratad.store.pack.write import write_pack
+from stratad.store.tiers.sources import PackExperts
 from tests.test_store_fakes import tiny_moe_gguf
 
 
@@ -101,8 +101,8 @@ def test_a_flipped_dense_byte_is_named_and_refused(
 ) -> None:
     """A flipped byte in dense.bin (served silently before: logprobs moved, /health ok,
     `check --verify` exit 0) fails `check --verify` and the daemon's open of the pack."""
-    from stratad.store.manifest import DENSE_NAME
-    from stratad.store.packed import load_pack
+    from stratad.store.pack.manifest import DENSE_NAME
+    from stratad.store.pack.packed import load_pack
 
     copy = tmp_path / "damaged.pack"
     shutil.copytree(pack, copy)

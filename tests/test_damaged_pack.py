@@ -24,10 +24,10 @@ from stratad.config import load_config, override
 from stratad.env import Env
 from stratad.runtime.jobs import Job
 from stratad.runtime.service import Engine
-from stratad.store.manifest import EXPERTS_NAME, read_manifest
-from stratad.store.original import open_original, repair_source
-from stratad.store.pack import write_pack
-from stratad.store.sources import PackExperts
+from stratad.store.pack.manifest import EXPERTS_NAME, read_manifest
+from stratad.store.pack.write import write_pack
+from stratad.store.tiers.original import open_original, repair_source
+from stratad.store.tiers.sources import PackExperts
 from tests.daemon import free_port, running_daemon
 from tests.server_helpers import request, wait_until
 from tests.test_store_fakes import tiny_moe_gguf

@@ -14,7 +14,7 @@ import pytest
 
 from stratactl import doctor as doctor_verb
 from stratactl import logs
-from stratad.store.hostmem import read_bps
+from stratad.store.placement.hostmem import read_bps
 
 PARTS = {"host", "versions", "gpu", "tables", "memlock", "ram", "cpu_kernels", "daemon",
          "environment", "log"}

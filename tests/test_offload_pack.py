@@ -20,10 +20,10 @@ from stratad.engine.offload.experts import blob_layouts, kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts, default_lock
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.store.manifest import EXPERTS_NAME, read_manifest
-from stratad.store.pack import write_pack
-from stratad.store.packed import load_pack
-from stratad.store.sources import BlobCorrupt, PackExperts
+from stratad.store.pack.manifest import EXPERTS_NAME, read_manifest
+from stratad.store.pack.packed import load_pack
+from stratad.store.pack.write import write_pack
+from stratad.store.tiers.sources import BlobCorrupt, PackExperts
 from tests.daemon import free_port
 from tests.test_store_fakes import tiny_moe_gguf
 

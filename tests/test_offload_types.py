@@ -29,7 +29,7 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import get_preset, write_synth
 from stratad.store.loader import load_model
-from stratad.store.sources import ModelExperts
+from stratad.store.tiers.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
 

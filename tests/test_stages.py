@@ -80,7 +80,7 @@ def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> No
 
 
 def test_place_gives_each_stage_the_hottest_of_its_own_layers() -> None:
-    from stratad.store.plan import PlanInputs, Stage, place
+    from stratad.store.placement.plan import PlanInputs, Stage, place
 
     counts = (0, 5, 1, 9,  7, 0, 0, 2,  3, 3, 8, 0)  # layers 0, 1, 2 of 4 experts  # fmt: skip
     inputs = PlanInputs(3, 4, (4096,) * 12, counts, vram_budget=5 * 4096, ram_budget=0)

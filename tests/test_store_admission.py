@@ -15,10 +15,10 @@ import torch
 
 from stratad.config import Config, StoreConfig, apply_env
 from stratad.env import Env
-from stratad.store.admission import EXIT_SHORT_RAM, AdmissionRefused
-from stratad.store.bandwidth import Bandwidths
-from stratad.store.plan import GiB, place
-from stratad.store.profile import profile_from_counts
+from stratad.store.placement.admission import EXIT_SHORT_RAM, AdmissionRefused
+from stratad.store.placement.bandwidth import Bandwidths
+from stratad.store.placement.plan import GiB, place
+from stratad.store.placement.profile import profile_from_counts
 from stratad.store.startup import daemon_reserves, open_store, plan_inputs
 from stratad.store.store import ExpertStore
 from tests.test_store_fakes import FakeSource

@@ -16,8 +16,8 @@ import torch
 
 from kernels.formats.quant import QTensor, QType
 from stratad.model.weights import MLPWeights
-from stratad.store.manifest import ExpertLayout, expert_layout
-from stratad.store.sources import ReadStats
+from stratad.store.pack.manifest import ExpertLayout, expert_layout
+from stratad.store.tiers.sources import ReadStats
 
 
 def q4_layout(hidden: int, ffn: int) -> ExpertLayout:

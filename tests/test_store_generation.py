@@ -14,16 +14,16 @@ from stratad.config import StoreConfig
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.store.bandwidth import Bandwidths
 from stratad.store.loader import load_model
-from stratad.store.manifest import encoded
-from stratad.store.pack import write_pack
-from stratad.store.packed import load_pack
-from stratad.store.plan import GiB
-from stratad.store.profile import profile_from_counts, save_profile
-from stratad.store.sources import ExpertSource, ModelExperts, PackExperts
+from stratad.store.pack.manifest import encoded
+from stratad.store.pack.packed import load_pack
+from stratad.store.pack.write import write_pack
+from stratad.store.placement.bandwidth import Bandwidths
+from stratad.store.placement.plan import GiB
+from stratad.store.placement.profile import profile_from_counts, save_profile
 from stratad.store.startup import open_source, open_store
 from stratad.store.store import ExpertStore
+from stratad.store.tiers.sources import ExpertSource, ModelExperts, PackExperts
 from tests.test_store_fakes import tiny_hf_moe, tiny_moe_gguf
 
 NEW_TOKENS = 10

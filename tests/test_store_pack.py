@@ -17,8 +17,7 @@ import torch
 from stratactl import pack as pack_cli
 from stratad.model.spec import ExpertUnit, Model
 from stratad.store.loader import load_model
-from stratad.store.lock import LockChoice, NoLocker
-from stratad.store.manifest import (
+from stratad.store.pack.manifest import (
     BLOB_ALIGN,
     EXPERTS_NAME,
     FORMAT_VERSION,
@@ -27,11 +26,12 @@ from stratad.store.manifest import (
     PackError,
     read_manifest,
 )
-from stratad.store.pack import write_pack
-from stratad.store.packed import load_pack
-from stratad.store.pinning import Pinner, PinSettings
-from stratad.store.sources import BlobCorrupt, ModelExperts, PackExperts
-from stratad.store.tiers import ResidentRAM
+from stratad.store.pack.packed import load_pack
+from stratad.store.pack.write import write_pack
+from stratad.store.tiers.lock import LockChoice, NoLocker
+from stratad.store.tiers.memory import ResidentRAM
+from stratad.store.tiers.pinning import Pinner, PinSettings
+from stratad.store.tiers.sources import BlobCorrupt, ModelExperts, PackExperts
 from tests.test_store_fakes import tiny_hf_moe, tiny_moe_gguf
 
 

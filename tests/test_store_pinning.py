@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.lock import LockChoice, LockError, MlockLocker, NoLocker, choose_locker
-from stratad.store.pinning import Pinner, PinProgress, PinSettings
-from stratad.store.tiers import ResidentRAM
+from stratad.store.tiers.lock import LockChoice, LockError, MlockLocker, NoLocker, choose_locker
+from stratad.store.tiers.memory import ResidentRAM
+from stratad.store.tiers.pinning import Pinner, PinProgress, PinSettings
 from tests.test_store_fakes import FakeSource
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.cache import ExpertCache
-from stratad.store.plan import GiB, PlanInputs, place, ram_budget
-from stratad.store.profile import (
+from stratad.store.placement.plan import GiB, PlanInputs, place, ram_budget
+from stratad.store.placement.profile import (
     ProfileError,
     load_profile,
     merge,
     profile_from_counts,
     save_profile,
 )
+from stratad.store.tiers.cache import ExpertCache
 
 PAGE = 4096
 RANK = {"vram": 0, "ram": 1, "file": 2}

@@ -19,11 +19,11 @@ from stratad.engine.reference.store_stack import StoreStack
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
 from stratad.store.loader import load_model
-from stratad.store.plan import GiB
-from stratad.store.profile import profile_from_counts, save_profile
-from stratad.store.sources import ModelExperts
+from stratad.store.placement.plan import GiB
+from stratad.store.placement.profile import profile_from_counts, save_profile
 from stratad.store.startup import open_store
 from stratad.store.store import ExpertStore
+from stratad.store.tiers.sources import ModelExperts
 from tests.test_store_fakes import tiny_moe_gguf
 from tests.test_store_generation import greedy, three_tiers
 

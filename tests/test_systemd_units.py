@@ -79,7 +79,7 @@ def test_unit_has_what_the_daemon_needs() -> None:
     assert d["User"] == ["strata"] and d["Group"] == ["strata"]
     assert d["RuntimeDirectory"] == ["strata"] and d["StateDirectory"] == ["strata"]
     from stratad.__main__ import EXIT_BAD_MODEL
-    from stratad.store.admission import EXIT_SHORT_RAM
+    from stratad.store.placement.admission import EXIT_SHORT_RAM
 
     # admission refused, a config error, a model that cannot be served: never restarted
     never = {str(EXIT_SHORT_RAM), "2", str(EXIT_BAD_MODEL)}

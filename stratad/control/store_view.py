@@ -82,7 +82,7 @@ def coverage_reply(
     file: str = "",
 ) -> CoverageReply:
     """Coverage of a `ResidencyPlan`, per layer and overall, with the cost estimate."""
-    from stratad.store.coverage import coverage, prompt_cost
+    from stratad.store.placement.coverage import coverage, prompt_cost
 
     cov = coverage(plan, sizes, counts)
     e = plan.n_experts
@@ -217,7 +217,7 @@ class ExpertStoreView:
         return int(self.store.stats().evictions)
 
     def save_profile(self, path: str) -> ProfileSaveReply:
-        from stratad.store.profile import profile_from_counts, save_profile
+        from stratad.store.placement.profile import profile_from_counts, save_profile
 
         target = profile_target(path, self.profile_path)
         if self.route_counts is None:
@@ -289,8 +289,8 @@ def dry_plan(
     import torch
 
     from stratad.engine import placement
-    from stratad.store.admission import mem_total
     from stratad.store.loader import load_model
+    from stratad.store.placement.admission import mem_total
     from stratad.store.startup import open_source, plan_store, slot_bytes
 
     host_total = host_total or mem_total()

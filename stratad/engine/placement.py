@@ -2,10 +2,10 @@
 
 The engine that will run (`choose_backend`), the layer split over the GPUs, each device's
 VRAM slots, the requests served at once and the host reserves are functions of the
-configuration, the model, the free VRAM readings and the host's RAM, and nothing else. The
-daemon and the dry run both call `start_plan` and hand its stages to the store's one
-placement function (`stratad.store.plan.place`), so the plan hash that `check` prints is the
-one the daemon runs, with auto slots and with a split.
+configuration, the model, the free VRAM readings and the host's RAM, and nothing else. The daemon
+and the dry run both call `start_plan` and hand its stages to the store's one placement function
+(`stratad.store.placement.plan.place`), so the plan hash that `check` prints is the one the daemon
+runs, with auto slots and with a split.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from stratad.engine.offload.stages import balanced_split, parse_split
 from stratad.engine.offload.switches import miss_paths
 from stratad.engine.passes import FETCH_MAX_TOKENS
 from stratad.model.spec import Model, ModelError, ModelSpec
-from stratad.store.admission import mem_total
 from stratad.store.loader import is_pack
-from stratad.store.plan import Stage, slot_count
+from stratad.store.placement.admission import mem_total
+from stratad.store.placement.plan import Stage, slot_count
 from stratad.store.sizes import GiB
 from stratad.store.startup import daemon_reserves
 

@@ -33,9 +33,9 @@ from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
 from stratad.model.spec import Model
 from stratad.store.loader import load_model
-from stratad.store.pinning import ProgressFn
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
+from stratad.store.tiers.pinning import ProgressFn
 
 log = logging.getLogger("stratad.engine")
 

@@ -34,8 +34,8 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest
 from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
-from stratad.store.pinning import ProgressFn
 from stratad.store.store import ExpertStore
+from stratad.store.tiers.pinning import ProgressFn
 
 log = logging.getLogger("stratad.engine")
 

@@ -12,7 +12,7 @@ def load_model(path: Path) -> Model:
     """A GGUF file, a pack (`stratactl pack`) or a Hugging Face directory, by what `path` is."""
     path = Path(path)
     if is_pack(path):
-        from stratad.store.packed import load_pack
+        from stratad.store.pack.packed import load_pack
 
         return load_pack(path)[0]
     if path.is_dir():

@@ -16,13 +16,16 @@ import torch
 
 from stratad.config import Config, StoreConfig
 from stratad.model.spec import Model
-from stratad.store.admission import AdmissionPolicy, MemReader, admit, mem_available, mem_total
-from stratad.store.bandwidth import Bandwidths, measure_bandwidths
-from stratad.store.coverage import coverage, log_coverage, prompt_cost
-from stratad.store.lock import choose_locker
-from stratad.store.original import repair_source
-from stratad.store.pinning import PinSettings, ProgressFn
-from stratad.store.plan import (
+from stratad.store.placement.admission import (
+    AdmissionPolicy,
+    MemReader,
+    admit,
+    mem_available,
+    mem_total,
+)
+from stratad.store.placement.bandwidth import Bandwidths, measure_bandwidths
+from stratad.store.placement.coverage import coverage, log_coverage, prompt_cost
+from stratad.store.placement.plan import (
     PlanInputs,
     RamBudget,
     ResidencyPlan,
@@ -31,10 +34,13 @@ from stratad.store.plan import (
     ram_budget,
     slot_count,
 )
-from stratad.store.profile import ExpertProfile, load_profile, uniform_profile
+from stratad.store.placement.profile import ExpertProfile, load_profile, uniform_profile
 from stratad.store.sizes import GiB, MiB
-from stratad.store.sources import ExpertSource, ModelExperts, PackExperts
 from stratad.store.store import ExpertStore
+from stratad.store.tiers.lock import choose_locker
+from stratad.store.tiers.original import repair_source
+from stratad.store.tiers.pinning import PinSettings, ProgressFn
+from stratad.store.tiers.sources import ExpertSource, ModelExperts, PackExperts
 
 log = logging.getLogger("stratad.store")
 

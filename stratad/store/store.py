@@ -21,15 +21,15 @@ import torch
 
 from stratad.model.spec import ExpertUnit
 from stratad.model.weights import MLPWeights
-from stratad.store.bandwidth import Bandwidths
-from stratad.store.cache import ExpertCache
-from stratad.store.lock import LockChoice
-from stratad.store.manifest import ExpertBytes, blob_view, expert_bytes
-from stratad.store.original import OriginalExperts
-from stratad.store.pinning import Pinner, PinSettings, ProgressFn
-from stratad.store.plan import RamBudget, ResidencyPlan
-from stratad.store.sources import BlobCorrupt, ExpertSource
-from stratad.store.tiers import ResidentRAM, VRAMSlots
+from stratad.store.pack.manifest import ExpertBytes, blob_view, expert_bytes
+from stratad.store.placement.bandwidth import Bandwidths
+from stratad.store.placement.plan import RamBudget, ResidencyPlan
+from stratad.store.tiers.cache import ExpertCache
+from stratad.store.tiers.lock import LockChoice
+from stratad.store.tiers.memory import ResidentRAM, VRAMSlots
+from stratad.store.tiers.original import OriginalExperts
+from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.tiers.sources import BlobCorrupt, ExpertSource
 
 
 class StoreStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,11 +11,11 @@ prefill chunk (`server.prefill_chunk` tokens; the head computes a prompt's last 
 so it has no prefill row). The experts are routed at random: a step reads the distinct
 experts its tokens chose.
 
-A decode step reads every weight from memory (a model is larger than any cache), so a case
-cycles through copies of its weights that outgrow the last-level cache. Its ideal time is the
-largest of its weight bytes over the host's read rate (`stratad.store.hostmem.read_bps`), its
-multiply-adds over a float32 GEMM's rate on the same cores (torch's), and the floor of a call
-(the smallest product, timed as the others are); `kernels.tuning.roofline.judge` holds the measured
+A decode step reads every weight from memory (a model is larger than any cache), so a case cycles
+through copies of its weights that outgrow the last-level cache. Its ideal time is the largest of
+its weight bytes over the host's read rate (`stratad.store.placement.hostmem.read_bps`), its
+multiply-adds over a float32 GEMM's rate on the same cores (torch's), and the floor of a call (the
+smallest product, timed as the others are); `kernels.tuning.roofline.judge` holds the measured
 time to it. The weights are random blocks (`stratad.tuning.bench_weights.random_blocks`).
 """
 
@@ -34,7 +34,7 @@ from kernels.formats.quant import QType, row_bytes
 from kernels.tuning.roofline import Ceilings, Judged, Row, matmul_tflops, summary
 from stratad.model.spec import Model
 from stratad.model.synth_presets import VOCAB_SIZE, SynthPreset
-from stratad.store.hostmem import read_bps
+from stratad.store.placement.hostmem import read_bps
 from stratad.tuning.bench_weights import Mix, mix_name, random_blocks
 
 GROUPS = ("linear", "moe")  # the GPU report's groups these kernels belong to

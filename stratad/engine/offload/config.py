@@ -18,7 +18,7 @@ class OffloadConfig:
     graphs: bool = True  # capture the decode step as a CUDA graph
     adapt: bool = True  # move recently used experts into VRAM between steps
     moves_per_step: int = 8
-    cache_policy: str = "lru"  # the store's eviction policies (stratad.store.cache)
+    cache_policy: str = "lru"  # the store's eviction policies (stratad.store.tiers.cache)
     # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
     # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
     # per layer (the host must see the routing), so it is not captured as a graph.

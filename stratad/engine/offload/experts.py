@@ -19,7 +19,7 @@ from kernels.formats.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
-from stratad.store.manifest import ExpertLayout
+from stratad.store.pack.manifest import ExpertLayout
 
 
 @dataclass(frozen=True)

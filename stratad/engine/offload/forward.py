@@ -53,7 +53,7 @@ from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pa
 from stratad.engine.reference.layers import rms_norm, route, swiglu
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
-from stratad.store.sources import ModelExperts
+from stratad.store.tiers.sources import ModelExperts
 
 log = logging.getLogger("stratad.engine")
 

@@ -18,10 +18,10 @@ import torch
 
 from stratad.engine.offload.experts import ExpertLayouts, from_stored
 from stratad.model.spec import ExpertUnit
-from stratad.store.lock import CudaHostLocker, LockChoice, NoLocker
-from stratad.store.pinning import Pinner, PinSettings, ProgressFn
-from stratad.store.sources import ExpertSource
-from stratad.store.tiers import PAGE, ResidentRAM
+from stratad.store.tiers.lock import CudaHostLocker, LockChoice, NoLocker
+from stratad.store.tiers.memory import PAGE, ResidentRAM
+from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.tiers.sources import ExpertSource
 
 UNPACED = PinSettings(chunk_bytes=1 << 30, rate_bps=0.0)
 

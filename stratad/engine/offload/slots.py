@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.cache import POLICIES, CachePolicy
+from stratad.store.tiers.cache import POLICIES, CachePolicy
 
 
 def initial_residents(
@@ -31,7 +31,7 @@ def initial_residents(
 
 
 class SlotPolicy:
-    """Per-layer slot ownership over the store's eviction policies (`stratad.store.cache`):
+    """Per-layer slot ownership over the store's eviction policies (`stratad.store.tiers.cache`):
     each layer keeps a fixed number of slots, and a miss takes the slot of the expert the
     policy names as victim."""
 

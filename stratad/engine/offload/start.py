@@ -26,14 +26,14 @@ from stratad.engine.offload.switches import Chosen, miss_paths
 from stratad.engine.placement import StartPlan
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
-from stratad.store.bandwidth import Bandwidths
-from stratad.store.hostmem import cores, read_bps
-from stratad.store.pinning import Pinner, PinSettings, ProgressFn
-from stratad.store.plan import ResidencyPlan
+from stratad.store.placement.bandwidth import Bandwidths
+from stratad.store.placement.hostmem import cores, read_bps
+from stratad.store.placement.plan import ResidencyPlan
 from stratad.store.sizes import MiB
-from stratad.store.sources import ExpertSource
 from stratad.store.startup import plan_and_admit
 from stratad.store.store import StoreStats
+from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.tiers.sources import ExpertSource
 
 log = logging.getLogger("stratad.engine")
 

@@ -18,7 +18,7 @@ import torch
 from kernels.cpu.experts import CpuExperts
 from kernels.formats.quant import QType
 from stratad.model.weights import MLPWeights
-from stratad.store.manifest import ExpertBytes, ExpertLayout
+from stratad.store.pack.manifest import ExpertBytes, ExpertLayout
 
 
 class ExpertProvider(Protocol):

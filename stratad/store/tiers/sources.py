@@ -21,7 +21,7 @@ import torch
 
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model
-from stratad.store.manifest import (
+from stratad.store.pack.manifest import (
     EXPERTS_NAME,
     ExpertBytes,
     ExpertLayout,

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stratad.store.manifest import PackError
+from stratad.store.pack.manifest import PackError
 from stratad.store.sizes import MiB
-from stratad.store.sources import ExpertSource
+from stratad.store.tiers.sources import ExpertSource
 
 
 @dataclass(frozen=True)

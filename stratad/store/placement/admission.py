@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from stratad.store.plan import ResidencyPlan
+from stratad.store.placement.plan import ResidencyPlan
 from stratad.store.sizes import GiB
 
 log = logging.getLogger("stratad.store")

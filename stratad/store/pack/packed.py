@@ -17,7 +17,7 @@ import torch
 from kernels.formats.quant import FLOAT_QTYPES, QTensor
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model
-from stratad.store.manifest import (
+from stratad.store.pack.manifest import (
     DENSE_NAME,
     EXPERTS_NAME,
     FLOAT_DTYPES,

@@ -106,7 +106,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     source_format: str  # "gguf" | "hf"
     # its size (a GGUF's bytes, an HF directory's *.safetensors together); 0: not recorded.
     # A damaged blob is re-read from the source when it is still there at this size
-    # (`stratad.store.original`).
+    # (`stratad.store.tiers.original`).
     source_nbytes: int = 0
     checksum: str = "crc32"
     experts_nbytes: int  # size of experts.bin

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from stratad.store.manifest import DENSE_NAME, Manifest, check_dense
-from stratad.store.packed import map_file
-from stratad.store.sources import BlobCorrupt, PackExperts
+from stratad.store.pack.manifest import DENSE_NAME, Manifest, check_dense
+from stratad.store.pack.packed import map_file
+from stratad.store.tiers.sources import BlobCorrupt, PackExperts
 
 
 def verify_checksums(

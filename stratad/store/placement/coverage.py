@@ -14,8 +14,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stratad.store.bandwidth import Bandwidths
-from stratad.store.plan import ResidencyPlan
+from stratad.store.placement.bandwidth import Bandwidths
+from stratad.store.placement.plan import ResidencyPlan
 from stratad.store.sizes import size_text
 
 log = logging.getLogger("stratad.store")

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.manifest import Manifest, PackError
-from stratad.store.pack import PackSource, encode_blob, open_pack_source, source_nbytes
+from stratad.store.pack.manifest import Manifest, PackError
+from stratad.store.pack.write import PackSource, encode_blob, open_pack_source, source_nbytes
 from stratad.store.sizes import size_text
-from stratad.store.sources import BlobCorrupt, PackExperts
+from stratad.store.tiers.sources import BlobCorrupt, PackExperts
 
 log = logging.getLogger("stratad.store")
 

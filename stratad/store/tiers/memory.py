@@ -15,7 +15,7 @@ from itertools import accumulate
 import torch
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.lock import Locker, LockError
+from stratad.store.tiers.lock import Locker, LockError
 
 PAGE = mmap.PAGESIZE
 

@@ -21,7 +21,7 @@ from kernels.formats.quant import QTensor, QType
 from stratad.model.archs import ARCHS, Arch
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import MLPWeights
-from stratad.store.manifest import (
+from stratad.store.pack.manifest import (
     BLOB_ALIGN,
     DENSE_NAME,
     EXPERTS_NAME,

@@ -23,10 +23,10 @@ from typing import Literal, Protocol
 import torch
 
 from stratad.model.spec import ExpertUnit
-from stratad.store.lock import LockChoice, LockError, NoLocker
-from stratad.store.manifest import PackError
+from stratad.store.pack.manifest import PackError
 from stratad.store.sizes import GiB, size_text
-from stratad.store.tiers import ResidentRAM
+from stratad.store.tiers.lock import LockChoice, LockError, NoLocker
+from stratad.store.tiers.memory import ResidentRAM
 
 log = logging.getLogger("stratad.store")
 
