@@ -27,6 +27,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _show_log(path: Path, lines: int = 40) -> None:
+    """The log's last lines on stderr (the work folder of a benchmark is often temporary)."""
+    tail = path.read_text(errors="replace").splitlines()[-lines:]
+    print("\n".join(["-- the end of stratad's log:", *tail]), file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def daemon(model: str | None, work: Path, config: str, timeout: float = 300.0) -> Iterator[str]:
     """`stratad [MODEL] --config work/stratad.toml` (holding `config`), its log in
@@ -43,10 +49,12 @@ def daemon(model: str | None, work: Path, config: str, timeout: float = 300.0) -
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
+                _show_log(work / "stratad.log")
                 raise RuntimeError(f"stratad exited {proc.returncode}; see {work / 'stratad.log'}")
             if _healthy(url):
                 break
             if time.monotonic() > deadline:
+                _show_log(work / "stratad.log")
                 raise TimeoutError(
                     f"stratad not ready in {timeout:.0f} s; see {work / 'stratad.log'}"
                 )

@@ -3,6 +3,7 @@
 
     python -m bench.http_clients [--model PATH] [--parallel 1,4] [--clients 1,4]
                                  [--max-tokens 64] [--requests 3] [--json PATH]
+                                 [--set SECTION.KEY=VALUE ...]
 
 For each `server.parallel` value, starts `stratad` (its own process, a free port, the
 engine `auto` picks on this host), and for each client count runs that many clients at once,
@@ -11,6 +12,8 @@ each client varies so that no two share a prefix). Prints per (parallel, clients
 tokens per second summed over the clients (tokens the server reported in `usage`, over the
 wall time of the whole round), the median request latency, and the median time to the first
 token of a streamed request. The default model is the packaged SmolLM2-135M-Instruct.
+`--set` adds a setting to the daemon's config (a TOML value: `--set store.expert_cache=1392`
+gives a GPU a fixed expert budget, `--set model.max_context=1024`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.daemon import daemon
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 
 def _client(base: str, index: int, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -63,9 +71,28 @@ def run_round(base: str, clients: int, args: argparse.Namespace) -> dict[str, An
             "first_token_s": statistics.median(r["first_token_s"] for r in reqs)}  # fmt: skip
 
 
+def config_text(parallel: int, settings: list[str]) -> str:
+    """The daemon's config: the benchmark's own settings, then each `SECTION.KEY=VALUE` (a
+    TOML value) in its section."""
+    sections: dict[str, dict[str, str]] = {
+        "model": {"aliases": '["m"]'},
+        "server": {"parallel": str(parallel), "max_queue": "256"},
+        "control": {"socket": '""'},
+    }
+    for item in settings:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not (sep and dot and section and key and value.strip()):
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        sections.setdefault(section, {})[key] = value.strip()
+    text = "".join(f"[{name}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+                   for name, keys in sections.items())  # fmt: skip
+    tomllib.loads(text)  # a value that is not TOML fails here, not in the daemon
+    return text
+
+
 def serve(model: Path, parallel: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    config = (f'[model]\naliases = ["m"]\n[server]\nparallel = {parallel}\nmax_queue = 64\n'
-              '[control]\nsocket = ""\n')  # fmt: skip
+    config = config_text(parallel, args.set)
     with tempfile.TemporaryDirectory() as tmp, daemon(str(model), Path(tmp), config,
                                                       args.start_timeout) as base:  # fmt: skip
         _client(base, 999, argparse.Namespace(requests=1, max_tokens=4))  # warm up
@@ -105,13 +132,19 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3, help="requests per client, in turn")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting for the daemon's config (repeatable)")
     args = p.parse_args()
+    try:
+        config_text(0, args.set)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        p.error(str(e))
     model = args.model or default_model_path()
     if not model.is_file():
         p.error(f"no model file at {model}")
     rounds = [r for n in args.parallel for r in serve(model, n, args)]
     result = {"model": Path(model).name, "max_tokens": args.max_tokens, "requests": args.requests,
-              "rounds": rounds}  # fmt: skip
+              "settings": args.set, "rounds": rounds}  # fmt: skip
     print(markdown(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

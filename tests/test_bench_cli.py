@@ -30,3 +30,24 @@ def test_the_cache_fits_every_prompt_the_run_makes() -> None:
     assert bench.e2e.context_needed(bench.e2e.parser().parse_args(short)) >= 1024 + 256
     profiled = bench.e2e.parser().parse_args([*short, "--profile"])
     assert bench.e2e.context_needed(profiled) >= 4096 + 8
+
+
+def test_http_clients_settings_land_in_their_sections() -> None:
+    """`bench.http_clients --set` gives the daemon a GPU's expert budget or a context: each
+    setting in its section, the benchmark's own kept unless overridden, a malformed one
+    refused before a daemon starts."""
+    import pytest
+
+    from bench.http_clients import config_text, tomllib
+    from stratad.config import parse_config
+
+    text = config_text(8, ["store.expert_cache=1392", "model.max_context=1024",
+                           "server.parallel=16"])  # fmt: skip
+    raw = tomllib.loads(text)
+    assert raw["store"] == {"expert_cache": 1392}
+    assert raw["model"] == {"aliases": ["m"], "max_context": 1024}
+    assert raw["server"]["parallel"] == 16 and raw["server"]["max_queue"] == 256
+    assert parse_config(text).store.expert_cache == 1392  # the daemon reads it as written
+    for bad in ["expert_cache=3", "store.expert_cache", "store.=1", "store.x=not toml"]:
+        with pytest.raises((ValueError, tomllib.TOMLDecodeError)):
+            config_text(1, [bad])
