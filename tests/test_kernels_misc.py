@@ -313,6 +313,112 @@ def test_decode_attention_config_checks() -> None:
         decode_attention(q, k, v, lens, config=AttentionConfig(block_s=8, max_splits=0))
 
 
+# --- decode attention over a paged pool ------------------------------------------------------
+
+
+def to_pool(
+    k: torch.Tensor, v: torch.Tensor, lens: list[int], block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches [B, S, Hkv, D] (S a whole number of blocks) laid out as pools [n_slots, Hkv, D]
+    of blocks in a random order, with two spare blocks -> (k_pool, v_pool, block_tables).
+    Every slot no sequence holds (past its length, in a spare) is NaN, and the table entries
+    past a sequence's blocks point at a spare: a kernel that reads one returns NaN."""
+    B, S, Hkv, D = k.shape
+    used = [-(-n // block_size) for n in lens]
+    n_blocks = sum(used) + 2
+    ids = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.full((B, S // block_size), int(ids[-1]), dtype=torch.int32)
+    k_pool = torch.full((n_blocks * block_size, Hkv, D), float("nan"), dtype=k.dtype)
+    v_pool = k_pool.clone()
+    taken = 0
+    for b, n in enumerate(lens):
+        table[b, : used[b]] = ids[taken : taken + used[b]]
+        taken += used[b]
+        p = torch.arange(n)
+        rows = table[b].long()[p // block_size] * block_size + p % block_size
+        k_pool[rows], v_pool[rows] = k[b, :n].cpu(), v[b, :n].cpu()
+    return k_pool.to(DEVICE), v_pool.to(DEVICE), table.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "dtype"),
+    [(8, torch.float32), (16, torch.float32), (32, torch.bfloat16)],
+    ids=["blocks-below-a-step", "blocks-of-a-step", "blocks-above-a-step"],
+)
+def test_decode_attention_paged(block_size: int, dtype: torch.dtype) -> None:
+    """Three sequences (one ending mid-block, one of a single position) in a pool of blocks
+    in random order, attended through their block tables in steps of 16 positions and
+    pieces of 32: bit for bit the result over contiguous caches of the same length (so the
+    same pieces), and the references agree as well."""
+    lens = [45, 1, 70]
+    s_max = -(-max(lens) // block_size) * block_size
+    q, k, v, _ = attention_inputs(3, 4, 2, 16, s_max, dtype, seed=block_size)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    k_pool, v_pool, table = to_pool(k, v, lens, block_size, seed=block_size)
+    config = AttentionConfig(block_s=16, split_s=32)
+    paged = decode_attention(q, k_pool, v_pool, seq_lens, config=config, block_tables=table,
+                             block_size=block_size)  # fmt: skip
+    assert torch.equal(paged, decode_attention(q, k, v, seq_lens, config=config))
+    ref = decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables=table,
+                               block_size=block_size)  # fmt: skip
+    assert torch.equal(ref, decode_attention_ref(q, k, v, seq_lens))
+    torch.testing.assert_close(paged, ref, **TOL[dtype])
+
+
+def test_decode_attention_paged_launch_reads_no_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paged, the launch still depends on shapes only (the tables are read on the device):
+    on meta tensors, the pieces are cut from max_blocks * block_size positions."""
+    launched: list[tuple[int, ...]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **kwargs: launched.append(grid)
+
+    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder())
+    q = torch.empty(3, 8, 16, device="meta")
+    pool = torch.empty(10 * 8, 2, 16, device="meta")
+    seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
+    table = torch.empty(3, 9, dtype=torch.int32, device="meta")
+    out = decode_attention(q, pool, pool, seq_lens, config=AttentionConfig(block_s=8, split_s=16),
+                           block_tables=table, block_size=8)  # fmt: skip
+    assert out.shape == q.shape and launched == [(3, 2, 5)]  # cdiv(9 * 8, 16) pieces
+
+
+def test_decode_attention_paged_checks() -> None:
+    q, k, v, _ = attention_inputs(2, 4, 2, 16, 16, torch.float32, seed=17)
+    lens = torch.tensor([16, 3], device=DEVICE)
+    k_pool, v_pool, table = to_pool(k, v, [16, 3], 8, seed=17)
+
+    def call(**kwargs: object) -> None:
+        args = {"block_tables": table, "block_size": 8, "k": k_pool, "v": v_pool} | kwargs
+        decode_attention(q, args.pop("k"), args.pop("v"), lens, **args)  # type: ignore[arg-type]
+
+    call()  # the valid call, for the ones below
+    with pytest.raises(ValueError, match="int32"):
+        call(block_tables=table.long())
+    with pytest.raises(ValueError, match="int32 on"):
+        call(block_tables=table.to("meta"))
+    with pytest.raises(ValueError, match=r"must be \[2, max_blocks\]"):
+        call(block_tables=table[:1])
+    with pytest.raises(ValueError, match="contiguous rows"):
+        call(block_tables=torch.cat([table, table], dim=1)[:, ::2])
+    with pytest.raises(ValueError, match="power of two"):
+        call(block_size=12)
+    with pytest.raises(ValueError, match="power of two"):
+        call(block_size=0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        call(k=k_pool[:-1], v=v_pool[:-1])
+    with pytest.raises(ValueError, match="pools"):
+        call(k=k, v=v)
+    with pytest.raises(ValueError, match="pools"):
+        call(k=k_pool, v=v_pool[:, :1])
+    addrs = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="two layouts"):
+        call(k=k_pool[None], v=v_pool[None], kv_addrs=addrs)
+    with pytest.raises(ValueError, match="without block_tables"):
+        decode_attention(q, k, v, lens, block_size=8)
+
+
 # --- real shapes on a GPU ---------------------------------------------------------------------
 
 
@@ -357,3 +463,23 @@ def test_decode_attention_engine_config_long_cache_gpu() -> None:
             decode_attention_ref(q, k, v, lens),
             **TOL[torch.bfloat16],
         )
+
+
+@pytest.mark.gpu
+def test_decode_attention_paged_gpu() -> None:
+    """a3b's heads, eight sequences up to 1,500 positions long in a pool of 32-position
+    blocks in random order: against the reference, and bit for bit the contiguous call,
+    with the default and the engine's config."""
+    from kernels.tuning.configs import KernelConfigs
+
+    lens = [1500, 1, 31, 32, 33, 700, 1023, 1489]
+    q, k, v, _ = attention_inputs(8, 32, 4, 128, 47 * 32, torch.bfloat16, seed=18)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    k_pool, v_pool, table = to_pool(k, v, lens, 32, seed=18)
+    expected = decode_attention_ref(q, k_pool, v_pool, seq_lens, block_tables=table,
+                                    block_size=32)  # fmt: skip
+    for config in (AttentionConfig(), KernelConfigs().attention):
+        paged = decode_attention(q, k_pool, v_pool, seq_lens, config=config, block_tables=table,
+                                 block_size=32)  # fmt: skip
+        torch.testing.assert_close(paged, expected, **TOL[torch.bfloat16])
+        assert torch.equal(paged, decode_attention(q, k, v, seq_lens, config=config))

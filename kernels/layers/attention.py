@@ -3,7 +3,9 @@
 q [B, Hq, D] attends to the first seq_lens[b] positions of k/v caches [B, S, Hkv, D]
 (any strides with a contiguous last dim, so a slot of a larger cache pool is a view), or of B
 separate caches of one shape [S, Hkv, D] found through their addresses `kv_addrs` [B, 2]
-(a batch of sequences, each with its own cache, in one launch).
+(a batch of sequences, each with its own cache, in one launch), or of one pool of KV blocks
+shared by all sequences [n_slots, Hkv, D] read through each sequence's row of `block_tables`
+(the paged layout of `kernels.layers.paged`: each K/V row of a step is gathered by its slot).
 Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llama.cpp do.
 Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
@@ -12,7 +14,8 @@ group rather than once per query head: decode attention is bound by reading the 
 
 Split-K ("flash-decoding"): a grid of (B, Hkv) alone is a handful of programs, each
 walking the whole sequence, so the sequence is cut into P pieces, P = min(cdiv(S, split_s),
-max_splits) for a cache of S positions. The pieces share the sequence's *current* length:
+max_splits) for a cache of S positions (paged: S = max_blocks * block_size, the most a
+sequence's table reaches). The pieces share the sequence's *current* length:
 each holds cdiv(seq_len, P) positions rounded up to whole steps of block_s, so a short
 sequence in a long cache is still spread over the GPU and no program walks empty positions
 (a grid sized by S alone would launch hundreds of programs per head that do nothing).
@@ -42,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layers.paged import check_block_tables, gather_pages
+
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
 _MERGE_J = 8  # pieces merged per step
 
@@ -58,10 +63,11 @@ class AttentionConfig:
 @triton.jit
 def _attend(
     q,  # [BG, BD] in the dot's dtype (rows past the group are zero)
-    k_base,  # K/V of one sequence and KV head at position 0
+    k_base,  # K/V of one sequence and KV head at position 0 (PAGED: of the pool at slot 0)
     v_base,
     stride_ks,
     stride_vs,
+    table,  # the sequence's block ids (PAGED); else unread
     start,
     end,
     scale,  # the softmax scale times log2(e): scores are in base-2 units
@@ -70,6 +76,8 @@ def _attend(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,  # positions per block (PAGED)
 ):
     """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
     unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
@@ -82,7 +90,11 @@ def _attend(
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         kv_mask = (s[:, None] < end) & (d[None, :] < D)
-        rows = s[:, None].to(tl.int64)
+        if PAGED:  # each position's row in the pool: its block's slot 0, plus its offset
+            block = tl.load(table + s // PAGE, mask=s < end, other=0)  # [BS]
+            rows = (block.to(tl.int64) * PAGE + s % PAGE)[:, None]
+        else:
+            rows = s[:, None].to(tl.int64)
         k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
@@ -149,8 +161,8 @@ def _merge(
 @triton.jit
 def _decode_attention_kernel(
     q_ptr,  # [B, Hq, D]
-    k_ptr,  # [B, S, Hkv, D]
-    v_ptr,  # [B, S, Hkv, D]
+    k_ptr,  # [B, S, Hkv, D] (PAGED: the pool [n_slots, Hkv, D])
+    v_ptr,  # [B, S, Hkv, D] (PAGED: the pool [n_slots, Hkv, D])
     len_ptr,  # [B]
     m_ptr,  # [B, Hq, n_splits] float32
     l_ptr,  # [B, Hq, n_splits] float32, strides of m
@@ -158,6 +170,7 @@ def _decode_attention_kernel(
     count_ptr,  # [B * Hkv] int32, zero between launches
     out_ptr,  # [B, Hq, D]
     addr_ptr,  # [B, 2] int64: each sequence's K and V cache (BY_ADDR); else unread
+    table_ptr,  # [B, max_blocks] int32: each sequence's block ids (PAGED); else unread
     scale,
     S,
     stride_qb,
@@ -175,6 +188,7 @@ def _decode_attention_kernel(
     stride_aj,
     stride_ob,
     stride_oh,
+    stride_tb,
     H_KV,
     D: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -187,6 +201,8 @@ def _decode_attention_kernel(
     MERGE_J: tl.constexpr,
     DOT_F32: tl.constexpr,
     BY_ADDR: tl.constexpr,  # sequence b's K/V at the addresses addr_ptr[b] (stride_kb unread)
+    PAGED: tl.constexpr,  # sequence b's K/V rows through table_ptr[b] (stride_kb is 0)
+    PAGE: tl.constexpr,  # positions per block (PAGED)
 ):
     """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
     piece it writes the output; with more it writes its partials, and the last program of
@@ -215,8 +231,8 @@ def _decode_attention_kernel(
     k_base = k_seq + kv_head * stride_kh
     v_base = v_seq + kv_head * stride_vh
     m_i, l_i, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, start, end, scale, D, BLOCK_G, BLOCK_D,
-        BLOCK_S, DOT_F32,
+        q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, start, end, scale,
+        D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE,
     )  # fmt: skip
     if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -245,16 +261,21 @@ def _decode_attention_kernel(
 
 
 def _check_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    paged: bool,
 ) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    layout = "pools [n_slots, Hkv, D]" if paged else "[B, S, Hkv, D]"
+    if q.dim() != 3 or k_cache.dim() != (3 if paged else 4) or k_cache.shape != v_cache.shape:
         raise ValueError(
-            f"expected q [B, Hq, D] and k, v [B, S, Hkv, D]; got {tuple(q.shape)}"
+            f"expected q [B, Hq, D] and k, v {layout}; got {tuple(q.shape)}"
             f", {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     B, Hq, D = q.shape
-    _, S, Hkv, _ = k_cache.shape
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+    Hkv = k_cache.shape[-2]
+    if (not paged and k_cache.shape[0] != B) or k_cache.shape[-1] != D:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{Hq} query heads is not a multiple of {Hkv} KV heads")
@@ -297,9 +318,17 @@ def _launch(
     cfg: AttentionConfig,
     counts: torch.Tensor,
     kv_addrs: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    block_size: int,
 ) -> None:
     B, Hq, D = q.shape
-    _, S, Hkv, _ = k_cache.shape
+    Hkv = k_cache.shape[-2]
+    if block_tables is None:
+        S = k_cache.shape[1]
+        k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
+    else:  # one pool for every sequence (no batch stride), each reaching its table's blocks
+        S = block_tables.shape[1] * block_size
+        k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
     group = Hq // Hkv
     n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
     # Partials of every piece (none when one piece is the whole cache); those past a
@@ -313,18 +342,20 @@ def _launch(
     block_h = triton.next_power_of_2(group)
     _decode_attention_kernel[(B, Hkv, n_splits)](
         q, k_cache, v_cache, seq_lens, m, l, acc, counts, out,
-        kv_addrs if kv_addrs is not None else seq_lens, scale * _LOG2E, S,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kv_addrs if kv_addrs is not None else seq_lens,
+        block_tables if block_tables is not None else seq_lens, scale * _LOG2E, S,
+        q.stride(0), q.stride(1), *k_strides, *v_strides,
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1), Hkv,
+        out.stride(0), out.stride(1), block_tables.stride(0) if block_tables is not None else 0,
+        Hkv,
         D=D, GROUP=group, BLOCK_G=block_h if interpreted else max(block_h, 16), BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(D) if interpreted else max(triton.next_power_of_2(D), 16),
         BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
         MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
-        BY_ADDR=kv_addrs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BY_ADDR=kv_addrs is not None, PAGED=block_tables is not None,
+        PAGE=block_size if block_tables is not None else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -344,6 +375,9 @@ def decode_attention(
     config: AttentionConfig | None = None,
     counts: torch.Tensor | None = None,
     kv_addrs: torch.Tensor | None = None,
+    *,
+    block_tables: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
@@ -358,8 +392,20 @@ def decode_attention(
     at addresses (k, v) = kv_addrs[b], each of the shape, strides and dtype of k/v_cache
     [1, S, Hkv, D] (one of them, or any cache of the kind): B sequences with caches of their
     own in one launch. The caller keeps the caches alive while the kernel may read them.
+
+    `block_tables` [B, max_blocks] int32 (on the device, rows with a contiguous last dim) and
+    `block_size` (a power of two): the paged layout (`kernels.layers.paged`). k/v_cache are
+    then the pools [n_slots, Hkv, D] shared by all sequences (no batch dim; n_slots a whole
+    number of blocks), and position p of sequence b is pool row
+    block_tables[b, p // block_size] * block_size + p % block_size. S is
+    max_blocks * block_size: a seq_len past it is read as S. The ids are read on the device
+    only (a table updated in place is replayed by a graph); every id the kernel reads must
+    be a block of the pool, padding included. Not with `kv_addrs`.
     """
+    paged = block_tables is not None
     if kv_addrs is not None:
+        if paged:
+            raise ValueError("kv_addrs and block_tables are two layouts: give one")
         if k_cache.shape[0] != 1 or kv_addrs.shape != (q.shape[0], 2):
             raise ValueError(
                 f"with kv_addrs, k/v_cache are one template [1, S, Hkv, D] and kv_addrs is"
@@ -370,13 +416,22 @@ def decode_attention(
         k_cache = k_cache.expand(q.shape[0], *k_cache.shape[1:])  # the checks' shapes
         v_cache = v_cache.expand(q.shape[0], *v_cache.shape[1:])
         kv_addrs = kv_addrs.contiguous()
-    _check_inputs(q, k_cache, v_cache, seq_lens)
+    if block_tables is not None:
+        if k_cache.dim() != 3:
+            raise ValueError(
+                f"with block_tables, k/v_cache are the pools [n_slots, Hkv, D], got"
+                f" {tuple(k_cache.shape)}"
+            )
+        check_block_tables(block_tables, block_size, q.shape[0], k_cache.shape[0], q.device)
+    elif block_size:
+        raise ValueError(f"block_size {block_size} without block_tables")
+    _check_inputs(q, k_cache, v_cache, seq_lens, paged)
     cfg = config or AttentionConfig()
     _check_config(cfg)
     if q.stride(-1) != 1:
         q = q.contiguous()
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv = k_cache.shape[-2]
     if counts is None:
         counts = attention_counts(B, Hkv, q.device)
     elif counts.dtype != torch.int32 or counts.numel() < B * Hkv or counts.device != q.device:
@@ -388,7 +443,10 @@ def decode_attention(
     if B == 0:
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    _launch(q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, kv_addrs)
+    _launch(
+        q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, kv_addrs,
+        block_tables, block_size,
+    )  # fmt: skip
     return out
 
 
@@ -398,13 +456,23 @@ def decode_attention_ref(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    *,
+    block_tables: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
+    """`decode_attention` in torch: over caches [B, S, Hkv, D], or (block_tables, block_size)
+    over pools [n_slots, Hkv, D], each sequence's blocks gathered first."""
+    if block_tables is not None:
+        k_cache = gather_pages(k_cache, block_tables, block_size)  # [B, S, Hkv, D]
+        v_cache = gather_pages(v_cache, block_tables, block_size)
     B, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    k = k_cache.float().repeat_interleave(Hq // Hkv, dim=2)  # [B, S, Hq, D]
-    v = v_cache.float().repeat_interleave(Hq // Hkv, dim=2)
-    scores = torch.einsum("bhd,bshd->bhs", q.float() * scale, k)  # [B, Hq, S]
     valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    k = k_cache.float().repeat_interleave(Hq // Hkv, dim=2)  # [B, S, Hq, D]
+    # what lies past a sequence's length is never read (a pool's free slots may hold NaN)
+    v = v_cache.float().masked_fill(~valid[:, :, None, None], 0.0)
+    v = v.repeat_interleave(Hq // Hkv, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", q.float() * scale, k)  # [B, Hq, S]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
