@@ -2,7 +2,9 @@
 RMSNorm of q and k (Qwen3's qk-norm, optional), RoPE by position tables, the new key and
 value written into the KV cache at their position, and the rotated queries returned. The
 tokens may belong to different sequences, each with a cache of its own, found through their
-addresses (`kv_addrs`): a decode batch in one launch.
+addresses (`kv_addrs`), or to one pool of KV blocks shared by all sequences, each token's row
+found through its sequence's block table (`block_tables`, the paged layout of
+`kernels.layers.paged`): a decode batch in one launch.
 
 Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
 a few microseconds of launch for a few kilobytes of work. One program per (token, head):
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.layers.norm import rmsnorm_ref
+from kernels.layers.paged import check_block_tables, pool_rows
 from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
 
 
@@ -33,10 +36,13 @@ def _attn_input_kernel(
     cos_ptr,  # [P, HALF] float32, by position
     sin_ptr,
     q_ptr,  # [T, HQ, D] out
-    k_cache_ptr,  # [S, HKV, D]
-    v_cache_ptr,  # [S, HKV, D]
+    k_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
+    v_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
     addr_ptr,  # [T, 2] int64: token t's K and V cache (BY_ADDR); else unread
+    table_ptr,  # [T, max_blocks] int32: token t's sequence's block ids (PAGED); else unread
     stride_t,
+    stride_tt,  # table_ptr's row stride
+    reach,  # positions a cache holds (S; PAGED: max_blocks * PAGE)
     eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -45,6 +51,8 @@ def _attn_input_kernel(
     NEOX: tl.constexpr,
     NORM: tl.constexpr,
     BY_ADDR: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,  # positions per block (PAGED)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -56,13 +64,22 @@ def _attn_input_kernel(
     first, second = rope_pairs(i, HALF, NEOX)
     src = qkv_ptr + t * stride_t + h * D
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    # A position past the cache's reach writes no k/v (rather than past the cache or the
+    # table row: a value read on the device cannot raise).
+    held = (pos >= 0) & (pos < reach)
+    inside = i < tl.where(held, HALF, 0)  # [HALF]: the k/v stores' mask (all or none)
+    if PAGED:  # the pool row: the block's slot 0, plus the offset in the block
+        block = tl.load(table_ptr + t * stride_tt + tl.where(held, pos // PAGE, 0))
+        row = block.to(tl.int64) * PAGE + pos % PAGE
+    else:
+        row = pos
     x1 = tl.load(src + first)
     x2 = tl.load(src + second)
     dtype = x1.dtype
     if h >= HQ + HKV:  # a value head: into the cache as it is
-        dst = v_cache_ptr + (pos * HKV + (h - HQ - HKV)) * D
-        tl.store(dst + first, x1)
-        tl.store(dst + second, x2)
+        dst = v_cache_ptr + (row * HKV + (h - HQ - HKV)) * D
+        tl.store(dst + first, x1, mask=inside)
+        tl.store(dst + second, x2, mask=inside)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
@@ -84,9 +101,9 @@ def _attn_input_kernel(
             tl.store(q_ptr + (t * HQ + h) * D + first, y1)
             tl.store(q_ptr + (t * HQ + h) * D + second, y2)
         else:
-            dst = k_cache_ptr + (pos * HKV + (h - HQ)) * D
-            tl.store(dst + first, y1)
-            tl.store(dst + second, y2)
+            dst = k_cache_ptr + (row * HKV + (h - HQ)) * D
+            tl.store(dst + first, y1, mask=inside)
+            tl.store(dst + second, y2, mask=inside)
 
 
 def attn_input(
@@ -100,13 +117,23 @@ def attn_input(
     style: RopeStyle,
     eps: float,
     kv_addrs: torch.Tensor | None = None,
+    *,
+    block_tables: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] at positions pos [T] -> rotated q [T, Hq, D]; the rotated k
     and the v go into k_cache/v_cache [S, Hkv, D] at pos. `norms`: per-head (q, k) RMSNorm
     weights [D], or None. cos/sin: float32 [P, D/2] tables by position (full rotation).
     `kv_addrs` [T, 2] int64 on the device: token t's k and v go into the caches at addresses
     kv_addrs[t] instead, each contiguous of k_cache's shape and dtype (k_cache, v_cache: any
-    one of them)."""
+    one of them).
+
+    `block_tables` [T, max_blocks] int32 on the device (row t: token t's sequence's block
+    ids) and `block_size` (a power of two): k_cache/v_cache are the pools [n_slots, Hkv, D]
+    of the paged layout (`kernels.layers.paged`), and token t's k and v go into pool row
+    block_tables[t, pos[t] // block_size] * block_size + pos[t] % block_size. Not with
+    `kv_addrs`. A position outside 0..S-1 (paged: 0..max_blocks * block_size - 1) writes no
+    k/v; every id the kernel reads must be a block of the pool."""
     s, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous [S, Hkv, D] of one shape")
@@ -126,14 +153,26 @@ def attn_input(
         or kv_addrs.device != qkv.device or not kv_addrs.is_contiguous()
     ):  # fmt: skip
         raise ValueError(f"kv_addrs must be contiguous int64 [{qkv.shape[0]}, 2] on {qkv.device}")
+    if block_tables is not None:
+        if kv_addrs is not None:
+            raise ValueError("kv_addrs and block_tables are two layouts: give one")
+        check_block_tables(block_tables, block_size, qkv.shape[0], s, qkv.device)
+        reach = block_tables.shape[1] * block_size
+    elif block_size:
+        raise ValueError(f"block_size {block_size} without block_tables")
+    else:
+        reach = s
     q = torch.empty((qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
     if qkv.shape[0]:
         qw, kw = norms if norms is not None else (cos, cos)  # unread without NORM
         _attn_input_kernel[(qkv.shape[0], hq + 2 * hkv)](
             qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache,
-            kv_addrs if kv_addrs is not None else pos, qkv.stride(0), eps,
+            kv_addrs if kv_addrs is not None else pos,
+            block_tables if block_tables is not None else pos, qkv.stride(0),
+            block_tables.stride(0) if block_tables is not None else 0, reach, eps,
             HQ=hq, HKV=hkv, D=d, HALF=d // 2, NEOX=RopeStyle(style) == RopeStyle.NEOX,
             NORM=norms is not None, BY_ADDR=kv_addrs is not None,
+            PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
             num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q
@@ -149,8 +188,12 @@ def attn_input_ref(
     v_cache: torch.Tensor,
     style: RopeStyle,
     eps: float,
+    *,
+    block_tables: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
-    """The unfused composition, in torch."""
+    """The unfused composition, in torch (paged: k/v_cache are the pools, each token's row
+    through its row of block_tables)."""
     _, hkv, d = k_cache.shape
     t = qkv.shape[0]
     q, k, v = qkv.split([qkv.shape[1] - 2 * hkv * d, hkv * d, hkv * d], dim=-1)
@@ -167,6 +210,7 @@ def attn_input_ref(
         a, b = xf[..., 0::2], xf[..., 1::2]
         return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
 
-    k_cache.index_copy_(0, pos, rotate(k))
-    v_cache.index_copy_(0, pos, v)
+    rows = pos if block_tables is None else pool_rows(block_tables, pos[:, None], block_size)[:, 0]
+    k_cache.index_copy_(0, rows, rotate(k))
+    v_cache.index_copy_(0, rows, v)
     return rotate(q)
