@@ -67,7 +67,9 @@ def _attn_input_kernel(
     # A position past the cache's reach writes no k/v (rather than past the cache or the
     # table row: a value read on the device cannot raise).
     held = (pos >= 0) & (pos < reach)
-    inside = i < tl.where(held, HALF, 0)  # [HALF]: the k/v stores' mask (all or none)
+    # [HALF]: the k/v stores' mask, all or none (one comparison: Triton's interpreter takes
+    # no store mask made by & of a scalar and a vector)
+    inside = i < tl.where(held, HALF, 0)
     if PAGED:  # the pool row: the block's slot 0, plus the offset in the block
         block = tl.load(table_ptr + t * stride_tt + tl.where(held, pos // PAGE, 0))
         row = block.to(tl.int64) * PAGE + pos % PAGE
