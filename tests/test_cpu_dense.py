@@ -9,10 +9,20 @@ last-bit difference moved (a small multiple of the step, hence the tolerances)."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import pytest
 import torch
 
-from kernels.cpu.dense import PROJECTIONS, CacheSpan, DenseLayer, DenseShape, DenseStack
+from kernels.cpu.dense import (
+    CACHE_DTYPE,
+    PROJECTIONS,
+    CacheSpan,
+    DenseLayer,
+    DenseShape,
+    DenseStack,
+)
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
 from kernels.formats.quant import QType
@@ -149,6 +159,109 @@ def test_a_batch_gives_each_sequence_its_bits_alone(kernels: CpuExperts) -> None
     assert torch.equal(x, torch.cat([a[0] for a in alone]))
     for i, a in zip(inputs, alone, strict=True):
         assert all(torch.equal(g, w) for g, w in zip(i[1] + i[2], a[1] + a[2], strict=True))
+
+
+Table = np.ndarray | torch.Tensor
+
+
+def pool_rows(table: Table, block_size: int, n: int) -> torch.Tensor:
+    """The pool's rows of positions 0 .. n - 1 of the sequence whose blocks `table` holds."""
+    p = torch.arange(n)
+    return torch.as_tensor(table).long()[p // block_size] * block_size + p % block_size
+
+
+def paged(
+    caches: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]],
+    spans: Sequence[tuple[int, int]],
+    block_size: int,
+    seed: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Table]]:
+    """A pool of KV blocks for the spans (start, length), each with its caches' (k, v per
+    layer) first `start` positions in its blocks; the blocks in a random order among spare
+    ones, every other row NaN (a stray read shows); each span's table, in the forms the
+    engine may hand: int32 numpy, an int32 tensor, int64 with unread entries past its end."""
+    need = [-(-(start + t) // block_size) for start, t in spans]
+    n_blocks = sum(need) + 3
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
+    ids = order[: sum(need)].to(torch.int32).split(need)
+    forms = (lambda t: t.numpy(), lambda t: t.clone(),
+             lambda t: np.append(t.numpy().astype(np.int64), [-1, n_blocks]))  # fmt: skip
+    tables = [forms[i % 3](t) for i, t in enumerate(ids)]
+    shape = (n_blocks * block_size, *caches[0][0][0].shape[1:])
+    pool_k, pool_v = ([torch.full(shape, float("nan"), dtype=CACHE_DTYPE) for _ in caches[0][0]]
+                      for _ in "kv")  # fmt: skip
+    for (kc, vc), (start, _), table in zip(caches, spans, tables, strict=True):
+        r = pool_rows(table, block_size, start)
+        for pool, c in zip(pool_k + pool_v, kc + vc, strict=True):
+            pool[r] = c[:start]
+    return pool_k, pool_v, tables
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_a_paged_cache_gives_the_bits_of_a_contiguous_one(
+    kernels: CpuExperts, block_size: int
+) -> None:
+    # a prompt chunk across a block boundary after 5 cached tokens, a decode token over 38
+    # keys (blocks in a random order), a first prompt ending inside a block: the hidden rows
+    # and the keys and values (read through the tables) of the same call over contiguous caches
+    layers, _ = _layers(QType.Q4_1, 2, bias=True)
+    stack = DenseStack(kernels, SHAPE, layers)
+    spans = [(5, 6), (37, 1), (0, 11)]
+    inputs = [_inputs(t, start, 2) for start, t in spans]
+    pool_k, pool_v, tables = paged([i[1:3] for i in inputs], spans, block_size, seed=5)
+    x = torch.cat([i[0] for i in inputs])
+    cos, sin = (torch.cat([i[k] for i in inputs]) for k in (3, 4))
+    want = x.clone()
+    stack(want, [CacheSpan(i[1], i[2], start, t) for (start, t), i in zip(spans, inputs,
+                                                                         strict=True)],
+          cos, sin)  # fmt: skip
+    stack(x, [CacheSpan(pool_k, pool_v, start, t, table, block_size)
+              for (start, t), table in zip(spans, tables, strict=True)], cos, sin)  # fmt: skip
+    assert torch.equal(x, want)
+    for (start, t), i, table in zip(spans, inputs, tables, strict=True):
+        r = pool_rows(table, block_size, start + t)
+        for pool, c in zip(pool_k + pool_v, i[1] + i[2], strict=True):
+            assert torch.equal(pool[r], c[: start + t])
+
+
+def test_bad_block_tables_are_refused(kernels: CpuExperts) -> None:
+    layers, _ = _layers(QType.Q8_0, 1, bias=False)
+    stack = DenseStack(kernels, SHAPE, layers)
+    x, kc, vc, cos, sin = _inputs(2, 0, 1)
+    pk, pv = ([torch.zeros(4 * 8, SHAPE.n_kv_heads, SHAPE.head_dim, dtype=CACHE_DTYPE)]
+              for _ in "kv")  # fmt: skip
+    ids = np.array([2, 0], dtype=np.int32)
+
+    def call(*spans: CacheSpan) -> None:
+        stack(x, list(spans), cos, sin)
+
+    call(CacheSpan(pk, pv, 8, 1, ids, 8), CacheSpan(pk, pv, 8, 1, np.array([2, 1]), 8))
+    # ^ block 2 only read by both (a common prefix): allowed
+    for size in (4, 12):
+        with pytest.raises(ValueError, match="power of two"):
+            call(CacheSpan(pk, pv, 0, 2, ids, size))
+    with pytest.raises(ValueError, match="without a table"):
+        call(CacheSpan(kc, vc, 0, 2, block_size=8))
+    with pytest.raises(ValueError, match="1-D integers"):
+        call(CacheSpan(pk, pv, 0, 2, ids.astype(np.float32), 8))
+    with pytest.raises(ValueError, match="1-D integers"):
+        call(CacheSpan(pk, pv, 0, 2, torch.tensor([[2]], dtype=torch.int32), 8))
+    with pytest.raises(ValueError, match="2 blocks of 8 cannot hold 17 positions"):
+        call(CacheSpan(pk, pv, 15, 2, ids, 8))
+    with pytest.raises(ValueError, match="outside the pool's 4 blocks"):
+        call(CacheSpan(pk, pv, 0, 2, np.array([4], dtype=np.int32), 8))
+    with pytest.raises(ValueError, match="outside the pool's 4 blocks"):
+        call(CacheSpan(pk, pv, 8, 2, np.array([-1, 0], dtype=np.int32), 8))
+    with pytest.raises(ValueError, match="not whole blocks of 8"):
+        call(CacheSpan([pk[0][:28]], [pv[0][:28]], 0, 2, ids, 8))
+    with pytest.raises(ValueError, match="block 0 is written by a span"):
+        call(CacheSpan(pk, pv, 8, 1, ids, 8), CacheSpan(pk, pv, 0, 1, np.array([0]), 8))
+    with pytest.raises(ValueError, match="block 1 is written by a span"):  # two of one table
+        call(CacheSpan(pk, pv, 14, 2, np.array([1, 1], dtype=np.int32), 8))
+    with pytest.raises(ValueError, match="share a cache"):  # a pool is no span's own cache
+        call(CacheSpan(pk, pv, 0, 1, ids, 8), CacheSpan(pk, pv, 0, 1))
+    with pytest.raises(ValueError, match="share a cache"):  # k and v one tensor
+        call(CacheSpan(pk, pk, 0, 2, ids, 8))
 
 
 def test_bad_inputs_are_refused(kernels: CpuExperts) -> None:

@@ -21,10 +21,12 @@ from kernels.cpu.moe_stack import MoEStack
 from kernels.formats.quant import QType
 from stratad.engine.batch import Output, Seq
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.layers import rope_tables
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
 from stratad.model.synth import PRESETS, write_synth
 from stratad.store.loader import load_model
+from tests.test_cpu_dense import paged, pool_rows
 
 TOL = 0.5  # logits (0.21 seen, of logits up to 18)
 
@@ -105,6 +107,36 @@ def test_a_batch_gives_each_sequence_its_bits_alone(tiny_moe: Model, kernels: Cp
     v, h = tiny_moe.spec.vocab_size, tiny_moe.spec.hidden
     assert [tuple(g.shape) for g in got] == [(1, v), (6, h), (5, v)]
     assert torch.equal(fast.route_counts, alone.route_counts)
+
+
+def test_a_paged_cache_gives_the_bits_of_a_contiguous_one(
+    tiny_moe: Model, kernels: CpuExperts
+) -> None:
+    """The stack over a pool of KV blocks in a random order (a prompt chunk across a block
+    boundary, a decode token over three blocks, a first prompt ending inside a block): the
+    hidden rows, the routing and the keys and values (read through the tables) of the same
+    call over contiguous caches."""
+    stack = ReferenceForward(tiny_moe, weights=QuantWeights(kernels)).stack
+    assert isinstance(stack, MoEStack)
+    spec, n, block = tiny_moe.spec, len(stack.layers), 8
+    spans = [(5, 6), (19, 1), (0, 11)]
+    gen = torch.Generator().manual_seed(11)
+    caches = [tuple([torch.randn(start + t, spec.n_kv_heads, spec.head_dim, generator=gen).half()
+                     for _ in range(n)] for _ in "kv") for start, t in spans]  # fmt: skip
+    x = torch.randn(sum(t for _, t in spans), spec.hidden, generator=gen)
+    positions = torch.cat([torch.arange(start, start + t) for start, t in spans])
+    cos, sin = rope_tables(spec, positions, torch.device("cpu"))
+    pool_k, pool_v, tables = paged(caches, spans, block, seed=2)
+    want = x.clone()
+    want_ids = stack(want, [CacheSpan(k, v, start, t) for (k, v), (start, t) in
+                            zip(caches, spans, strict=True)], cos, sin)  # fmt: skip
+    paged_spans = [CacheSpan(pool_k, pool_v, start, t, table, block)
+                   for (start, t), table in zip(spans, tables, strict=True)]  # fmt: skip
+    ids = stack(x, paged_spans, cos, sin)
+    assert torch.equal(x, want) and torch.equal(ids, want_ids)
+    for (start, t), (k, v), table in zip(spans, caches, tables, strict=True):
+        r = pool_rows(table, block, start + t)
+        assert all(torch.equal(pool[r], c) for pool, c in zip(pool_k + pool_v, k + v, strict=True))
 
 
 def test_the_portable_kernels_agree(tiny_moe: Model, kernels: CpuExperts) -> None:

@@ -115,32 +115,43 @@ static inline __m256 hsum8x8(const __m256 *a) {
 #endif
 
 /* out [D] = softmax(q . k_s / sqrt(D)) v over keys s < n, as llama.cpp computes it with its
- * half-precision cache: k and v in halves (rows `stride` apart), q and the probabilities
- * rounded to halves for the products, sums in float. With AVX2, eight keys' scores at once
- * (eight independent sums, where one key's dot was a chain of dependent multiply-adds and a
- * horizontal sum), and the output 64 columns at a time in registers across the keys (where
- * each key loaded and stored it): the same operations in the same order, the same bits (the
- * int8 activations downstream turn any rounding change into a visible one). */
+ * half-precision cache: k and v in halves, q and the probabilities rounded to halves for the
+ * products, sums in float. Key s is row table[s / block] block + s % block of k and v (rows
+ * `stride` apart): a paged cache's blocks, or one block of all n keys (a contiguous cache,
+ * table {0}). With AVX2, eight keys' scores at once (eight independent sums, where one key's
+ * dot was a chain of dependent multiply-adds and a horizontal sum), and the output 64 columns
+ * at a time in registers across the keys (where each key loaded and stored it): the same
+ * operations in the same order, the same bits (the int8 activations downstream turn any
+ * rounding change into a visible one). A block holds a multiple of eight keys (or is the only
+ * one), so the groups of eight are those of one contiguous cache, and the keys are visited in
+ * the order of their positions whatever blocks hold them: a paged cache gives the same bits. */
 static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t n,
-                   int64_t stride, int64_t d, float *scores, float *out) {
+                   const int32_t *table, int64_t block, int64_t stride, int64_t d,
+                   float *scores, float *out) {
     float qh[MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d), mx = -INFINITY;
     for (int64_t i = 0; i < d; i++) qh[i] = half_at((uint16_t[]){to_f16(q[i])});
     int64_t s = 0;
+    for (int64_t b0 = 0; b0 < n; b0 += block) { /* keys b0 .. b0 + nb - 1: one block's rows */
+        const int64_t nb = n - b0 < block ? n - b0 : block;
+        const uint16_t *kb = k + (int64_t)table[b0 / block] * block * stride;
+        float *sc = scores + b0;
+        s = 0;
 #ifdef __AVX2__
-    for (; d % 8 == 0 && s + 8 <= n; s += 8) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) {
-            __m256 qv = _mm256_loadu_ps(qh + i);
-            for (int j = 0; j < 8; j++) {
-                const __m128i *kj = (const __m128i *)(k + (s + j) * stride + i);
-                acc[j] = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(_mm_loadu_si128(kj)), acc[j]);
+        for (; d % 8 == 0 && s + 8 <= nb; s += 8) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8) {
+                __m256 qv = _mm256_loadu_ps(qh + i);
+                for (int j = 0; j < 8; j++) {
+                    const __m128i *kj = (const __m128i *)(kb + (s + j) * stride + i);
+                    acc[j] = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(_mm_loadu_si128(kj)), acc[j]);
+                }
             }
+            _mm256_storeu_ps(sc + s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
         }
-        _mm256_storeu_ps(scores + s, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
-    }
 #endif
-    for (; s < n; s++) scores[s] = dot_f16(qh, k + s * stride, d) * scale;
+        for (; s < nb; s++) sc[s] = dot_f16(qh, kb + s * stride, d) * scale;
+    }
     for (s = 0; s < n; s++) mx = fmaxf(mx, scores[s]);
     float inv = 1.0f / softmax_exp(scores, n, mx);
     s = 0;
@@ -157,12 +168,17 @@ static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t
         if (d - c >= 64) {
             __m256 o[8];
             for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
-            for (s = 0; s < n; s++) {
-                const uint16_t *vs = v + s * stride + c;
-                __m256 pv = _mm256_set1_ps(scores[s]);
-                for (int i = 0; i < 8; i++) {
-                    __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + 8 * i)));
-                    o[i] = _mm256_fmadd_ps(pv, vv, o[i]);
+            for (int64_t b0 = 0; b0 < n; b0 += block) {
+                const int64_t nb = n - b0 < block ? n - b0 : block;
+                const uint16_t *vb = v + (int64_t)table[b0 / block] * block * stride + c;
+                for (s = 0; s < nb; s++) {
+                    const uint16_t *vs = vb + s * stride;
+                    __m256 pv = _mm256_set1_ps(scores[b0 + s]);
+                    for (int i = 0; i < 8; i++) {
+                        __m256 vv =
+                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + 8 * i)));
+                        o[i] = _mm256_fmadd_ps(pv, vv, o[i]);
+                    }
                 }
             }
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, o[i]);
@@ -171,17 +187,21 @@ static void attend(const float *q, const uint16_t *k, const uint16_t *v, int64_t
 #endif
         int64_t end = d - c < 64 ? d : c + 64;
         for (int64_t i = c; i < end; i++) out[i] = 0.0f;
-        for (s = 0; s < n; s++) {
-            const uint16_t *vs = v + s * stride;
-            float p = scores[s];
-            int64_t i = c;
+        for (int64_t b0 = 0; b0 < n; b0 += block) {
+            const int64_t nb = n - b0 < block ? n - b0 : block;
+            const uint16_t *vb = v + (int64_t)table[b0 / block] * block * stride;
+            for (s = 0; s < nb; s++) {
+                const uint16_t *vs = vb + s * stride;
+                float p = scores[b0 + s];
+                int64_t i = c;
 #ifdef __AVX2__
-            for (__m256 pv = _mm256_set1_ps(p); i + 8 <= end; i += 8) {
-                __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
-                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
-            }
+                for (__m256 pv = _mm256_set1_ps(p); i + 8 <= end; i += 8) {
+                    __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
+                    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+                }
 #endif
-            for (; i < end; i++) out[i] += p * half_at(vs + i);
+                for (; i < end; i++) out[i] += p * half_at(vs + i);
+            }
         }
     }
 }

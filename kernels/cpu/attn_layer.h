@@ -9,7 +9,10 @@
  *
  * A call's tokens may belong to several sequences (the engine's batch: each running request's
  * next tokens): token t sits at position pos[t] of sequence seq[t], whose layer-l keys and
- * values are k_cache[seq[t] L + l], v_cache[seq[t] L + l]. The products read each weight row
+ * values are rows of k_cache[seq[t] L + l], v_cache[seq[t] L + l] ([rows, Hkv, D] halves).
+ * Position p of sequence q is row tables[q][p / block[q]] block[q] + p % block[q]: a paged
+ * cache's blocks (a pool shared by the call's sequences, each its own blocks), or a contiguous
+ * cache as one block {0} at least as long as the sequence. The products read each weight row
  * once for every token of the call; only attention looks at a token's own sequence.
  */
 #include "team.h"
@@ -44,6 +47,8 @@ typedef struct { /* a call's state, shared by the team */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
     uint16_t *const *k_cache, *const *v_cache;
+    const int32_t *const *tables; /* [sequences]: each one's block ids */
+    const int64_t *block;     /* [sequences]: its block size (positions a block holds) */
     const float *cos_t, *sin_t;
     const uint8_t *tab;
     spin_barrier_t bar;
@@ -80,14 +85,15 @@ static int attn_mats(mat_t *m, const attn_weights_t *w, const attn_dims_t *dm) {
     return err;
 }
 
-/* allocate s's buffers for its T tokens on `threads` threads (x, pos, seq, the caches, the
- * tables and dm set by the caller); 0, -2 for a negative position, or -3 */
+/* allocate s's buffers for its T tokens on `threads` threads (x, pos, seq, the caches, their
+ * block tables, the tables and dm set by the caller); 0, -2 for a negative position or an
+ * empty block, or -3 */
 static int attn_alloc(attn_step_t *s, int threads) {
     const int64_t T = s->T, H = s->dm.hidden, D = s->dm.head_dim;
     const int64_t QD = s->dm.n_heads * D, W = QD + 2 * s->dm.n_kv_heads * D;
     s->span = 1;
     for (int64_t t = 0; t < T; t++) {
-        if (s->pos[t] < 0 || s->seq[t] < 0) return -2;
+        if (s->pos[t] < 0 || s->seq[t] < 0 || s->block[s->seq[t]] < 1) return -2;
         if (s->pos[t] + 1 > s->span) s->span = s->pos[t] + 1;
     }
 #define FLOATS(n) malloc(sizeof(float) * (size_t)(n))
@@ -116,6 +122,12 @@ static void attn_free(attn_step_t *s) {
     free(s->outs);
 }
 
+/* the cache row of position p of sequence q */
+static inline int64_t cache_row(const attn_step_t *s, int32_t q, int64_t p) {
+    const int64_t b = s->block[q];
+    return (int64_t)s->tables[q][p / b] * b + p % b;
+}
+
 /* bias, q/k norm, RoPE of head j (q heads, then k heads, then v heads) of token t; k and v
  * into layer l's cache */
 static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, int64_t t,
@@ -135,7 +147,7 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
     if (which < 2) rope(v, s->cos_t + t * D / 2, s->sin_t + t * D / 2, D, dm->rope_interleaved);
     if (which) {
         uint16_t *dst = (which == 1 ? s->k_cache : s->v_cache)[s->seq[t] * s->L + l];
-        dst += (s->pos[t] * nkv + (j - nh) % nkv) * D;
+        dst += (cache_row(s, s->seq[t], s->pos[t]) * nkv + (j - nh) % nkv) * D;
         for (int64_t e = 0; e < D; e++) dst[e] = to_f16(v[e]);
     }
 }
@@ -165,7 +177,8 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
     for (int64_t i = 0; i < T * nh; i++) {
         int64_t t = i / nh, hd = i % nh, kv = hd / (nh / nkv), c = s->seq[t] * s->L + l;
         attend(s->qkv + t * W + hd * D, s->k_cache[c] + kv * D, s->v_cache[c] + kv * D,
-               s->pos[t] + 1, nkv * D, D, s->scores + me * S, s->att + t * QD + hd * D);
+               s->pos[t] + 1, s->tables[s->seq[t]], s->block[s->seq[t]], nkv * D, D,
+               s->scores + me * S, s->att + t * QD + hd * D);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait

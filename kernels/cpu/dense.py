@@ -9,7 +9,9 @@ of their input; a prompt's tokens go through each weight row together.
 
 Tensors in, checked once here (`DenseStack`: the weights; each call: x, the caches, RoPE's
 tables); pointers to the C side. A call's rows may be several sequences' tokens (`CacheSpan`
-each: the engine's batch), which share every weight read and attend each to its own cache.
+each: the engine's batch), which share every weight read and attend each to its own cache: a
+contiguous one of its own, or its blocks of a pool of KV blocks that the call's paged spans
+share (paged KV, as vLLM's), read and written through its block table.
 """
 
 from __future__ import annotations
@@ -76,27 +78,44 @@ class DenseLayer:
 @dataclass(frozen=True)
 class CacheSpan:
     """One sequence's rows of a layers call: the next `length` rows of x are its tokens at
-    positions start .. start + length - 1; their keys and values go into k[l], v[l] (layer l's
-    [>= start + length, Hkv, D] `CACHE_DTYPE`), where the earlier positions' already are."""
+    positions start .. start + length - 1; their keys and values go into rows of k[l], v[l]
+    (layer l's [rows, Hkv, D] `CACHE_DTYPE`, contiguous), where the earlier positions' already
+    are.
+
+    Contiguous (no table): k[l], v[l] are the sequence's own, position p at row p (rows >=
+    start + length). Paged: k[l], v[l] are a pool's layer-l tensors of n_blocks * block_size
+    rows, shared by every paged span of the call, and `table` holds the sequence's block ids
+    (1-D integers, int32 as the engine keeps them; numpy or a CPU tensor; at least
+    ceil((start + length) / block_size) of them, those past it unread): position p at row
+    table[p // block_size] * block_size + p % block_size. block_size is a power of two >= 8, so
+    a block holds whole groups of the eight keys attention scores at once: a paged cache gives
+    the bits of a contiguous one."""
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor]
     start: int
     length: int
+    table: np.ndarray | torch.Tensor | None = None  # [>= blocks the positions need]
+    block_size: int = 0  # positions a block holds; paged spans only
 
 
 @dataclass(frozen=True)
 class StepArgs:
-    """A layers call's per-token arrays (C's pos, seq, k_cache, v_cache), kept alive here."""
+    """A layers call's arrays (C's pos, seq, k_cache, v_cache, tables, block), kept alive
+    here."""
 
     tokens: int
     pos: np.ndarray  # [T] int64
     seq: np.ndarray  # [T] int32
     k: np.ndarray  # [spans * layers] uint64 addresses
     v: np.ndarray
+    tables: np.ndarray  # [spans] uint64: the address of each span's block ids in `ids`
+    block: np.ndarray  # [spans] int64: its block size
+    ids: np.ndarray  # every span's block ids, int32 (a contiguous span's: one block, 0)
 
-    def pointers(self) -> tuple[int, int, int, int]:
-        return self.pos.ctypes.data, self.seq.ctypes.data, self.k.ctypes.data, self.v.ctypes.data
+    def pointers(self) -> tuple[int, int, int, int, int, int]:
+        return (self.pos.ctypes.data, self.seq.ctypes.data, self.k.ctypes.data,
+                self.v.ctypes.data, self.tables.ctypes.data, self.block.ctypes.data)  # fmt: skip
 
 
 class DenseStack:
@@ -139,12 +158,12 @@ class DenseStack:
         [T, D/2] float32 at each token's position (`layers.rope_tables`)."""
         s = self.shape
         a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, len(self.layers))
-        pos, seq, kp, vp = a.pointers()
+        pos, seq, kp, vp, tp, bp = a.pointers()
         threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
         rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers),
-                      len(self.layers), ctypes.byref(self._dims), kp, vp, cos.data_ptr(),
-                      sin.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
+                      len(self.layers), ctypes.byref(self._dims), kp, vp, tp, bp,
+                      cos.data_ptr(), sin.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
         self.team.record(a.tokens, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "dense layers")
 
@@ -159,8 +178,8 @@ def check_step(
     head_dim: int,
     n_layers: int,
 ) -> StepArgs:
-    """A layers call's tensors checked (x [T, hidden] float32, each span's caches, RoPE's
-    tables) and its per-token arrays."""
+    """A layers call's tensors checked (x [T, hidden] float32, each span's caches and block
+    table, RoPE's tables) and its arrays for C."""
     _check(x, "x", torch.float32, 2)
     t = x.shape[0]
     if x.shape[1] != hidden:
@@ -171,23 +190,85 @@ def check_step(
             raise ValueError(f"{name} must be [{t}, {head_dim // 2}], got {tuple(tab.shape)}")
     if not spans or sum(sp.length for sp in spans) != t:
         raise ValueError(f"the spans hold {sum(sp.length for sp in spans)} tokens, x {t}")
-    seen: set[int] = set()
-    for sp in spans:
+    # a cache's address: its owner (the span, or -1: a pool, which paged spans share) and its
+    # place in the span's k + v; any other second use is an error
+    owner: dict[int, tuple[int, int]] = {}
+    tables: list[tuple[np.ndarray, int]] = []
+    for i, sp in enumerate(spans):
         if sp.start < 0 or sp.length < 1:
             raise ValueError(f"a span starts at {sp.start} with {sp.length} tokens")
         if len(sp.k) != n_layers or len(sp.v) != n_layers:
             raise ValueError(f"{len(sp.k)} and {len(sp.v)} cache layers for {n_layers} layers")
-        for c in (*sp.k, *sp.v):
-            _check(c, "cache", CACHE_DTYPE, 3)
-            if c.shape[0] < sp.start + sp.length or tuple(c.shape[1:]) != (n_kv_heads, head_dim):
-                raise ValueError(f"a cache layer {tuple(c.shape)} cannot hold "
-                                 f"{sp.start + sp.length} positions of [{n_kv_heads}, "
-                                 f"{head_dim}]")  # fmt: skip
-            if c.data_ptr() in seen:
+        for j, c in enumerate((*sp.k, *sp.v)):
+            me, seen = (i if sp.table is None else -1, j), owner.get(c.data_ptr())
+            if seen == me:  # a pool's, checked for an earlier span
+                continue
+            if seen is not None:
                 raise ValueError("two spans or layers of one call share a cache")
-            seen.add(c.data_ptr())
+            owner[c.data_ptr()] = me
+            _check(c, "cache", CACHE_DTYPE, 3)
+            if tuple(c.shape[1:]) != (n_kv_heads, head_dim):
+                raise ValueError(f"a cache layer {tuple(c.shape)} is not [rows, {n_kv_heads}, "
+                                 f"{head_dim}]")  # fmt: skip
+        tables.append(_block_table(sp, min((c.shape[0] for c in (*sp.k, *sp.v)), default=0)))
+    _check_writes(spans, tables)
     pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
     seq = np.repeat(np.arange(len(spans), dtype=np.int32), [sp.length for sp in spans])
     k = np.array([c.data_ptr() for sp in spans for c in sp.k], dtype=np.uint64)
     v = np.array([c.data_ptr() for sp in spans for c in sp.v], dtype=np.uint64)
-    return StepArgs(t, pos.astype(np.int64), seq, k, v)
+    ids = np.concatenate([b for b, _ in tables])
+    at = np.cumsum([0] + [len(b) for b, _ in tables[:-1]])
+    addresses = (ids.ctypes.data + ids.itemsize * at).astype(np.uint64)
+    block = np.array([size for _, size in tables], dtype=np.int64)
+    return StepArgs(t, pos.astype(np.int64), seq, k, v, addresses, block, ids)
+
+
+_ONE_BLOCK = np.zeros(1, dtype=np.int32)  # a contiguous cache's table
+
+
+def _block_table(sp: CacheSpan, rows: int) -> tuple[np.ndarray, int]:
+    """The span's block ids as C reads them (int32, as many as its positions need) and its
+    block size, checked against its caches' `rows`; a contiguous cache is one block, 0, of
+    all its positions (row p: position p)."""
+    end = sp.start + sp.length
+    if sp.table is None:
+        if sp.block_size:
+            raise ValueError(f"block_size {sp.block_size} without a table")
+        if rows < end:
+            raise ValueError(f"a cache layer of {rows} rows cannot hold {end} positions")
+        return _ONE_BLOCK, end
+    size = sp.block_size
+    if size < 8 or size & (size - 1):
+        raise ValueError(f"block_size {size} must be a power of two >= 8")
+    table = sp.table.cpu().numpy() if isinstance(sp.table, torch.Tensor) else sp.table
+    if table.ndim != 1 or table.dtype.kind not in "iu":
+        raise ValueError(f"a block table is 1-D integers, got {table.dtype} {table.shape}")
+    need = -(-end // size)
+    if len(table) < need:
+        raise ValueError(f"a table of {len(table)} blocks of {size} cannot hold {end} positions")
+    if rows % size:
+        raise ValueError(f"a pool layer of {rows} rows is not whole blocks of {size}")
+    used = table[:need]
+    if used.min() < 0 or used.max() >= rows // size:
+        raise ValueError(f"block ids {used.min()} .. {used.max()} outside the pool's "
+                         f"{rows // size} blocks")  # fmt: skip
+    return used.astype(np.int32), size
+
+
+def _check_writes(spans: Sequence[CacheSpan], tables: Sequence[tuple[np.ndarray, int]]) -> None:
+    """A block a paged span writes into (one of positions start .. start + length - 1 is in it)
+    appears once in the call's tables of its pool: else two tokens would write one row at
+    once, or one would read a row another writes. Blocks only read (a common prefix's) may be
+    in several tables."""
+    pools: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    for sp, (ids, size) in zip(spans, tables, strict=True):
+        if sp.table is not None and sp.k:
+            used, written = pools.setdefault(sp.k[0].data_ptr(), ([], []))
+            used.append(ids)
+            written.append(ids[sp.start // size :])
+    for used, written in pools.values():
+        every, w = np.sort(np.concatenate(used)), np.concatenate(written)
+        twice = np.searchsorted(every, w, "right") - np.searchsorted(every, w, "left") > 1
+        if twice.any():
+            raise ValueError(f"block {w[twice][0]} is written by a span and in the call's "
+                             f"tables more than once")  # fmt: skip
