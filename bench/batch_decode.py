@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from stratad.engine.batch import Seq
+from stratad.engine.kv import KVCache
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.loader import load_model
@@ -33,7 +34,9 @@ def _spread(xs: list[float]) -> dict[str, object]:
 def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[str, object]:
     spec = engine.spec
     gen = torch.Generator().manual_seed(b)
-    caches = [engine.new_cache(args.prompt_len + args.decode_tokens + 8) for _ in range(b)]
+    n = args.prompt_len + args.decode_tokens + 8
+    pool = engine.new_pool(b * n)  # one pool, as the daemon's: one attention launch per step
+    caches = [KVCache(pool, n) for _ in range(b)]
     tps, step_ms = [], []
     for _ in range(args.repeats):
         for c in caches:

@@ -13,6 +13,7 @@ import torch
 
 from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.batch import Output, Seq, check_batch, chunks
+from stratad.engine.kv import KVCache
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.stages import StagedForward
@@ -168,9 +169,11 @@ MANY = [[(37 * i + 5 * j) % 400 + 20 for j in range(1 + i % 2)] for i in range(3
 MANY_STEPS = 2
 
 
-def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """MANY_STEPS greedy tokens of each prompt, all of them in one batch."""
-    caches = [engine.new_cache(16) for _ in prompts]
+def _greedy(engine, prompts: list[list[int]], pool=None) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """MANY_STEPS greedy tokens of each prompt, all of them in one batch, their caches of one
+    KV pool (`pool`, or a new one)."""
+    pool = pool or engine.new_pool(16 * len(prompts))
+    caches = [KVCache(pool, 16) for _ in prompts]
     logits = engine.step([Seq(c, p) for c, p in zip(caches, prompts, strict=True)])
     out = [[int(lg[-1].argmax())] for lg in logits]
     for _ in range(MANY_STEPS - 1):
@@ -224,13 +227,14 @@ def test_batch_of_b_equals_alone_gpu(
 def test_graph_per_batch_size_serves_other_caches_gpu(
     tiny_moe: Model, many_alone: list[list[int]]
 ) -> None:
-    """A step reads every cache through its address, so the capture of a batch of three
-    serves three other caches: no new capture, each sequence its tokens alone."""
+    """A step reads every cache through the block tables, so the capture of a batch of three
+    serves three other caches of the pool: no new capture, each sequence its tokens alone."""
     engine = _offload(tiny_moe, "cuda", graphs=True)
-    assert engine.attention.fused_input  # every cache read and written by address
-    first = _greedy(engine, MANY[:3])
+    assert engine.attention.fused_input  # every cache read and written through its table
+    pool = engine.new_pool(6 * 16)
+    first = _greedy(engine, MANY[:3], pool)
     captured = engine.graph.captured
-    second = _greedy(engine, MANY[3:6])  # three new caches
+    second = _greedy(engine, MANY[3:6], pool)  # three new caches
     assert engine.graph.captured == captured
     assert first == many_alone[:3] and second == many_alone[3:6]
 
@@ -239,17 +243,17 @@ def test_graph_per_batch_size_serves_other_caches_gpu(
 def test_failed_capture_runs_the_step_eagerly_gpu(caplog: pytest.LogCaptureFixture) -> None:
     """A step that cannot be captured (here it reads a value on the host while capturing)
     runs eagerly, with one WARNING, and is not captured again."""
-    from stratad.engine.kv import KVCache
+    from stratad.engine.kv import KVPool
     from stratad.engine.offload.decode_graph import DecodeGraph
 
-    def step(tok, pos, caches, addrs):  # type: ignore[no-untyped-def]
+    def step(tok, pos, caches, tables):  # type: ignore[no-untyped-def]
         if torch.cuda.is_current_stream_capturing():
             tok.sum().item()  # a host synchronisation: refused inside a capture
         return tok.float()[:, None] * 2, tok[None]
 
-    buf = torch.zeros(4, 1, 8, device="cuda")
-    caches = [KVCache([buf], [buf.clone()])]
-    graph = DecodeGraph(step, torch.device("cuda"), by_address=lambda _: False)
+    buf = torch.zeros(8, 1, 8, device="cuda")
+    caches = [KVCache(KVPool([buf], [buf.clone()], 8), 8)]
+    graph = DecodeGraph(step, torch.device("cuda"), by_table=lambda _: False)
     with caplog.at_level("WARNING", logger="stratad.engine"):
         for t in (3, 4, 5):
             logits, _ = graph.replay([t], caches)

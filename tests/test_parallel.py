@@ -18,7 +18,7 @@ from kernels.cpu.experts import CpuExperts
 from stratactl.client import Client
 from stratad.config import Config, EngineConfig, ServerConfig
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVPool
 from stratad.engine.placement import start_plan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
@@ -43,8 +43,8 @@ class Recording:
     def __init__(self, forward: ReferenceForward) -> None:
         self.forward, self.sizes, self.tokens = forward, list[int](), list[int]()
 
-    def new_cache(self, max_len: int) -> KVCache:
-        return self.forward.new_cache(max_len)
+    def new_pool(self, tokens: int) -> KVPool:
+        return self.forward.new_pool(tokens)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         self.sizes.append(len(seqs))

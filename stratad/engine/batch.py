@@ -1,5 +1,7 @@
 """A batched forward: B sequences per step, each with its own KV cache and T >= 1 new tokens.
 
+Before a forward, each cache takes the pool blocks its new tokens need (`reserve`).
+
 `run_batch` turns a list of `Seq` into passes of an engine (`Layers`): a batch whose every
 sequence adds one token to a started cache is one decode pass (B rows, one token each);
 anything else is prefill, its tokens packed in order into chunks of at most the engine's
@@ -86,6 +88,13 @@ def check_batch(seqs: Sequence[Seq]) -> None:
             )
 
 
+def reserve(seqs: Sequence[Seq]) -> None:
+    """Each cache holds the blocks of its new tokens (raises `KVPoolFull` if the pool has too
+    few: the caches reserved before the one that failed keep what they took)."""
+    for s in seqs:
+        s.cache.reserve(s.cache.length + len(s.tokens))
+
+
 def is_decode(seqs: Sequence[Seq]) -> bool:
     """Every sequence adds one token to a started cache and asks for its logits."""
     return all(
@@ -120,6 +129,7 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
     """Each sequence's `Output`: logits [1, V] of its last new token, [T, V] of every one, or
     the final norm's output [T, H]."""
     check_batch(seqs)
+    reserve(seqs)
     if is_decode(seqs):
         logits = layers.decode([s.tokens[0] for s in seqs], [s.cache for s in seqs])
         for s in seqs:

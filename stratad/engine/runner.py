@@ -22,7 +22,7 @@ import torch
 from stratad.config import Config
 from stratad.engine import placement
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.offload.start import OffloadTiers, open_offload
@@ -55,6 +55,9 @@ class Runner:
     @property
     def backend(self) -> str:
         return self.start.backend
+
+    def new_pool(self, tokens: int) -> KVPool:
+        return self.forward.new_pool(tokens)
 
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)

@@ -1,8 +1,9 @@
 """Requests through the step loop, several at once, reusing the KV of known prefixes.
 
 `Generator.start` admits a request as a `Sequence` on one of its working caches (`parallel`
-of them), after loading the longest known prefix of its prompt (that cache's own, or a
-snapshot in the `PrefixStore`). `step` advances every running sequence the step's plan picks
+of them, each holding blocks of one KV pool as far as its sequence reaches), after loading
+the longest known prefix of its prompt (that cache's own, or a snapshot in the
+`PrefixStore`). `step` advances every running sequence the step's plan picks
 in one batched forward and returns what each got (an event, or the error that ended it);
 `finish` ends a sequence (done, failed or cancelled) and gives its cache back. `pool` admits
 an embedding request the same way (`stratad.runtime.pooling`): it computes its whole prompt on
@@ -59,7 +60,9 @@ class Generator:
         self.forward = forward
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self.caches: list[KVCache] = [forward.new_cache(max_context) for _ in range(parallel)]
+        # one pool of KV blocks that every working cache takes from as its sequence grows
+        self.kv = forward.new_pool(parallel * max_context)
+        self.caches: list[KVCache] = [KVCache(self.kv, max_context) for _ in range(parallel)]
         self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
         self._scopes = [""] * parallel  # whose conversation each working cache holds
         self._used = [0] * parallel  # when each cache was last taken, for least-recently-used

@@ -1,11 +1,12 @@
 """Prefix reuse across requests: KV snapshots of recent conversations and of pinned prefixes.
 
-The generator has one working KV cache. Before a request overwrites a conversation that is
-still in it, that conversation's KV is copied out into a snapshot here; a later request whose
-prompt starts with a snapshot's tokens copies it back instead of recomputing it (copying is a
-memcpy, recomputing is a forward pass). Pinned snapshots (the `strata_prefix` extension: a
-long shared document asked many questions) have their own budget and are evicted only by
-other pins. Both budgets are bytes, evicted least recently used first.
+The generator's working KV caches hold blocks of one pool. Before a request overwrites a
+conversation that is still in one, that conversation's KV is copied out into a snapshot
+here; a later request whose prompt starts with a snapshot's tokens copies it back instead of
+recomputing it (copying is a memcpy, recomputing is a forward pass). Pinned snapshots (the
+`strata_prefix` extension: a long shared document asked many questions) have their own
+budget and are evicted only by other pins. Both budgets are bytes, evicted least recently used
+first.
 
 Every snapshot belongs to a scope (a hash of the API key and `user` that made it): a request
 reuses only its own scope's prefixes, so the tokens it finds cached never tell one client what
@@ -98,6 +99,7 @@ class PrefixStore:
         per_token = 2 * sum(k[0].nbytes for k in cache.k)
         if length * per_token > self.budget[pinned]:
             return False
+        rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
         # the new one covers shorter conversations it extends
         self.snapshots = [
             s
@@ -107,8 +109,8 @@ class PrefixStore:
         snap = Snapshot(
             tokens=tokens,
             # per layer to the host first: a layer split keeps layers on different devices
-            k=torch.stack([k[:length].to("cpu", copy=True) for k in cache.k]),
-            v=torch.stack([v[:length].to("cpu", copy=True) for v in cache.v]),
+            k=torch.stack([k[rows[k.device]].cpu() for k in cache.k]),
+            v=torch.stack([v[rows[v.device]].cpu() for v in cache.v]),
             pinned=pinned,
             used=next(self._clock),
             scope=scope,
@@ -118,10 +120,14 @@ class PrefixStore:
         return True
 
     def restore(self, snap: Snapshot, length: int, cache: KVCache) -> None:
-        """Make `cache` hold the snapshot's first `length` tokens."""
-        for i in range(len(cache.k)):
-            cache.k[i][:length].copy_(snap.k[i, :length])
-            cache.v[i][:length].copy_(snap.v[i, :length])
+        """Make `cache` hold the snapshot's first `length` tokens (the blocks it needs taken
+        from its pool)."""
+        cache.truncate(0)
+        cache.reserve(length)
+        rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
+        for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+            k.index_copy_(0, rows[k.device], snap.k[i, :length].to(k.device))
+            v.index_copy_(0, rows[v.device], snap.v[i, :length].to(v.device))
         cache.length = length
         cache.tokens[:] = snap.tokens[:length]
         snap.used = next(self._clock)

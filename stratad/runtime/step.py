@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVPool
 from stratad.engine.timing import StageTimer
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
@@ -36,7 +36,9 @@ Outcome = GenerationEvent | PooledEvent | Exception
 class Forward(Protocol):
     """What generation needs of a forward pass (the reference and the offload engine)."""
 
-    def new_cache(self, max_len: int) -> KVCache: ...
+    def new_pool(self, tokens: int) -> KVPool:
+        """A pool of KV blocks for at least `tokens` tokens in all."""
+        ...
 
     def step(self, seqs: Seqs[Seq]) -> list[torch.Tensor]: ...
 

@@ -1,13 +1,13 @@
 """The offload engine's attention block: the qkv projection, q/k norms, RoPE from position
-tables, the KV-cache write, and attention itself.
+tables, the KV write, and attention itself, over the paged KV pool (`stratad.engine.kv`).
 
-Decode attends split-K over the static cache, its length read on the device (so one
-captured graph serves every position); where the model allows, the norms, the rotation and
-the cache write are one kernel (`kernels.layers.attn_input`). A decode step of several sequences
-whose caches are of one kind runs attention (and the fused input) once for the whole batch,
-each sequence's cache found through its address (`KVCache.addrs`, gathered on the device once
-per step). A prefill chunk attends with torch's scaled_dot_product_attention over the cache up to
-its end.
+Decode attends split-K through the caches' block tables, the lengths read on the device (so
+one captured graph serves every position); where the model allows, the norms, the rotation and
+the KV write are one kernel (`kernels.layers.attn_input`). A decode step of several sequences
+of one pool runs attention (and the fused input) once for the whole batch, each sequence's
+blocks found through its row of the tables [B, max_blocks] (gathered on the device once per
+step). A prefill chunk gathers its sequence's keys and values up to its end and attends with
+torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kernels.layers.attention import attention_counts, decode_attention
 from kernels.layers.attn_input import attn_input
 from kernels.layers.rope import RopeStyle, rope_table
-from stratad.engine.kv import KVCache, kv_addresses
+from stratad.engine.kv import KVCache, block_tables
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.dense import DenseLayer
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
@@ -52,23 +52,23 @@ class OffloadAttention:
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
         # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
         self.counts = attention_counts(FUSED_MAX_TOKENS, spec.n_kv_heads, device)
-        self.kv_addrs: torch.Tensor | None = None  # [L, B, 2] of this decode pass's caches
+        self.kv_tables: torch.Tensor | None = None  # [B, max_blocks] of this decode pass
 
     def begin_decode(
-        self, pos: torch.Tensor, caches: Sequence[KVCache], addrs: torch.Tensor | None = None
+        self, pos: torch.Tensor, caches: Sequence[KVCache], tables: torch.Tensor | None = None
     ) -> None:
         """A decode pass at positions pos [B]: each cache's length, once for every layer, and
-        the caches' addresses [L, B, 2] when given (a graph captured per batch size fills
-        them; every cache is then read and written through them), else where several caches
-        are of one kind (one device-side gather: a captured graph replays it)."""
+        the caches' block tables [B, max_blocks] when given (a graph captured per batch size
+        fills them), else where the caches are of one pool (one device-side gather: a
+        captured graph replays it)."""
         self.lens = pos + 1
-        if addrs is None and len(caches) > 1 and self.by_address(caches):
-            addrs = kv_addresses(caches, pos.device)
-        self.kv_addrs = addrs
+        if tables is None and self.batched(caches):
+            tables = block_tables(caches, pos.device)
+        self.kv_tables = tables
 
-    def by_address(self, caches: Sequence[KVCache]) -> bool:
-        """Whether a decode step of `caches` may read them through their addresses: caches of
-        one kind, no more than the kernel's scratch holds."""
+    def batched(self, caches: Sequence[KVCache]) -> bool:
+        """Whether a decode step of `caches` runs attention once for all of them: caches of
+        one pool, no more than the kernel's scratch holds."""
         return len(caches) <= FUSED_MAX_TOKENS and all(caches[0].same_kind(c) for c in caches)
 
     def __call__(
@@ -82,11 +82,11 @@ class OffloadAttention:
     ) -> torch.Tensor:
         """Layer i's attention output [T, H] for h [T, H] at positions pos [T]: the qkv and
         output projections over every row of the pass, attention per sequence (a decode
-        batch of caches of one kind: in one launch)."""
+        batch of one pool: in one launch)."""
         spec = self.spec
         qkv = self.linear(h, w.qkv, w.qkv_bias)
-        if step.decode and self.kv_addrs is not None:
-            out = self._batch(w, i, qkv, pos, caches, self.kv_addrs[i])
+        if step.decode and self.kv_tables is not None:
+            out = self._batch(w, i, qkv, pos, caches, self.kv_tables)
         else:
             outs = [
                 self._one(w, i, qkv[rows], pos[rows], cache, step, b)
@@ -102,21 +102,21 @@ class OffloadAttention:
         qkv: torch.Tensor,
         pos: torch.Tensor,
         caches: Sequence[KVCache],
-        addrs: torch.Tensor,
+        tables: torch.Tensor,
     ) -> torch.Tensor:
-        """A decode batch's attention [B, Hq, D], sequence b's cache found at addrs[b] [B, 2]
-        (caches of one kind): the fused input and the attention one launch each."""
-        spec = self.spec
-        k, v = caches[0].k[i], caches[0].v[i]  # the kind of every cache
+        """A decode batch's attention [B, Hq, D], sequence b's blocks in tables[b] (caches of
+        one pool): the fused input and the attention one launch each."""
+        spec, bs = self.spec, caches[0].block_size
+        k, v = caches[0].k[i], caches[0].v[i]  # the pool's layer i
         if self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, k, v, self.style,  # type: ignore[arg-type]
-                           spec.rms_eps, kv_addrs=addrs)  # fmt: skip
-        else:  # the input op by op, each sequence into its own cache
+                           spec.rms_eps, block_tables=tables, block_size=bs)  # fmt: skip
+        else:  # the input op by op, each sequence into its own blocks
             q = torch.cat([self._input(w, i, qkv[b : b + 1], pos[b : b + 1], cache)
                            for b, cache in enumerate(caches)])  # fmt: skip
-        return decode_attention(q, k[None], v[None], self.lens, config=self.config,
-                                counts=self.counts, kv_addrs=addrs)  # fmt: skip
+        return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
+                                block_tables=tables, block_size=bs)  # fmt: skip
 
     def _one(
         self,
@@ -129,19 +129,23 @@ class OffloadAttention:
         b: int,
     ) -> torch.Tensor:
         """Sequence b's attention [T, Hq, D] for its rows qkv [T, qkv] at positions pos [T]."""
-        spec = self.spec
+        spec, bs = self.spec, cache.block_size
+        table = cache.table(qkv.device)[None]
         if step.decode and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
-                           self.style, spec.rms_eps)  # fmt: skip
+                           self.style, spec.rms_eps, block_tables=table.expand(qkv.shape[0], -1),
+                           block_size=bs)  # fmt: skip
         else:
             q = self._input(w, i, qkv, pos, cache)
-        if isinstance(step, Decode):  # split-K over the static cache
-            kv = cache.k[i][None], cache.v[i][None]
+        if isinstance(step, Decode):  # split-K through the block table
             lens = self.lens[b : b + 1]
-            return decode_attention(q, *kv, lens, config=self.config, counts=self.counts)
+            return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
+                                    counts=self.counts, block_tables=table,
+                                    block_size=bs)  # fmt: skip
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
-        keys, values = cache.k[i][: start + t], cache.v[i][: start + t]
+        rows = cache.rows(0, start + t, qkv.device)
+        keys, values = cache.k[i][rows], cache.v[i][rows]
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
@@ -152,7 +156,7 @@ class OffloadAttention:
     def _input(
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
-        """Rotated q [T, Hq, D]; k and v written into the cache at pos (op by op)."""
+        """Rotated q [T, Hq, D]; k and v written into the cache's rows at pos (op by op)."""
         spec, t = self.spec, qkv.shape[0]
         q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
         norm = self.norm
@@ -170,6 +174,8 @@ class OffloadAttention:
             cos, sin = self.cos[pos], self.sin[pos]
             q = apply_rope(q, cos, sin, spec.rope_interleaved)
             k = apply_rope(k, cos, sin, spec.rope_interleaved)
-        cache.k[i].index_copy_(0, pos, k)
-        cache.v[i].index_copy_(0, pos, v)
+        bs = cache.block_size
+        rows = cache.table(pos.device).long()[pos // bs] * bs + pos % bs
+        cache.k[i].index_copy_(0, rows, k)
+        cache.v[i].index_copy_(0, rows, v)
         return q

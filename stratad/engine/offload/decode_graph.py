@@ -1,13 +1,13 @@
 """The offload engine's decode step captured as a CUDA graph and replayed per token.
 
 The step's inputs live in device tensors the graph reads: the B tokens, their positions and,
-where the pass reads every KV cache through its address, the caches' addresses [L, B, 2]
-(`KVCache.addrs`). Attention reads the lengths on the device, so one capture serves every
-position; with the addresses an input too, one capture per batch size and cache kind serves
-every set of B caches, so a request joining or leaving the batch replays another size's
-graph instead of capturing anew. Caches of mixed kinds (or a pass that writes a cache through
-its own tensors) are captured per set of caches, as the graph then holds their buffers. The
-last few captures are kept (each holds its own intermediate buffers).
+where the pass reads every KV cache through the block tables, the caches' tables
+[B, max_blocks] (`KVCache.table`). Attention reads the lengths on the device, so one capture
+serves every position; with the tables an input too, one capture per batch size and pool
+serves every set of B caches, so a request joining or leaving the batch replays another
+size's graph instead of capturing anew. Caches of several pools (or a pass that writes a
+cache through its own table) are captured per set of caches, as the graph then holds their
+tables. The last few captures are kept (each holds its own intermediate buffers).
 
 A capture that fails runs that step eagerly instead, with one WARNING: a request never fails
 for a graph. The same key is not captured again.
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from stratad.engine.kv import KVCache, kv_addresses
+from stratad.engine.kv import KVCache, block_tables
 
 log = logging.getLogger("stratad.engine")
 
 KEPT = 8  # captures kept, least recently replayed dropped first
 
-# step(tokens [B], positions [B], caches, addresses [L, B, 2] or None) -> (logits, ids)
+# step(tokens [B], positions [B], caches, block tables [B, max_blocks] or None) -> (logits, ids)
 Step = Callable[
     [torch.Tensor, torch.Tensor, Sequence[KVCache], torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor],
@@ -38,33 +38,34 @@ Step = Callable[
 @dataclass
 class _Capture:
     caches: tuple[KVCache, ...]  # captured per set of caches: held, so their identity stays
+    pool: object  # the pool whose tensors the graph reads: held, so its id stays its own
     graph: torch.cuda.CUDAGraph
     tok: torch.Tensor
     pos: torch.Tensor
-    addrs: torch.Tensor | None  # [L, B, 2], filled before each replay (captured per size)
+    tables: torch.Tensor | None  # [B, max_blocks], filled before each replay (per size)
     logits: torch.Tensor
     ids: torch.Tensor
 
 
 class DecodeGraph:
     def __init__(
-        self, step: Step, device: torch.device, by_address: Callable[[Sequence[KVCache]], bool]
+        self, step: Step, device: torch.device, by_table: Callable[[Sequence[KVCache]], bool]
     ) -> None:
-        """`step(tokens, positions, caches, addresses)` -> (logits [B, V], ids): the eager
-        pass the graph records. `by_address(caches)`: whether, given their addresses, the pass
+        """`step(tokens, positions, caches, tables)` -> (logits [B, V], ids): the eager pass
+        the graph records. `by_table(caches)`: whether, given their block tables, the pass
         reads and writes those caches through them only (a capture then serves any caches of
-        its size)."""
-        self.step, self.device, self.by_address = step, device, by_address
+        its size and pool)."""
+        self.step, self.device, self.by_table = step, device, by_table
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._failed: set[Hashable] = set()  # keys whose capture failed: run eagerly
         self.captured = 0  # captures made so far
         self.warned = False
 
     def _key(self, caches: Sequence[KVCache]) -> tuple[Hashable, bool]:
-        """(the capture's key, whether it is per size: by the caches' addresses)."""
+        """(the capture's key, whether it is per size: by the caches' block tables)."""
         first = caches[0]
-        if self.by_address(caches):
-            return ("size", len(caches), tuple(first.k[0].shape), first.k[0].dtype), True
+        if self.by_table(caches):
+            return ("size", len(caches), id(first.pool), first.max_blocks), True
         return ("caches", tuple(id(c) for c in caches)), False
 
     def replay(
@@ -116,24 +117,24 @@ class DecodeGraph:
         else:
             cap.tok.copy_(torch.tensor(tokens))
             cap.pos.copy_(torch.tensor([c.length for c in caches]))
-        if cap.addrs is not None:
-            cap.addrs.copy_(kv_addresses(caches, cap.addrs.device))
+        if cap.tables is not None:
+            cap.tables.copy_(block_tables(caches, cap.tables.device))
 
     def _capture(self, caches: tuple[KVCache, ...], by_size: bool) -> _Capture:
         b, device = len(caches), self.device
         tok = torch.zeros(b, dtype=torch.long, device=device)
         pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
-        addrs = kv_addresses(caches, pos.device).clone() if by_size else None
+        tables = block_tables(caches, pos.device) if by_size else None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
             for _ in range(2):
-                self.step(tok, pos, caches, addrs)
+                self.step(tok, pos, caches, tables)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits, ids = self.step(tok, pos, caches, addrs)
+            logits, ids = self.step(tok, pos, caches, tables)
         self.captured += 1
         held = () if by_size else caches  # a per-size capture holds no cache alive
-        return _Capture(held, graph, tok, pos, addrs, logits, ids)
+        return _Capture(held, caches[0].pool, graph, tok, pos, tables, logits, ids)
 

@@ -35,7 +35,7 @@ from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
@@ -125,10 +125,10 @@ class OffloadForward:
         guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.files.enabled
         self.prefetch = ExpertPrefetch(self.experts, self._guess_route, spec.n_experts_used,
                                        config.kernels.prefetch, self._host_span, guess)  # fmt: skip
-        # with the fused input kernel a batched step reads and writes every cache by address:
-        # one capture per batch size serves every set of caches
-        by_address = self.attention.by_address if self.attention.fused_input else lambda _: False
-        self.graph = DecodeGraph(self._decode_pass, device, by_address)
+        # with the fused input kernel a batched step reads and writes every cache through the
+        # block tables: one capture per batch size serves every set of caches of the pool
+        by_table = self.attention.batched if self.attention.fused_input else lambda _: False
+        self.graph = DecodeGraph(self._decode_pass, device, by_table)
         self.split = SplitStep(self._split_parts(), device, config.graphs)
 
     # -- placement -----------------------------------------------------------------------
@@ -189,10 +189,14 @@ class OffloadForward:
         _, ids = self.route_fn(self.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
         return ids.to(torch.int32)
 
+    def new_pool(self, tokens: int) -> KVPool:
+        """A KV pool of at least `tokens` rows on this engine's device."""
+        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, self.dtype)
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        return KVCache.allocate(
-            self.spec, max_len or self.config.max_context, self.device, self.dtype
-        )
+        """A cache of `max_len` tokens (the context) on a pool of its own."""
+        n = max_len or self.config.max_context
+        return KVCache(self.new_pool(n), n)
 
     # -- one layer ------------------------------------------------------------------------
 
@@ -348,12 +352,12 @@ class OffloadForward:
         tokens: torch.Tensor,
         pos: torch.Tensor,
         caches: Sequence[KVCache],
-        kv_addrs: torch.Tensor | None = None,
+        kv_tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence; `kv_addrs`
-        [L, B, 2]: the caches' addresses, read by the pass instead of the caches' own (a
-        graph captured per batch size)."""
-        x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)), kv_addrs)
+        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence; `kv_tables`
+        [B, max_blocks]: the caches' block tables, read by the pass instead of the caches'
+        own (a graph captured per batch size)."""
+        x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)), kv_tables)
         return self.head(x), ids.reshape(ids.shape[0], -1)
 
     def run_layers(
@@ -362,7 +366,7 @@ class OffloadForward:
         pos: torch.Tensor,
         caches: Sequence[KVCache],
         step: Pass,
-        kv_addrs: torch.Tensor | None = None,
+        kv_tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, T, k]).
         A staged pass streams each layer's experts while the previous layer computes."""
@@ -370,7 +374,7 @@ class OffloadForward:
         if step.staged:
             self.staging.begin(self.layer_ids.start)
         if step.decode:
-            self.attention.begin_decode(pos, caches, kv_addrs)
+            self.attention.begin_decode(pos, caches, kv_tables)
         parts = None
         for i in self.layer_ids:
             if step.staged and i + 1 < self.layer_ids.stop:

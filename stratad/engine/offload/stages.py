@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts
@@ -133,13 +133,14 @@ class StagedForward:
         """[L, E]: each stage counts its own layers."""
         return torch.stack([t.route_counts.cpu() for t in self.tables]).sum(0)
 
+    def new_pool(self, tokens: int) -> KVPool:
+        """A KV pool of at least `tokens` rows, each layer's on its stage's device."""
+        return KVPool.allocate(self.spec, tokens, self.layer_device, self.config.dtype)
+
     def new_cache(self, max_len: int | None = None) -> KVCache:
+        """A cache of `max_len` tokens (the context) on a pool of its own."""
         n = max_len or self.config.max_context
-        shape = (n, self.spec.n_kv_heads, self.spec.head_dim)
-        dtype = self.config.dtype
-        k = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
-        v = [torch.zeros(shape, dtype=dtype, device=d) for d in self.layer_device]
-        return KVCache(k, v)
+        return KVCache(self.new_pool(n), n)
 
     @property
     def prefill_chunk(self) -> int:

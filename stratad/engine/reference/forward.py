@@ -18,8 +18,8 @@ import torch
 
 from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
 from kernels.formats.quant import QTensor
-from stratad.engine.batch import Output, Seq, check_batch
-from stratad.engine.kv import KVCache
+from stratad.engine.batch import Output, Seq, check_batch, reserve
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
@@ -160,11 +160,16 @@ class ReferenceForward:
             return f"layer by layer, a layer's routed experts in one kernel call{experts}"
         return f"layer by layer{experts}"
 
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_pool(self, tokens: int) -> KVPool:
+        """A KV pool of at least `tokens` rows. Its attention reads a cache up to its length,
+        never further (torch gathers, and the cpu engine's C loops): host pages commit as
+        blocks are first written."""
         dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
-        # its attention reads a cache up to its length, never further (torch slices, and the
-        # cpu engine's C loops): host pages commit as tokens reach them
-        return KVCache.allocate(self.spec, max_len, self.device, dtype, zeroed=False)
+        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, dtype)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """A cache of `max_len` tokens (the context) on a pool of its own."""
+        return KVCache(self.new_pool(max_len), max_len)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """A batch: each sequence's `Output` (logits as `__call__` gives them, or the final
@@ -173,6 +178,7 @@ class ReferenceForward:
         engine take the whole batch in one call (every weight read once for all its tokens),
         each sequence's results bit for bit those of it alone."""
         check_batch(seqs)
+        reserve(seqs)
         if self.stack is not None:
             return self._stacked(seqs)
         return [self._alone(s.tokens, s.cache, s.out) for s in seqs]
@@ -184,6 +190,7 @@ class ReferenceForward:
                 f"{cache.length + len(tokens)} tokens exceed the KV cache of {cache.capacity}"
             )
         seq = Seq.logits(cache, tokens, all_logits)
+        reserve([seq])
         if self.stack is not None:
             return self._stacked([seq])[0]
         return self._alone(tokens, cache, seq.out)
@@ -193,7 +200,8 @@ class ReferenceForward:
         """`step` through the one-call layers: every sequence's new tokens in one call."""
         assert self.stack is not None
         spec, stage = self.spec, self.timer.stage
-        spans = [CacheSpan(s.cache.k, s.cache.v, s.cache.length, len(s.tokens)) for s in seqs]
+        spans = [CacheSpan(s.cache.k, s.cache.v, s.cache.length, len(s.tokens),
+                           s.cache.host_table(), s.cache.block_size) for s in seqs]  # fmt: skip
         positions = torch.cat([torch.arange(sp.start, sp.start + sp.length) for sp in spans])
         x = self.embed(torch.tensor([t for s in seqs for t in s.tokens], device=self.device))
         x = x.to(self.dtype).contiguous()  # [T, H]
@@ -276,9 +284,10 @@ class ReferenceForward:
             q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
         q = apply_rope(q, cos, sin, spec.rope_interleaved)
         k = apply_rope(k, cos, sin, spec.rope_interleaved)
-        cache.k[i][start : start + t] = k
-        cache.v[i][start : start + t] = v
-        out = self.mode.attention(q, cache.k[i][: start + t], cache.v[i][: start + t], start)
+        rows = cache.rows(0, start + t, self.device)
+        cache.k[i].index_copy_(0, rows[start:], k.to(cache.k[i].dtype))
+        cache.v[i].index_copy_(0, rows[start:], v.to(cache.v[i].dtype))
+        out = self.mode.attention(q, cache.k[i][rows], cache.v[i][rows], start)
         return w.o(out.reshape(t, spec.q_dim))
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:
