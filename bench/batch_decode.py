@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.loader import load_model
@@ -35,7 +35,7 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
     spec = engine.spec
     gen = torch.Generator().manual_seed(b)
     n = args.prompt_len + args.decode_tokens + 8
-    pool = engine.new_pool(b * n)  # one pool, as the daemon's: one attention launch per step
+    pool = engine.new_pool(pool_tokens(b, n))  # one pool, as the daemon's: one launch a step
     caches = [KVCache(pool, n) for _ in range(b)]
     tps, step_ms = [], []
     for _ in range(args.repeats):

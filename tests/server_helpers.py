@@ -49,12 +49,15 @@ socket = ""
 [engine]
 threads = 1
 """,
-    # several requests at once (tests/test_parallel.py)
+    # several requests at once (tests/test_parallel.py), a KV pool of one 512-token context
+    # for all three: long answers together preempt the newest
     "parallel": """
 [model]
 aliases = ["m"]
+max_context = 512
 [server]
 parallel = 3
+kv_cache_tokens = 512
 [control]
 socket = ""
 [engine]

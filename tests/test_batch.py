@@ -13,7 +13,7 @@ import torch
 
 from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.batch import Output, Seq, check_batch, chunks
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.stages import StagedForward
@@ -172,7 +172,7 @@ MANY_STEPS = 2
 def _greedy(engine, prompts: list[list[int]], pool=None) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """MANY_STEPS greedy tokens of each prompt, all of them in one batch, their caches of one
     KV pool (`pool`, or a new one)."""
-    pool = pool or engine.new_pool(16 * len(prompts))
+    pool = pool or engine.new_pool(pool_tokens(len(prompts), 16))
     caches = [KVCache(pool, 16) for _ in prompts]
     logits = engine.step([Seq(c, p) for c, p in zip(caches, prompts, strict=True)])
     out = [[int(lg[-1].argmax())] for lg in logits]
@@ -231,7 +231,7 @@ def test_graph_per_batch_size_serves_other_caches_gpu(
     serves three other caches of the pool: no new capture, each sequence its tokens alone."""
     engine = _offload(tiny_moe, "cuda", graphs=True)
     assert engine.attention.fused_input  # every cache read and written through its table
-    pool = engine.new_pool(6 * 16)
+    pool = engine.new_pool(pool_tokens(6, 16))
     first = _greedy(engine, MANY[:3], pool)
     captured = engine.graph.captured
     second = _greedy(engine, MANY[3:6], pool)  # three new caches

@@ -152,12 +152,17 @@ def test_bad_inputs_are_refused(tiny_moe: Model, kernels: CpuExperts) -> None:
     stack = fast.stack
     assert isinstance(stack, MoEStack)
     cache = fast.new_cache(4)
+    cache.reserve(4)  # one block of the pool
+    table, size = cache.host_table(), cache.block_size
     x = torch.zeros(2, tiny_moe.spec.hidden)
     cos = torch.zeros(2, tiny_moe.spec.head_dim // 2)
     with pytest.raises(ValueError, match="x must be"):
-        stack(x[:, :32].contiguous(), [CacheSpan(cache.k, cache.v, 0, 2)], cos, cos)
-    with pytest.raises(ValueError, match="cannot hold"):
-        stack(x, [CacheSpan(cache.k, cache.v, 3, 2)], cos, cos)
+        stack(x[:, :32].contiguous(), [CacheSpan(cache.k, cache.v, 0, 2, table, size)], cos, cos)
+    with pytest.raises(ValueError, match="cannot hold"):  # past the one block its table holds
+        stack(x, [CacheSpan(cache.k, cache.v, size - 1, 2, table, size)], cos, cos)
+    own = [t[:4].clone() for t in cache.k], [t[:4].clone() for t in cache.v]
+    with pytest.raises(ValueError, match="cannot hold"):  # a contiguous cache of 4 rows
+        stack(x, [CacheSpan(*own, 3, 2)], cos, cos)
     layer = stack.layers[0]
     swapped = dataclasses.replace(layer, weights=layer.weights[1:2] + layer.weights[1:])
     with pytest.raises(ValueError, match="holds"):  # k's blocks where q's belong
@@ -180,3 +185,18 @@ def test_a_layer_the_call_does_not_cover_runs_layer_by_layer(
     shared = MLPWeights(m.experts.gate, m.experts.up, m.experts.down)
     layers[0] = dataclasses.replace(layers[0], mlp=dataclasses.replace(m, shared=shared))
     assert moe_stack(kernels, reads, spec, layers) is None
+
+
+def test_a_nan_hidden_state_routes_to_real_experts(tiny_moe: Model, kernels: CpuExperts) -> None:
+    """Keys never written (NaN here) make the hidden state NaN: the router still names an
+    expert for every item (an id of -1 wrote before its arrays and corrupted the heap)."""
+    stack = ReferenceForward(tiny_moe, weights=QuantWeights(kernels)).stack
+    assert isinstance(stack, MoEStack)
+    spec = tiny_moe.spec
+    own = [torch.full((8, spec.n_kv_heads, spec.head_dim), float("nan"), dtype=torch.float16)
+           for _ in range(2 * spec.n_layers)]  # fmt: skip
+    x = torch.randn(2, spec.hidden)
+    cos = torch.zeros(2, spec.head_dim // 2)
+    ids = stack(x, [CacheSpan(own[: spec.n_layers], own[spec.n_layers :], 3, 2)], cos, cos)
+    assert ids is not None and int(ids.min()) >= 0 and int(ids.max()) < spec.n_experts
+    assert torch.isnan(x).all()

@@ -322,16 +322,28 @@ def test_a_failed_step_fails_the_jobs_it_ran_and_the_loop_goes_on(
 def test_sixteen_clients_at_once_get_what_they_get_alone() -> None:
     """`server.parallel = 3` over HTTP: sixteen openai clients at once (the rest wait for a
     place), four of them gone mid-stream; each answer is the daemon's answer to that request
-    alone, /health and `stratactl status` come back to idle, and the log has no ERROR."""
+    alone, /health and `stratactl status` come back to idle, and the log has no ERROR. The
+    KV pool holds one 512-token context for all three places: three long answers at once
+    (7 blocks of 32 each, 16 in the pool) preempt the newest, which recompute and answer as
+    they would alone."""
     daemon = shared_daemon("parallel")
     client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
     prompts = ["Once upon a time", "The capital of France", "1, 2, 3,", "Dear sir,",
                "def fib(n):", "Roses are red", "In 1492", "The best way to",
                "Q: What is 2+2?", "Hello, my name is", "Water boils at", "Step one:"]  # fmt: skip
 
-    def complete(prompt: str) -> str:
-        out = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
+    def complete(prompt: str, max_tokens: int = 8) -> str:
+        out = client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0)  # fmt: skip
         return out.choices[0].text
+
+    def long(prompt: str) -> str:
+        return complete(prompt, 200)
+
+    longs = ["1, 2, 3,", "10, 11, 12,", "100, 101, 102,"]  # counting: never an early end
+
+    def running() -> int:
+        return int(msgspec.json.decode(daemon.get("/health")[1])["running"])
 
     def leave(prompt: str) -> int:  # a stream its client drops after two chunks
         stream = client.completions.create(model="m", prompt=prompt, max_tokens=200,
@@ -341,11 +353,15 @@ def test_sixteen_clients_at_once_get_what_they_get_alone() -> None:
         return n
 
     with ThreadPoolExecutor(16) as pool:
+        long_together = [pool.submit(long, p) for p in longs]
+        wait_until(lambda: running() == 3, timeout=30, interval=0.02)  # the three together
         left = [pool.submit(leave, p) for p in ("Hello", "Why", "Tell me", "Once")]
         together = list(pool.map(complete, prompts))
     assert [f.result() for f in left] == [2] * 4
     alone = [complete(p) for p in prompts]
     assert together == alone and all(alone)
+    assert [f.result() for f in long_together] == [long(p) for p in longs]
+    assert "KV pool full" in daemon.log.read_text()
 
     def idle() -> bool:
         health = msgspec.json.decode(daemon.get("/health")[1])
@@ -389,3 +405,26 @@ def test_auto_parallel_is_sized_from_memory(model: Model) -> None:
     fixed = msgspec.structs.replace(config, server=ServerConfig(parallel=6))
     start = start_plan(fixed, model, cpu, [None], 1 << 20, host_bytes=1 << 40)
     assert start.parallel.count == 6 and "(server.parallel)" in start.parallel.describe()
+    # a KV pool of two whole contexts for the six: the plan reserves two, and says why
+    pooled = msgspec.structs.replace(fixed, server=ServerConfig(
+        parallel=6, kv_cache_tokens=2 * start.max_context))  # fmt: skip
+    start = start_plan(pooled, model, cpu, [None], 1 << 20, host_bytes=1 << 40)
+    assert dict(start.reserves)["KV caches (server.parallel)"] == 2 * one
+    assert start.parallel.count == 6 and "server.kv_cache_tokens" in start.parallel.describe()
+
+
+def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine: tuple) -> None:
+    """Three requests that need 3 blocks of 32 tokens each at their ends, on a pool of 4
+    blocks: the youngest give their blocks back and recompute later (their prompt and the
+    tokens they had sampled), and each gets exactly the tokens it gets alone."""
+    forward, tokenizer = engine
+    reqs = [_req(40, 100, 40), _req(35, 900, 45), _req(38, 2000, 42)]
+    alone = Generator(Recording(forward), tokenizer, 96, prefill_chunk=32)
+    want = [_events([alone.run(r)])[0] for r in reqs]
+    gen = Generator(Recording(forward), tokenizer, 96, prefill_chunk=32, parallel=3,
+                    kv_tokens=4 * 32)  # fmt: skip
+    assert gen.kv.n_blocks == 4
+    got = _events([gen.run(r) for r in reqs])
+    assert got == want
+    assert gen.loop.preempted >= 1
+    assert gen.kv.free_blocks + gen.idle_blocks() == 4 and not gen.loop.running

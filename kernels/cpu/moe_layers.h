@@ -48,12 +48,14 @@ typedef struct { /* a call's routing state, shared by the team */
 } route_t;
 
 /* softmax over r->E logits of token t, top K (largest first, the lower expert on a tie),
- * renormalized to sum 1 if norm: items t K .. t K + K - 1 */
+ * renormalized to sum 1 if norm: items t K .. t K + K - 1. A NaN probability (a NaN hidden
+ * state, e.g. from a cache row never written) counts as 0, so every item names an expert:
+ * an id of -1 would index before the groups' arrays. */
 static void route_token(route_t *r, int64_t t, int norm) {
     float *p = r->logits + t * r->E, mx = -INFINITY, sum = 0.0f;
     for (int64_t e = 0; e < r->E; e++) mx = fmaxf(mx, p[e]);
     for (int64_t e = 0; e < r->E; e++) sum += p[e] = expf(p[e] - mx);
-    for (int64_t e = 0; e < r->E; e++) p[e] /= sum;
+    for (int64_t e = 0; e < r->E; e++) p[e] = p[e] / sum == p[e] / sum ? p[e] / sum : 0.0f;
     float kept = 0.0f;
     for (int64_t j = 0; j < r->K; j++) {
         int64_t best = -1;

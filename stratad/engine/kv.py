@@ -26,6 +26,11 @@ from stratad.model.spec import ModelSpec
 BLOCK_SIZE = 32  # tokens per block: a multiple of 8 (the CPU kernels' key groups)
 
 
+def pool_tokens(caches: int, capacity: int, block_size: int = BLOCK_SIZE) -> int:
+    """The rows a pool needs for `caches` caches of `capacity` tokens each, all full."""
+    return caches * -(-capacity // block_size) * block_size
+
+
 class KVPoolFull(RuntimeError):
     """The pool has no free block for a sequence that grows."""
 
@@ -135,6 +140,10 @@ class KVCache:
         """Whether the two caches are of one pool and one table length (a kernel reads a batch
         of them through one pool and one [B, max_blocks] table)."""
         return self.pool is other.pool and self.max_blocks == other.max_blocks
+
+    def blocks_to_add(self, tokens: int) -> int:
+        """The blocks `tokens` more tokens need beyond those held."""
+        return max(self.pool.blocks_for(self.length + tokens) - len(self.blocks), 0)
 
     def reserve(self, length: int) -> None:
         """Hold blocks for the first `length` positions (taken from the pool; raises

@@ -97,10 +97,17 @@ class Parallel:
     memory: int | None  # what the caches live in (free VRAM, or the host's RAM); None: unread
     where: str  # "VRAM" or "RAM"
     auto: bool
+    contexts: float = 0.0  # whole contexts the KV pool holds (`server.kv_cache_tokens`); 0: count
+
+    @property
+    def pool_contexts(self) -> float:
+        return self.contexts or float(self.count)
 
     def describe(self) -> str:
-        total = self.kv_bytes * self.count / GiB
-        caches = f"{self.count} KV caches of the whole context, {total:.2f} GiB of {self.where}"
+        total = self.kv_bytes * self.pool_contexts / GiB
+        pool = (f"{self.contexts:.3g} whole contexts (server.kv_cache_tokens)" if self.contexts
+                else "the whole context of each")  # fmt: skip
+        caches = f"a KV pool of {pool}, {total:.2f} GiB of {self.where}"
         if not self.auto:
             return f"{caches} (server.parallel)"
         if self.memory is None:
@@ -113,11 +120,17 @@ AUTO_MOST = 4  # requests at once that `server.parallel = 0` chooses at most
 AUTO_KV_SHARE = 1 / 8  # the memory the working KV caches may take when it chooses
 
 
-def parallel_for(configured: int, kv_bytes: int, memory: int | None, where: str) -> Parallel:
+def parallel_for(
+    configured: int, kv_bytes: int, memory: int | None, where: str, contexts: float = 0.0
+) -> Parallel:
+    """`contexts`: the KV pool's size in whole contexts when `server.kv_cache_tokens` sets it
+    (at least one); 0: a whole context per request."""
+    contexts = max(contexts, 1.0) if contexts else 0.0
     if configured:
-        return Parallel(configured, kv_bytes, memory, where, auto=False)
+        return Parallel(configured, kv_bytes, memory, where, auto=False, contexts=contexts)
     fits = 1 if memory is None else int(memory * AUTO_KV_SHARE) // max(kv_bytes, 1)
-    return Parallel(min(max(fits, 1), AUTO_MOST), kv_bytes, memory, where, auto=True)
+    count = min(max(fits, 1), AUTO_MOST)
+    return Parallel(count, kv_bytes, memory, where, auto=True, contexts=contexts)
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,7 @@ def start_plan(
     backend = choose_backend(config.engine.backend, model, device)
     dtype = compute_dtype(config.engine.dtype, device)
     max_context = min(config.model.max_context, spec.context_length)
+    pool = config.server.kv_cache_tokens / max_context  # whole contexts; 0: one per request
     store = config.store
     gpus = config.engine.gpus if backend == "offload" and device.type == "cuda" else []
     if len(gpus) >= 2:
@@ -182,10 +196,10 @@ def start_plan(
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
         parallel = parallel_for(config.server.parallel, 2 * n * max_context * spec.kv_dim * size,
-                                sum(known) if known else None, "VRAM")  # fmt: skip
+                                sum(known) if known else None, "VRAM", pool)  # fmt: skip
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
-            # a KV cache of the whole context per request served at once
-            kv_tokens = max_context * parallel.count
+            # the KV pool: a whole context per request served at once, or what is configured
+            kv_tokens = int(max_context * parallel.pool_contexts)
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size, kv_tokens,
                                         prefetch, (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
@@ -207,10 +221,10 @@ def start_plan(
         one = 2 * spec.n_layers * max_context * spec.kv_dim * kv_bytes
         if device.type == "cpu":
             host = host_bytes if host_bytes is not None else mem_total()[0]
-            parallel = parallel_for(config.server.parallel, one, host, "RAM")
-            kv_host = one * parallel.count
+            parallel = parallel_for(config.server.parallel, one, host, "RAM", pool)
+            kv_host = int(one * parallel.pool_contexts)
         else:
-            parallel = parallel_for(config.server.parallel, one, frees[0], "VRAM")
+            parallel = parallel_for(config.server.parallel, one, frees[0], "VRAM", pool)
     return StartPlan(
         backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host, kv_host)),
         dtype, max_context, parallel, found,

@@ -24,7 +24,7 @@ import collections
 import collections.abc
 from collections.abc import Callable
 
-from stratad.engine.kv import KVCache
+from stratad.engine.kv import KVCache, KVPoolFull, pool_tokens
 from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
@@ -52,16 +52,20 @@ class Generator:
         prefix_store: PrefixStore | None = None,
         parallel: int = 1,
         step_tokens: int = 0,
+        kv_tokens: int = 0,
     ) -> None:
         """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
-        beside a token of every running request)."""
+        beside a token of every running request); `kv_tokens`: the KV pool's tokens (0: the
+        whole context of every working cache, so no request is ever preempted; at least one
+        context)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
         self.tokenizer = tokenizer
         self.max_context = max_context
         # one pool of KV blocks that every working cache takes from as its sequence grows
-        self.kv = forward.new_pool(parallel * max_context)
+        full = pool_tokens(parallel, max_context)
+        self.kv = forward.new_pool(max(kv_tokens or full, pool_tokens(1, max_context)))
         self.caches: list[KVCache] = [KVCache(self.kv, max_context) for _ in range(parallel)]
         self.store = prefix_store if prefix_store is not None else PrefixStore(0, 0)
         self._scopes = [""] * parallel  # whose conversation each working cache holds
@@ -72,7 +76,7 @@ class Generator:
         self._waiting: dict[Active, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         budget = StepBudget.auto(prefill_chunk, parallel, step_tokens)
-        self.loop = StepLoop(forward, budget, self.store, self.timer)
+        self.loop = StepLoop(forward, budget, self.store, self.kv, self.timer, idle=self)
 
     @property
     def cache(self) -> KVCache:
@@ -96,6 +100,31 @@ class Generator:
 
         return max(free, key=lambda i: (live(i), -self._used[i]))
 
+    def _idle(self) -> list[int]:
+        """The working caches no sequence of the loop runs on (free ones, and those whose
+        sequence ended but whose caller has not yet called `finish`), least recently taken
+        first."""
+        running = {id(s) for s in self.loop.running}
+        idle = [i for i in range(len(self.caches)) if id(self._owner.get(i)) not in running]
+        return sorted(idle, key=lambda i: self._used[i])
+
+    def idle_blocks(self) -> int:
+        """Blocks the idle working caches keep (their conversations)."""
+        return sum(len(self.caches[i].blocks) for i in self._idle())
+
+    def reclaim(self, blocks: int, keep: int = -1) -> None:
+        """Give back at least `blocks` blocks of idle working caches (all but cache `keep`),
+        least recently taken first, each conversation set aside in the prefix store first."""
+        idle = [i for i in self._idle() if i != keep]
+        for i in idle:
+            if blocks <= 0:
+                return
+            cache = self.caches[i]
+            if cache.blocks:
+                blocks -= len(cache.blocks)
+                self.store.save(cache, cache.length, scope=self._scopes[i])
+                cache.release()
+
     def _reuse(self, i: int, prompt: list[int], scope: str) -> int:
         """Load the longest prefix of `prompt` known in `scope` into cache i; its length.
 
@@ -110,7 +139,14 @@ class Generator:
             self.store.save(cache, cache.length, scope=self._scopes[i])
         self._scopes[i] = scope
         if snap is not None and n > live:
-            self.store.restore(snap, keep, cache)
+            want = self.kv.blocks_for(keep) - self.kv.free_blocks - len(cache.blocks)
+            if want > 0:
+                self.reclaim(want, keep=i)
+            try:
+                self.store.restore(snap, keep, cache)
+            except KVPoolFull:  # running requests hold the pool: compute the prompt instead
+                cache.release()
+                return 0
         else:
             cache.truncate(keep)
         return keep

@@ -67,6 +67,11 @@ class Pooling:
         """The next chunk of the prompt, cut at multiples of `chunk` as a `Sequence` cuts."""
         return self.req.prompt[self.pos : self.pos + chunk]
 
+    def preempt(self) -> None:
+        """Give the KV blocks back: the prompt is computed again from its start."""
+        self.cache.release()
+        self.pos, self.pooled = 0, None
+
     def pool(self, hidden: torch.Tensor) -> PooledEvent | None:
         """Fold in the hidden states [n, H] of the tokens `next_tokens` gave; the event once
         the prompt is in, else None."""

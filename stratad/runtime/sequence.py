@@ -4,7 +4,9 @@ sampled token per step until a stop condition.
 A `Sequence` owns its KV cache while it runs. `next_tokens` says what its next forward
 computes (a chunk of the prompt, or the last sampled token); `computed` records that the
 forward ran; `sample` turns the logits of its last position into the next `GenerationEvent`
-(the token, the text it completes, and why generation ended).
+(the token, the text it completes, and why generation ended). `preempt` gives its KV blocks
+back to the pool: it then recomputes its prompt and the tokens it has sampled (all but the
+last, which its next decode computes), and goes on where it was, its sampler's state intact.
 """
 
 from __future__ import annotations
@@ -66,33 +68,50 @@ class Sequence:
         self.hold = max((len(s) for s in req.stop), default=0)
         self.text, self.emitted, self.sampled = "", 0, 0
         self.token: int | None = None  # the last sampled token, not yet in the cache
+        self.generated: list[int] = []  # every sampled token
+        self.context = req.prompt  # the tokens its cache must hold before it decodes
+        self.resuming = False  # recomputing its context after a preemption: samples nothing
+        self.preemptions = 0
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens reused from a known prefix, not computed
 
     @property
     def prefilling(self) -> bool:
-        return self.pos < len(self.req.prompt)
+        return self.pos < len(self.context)
 
     def next_tokens(self, chunk: int) -> list[int]:
         """What the next forward computes: up to `chunk` prompt tokens (a chunk ends at the
         pin, so that its KV can be snapshotted as it is), else the last sampled token."""
         if self.prefilling:
-            end = min(self.pos + chunk, len(self.req.prompt))
+            end = min(self.pos + chunk, len(self.context))
             if self.pos < self.req.pin < end:
                 end = self.req.pin
-            return self.req.prompt[self.pos : end]
+            return self.context[self.pos : end]
         assert self.token is not None
         return [self.token]
 
     def computed(self, n: int) -> None:
-        """The forward appended `n` prompt tokens that `next_tokens` gave."""
+        """The forward appended `n` prompt tokens that `next_tokens` gave; after the last of a
+        resumption's, its next step decodes the pending token."""
         self.pos += n
+        if self.resuming and not self.prefilling:
+            self.resuming = False
+
+    def preempt(self) -> None:
+        """Give the KV blocks back: the prompt and every sampled token but the pending one
+        are computed again before it decodes on."""
+        self.cache.release()
+        self.pos = 0
+        self.context = self.req.prompt + self.generated[:-1]
+        self.resuming = bool(self.generated)
+        self.preemptions += 1
 
     def sample(self, logits: torch.Tensor) -> GenerationEvent:
         """The next event from the logits [V] of the last position."""
         allowed = self.constraint.allowed() if self.constraint else None
         drawn = self.sampler.draw(logits, allowed)
         token = self.token = drawn.token
+        self.generated.append(token)
         if self.constraint is not None:
             self.constraint.accept(token)
         self.sampled += 1

@@ -89,6 +89,7 @@ class Engine:
             prefix_store=self.prefixes,
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
+            kv_tokens=server.kv_cache_tokens,
         )
         self._running: dict[Active, Running] = {}
         default = ("default",) if not config.model.path else ()

@@ -3,7 +3,9 @@
 `StepLoop` holds the running sequences: generating `Sequence`s, and `Pooling`s (embedding
 requests, which compute their prompt and pool its hidden states instead of sampling). Each
 `step` plans what each computes (`plan_step`: every decoding sequence's token, then prompt
-chunks in arrival order within the step's budget), runs one batched forward over those
+chunks in arrival order within the step's budget; `plan_blocks`: the KV blocks those need,
+idle caches' blocks reclaimed and the youngest sequences preempted when the pool runs
+short), takes the blocks, runs one batched forward over those
 (`Forward.step`: B sequences, each its own KV cache), then samples each sequence whose
 prompt is done, records pinned prefixes, and pools the poolings' rows. A sequence that
 finished leaves the loop; its cache is the caller's again. A sequence whose
@@ -14,18 +16,22 @@ failure never changes another's tokens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seqs
 from typing import Protocol
 
 import torch
 
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVPool
+from stratad.engine.kv import KVPool, KVPoolFull
 from stratad.engine.timing import StageTimer
+from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.step_plan import StepBudget, Want, plan_step
+
+log = logging.getLogger("stratad.engine")
 
 # a request in the loop: one that generates, or one that pools its prompt (an embedding)
 Active = Sequence | Pooling
@@ -43,17 +49,39 @@ class Forward(Protocol):
     def step(self, seqs: Seqs[Seq]) -> list[torch.Tensor]: ...
 
 
+class Idle(Protocol):
+    """The caches no running sequence holds, whose blocks a step may take back."""
+
+    def idle_blocks(self) -> int: ...
+
+    def reclaim(self, blocks: int) -> None:
+        """Give back at least `blocks` blocks of idle caches (their KV set aside first)."""
+        ...
+
+
+class _NoIdle:
+    def idle_blocks(self) -> int:
+        return 0
+
+    def reclaim(self, blocks: int) -> None:
+        pass
+
+
 class StepLoop:
     def __init__(
         self,
         forward: Forward,
         budget: StepBudget,
         prefixes: PrefixStore,
+        kv: KVPool,
         timer: StageTimer | None = None,
+        idle: Idle | None = None,
     ) -> None:
-        self.forward, self.budget, self.prefixes = forward, budget, prefixes
+        self.forward, self.budget, self.prefixes, self.kv = forward, budget, prefixes, kv
         self.timer = timer or StageTimer(enabled=False)
+        self.idle: Idle = idle or _NoIdle()
         self.running: list[Active] = []
+        self.preempted = 0  # preemptions so far
 
     def add(self, seq: Active) -> None:
         if any(s.cache is seq.cache for s in self.running):
@@ -69,13 +97,16 @@ class StepLoop:
         ones leave the loop."""
         if not self.running:
             return []
+        out: list[tuple[Active, Outcome]] = []
+        picked = self._plan(out)
+        if not picked:
+            return out
         nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
-        wants = [Want(len(t), not s.prefilling) for s, t in zip(self.running, nexts, strict=True)]
-        picked = plan_step(wants, self.budget)
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], s.out) for i, s in zip(picked, seqs, strict=True)]
+        for s, b in zip(seqs, batch, strict=True):
+            s.cache.reserve(s.cache.length + len(b.tokens))  # planned: the pool has them
         rows = self.forward.step(batch)
-        out: list[tuple[Active, Outcome]] = []
         for s, b, r in zip(seqs, batch, rows, strict=True):
             try:
                 event = s.pool(r) if isinstance(s, Pooling) else self._advance(s, len(b.tokens), r)
@@ -90,14 +121,42 @@ class StepLoop:
                 self.running.remove(s)
         return out
 
+    def _plan(self, out: list[tuple[Active, Outcome]]) -> list[int]:
+        """The running sequences that compute this step, their blocks made free: idle caches'
+        blocks reclaimed, the youngest sequences preempted where the plan says. A lone
+        sequence the pool cannot hold fails (`out`)."""
+        nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
+        wants = [
+            Want(len(t), not s.prefilling, s.cache.blocks_to_add(len(t)), len(s.cache.blocks))
+            for s, t in zip(self.running, nexts, strict=True)
+        ]
+        picked = plan_step(wants, self.budget)
+        plan = plan_blocks(wants, picked, self.kv.free_blocks + self.idle.idle_blocks())
+        for i in plan.preempt:
+            s = self.running[i]
+            log.info("KV pool full: a request gives its %d blocks back and recomputes its %d"
+                     " tokens later", len(s.cache.blocks), s.cache.length)  # fmt: skip
+            s.preempt()
+            self.preempted += 1
+        need = sum(wants[i].blocks for i in plan.run) - self.kv.free_blocks
+        if need > 0:
+            self.idle.reclaim(need)
+        if not plan.run:  # nothing fits even alone: the oldest fails, the others go on
+            s = self.running.pop(0)
+            pool = f"{self.kv.n_blocks} blocks of {self.kv.block_size} tokens"
+            out.append((s, KVPoolFull(f"the KV pool ({pool}) cannot hold this request")))
+        return plan.run
+
     def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> GenerationEvent | None:
         """Sequence s after the step computed its n tokens: its event, or None (a prompt
-        chunk that samples nothing)."""
+        chunk that samples nothing, or the end of a resumption's recompute: its pending
+        token decodes next)."""
         if s.prefilling:
+            resuming = s.resuming
             s.computed(n)
             if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
                 self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
-            if s.prefilling:
+            if s.prefilling or resuming:
                 return None
         with self.timer.stage("sampling"):
             return s.sample(logits[-1])

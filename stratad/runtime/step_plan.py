@@ -41,6 +41,8 @@ class Want:
 
     tokens: int  # its next tokens: 1 to decode, a chunk's length in its prompt
     decoding: bool
+    blocks: int = 0  # KV blocks those tokens need beyond what it holds
+    held: int = 0  # KV blocks it holds (what preempting it gives back)
 
 
 def plan_step(wants: Sequence[Want], budget: StepBudget) -> list[int]:
