@@ -263,6 +263,23 @@ class StoreConfig(_Section, frozen=True):
     """First retry interval while waiting for RAM; it doubles, up to 10 s."""
 
 
+class SpeculationConfig(_Section, frozen=True):
+    """Speculative decoding: drafted tokens verified in one step (docs/engine.md)."""
+
+    drafter: Literal["off", "prompt_lookup"] = "off"
+    """Where drafts come from: `prompt_lookup` proposes the tokens that followed the latest
+    earlier occurrence of the sequence's last 2-4 tokens in its prompt and output (llama.cpp's
+    lookup decoding: pays where the answer repeats its input, as code edits, quotes and
+    schema filling do); `off` drafts nothing. Greedy output is the same either way; sampled
+    output keeps the model's distribution."""
+    max_draft: Annotated[int, msgspec.Meta(ge=1, le=16)] = 8
+    """Tokens drafted per sequence and step at most."""
+    token_cost: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
+    """What verifying one more drafted token costs, as a share of a decode step: a sequence
+    drafts a j-th token while the share of its drafts accepted, to the power j, exceeds
+    this, and stops drafting for a while when even one token would not pay."""
+
+
 class LogConfig(_Section, frozen=True):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level."""
@@ -275,6 +292,7 @@ class Config(_Section, frozen=True):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
 
 
 def _invalid(e: msgspec.ValidationError, prefix: str = "") -> str:

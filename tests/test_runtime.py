@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.tuning.configs import INTERPRETED
+from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.reference.forward import ReferenceForward
@@ -50,8 +51,9 @@ def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=8,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     engine = OffloadForward(model, torch.device("cpu"), cfg)
-    loop = StepLoop(engine, StepBudget.auto(8, 3), prefixes=PrefixStore(0, 0))
-    seqs = [Sequence(r, engine.new_cache(64), tok, 64) for r in reqs]
+    pool = engine.new_pool(pool_tokens(len(reqs), 64))
+    loop = StepLoop(engine, StepBudget.auto(8, 3), prefixes=PrefixStore(0, 0), kv=pool)
+    seqs = [Sequence(r, KVCache(pool, 64), tok, 64) for r in reqs]
     for s in seqs:
         loop.add(s)
     got: dict[int, list[int]] = {i: [] for i in range(len(seqs))}
@@ -63,6 +65,8 @@ def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None
     assert [got[i] for i in range(len(seqs))] == want
     assert [s.finish_reason for s in seqs] == ["length"] * 3
     assert sizes[0] == 3 and sizes[-1] == 1  # the batch shrinks as requests finish
+    with pytest.raises(ValueError, match="the loop's KV pool"):
+        loop.add(Sequence(reqs[0], engine.new_cache(64), tok, 64))
     with pytest.raises(ValueError, match="one running sequence"):
         loop.add(seqs[0])
         loop.add(Sequence(reqs[0], seqs[0].cache, tok, 64))

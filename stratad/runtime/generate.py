@@ -30,6 +30,7 @@ from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
+from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active, Forward, Outcome, StepLoop
 from stratad.runtime.step_plan import StepBudget
 
@@ -53,14 +54,16 @@ class Generator:
         parallel: int = 1,
         step_tokens: int = 0,
         kv_tokens: int = 0,
+        speculation: Speculation | None = None,
     ) -> None:
         """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
         beside a token of every running request); `kv_tokens`: the KV pool's tokens (0: the
         whole context of every working cache, so no request is ever preempted; at least one
-        context)."""
+        context); `speculation`: how each sequence drafts (None: it does not)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
+        self.speculation = speculation
         self.tokenizer = tokenizer
         self.max_context = max_context
         # one pool of KV blocks that every working cache takes from as its sequence grows
@@ -167,6 +170,8 @@ class Generator:
             self.store.save(self.caches[i], req.pin, pinned=True, scope=req.scope)
         seq = Sequence(req, self.caches[i], self.tokenizer, self.max_context)
         seq.cached_tokens = self.cached_tokens = pos
+        if self.speculation is not None:
+            seq.speculate(*self.speculation.start(req.prompt))
         self._admit(i, seq)
         return seq
 

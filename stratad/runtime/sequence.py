@@ -20,6 +20,8 @@ from stratad.engine.kv import KVCache
 from stratad.model.tokenizer import StreamDecoder, Tokenizer
 from stratad.runtime.grammar import Constraint
 from stratad.runtime.sampling import Sample, Sampler, SamplingParams
+from stratad.runtime.speculation.drafter import Drafts
+from stratad.runtime.speculation.length import DraftLength
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,12 @@ class Sequence:
         self.context = req.prompt  # the tokens its cache must hold before it decodes
         self.resuming = False  # recomputing its context after a preemption: samples nothing
         self.preemptions = 0
+        # speculative decoding: this sequence's drafter and draft length (None: off), and the
+        # tokens drafted for the step under way
+        self.drafts: Drafts | None = None
+        self.draft_length: DraftLength | None = None
+        self.proposed: list[int] = []
+        self.drafted = self.accepted = 0
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens reused from a known prefix, not computed
 
@@ -88,7 +96,46 @@ class Sequence:
                 end = self.req.pin
             return self.context[self.pos : end]
         assert self.token is not None
-        return [self.token]
+        return [self.token, *self.proposed]
+
+    def speculate(self, drafts: Drafts, length: DraftLength) -> None:
+        """Draft tokens from `drafts` at every decode from now on (fed the prompt already)."""
+        self.drafts, self.draft_length = drafts, length
+
+    def propose(self) -> None:
+        """Draft this step's tokens after the pending one (none while in the prompt, where the
+        draft would not pay, or where the budget or the cache has no room for them)."""
+        self.proposed = []
+        if self.drafts is None or self.draft_length is None or self.prefilling:
+            return
+        room = min(self.budget - self.sampled - 1, self.cache.capacity - self.cache.length - 1)
+        k = min(self.draft_length.next(), room)
+        if k > 0:
+            self.proposed = self.drafts.propose(k)
+
+    def verify(self, logits: torch.Tensor) -> list[GenerationEvent]:
+        """The events of a step that computed the pending token and the drafts (logits
+        [1 + len(proposed), V]): each position sampled in turn, the draft checked, up to the
+        first token that differs from it (or ends the sequence) and the one after the last
+        draft. The cache keeps the tokens the events settled."""
+        drafts, length = self.proposed, self.cache.length - len(self.proposed) - 1
+        events: list[GenerationEvent] = []
+        for j in range(len(drafts) + 1):
+            draft = drafts[j] if j < len(drafts) else None
+            events.append(self.sample(logits[j], draft))
+            if events[-1].finish_reason is not None or draft is None:
+                break
+            if events[-1].token != draft:
+                break
+        accepted = sum(1 for d, e in zip(drafts, events, strict=False) if e.token == d)
+        self.drafted += len(drafts)
+        self.accepted += accepted
+        if drafts and self.draft_length is not None:
+            self.draft_length.record(len(drafts), accepted)
+        # the KV of the pending token and the drafts that stood; the new pending token's next
+        self.cache.truncate(length + len(events))
+        self.proposed = []
+        return events
 
     def computed(self, n: int) -> None:
         """The forward appended `n` prompt tokens that `next_tokens` gave; after the last of a
@@ -102,16 +149,20 @@ class Sequence:
         are computed again before it decodes on."""
         self.cache.release()
         self.pos = 0
+        self.proposed = []
         self.context = self.req.prompt + self.generated[:-1]
         self.resuming = bool(self.generated)
         self.preemptions += 1
 
-    def sample(self, logits: torch.Tensor) -> GenerationEvent:
-        """The next event from the logits [V] of the last position."""
+    def sample(self, logits: torch.Tensor, draft: int | None = None) -> GenerationEvent:
+        """The next event from the logits [V] of the last position (`draft`: a drafted token
+        to verify against them)."""
         allowed = self.constraint.allowed() if self.constraint else None
-        drawn = self.sampler.draw(logits, allowed)
+        drawn = self.sampler.draw(logits, allowed, draft)
         token = self.token = drawn.token
         self.generated.append(token)
+        if self.drafts is not None:
+            self.drafts.extend([token])
         if self.constraint is not None:
             self.constraint.accept(token)
         self.sampled += 1

@@ -32,6 +32,7 @@ from stratad.runtime.pooling import PooledEvent, PoolingRequest
 from stratad.runtime.prefix import PrefixStore, common_prefix
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest
+from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
 from stratad.store.store import ExpertStore
@@ -90,6 +91,9 @@ class Engine:
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
             kv_tokens=server.kv_cache_tokens,
+            speculation=Speculation.from_config(
+                config.speculation.drafter, config.speculation.max_draft,
+                config.speculation.token_cost),  # fmt: skip
         )
         self._running: dict[Active, Running] = {}
         default = ("default",) if not config.model.path else ()
@@ -386,12 +390,20 @@ class Engine:
             for k, v in self.last_timing.items()
         ]
         held = sum(c.length for c in self.generator.caches)
-        room = self.max_context * len(self.generator.caches)
+        pool, loop = self.generator.kv, self.generator.loop
         kv: list[tuple[str, str, dict[str, str], float]] = [
-            ("strata:kv_cache_usage_perc", "share (0-1) of the KV caches' tokens in use",
-             {}, held / max(room, 1)),
+            ("strata:kv_cache_usage_perc", "share (0-1) of the KV pool's blocks in use",
+             {}, 1.0 - pool.free_blocks / max(pool.n_blocks, 1)),
             ("strata:kv_cache_tokens", "tokens whose KV the working caches hold", {},
              float(held)),
+            ("strata:num_preemptions_total", "requests that gave their KV blocks back to"
+             " recompute later (the pool ran short)", {}, float(loop.preempted)),
+            ("strata:spec_decode_num_draft_tokens_total", "tokens drafted for speculative"
+             " decoding", {}, float(loop.drafted)),
+            ("strata:spec_decode_num_accepted_tokens_total", "drafted tokens that stood", {},
+             float(loop.accepted)),
+            ("strata:spec_decode_num_verifies_total", "steps of a sequence that verified a"
+             " draft", {}, float(loop.verifies)),
         ]  # fmt: skip
         # the offload engine's misses computed on the CPU (engine.pcie_frac < 1), by stage
         stages = getattr(self.forward, "stages", [self.forward])

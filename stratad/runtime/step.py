@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from stratad.engine.batch import Seq
+from stratad.engine.batch import Output, Seq
 from stratad.engine.kv import KVPool, KVPoolFull
 from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
@@ -47,6 +47,12 @@ class Forward(Protocol):
         ...
 
     def step(self, seqs: Seqs[Seq]) -> list[torch.Tensor]: ...
+
+
+def _wants(s: Active) -> Output:
+    """What a sequence asks of this step's forward: every new token's logits to verify a
+    draft, else its own kind."""
+    return Output.LOGITS if isinstance(s, Sequence) and s.proposed else s.out
 
 
 class Idle(Protocol):
@@ -82,8 +88,11 @@ class StepLoop:
         self.idle: Idle = idle or _NoIdle()
         self.running: list[Active] = []
         self.preempted = 0  # preemptions so far
+        self.drafted = self.accepted = self.verifies = 0  # speculative decoding so far
 
     def add(self, seq: Active) -> None:
+        if seq.cache.pool is not self.kv:
+            raise ValueError("a sequence's cache must hold blocks of the loop's KV pool")
         if any(s.cache is seq.cache for s in self.running):
             raise ValueError("a KV cache can serve one running sequence at a time")
         self.running.append(seq)
@@ -97,28 +106,34 @@ class StepLoop:
         ones leave the loop."""
         if not self.running:
             return []
+        for s in self.running:  # drafts first: a verify's tokens count in the plan
+            if isinstance(s, Sequence):
+                s.propose()
         out: list[tuple[Active, Outcome]] = []
         picked = self._plan(out)
         if not picked:
             return out
         nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
         seqs = [self.running[i] for i in picked]
-        batch = [Seq(s.cache, nexts[i], s.out) for i, s in zip(picked, seqs, strict=True)]
+        batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
         for s, b in zip(seqs, batch, strict=True):
             s.cache.reserve(s.cache.length + len(b.tokens))  # planned: the pool has them
         rows = self.forward.step(batch)
         for s, b, r in zip(seqs, batch, rows, strict=True):
             try:
-                event = s.pool(r) if isinstance(s, Pooling) else self._advance(s, len(b.tokens), r)
+                events = (
+                    [s.pool(r)] if isinstance(s, Pooling) else self._advance(s, len(b.tokens), r)
+                )
             except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
                 self.running.remove(s)
                 out.append((s, err))
                 continue
-            if event is None:
-                continue
-            out.append((s, event))
-            if event.finish_reason is not None:
-                self.running.remove(s)
+            for event in events:
+                if event is None:
+                    continue
+                out.append((s, event))
+                if event.finish_reason is not None:
+                    self.running.remove(s)
         return out
 
     def _plan(self, out: list[tuple[Active, Outcome]]) -> list[int]:
@@ -147,17 +162,24 @@ class StepLoop:
             out.append((s, KVPoolFull(f"the KV pool ({pool}) cannot hold this request")))
         return plan.run
 
-    def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> GenerationEvent | None:
-        """Sequence s after the step computed its n tokens: its event, or None (a prompt
-        chunk that samples nothing, or the end of a resumption's recompute: its pending
-        token decodes next)."""
+    def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> list[GenerationEvent]:
+        """Sequence s after the step computed its n tokens: its events (none for a prompt
+        chunk that samples nothing, or the end of a resumption's recompute, whose pending
+        token decodes next; several where drafts stood)."""
         if s.prefilling:
             resuming = s.resuming
             s.computed(n)
             if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
                 self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
             if s.prefilling or resuming:
-                return None
+                return []
         with self.timer.stage("sampling"):
-            return s.sample(logits[-1])
+            if s.proposed:
+                drafted, accepted = s.drafted, s.accepted
+                events = s.verify(logits)
+                self.drafted += s.drafted - drafted
+                self.accepted += s.accepted - accepted
+                self.verifies += 1
+                return events
+            return [s.sample(logits[-1])]
 

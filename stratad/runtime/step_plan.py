@@ -48,7 +48,7 @@ class Want:
 def plan_step(wants: Sequence[Want], budget: StepBudget) -> list[int]:
     """The indices of `wants` (in arrival order) that compute this step, in that order."""
     chosen = [i for i, w in enumerate(wants) if w.decoding]
-    used = len(chosen)
+    used = sum(wants[i].tokens for i in chosen)  # a verify computes its drafts too
     for i, w in enumerate(wants):
         if w.decoding:
             continue

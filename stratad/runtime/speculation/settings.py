@@ -1,0 +1,29 @@
+"""Speculation as the generator runs it: the drafter, and how each sequence's draft length
+follows its acceptance (`speculation.*` in the config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stratad.runtime.speculation.drafter import Drafter, Drafts, PromptLookup
+from stratad.runtime.speculation.length import DraftLength
+
+
+@dataclass(frozen=True)
+class Speculation:
+    drafter: Drafter
+    max_draft: int = 8
+    token_cost: float = 0.2
+
+    @classmethod
+    def from_config(cls, drafter: str, max_draft: int, token_cost: float) -> Speculation | None:
+        """The config's setting; None where it is off."""
+        if drafter == "off":
+            return None
+        if drafter == "prompt_lookup":
+            return cls(PromptLookup(), max_draft, token_cost)
+        raise ValueError(f"speculation.drafter {drafter!r}: off or prompt_lookup")
+
+    def start(self, prompt: list[int]) -> tuple[Drafts, DraftLength]:
+        """A new sequence's drafter (fed its prompt) and draft length."""
+        return self.drafter.start(prompt), DraftLength(self.max_draft, self.token_cost)

@@ -1,0 +1,118 @@
+"""Speculative decoding (prompt lookup): drafts verified in one step give exactly the tokens
+of decoding without them (greedy), keep the model's distribution (sampled), and roll the KV
+back past the first draft that did not stand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu.experts import CpuExperts
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
+from stratad.model.spec import Model
+from stratad.model.tokenizer import Tokenizer
+from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.sampling import Sampler, SamplingParams
+from stratad.runtime.sequence import GenerationRequest
+from stratad.runtime.speculation.drafter import PromptLookup
+from stratad.runtime.speculation.length import DraftLength
+from stratad.runtime.speculation.settings import Speculation
+
+GREEDY = SamplingParams(temperature=0.0)
+CODE = '''def total(items):
+    """The sum of the items' prices, with tax."""
+    result = 0
+    for item in items:
+        price = item["price"] * item["count"]
+        result = result + price * 1.2
+    return result
+'''
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    index = PromptLookup(min_n=2, max_n=3).start([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert index.propose(4) == [4, 5, 9, 1]  # after the earlier 1, 2, 3
+    index.extend([7])
+    assert index.propose(4) == []  # 2, 3, 7 and 3, 7 never came before
+    index.extend([1, 2])
+    assert index.propose(2) == [3, 7]  # the latest 1, 2 (before the tail) was followed by 3, 7
+    assert PromptLookup().start([5]).propose(3) == []
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        PromptLookup(min_n=3, max_n=2)
+
+
+def test_draft_length_follows_acceptance_and_rests_when_drafts_do_not_pay() -> None:
+    length = DraftLength(max_k=8, token_cost=0.2, rest=3, rate=0.9)
+    assert length.next() == 8  # 0.9^8 = 0.43 > 0.2
+    for _ in range(20):
+        length.record(8, 0)
+    # nothing stood: three steps without a draft, then a probe of one token
+    assert [length.next() for _ in range(4)] == [0, 0, 0, 1]
+    length.record(1, 1)
+    length.record(1, 1)
+    assert length.next() == 2  # the probe stood twice: a share of 0.51, 0.51^2 > 0.2
+
+
+def test_a_verified_draft_keeps_the_distribution() -> None:
+    """Sampling with a draft of a fixed token: accepted with its probability, else drawn from
+    the rest: the frequencies are the model's, whatever the draft."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
+    want = torch.softmax(logits, 0)
+    n = 20000
+    for draft in (0, 3):
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+        counts = torch.bincount(torch.tensor([sampler.draw(logits, draft=draft).token
+                                              for _ in range(n)]), minlength=5)  # fmt: skip
+        assert torch.allclose(counts / n, want, atol=0.012), (draft, counts / n, want)
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(smollm_model: Model) -> tuple[ReferenceForward, Tokenizer]:
+    """The default model on the cpu engine (its one-call layers: a verify's rows are bit for
+    bit those of decoding them one at a time)."""
+    forward = ReferenceForward(smollm_model, weights=QuantWeights(CpuExperts(threads=2)))
+    return forward, tokenizer_from_gguf(smollm_model.metadata)
+
+
+def _run(engine: tuple, req: GenerationRequest, spec: Speculation | None,
+         parallel: int = 1) -> tuple[list[list[int]], Generator]:  # fmt: skip
+    forward, tokenizer = engine
+    gen = Generator(forward, tokenizer, 512, prefill_chunk=64, parallel=parallel,
+                    speculation=spec)  # fmt: skip
+    runs = [gen.run(req) for _ in range(parallel)]
+    return [[e.token for e in run] for run in runs], gen
+
+
+def _tokens(engine: tuple, text: str) -> list[int]:
+    return engine[1].encode(text)
+
+
+def test_greedy_tokens_are_those_without_drafts(cpu_engine: tuple) -> None:
+    """The default model rewriting a function it was given: most drafts stand, and every
+    token is the one decoding without them gives; the KV of drafts that did not stand is
+    dropped (the cache holds exactly the settled tokens)."""
+    prompt = _tokens(cpu_engine, f"Here is a function:\n{CODE}\nThe same function, unchanged:\n")
+    req = GenerationRequest(prompt, max_tokens=48, sampling=GREEDY)
+    plain, _ = _run(cpu_engine, req, None)
+    spec = Speculation(PromptLookup(), max_draft=8)
+    drafted, gen = _run(cpu_engine, req, spec)
+    assert drafted == plain
+    loop = gen.loop
+    assert loop.verifies > 0 and loop.accepted > 0
+    cache = gen.caches[0]
+    assert cache.tokens == prompt + plain[0][:-1]  # the last token is never computed
+    assert len(cache.blocks) == cache.pool.blocks_for(cache.length)
+
+
+def test_stop_strings_and_budgets_end_inside_a_draft(cpu_engine: tuple) -> None:
+    """A stop string or the token budget reached by a draft that stood ends the answer there,
+    as without drafts; two choices of one request draft each on their own."""
+    prompt = _tokens(cpu_engine, f"{CODE}\nAgain:\n{CODE[:60]}")
+    spec = Speculation(PromptLookup(), max_draft=8)
+    for req in (GenerationRequest(prompt, max_tokens=40, sampling=GREEDY, stop=("price",)),
+                GenerationRequest(prompt, max_tokens=5, sampling=GREEDY)):  # fmt: skip
+        plain, _ = _run(cpu_engine, req, None, parallel=2)
+        drafted, gen = _run(cpu_engine, req, spec, parallel=2)
+        assert drafted == plain and gen.loop.verifies > 0
