@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratad.runtime.sampling import Sampler, SamplingParams
+from stratad.runtime.sampling import Sampler, SamplingParams, argmax
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
 
@@ -13,6 +13,27 @@ LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
 def test_greedy_is_argmax() -> None:
     assert Sampler(SamplingParams(temperature=0.0)).sample(LOGITS) == 0
     assert Sampler(SamplingParams(temperature=5.0, top_k=1)).sample(LOGITS) == 0
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, 3.0, 3.0, 2.0],  # equals: the first
+        [1.0, float("nan"), 3.0, float("nan")],  # a NaN counts as largest
+        [float("-inf")] * 3,
+        [-0.0, 0.0, -1.0],
+    ],
+)
+def test_argmax_is_torchs(values: list[float]) -> None:
+    x = torch.tensor(values)
+    assert argmax(x) == int(x.argmax())
+
+
+def test_argmax_of_a_vocabulary_and_of_views() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 49152, generator=g).round(decimals=1)  # many equal maxima
+    for x in (rows[1], rows[:, 7], rows.double()[2], rows.half()[0]):
+        assert argmax(x) == int(x.argmax())
 
 
 def test_top_k_keeps_k() -> None:

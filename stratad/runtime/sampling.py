@@ -22,6 +22,16 @@ from dataclasses import dataclass
 import torch
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the largest of `logits` (the first of equals; a NaN counts as largest), as
+    torch's argmax gives it. Host float32 logits go through numpy: torch's CPU argmax takes
+    ~45 us over a 49k vocabulary, numpy's ~5 us, and greedy decoding pays it for every token.
+    Logits on a device stay there: only the index is copied."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.detach().numpy().argmax())
+    return int(logits.argmax())
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
@@ -119,7 +129,7 @@ class Sampler:
         `draft`: a proposed token to verify (the result is it, or what replaces it)."""
         p = self.params
         if not p.adjusts and allowed is None and p.logprobs is None and p.greedy:
-            token = int(logits.argmax())
+            token = argmax(logits)
         else:
             scores = self.adjusted(logits)
             logprob: float | None = None
@@ -135,7 +145,7 @@ class Sampler:
                 mask[:n] = allowed[:n]
                 scores = scores.masked_fill(~mask, float("-inf"))
             if p.greedy:
-                token = int(scores.argmax())
+                token = argmax(scores)
             else:
                 probs = self.probabilities(scores)
                 token = self._verify(probs, draft) if draft is not None else int(

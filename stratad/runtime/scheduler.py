@@ -15,7 +15,9 @@ next ticket before the next step. With `parallel` 1 a job runs alone, to its end
 cross to the event loop through the ticket's asyncio queue. A ticket cancelled by its client
 (disconnect) is skipped while it waits, and stopped before the next step while it runs. A
 job whose own part of a step fails gets its error alone; a step that fails as a whole fails
-the jobs it ran, and the loop goes on.
+the jobs it ran, and the loop goes on. What one turn of the loop gives its tickets crosses to
+the event loop in one call, not one per ticket: each call is a write to the event loop's
+self-pipe that wakes it.
 
 No torch here: the server imports this module.
 """
@@ -36,6 +38,9 @@ from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob
 log = logging.getLogger("stratad.scheduler")
 
 STOPPING = "stopping"  # the drain reason of a shutdown: no undrain from it
+
+# what the engine thread hands a ticket: a delta, the error that ended it, or None (the end)
+Item = Delta | BaseException | None
 
 
 class Backend(Protocol):
@@ -103,7 +108,7 @@ class Ticket:
         self.prepared = prepared
         self.loop = loop
         self._on_cancel = on_cancel
-        self.deltas: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+        self.deltas: asyncio.Queue[Item] = asyncio.Queue()
         self.submitted = time.monotonic()
         self.started: float | None = None
         self.first_token: float | None = None
@@ -136,11 +141,8 @@ class Ticket:
             return self.last.finish_reason
         return "abort"
 
-    def _push(self, item: Delta | BaseException | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: the daemon is going down
-            self.cancel()
+    def _push(self, item: Item) -> None:
+        _post([(self, item)])
 
     async def stream(self) -> AsyncIterator[Delta]:
         """The deltas as the engine makes them; raises `JobError`/`EngineFailed` from the run."""
@@ -151,6 +153,24 @@ class Ticket:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+def _post(items: list[tuple[Ticket, Item]]) -> None:
+    """Hand items to their tickets (any thread): one call into each event loop, in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Ticket, Item]]] = {}
+    for ticket, item in items:
+        by_loop.setdefault(ticket.loop, []).append((ticket, item))
+    for loop, mine in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, mine)
+        except RuntimeError:  # the event loop is closed: the daemon is going down
+            for ticket, _ in mine:
+                ticket.cancel()
+
+
+def _put_all(items: list[tuple[Ticket, Item]]) -> None:
+    for ticket, item in items:
+        ticket.deltas.put_nowait(item)
 
 
 class Scheduler:
@@ -179,6 +199,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._service_s = 2.0  # moving average of a job's engine time, for Retry-After
+        self._outbox: list[tuple[Ticket, Item]] = []  # the engine thread's, sent once a turn
 
     # --- state -------------------------------------------------------------------------------
 
@@ -328,6 +349,7 @@ class Scheduler:
         assert engine is not None
         jobs: dict[object, Ticket] = {}  # the engine's handles of the running tickets
         while True:
+            self._send_all()  # the last turn's deltas and ends, before waiting for more work
             for ticket in self._take(len(jobs)):
                 try:
                     jobs[engine.add(ticket.prepared)] = ticket
@@ -375,6 +397,15 @@ class Scheduler:
                 started.append(ticket)
             return started
 
+    def _send(self, ticket: Ticket, item: Item) -> None:
+        """Queue an item for its ticket, sent at the end of this turn of the loop."""
+        self._outbox.append((ticket, item))
+
+    def _send_all(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            _post(items)
+
     def _deliver(self, ticket: Ticket, delta: Delta) -> bool:
         """Send a delta to its client; False once it was the last."""
         now = time.monotonic()
@@ -384,7 +415,7 @@ class Scheduler:
             ticket.token_gaps.append(now - (ticket.last_at or now))
         ticket.last_at = now
         ticket.last = delta
-        ticket._push(delta)
+        self._send(ticket, delta)
         if delta.finish_reason is None:
             return True
         self._served(ticket)
@@ -394,10 +425,11 @@ class Scheduler:
         """The job ended with an error: the client's (`JobError`) or the engine's, in our words."""
         if isinstance(err, JobError):
             ticket.error = str(err)
-            ticket._push(err)
+            self._send(ticket, err)
         else:
             ticket.error = f"{type(err).__name__}: {err}"
-            ticket._push(EngineFailed("the engine failed on this request; see the daemon's log"))
+            failed = EngineFailed("the engine failed on this request; see the daemon's log")
+            self._send(ticket, failed)
         self._served(ticket)
 
     def _end(self, ticket: Ticket) -> None:
@@ -406,7 +438,7 @@ class Scheduler:
         with self._cv:
             self.running.remove(ticket)
         self._after(ticket)
-        ticket._push(None)
+        self._send(ticket, None)
 
     def _served(self, ticket: Ticket) -> None:
         assert ticket.started is not None
