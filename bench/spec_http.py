@@ -2,7 +2,7 @@
 workloads that repeat their input and one that does not.
 
     python -m bench.spec_http [--model PATH] [--drafters off,prompt_lookup] [--repeats 3]
-                              [--max-tokens 256] [--json PATH]
+                              [--max-tokens 256] [--llamacpp BIN_DIR] [--json PATH]
 
 For each drafter, starts `stratad` (`speculation.drafter`, one request at a time), then runs
 each workload `--repeats` times, alternating drafters between repeats: a streamed greedy chat
@@ -11,14 +11,20 @@ over the time from the first token to the last. Workloads (made here, no downloa
 a given 60-line Python function with one change; answer with quotes from a supplied text;
 fill a JSON object from a supplied record; and a story with nothing to copy. Prints each
 workload's rate per drafter and the speedup over `off` (median of the repeats, spread). The
-default model is the packaged SmolLM2-135M-Instruct.
+default model is the packaged SmolLM2-135M-Instruct. `--llamacpp`: a folder with
+llama.cpp's `llama-lookup` built for this host (bench/llamacpp_build.sh, examples on): its
+n-gram lookup decoding on the same prompts (rendered with the model's chat template), greedy,
+`--spec-draft-n-max 8`, its own decode rate, in the same alternation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,6 +89,25 @@ def _rate(base: str, prompt: str, max_tokens: int) -> dict[str, float]:
     return {"tokens": tokens, "decode_tok_s": (tokens - 1) / span if span > 0 else 0.0}
 
 
+def _lookup(binary: Path, model: Path, prompt: str, max_tokens: int, work: Path) -> float:
+    """llama-lookup's decode rate (tokens/s) on the chat-templated `prompt`."""
+    from stratad.model.chat_template import render_chat
+    from stratad.store.loader import load_model
+
+    template = load_model(model).metadata.get("tokenizer.chat_template")
+    text = render_chat(str(template), [{"role": "user", "content": prompt}])
+    path = work / "prompt.txt"
+    path.write_text(text)
+    cmd = [str(binary), "-m", str(model), "-f", str(path), "-n", str(max_tokens), "--temp", "0",
+           "-t", str(os.cpu_count() or 1), "--spec-draft-n-max", "8"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    found = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s",
+                      out.stdout + out.stderr)  # fmt: skip
+    if found is None:
+        raise RuntimeError(f"no decode rate in llama-lookup's output: {out.stderr[-500:]}")
+    return float(found.group(1))
+
+
 def main() -> None:
     from stratad.model.default import default_model_path
 
@@ -92,14 +117,25 @@ def main() -> None:
     p.add_argument("--drafters", default="off,prompt_lookup")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--llamacpp", type=Path, help="folder holding llama.cpp's llama-lookup")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     model = args.model or default_model_path()
     drafters = args.drafters.split(",")
+    lookup = args.llamacpp / "llama-lookup" if args.llamacpp else None
+    if lookup is not None and not lookup.is_file():
+        p.error(f"no llama-lookup in {args.llamacpp}")
+    peer: dict[str, list[float]] = {w: [] for w in WORKLOADS}
     runs: dict[str, dict[str, list[float]]] = {d: {w: [] for w in WORKLOADS} for d in drafters}
     tokens: dict[str, dict[str, int]] = {d: {} for d in drafters}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
+            if lookup is not None:
+                for w, prompt in WORKLOADS.items():
+                    peer[w].append(_lookup(lookup, Path(model), prompt, args.max_tokens,
+                                           Path(tmp)))  # fmt: skip
+                    print(f"repeat {r}, llama-lookup, {w}: {peer[w][-1]:.1f} tok/s",
+                          file=sys.stderr, flush=True)  # fmt: skip
             for d in drafters if r % 2 == 0 else drafters[::-1]:
                 config = ('[model]\naliases = ["m"]\nmax_context = 2048\n[server]\nparallel = 1\n'
                           f'[control]\nsocket = ""\n[speculation]\ndrafter = "{d}"\n')  # fmt: skip
@@ -115,17 +151,21 @@ def main() -> None:
                               f" {got['tokens']:.0f} tokens", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"model": Path(model).name, "max_tokens": args.max_tokens,
                               "repeats": args.repeats, "rows": []}  # fmt: skip
-    print("| workload | " + " | ".join(f"{d} tok/s" for d in drafters) + " | speedup |")
-    print("|" + " --- |" * (len(drafters) + 2))
+    extra = " llama-lookup tok/s |" if lookup is not None else ""
+    print("| workload | " + " | ".join(f"{d} tok/s" for d in drafters) + f" | speedup |{extra}")
+    print("|" + " --- |" * (len(drafters) + 2 + (lookup is not None)))
     for w in WORKLOADS:
         med = {d: statistics.median(runs[d][w]) for d in drafters}
         base = med[drafters[0]]
         best = med[drafters[-1]]
         cells = " | ".join(f"{med[d]:.1f} ({min(runs[d][w]):.1f}–{max(runs[d][w]):.1f})"
                            for d in drafters)  # fmt: skip
-        print(f"| {w} | {cells} | {best / base:.2f}x |")
-        result["rows"].append({"workload": w, "tok_s": runs, "tokens": tokens,
-                               "speedup": best / base})  # fmt: skip
+        theirs = (f" {statistics.median(peer[w]):.1f} ({min(peer[w]):.1f}–{max(peer[w]):.1f}) |"
+                  if peer[w] else "")  # fmt: skip
+        print(f"| {w} | {cells} | {best / base:.2f}x |{theirs}")
+        result["rows"].append({"workload": w, "tok_s": {d: runs[d][w] for d in drafters},
+                               "tokens": {d: tokens[d][w] for d in drafters},
+                               "llama_lookup_tok_s": peer[w], "speedup": best / base})  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

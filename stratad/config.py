@@ -266,12 +266,15 @@ class StoreConfig(_Section, frozen=True):
 class SpeculationConfig(_Section, frozen=True):
     """Speculative decoding: drafted tokens verified in one step (docs/engine.md)."""
 
-    drafter: Literal["off", "prompt_lookup"] = "off"
+    drafter: Literal["auto", "off", "prompt_lookup"] = "auto"
     """Where drafts come from: `prompt_lookup` proposes the tokens that followed the latest
     earlier occurrence of the sequence's last 2-4 tokens in its prompt and output (llama.cpp's
     lookup decoding: pays where the answer repeats its input, as code edits, quotes and
-    schema filling do); `off` drafts nothing. Greedy output is the same either way; sampled
-    output keeps the model's distribution."""
+    schema filling do); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
+    default model on a 2-core VM: 1.0-1.9x, bench/results/2026-12-05-spec-cpu.md), off on a
+    GPU until measured there (a verify step runs without the decode graph and routes to more
+    experts). Greedy output is the same either way; sampled output keeps the model's
+    distribution."""
     max_draft: Annotated[int, msgspec.Meta(ge=1, le=16)] = 8
     """Tokens drafted per sequence and step at most."""
     token_cost: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2

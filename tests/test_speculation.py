@@ -116,3 +116,13 @@ def test_stop_strings_and_budgets_end_inside_a_draft(cpu_engine: tuple) -> None:
         plain, _ = _run(cpu_engine, req, None, parallel=2)
         drafted, gen = _run(cpu_engine, req, spec, parallel=2)
         assert drafted == plain and gen.loop.verifies > 0
+
+
+def test_the_auto_drafter_is_prompt_lookup_on_the_cpu_engine_only() -> None:
+    cpu = Speculation.from_config("auto", 8, 0.2, "cpu")
+    assert cpu is not None and isinstance(cpu.drafter, PromptLookup) and cpu.max_draft == 8
+    assert Speculation.from_config("auto", 8, 0.2, "offload") is None
+    assert Speculation.from_config("off", 8, 0.2, "cpu") is None
+    assert Speculation.from_config("prompt_lookup", 4, 0.2, "offload") is not None
+    with pytest.raises(ValueError, match="speculation.drafter"):
+        Speculation.from_config("draft_model", 4, 0.2, "cpu")

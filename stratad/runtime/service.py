@@ -31,7 +31,7 @@ from stratad.runtime.jobs import (
 from stratad.runtime.pooling import PooledEvent, PoolingRequest
 from stratad.runtime.prefix import PrefixStore, common_prefix
 from stratad.runtime.sampling import SamplingParams
-from stratad.runtime.sequence import GenerationEvent, GenerationRequest
+from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
@@ -93,8 +93,12 @@ class Engine:
             kv_tokens=server.kv_cache_tokens,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
-                config.speculation.token_cost),  # fmt: skip
+                config.speculation.token_cost, self.backend),  # fmt: skip
         )
+        spec = config.speculation
+        log.info("speculative decoding: %s (speculation.drafter %s)",
+                 f"prompt lookup, up to {spec.max_draft} tokens a step"
+                 if self.generator.speculation else "off", spec.drafter)  # fmt: skip
         self._running: dict[Active, Running] = {}
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
@@ -322,7 +326,10 @@ class Engine:
             return
         self.generator.finish(run.seq)
         if self.timer.enabled and run.tokens > 1:
-            self._log_timing(run.tokens - 1)
+            seq = run.seq
+            drafts = (f"; drafts: {seq.accepted} of {seq.drafted} tokens stood"
+                      if isinstance(seq, Sequence) and seq.drafted else "")  # fmt: skip
+            self._log_timing(run.tokens - 1, drafts)
 
     def run(self, job: Job | PreparedJob) -> Iterator[Delta]:
         """One job's deltas, stepping the engine until it ends: for a caller with one request
@@ -357,13 +364,15 @@ class Engine:
             id=drawn.token,
         )
 
-    def _log_timing(self, steps: int) -> None:
-        per_step = {k: v / steps for k, v in self.timer.collect().items()}
+    def _log_timing(self, tokens: int, drafts: str = "") -> None:
+        """The decode's timing line: per token (a verify step settles several)."""
+        per_step = {k: v / tokens for k, v in self.timer.collect().items()}
         self.last_timing = per_step
         hits = ""
         if self.store is not None:
             hits = f"; expert reads by tier: {tier_shares(self.store.stats())}"
-        log.info("decode timing: %d steps, %s%s", steps, stages_text(per_step, "ms/step"), hits)
+        log.info("decode timing: %d steps, %s%s%s", tokens, stages_text(per_step, "ms/step"),
+                 hits, drafts)  # fmt: skip
 
     def warm_up(self) -> None:
         """A short generation, so that the first request does not pay for lazy initialisation."""

@@ -16,8 +16,12 @@ class Speculation:
     token_cost: float = 0.2
 
     @classmethod
-    def from_config(cls, drafter: str, max_draft: int, token_cost: float) -> Speculation | None:
-        """The config's setting; None where it is off."""
+    def from_config(
+        cls, drafter: str, max_draft: int, token_cost: float, backend: str
+    ) -> Speculation | None:
+        """The config's setting for the engine `backend` runs; None where it is off."""
+        if drafter == "auto":
+            drafter = "prompt_lookup" if backend == "cpu" else "off"
         if drafter == "off":
             return None
         if drafter == "prompt_lookup":
