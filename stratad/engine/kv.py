@@ -182,7 +182,9 @@ class KVCache:
         return n
 
     def table(self, device: torch.device) -> torch.Tensor:
-        """The block table [max_blocks] int32 on `device`."""
+        """The block table [max_blocks] int32 on `device` ("cuda" is the current GPU)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return self.tables[device]
 
     def host_table(self) -> np.ndarray:
@@ -190,11 +192,12 @@ class KVCache:
         return np.asarray(self.blocks, dtype=np.int32)
 
     def rows(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """The pool rows [end - start] int64 of positions start..end-1 (held blocks only)."""
-        pos = torch.arange(start, end)
+        """The pool rows [end - start] int64 of positions start..end-1 (held blocks only),
+        computed on `device` from its block table (no copy from the host, which would wait
+        for the device's queue on every layer)."""
+        pos = torch.arange(start, end, device=device)
         bs = self.pool.block_size
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)[pos // bs]
-        return (blocks * bs + pos % bs).to(device)
+        return self.table(device).long()[pos // bs] * bs + pos % bs
 
 
 def block_tables(caches: Sequence[KVCache], device: torch.device) -> torch.Tensor:
