@@ -185,6 +185,12 @@ def _stats(client: Client, args: argparse.Namespace) -> int:
     if r.tier_hits:
         rates = ", ".join(f"{t} {100 * (r.hit_rate(t) or 0):.1f}%" for t in sorted(r.tier_hits))
         print(f"  expert uses by tier: {rates}")
+    c = r.counters
+    if c.get("drafted"):
+        print(f"  speculative decoding: {c.get('accepted', 0)} of {c['drafted']} drafted tokens"
+              f" stood in {c.get('verifies', 0)} verifying steps")  # fmt: skip
+    if c.get("preemptions"):
+        print(f"  preemptions (the KV pool ran short): {c['preemptions']}")
     return 0
 
 

@@ -246,6 +246,9 @@ class StatsReply(_Reply, frozen=True, tag="stats"):
     stages: list[StageTiming] = msgspec.field(default_factory=list)
     tier_hits: dict[str, int] = msgspec.field(default_factory=dict)
     """Expert uses served from each tier: vram, ram, file."""
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+    """The engine's counts: drafted and accepted tokens and verifying steps (speculative
+    decoding), preemptions (the KV pool ran short)."""
 
     def hit_rate(self, tier: str) -> float | None:
         total = sum(self.tier_hits.values())

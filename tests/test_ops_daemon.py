@@ -120,6 +120,9 @@ def test_stats_count_a_real_request(daemon: Daemon) -> None:
     data = json.loads(ctl(daemon, "stats", "--json").stdout)
     assert data["requests"] == 1 and data["completion_tokens"] >= 1
     assert {s["name"] for s in data["stages"]} == {"prompt", "generation"}
+    counts = data["counters"]  # the engine's: speculative decoding (on: the cpu engine)
+    assert set(counts) == {"drafted", "accepted", "verifies", "preemptions"}
+    assert 0 <= counts["accepted"] <= counts["drafted"] and counts["preemptions"] == 0
 
 
 def test_coverage_and_plan_on_a_dense_model(daemon: Daemon) -> None:

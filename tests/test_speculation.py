@@ -126,3 +126,20 @@ def test_the_auto_drafter_is_prompt_lookup_on_the_cpu_engine_only() -> None:
     assert Speculation.from_config("prompt_lookup", 4, 0.2, "offload") is not None
     with pytest.raises(ValueError, match="speculation.drafter"):
         Speculation.from_config("draft_model", 4, 0.2, "cpu")
+
+
+def test_greedy_tokens_are_those_without_drafts_on_the_tiny_moe() -> None:
+    """The tiny MoE on the cpu engine (its routed experts in the one-call layers), drafts
+    from one-token matches: the same tokens with and without."""
+    from stratad.store.loader import load_model
+    from tests.server_helpers import tiny_moe_path
+
+    model = load_model(tiny_moe_path())
+    engine = (ReferenceForward(model, weights=QuantWeights(CpuExperts(threads=2))),
+              tokenizer_from_gguf(model.metadata))  # fmt: skip
+    prompt = [5, 6, 7, 8, 9, 10] * 6
+    req = GenerationRequest(prompt, max_tokens=40, sampling=GREEDY, ignore_eos=True)
+    plain, _ = _run(engine, req, None)
+    # one-token matches: the random model's output repeats tokens more than n-grams
+    drafted, gen = _run(engine, req, Speculation(PromptLookup(min_n=1), max_draft=8))
+    assert drafted == plain and gen.loop.verifies > 0

@@ -167,6 +167,9 @@ class Operations:
         """The model is loaded: the control socket can describe it (and its expert store,
         when the engine runs one: `engine.store`, see stratad.control.store_view)."""
         self.state.engine = engine_view(engine)
+        counters = getattr(engine, "counters", None)
+        if callable(counters):
+            self.state.engine_counters = counters
         self.notifier.status(f"{self.state.engine.model} loaded")
         view = store_view_of(engine, self.config)
         if view is not None:

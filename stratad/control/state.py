@@ -131,6 +131,7 @@ class DaemonState:
         self.serving: Serving | None = None
         """The HTTP side, once it is set up: health, queue, drain."""
         self.engine_stages: Callable[[], list[StageTiming]] | None = None
+        self.engine_counters: Callable[[], dict[str, int]] | None = None
         """The engine's own stage timings (STRATA_DECODE_TIMING), when it records them."""
 
     # ---- what the daemon tells it --------------------------------------------------------
@@ -216,6 +217,7 @@ class DaemonState:
             completion_tokens=self.meter.completion_tokens,
             stages=stages,
             tier_hits=self.store.tier_hits() if self.store else {},
+            counters=self.engine_counters() if self.engine_counters is not None else {},
         )
 
     def save_profile(self, path: str) -> ProfileSaveReply:

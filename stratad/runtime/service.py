@@ -386,6 +386,13 @@ class Engine:
         if isinstance(self.store, ExpertStore):  # the lookups by tier count requests' alone
             self.store.forget_lookups()
 
+    def counters(self) -> dict[str, int]:
+        """Counts for `stratactl stats`: speculative decoding's drafts, accepted tokens and
+        verifying steps, and preemptions."""
+        loop = self.generator.loop
+        return {"drafted": loop.drafted, "accepted": loop.accepted, "verifies": loop.verifies,
+                "preemptions": loop.preempted}  # fmt: skip
+
     def gauges(self) -> list[tuple[str, str, dict[str, str], float]]:
         """(name, help, labels, value) of the engine's own gauges, for /metrics."""
         store = self.prefixes
