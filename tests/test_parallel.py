@@ -428,3 +428,25 @@ def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine
     assert got == want
     assert gen.loop.preempted >= 1
     assert gen.kv.free_blocks + gen.idle_blocks() == 4 and not gen.loop.running
+
+
+def test_running_requests_share_the_blocks_of_a_common_prompt_start(engine: tuple) -> None:
+    """A request whose prompt starts as a running one's (same scope) takes references to
+    its full blocks instead of computing them, and gets what it gets alone; a request of
+    another scope computes its own."""
+    forward, tokenizer = engine
+    system = list(range(300, 370))  # 70 tokens: two full blocks of 32
+    reqs = [dataclasses.replace(_req(5, 1000 + 10 * i, 6), prompt=system + list(
+        range(1000 + 10 * i, 1005 + 10 * i)), scope=scope)
+        for i, scope in enumerate(("a", "a", "b"))]  # fmt: skip
+    alone = Generator(Recording(forward), tokenizer, 256, prefill_chunk=32)
+    want = [_events([alone.run(r)])[0] for r in reqs]
+    gen = Generator(Recording(forward), tokenizer, 256, prefill_chunk=32, parallel=3)
+    first = gen.events(gen.start(reqs[0]))
+    head = next(first)  # its prompt is in: its full blocks are registered
+    second, third = gen.start(reqs[1]), gen.start(reqs[2])
+    assert (second.cached_tokens, third.cached_tokens) == (64, 0)
+    assert second.cache.blocks[:2] == gen.caches[0].blocks[:2]
+    assert [gen.kv.refs[b] for b in second.cache.blocks[:2]] == [2, 2]
+    got = _events([first, gen.events(second), gen.events(third)])
+    assert [[(head.token, head.text, head.finish_reason), *got[0]], *got[1:]] == want

@@ -10,12 +10,25 @@ not by their context limit. Position p of a cache lives at pool row
 attention kernels read and write through each cache's block table, which lives on every
 device of the pool (`KVCache.table`, one [max_blocks] int32 tensor per device, kept at one
 address so a captured CUDA graph replays with the blocks a cache has then).
+
+Full blocks are shared by their content (vLLM's automatic prefix caching): a block whose 32
+tokens are all written is registered under a hash of its tokens, the hash of the blocks
+before it and the scope of the request that wrote it (a hash of its API key: a request
+reuses only its own scope's prefixes). A request whose prompt starts with registered blocks
+takes references to them instead of computing them; a block no cache references any more
+stays registered, evicted least recently freed first when the pool needs blocks. A cache
+never writes into a block another references (nor into a registered one): it copies the
+block first (copy-on-write), which happens only where a truncated cache writes into its
+last, partly shared block.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 import heapq
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +63,11 @@ class KVPool:
         self.n_blocks = rows // block_size
         self._free = list(range(self.n_blocks))  # a heap: the lowest free id first
         self.devices = list(dict.fromkeys(t.device for t in k))
+        self.refs = [0] * self.n_blocks  # caches holding each block
+        self._by_hash: dict[Hashable, int] = {}  # registered full blocks
+        self._hash_of: dict[int, Hashable] = {}
+        # registered blocks no cache holds, least recently freed first: free, but still hits
+        self._cached: OrderedDict[int, None] = OrderedDict()
 
     @classmethod
     def allocate(
@@ -72,7 +90,8 @@ class KVPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `take` can hand out: never used, and registered ones no cache holds."""
+        return len(self._free) + len(self._cached)
 
     @property
     def block_bytes(self) -> int:
@@ -87,16 +106,71 @@ class KVPool:
         return -(-tokens // self.block_size)
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
+        """`n` blocks for a cache (one reference each): unused ones first, then registered
+        ones no cache holds, least recently freed first (their registration dropped)."""
+        if n > self.free_blocks:
             raise KVPoolFull(
-                f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens,"
+                f"the KV pool has {self.free_blocks} free blocks of {self.block_size} tokens,"
                 f" {n} wanted"
             )
-        return [heapq.heappop(self._free) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = heapq.heappop(self._free)
+            else:
+                b, _ = self._cached.popitem(last=False)
+                self.unregister(b)
+            self.refs[b] = 1
+            out.append(b)
+        return out
 
     def give(self, ids: Sequence[int]) -> None:
+        """A cache lets go of its references to `ids`."""
         for i in ids:
-            heapq.heappush(self._free, i)
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                if i in self._hash_of:
+                    self._cached[i] = None  # still a hit until the pool needs it
+                else:
+                    heapq.heappush(self._free, i)
+
+    def share(self, ids: Sequence[int]) -> None:
+        """One more reference to each of `ids` (registered blocks a new cache starts with)."""
+        for i in ids:
+            if self.refs[i] == 0:
+                del self._cached[i]
+            self.refs[i] += 1
+
+    def register(self, block: int, key: Hashable) -> None:
+        """`block` is full and holds what `key` names (a block already registered under
+        `key` keeps it: the two hold the same keys and values)."""
+        if key not in self._by_hash and block not in self._hash_of:
+            self._by_hash[key] = block
+            self._hash_of[block] = key
+
+    def unregister(self, block: int) -> None:
+        key = self._hash_of.pop(block, None)
+        if key is not None:
+            del self._by_hash[key]
+
+    def registered(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def lookup(self, keys: Sequence[Hashable]) -> list[int]:
+        """The registered blocks of the longest prefix of `keys`."""
+        out = []
+        for key in keys:
+            b = self._by_hash.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `src`'s keys and values into block `dst` (every layer)."""
+        bs = self.block_size
+        for t in (*self.k, *self.v):
+            t[dst * bs : dst * bs + bs].copy_(t[src * bs : src * bs + bs])
 
     def same_kind(self, other: KVPool) -> bool:
         return self is other
@@ -114,6 +188,7 @@ class KVCache:
     blocks: list[int] = field(default_factory=list)
     # per device: the block ids, [max_blocks] int32 padded with 0 (written in place)
     tables: dict[torch.device, torch.Tensor] = field(init=False, repr=False)
+    keys: list[Hashable] = field(default_factory=list)  # the registered keys of its first blocks
 
     def __post_init__(self) -> None:
         n = self.pool.blocks_for(self.capacity)
@@ -142,28 +217,77 @@ class KVCache:
         return self.pool is other.pool and self.max_blocks == other.max_blocks
 
     def blocks_to_add(self, tokens: int) -> int:
-        """The blocks `tokens` more tokens need beyond those held."""
-        return max(self.pool.blocks_for(self.length + tokens) - len(self.blocks), 0)
+        """The blocks `tokens` more tokens need beyond those held (and the copy of a shared
+        block they would write into)."""
+        new = max(self.pool.blocks_for(self.length + tokens) - len(self.blocks), 0)
+        i = self.length // self.block_size
+        shared = self.length % self.block_size and i < len(self.blocks)
+        return new + int(bool(shared) and self.pool.refs[self.blocks[i]] > 1)
+
+    def own_blocks(self) -> int:
+        """The blocks no other cache holds (what releasing this one gives back)."""
+        return sum(1 for b in self.blocks if self.pool.refs[b] == 1)
 
     def reserve(self, length: int) -> None:
         """Hold blocks for the first `length` positions (taken from the pool; raises
-        `KVPoolFull`, nothing taken, if it has too few)."""
+        `KVPoolFull`, nothing taken, if it has too few), the block the next token is
+        written into its own (copied first where it is shared or registered)."""
         if length > self.capacity:
             raise ValueError(f"{length} tokens exceed the KV cache of {self.capacity}")
+        if length > self.length:
+            self._own_last()
         want = self.pool.blocks_for(length) - len(self.blocks)
         if want <= 0:
             return
         new = self.pool.take(want)
         at = len(self.blocks)
         self.blocks.extend(new)
-        ids = torch.tensor(new, dtype=torch.int32)
+        self._write_table(at, new)
+
+    def _write_table(self, at: int, ids: list[int]) -> None:
+        new = torch.tensor(ids, dtype=torch.int32)
         for table in self.tables.values():
-            table[at : at + want].copy_(ids, non_blocking=False)
+            table[at : at + len(ids)].copy_(new, non_blocking=False)
+
+    def _own_last(self) -> None:
+        """Copy-on-write: the partly written block the next token goes into, if another
+        cache holds it or it is registered (its content must not change under its key)."""
+        i, pool = self.length // self.block_size, self.pool
+        if i >= len(self.blocks) or self.length % self.block_size == 0:
+            return
+        b = self.blocks[i]
+        if pool.refs[b] == 1:
+            pool.unregister(b)  # ours alone: forget what it held
+        elif pool.refs[b] > 1:
+            (mine,) = pool.take(1)
+            pool.copy_block(b, mine)
+            pool.give([b])
+            self.blocks[i] = mine
+            self._write_table(i, [mine])
+        del self.keys[i:]
+
+    def adopt(self, blocks: list[int], keys: list[Hashable], tokens: list[int]) -> None:
+        """Start an empty cache with registered blocks (their keys, the tokens they hold)."""
+        assert not self.blocks and len(tokens) == len(blocks) * self.block_size
+        self.pool.share(blocks)
+        self.blocks, self.keys = list(blocks), list(keys)
+        self._write_table(0, self.blocks)
+        self.length, self.tokens = len(tokens), list(tokens)
+
+    def seal(self, scope: str) -> None:
+        """Register the full blocks not yet registered, under `scope` (after a step)."""
+        bs = self.block_size
+        for i in range(len(self.keys), self.length // bs):
+            key = block_key(self.keys[-1] if self.keys else None, scope,
+                            self.tokens[i * bs : (i + 1) * bs])  # fmt: skip
+            self.pool.register(self.blocks[i], key)
+            self.keys.append(key)
 
     def truncate(self, length: int) -> None:
         """Forget everything after `length` tokens; the blocks past it go back to the pool."""
         self.length = min(self.length, length)
         del self.tokens[self.length :]
+        del self.keys[self.length // self.block_size :]
         keep = self.pool.blocks_for(self.length)
         if keep < len(self.blocks):
             self.pool.give(self.blocks[keep:])
@@ -198,6 +322,26 @@ class KVCache:
         pos = torch.arange(start, end, device=device)
         bs = self.pool.block_size
         return self.table(device).long()[pos // bs] * bs + pos % bs
+
+
+def block_key(before: Hashable | None, scope: str, tokens: Sequence[int]) -> Hashable:
+    """What a full block holds: its tokens after those the key `before` names, in `scope`
+    (a 128-bit BLAKE2 digest of the three: one block's cost, whatever came before it)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(before if isinstance(before, bytes) else b"")
+    h.update(scope.encode())
+    h.update(b"\0")
+    h.update(array.array("q", tokens).tobytes())
+    return h.digest()
+
+
+def prompt_keys(tokens: Sequence[int], scope: str, block_size: int) -> list[Hashable]:
+    """The keys of the full blocks of `tokens`, in order."""
+    keys: list[Hashable] = []
+    for i in range(len(tokens) // block_size):
+        keys.append(block_key(keys[-1] if keys else None, scope,
+                              tokens[i * block_size : (i + 1) * block_size]))  # fmt: skip
+    return keys
 
 
 def block_tables(caches: Sequence[KVCache], device: torch.device) -> torch.Tensor:

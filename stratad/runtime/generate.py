@@ -24,7 +24,7 @@ import collections
 import collections.abc
 from collections.abc import Callable
 
-from stratad.engine.kv import KVCache, KVPoolFull, pool_tokens
+from stratad.engine.kv import KVCache, KVPoolFull, pool_tokens, prompt_keys
 from stratad.engine.timing import StageTimer
 from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
@@ -112,8 +112,8 @@ class Generator:
         return sorted(idle, key=lambda i: self._used[i])
 
     def idle_blocks(self) -> int:
-        """Blocks the idle working caches keep (their conversations)."""
-        return sum(len(self.caches[i].blocks) for i in self._idle())
+        """Blocks the idle working caches alone keep (their conversations)."""
+        return sum(self.caches[i].own_blocks() for i in self._idle())
 
     def reclaim(self, blocks: int, keep: int = -1) -> None:
         """Give back at least `blocks` blocks of idle working caches (all but cache `keep`),
@@ -124,7 +124,7 @@ class Generator:
                 return
             cache = self.caches[i]
             if cache.blocks:
-                blocks -= len(cache.blocks)
+                blocks -= cache.own_blocks()
                 self.store.save(cache, cache.length, scope=self._scopes[i])
                 cache.release()
 
@@ -137,6 +137,17 @@ class Generator:
         live = cache.common_prefix(prompt) if scope == self._scopes[i] else 0
         snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)
+        # full blocks of the pool that hold this prompt's start (this cache's or another's)
+        keys = prompt_keys(prompt[: len(prompt) - 1], scope, self.kv.block_size)
+        shared = self.kv.lookup(keys)
+        if len(shared) * self.kv.block_size > keep:
+            if live < cache.length:
+                self.store.save(cache, cache.length, scope=self._scopes[i])
+            self._scopes[i] = scope
+            cache.release()
+            n = len(shared) * self.kv.block_size
+            cache.adopt(shared, keys[: len(shared)], prompt[:n])
+            return n
         if min(live, keep) < cache.length:
             # the conversation in the cache is about to be overwritten: set it aside
             self.store.save(cache, cache.length, scope=self._scopes[i])

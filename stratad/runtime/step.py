@@ -119,6 +119,8 @@ class StepLoop:
         for s, b in zip(seqs, batch, strict=True):
             s.cache.reserve(s.cache.length + len(b.tokens))  # planned: the pool has them
         rows = self.forward.step(batch)
+        for s in seqs:  # full blocks become hits for later prompts of the same scope
+            s.cache.seal(s.req.scope)
         for s, b, r in zip(seqs, batch, rows, strict=True):
             try:
                 events = (
@@ -142,7 +144,7 @@ class StepLoop:
         sequence the pool cannot hold fails (`out`)."""
         nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
         wants = [
-            Want(len(t), not s.prefilling, s.cache.blocks_to_add(len(t)), len(s.cache.blocks))
+            Want(len(t), not s.prefilling, s.cache.blocks_to_add(len(t)), s.cache.own_blocks())
             for s, t in zip(self.running, nexts, strict=True)
         ]
         picked = plan_step(wants, self.budget)
