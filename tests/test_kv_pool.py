@@ -43,7 +43,7 @@ def test_blocks_are_taken_lowest_first_and_given_back() -> None:
     assert pool.free_blocks == 4 and pool.refs == [0] * 4
 
 
-def test_full_blocks_are_shared_within_their_scope_and_evicted_last_freed_first() -> None:
+def test_full_blocks_are_shared_within_their_scope_and_evicted_tail_first() -> None:
     pool = _pool()
     a = KVCache(pool, 32)
     _write(a, list(range(20)))
@@ -62,8 +62,8 @@ def test_full_blocks_are_shared_within_their_scope_and_evicted_last_freed_first(
     c = KVCache(pool, 32)
     c.reserve(16)
     assert c.blocks == [2, 3] and pool.lookup(keys) == [0, 1]
-    c.reserve(24)  # then the registered block freed longest ago
-    assert c.blocks == [2, 3, 0] and pool.lookup(keys) == []
+    c.reserve(24)  # then the registered block freed longest ago: a prefix's last goes first
+    assert c.blocks == [2, 3, 1] and pool.lookup(keys) == [0]
 
 
 def test_a_cache_never_writes_into_a_block_another_holds() -> None:

@@ -416,7 +416,8 @@ def test_auto_parallel_is_sized_from_memory(model: Model) -> None:
 def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine: tuple) -> None:
     """Three requests that need 3 blocks of 32 tokens each at their ends, on a pool of 4
     blocks: the youngest give their blocks back and recompute later (their prompt and the
-    tokens they had sampled), and each gets exactly the tokens it gets alone."""
+    tokens they had sampled, from the first of their blocks nobody took meanwhile), and each
+    gets exactly the tokens it gets alone."""
     forward, tokenizer = engine
     reqs = [_req(40, 100, 40), _req(35, 900, 45), _req(38, 2000, 42)]
     alone = Generator(Recording(forward), tokenizer, 96, prefill_chunk=32)
@@ -427,6 +428,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine
     got = _events([gen.run(r) for r in reqs])
     assert got == want
     assert gen.loop.preempted >= 1
+    assert gen.loop.resumed_tokens > 0  # blocks still in the pool were not computed again
     assert gen.kv.free_blocks + gen.idle_blocks() == 4 and not gen.loop.running
 
 

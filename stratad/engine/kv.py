@@ -290,7 +290,8 @@ class KVCache:
         del self.keys[self.length // self.block_size :]
         keep = self.pool.blocks_for(self.length)
         if keep < len(self.blocks):
-            self.pool.give(self.blocks[keep:])
+            # the last first: a prefix's later blocks are evicted before its first ones
+            self.pool.give(self.blocks[keep:][::-1])
             del self.blocks[keep:]
 
     def release(self) -> None:

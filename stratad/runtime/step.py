@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from stratad.engine.batch import Output, Seq
-from stratad.engine.kv import KVPool, KVPoolFull
+from stratad.engine.kv import KVPool, KVPoolFull, prompt_keys
 from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
@@ -88,6 +88,7 @@ class StepLoop:
         self.idle: Idle = idle or _NoIdle()
         self.running: list[Active] = []
         self.preempted = 0  # preemptions so far
+        self.resumed_tokens = 0  # tokens preempted sequences found still in the pool
         self.drafted = self.accepted = self.verifies = 0  # speculative decoding so far
 
     def add(self, seq: Active) -> None:
@@ -142,6 +143,9 @@ class StepLoop:
         """The running sequences that compute this step, their blocks made free: idle caches'
         blocks reclaimed, the youngest sequences preempted where the plan says. A lone
         sequence the pool cannot hold fails (`out`)."""
+        for s in self.running:
+            if isinstance(s, Sequence) and s.resuming and not s.cache.blocks:
+                self._resume_from_blocks(s)
         nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
         wants = [
             Want(len(t), not s.prefilling, s.cache.blocks_to_add(len(t)), s.cache.own_blocks())
@@ -163,6 +167,18 @@ class StepLoop:
             pool = f"{self.kv.n_blocks} blocks of {self.kv.block_size} tokens"
             out.append((s, KVPoolFull(f"the KV pool ({pool}) cannot hold this request")))
         return plan.run
+
+    def _resume_from_blocks(self, s: Sequence) -> None:
+        """A preempted sequence starts again from those of its blocks still registered in
+        the pool (what it gave back and nobody took since), not from its first token."""
+        bs = self.kv.block_size
+        keys = prompt_keys(s.context[: len(s.context) - 1], s.req.scope, bs)
+        shared = self.kv.lookup(keys)
+        if shared:
+            n = len(shared) * bs
+            s.cache.adopt(shared, keys[: len(shared)], s.context[:n])
+            s.pos = n
+            self.resumed_tokens += n
 
     def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> list[GenerationEvent]:
         """Sequence s after the step computed its n tokens: its events (none for a prompt
