@@ -111,10 +111,9 @@ class StepLoop:
             if isinstance(s, Sequence):
                 s.propose()
         out: list[tuple[Active, Outcome]] = []
-        picked = self._plan(out)
+        picked, nexts = self._plan(out)
         if not picked:
             return out
-        nexts = [s.next_tokens(self.budget.chunk) for s in self.running]
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
         for s, b in zip(seqs, batch, strict=True):
@@ -139,10 +138,11 @@ class StepLoop:
                     self.running.remove(s)
         return out
 
-    def _plan(self, out: list[tuple[Active, Outcome]]) -> list[int]:
-        """The running sequences that compute this step, their blocks made free: idle caches'
-        blocks reclaimed, the youngest sequences preempted where the plan says. A lone
-        sequence the pool cannot hold fails (`out`)."""
+    def _plan(self, out: list[tuple[Active, Outcome]]) -> tuple[list[int], list[list[int]]]:
+        """The running sequences that compute this step (and every running one's next
+        tokens), their blocks made free: idle caches' blocks reclaimed, the youngest
+        sequences preempted where the plan says. A lone sequence the pool cannot hold fails
+        (`out`)."""
         for s in self.running:
             if isinstance(s, Sequence) and s.resuming and not s.cache.blocks:
                 self._resume_from_blocks(s)
@@ -166,7 +166,7 @@ class StepLoop:
             s = self.running.pop(0)
             pool = f"{self.kv.n_blocks} blocks of {self.kv.block_size} tokens"
             out.append((s, KVPoolFull(f"the KV pool ({pool}) cannot hold this request")))
-        return plan.run
+        return plan.run, nexts  # a preempted sequence's are stale, and it does not run
 
     def _resume_from_blocks(self, s: Sequence) -> None:
         """A preempted sequence starts again from those of its blocks still registered in
