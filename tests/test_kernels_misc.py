@@ -261,24 +261,30 @@ def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
         torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The grids decode attention launches, its kernel recorded rather than run."""
+    grids: list[tuple[int, ...]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **kwargs: grids.append(grid)
+
+    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder())
+    return grids
+
 @pytest.mark.parametrize(
     ("split_s", "max_splits", "grid"),
     [(16, 64, (3, 2, 5)), (16, 2, (3, 2, 2)), (128, 64, (3, 2, 1))],
     ids=["split", "capped", "single"],
 )
 def test_decode_attention_launch_reads_no_values(
-    split_s: int, max_splits: int, grid: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+    split_s: int, max_splits: int, grid: tuple[int, ...], launched: list[tuple[int, ...]]
 ) -> None:
     """The launch depends on shapes and the config only (so it can be captured in a CUDA
     graph): on meta tensors, where reading any value raises, with the kernel recorded
     rather than run, it launches one grid of min(cdiv(S, split_s), max_splits) pieces."""
-    launched: list[tuple[int, ...]] = []
-
-    class Recorder:
-        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            return lambda *args, **kwargs: launched.append(grid)
-
-    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder())
     q = torch.empty(3, 8, 16, device="meta")
     k = torch.empty(3, 70, 2, 16, device="meta")
     seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
@@ -365,16 +371,9 @@ def test_decode_attention_paged(block_size: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(paged, ref, **TOL[dtype])
 
 
-def test_decode_attention_paged_launch_reads_no_values(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_attention_paged_launch_reads_no_values(launched: list[tuple[int, ...]]) -> None:
     """Paged, the launch still depends on shapes only (the tables are read on the device):
     on meta tensors, the pieces are cut from max_blocks * block_size positions."""
-    launched: list[tuple[int, ...]] = []
-
-    class Recorder:
-        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            return lambda *args, **kwargs: launched.append(grid)
-
-    monkeypatch.setattr(attention, "_decode_attention_kernel", Recorder())
     q = torch.empty(3, 8, 16, device="meta")
     pool = torch.empty(10 * 8, 2, 16, device="meta")
     seq_lens = torch.empty(3, dtype=torch.int64, device="meta")
