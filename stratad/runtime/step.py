@@ -116,9 +116,7 @@ class StepLoop:
             return out
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
-        for s, b in zip(seqs, batch, strict=True):
-            s.cache.reserve(s.cache.length + len(b.tokens))  # planned: the pool has them
-        rows = self.forward.step(batch)
+        rows = self.forward.step(batch)  # it takes the planned blocks (`engine.batch.reserve`)
         for s in seqs:  # full blocks become hits for later prompts of the same scope
             s.cache.seal(s.req.scope)
         for s, b, r in zip(seqs, batch, rows, strict=True):
