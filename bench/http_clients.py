@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -104,6 +105,8 @@ def serve(model: Path, parallel: int, args: argparse.Namespace) -> list[dict[str
             print(f"parallel {parallel}, {clients} clients: {r['tokens_per_s']:.1f} tok/s in"
                   f" all, request {r['latency_s']:.2f} s, first token"
                   f" {r['first_token_s']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+        if args.log:  # the daemon's log, its timing lines and warnings (its folder goes)
+            shutil.copy(Path(tmp) / "stratad.log", args.log)
         return rounds
 
 
@@ -132,6 +135,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3, help="requests per client, in turn")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--log", type=Path, help="keep a copy of the daemon's log here")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting for the daemon's config (repeatable)")
     args = p.parse_args()

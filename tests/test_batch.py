@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.tuning.configs import INTERPRETED, KernelConfigs
-from stratad.engine.batch import Output, Seq, check_batch, chunks
+from stratad.engine.batch import Output, Seq, check_batch, chunks, decode_rows
 from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
@@ -81,6 +81,27 @@ def test_chunks_pack_in_order() -> None:
     assert list(chunks([4], 16)) == [[(0, 0, 4)]]
 
 
+def test_decode_rows_picks_short_windows(tiny_moe: Model) -> None:
+    """The decode pass takes every next token, and the windows of at most `row_tokens` while
+    the pass stays within the fused rows and each window's attention short; hidden states
+    and long windows deep in a context go as chunks."""
+    pool = ReferenceForward(tiny_moe).new_pool(pool_tokens(6, 64))
+    caches = [KVCache(pool, 64) for _ in range(6)]
+    caches[4].length = 100_000  # deep in a long context (only the length is read)
+    seqs = [Seq(caches[0], [1]), Seq(caches[1], [1] * 40), Seq(caches[2], [1] * 30),
+            Seq(caches[3], [1] * 20, Output.LOGITS), Seq(caches[4], [1] * 3),
+            Seq(caches[5], [1] * 3, Output.HIDDEN)]  # fmt: skip
+    # 1 + 40 rows; 30 more would pass 64; 20 fit; 3 more fit but read 3 x 100,003 keys;
+    # hidden states come from chunks
+    assert decode_rows(seqs, 64) == [True, True, False, True, False, False]
+    assert decode_rows(seqs, 8) == [True, False, False, False, False, False]
+    # the next tokens first: a window that fits before them but not beside them is a chunk
+    window = Seq(caches[1], [1] * 62)
+    assert decode_rows([window, *[Seq(c, [1]) for c in caches[3:]]], 64) == [False] + [True] * 3
+    many = [Seq(c, [1]) for c in caches] * 20  # next tokens beyond 64 rows: all decoded
+    assert all(decode_rows(many, 64))
+
+
 def test_bad_batches_refused(tiny_moe: Model) -> None:
     ref = ReferenceForward(tiny_moe)
     cache = ref.new_cache(4)
@@ -95,8 +116,10 @@ def test_bad_batches_refused(tiny_moe: Model) -> None:
 @pytest.mark.parametrize(
     ("which", "kw"),
     [
-        ([0, 1, 2, 3, 4], {"gpu_miss": "copy", "ram": False}),  # B = 5, three tiers
-        ([0, 2], {"gpu_miss": "in_place", "pcie_frac": 0.5}),  # a fused chunk of two prompts
+        # B = 5, three tiers, the prompts as rows of one decode pass
+        ([0, 1, 2, 3, 4], {"gpu_miss": "copy", "ram": False}),
+        # a fused chunk of two prompts (no rows), a CPU share of the misses
+        ([0, 2], {"gpu_miss": "in_place", "pcie_frac": 0.5, "row_tokens": 1}),
     ],
     ids=["b5-files-copy", "b2-cpu-misses"],
 )
@@ -109,10 +132,11 @@ def test_batch_tokens_equal_alone_cpu(
         assert engine.host.file_reads > 0
 
 
-def test_verify_window_logits_cpu(tiny_moe: Model) -> None:
+@pytest.mark.parametrize("row_tokens", [64, 1], ids=["rows", "chunk"])
+def test_verify_window_logits_cpu(tiny_moe: Model, row_tokens: int) -> None:
     """A sequence asking for every new token's logits (a drafted window to verify) gets the
-    reference's, next to a sequence in decode."""
-    ref, engine = ReferenceForward(tiny_moe), _offload(tiny_moe, "cpu")
+    reference's, next to a sequence in decode: as rows of the decode pass, or as a chunk."""
+    ref, engine = ReferenceForward(tiny_moe), _offload(tiny_moe, "cpu", row_tokens=row_tokens)
     r_cache, a, b = ref.new_cache(64), engine.new_cache(64), engine.new_cache(64)
     ref(PROMPTS[0], r_cache)
     engine.step([Seq(a, PROMPTS[0]), Seq(b, PROMPTS[1])])
@@ -152,6 +176,22 @@ def test_staged_batch_cpu(tiny_moe: Model, alone: list[list[int]]) -> None:
 
 
 @pytest.mark.gpu
+def test_verify_window_logits_gpu(tiny_moe: Model) -> None:
+    """A drafted window as rows of a captured decode pass, next to a decode, each window
+    length padded to its capture's row count: the reference's logits."""
+    ref, engine = ReferenceForward(tiny_moe), _offload(tiny_moe, "cuda", graphs=True)
+    r_cache, a, b = ref.new_cache(64), engine.new_cache(64), engine.new_cache(64)
+    ref(PROMPTS[0], r_cache)
+    engine.step([Seq(a, PROMPTS[0]), Seq(b, PROMPTS[1])])
+    for window in ([7, 8], [9, 10, 11, 12, 13]):  # 3 and 6 rows
+        want = ref(window, r_cache, all_logits=True)
+        got, _ = engine.step([Seq(a, window, Output.LOGITS), Seq(b, [5])])
+        assert got.shape == want.shape
+        assert (got - want.to(got.device)).abs().max() < 1e-3
+    assert engine.graph.captured == 3  # the prompts' 10 rows (as 12), then 3 and 6
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("ram", [True, False])
 def test_batch_tokens_equal_alone_gpu(
@@ -159,8 +199,8 @@ def test_batch_tokens_equal_alone_gpu(
 ) -> None:
     engine = _offload(tiny_moe, "cuda", ram=ram, graphs=graphs)
     assert batched(engine, [0, 1, 2, 3, 4]) == alone
-    if graphs and ram:  # one capture per set of caches the batch held (4, 3, 2 and 1)
-        assert engine.graph.captured == 4
+    if graphs and ram:  # a capture per row count: the prompts' 42 rows (padded to 48), then
+        assert engine.graph.captured == 5  # decode steps of 4, 3, 2 and 1 sequences
 
 
 # 33 ragged prompts (one or two tokens: the interpreter's time goes with the routed pairs):
@@ -234,9 +274,32 @@ def test_graph_per_batch_size_serves_other_caches_gpu(
     pool = engine.new_pool(pool_tokens(6, 16))
     first = _greedy(engine, MANY[:3], pool)
     captured = engine.graph.captured
-    second = _greedy(engine, MANY[3:6], pool)  # three new caches
+    second = _greedy(engine, MANY[4:7], pool)  # three new caches, their prompts as many rows
     assert engine.graph.captured == captured
-    assert first == many_alone[:3] and second == many_alone[3:6]
+    assert first == many_alone[:3] and second == many_alone[4:7]
+
+
+@pytest.mark.gpu
+def test_prepare_captures_every_row_count_gpu(
+    tiny_moe: Model, alone: list[list[int]]
+) -> None:
+    """`prepare` captures the step of every row count for the caches of a pool, so that a
+    batch on other caches of the pool (prompts as rows, then decodes) captures nothing."""
+    from stratad.engine.offload.decode_graph import SIZES
+
+    engine = _offload(tiny_moe, "cuda", graphs=True)
+    pool = engine.new_pool(pool_tokens(6, 64))
+    engine.prepare(KVCache(pool, 64))
+    assert engine.graph.captured == len(SIZES)
+    caches = [KVCache(pool, 64) for _ in PROMPTS]
+    logits = engine.step([Seq(c, p) for c, p in zip(caches, PROMPTS, strict=True)])
+    out = [[int(lg[-1].argmax())] for lg in logits]
+    while live := [b for b in range(len(PROMPTS)) if len(out[b]) < STEPS[b]]:
+        logits = engine.step([Seq(caches[b], [out[b][-1]]) for b in live])
+        for b, lg in zip(live, logits, strict=True):
+            out[b].append(int(lg[-1].argmax()))
+    assert out == alone
+    assert engine.graph.captured == len(SIZES)
 
 
 @pytest.mark.gpu
@@ -256,7 +319,7 @@ def test_failed_capture_runs_the_step_eagerly_gpu(caplog: pytest.LogCaptureFixtu
     graph = DecodeGraph(step, torch.device("cuda"), by_table=lambda _: False)
     with caplog.at_level("WARNING", logger="stratad.engine"):
         for t in (3, 4, 5):
-            logits, _ = graph.replay([t], caches)
+            logits, _ = graph.replay([t], [0], caches)
             assert logits.item() == 2 * t
     assert graph.captured == 0
     assert [r.levelname for r in caplog.records].count("WARNING") == 1

@@ -2,9 +2,11 @@
 
 Before a forward, each cache takes the pool blocks its new tokens need (`reserve`).
 
-`run_batch` turns a list of `Seq` into passes of an engine (`Layers`): a batch whose every
-sequence adds one token to a started cache is one decode pass (B rows, one token each);
-anything else is prefill, its tokens packed in order into chunks of at most the engine's
+`run_batch` turns a list of `Seq` into passes of an engine (`Layers`). The sequences that add
+a token, and those whose few new tokens (a short prompt, a drafted window to verify) fit the
+engine's `row_tokens`, go as one decode pass: a row per new token, each row at its own
+position reading its cache up to it, the pass the engine captures as a graph. The others
+are prefill: their tokens packed in order into chunks of at most the engine's
 `prefill_chunk` tokens, a chunk holding the end of one sequence's tokens and the start of
 the next one's. Each sequence gets what its `Output` asks: the logits of its last new token,
 of every new token (a verify window), or the final norm's output of every new token (the
@@ -21,7 +23,7 @@ from typing import Protocol
 import torch
 
 from stratad.engine.kv import KVCache
-from stratad.engine.passes import Chunk, Pass, Span
+from stratad.engine.passes import FUSED_MAX_TOKENS, ROW_READS_MAX, Chunk, Pass, Span
 
 
 class Output(Enum):
@@ -52,6 +54,12 @@ class Layers(Protocol):
     @property
     def prefill_chunk(self) -> int: ...
 
+    @property
+    def row_tokens(self) -> int:
+        """The most new tokens of one sequence a decode pass takes as rows (1: a sequence's
+        next token only; prompts and drafted windows go as chunks)."""
+        ...
+
     def run(
         self, tokens: list[int], pos: list[int], caches: Sequence[KVCache], step: Pass
     ) -> torch.Tensor:
@@ -68,8 +76,12 @@ class Layers(Protocol):
         multiplies by the output matrix)."""
         ...
 
-    def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
-        """Logits [B, V] after token b appended to cache b (lengths left as they were)."""
+    def decode(
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+    ) -> torch.Tensor:
+        """Logits [R, V] of rows of one token each: token r at position pos[r] of cache r,
+        attending to cache r up to it (a cache may be given for several rows, in order of
+        position; the lengths are left as they were)."""
         ...
 
 
@@ -95,11 +107,24 @@ def reserve(seqs: Sequence[Seq]) -> None:
         s.cache.reserve(s.cache.length + len(s.tokens))
 
 
-def is_decode(seqs: Sequence[Seq]) -> bool:
-    """Every sequence adds one token to a started cache and asks for its logits."""
-    return all(
-        len(s.tokens) == 1 and s.cache.length > 0 and s.out is not Output.HIDDEN for s in seqs
-    )
+def decode_rows(seqs: Sequence[Seq], row_tokens: int) -> list[bool]:
+    """Which sequences go in the step's decode pass: every one adding a token, and in the
+    rows left beside them those whose new tokens (at most `row_tokens`) keep the pass within
+    the fused kernels' rows and each row's attention short (`ROW_READS_MAX`). The final
+    norm's output comes from chunks."""
+
+    def wanted(s: Seq) -> bool:
+        return s.out is not Output.HIDDEN
+
+    rows = sum(1 for s in seqs if len(s.tokens) == 1 and wanted(s))
+    picked = []
+    for s in seqs:
+        n, end = len(s.tokens), s.cache.length + len(s.tokens)
+        fits = n <= row_tokens and rows + n <= FUSED_MAX_TOKENS and n * end <= ROW_READS_MAX
+        take = wanted(s) and (n == 1 or fits)
+        picked.append(take)
+        rows += n if take and n > 1 else 0
+    return picked
 
 
 def chunks(lengths: Sequence[int], budget: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -130,11 +155,32 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
     the final norm's output [T, H]."""
     check_batch(seqs)
     reserve(seqs)
-    if is_decode(seqs):
-        logits = layers.decode([s.tokens[0] for s in seqs], [s.cache for s in seqs])
-        for s in seqs:
-            _append(s.cache, s.tokens)
-        return [logits[b : b + 1] for b in range(len(seqs))]
+    picked = decode_rows(seqs, layers.row_tokens)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for part, run in ((True, _decode_pass), (False, _prefill)):
+        which = [b for b, p in enumerate(picked) if p is part]
+        if which:
+            for b, o in zip(which, run(layers, [seqs[b] for b in which]), strict=True):
+                out[b] = o
+    return out
+
+
+def _decode_pass(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+    """One decode pass over every new token of `seqs`, a row each."""
+    tokens = [t for s in seqs for t in s.tokens]
+    pos = [s.cache.length + j for s in seqs for j in range(len(s.tokens))]
+    logits = layers.decode(tokens, pos, [s.cache for s in seqs for _ in s.tokens])
+    out, at = [], 0
+    for s in seqs:
+        n = len(s.tokens)
+        out.append(logits[at : at + n] if s.out is Output.LOGITS else logits[at + n - 1 : at + n])
+        at += n
+        _append(s.cache, s.tokens)
+    return out
+
+
+def _prefill(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
+    """The new tokens of `seqs` in chunks of at most `prefill_chunk` tokens."""
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for part in chunks([len(s.tokens) for s in seqs], layers.prefill_chunk):
         spans = tuple(Span(seqs[b].cache.length, n) for b, _, n in part)

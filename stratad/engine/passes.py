@@ -19,6 +19,11 @@ FUSED_MAX_TOKENS = 64
 # A fused pass of at most this many tokens copies the union of its missed experts into VRAM
 # staging (the copy miss path, each expert once); a longer one reads its misses in place.
 FETCH_MAX_TOKENS = 8
+# A sequence's several new tokens (a short prompt, a drafted window) ride in a decode pass as
+# rows of their own while rows x the positions each reads stay within this: each row's
+# attention reads the sequence's keys up to its position, so a long window deep in a long
+# context is cheaper as a chunk (its keys read once).
+ROW_READS_MAX = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -31,16 +36,14 @@ class Span:
 
 @dataclass(frozen=True)
 class Decode:
-    """One new token for each of `seqs` sequences (row b is sequence b). The positions are
-    read on the device, so one captured graph serves every step of the same caches."""
+    """`tokens` rows of one new token each, row b of cache b: a sequence's next token, or one
+    of its several new tokens (then several rows have the sequence's cache, each at its own
+    position, and attends up to it). The positions are read on the device, so one captured
+    graph serves every step of the same caches."""
 
-    seqs: int = 1
+    tokens: int = 1
 
     decode = True
-
-    @property
-    def tokens(self) -> int:
-        return self.seqs
 
     @property
     def staged(self) -> bool:
@@ -51,8 +54,8 @@ class Decode:
         return not self.staged
 
     def rows(self) -> list[slice]:
-        """Each sequence's rows of the pass."""
-        return [slice(b, b + 1) for b in range(self.seqs)]
+        """Each row's slice of the pass (one per cache given with it)."""
+        return [slice(b, b + 1) for b in range(self.tokens)]
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,12 @@ class Runner:
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)
 
+    def prepare(self, cache: KVCache) -> None:
+        """Make ready what steps on caches like `cache` need before a request waits for it
+        (the offload engine's decode graphs of every row count)."""
+        if isinstance(self.forward, OffloadForward):
+            self.forward.prepare(cache)
+
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """One batched forward: each sequence's tokens appended to its cache; the logits of
         each one's last new token (of every new token where it asks)."""

@@ -383,6 +383,7 @@ class Engine:
         for _ in self.generator.run(req):
             pass
         self.generator.cache.truncate(0)
+        self.runner.prepare(self.generator.cache)
         if isinstance(self.store, ExpertStore):  # the lookups by tier count requests' alone
             self.store.forget_lookups()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.tuning.configs import KernelConfigs
+from stratad.engine.passes import FUSED_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class OffloadConfig:
     prefill_chunk: int = 4096
     dtype: torch.dtype = torch.bfloat16
     graphs: bool = True  # capture the decode step as a CUDA graph
+    # The most new tokens of one sequence a decode pass takes as rows of their own (a short
+    # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
+    row_tokens: int = FUSED_MAX_TOKENS
     adapt: bool = True  # move recently used experts into VRAM between steps
     moves_per_step: int = 8
     cache_policy: str = "lru"  # the store's eviction policies (stratad.store.tiers.cache)
@@ -44,6 +48,8 @@ class OffloadConfig:
             raise ValueError(f"pcie_frac {self.pcie_frac} is not in [0, 1]")
         if self.gpu_miss not in GPU_MISS_PATHS:
             raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
+        if not 1 <= self.row_tokens <= FUSED_MAX_TOKENS:
+            raise ValueError(f"row_tokens {self.row_tokens} is not in [1, {FUSED_MAX_TOKENS}]")
         if self.link_wait_ns_per_blob and (self.gpu_miss != "copy" or self.prefetch):
             raise ValueError("a paced link (link_wait_ns_per_blob) paces the miss copy: it needs"
                              " gpu_miss 'copy' and no prefetch")

@@ -1,13 +1,17 @@
 """The offload engine's decode step captured as a CUDA graph and replayed per token.
 
-The step's inputs live in device tensors the graph reads: the B tokens, their positions and,
-where the pass reads every KV cache through the block tables, the caches' tables
-[B, max_blocks] (`KVCache.table`). Attention reads the lengths on the device, so one capture
-serves every position; with the tables an input too, one capture per batch size and pool
-serves every set of B caches, so a request joining or leaving the batch replays another
-size's graph instead of capturing anew. Caches of several pools (or a pass that writes a
-cache through its own table) are captured per set of caches, as the graph then holds their
-tables. The last few captures are kept (each holds its own intermediate buffers).
+A step is R rows of one token each, row r at its position in cache r: one token per
+sequence, or several rows of one sequence (a short prompt, a drafted window). The step's
+inputs live in device tensors the graph reads: the R tokens, their positions and, where the
+pass reads every KV cache through the block tables, the rows' tables [R, max_blocks]
+(`KVCache.table`). Attention reads the lengths on the device, so one capture serves every
+position; with the tables an input too, one capture per row count and pool serves every set
+of caches, so a request joining or leaving the batch replays another size's graph instead of
+capturing anew. Row counts are padded up to a few sizes (`SIZES`) by repeating the last row,
+which writes the same key and value to the same place and whose outputs are dropped, so
+prompts of every short length share a dozen captures. Caches of several pools (or a pass
+that writes a cache through its own table) are captured per set of caches, as the graph then
+holds their tables. The last few captures are kept (each holds its own intermediate buffers).
 
 A capture that fails runs that step eagerly instead, with one WARNING: a request never fails
 for a graph. The same key is not captured again.
@@ -26,7 +30,9 @@ from stratad.engine.kv import KVCache, block_tables
 
 log = logging.getLogger("stratad.engine")
 
-KEPT = 8  # captures kept, least recently replayed dropped first
+# the row counts captured: a step of R rows replays the smallest size of at least R
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+KEPT = len(SIZES) + 4  # captures kept, least recently replayed dropped first
 
 # step(tokens [B], positions [B], caches, block tables [B, max_blocks] or None) -> (logits, ids)
 Step = Callable[
@@ -69,13 +75,40 @@ class DecodeGraph:
         return ("caches", tuple(id(c) for c in caches)), False
 
     def replay(
-        self, tokens: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids) of one step, in the graph's own tensors (or the eager
-        step's, where the capture failed)."""
+        """(logits [R, V], routed ids [layers, R * k]) of a step of R rows, views of the
+        graph's own tensors (or the eager step's, where the capture failed)."""
+        rows = len(caches)
+        size = next((n for n in SIZES if n >= rows), rows)
+        if size > rows:  # padded with copies of the last row
+            tokens = [*tokens, *[tokens[-1]] * (size - rows)]
+            pos = [*pos, *[pos[-1]] * (size - rows)]
+            caches = [*caches, *[caches[-1]] * (size - rows)]
+        logits, ids = self._replay(tokens, pos, caches)
+        return logits[:rows], ids[:, : ids.shape[1] // size * rows]
+
+    def prepare(self, cache: KVCache) -> int:
+        """Capture every row count up to the room left in `cache` for steps on caches of its
+        pool and capacity (rows of `cache` at its next positions, which it gives back after),
+        so that no request waits for a capture or for Triton to compile its shapes: the
+        captures made."""
+        start, before = cache.length, self.captured
+        room = min(SIZES[-1], cache.capacity - start, cache.pool.free_blocks * cache.block_size)
+        try:
+            cache.reserve(start + room)
+            for n in (n for n in SIZES if n <= room):
+                self.replay([0] * n, list(range(start, start + n)), [cache] * n)
+        finally:
+            cache.truncate(start)
+        return self.captured - before
+
+    def _replay(
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         key, by_size = self._key(caches)
         if key in self._failed:
-            return self._eager(tokens, caches)
+            return self._eager(tokens, pos, caches)
         cap = self._captures.get(key)
         if cap is not None and not by_size and any(
             a is not b for a, b in zip(cap.caches, caches, strict=True)
@@ -83,7 +116,7 @@ class DecodeGraph:
             cap = None  # another set of caches with the identities of freed ones
         if cap is None:
             try:
-                cap = self._capture(tuple(caches), by_size)
+                cap = self._capture(tuple(caches), pos, by_size)
             except Exception as err:  # noqa: BLE001 (any failure: the step runs eagerly)
                 self._failed.add(key)
                 if not self.warned:
@@ -93,37 +126,41 @@ class DecodeGraph:
                         " such steps run without a graph (slower, same tokens)",
                         len(caches), type(err).__name__, err,
                     )  # fmt: skip
-                return self._eager(tokens, caches)
+                return self._eager(tokens, pos, caches)
             self._captures[key] = cap
             while len(self._captures) > KEPT:
                 self._captures.popitem(last=False)
         self._captures.move_to_end(key)
-        self._fill(cap, tokens, caches)
+        self._fill(cap, tokens, pos, caches)
         cap.graph.replay()
         return cap.logits, cap.ids
 
     def _eager(
-        self, tokens: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tok = torch.tensor(tokens, device=self.device)
-        pos = torch.tensor([c.length for c in caches], device=self.device)
-        return self.step(tok, pos, caches, None)
+        at = torch.tensor(pos, device=self.device)
+        return self.step(tok, at, caches, None)
 
-    def _fill(self, cap: _Capture, tokens: list[int], caches: Sequence[KVCache]) -> None:
+    def _fill(
+        self, cap: _Capture, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+    ) -> None:
         """The step's inputs into the capture's tensors (before its replay)."""
         if len(caches) == 1:  # no host-to-device copy for the common case
             cap.tok.fill_(tokens[0])
-            cap.pos.fill_(caches[0].length)
+            cap.pos.fill_(pos[0])
         else:
             cap.tok.copy_(torch.tensor(tokens))
-            cap.pos.copy_(torch.tensor([c.length for c in caches]))
+            cap.pos.copy_(torch.tensor(pos))
         if cap.tables is not None:
             cap.tables.copy_(block_tables(caches, cap.tables.device))
 
-    def _capture(self, caches: tuple[KVCache, ...], by_size: bool) -> _Capture:
+    def _capture(
+        self, caches: tuple[KVCache, ...], at: list[int], by_size: bool
+    ) -> _Capture:
         b, device = len(caches), self.device
         tok = torch.zeros(b, dtype=torch.long, device=device)
-        pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
+        pos = torch.tensor(at, dtype=torch.long, device=device)
         tables = block_tables(caches, pos.device) if by_size else None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))

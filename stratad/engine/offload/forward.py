@@ -22,6 +22,7 @@ the previous layer computes, dequantized to the compute dtype, and run as groupe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -39,7 +40,7 @@ from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
-from stratad.engine.offload.decode_graph import DecodeGraph
+from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, dense_layers
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import kernel_layouts
@@ -354,9 +355,9 @@ class OffloadForward:
         caches: Sequence[KVCache],
         kv_tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence; `kv_tables`
-        [B, max_blocks]: the caches' block tables, read by the pass instead of the caches'
-        own (a graph captured per batch size)."""
+        """(logits [R, V], routed ids [layers, R * k]) of rows of one token each, row r at
+        pos[r] of caches[r]; `kv_tables` [R, max_blocks]: the caches' block tables, read by
+        the pass instead of the caches' own (a graph captured per row count)."""
         x, ids = self.run_layers(self.embed[tokens], pos, caches, Decode(len(caches)), kv_tables)
         return self.head(x), ids.reshape(ids.shape[0], -1)
 
@@ -394,21 +395,45 @@ class OffloadForward:
         """The final norm's output [R, H] float32 of the hidden rows x [R, H]."""
         return rms_norm(x, self.norm, self.spec.rms_eps).float()
 
-    def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
-        """Logits [B, V] after one more token of each sequence (see `batch.Layers`)."""
+    @property
+    def row_tokens(self) -> int:
+        """A sequence's several new tokens ride in a decode pass (captured as a graph per
+        padded row count) unless a CPU share of the misses splits the step into pieces
+        captured per set of caches: a short prompt would capture anew each time."""
+        split = self.config.pcie_frac < 1.0 and not self.files.enabled
+        return 1 if split and self._graphs else self.config.row_tokens
+
+    @torch.inference_mode()
+    def prepare(self, cache: KVCache) -> None:
+        """Capture the decode step of every row count for caches like `cache` (its pool and
+        capacity) before any request needs it (`DecodeGraph.prepare`), where steps replay
+        graphs."""
+        if not (self._graphs and self.config.pcie_frac == 1.0 and not self.files.enabled):
+            return
+        t = time.perf_counter()
+        n = self.graph.prepare(cache)
+        log.info("decode graphs: every row count captured (%s rows; %d new in %.1f s)",
+                 ", ".join(map(str, SIZES)), n, time.perf_counter() - t)  # fmt: skip
+
+    @property
+    def _graphs(self) -> bool:
+        return self.config.graphs and self.device.type == "cuda"
+
+    def decode(self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """Logits [R, V] of rows of one token each (see `batch.Layers`)."""
         self.experts.apply()
         # a graph replays without the host, which must read the file tier's routed experts
         graph = self.config.pcie_frac == 1.0 and not self.files.enabled
         # a CPU share of the misses: the step in pieces, the host's turn between them
         split = self.config.pcie_frac < 1.0 and not self.files.enabled
         if split and Decode(len(caches)).fused:
-            logits, ids = self.split(tokens, caches)
-        elif self.config.graphs and self.device.type == "cuda" and graph:
-            logits, ids = self.graph.replay(tokens, caches)
+            logits, ids = self.split(tokens, pos, caches)
+        elif self._graphs and graph:
+            logits, ids = self.graph.replay(tokens, pos, caches)
         else:
             tok = torch.tensor(tokens, device=self.device)
-            pos = torch.tensor([c.length for c in caches], device=self.device)
-            logits, ids = self._decode_pass(tok, pos, caches)
+            at = torch.tensor(pos, device=self.device)
+            logits, ids = self._decode_pass(tok, at, caches)
         self.experts.step(ids)
         return logits
 

@@ -95,13 +95,14 @@ class SplitStep:
         self.captured = 0
 
     def __call__(
-        self, tokens: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, V], routed ids [layers, B * k]) of one token per sequence."""
-        cap = self._capture_for(tuple(caches))
+        """(logits [R, V], routed ids [layers, R * k]) of rows of one token each, row r at
+        pos[r] of caches[r]."""
+        cap = self._capture_for(tuple(caches), pos)
         b = cap.bufs
         b.tok.copy_(torch.tensor(tokens))
-        b.pos.copy_(torch.tensor([c.length for c in caches]))
+        b.pos.copy_(torch.tensor(pos))
         self._run(cap)
         assert b.logits is not None
         routed = torch.stack([b.routed[i] for i in self.p.layers])
@@ -185,25 +186,26 @@ class SplitStep:
             cpu_host=host(n, hidden, dtype=torch.float32),
         )  # fmt: skip
 
-    def _capture_for(self, caches: tuple[KVCache, ...]) -> _Capture:
+    def _capture_for(self, caches: tuple[KVCache, ...], pos: list[int]) -> _Capture:
         key = tuple(id(c) for c in caches)
         cap = self._captures.get(key)
         if cap is None or any(a is not b for a, b in zip(cap.caches, caches, strict=True)):
-            cap = self._capture(caches)
+            cap = self._capture(caches, pos)
             self._captures[key] = cap
             while len(self._captures) > KEPT:
                 self._captures.popitem(last=False)
         self._captures.move_to_end(key)
         return cap
 
-    def _capture(self, caches: tuple[KVCache, ...]) -> _Capture:
-        """The pieces of one set of caches: eager ones, or each captured once (after two
-        eager warm-up passes, which compile the kernels) into graphs sharing one pool."""
+    def _capture(self, caches: tuple[KVCache, ...], pos: list[int]) -> _Capture:
+        """The pieces of one set of caches (rows at `pos`): eager ones, or each captured once
+        (after two eager warm-up passes, which compile the kernels) into graphs sharing one
+        pool."""
         bufs = self._buffers(len(caches))
         eager = _Capture(caches, bufs, self._pieces(bufs, caches))
         if not self.graphs:
             return eager
-        bufs.pos.copy_(torch.tensor([c.length for c in caches]))
+        bufs.pos.copy_(torch.tensor(pos))
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -165,11 +165,14 @@ class StagedForward:
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].final_norm(x.to(self.stages[-1].device))
 
-    def decode(self, tokens: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+    @property
+    def row_tokens(self) -> int:
+        return self.config.row_tokens
+
+    def decode(self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         for stage in self.stages:
             stage.experts.apply()
-        x = self.run(tokens, [c.length for c in caches], caches, Decode(len(caches)))
-        return self.head(x)
+        return self.head(self.run(tokens, pos, caches, Decode(len(caches))))
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
