@@ -272,9 +272,10 @@ class SpeculationConfig(_Section, frozen=True):
     lookup decoding: pays where the answer repeats its input, as code edits, quotes and
     schema filling do); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
     default model on a 2-core VM: 1.0-1.9x, bench/results/2026-12-05-spec-cpu.md), off on a
-    GPU until measured there (a verify step runs without the decode graph and routes to more
-    experts). Greedy output is the same either way; sampled output keeps the model's
-    distribution."""
+    GPU, where a drafted token costs 0.5-0.8 of a decode step (its rows route to more experts)
+    and an oracle drafter paid only at 90% acceptance with one token (1.09-1.32x; 0.85x at 60%
+    with experts off the GPU: bench/results/2026-12-05-h100-r16.md). Greedy output is the
+    same either way; sampled output keeps the model's distribution."""
     max_draft: Annotated[int, msgspec.Meta(ge=1, le=16)] = 8
     """Tokens drafted per sequence and step at most."""
     token_cost: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
