@@ -16,6 +16,7 @@ from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.sampling import Sampler, SamplingParams
 from stratad.runtime.sequence import GenerationRequest
+from stratad.runtime.speculation.cost import StepCost
 from stratad.runtime.speculation.drafter import PromptLookup
 from stratad.runtime.speculation.length import DraftLength
 from stratad.runtime.speculation.settings import Speculation
@@ -44,15 +45,33 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
 
 
 def test_draft_length_follows_acceptance_and_rests_when_drafts_do_not_pay() -> None:
-    length = DraftLength(max_k=8, token_cost=0.2, rest=3, rate=0.9)
-    assert length.next() == 8  # 0.9^8 = 0.43 > 0.2
+    length = DraftLength(max_k=8, rest=3, rate=0.9)
+    assert length.next(0.2) == 8  # 0.9^8 = 0.43 > 0.2
+    assert length.next(0.5) == 6  # 0.9^6 = 0.53 > 0.5 > 0.9^7: a dearer token, a shorter draft
     for _ in range(20):
         length.record(8, 0)
     # nothing stood: three steps without a draft, then a probe of one token
-    assert [length.next() for _ in range(4)] == [0, 0, 0, 1]
+    assert [length.next(0.2) for _ in range(4)] == [0, 0, 0, 1]
     length.record(1, 1)
     length.record(1, 1)
-    assert length.next() == 2  # the probe stood twice: a share of 0.51, 0.51^2 > 0.2
+    assert length.next(0.2) == 2  # the probe stood twice: a share of 0.51, 0.51^2 > 0.2
+
+
+def test_step_cost_measures_a_drafted_token_against_its_batch_size() -> None:
+    """A drafted token's share of a decode step: from steps of the same number of sequences
+    with and without drafts; the prior until both are seen; one odd step bounded."""
+    cost = StepCost(prior=0.2, alpha=0.5)
+    cost.observe(2, 3, 0.030)  # a verify before any plain step of 2: nothing to compare with
+    assert cost.token_cost == 0.2 and not cost.measured
+    cost.observe(1, 0, 0.010)
+    cost.observe(2, 0, 0.020)
+    cost.observe(2, 4, 0.040)  # 4 drafts doubled a step of two: 0.25 each
+    assert cost.measured and cost.token_cost == pytest.approx(0.25)
+    cost.observe(1, 1, 0.015)  # one draft beside one sequence: half a step
+    assert cost.token_cost == pytest.approx(0.375)
+    cost.observe(1, 1, 10.0)  # a stall (a capture, a swap) counts as 2 steps at most
+    assert cost.token_cost == pytest.approx((0.375 + 2.0) / 2)
+    assert cost.verifies == 3
 
 
 def test_a_verified_draft_keeps_the_distribution() -> None:

@@ -30,6 +30,7 @@ from stratad.model.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
+from stratad.runtime.speculation.cost import StepCost
 from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active, Forward, Outcome, StepLoop
 from stratad.runtime.step_plan import StepBudget
@@ -79,7 +80,9 @@ class Generator:
         self._waiting: dict[Active, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
         budget = StepBudget.auto(prefill_chunk, parallel, step_tokens)
-        self.loop = StepLoop(forward, budget, self.store, self.kv, self.timer, idle=self)
+        cost = StepCost(speculation.token_cost) if speculation is not None else None
+        self.loop = StepLoop(forward, budget, self.store, self.kv, self.timer, idle=self,
+                             cost=cost)  # fmt: skip
 
     @property
     def cache(self) -> KVCache:

@@ -102,14 +102,15 @@ class Sequence:
         """Draft tokens from `drafts` at every decode from now on (fed the prompt already)."""
         self.drafts, self.draft_length = drafts, length
 
-    def propose(self) -> None:
-        """Draft this step's tokens after the pending one (none while in the prompt, where the
-        draft would not pay, or where the budget or the cache has no room for them)."""
+    def propose(self, token_cost: float) -> None:
+        """Draft this step's tokens after the pending one, a drafted token costing
+        `token_cost` of a decode step (none while in the prompt, where the draft would not
+        pay, or where the budget or the cache has no room for them)."""
         self.proposed = []
         if self.drafts is None or self.draft_length is None or self.prefilling:
             return
         room = min(self.budget - self.sampled - 1, self.cache.capacity - self.cache.length - 1)
-        k = min(self.draft_length.next(), room)
+        k = min(self.draft_length.next(token_cost), room)
         if k > 0:
             self.proposed = self.drafts.propose(k)
 

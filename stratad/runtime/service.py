@@ -421,6 +421,9 @@ class Engine:
              float(loop.accepted)),
             ("strata:spec_decode_num_verifies_total", "steps of a sequence that verified a"
              " draft", {}, float(loop.verifies)),
+            ("strata:spec_decode_token_cost", "what a drafted token costs, as a share of a"
+             " decode step (measured on the engine's steps, else speculation.token_cost)", {},
+             loop.cost.token_cost),
         ]  # fmt: skip
         # the offload engine's misses computed on the CPU (engine.pcie_frac < 1), by stage
         stages = getattr(self.forward, "stages", [self.forward])

@@ -17,6 +17,7 @@ failure never changes another's tokens.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seqs
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, Sequence
+from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST, StepCost
 from stratad.runtime.step_plan import StepBudget, Want, plan_step
 
 log = logging.getLogger("stratad.engine")
@@ -47,6 +49,15 @@ class Forward(Protocol):
         ...
 
     def step(self, seqs: Seqs[Seq]) -> list[torch.Tensor]: ...
+
+
+def _decoding(seqs: list[Active]) -> int | None:
+    """The drafted tokens of a step where every sequence computes its next token and its
+    drafts only (None: a step with prompt tokens or pooling, whose time says nothing of a
+    draft's cost)."""
+    if not all(isinstance(s, Sequence) and not s.prefilling for s in seqs):
+        return None
+    return sum(len(s.proposed) for s in seqs if isinstance(s, Sequence))
 
 
 def _wants(s: Active) -> Output:
@@ -82,8 +93,12 @@ class StepLoop:
         kv: KVPool,
         timer: StageTimer | None = None,
         idle: Idle | None = None,
+        cost: StepCost | None = None,
     ) -> None:
+        """`cost`: what a drafted token costs, measured on these steps (a prior of
+        `DEFAULT_TOKEN_COST` where not given)."""
         self.forward, self.budget, self.prefixes, self.kv = forward, budget, prefixes, kv
+        self.cost = cost or StepCost(DEFAULT_TOKEN_COST)
         self.timer = timer or StageTimer(enabled=False)
         self.idle: Idle = idle or _NoIdle()
         self.running: list[Active] = []
@@ -109,13 +124,15 @@ class StepLoop:
             return []
         for s in self.running:  # drafts first: a verify's tokens count in the plan
             if isinstance(s, Sequence):
-                s.propose()
+                s.propose(self.cost.token_cost)
         out: list[tuple[Active, Outcome]] = []
         picked, nexts = self._plan(out)
         if not picked:
             return out
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
+        timed = _decoding(seqs)  # drafted tokens in all, or None: a step of prompt tokens
+        start = time.perf_counter()
         rows = self.forward.step(batch)  # it takes the planned blocks (`engine.batch.reserve`)
         for s in seqs:  # full blocks become hits for later prompts of the same scope
             s.cache.seal(s.req.scope)
@@ -134,6 +151,8 @@ class StepLoop:
                 out.append((s, event))
                 if event.finish_reason is not None:
                     self.running.remove(s)
+        if timed is not None:  # the forward and the sampling: what a step costs the loop
+            self.cost.observe(len(seqs), timed, time.perf_counter() - start)
         return out
 
     def _plan(self, out: list[tuple[Active, Outcome]]) -> tuple[list[int], list[list[int]]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST
 from stratad.runtime.speculation.drafter import Drafter, Drafts, PromptLookup
 from stratad.runtime.speculation.length import DraftLength
 
@@ -13,7 +14,7 @@ from stratad.runtime.speculation.length import DraftLength
 class Speculation:
     drafter: Drafter
     max_draft: int = 8
-    token_cost: float = 0.2
+    token_cost: float = DEFAULT_TOKEN_COST  # the prior, until the loop measured its steps
 
     @classmethod
     def from_config(
@@ -30,4 +31,4 @@ class Speculation:
 
     def start(self, prompt: list[int]) -> tuple[Drafts, DraftLength]:
         """A new sequence's drafter (fed its prompt) and draft length."""
-        return self.drafter.start(prompt), DraftLength(self.max_draft, self.token_cost)
+        return self.drafter.start(prompt), DraftLength(self.max_draft)
