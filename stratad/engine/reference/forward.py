@@ -20,6 +20,7 @@ from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
 from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
 from stratad.engine.kv import KVCache, KVPool
+from stratad.engine.kv_format import PLAIN, KVFormat
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
@@ -120,10 +121,12 @@ class ReferenceForward:
         experts: ExpertProvider | None = None,
         timer: StageTimer | None = None,
         weights: WeightMode | None = None,
+        kv_format: KVFormat = PLAIN,
     ) -> None:
         """`weights`: how the weights are held (default: dequantized to `dtype` on `device`,
         the reference); `experts`: None, the model's stacks (dequantized once as floats);
-        else fetched from the provider per use."""
+        else fetched from the provider per use. `kv_format`: the quantized cache whose values
+        attention reads (each key and value written as its stored form gives it back)."""
         self.spec: ModelSpec = model.spec
         self.timer = timer or StageTimer(enabled=False)
         self.device = torch.device(device)
@@ -137,6 +140,9 @@ class ReferenceForward:
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
         # the cpu engine's layers in one kernel call per step, where it can
         self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
+        if self.stack is not None and kv_format != PLAIN:
+            raise ValueError(f"the cpu engine's layers keep plain KV, not {kv_format.name}")
+        self.kv_format = kv_format
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
         self.norm = self.mode.vector(model.tensor("model.norm.weight"))
@@ -284,6 +290,7 @@ class ReferenceForward:
             q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
         q = apply_rope(q, cos, sin, spec.rope_interleaved)
         k = apply_rope(k, cos, sin, spec.rope_interleaved)
+        k, v = self.kv_format.round_trip(k), self.kv_format.round_trip(v)
         rows = cache.rows(0, start + t, self.device)
         cache.k[i].index_copy_(0, rows[start:], k.to(cache.k[i].dtype))
         cache.v[i].index_copy_(0, rows[start:], v.to(cache.v[i].dtype))
