@@ -24,6 +24,7 @@ from stratad.engine.offload.experts import (
 )
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
@@ -33,7 +34,10 @@ from stratad.store.tiers.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
 
-PROMPT = list(range(100, 118))  # a 16-token staged chunk, then 2 tokens through the fused kernels
+# a staged chunk (every expert of a layer dequantized, then grouped GEMMs), then 2 tokens
+# through the fused kernels
+CHUNK = FUSED_MAX_TOKENS + 1
+PROMPT = list(range(100, 100 + CHUNK + 2))
 
 # (gate, up, down) per layer of tiny-moe (hidden 256, expert ffn 128: down's rows of 128
 # columns take no 256-value K-quant, as in llama.cpp's fallback)
@@ -60,7 +64,7 @@ def mixed_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 def _greedy(forward, n: int = 5) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-    cache = forward.new_cache(64)
+    cache = forward.new_cache(128)
     logits = forward(PROMPT, cache)[-1]
     out = []
     for _ in range(n):
@@ -114,7 +118,7 @@ def test_tokens_match_reference(
         else None
     )
     budget = slots * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED, graphs=False, gpu_miss=gpu_miss,
                         pcie_frac=pcie_frac)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
@@ -165,7 +169,7 @@ def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: 
         else None
     )
     budget = 3 * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         gpu_miss=gpu_miss, prefetch=True)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cuda"), cfg, ram=ram)
     ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe), 16)
@@ -188,7 +192,7 @@ def test_llama_cpp_presets_match_reference(
     model = load_model(path)
     assert offload_supported(model), fast_path_refusal(model)
     budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     off = OffloadForward(model, torch.device("cpu"), cfg)
     ref_tokens, ref_logits = _greedy(ReferenceForward(model), 3)

@@ -10,12 +10,15 @@ from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig
 from stratad.engine.offload.stages import StagedForward, balanced_split, parse_split
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
 from stratad.model.synth import get_preset, write_synth
 from stratad.store.loader import load_model
 
-PROMPT = list(range(100, 118))  # a staged chunk of 16, then 2 through the fused kernels
+# a staged chunk (every expert of a layer, grouped GEMMs), then 2 through the fused kernels
+CHUNK = FUSED_MAX_TOKENS + 1
+PROMPT = list(range(100, 100 + CHUNK + 2))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
 
 def test_two_stages_same_tokens_as_one(tiny_moe: Model) -> None:
     budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")
     staged = StagedForward(tiny_moe, [cpu, cpu], [0, 1, 4], cfg)
@@ -67,7 +70,7 @@ def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> No
     layers (2 per layer here), never for the other stage's."""
     n = tiny_moe.spec.n_layers
     budget = 2 * n * blob_layouts(tiny_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")
     staged = StagedForward(tiny_moe, [cpu, cpu], [0, 2, n], cfg)
