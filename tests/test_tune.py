@@ -29,16 +29,6 @@ from stratad.engine.offload.kernel_table import configs_for
 STACK = "sm90-cuda-12.8"
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from stratad.model.synth import get_preset, write_synth
-    from stratad.store.loader import load_model
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return load_model(path)
-
-
 def _ctl(*args: str, interpret: bool = True) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
