@@ -8,6 +8,8 @@ blocks; prefill dequantizes them, the CPU miss path too.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,16 +52,15 @@ MIX = [
 
 
 @pytest.fixture(scope="module")
-def mixed_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+def mixed_moe(tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path) -> Model:
     root = tmp_path_factory.mktemp("mixed")
-    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
     names = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     types = {
         f"blk.{layer}.{name}.weight": qtype
         for layer, mix in enumerate(MIX)
         for name, qtype in zip(names, mix, strict=True)
     }
-    export_retyped(root / "q4_0.gguf", root / "mixed.gguf", types)
+    export_retyped(tiny_moe_file, root / "mixed.gguf", types)
     return load_model(root / "mixed.gguf")
 
 
@@ -131,12 +132,13 @@ def test_tokens_match_reference(
     assert (off.host.file_reads > 0) == file_tier
 
 
-def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_type_without_a_kernel_is_named(
+    tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path
+) -> None:
     """Experts the fused kernels cannot read keep the reference engine, and saying why."""
-    root = tmp_path_factory.mktemp("f16")
-    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
-    export_retyped(root / "q4_0.gguf", root / "f16.gguf", {"blk.2.ffn_down_exps.weight": QType.F16})
-    model = load_model(root / "f16.gguf")
+    f16 = tmp_path_factory.mktemp("f16") / "f16.gguf"
+    export_retyped(tiny_moe_file, f16, {"blk.2.ffn_down_exps.weight": QType.F16})
+    model = load_model(f16)
     assert not offload_supported(model)
     with pytest.raises(ModelError, match="layer 2 holds F16 experts"):
         kernel_layouts(model)
