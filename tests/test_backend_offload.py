@@ -15,19 +15,16 @@ import openai
 import pytest
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.synth import get_preset, write_synth
+from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
-from stratad.store.loader import load_model
 from tests.daemon import running_daemon
 
 ENV = {"TRITON_INTERPRET": "1"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("offload") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return path
+def tiny(tiny_moe_file: Path) -> Path:
+    return tiny_moe_file  # the session's (tests/conftest.py)
 
 
 def _config(path: Path, store: str, engine: str = "") -> Path:
@@ -37,8 +34,10 @@ def _config(path: Path, store: str, engine: str = "") -> Path:
     return path
 
 
-def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
-    model = load_model(tiny)
+def test_offload_daemon_matches_reference(
+    tiny: Path, tiny_moe_model: Model, tmp_path: Path
+) -> None:
+    model = tiny_moe_model
     tok = tokenizer_from_gguf(model.metadata)
     ref = ReferenceForward(model)
     cache = ref.new_cache(64)
@@ -84,12 +83,12 @@ def test_offload_daemon_matches_reference(tiny: Path, tmp_path: Path) -> None:
     assert "decode misses: the GPU takes 100% (read in place)" in log
 
 
-def test_auto_backend_choice(tiny: Path, smollm_model) -> None:  # type: ignore[no-untyped-def]
+def test_auto_backend_choice(tiny_moe_model: Model, smollm_model) -> None:  # type: ignore[no-untyped-def]
     import torch
 
     from stratad.engine.placement import choose_backend, offload_supported
 
-    moe = load_model(tiny)
+    moe = tiny_moe_model
     assert offload_supported(moe) and not offload_supported(smollm_model)
     # a GPU picks offload; a CPU serves from the blocks with the compiled CPU kernels
     assert choose_backend("auto", moe, torch.device("cpu")) == "cpu"

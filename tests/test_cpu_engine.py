@@ -14,8 +14,6 @@ from stratad.engine.placement import choose_backend
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import FloatLinear, QuantLinear, QuantWeights
 from stratad.model.spec import Model, ModelError
-from stratad.model.synth import PRESETS, write_synth
-from stratad.store.loader import load_model
 
 # The kernels round activations to 8 bits per block of 32, as llama.cpp does, so this engine
 # is held to llama.cpp, teacher-forced on llama.cpp's own greedy continuation: at every
@@ -43,10 +41,8 @@ def kernels() -> CpuExperts:
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    path = tmp_path_factory.mktemp("cpu-engine") / "tiny-moe.gguf"
-    write_synth(PRESETS["tiny-moe"], path)
-    return load_model(path)
+def tiny_moe(tiny_moe_model: Model) -> Model:
+    return tiny_moe_model  # the session's (tests/conftest.py)
 
 
 def test_smollm_follows_llama_cpp(

@@ -10,7 +10,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from stratad.model.synth import get_preset, write_synth
 from tests.daemon import running_daemon
 
 # what a decode step is made of, by engine: the cpu engine (what `auto` picks here) runs the
@@ -22,9 +21,8 @@ STAGES = {
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_decode_timing_log_and_metrics(tmp_path: Path, backend: str) -> None:
-    model = tmp_path / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), model)
+def test_decode_timing_log_and_metrics(tmp_path: Path, backend: str, tiny_moe_file: Path) -> None:
+    model = tiny_moe_file
     log = tmp_path / "stratad.log"
     config = tmp_path / "stratad.toml"
     config.write_text(f'[engine]\ndevice = "cpu"\nbackend = "{backend}"\n')

@@ -145,9 +145,6 @@ def test_attn_input_paged_checks() -> None:
         call(block_size=24)
     with pytest.raises(ValueError, match="whole blocks"):
         call(pool=pool[:, :-4].contiguous())
-    addrs = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="two layouts"):
-        call(kv_addrs=addrs)
     with pytest.raises(ValueError, match="without block_tables"):
         call(block_tables=None)
 
@@ -162,25 +159,6 @@ def test_attn_input_gpu_real_shape() -> None:
                           RopeStyle.NEOX, 1e-6)  # fmt: skip
     torch.testing.assert_close(q, want, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got_cache, want_cache, atol=1e-2, rtol=1e-2)
-
-
-def test_attn_input_caches_by_address() -> None:
-    """Three tokens of three sequences, each cache a tensor of its own found by its address:
-    each token's k and v land in its own cache, as the single-cache call writes them."""
-    qkv, pos, norms, cos, sin, cache = _case(3, 4, 2, 16, torch.float32, True, seed=5)
-    own = [cache.clone() for _ in range(3)]  # [2, S, Hkv, D] each: its K and V
-    addrs = torch.tensor([[c[0].data_ptr(), c[1].data_ptr()] for c in own]).to(DEVICE)
-    q = attn_input(qkv, pos, norms, cos, sin, own[0][0], own[0][1], RopeStyle.NEOX, 1e-6,
-                   kv_addrs=addrs)  # fmt: skip
-    for t in range(3):
-        want = cache.clone()
-        want_q = attn_input(qkv[t : t + 1], pos[t : t + 1], norms, cos, sin, want[0], want[1],
-                            RopeStyle.NEOX, 1e-6)  # fmt: skip
-        assert torch.equal(q[t : t + 1], want_q)
-        assert torch.equal(own[t], want), f"token {t}'s cache"
-    with pytest.raises(ValueError, match="kv_addrs"):
-        attn_input(qkv, pos, norms, cos, sin, own[0][0], own[0][1], RopeStyle.NEOX, 1e-6,
-                   kv_addrs=addrs[:2])  # fmt: skip
 
 
 @pytest.mark.gpu

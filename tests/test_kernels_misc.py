@@ -156,25 +156,6 @@ def test_decode_attention(batch: int, hq: int, hkv: int, dim: int, s_max: int) -
     torch.testing.assert_close(out, decode_attention_ref(q, k, v, lens), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("split_s", [64, 16])
-def test_decode_attention_caches_by_address(split_s: int) -> None:
-    """Three sequences of ragged lengths, each with a cache of its own (found through its
-    addresses), in one launch: each sequence's output bit for bit its output alone."""
-    q, k, v, lens = attention_inputs(3, 4, 2, 16, 37, torch.float32, seed=11)
-    own = [(k[b].clone(), v[b].clone()) for b in range(3)]  # separate allocations
-    addrs = torch.tensor([[kb.data_ptr(), vb.data_ptr()] for kb, vb in own]).to(DEVICE)
-    cfg = AttentionConfig(block_s=16, split_s=split_s)
-    out = decode_attention(q, own[0][0][None], own[0][1][None], lens, config=cfg,
-                           kv_addrs=addrs)  # fmt: skip
-    for b in range(3):
-        alone = decode_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], lens[b : b + 1],
-                                 config=cfg)  # fmt: skip
-        assert torch.equal(out[b : b + 1], alone), f"sequence {b}"
-    torch.testing.assert_close(out, decode_attention_ref(q, k, v, lens), **TOL[torch.float32])
-    with pytest.raises(ValueError, match="kv_addrs"):
-        decode_attention(q, k, v, lens, kv_addrs=addrs)  # not one template cache
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_attention_half_and_scale(dtype: torch.dtype) -> None:
     q, k, v, lens = attention_inputs(2, 4, 2, 32, 20, dtype, seed=9)
@@ -411,9 +392,6 @@ def test_decode_attention_paged_checks() -> None:
         call(k=k, v=v)
     with pytest.raises(ValueError, match="pools"):
         call(k=k_pool, v=v_pool[:, :1])
-    addrs = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="two layouts"):
-        call(k=k_pool[None], v=v_pool[None], kv_addrs=addrs)
     with pytest.raises(ValueError, match="without block_tables"):
         decode_attention(q, k, v, lens, block_size=8)
 

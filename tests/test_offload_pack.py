@@ -19,6 +19,7 @@ from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.engine.offload.experts import blob_layouts, kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.store.pack.manifest import EXPERTS_NAME, read_manifest
 from stratad.store.pack.packed import load_pack
@@ -27,7 +28,9 @@ from stratad.store.tiers.sources import BlobCorrupt, PackExperts
 from tests.daemon import free_port
 from tests.test_store_fakes import tiny_moe_gguf
 
-PROMPT = list(range(100, 118))  # a staged 16-token chunk (every expert of a layer), then 2
+# a staged chunk (every expert of a layer), then 2 through the fused kernels
+CHUNK = FUSED_MAX_TOKENS + 1
+PROMPT = list(range(100, 100 + CHUNK + 2))
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +60,14 @@ def _engine(pack: Path, device: str, ram: list[list[int]] | None) -> OffloadForw
     )
     budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     kernels = INTERPRETED if device == "cpu" else KernelConfigs()
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=kernels, graphs=False)  # fmt: skip
     # the slots start with experts 0-2 of each layer: the damaged expert 5 is not among them
     return OffloadForward(model, torch.device(device), cfg, host=host)
 
 
 def _greedy(engine: OffloadForward | ReferenceForward, n: int) -> list[int]:
-    cache = engine.new_cache(64)
+    cache = engine.new_cache(128)
     logits, out = engine(PROMPT, cache)[-1], []
     for _ in range(n):
         out.append(int(logits.argmax()))

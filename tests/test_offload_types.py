@@ -8,6 +8,8 @@ blocks; prefill dequantizes them, the CPU miss path too.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from stratad.engine.offload.experts import (
 )
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
@@ -33,7 +36,10 @@ from stratad.store.tiers.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
 
-PROMPT = list(range(100, 118))  # a 16-token staged chunk, then 2 tokens through the fused kernels
+# a staged chunk (every expert of a layer dequantized, then grouped GEMMs), then 2 tokens
+# through the fused kernels
+CHUNK = FUSED_MAX_TOKENS + 1
+PROMPT = list(range(100, 100 + CHUNK + 2))
 
 # (gate, up, down) per layer of tiny-moe (hidden 256, expert ffn 128: down's rows of 128
 # columns take no 256-value K-quant, as in llama.cpp's fallback)
@@ -46,21 +52,20 @@ MIX = [
 
 
 @pytest.fixture(scope="module")
-def mixed_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
+def mixed_moe(tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path) -> Model:
     root = tmp_path_factory.mktemp("mixed")
-    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
     names = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     types = {
         f"blk.{layer}.{name}.weight": qtype
         for layer, mix in enumerate(MIX)
         for name, qtype in zip(names, mix, strict=True)
     }
-    export_retyped(root / "q4_0.gguf", root / "mixed.gguf", types)
+    export_retyped(tiny_moe_file, root / "mixed.gguf", types)
     return load_model(root / "mixed.gguf")
 
 
 def _greedy(forward, n: int = 5) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-    cache = forward.new_cache(64)
+    cache = forward.new_cache(128)
     logits = forward(PROMPT, cache)[-1]
     out = []
     for _ in range(n):
@@ -114,7 +119,7 @@ def test_tokens_match_reference(
         else None
     )
     budget = slots * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED, graphs=False, gpu_miss=gpu_miss,
                         pcie_frac=pcie_frac)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
@@ -127,12 +132,13 @@ def test_tokens_match_reference(
     assert (off.host.file_reads > 0) == file_tier
 
 
-def test_a_type_without_a_kernel_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_type_without_a_kernel_is_named(
+    tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path
+) -> None:
     """Experts the fused kernels cannot read keep the reference engine, and saying why."""
-    root = tmp_path_factory.mktemp("f16")
-    write_synth(get_preset("tiny-moe"), root / "q4_0.gguf")
-    export_retyped(root / "q4_0.gguf", root / "f16.gguf", {"blk.2.ffn_down_exps.weight": QType.F16})
-    model = load_model(root / "f16.gguf")
+    f16 = tmp_path_factory.mktemp("f16") / "f16.gguf"
+    export_retyped(tiny_moe_file, f16, {"blk.2.ffn_down_exps.weight": QType.F16})
+    model = load_model(f16)
     assert not offload_supported(model)
     with pytest.raises(ModelError, match="layer 2 holds F16 experts"):
         kernel_layouts(model)
@@ -165,7 +171,7 @@ def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: 
         else None
     )
     budget = 3 * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         gpu_miss=gpu_miss, prefetch=True)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cuda"), cfg, ram=ram)
     ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe), 16)
@@ -188,7 +194,7 @@ def test_llama_cpp_presets_match_reference(
     model = load_model(path)
     assert offload_supported(model), fast_path_refusal(model)
     budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     off = OffloadForward(model, torch.device("cpu"), cfg)
     ref_tokens, ref_logits = _greedy(ReferenceForward(model), 3)

@@ -31,8 +31,7 @@ from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.scheduler import EngineFailed, Scheduler
 from stratad.runtime.sequence import GenerationRequest
-from stratad.store.loader import load_model
-from tests.server_helpers import shared_daemon, tiny_moe_path, wait_until
+from tests.server_helpers import shared_daemon, wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -53,8 +52,8 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def model() -> Model:
-    return load_model(tiny_moe_path())
+def model(tiny_moe_model: Model) -> Model:
+    return tiny_moe_model  # the session's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

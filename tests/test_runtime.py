@@ -20,16 +20,13 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest, Sequence
 from stratad.runtime.step import StepLoop
 from stratad.runtime.step_plan import StepBudget
-from stratad.store.loader import load_model
-from tests.test_store_fakes import tiny_moe_gguf
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Tokenizer]:
-    model = load_model(tiny_moe_gguf(tmp_path_factory))
-    return model, tokenizer_from_gguf(model.metadata)
+def tiny(tiny_moe_model: Model) -> tuple[Model, Tokenizer]:
+    return tiny_moe_model, tokenizer_from_gguf(tiny_moe_model.metadata)
 
 
 def _requests(tok: Tokenizer) -> list[GenerationRequest]:

@@ -10,6 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Job, PreparedJob
@@ -19,15 +20,13 @@ from stratad.runtime.scheduler import QueueFull, Scheduler, Unavailable
 from stratad.runtime.sequence import GenerationRequest
 from stratad.server.app import host_allowed
 from stratad.server.metrics import ServerMetrics
-from stratad.store.loader import load_model
-from tests.server_helpers import tiny_moe_path
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def parts() -> tuple[ReferenceForward, object]:
-    model = load_model(tiny_moe_path())
+def parts(tiny_moe_model: Model) -> tuple[ReferenceForward, object]:
+    model = tiny_moe_model
     return ReferenceForward(model), tokenizer_from_gguf(model.metadata)
 
 

@@ -147,13 +147,10 @@ def test_the_auto_drafter_is_prompt_lookup_on_the_cpu_engine_only() -> None:
         Speculation.from_config("draft_model", 4, 0.2, "cpu")
 
 
-def test_greedy_tokens_are_those_without_drafts_on_the_tiny_moe() -> None:
+def test_greedy_tokens_are_those_without_drafts_on_the_tiny_moe(tiny_moe_model: Model) -> None:
     """The tiny MoE on the cpu engine (its routed experts in the one-call layers), drafts
     from one-token matches: the same tokens with and without."""
-    from stratad.store.loader import load_model
-    from tests.server_helpers import tiny_moe_path
-
-    model = load_model(tiny_moe_path())
+    model = tiny_moe_model
     engine = (ReferenceForward(model, weights=QuantWeights(CpuExperts(threads=2))),
               tokenizer_from_gguf(model.metadata))  # fmt: skip
     prompt = [5, 6, 7, 8, 9, 10] * 6

@@ -10,19 +10,13 @@ from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig
 from stratad.engine.offload.stages import StagedForward, balanced_split, parse_split
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.synth import get_preset, write_synth
-from stratad.store.loader import load_model
 
-PROMPT = list(range(100, 118))  # a staged chunk of 16, then 2 through the fused kernels
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    path = tmp_path_factory.mktemp("stages") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return load_model(path)
+# a staged chunk (every expert of a layer, grouped GEMMs), then 2 through the fused kernels
+CHUNK = FUSED_MAX_TOKENS + 1
+PROMPT = list(range(100, 100 + CHUNK + 2))
 
 
 def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -35,14 +29,14 @@ def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
     return out
 
 
-def test_two_stages_same_tokens_as_one(tiny_moe: Model) -> None:
-    budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+def test_two_stages_same_tokens_as_one(tiny_moe_model: Model) -> None:
+    budget = 3 * tiny_moe_model.spec.n_layers * blob_layouts(tiny_moe_model).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")
-    staged = StagedForward(tiny_moe, [cpu, cpu], [0, 1, 4], cfg)
+    staged = StagedForward(tiny_moe_model, [cpu, cpu], [0, 1, 4], cfg)
     assert [s.layer_ids for s in staged.stages] == [range(0, 1), range(1, 4)]
-    assert _greedy(staged, 6) == _greedy(ReferenceForward(tiny_moe), 6)
+    assert _greedy(staged, 6) == _greedy(ReferenceForward(tiny_moe_model), 6)
     # each stage keeps slots and counts for its own layers only
     assert all(not staged.stages[0].experts.slot_of[i] for i in range(1, 4))
     assert staged.stages[1].route_counts[0].sum() == 0 < staged.stages[1].route_counts[1].sum()
@@ -62,15 +56,15 @@ def test_split_parsing_and_balance() -> None:
     assert balanced_split(48, [7e9, 9e9]) == balanced_split(48, [7e9, 9e9])
 
 
-def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe: Model) -> None:
+def test_both_stages_hold_slots_for_their_own_layers_only(tiny_moe_model: Model) -> None:
     """A split where both stages get a non-zero share: each allocates slots for its own
     layers (2 per layer here), never for the other stage's."""
-    n = tiny_moe.spec.n_layers
-    budget = 2 * n * blob_layouts(tiny_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=16,
+    n = tiny_moe_model.spec.n_layers
+    budget = 2 * n * blob_layouts(tiny_moe_model).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED)
     cpu = torch.device("cpu")
-    staged = StagedForward(tiny_moe, [cpu, cpu], [0, 2, n], cfg)
+    staged = StagedForward(tiny_moe_model, [cpu, cpu], [0, 2, n], cfg)
     for stage in staged.stages:
         assert stage.experts.n_slots == 2 * len(stage.layer_ids)
         assert [len(stage.experts.slot_of[i]) for i in range(n)] == [

@@ -24,7 +24,7 @@ from stratad.store.placement.profile import profile_from_counts, save_profile
 from stratad.store.startup import open_source, open_store
 from stratad.store.store import ExpertStore
 from stratad.store.tiers.sources import ExpertSource, ModelExperts, PackExperts
-from tests.test_store_fakes import tiny_hf_moe, tiny_moe_gguf
+from tests.test_store_fakes import tiny_hf_moe
 
 NEW_TOKENS = 10
 
@@ -51,8 +51,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def gguf_ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    model = load_model(tiny_moe_gguf(tmp_path_factory))
+def gguf_ref(tiny_moe_model: Model) -> Reference:
+    model = tiny_moe_model
     prompt = torch.randint(
         0, model.spec.vocab_size, (24,), generator=torch.Generator().manual_seed(3)
     )

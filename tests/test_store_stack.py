@@ -18,13 +18,11 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.store_stack import StoreStack
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.store.loader import load_model
 from stratad.store.placement.plan import GiB
 from stratad.store.placement.profile import profile_from_counts, save_profile
 from stratad.store.startup import open_store
 from stratad.store.store import ExpertStore
 from stratad.store.tiers.sources import ModelExperts
-from tests.test_store_fakes import tiny_moe_gguf
 from tests.test_store_generation import greedy, three_tiers
 
 PROMPT = list(range(5, 29))
@@ -32,8 +30,8 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    return load_model(tiny_moe_gguf(tmp_path_factory))
+def model(tiny_moe_model: Model) -> Model:
+    return tiny_moe_model  # the session's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -29,16 +29,6 @@ from stratad.engine.offload.kernel_table import configs_for
 STACK = "sm90-cuda-12.8"
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_model(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from stratad.model.synth import get_preset, write_synth
-    from stratad.store.loader import load_model
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return load_model(path)
-
-
 def _ctl(*args: str, interpret: bool = True) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
@@ -127,6 +117,7 @@ def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: P
 def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ignore[no-untyped-def]
     from stratad.engine.offload.experts import blob_layouts
     from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+    from stratad.engine.passes import FUSED_MAX_TOKENS
     from stratad.engine.reference.forward import ReferenceForward
 
     model = tiny_moe_model
@@ -136,8 +127,10 @@ def test_engine_runs_with_a_tables_settings(tiny_moe_model) -> None:  # type: ig
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, graphs=False,
                         kernels=settings)  # fmt: skip
     off, ref = OffloadForward(model, torch.device("cpu"), cfg), ReferenceForward(model)
-    prompt = list(range(100, 110))
-    a, b = off.new_cache(64), ref.new_cache(64)
+    # the prompt one staged chunk; then decode steps, where both settings apply: the fetch
+    # copies each step's misses, attention splits 66+ positions into pieces of 8
+    prompt = list(range(100, 101 + FUSED_MAX_TOKENS))
+    a, b = off.new_cache(128), ref.new_cache(128)
     got, want = off(prompt, a)[-1], ref(prompt, b)[-1]
     for _ in range(2):
         tok = int(want.argmax())

@@ -1,11 +1,10 @@
 """Decode attention: one query token per sequence over its KV cache, with GQA.
 
 q [B, Hq, D] attends to the first seq_lens[b] positions of k/v caches [B, S, Hkv, D]
-(any strides with a contiguous last dim, so a slot of a larger cache pool is a view), or of B
-separate caches of one shape [S, Hkv, D] found through their addresses `kv_addrs` [B, 2]
-(a batch of sequences, each with its own cache, in one launch), or of one pool of KV blocks
-shared by all sequences [n_slots, Hkv, D] read through each sequence's row of `block_tables`
-(the paged layout of `kernels.layers.paged`: each K/V row of a step is gathered by its slot).
+(any strides with a contiguous last dim, so a slot of a larger cache pool is a view), or of
+one pool of KV blocks shared by all sequences [n_slots, Hkv, D] read through each sequence's
+row of `block_tables` (the paged layout of `kernels.layers.paged`: each K/V row of a step is
+gathered by its slot).
 Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llama.cpp do.
 Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
@@ -169,7 +168,6 @@ def _decode_attention_kernel(
     acc_ptr,  # [B, Hq, n_splits, D] float32
     count_ptr,  # [B * Hkv] int32, zero between launches
     out_ptr,  # [B, Hq, D]
-    addr_ptr,  # [B, 2] int64: each sequence's K and V cache (BY_ADDR); else unread
     table_ptr,  # [B, max_blocks] int32: each sequence's block ids (PAGED); else unread
     scale,
     S,
@@ -200,7 +198,6 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,  # next power of two of N_SPLITS
     MERGE_J: tl.constexpr,
     DOT_F32: tl.constexpr,
-    BY_ADDR: tl.constexpr,  # sequence b's K/V at the addresses addr_ptr[b] (stride_kb unread)
     PAGED: tl.constexpr,  # sequence b's K/V rows through table_ptr[b] (stride_kb is 0)
     PAGE: tl.constexpr,  # positions per block (PAGED)
 ):
@@ -222,14 +219,8 @@ def _decode_attention_kernel(
     q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_at, mask=q_mask, other=0.0)
     q = q.to(tl.float32) if DOT_F32 else q.to(k_ptr.dtype.element_ty)
-    if BY_ADDR:
-        k_seq = tl.load(addr_ptr + 2 * b).to(tl.pointer_type(k_ptr.dtype.element_ty))
-        v_seq = tl.load(addr_ptr + 2 * b + 1).to(tl.pointer_type(v_ptr.dtype.element_ty))
-    else:
-        k_seq = k_ptr + b * stride_kb
-        v_seq = v_ptr + b * stride_vb
-    k_base = k_seq + kv_head * stride_kh
-    v_base = v_seq + kv_head * stride_vh
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     m_i, l_i, acc = _attend(
         q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, start, end, scale,
         D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE,
@@ -317,7 +308,6 @@ def _launch(
     scale: float,
     cfg: AttentionConfig,
     counts: torch.Tensor,
-    kv_addrs: torch.Tensor | None,
     block_tables: torch.Tensor | None,
     block_size: int,
 ) -> None:
@@ -342,7 +332,6 @@ def _launch(
     block_h = triton.next_power_of_2(group)
     _decode_attention_kernel[(B, Hkv, n_splits)](
         q, k_cache, v_cache, seq_lens, m, l, acc, counts, out,
-        kv_addrs if kv_addrs is not None else seq_lens,
         block_tables if block_tables is not None else seq_lens, scale * _LOG2E, S,
         q.stride(0), q.stride(1), *k_strides, *v_strides,
         m.stride(0), m.stride(1),
@@ -353,8 +342,7 @@ def _launch(
         BLOCK_D=triton.next_power_of_2(D) if interpreted else max(triton.next_power_of_2(D), 16),
         BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
         MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
-        BY_ADDR=kv_addrs is not None, PAGED=block_tables is not None,
-        PAGE=block_size if block_tables is not None else 1,
+        PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -374,7 +362,6 @@ def decode_attention(
     scale: float | None = None,
     config: AttentionConfig | None = None,
     counts: torch.Tensor | None = None,
-    kv_addrs: torch.Tensor | None = None,
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
@@ -388,11 +375,6 @@ def decode_attention(
     (`attention_counts`) is the kernel's zeroed scratch; without it each call allocates
     one. Calls running at once on different streams need their own.
 
-    `kv_addrs` [B, 2] int64 (on the device): sequence b's caches are the [S, Hkv, D] tensors
-    at addresses (k, v) = kv_addrs[b], each of the shape, strides and dtype of k/v_cache
-    [1, S, Hkv, D] (one of them, or any cache of the kind): B sequences with caches of their
-    own in one launch. The caller keeps the caches alive while the kernel may read them.
-
     `block_tables` [B, max_blocks] int32 (on the device, rows with a contiguous last dim) and
     `block_size` (a power of two): the paged layout (`kernels.layers.paged`). k/v_cache are
     then the pools [n_slots, Hkv, D] shared by all sequences (no batch dim; n_slots a whole
@@ -400,22 +382,9 @@ def decode_attention(
     block_tables[b, p // block_size] * block_size + p % block_size. S is
     max_blocks * block_size: a seq_len past it is read as S. The ids are read on the device
     only (a table updated in place is replayed by a graph); every id the kernel reads must
-    be a block of the pool, padding included. Not with `kv_addrs`.
+    be a block of the pool, padding included.
     """
     paged = block_tables is not None
-    if kv_addrs is not None:
-        if paged:
-            raise ValueError("kv_addrs and block_tables are two layouts: give one")
-        if k_cache.shape[0] != 1 or kv_addrs.shape != (q.shape[0], 2):
-            raise ValueError(
-                f"with kv_addrs, k/v_cache are one template [1, S, Hkv, D] and kv_addrs is"
-                f" [B={q.shape[0]}, 2]; got {tuple(k_cache.shape)}, {tuple(kv_addrs.shape)}"
-            )
-        if kv_addrs.dtype != torch.int64 or kv_addrs.device != q.device:
-            raise ValueError(f"kv_addrs must be int64 on {q.device}")
-        k_cache = k_cache.expand(q.shape[0], *k_cache.shape[1:])  # the checks' shapes
-        v_cache = v_cache.expand(q.shape[0], *v_cache.shape[1:])
-        kv_addrs = kv_addrs.contiguous()
     if block_tables is not None:
         if k_cache.dim() != 3:
             raise ValueError(
@@ -444,8 +413,8 @@ def decode_attention(
         return out
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     _launch(
-        q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, kv_addrs,
-        block_tables, block_size,
+        q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, block_tables,
+        block_size,
     )  # fmt: skip
     return out
 

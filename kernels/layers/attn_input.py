@@ -1,9 +1,8 @@
 """Decode attention's input in one launch: from a token's fused q|k|v projection, per-head
 RMSNorm of q and k (Qwen3's qk-norm, optional), RoPE by position tables, the new key and
 value written into the KV cache at their position, and the rotated queries returned. The
-tokens may belong to different sequences, each with a cache of its own, found through their
-addresses (`kv_addrs`), or to one pool of KV blocks shared by all sequences, each token's row
-found through its sequence's block table (`block_tables`, the paged layout of
+tokens may belong to different sequences of one pool of KV blocks, each token's row found
+through its sequence's block table (`block_tables`, the paged layout of
 `kernels.layers.paged`): a decode batch in one launch.
 
 Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
@@ -38,7 +37,6 @@ def _attn_input_kernel(
     q_ptr,  # [T, HQ, D] out
     k_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
     v_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
-    addr_ptr,  # [T, 2] int64: token t's K and V cache (BY_ADDR); else unread
     table_ptr,  # [T, max_blocks] int32: token t's sequence's block ids (PAGED); else unread
     stride_t,
     stride_tt,  # table_ptr's row stride
@@ -50,16 +48,11 @@ def _attn_input_kernel(
     HALF: tl.constexpr,
     NEOX: tl.constexpr,
     NORM: tl.constexpr,
-    BY_ADDR: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if BY_ADDR:  # this token's sequence's caches
-        cache_ty = tl.pointer_type(k_cache_ptr.dtype.element_ty)
-        k_cache_ptr = tl.load(addr_ptr + 2 * t).to(cache_ty)
-        v_cache_ptr = tl.load(addr_ptr + 2 * t + 1).to(cache_ty)
     i = tl.arange(0, HALF)
     first, second = rope_pairs(i, HALF, NEOX)
     src = qkv_ptr + t * stride_t + h * D
@@ -118,7 +111,6 @@ def attn_input(
     v_cache: torch.Tensor,
     style: RopeStyle,
     eps: float,
-    kv_addrs: torch.Tensor | None = None,
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
@@ -126,16 +118,13 @@ def attn_input(
     """qkv [T, (Hq + 2 Hkv) D] at positions pos [T] -> rotated q [T, Hq, D]; the rotated k
     and the v go into k_cache/v_cache [S, Hkv, D] at pos. `norms`: per-head (q, k) RMSNorm
     weights [D], or None. cos/sin: float32 [P, D/2] tables by position (full rotation).
-    `kv_addrs` [T, 2] int64 on the device: token t's k and v go into the caches at addresses
-    kv_addrs[t] instead, each contiguous of k_cache's shape and dtype (k_cache, v_cache: any
-    one of them).
 
     `block_tables` [T, max_blocks] int32 on the device (row t: token t's sequence's block
     ids) and `block_size` (a power of two): k_cache/v_cache are the pools [n_slots, Hkv, D]
     of the paged layout (`kernels.layers.paged`), and token t's k and v go into pool row
-    block_tables[t, pos[t] // block_size] * block_size + pos[t] % block_size. Not with
-    `kv_addrs`. A position outside 0..S-1 (paged: 0..max_blocks * block_size - 1) writes no
-    k/v; every id the kernel reads must be a block of the pool."""
+    block_tables[t, pos[t] // block_size] * block_size + pos[t] % block_size. A position
+    outside 0..S-1 (paged: 0..max_blocks * block_size - 1) writes no k/v; every id the kernel
+    reads must be a block of the pool."""
     s, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous [S, Hkv, D] of one shape")
@@ -150,14 +139,7 @@ def attn_input(
         raise ValueError(f"pos must be integers [{qkv.shape[0]}]")
     if qkv.dtype != k_cache.dtype or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("qkv and the cache must share a dtype; the tables must be contiguous")
-    if kv_addrs is not None and (
-        kv_addrs.shape != (qkv.shape[0], 2) or kv_addrs.dtype != torch.int64
-        or kv_addrs.device != qkv.device or not kv_addrs.is_contiguous()
-    ):  # fmt: skip
-        raise ValueError(f"kv_addrs must be contiguous int64 [{qkv.shape[0]}, 2] on {qkv.device}")
     if block_tables is not None:
-        if kv_addrs is not None:
-            raise ValueError("kv_addrs and block_tables are two layouts: give one")
         check_block_tables(block_tables, block_size, qkv.shape[0], s, qkv.device)
         reach = block_tables.shape[1] * block_size
     elif block_size:
@@ -169,12 +151,11 @@ def attn_input(
         qw, kw = norms if norms is not None else (cos, cos)  # unread without NORM
         _attn_input_kernel[(qkv.shape[0], hq + 2 * hkv)](
             qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache,
-            kv_addrs if kv_addrs is not None else pos,
             block_tables if block_tables is not None else pos, qkv.stride(0),
             block_tables.stride(0) if block_tables is not None else 0, reach, eps,
             HQ=hq, HKV=hkv, D=d, HALF=d // 2, NEOX=RopeStyle(style) == RopeStyle.NEOX,
-            NORM=norms is not None, BY_ADDR=kv_addrs is not None,
-            PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
+            NORM=norms is not None, PAGED=block_tables is not None,
+            PAGE=block_size if block_tables is not None else 1,
             num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q
