@@ -19,8 +19,6 @@ from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.synth import get_preset, write_synth
-from stratad.store.loader import load_model
 
 # ragged: a one-token prompt, prompts shorter and longer than a 16-token chunk
 PROMPTS = [list(range(100, 103)), list(range(200, 207)), [300], list(range(400, 420)),
@@ -29,10 +27,8 @@ STEPS = [4, 2, 5, 3, 1]  # tokens each sequence generates: the batch shrinks as 
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return load_model(path)
+def tiny_moe(tiny_moe_model: Model) -> Model:
+    return tiny_moe_model
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,11 @@ from stratad.engine.kv_format import FORMATS, PLAIN, Q4KV, Int8KV
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.model.synth import get_preset, write_synth
-from stratad.store.loader import load_model
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    path = tmp_path_factory.mktemp("tiny") / "tiny-moe.gguf"
-    write_synth(get_preset("tiny-moe"), path)
-    return load_model(path)
+def tiny_moe(tiny_moe_model: Model) -> Model:
+    return tiny_moe_model
 
 
 def _keys() -> torch.Tensor:
