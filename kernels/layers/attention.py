@@ -388,11 +388,13 @@ def _launch(
     else:  # one pool for every sequence (no batch stride), each reaching its table's blocks
         S = block_tables.shape[1] * block_size
         k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
-    ks_strides = vs_strides = (0, 0, 0)  # (sequence, position, KV head); unread unless quant
+    # the scales' (sequence, position, KV head) strides; unread unless quant
+    ks_strides: tuple[int, ...] = (0, 0, 0)
+    vs_strides: tuple[int, ...] = (0, 0, 0)
     if k_scale is not None and v_scale is not None:
-        ks_strides, vs_strides = k_scale.stride(), v_scale.stride()
-        if block_tables is not None:
-            ks_strides, vs_strides = (0, *ks_strides), (0, *vs_strides)
+        pool = block_tables is not None  # [n_slots, Hkv]: no sequence stride
+        ks_strides = (0, *k_scale.stride()) if pool else k_scale.stride()
+        vs_strides = (0, *v_scale.stride()) if pool else v_scale.stride()
     group = Hq // Hkv
     n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
     # Partials of every piece (none when one piece is the whole cache); those past a
