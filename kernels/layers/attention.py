@@ -8,6 +8,11 @@ gathered by its slot).
 Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llama.cpp do.
 Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
+The caches may be int8 with float32 scales per (position, KV head) (`k_scale`, `v_scale`:
+the format of `kernels.layers.kv_quant`), read as they are: the ints widen to the dot's
+dtype (exactly: |q| <= 127), each K row's scores are multiplied by its k scale, and each V
+row's softmax weight by its v scale before the second dot. No dequantized copy is made.
+
 One program serves all query heads of one KV head, so each K/V row is read once per
 group rather than once per query head: decode attention is bound by reading the cache.
 
@@ -44,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layers.kv_quant import dequantize_kv
 from kernels.layers.paged import check_block_tables, gather_pages
 
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
@@ -67,6 +73,10 @@ def _attend(
     stride_ks,
     stride_vs,
     table,  # the sequence's block ids (PAGED); else unread
+    ks_base,  # k/v scales of the sequence and KV head at position 0 (QUANT); else unread
+    vs_base,
+    stride_kss,
+    stride_vss,
     start,
     end,
     scale,  # the softmax scale times log2(e): scores are in base-2 units
@@ -77,11 +87,13 @@ def _attend(
     DOT_F32: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
+    QUANT: tl.constexpr,  # int8 K/V, each row scaled by its ks/vs
 ):
     """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
     unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
     acc = 0 when empty. Both products are tensor-core dots with float32 accumulation
-    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16)."""
+    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16; QUANT:
+    the ints widened to q's dtype)."""
     d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of 2^(s - m)
@@ -96,15 +108,25 @@ def _attend(
             rows = s[:, None].to(tl.int64)
         k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
+        if QUANT:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
+            srow = block.to(tl.int64) * PAGE + s % PAGE if PAGED else s.to(tl.int64)
+            ks = tl.load(ks_base + srow * stride_kss, mask=s < end, other=0.0)
+            vs = tl.load(vs_base + srow * stride_vss, mask=s < end, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BG, BS]
+        if QUANT:
+            scores = scores * ks[None, :]
         scores = tl.where(s[None, :] < end, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
         p = tl.exp2(scores - m_new[:, None])  # [BG, BS]
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p = p * vs[None, :]  # after the sum: l counts the weights, not the scales
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return m_i, l_i, acc
@@ -169,6 +191,8 @@ def _decode_attention_kernel(
     count_ptr,  # [B * Hkv] int32, zero between launches
     out_ptr,  # [B, Hq, D]
     table_ptr,  # [B, max_blocks] int32: each sequence's block ids (PAGED); else unread
+    ks_ptr,  # [B, S, Hkv] float32 k scales (PAGED: [n_slots, Hkv]) (QUANT); else unread
+    vs_ptr,  # [B, S, Hkv] float32 v scales (PAGED: [n_slots, Hkv]) (QUANT); else unread
     scale,
     S,
     stride_qb,
@@ -187,6 +211,12 @@ def _decode_attention_kernel(
     stride_ob,
     stride_oh,
     stride_tb,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
     H_KV,
     D: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -200,6 +230,7 @@ def _decode_attention_kernel(
     DOT_F32: tl.constexpr,
     PAGED: tl.constexpr,  # sequence b's K/V rows through table_ptr[b] (stride_kb is 0)
     PAGE: tl.constexpr,  # positions per block (PAGED)
+    QUANT: tl.constexpr,  # int8 K/V with per (row, KV head) scales
 ):
     """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
     piece it writes the output; with more it writes its partials, and the last program of
@@ -218,12 +249,18 @@ def _decode_attention_kernel(
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_at, mask=q_mask, other=0.0)
-    q = q.to(tl.float32) if DOT_F32 else q.to(k_ptr.dtype.element_ty)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    elif not QUANT:  # the cache's dtype; over int8 caches the dot takes q's own
+        q = q.to(k_ptr.dtype.element_ty)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    ks_base = ks_ptr + b * stride_ksb + kv_head * stride_ksh
+    vs_base = vs_ptr + b * stride_vsb + kv_head * stride_vsh
     m_i, l_i, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, start, end, scale,
-        D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE,
+        q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, ks_base, vs_base,
+        stride_kss, stride_vss, start, end, scale,
+        D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE, QUANT,
     )  # fmt: skip
     if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -257,6 +294,8 @@ def _check_inputs(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     paged: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     layout = "pools [n_slots, Hkv, D]" if paged else "[B, S, Hkv, D]"
     if q.dim() != 3 or k_cache.dim() != (3 if paged else 4) or k_cache.shape != v_cache.shape:
@@ -274,12 +313,16 @@ def _check_inputs(
         raise ValueError(
             f"seq_lens must be integers [B={B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
         )
-    if not (
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together (both for int8 caches, or neither)")
+    if k_scale is not None and v_scale is not None:
+        _check_scales(q, k_cache, v_cache, k_scale, v_scale, layout)
+    elif not (
         q.is_floating_point() and k_cache.dtype == v_cache.dtype and k_cache.is_floating_point()
     ):
         raise TypeError(
             f"need float q and caches of one float dtype, got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            f"{k_cache.dtype}, {v_cache.dtype} (int8 caches take k_scale and v_scale)"
         )
     if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
         raise ValueError("q, caches and seq_lens must be on one device")
@@ -288,6 +331,29 @@ def _check_inputs(
             "KV caches need a contiguous head dim (copying one per step would "
             "cost more than the attention)"
         )
+
+
+def _check_scales(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    layout: str,
+) -> None:
+    if not (q.is_floating_point() and k_cache.dtype == v_cache.dtype == torch.int8):
+        raise TypeError(
+            f"with k_scale/v_scale: float q and int8 caches, got {q.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}"
+        )
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.dtype != torch.float32 or sc.shape != k_cache.shape[:-1]:
+            raise ValueError(
+                f"{name} must be float32 {list(k_cache.shape[:-1])} (the caches {layout} less"
+                f" D), got {sc.dtype} {tuple(sc.shape)}"
+            )
+        if sc.device != k_cache.device:
+            raise ValueError(f"{name} is on {sc.device}, the caches on {k_cache.device}")
 
 
 def _check_config(cfg: AttentionConfig) -> None:
@@ -310,15 +376,25 @@ def _launch(
     counts: torch.Tensor,
     block_tables: torch.Tensor | None,
     block_size: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
+    quant = k_scale is not None and v_scale is not None
     if block_tables is None:
         S = k_cache.shape[1]
         k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
     else:  # one pool for every sequence (no batch stride), each reaching its table's blocks
         S = block_tables.shape[1] * block_size
         k_strides, v_strides = (0, *k_cache.stride()[:2]), (0, *v_cache.stride()[:2])
+    # the scales' (sequence, position, KV head) strides; unread unless quant
+    ks_strides: tuple[int, ...] = (0, 0, 0)
+    vs_strides: tuple[int, ...] = (0, 0, 0)
+    if k_scale is not None and v_scale is not None:
+        pool = block_tables is not None  # [n_slots, Hkv]: no sequence stride
+        ks_strides = (0, *k_scale.stride()) if pool else k_scale.stride()
+        vs_strides = (0, *v_scale.stride()) if pool else v_scale.stride()
     group = Hq // Hkv
     n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
     # Partials of every piece (none when one piece is the whole cache); those past a
@@ -332,18 +408,20 @@ def _launch(
     block_h = triton.next_power_of_2(group)
     _decode_attention_kernel[(B, Hkv, n_splits)](
         q, k_cache, v_cache, seq_lens, m, l, acc, counts, out,
-        block_tables if block_tables is not None else seq_lens, scale * _LOG2E, S,
+        block_tables if block_tables is not None else seq_lens,
+        k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
+        scale * _LOG2E, S,
         q.stride(0), q.stride(1), *k_strides, *v_strides,
         m.stride(0), m.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0) if block_tables is not None else 0,
-        Hkv,
+        *ks_strides, *vs_strides, Hkv,
         D=D, GROUP=group, BLOCK_G=block_h if interpreted else max(block_h, 16), BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(D) if interpreted else max(triton.next_power_of_2(D), 16),
         BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
         MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
         PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -365,6 +443,8 @@ def decode_attention(
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
@@ -383,6 +463,11 @@ def decode_attention(
     max_blocks * block_size: a seq_len past it is read as S. The ids are read on the device
     only (a table updated in place is replayed by a graph); every id the kernel reads must
     be a block of the pool, padding included.
+
+    `k_scale`/`v_scale` float32 (both or neither; any strides), the caches' shape less D
+    ([B, S, Hkv], paged [n_slots, Hkv]): k/v_cache are int8 (`kernels.layers.kv_quant`),
+    read directly with each row scaled by its scale; q stays a float dtype (the dots run in
+    it), the output is in q's dtype.
     """
     paged = block_tables is not None
     if block_tables is not None:
@@ -394,7 +479,7 @@ def decode_attention(
         check_block_tables(block_tables, block_size, q.shape[0], k_cache.shape[0], q.device)
     elif block_size:
         raise ValueError(f"block_size {block_size} without block_tables")
-    _check_inputs(q, k_cache, v_cache, seq_lens, paged)
+    _check_inputs(q, k_cache, v_cache, seq_lens, paged, k_scale, v_scale)
     cfg = config or AttentionConfig()
     _check_config(cfg)
     if q.stride(-1) != 1:
@@ -414,7 +499,7 @@ def decode_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     _launch(
         q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, block_tables,
-        block_size,
+        block_size, k_scale, v_scale,
     )  # fmt: skip
     return out
 
@@ -428,9 +513,14 @@ def decode_attention_ref(
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in torch: over caches [B, S, Hkv, D], or (block_tables, block_size)
-    over pools [n_slots, Hkv, D], each sequence's blocks gathered first."""
+    over pools [n_slots, Hkv, D], each sequence's blocks gathered first; int8 caches with
+    k_scale/v_scale are dequantized first (a float32 copy: the reference's way in)."""
+    if k_scale is not None and v_scale is not None:
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     if block_tables is not None:
         k_cache = gather_pages(k_cache, block_tables, block_size)  # [B, S, Hkv, D]
         v_cache = gather_pages(v_cache, block_tables, block_size)

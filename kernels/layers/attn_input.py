@@ -3,7 +3,9 @@ RMSNorm of q and k (Qwen3's qk-norm, optional), RoPE by position tables, the new
 value written into the KV cache at their position, and the rotated queries returned. The
 tokens may belong to different sequences of one pool of KV blocks, each token's row found
 through its sequence's block table (`block_tables`, the paged layout of
-`kernels.layers.paged`): a decode batch in one launch.
+`kernels.layers.paged`): a decode batch in one launch. With `k_scale`/`v_scale` the caches are
+int8 (`kernels.layers.kv_quant`): the k (after its rotation, rounded to the compute dtype) and
+the v are written quantized per (token, KV head), with their scales.
 
 Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
 a few microseconds of launch for a few kilobytes of work. One program per (token, head):
@@ -21,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.layers.kv_quant import quantize_halves, quantize_kv
 from kernels.layers.norm import rmsnorm_ref
 from kernels.layers.paged import check_block_tables, pool_rows
 from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
@@ -35,8 +38,10 @@ def _attn_input_kernel(
     cos_ptr,  # [P, HALF] float32, by position
     sin_ptr,
     q_ptr,  # [T, HQ, D] out
-    k_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
-    v_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D])
+    k_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D]); int8 (QUANT)
+    v_cache_ptr,  # [S, HKV, D] (PAGED: the pool [n_slots, HKV, D]); int8 (QUANT)
+    ks_ptr,  # [S, HKV] float32 k scales (QUANT); else unread
+    vs_ptr,  # [S, HKV] float32 v scales (QUANT); else unread
     table_ptr,  # [T, max_blocks] int32: token t's sequence's block ids (PAGED); else unread
     stride_t,
     stride_tt,  # table_ptr's row stride
@@ -50,6 +55,7 @@ def _attn_input_kernel(
     NORM: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
+    QUANT: tl.constexpr,  # int8 caches with per (row, head) scales
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -72,9 +78,15 @@ def _attn_input_kernel(
     x2 = tl.load(src + second)
     dtype = x1.dtype
     if h >= HQ + HKV:  # a value head: into the cache as it is
-        dst = v_cache_ptr + (row * HKV + (h - HQ - HKV)) * D
-        tl.store(dst + first, x1, mask=inside)
-        tl.store(dst + second, x2, mask=inside)
+        at = row * HKV + (h - HQ - HKV)
+        if QUANT:
+            v1, v2, v_scale = quantize_halves(x1.to(tl.float32), x2.to(tl.float32))
+            tl.store(v_cache_ptr + at * D + first, v1, mask=inside)
+            tl.store(v_cache_ptr + at * D + second, v2, mask=inside)
+            tl.store(vs_ptr + at, v_scale, mask=held)
+        else:
+            tl.store(v_cache_ptr + at * D + first, x1, mask=inside)
+            tl.store(v_cache_ptr + at * D + second, x2, mask=inside)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
@@ -96,9 +108,49 @@ def _attn_input_kernel(
             tl.store(q_ptr + (t * HQ + h) * D + first, y1)
             tl.store(q_ptr + (t * HQ + h) * D + second, y2)
         else:
-            dst = k_cache_ptr + (row * HKV + (h - HQ)) * D
-            tl.store(dst + first, y1, mask=inside)
-            tl.store(dst + second, y2, mask=inside)
+            at = row * HKV + (h - HQ)
+            if QUANT:  # the k as the unquantized path stores it, then quantized
+                k1, k2, k_scale = quantize_halves(y1.to(tl.float32), y2.to(tl.float32))
+                tl.store(k_cache_ptr + at * D + first, k1, mask=inside)
+                tl.store(k_cache_ptr + at * D + second, k2, mask=inside)
+                tl.store(ks_ptr + at, k_scale, mask=held)
+            else:
+                tl.store(k_cache_ptr + at * D + first, y1, mask=inside)
+                tl.store(k_cache_ptr + at * D + second, y2, mask=inside)
+
+
+def _check_cache_dtypes(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the caches are int8 with scales (checked), else that they share qkv's dtype."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together (both for int8 caches, or neither)")
+    if k_scale is None or v_scale is None:
+        if not (qkv.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError(
+                f"qkv and the caches must share a dtype, got {qkv.dtype}, {k_cache.dtype}, "
+                f"{v_cache.dtype} (int8 caches take k_scale and v_scale)"
+            )
+        return False
+    rows = k_cache.shape[:2]
+    if k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8 or not qkv.is_floating_point():
+        raise ValueError(
+            f"with k_scale/v_scale the caches must be int8 and qkv float, got {k_cache.dtype}, "
+            f"{v_cache.dtype}, {qkv.dtype}"
+        )
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.dtype != torch.float32 or sc.shape != rows or not sc.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous float32 {list(rows)} (the cache's [S, Hkv]), got "
+                f"{sc.dtype} {tuple(sc.shape)}"
+            )
+        if sc.device != k_cache.device:
+            raise ValueError(f"{name} is on {sc.device}, the caches on {k_cache.device}")
+    return True
 
 
 def attn_input(
@@ -114,6 +166,8 @@ def attn_input(
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2 Hkv) D] at positions pos [T] -> rotated q [T, Hq, D]; the rotated k
     and the v go into k_cache/v_cache [S, Hkv, D] at pos. `norms`: per-head (q, k) RMSNorm
@@ -124,7 +178,11 @@ def attn_input(
     of the paged layout (`kernels.layers.paged`), and token t's k and v go into pool row
     block_tables[t, pos[t] // block_size] * block_size + pos[t] % block_size. A position
     outside 0..S-1 (paged: 0..max_blocks * block_size - 1) writes no k/v; every id the kernel
-    reads must be a block of the pool."""
+    reads must be a block of the pool.
+
+    `k_scale`/`v_scale` float32 [S, Hkv] (contiguous; both or neither): k_cache/v_cache are
+    int8, and each row's k and v are written quantized (`kernels.layers.kv_quant`) with
+    their scales beside them, in either layout. q is still returned in qkv's dtype."""
     s, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous [S, Hkv, D] of one shape")
@@ -137,8 +195,9 @@ def attn_input(
         raise ValueError(f"head dim {d} must be a power of two, with at least one q head")
     if pos.shape != (qkv.shape[0],) or pos.is_floating_point():
         raise ValueError(f"pos must be integers [{qkv.shape[0]}]")
-    if qkv.dtype != k_cache.dtype or not cos.is_contiguous() or not sin.is_contiguous():
-        raise ValueError("qkv and the cache must share a dtype; the tables must be contiguous")
+    if not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("the cos/sin tables must be contiguous")
+    quant = _check_cache_dtypes(qkv, k_cache, v_cache, k_scale, v_scale)
     if block_tables is not None:
         check_block_tables(block_tables, block_size, qkv.shape[0], s, qkv.device)
         reach = block_tables.shape[1] * block_size
@@ -151,11 +210,12 @@ def attn_input(
         qw, kw = norms if norms is not None else (cos, cos)  # unread without NORM
         _attn_input_kernel[(qkv.shape[0], hq + 2 * hkv)](
             qkv, pos, qw, kw, cos, sin, q, k_cache, v_cache,
+            k_scale if k_scale is not None else cos, v_scale if v_scale is not None else cos,
             block_tables if block_tables is not None else pos, qkv.stride(0),
             block_tables.stride(0) if block_tables is not None else 0, reach, eps,
             HQ=hq, HKV=hkv, D=d, HALF=d // 2, NEOX=RopeStyle(style) == RopeStyle.NEOX,
             NORM=norms is not None, PAGED=block_tables is not None,
-            PAGE=block_size if block_tables is not None else 1,
+            PAGE=block_size if block_tables is not None else 1, QUANT=quant,
             num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q
@@ -174,9 +234,12 @@ def attn_input_ref(
     *,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unfused composition, in torch (paged: k/v_cache are the pools, each token's row
-    through its row of block_tables)."""
+    through its row of block_tables; with k_scale/v_scale, int8 caches written by
+    `quantize_kv`)."""
     _, hkv, d = k_cache.shape
     t = qkv.shape[0]
     q, k, v = qkv.split([qkv.shape[1] - 2 * hkv * d, hkv * d, hkv * d], dim=-1)
@@ -194,6 +257,11 @@ def attn_input_ref(
         return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
 
     rows = pos if block_tables is None else pool_rows(block_tables, pos[:, None], block_size)[:, 0]
-    k_cache.index_copy_(0, rows, rotate(k))
+    k = rotate(k)
+    if k_scale is not None and v_scale is not None:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        k_scale.index_copy_(0, rows, ks)
+        v_scale.index_copy_(0, rows, vs)
+    k_cache.index_copy_(0, rows, k)
     v_cache.index_copy_(0, rows, v)
     return rotate(q)
