@@ -2,7 +2,8 @@
 
 - `PLAIN`: in the pool's dtype (bf16 on a GPU, halves or floats on a CPU).
 - `Int8KV`: int8 with one float32 scale per (token, KV head), symmetric: scale = max|x| / 127
-  over the head's values, q = round(x / scale) (half to even) in -127..127; llama.cpp's
+  over the head's values, q = round(x / scale) (half to even) in -127..127
+  (`kernels.layers.kv_quant`, whose layout the attention kernels read directly); llama.cpp's
   `-ctk q8_0` keeps a scale per 32 values instead.
 - `Q4KV`: 4 bits with a float32 scale and minimum per 32 values of a head (as llama.cpp's
   `q4_1`): scale = (max - min) / 15, q = round((x - min) / scale) in 0..15. On the default
@@ -21,14 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _symmetric(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ints in -levels..levels, float32 scale per row of the last dim) of x [..., n]."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True) / levels
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / safe).clamp(-levels, levels)
-    return q.to(torch.int8), scale
+from kernels.layers.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -49,11 +43,10 @@ class Int8KV:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, Hkv, D] -> (int8 [T, Hkv, D], float32 scales [T, Hkv])."""
-        q, scale = _symmetric(x, 127)
-        return q, scale[..., 0]
+        return quantize_kv(x)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return q.float() * scale[..., None]
+        return dequantize_kv(q, scale)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return self.dequantize(*self.quantize(x)).to(x.dtype)
