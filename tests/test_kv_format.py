@@ -3,14 +3,23 @@ attending over exactly those values (what `bench.kv_ppl` measures)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from kernels.cpu.experts import CpuExperts
+from kernels.tuning.configs import INTERPRETED
+from stratad.config import Config, EngineConfig
+from stratad.engine.batch import Seq
+from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.kv_format import FORMATS, PLAIN, Q4KV, Int8KV
+from stratad.engine.offload.experts import blob_layouts
+from stratad.engine.offload.forward import OffloadConfig, OffloadForward
+from stratad.engine.placement import start_plan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
-from stratad.model.spec import Model
+from stratad.model.spec import Model, ModelError
+from stratad.runtime.prefix import PrefixStore
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +77,86 @@ def test_cpu_layers_refuse_a_quantized_cache(smollm_model: Model) -> None:
     with pytest.raises(ValueError, match="plain KV, not int8"):
         ReferenceForward(smollm_model, weights=weights, kv_format=Int8KV())
     assert ReferenceForward(smollm_model, weights=weights, kv_format=PLAIN).stack is not None
+
+
+# ragged prompts: rows of one decode pass (or chunks), then decode steps of all three
+PROMPTS = [list(range(100, 103)), list(range(200, 207)), list(range(400, 420))]
+
+
+def _greedy(engine, caches, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    logits = engine.step([Seq(c, p) for c, p in zip(caches, PROMPTS, strict=True)])
+    out = [[int(lg[-1].argmax())] for lg in logits]
+    for _ in range(n - 1):
+        logits = engine.step([Seq(c, [o[-1]]) for c, o in zip(caches, out, strict=True)])
+        for o, lg in zip(out, logits, strict=True):
+            o.append(int(lg[-1].argmax()))
+    return out
+
+
+def _int8_reference(tiny_moe: Model) -> list[list[int]]:
+    """Each prompt's 4 greedy tokens from the reference over int8-rounded keys and values."""
+    ref = ReferenceForward(tiny_moe, kv_format=Int8KV())
+    want = []
+    for p in PROMPTS:
+        cache = ref.new_cache(64)
+        logits, toks = ref(p, cache)[-1], []
+        for _ in range(4):
+            toks.append(int(logits.argmax()))
+            logits = ref([toks[-1]], cache)[-1]
+        want.append(toks)
+    return want
+
+
+def _int8_engine(tiny_moe: Model, device: str, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
+    budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, kv_int8=True, **kw)
+    return OffloadForward(tiny_moe, torch.device(device), cfg)
+
+
+@pytest.mark.gpu
+def test_offload_int8_kv_tokens_equal_the_reference_gpu(tiny_moe: Model) -> None:
+    """On the GPU: the fused input kernel writes the ints and scales, the captured steps
+    (prompts as rows, then decodes) read them."""
+    engine = _int8_engine(tiny_moe, "cuda", graphs=True)
+    pool = engine.new_pool(pool_tokens(3, 64))
+    assert engine.attention.fused_input
+    assert _greedy(engine, [KVCache(pool, 64) for _ in PROMPTS], 4) == _int8_reference(tiny_moe)
+
+
+@pytest.mark.parametrize("row_tokens", [64, 1], ids=["rows", "chunks"])
+def test_offload_int8_kv_tokens_equal_the_reference_cpu(tiny_moe: Model, row_tokens: int) -> None:
+    """The offload engine with an int8 pool (its kernels read the ints and scales) against the
+    reference attending over the same rounded values: the same greedy tokens, the prompts as
+    decode rows or as chunks (attended with torch over their dequantized rows)."""
+    want = _int8_reference(tiny_moe)
+    engine = _int8_engine(tiny_moe, "cpu", kernels=INTERPRETED, graphs=False,
+                          row_tokens=row_tokens)  # fmt: skip
+    pool = engine.new_pool(pool_tokens(3, 64))
+    assert pool.quantized and pool.k[0].dtype == torch.int8
+    caches = [KVCache(pool, 64) for _ in PROMPTS]
+    assert _greedy(engine, caches, 4) == want
+    assert float(pool.k_scale[0].abs().sum()) > 0  # the scales were written
+    # the prefix store holds plain rows: an int8 conversation is not set aside (its blocks
+    # stay the pool's hits), and a plain one of the same length is
+    assert not PrefixStore(1 << 30, 0).save(caches[2], 20)
+    plain = ReferenceForward(tiny_moe)
+    cache = plain.new_cache(64)
+    plain(PROMPTS[2], cache)
+    assert PrefixStore(1 << 30, 0).save(cache, 20)
+
+
+def test_int8_kv_in_the_start_plan(tiny_moe: Model) -> None:
+    """engine.kv_cache = int8 halves the offload engine's KV bytes (plus a float32 scale per
+    token and KV head) and is refused on an engine that keeps plain KV."""
+    spec, cpu = tiny_moe.spec, torch.device("cpu")
+    kv = {}
+    for kind in ("plain", "int8"):
+        config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="offload",
+                                                                       kv_cache=kind))  # fmt: skip
+        kv[kind] = start_plan(config, tiny_moe, cpu, [None], 1 << 20).parallel.kv_bytes
+    cells = 2 * spec.n_layers * min(Config().model.max_context, spec.context_length)
+    assert kv == {"plain": cells * spec.kv_dim * 4,  # float32 on a CPU
+                  "int8": cells * (spec.kv_dim + 4 * spec.n_kv_heads)}  # fmt: skip
+    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="cpu", kv_cache="int8"))
+    with pytest.raises(ModelError, match="keeps plain KV"):
+        start_plan(config, tiny_moe, cpu, [None], 1 << 20)

@@ -53,13 +53,25 @@ class KVPool:
     the pages of a pool allocated empty commit only as blocks are first written, so the low
     ids a light load keeps reusing are all the memory it costs)."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], block_size: int) -> None:
+    def __init__(
+        self,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        block_size: int,
+        scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """`scales`: int8 k/v's float32 (k, v) scales per layer [rows, Hkv]
+        (`kernels.layers.kv_quant`); None: k/v hold the values as they are."""
         rows = k[0].shape[0]
         if block_size < 8 or block_size & (block_size - 1) or rows % block_size:
             raise ValueError(
                 f"{rows} rows are not whole blocks of {block_size} (a power of 2, >= 8)"
             )
         self.k, self.v, self.block_size = k, v, block_size
+        self.k_scale, self.v_scale = scales if scales is not None else ([], [])
+        self.quantized = scales is not None
+        if self.quantized and any(t.dtype != torch.int8 for t in (*k, *v)):
+            raise ValueError("a pool with scales holds int8 keys and values")
         self.n_blocks = rows // block_size
         self._free = list(range(self.n_blocks))  # a heap: the lowest free id first
         self.devices = list(dict.fromkeys(t.device for t in k))
@@ -78,15 +90,22 @@ class KVPool:
         dtype: torch.dtype,
         zeroed: bool = False,
         block_size: int = BLOCK_SIZE,
+        int8: bool = False,
     ) -> KVPool:
-        """A pool of at least `tokens` rows, layer i on devices[i]. `zeroed` False: the
-        buffers as allocated (attention never reads past a cache's length)."""
+        """A pool of at least `tokens` rows, layer i on devices[i], in `dtype` (`int8`: int8
+        with a float32 scale per token and KV head). `zeroed` False: the buffers as
+        allocated (attention never reads past a cache's length)."""
         n = -(-max(tokens, 1) // block_size) * block_size
         shape = (n, spec.n_kv_heads, spec.head_dim)
         new = torch.zeros if zeroed else torch.empty
-        k = [new(shape, device=d, dtype=dtype) for d in devices]
-        v = [new(shape, device=d, dtype=dtype) for d in devices]
-        return cls(k, v, block_size)
+        store = torch.int8 if int8 else dtype
+        k = [new(shape, device=d, dtype=store) for d in devices]
+        v = [new(shape, device=d, dtype=store) for d in devices]
+        if not int8:
+            return cls(k, v, block_size)
+        scales = tuple([torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices]
+                       for _ in range(2))  # fmt: skip
+        return cls(k, v, block_size, (scales[0], scales[1]))
 
     @property
     def free_blocks(self) -> int:
@@ -95,8 +114,9 @@ class KVPool:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over every layer, keys and values."""
-        return 2 * sum(t[: self.block_size].nbytes for t in self.k)
+        """Bytes of one block over every layer, keys and values (and their scales)."""
+        scales = sum(t[: self.block_size].nbytes for t in (*self.k_scale, *self.v_scale))
+        return 2 * sum(t[: self.block_size].nbytes for t in self.k) + scales
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +189,7 @@ class KVPool:
     def copy_block(self, src: int, dst: int) -> None:
         """Block `src`'s keys and values into block `dst` (every layer)."""
         bs = self.block_size
-        for t in (*self.k, *self.v):
+        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale):
             t[dst * bs : dst * bs + bs].copy_(t[src * bs : src * bs + bs])
 
     def same_kind(self, other: KVPool) -> bool:

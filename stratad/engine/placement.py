@@ -171,6 +171,11 @@ def start_plan(
     an auto `server.parallel` on a CPU."""
     spec = model.spec
     backend = choose_backend(config.engine.backend, model, device)
+    if config.engine.kv_cache == "int8" and backend != "offload":
+        raise ModelError(
+            f"engine.kv_cache = int8: the {backend} engine keeps plain KV (int8 KV is the"
+            " offload engine's, for a MoE model on a GPU)"
+        )
     dtype = compute_dtype(config.engine.dtype, device)
     max_context = min(config.model.max_context, spec.context_length)
     pool = config.server.kv_cache_tokens / max_context  # whole contexts; 0: one per request
@@ -195,13 +200,15 @@ def start_plan(
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
-        parallel = parallel_for(config.server.parallel, 2 * n * max_context * spec.kv_dim * size,
+        per_token = kv_token_bytes(spec, size, config.engine.kv_cache == "int8")
+        parallel = parallel_for(config.server.parallel, max_context * per_token,
                                 sum(known) if known else None, "VRAM", pool)  # fmt: skip
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             # the KV pool: a whole context per request served at once, or what is configured
             kv_tokens = int(max_context * parallel.pool_contexts)
-            engine = offload_vram_bytes(spec, model.dense_values(), blob, size, kv_tokens,
-                                        prefetch, (hi - lo) / n)  # fmt: skip
+            engine = offload_vram_bytes(spec, model.dense_values(), blob, size,
+                                        kv_tokens * per_token, prefetch,
+                                        (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (
                 cache * hi // n - cache * lo // n
@@ -238,23 +245,31 @@ def split_bounds(setting: str, n_layers: int, free: Sequence[int | None]) -> lis
     return balanced_split(n_layers, [float(f or 0) for f in free])
 
 
+def kv_token_bytes(spec: ModelSpec, dtype_bytes: int, int8: bool) -> int:
+    """Bytes of one token's keys and values over every layer: in the compute dtype, or int8
+    with a float32 scale per KV head (`engine.kv_cache`)."""
+    per_layer = spec.kv_dim + 4 * spec.n_kv_heads if int8 else spec.kv_dim * dtype_bytes
+    return 2 * spec.n_layers * per_layer
+
+
 def offload_vram_bytes(
     spec: ModelSpec,
     dense_values: int,
     blob_bytes: int,
     dtype_bytes: int,
-    kv_tokens: int,
+    kv_bytes: int,
     prefetch: bool,
     layer_share: float = 1.0,
 ) -> int:
     """What the offload engine allocates in VRAM besides its expert slots, for the share of
-    the layers one device runs: dense weights, the KV caches (`kv_tokens`: the context times
-    the requests served at once), the two prefill staging buffers
+    the layers one device runs: dense weights, the KV caches (`kv_bytes`: the pool's over
+    every layer, a whole context per request served at once or as configured), the two
+    prefill staging buffers
     (two layers of blobs in flight, one dequantized for the grouped GEMMs) and the decode
     fetch staging (top-k blobs for each of a fused pass's first FETCH_MAX_TOKENS tokens, and
     two layers' guesses when prefetching)."""
     dense = layer_share * dense_values * dtype_bytes
-    kv = 2 * spec.n_layers * layer_share * kv_tokens * spec.kv_dim * dtype_bytes
+    kv = layer_share * kv_bytes
     fetched = (FETCH_MAX_TOKENS + (2 if prefetch else 0)) * spec.n_experts_used * blob_bytes
     dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * dtype_bytes
     staging = 2 * spec.n_experts * blob_bytes + dequantized + fetched

@@ -91,6 +91,8 @@ class PrefixStore:
         tokens = tuple(cache.tokens[:length])
         if (length < MIN_SNAPSHOT_TOKENS and not pinned) or length > cache.length:
             return False
+        if cache.pool.quantized:  # snapshots hold plain rows: int8 ones are not set aside
+            return False
         # a snapshot of the same kind that already holds these tokens (or more) covers them
         for s in self.snapshots:
             if s.pinned == pinned and s.scope == scope and s.tokens[:length] == tokens:

@@ -8,6 +8,10 @@ of one pool runs attention (and the fused input) once for the whole batch, each 
 blocks found through its row of the tables [B, max_blocks] (gathered on the device once per
 step). A prefill chunk gathers its sequence's keys and values up to its end and attends with
 torch's scaled_dot_product_attention.
+
+An int8 pool (`engine.kv_cache = "int8"`) holds int8 keys and values with a float32 scale per
+token and KV head (`kernels.layers.kv_quant`): the fused input kernel writes them, decode
+attention reads them directly, and a prefill chunk dequantizes the rows it gathers.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.layers.attention import attention_counts, decode_attention
 from kernels.layers.attn_input import attn_input
+from kernels.layers.kv_quant import dequantize_kv, quantize_kv
 from kernels.layers.rope import RopeStyle, rope_table
-from stratad.engine.kv import KVCache, block_tables
+from stratad.engine.kv import KVCache, KVPool, block_tables
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.dense import DenseLayer
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
@@ -106,17 +111,19 @@ class OffloadAttention:
     ) -> torch.Tensor:
         """A decode batch's attention [B, Hq, D], sequence b's blocks in tables[b] (caches of
         one pool): the fused input and the attention one launch each."""
-        spec, bs = self.spec, caches[0].block_size
-        k, v = caches[0].k[i], caches[0].v[i]  # the pool's layer i
+        spec, bs, pool = self.spec, caches[0].block_size, caches[0].pool
+        k, v, (ks, vs) = pool.k[i], pool.v[i], _scales(pool, i)  # the pool's layer i
         if self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, k, v, self.style,  # type: ignore[arg-type]
-                           spec.rms_eps, block_tables=tables, block_size=bs)  # fmt: skip
+                           spec.rms_eps, block_tables=tables, block_size=bs, k_scale=ks,
+                           v_scale=vs)  # fmt: skip
         else:  # the input op by op, each sequence into its own blocks
             q = torch.cat([self._input(w, i, qkv[b : b + 1], pos[b : b + 1], cache)
                            for b, cache in enumerate(caches)])  # fmt: skip
         return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
-                                block_tables=tables, block_size=bs)  # fmt: skip
+                                block_tables=tables, block_size=bs, k_scale=ks,
+                                v_scale=vs)  # fmt: skip
 
     def _one(
         self,
@@ -129,23 +136,26 @@ class OffloadAttention:
         b: int,
     ) -> torch.Tensor:
         """Sequence b's attention [T, Hq, D] for its rows qkv [T, qkv] at positions pos [T]."""
-        spec, bs = self.spec, cache.block_size
+        spec, bs, (ks, vs) = self.spec, cache.block_size, _scales(cache.pool, i)
         table = cache.table(qkv.device)[None]
         if step.decode and self.fused_input:
             norms = (w.q_norm, w.k_norm) if spec.qk_norm == "head" else None
             q = attn_input(qkv, pos, norms, self.cos, self.sin, cache.k[i], cache.v[i],  # type: ignore[arg-type]
                            self.style, spec.rms_eps, block_tables=table.expand(qkv.shape[0], -1),
-                           block_size=bs)  # fmt: skip
+                           block_size=bs, k_scale=ks, v_scale=vs)  # fmt: skip
         else:
             q = self._input(w, i, qkv, pos, cache)
         if isinstance(step, Decode):  # split-K through the block table
             lens = self.lens[b : b + 1]
             return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
                                     counts=self.counts, block_tables=table,
-                                    block_size=bs)  # fmt: skip
+                                    block_size=bs, k_scale=ks, v_scale=vs)  # fmt: skip
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
         rows = cache.rows(0, start + t, qkv.device)
         keys, values = cache.k[i][rows], cache.v[i][rows]
+        if ks is not None and vs is not None:  # a prefill chunk attends with torch: floats
+            keys = dequantize_kv(keys, ks[rows]).to(q.dtype)
+            values = dequantize_kv(values, vs[rows]).to(q.dtype)
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
@@ -174,8 +184,20 @@ class OffloadAttention:
             cos, sin = self.cos[pos], self.sin[pos]
             q = apply_rope(q, cos, sin, spec.rope_interleaved)
             k = apply_rope(k, cos, sin, spec.rope_interleaved)
-        bs = cache.block_size
+        bs, pool = cache.block_size, cache.pool
         rows = cache.table(pos.device).long()[pos // bs] * bs + pos % bs
+        if pool.quantized:  # int8 and a scale per token and KV head
+            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+            pool.k_scale[i].index_copy_(0, rows, k_scale)
+            pool.v_scale[i].index_copy_(0, rows, v_scale)
         cache.k[i].index_copy_(0, rows, k)
         cache.v[i].index_copy_(0, rows, v)
         return q
+
+
+def _scales(pool: KVPool, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Layer i's (k, v) scales of an int8 `pool`, the attention kernels' `k_scale` and
+    `v_scale` (None, None: plain KV)."""
+    if not pool.quantized:
+        return None, None
+    return pool.k_scale[i], pool.v_scale[i]

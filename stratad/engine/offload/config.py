@@ -20,6 +20,7 @@ class OffloadConfig:
     # The most new tokens of one sequence a decode pass takes as rows of their own (a short
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
     row_tokens: int = FUSED_MAX_TOKENS
+    kv_int8: bool = False  # keys and values in int8 with a scale per token and KV head
     adapt: bool = True  # move recently used experts into VRAM between steps
     moves_per_step: int = 8
     cache_policy: str = "lru"  # the store's eviction policies (stratad.store.tiers.cache)

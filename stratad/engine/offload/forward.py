@@ -191,8 +191,10 @@ class OffloadForward:
         return ids.to(torch.int32)
 
     def new_pool(self, tokens: int) -> KVPool:
-        """A KV pool of at least `tokens` rows on this engine's device."""
-        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, self.dtype)
+        """A KV pool of at least `tokens` rows on this engine's device (int8 where the config
+        says)."""
+        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, self.dtype,
+                               int8=self.config.kv_int8)  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""

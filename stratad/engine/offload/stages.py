@@ -135,7 +135,8 @@ class StagedForward:
 
     def new_pool(self, tokens: int) -> KVPool:
         """A KV pool of at least `tokens` rows, each layer's on its stage's device."""
-        return KVPool.allocate(self.spec, tokens, self.layer_device, self.config.dtype)
+        return KVPool.allocate(self.spec, tokens, self.layer_device, self.config.dtype,
+                               int8=self.config.kv_int8)  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""

@@ -106,6 +106,7 @@ def open_offload(
         cache_policy=config.store.cache_policy, gpu_miss=paths.gpu_miss.value,
         kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
+        kv_int8=config.engine.kv_cache == "int8",
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
