@@ -1,14 +1,15 @@
 """What verifying one drafted token costs, as a share of a decode step, measured on the
 engine's own steps.
 
-A drafted token is one more row of its step. What that row costs depends on the engine and
-where its experts live: on the 2-core VM's cpu engine a few hundredths of a step (the weights
-are read once for every row), on the H100 all resident about half a step and at 4 GiB of
-expert VRAM up to 0.8 (the rows route to experts that miss; `bench.verify_cost`). A fixed
-`speculation.token_cost` is right for one of them at best, so the loop times its steps:
-a step of n sequences without drafts or prompt tokens sets the baseline of n, and a step of n
-sequences with d drafted tokens in all gives (seconds / baseline(n) - 1) / d. Both are moving
-averages; until both are measured the configured share stands (the prior).
+A drafted token is one more row of its step. What that row costs depends on the engine, the
+draft's length and where the experts live: on the 2-core VM's cpu engine (the default model,
+256 tokens in, timed beside a running test suite) 0.38 of a step for one draft and 0.82 each
+for eight; on the H100 all resident 0.47 and 0.69, at 4 GiB of expert VRAM 0.56 and 1.3 (the
+rows route to experts that miss; `bench.verify_cost`). A fixed `speculation.token_cost` is
+right for one of them at best, so the loop times its steps: a step of n sequences without
+drafts or prompt tokens sets the baseline of n, and a step of n sequences with d drafted
+tokens in all gives (seconds / baseline(n) - 1) / d. Both are moving averages; until both
+are measured the configured share stands (the prior).
 """
 
 from __future__ import annotations
