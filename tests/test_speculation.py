@@ -5,7 +5,6 @@ back past the first draft that did not stand."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kernels.cpu.experts import CpuExperts
 from stratad.engine.reference.forward import ReferenceForward
@@ -14,7 +13,7 @@ from stratad.model.spec import Model
 from stratad.model.tokenizer import Tokenizer
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
-from stratad.runtime.sampling import Sampler, SamplingParams
+from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest
 from stratad.runtime.speculation.cost import StepCost
 from stratad.runtime.speculation.drafter import PromptLookup
@@ -74,19 +73,6 @@ def test_step_cost_measures_a_drafted_token_against_its_batch_size() -> None:
     assert cost.verifies == 3
 
 
-def test_a_verified_draft_keeps_the_distribution() -> None:
-    """Sampling with a draft of a fixed token: accepted with its probability, else drawn from
-    the rest: the frequencies are the model's, whatever the draft."""
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
-    want = torch.softmax(logits, 0)
-    n = 20000
-    for draft in (0, 3):
-        sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
-        counts = torch.bincount(torch.tensor([sampler.draw(logits, draft=draft).token
-                                              for _ in range(n)]), minlength=5)  # fmt: skip
-        assert torch.allclose(counts / n, want, atol=0.012), (draft, counts / n, want)
-
-
 @pytest.fixture(scope="module")
 def cpu_engine(smollm_model: Model) -> tuple[ReferenceForward, Tokenizer]:
     """The default model on the cpu engine (its one-call layers: a verify's rows are bit for
@@ -123,6 +109,23 @@ def test_greedy_tokens_are_those_without_drafts(cpu_engine: tuple) -> None:
     cache = gen.caches[0]
     assert cache.tokens == prompt + plain[0][:-1]  # the last token is never computed
     assert len(cache.blocks) == cache.pool.blocks_for(cache.length)
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_drafts_or_without(
+    cpu_engine: tuple,
+) -> None:
+    """Sampling verifies a draft by the token it draws at that position as it would without one
+    (the draft stands where they are equal: with probability p(draft), rejection sampling's
+    acceptance; otherwise the token is a draw from p without the draft): a seeded request gets
+    the same tokens with no drafts, short drafts or long ones, whatever the measured cost of a
+    draft makes their lengths."""
+    prompt = _tokens(cpu_engine, f"Here is a function:\n{CODE}\nThe same function, unchanged:\n")
+    sampling = SamplingParams(temperature=0.7, seed=11)
+    req = GenerationRequest(prompt, max_tokens=40, sampling=sampling)
+    plain, _ = _run(cpu_engine, req, None)
+    for k in (1, 8):
+        drafted, gen = _run(cpu_engine, req, Speculation(PromptLookup(), max_draft=k))
+        assert drafted == plain and gen.loop.accepted > 0, k
 
 
 def test_stop_strings_and_budgets_end_inside_a_draft(cpu_engine: tuple) -> None:

@@ -8,11 +8,13 @@ tokens (structured output) comes last, then the filters run in vLLM's order: tem
 first, then top-k, top-p and min-p on the tempered distribution. A seed makes a request
 reproducible.
 
-A drafted token (speculative decoding) is verified by `draw(..., draft=d)`: greedy takes the
-argmax as ever (the draft stands if it is that token); sampling accepts d with its
-probability p(d) and otherwise draws from p with d taken out, renormalised, which is p
-itself: the draft is a point mass, so the rejection step of speculative sampling (Leviathan
-et al., Chen et al.) keeps the model's distribution exactly.
+A drafted token (speculative decoding) asks nothing of the sampler: the token drawn at its
+position, as if there were no draft, stands for it where the two are equal. Greedy: the
+draft stands if it is the argmax. Sampling: it stands with probability p(d), and otherwise
+the token drawn is a draw from p without d, renormalised: for a draft that is a point mass,
+the rejection step of speculative sampling (Leviathan et al., Chen et al.), keeping the
+model's distribution exactly, and coupled so that a seeded request draws the same tokens with
+drafts or without (one draw per position either way, whatever the drafts' lengths).
 """
 
 from __future__ import annotations
@@ -122,11 +124,8 @@ class Sampler:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return probs / probs.sum()
 
-    def draw(
-        self, logits: torch.Tensor, allowed: torch.Tensor | None = None, draft: int | None = None
-    ) -> Sample:
-        """logits [V] -> the next token; `allowed` [<= V] bool: the only tokens it may be;
-        `draft`: a proposed token to verify (the result is it, or what replaces it)."""
+    def draw(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> Sample:
+        """logits [V] -> the next token; `allowed` [<= V] bool: the only tokens it may be."""
         p = self.params
         if not p.adjusts and allowed is None and p.logprobs is None and p.greedy:
             token = argmax(logits)
@@ -148,24 +147,13 @@ class Sampler:
                 token = argmax(scores)
             else:
                 probs = self.probabilities(scores)
-                token = self._verify(probs, draft) if draft is not None else int(
-                    torch.multinomial(probs, 1, generator=self.generator))  # fmt: skip
+                token = int(torch.multinomial(probs, 1, generator=self.generator))
             if p.logprobs is not None:
                 logprob = float(logprobs[token])
             self._count(token, logits.numel())
             return Sample(token, logprob, top)
         self._count(token, logits.numel())
         return Sample(token)
-
-    def _verify(self, probs: torch.Tensor, draft: int) -> int:
-        """The draft with probability p(draft), else a draw from p without it."""
-        if draft < probs.numel():
-            u = float(torch.rand(1, generator=self.generator))
-            if u < float(probs[draft]):
-                return draft
-            probs = probs.clone()
-            probs[draft] = 0.0
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def _count(self, token: int, vocab: int) -> None:
         if self.params.presence_penalty or self.params.frequency_penalty:

@@ -123,7 +123,7 @@ class Sequence:
         events: list[GenerationEvent] = []
         for j in range(len(drafts) + 1):
             draft = drafts[j] if j < len(drafts) else None
-            events.append(self.sample(logits[j], draft))
+            events.append(self.sample(logits[j]))  # the draft stands where it is this token
             if events[-1].finish_reason is not None or draft is None:
                 break
             if events[-1].token != draft:
@@ -155,11 +155,10 @@ class Sequence:
         self.resuming = bool(self.generated)
         self.preemptions += 1
 
-    def sample(self, logits: torch.Tensor, draft: int | None = None) -> GenerationEvent:
-        """The next event from the logits [V] of the last position (`draft`: a drafted token
-        to verify against them)."""
+    def sample(self, logits: torch.Tensor) -> GenerationEvent:
+        """The next event from the logits [V] of the last position."""
         allowed = self.constraint.allowed() if self.constraint else None
-        drawn = self.sampler.draw(logits, allowed, draft)
+        drawn = self.sampler.draw(logits, allowed)
         token = self.token = drawn.token
         self.generated.append(token)
         if self.drafts is not None:
