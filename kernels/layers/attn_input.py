@@ -30,6 +30,21 @@ from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
 
 
 @triton.jit
+def _store_head(cache_ptr, scale_ptr, at, first, second, x1, x2, inside, held, D: tl.constexpr,
+                QUANT: tl.constexpr):  # fmt: skip
+    """One head's halves x1/x2 into cache row `at`: as they are, or (QUANT) as int8 with the
+    head's scale (`kernels.layers.kv_quant`); `inside`/`held`: the stores' masks."""
+    if QUANT:
+        q1, q2, scale = quantize_halves(x1.to(tl.float32), x2.to(tl.float32))
+        tl.store(cache_ptr + at * D + first, q1, mask=inside)
+        tl.store(cache_ptr + at * D + second, q2, mask=inside)
+        tl.store(scale_ptr + at, scale, mask=held)
+    else:
+        tl.store(cache_ptr + at * D + first, x1, mask=inside)
+        tl.store(cache_ptr + at * D + second, x2, mask=inside)
+
+
+@triton.jit
 def _attn_input_kernel(
     qkv_ptr,  # [T, (HQ + 2 HKV) * D]
     pos_ptr,  # [T] int
@@ -79,14 +94,7 @@ def _attn_input_kernel(
     dtype = x1.dtype
     if h >= HQ + HKV:  # a value head: into the cache as it is
         at = row * HKV + (h - HQ - HKV)
-        if QUANT:
-            v1, v2, v_scale = quantize_halves(x1.to(tl.float32), x2.to(tl.float32))
-            tl.store(v_cache_ptr + at * D + first, v1, mask=inside)
-            tl.store(v_cache_ptr + at * D + second, v2, mask=inside)
-            tl.store(vs_ptr + at, v_scale, mask=held)
-        else:
-            tl.store(v_cache_ptr + at * D + first, x1, mask=inside)
-            tl.store(v_cache_ptr + at * D + second, x2, mask=inside)
+        _store_head(v_cache_ptr, vs_ptr, at, first, second, x1, x2, inside, held, D, QUANT)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
@@ -108,15 +116,8 @@ def _attn_input_kernel(
             tl.store(q_ptr + (t * HQ + h) * D + first, y1)
             tl.store(q_ptr + (t * HQ + h) * D + second, y2)
         else:
-            at = row * HKV + (h - HQ)
-            if QUANT:  # the k as the unquantized path stores it, then quantized
-                k1, k2, k_scale = quantize_halves(y1.to(tl.float32), y2.to(tl.float32))
-                tl.store(k_cache_ptr + at * D + first, k1, mask=inside)
-                tl.store(k_cache_ptr + at * D + second, k2, mask=inside)
-                tl.store(ks_ptr + at, k_scale, mask=held)
-            else:
-                tl.store(k_cache_ptr + at * D + first, y1, mask=inside)
-                tl.store(k_cache_ptr + at * D + second, y2, mask=inside)
+            at = row * HKV + (h - HQ)  # the k as the unquantized path stores it (then quantized)
+            _store_head(k_cache_ptr, ks_ptr, at, first, second, y1, y2, inside, held, D, QUANT)
 
 
 def _check_cache_dtypes(
