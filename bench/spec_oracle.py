@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
+from bench.one_sequence import one_sequence
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache, pool_tokens
-from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.kernel_table import configs_for_run
-from stratad.store.loader import load_model
+from stratad.engine.kv import KVCache
+from stratad.engine.offload.forward import OffloadForward
 
 
 def _sync() -> None:
@@ -98,18 +97,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a check of the bench on a tiny model")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    model = load_model(Path(args.model))
-    vocab = model.spec.vocab_size
-    n = args.prompt_len + args.tokens + max(args.drafts) + 16
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    cfg = OffloadConfig(expert_vram_bytes=int(args.expert_vram_gib * 2**30), max_context=n,
-                        prefill_chunk=4096, dtype=dtype,
-                        kernels=configs_for_run(args.kernel_table, model.spec, args.device))
-    engine = OffloadForward(model, torch.device(args.device), cfg)
-    cache = KVCache(engine.new_pool(pool_tokens(1, n)), n)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
-    first = int(engine.step([Seq(cache, prompt)])[0][-1].argmax())
+    context = args.prompt_len + args.tokens + max(args.drafts) + 16
+    one = one_sequence(args.model, args.expert_vram_gib, context, args.prompt_len,
+                       args.kernel_table, args.device)  # fmt: skip
+    engine, cache, vocab = one.engine, one.cache, one.model.spec.vocab_size
+    first = int(engine.step([Seq(cache, one.prompt)])[0][-1].argmax())
     start = cache.length
 
     def again() -> None:

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
+from bench.one_sequence import one_sequence
 from stratad.engine.batch import Seq
-from stratad.engine.kv import KVCache, pool_tokens
-from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.kernel_table import configs_for_run
-from stratad.store.loader import load_model
+from stratad.engine.offload.forward import OffloadForward
 
 
 def _timed(engine: OffloadForward, seq: Seq, repeats: int) -> list[float]:
@@ -53,15 +51,10 @@ def main() -> None:
     p.add_argument("--kernel-table", default=None)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    model = load_model(Path(args.model))
-    n = args.prompt_len + max(args.drafts) + 16
-    cfg = OffloadConfig(expert_vram_bytes=int(args.expert_vram_gib * 2**30), max_context=n,
-                        prefill_chunk=4096, kernels=configs_for_run(args.kernel_table,
-                                                                    model.spec))  # fmt: skip
-    engine = OffloadForward(model, torch.device("cuda"), cfg)
-    cache = KVCache(engine.new_pool(pool_tokens(1, n)), n)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.spec.vocab_size, (args.prompt_len,), generator=gen).tolist()
+    context = args.prompt_len + max(args.drafts) + 16
+    one = one_sequence(args.model, args.expert_vram_gib, context, args.prompt_len,
+                       args.kernel_table)  # fmt: skip
+    model, engine, cache, prompt, gen = one.model, one.engine, one.cache, one.prompt, one.gen
     engine.step([Seq(cache, prompt)])
     token = [int(prompt[-1])]
     decode = _timed(engine, Seq(cache, token), args.repeats + 5)[5:]  # after the capture
