@@ -168,7 +168,8 @@ def test_props_and_slots(http: httpx.Client, daemon: Daemon) -> None:
     assert [s["id"] for s in slots] == [0] and slots[0]["is_processing"] is False
     # while a request runs its place says so: how far it is, never its prompt
     secret = "a prompt no other client may read"
-    ask = {"prompt": secret, "n_predict": 400, "stream": True, "stop": ["zzz-stop"]}
+    ask = {"prompt": secret, "n_predict": 400, "stream": True, "stop": ["zzz-stop"],
+           "ignore_eos": True}  # an early end of sequence would free the place too soon
     with http.stream("POST", "/completion", json=ask) as r:
         next(line for line in r.iter_lines() if line.startswith("data: "))
         busy = http.get("/slots")

@@ -66,6 +66,16 @@ def test_logit_bias(client: openai.OpenAI, daemon: Daemon) -> None:
         assert words in err["message"], err
 
 
+def test_ignore_eos_decodes_to_max_tokens(client: openai.OpenAI) -> None:
+    # +100 on <|im_end|> makes the end of sequence the greedy choice at every step
+    ask: dict[str, Any] = {"model": MODEL, "prompt": "Hi", "logit_bias": {"2": 100}, **GREEDY}
+    ends = client.completions.create(**ask)
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens == 1
+    goes_on = client.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert goes_on.choices[0].finish_reason == "length"
+    assert goes_on.usage.completion_tokens == GREEDY["max_tokens"]
+
+
 def test_penalties(client: openai.OpenAI, daemon: Daemon) -> None:
     # greedy on a prompt that makes the model repeat itself; a frequency penalty breaks the loop
     prompt = "one one one one one one one one one one"

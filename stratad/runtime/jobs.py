@@ -77,6 +77,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     by the engine."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    """Go on past the model's end-of-sequence tokens, to `max_tokens` or a stop string (what
+    load generators ask for, so every request decodes the length they set)."""
     logprobs: int | None = None
     """None: no log-probabilities; k: each token's, with the k likeliest alternatives."""
     tools: tuple[Tool, ...] = ()

@@ -264,6 +264,7 @@ class Engine:
                 logprobs=spec.logprobs,
             ),
             stop=spec.stop,
+            ignore_eos=spec.ignore_eos,
             pin=job.pin,
             scope=spec.scope,
             grammar=spec.grammar,

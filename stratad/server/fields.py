@@ -29,7 +29,6 @@ REFUSED = {
     "guided_grammar": "guided_grammar is not supported",
     "repetition_penalty": "repetition_penalty is not supported; use frequency_penalty",
     "min_tokens": "min_tokens is not supported",
-    "ignore_eos": "ignore_eos is not supported",
 }
 HARMLESS = {  # bookkeeping and hints that do not change what a reply says
     "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",

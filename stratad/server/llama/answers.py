@@ -72,6 +72,7 @@ def params_of(job: Job | None, stream: bool = False, timings_per_token: bool = F
         max_tokens=n_predict,
         n_probs=job.logprobs or 0,
         stream=stream,
+        ignore_eos=job.ignore_eos,
         grammar="" if job.grammar is None else job.grammar,
         timings_per_token=timings_per_token,
         samplers=SAMPLERS,

@@ -31,7 +31,7 @@ MAX_PROBS = 20
 NEUTRAL: dict[str, Any] = {
     "repeat_penalty": 1.0, "typical_p": 1.0, "mirostat": 0, "dynatemp_range": 0.0,
     "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0, "n_indent": 0,
-    "t_max_predict_ms": 0, "ignore_eos": False, "post_sampling_probs": False,
+    "t_max_predict_ms": 0, "post_sampling_probs": False,
     "response_fields": [], "lora": [], "return_progress": False, "n_cmpl": 1, "n_probs_min": 0,
     "tfs_z": 1.0, "penalize_nl": False, "multimodal_data": [],
 }  # fmt: skip
@@ -99,6 +99,8 @@ class CompletionRequest(_Struct, frozen=True):
     presence_penalty: oa.Penalty | None = None
     frequency_penalty: oa.Penalty | None = None
     logit_bias: LogitBias = None
+    ignore_eos: bool = False
+    """decode past end-of-sequence tokens, to `n_predict`"""
     grammar: str | None = None
     """GBNF the output must follow"""
     json_schema: dict[str, Any] | None = None
@@ -274,6 +276,7 @@ def jobs_of(
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "logit_bias": _logit_bias(req.logit_bias, codec),
+        "ignore_eos": req.ignore_eos,
         "logprobs": req.n_probs or None,
         "grammar": grammar,
         "grammar_param": param,

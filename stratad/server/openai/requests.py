@@ -124,6 +124,8 @@ class _Sampling(_Struct, frozen=True):
     """json_object or json_schema: the output follows it, token by token"""
     timings_per_token: bool | None = None
     """llama-server's: the answer, and each streamed chunk, carries `timings`"""
+    ignore_eos: bool | None = None
+    """vLLM's and llama-server's: decode past end-of-sequence tokens to `max_tokens`"""
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -194,6 +196,7 @@ def _common(req: _Sampling) -> dict[str, object]:
         "logit_bias": _logit_bias(req.logit_bias),
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
+        "ignore_eos": bool(req.ignore_eos),
         "prefix_tokens": (req.strata_prefix.tokens or 0) if req.strata_prefix else 0,
     }
 
