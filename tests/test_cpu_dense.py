@@ -42,7 +42,7 @@ def kernels(request: pytest.FixtureRequest) -> CpuExperts:
 
 
 def _layers(
-    qtype: QType, n: int, bias: bool
+    qtype: QType, n: int, bias: bool, shape: DenseShape = SHAPE
 ) -> tuple[list[DenseLayer], list[dict[str, torch.Tensor]]]:
     """n layers of random weights in `qtype`, and their float values for the reference."""
     gen = torch.Generator().manual_seed(7)
@@ -50,14 +50,14 @@ def _layers(
     for i in range(n):
         ws, f = [], {}
         for j, name in enumerate(PROJECTIONS):
-            rows, cols = SHAPE.rows_cols()[name]
+            rows, cols = shape.rows_cols()[name]
             raw = blocks(qtype, rows, cols, seed=100 * i + j)
             ws.append((raw.view(torch.float32) if qtype == QType.F32 else raw, qtype))
             f[name] = dense(raw, qtype, rows, cols).float()
         for name in ("attn_norm", "ffn_norm"):
-            f[name] = 1 + 0.1 * torch.randn(SHAPE.hidden, generator=gen)
+            f[name] = 1 + 0.1 * torch.randn(shape.hidden, generator=gen)
         biases = [None, None, None] if not bias else [
-            0.1 * torch.randn(SHAPE.rows_cols()[p][0], generator=gen) for p in ("q", "k", "v")
+            0.1 * torch.randn(shape.rows_cols()[p][0], generator=gen) for p in ("q", "k", "v")
         ]  # fmt: skip
         f.update({f"{p}_bias": b for p, b in zip("qkv", biases, strict=True) if b is not None})
         layers.append(DenseLayer(f["attn_norm"], f["ffn_norm"], tuple(ws),
@@ -78,9 +78,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
     return torch.stack(rows)
 
 
-def _reference(x, floats, kc, vc, start, cos, sin, qtype):  # type: ignore[no-untyped-def]
+def _reference(x, floats, kc, vc, start, cos, sin, qtype, s=SHAPE):  # type: ignore[no-untyped-def]
     """The torch forward's layers (forward.ReferenceForward) with the kernels' roundings."""
-    s, t = SHAPE, x.shape[0]
+    t = x.shape[0]
     r = (lambda v: v) if qtype == QType.F32 else q8
     for i, f in enumerate(floats):
         h = r(rms_norm(x, f["attn_norm"], s.eps))
@@ -98,15 +98,15 @@ def _reference(x, floats, kc, vc, start, cos, sin, qtype):  # type: ignore[no-un
 Inputs = tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]
 
 
-def _inputs(t: int, start: int, n: int) -> Inputs:
+def _inputs(t: int, start: int, n: int, s: DenseShape = SHAPE) -> Inputs:
     """x [t, H], n layers' k and v caches holding `start` earlier positions, RoPE's tables."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(t, SHAPE.hidden, generator=gen)
-    cache = [torch.randn(start + t + 2, SHAPE.n_kv_heads, SHAPE.head_dim, generator=gen).half()
+    x = torch.randn(t, s.hidden, generator=gen)
+    cache = [torch.randn(start + t + 2, s.n_kv_heads, s.head_dim, generator=gen).half()
              for _ in range(2 * n)]  # fmt: skip
-    spec = ModelSpec(arch="llama", n_layers=n, hidden=SHAPE.hidden, n_heads=SHAPE.n_heads,
-                     n_kv_heads=SHAPE.n_kv_heads, head_dim=SHAPE.head_dim, vocab_size=32,
-                     rms_eps=SHAPE.eps, rope_theta=10_000.0, context_length=64)  # fmt: skip
+    spec = ModelSpec(arch="llama", n_layers=n, hidden=s.hidden, n_heads=s.n_heads,
+                     n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab_size=32,
+                     rms_eps=s.eps, rope_theta=10_000.0, context_length=64)  # fmt: skip
     cos, sin = rope_tables(spec, torch.arange(start, start + t), torch.device("cpu"))
     return x, cache[:n], cache[n:], cos, sin
 
@@ -138,6 +138,26 @@ def test_chunks_and_threads_give_the_same_bits(kernels: CpuExperts) -> None:
     one(parts[0], [CacheSpan(kc, vc, 0, 3)], cos[:3].contiguous(), sin[:3].contiguous())
     one(parts[1], [CacheSpan(kc, vc, 3, 4)], cos[3:].contiguous(), sin[3:].contiguous())
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_the_query_heads_of_a_kv_head_in_any_parts(kernels: CpuExperts) -> None:
+    # ten query heads on one KV head: attended in parts of at most eight heads, as many parts
+    # as keep the team busy (two on one thread, eight on four); each head's sums are the same
+    # whatever part holds it, over keys past the prefetch distance
+    wide = DenseShape(hidden=128, n_heads=10, n_kv_heads=1, head_dim=32, ffn=96,
+                      rope_interleaved=False, eps=1e-5)  # fmt: skip
+    layers, floats = _layers(QType.Q8_0, 1, False, wide)
+    x, kc, vc, cos, sin = _inputs(1, 40, 1, wide)
+    want = _reference(x.clone(), floats, [c.clone() for c in kc], [c.clone() for c in vc], 40,
+                      cos, sin, QType.Q8_0, wide)  # fmt: skip
+    got = []
+    for threads in (1, 4):
+        y, k, v = x.clone(), [c.clone() for c in kc], [c.clone() for c in vc]
+        DenseStack(CpuExperts(threads, native=kernels.native), wide, layers)(
+            y, [CacheSpan(k, v, 40, 1)], cos, sin)
+        got.append(y)
+    assert torch.equal(got[0], got[1])
+    assert (got[0] - want).abs().max() <= TOL[QType.Q8_0] * want.abs().max()
 
 
 def test_a_batch_gives_each_sequence_its_bits_alone(kernels: CpuExperts) -> None:

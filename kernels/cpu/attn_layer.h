@@ -42,7 +42,8 @@ typedef struct { /* a call's state, shared by the team */
     float *x;                 /* [T, H] the residual stream */
     float *h, *tmp;           /* [T, H]: x normed; the o product */
     float *qkv, *att;         /* [T, Hq D + 2 Hkv D], [T, Hq D] */
-    float *scores;            /* [threads, span] */
+    float *scores;            /* [threads, ATTEND_GROUP_MAX span] */
+    int64_t parts;            /* attention tasks per KV head and token (heads_parts) */
     acts_t xa, aa;            /* int8 copies of h and att */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
@@ -85,6 +86,16 @@ static int attn_mats(mat_t *m, const attn_weights_t *w, const attn_dims_t *dm) {
     return err;
 }
 
+/* The parts the g query heads of a KV head are attended in: as few as keep the team busy (a
+ * part converts its KV rows once for all its heads), at most ATTEND_GROUP_MAX heads a part;
+ * groups: (token, KV head) pairs of the call */
+static int64_t heads_parts(int64_t g, int64_t groups, int threads) {
+    int64_t parts = (2 * threads + groups - 1) / groups, least = (g + ATTEND_GROUP_MAX - 1) /
+                                                                ATTEND_GROUP_MAX;
+    parts = parts < g ? parts : g;
+    return parts > least ? parts : least;
+}
+
 /* allocate s's buffers for its T tokens on `threads` threads (x, pos, seq, the caches, their
  * block tables, the tables and dm set by the caller); 0, -2 for a negative position or an
  * empty block, or -3 */
@@ -98,7 +109,7 @@ static int attn_alloc(attn_step_t *s, int threads) {
     }
 #define FLOATS(n) malloc(sizeof(float) * (size_t)(n))
     s->h = FLOATS(T * H), s->tmp = FLOATS(T * H), s->qkv = FLOATS(T * W);
-    s->att = FLOATS(T * QD), s->scores = FLOATS(threads * s->span);
+    s->att = FLOATS(T * QD), s->scores = FLOATS(threads * ATTEND_GROUP_MAX * s->span);
 #undef FLOATS
     s->vec = malloc(sizeof(int64_t) * (size_t)T);
     s->outs = malloc(sizeof(float *) * (size_t)(4 * T));
@@ -113,6 +124,7 @@ static int attn_alloc(attn_step_t *s, int threads) {
         s->outs[3 * T + t] = s->tmp + t * H;
     }
     s->bar = (spin_barrier_t){0, 0, 0, threads};
+    s->parts = heads_parts(s->dm.n_heads / s->dm.n_kv_heads, T * s->dm.n_kv_heads, threads);
     return 0;
 }
 
@@ -173,12 +185,16 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
     for (int64_t i = 0; i < T * (nh + 2 * nkv); i++)
         head_prep(s, w, l, i / (nh + 2 * nkv), i % (nh + 2 * nkv));
     spin_barrier(&s->bar, sense);
+    const int64_t g = nh / nkv, parts = s->parts;
 #pragma omp for schedule(dynamic) nowait
-    for (int64_t i = 0; i < T * nh; i++) {
-        int64_t t = i / nh, hd = i % nh, kv = hd / (nh / nkv), c = s->seq[t] * s->L + l;
-        attend(s->qkv + t * W + hd * D, s->k_cache[c] + kv * D, s->v_cache[c] + kv * D,
-               s->pos[t] + 1, s->tables[s->seq[t]], s->block[s->seq[t]], nkv * D, D,
-               s->scores + me * S, s->att + t * QD + hd * D);
+    for (int64_t i = 0; i < T * nkv * parts; i++) { /* heads lo .. hi - 1 of KV head kv */
+        int64_t t = i / (nkv * parts), kv = i / parts % nkv, part = i % parts;
+        int64_t lo = kv * g + part * g / parts, hi = kv * g + (part + 1) * g / parts;
+        int64_t c = s->seq[t] * s->L + l;
+        attend_heads(s->qkv + t * W + lo * D, hi - lo, s->k_cache[c] + kv * D,
+                     s->v_cache[c] + kv * D, s->pos[t] + 1, s->tables[s->seq[t]],
+                     s->block[s->seq[t]], nkv * D, D, s->scores + me * ATTEND_GROUP_MAX * S,
+                     s->att + t * QD + lo * D);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -206,10 +207,7 @@ def check_step(
             if seen is not None:
                 raise ValueError("two spans or layers of one call share a cache")
             owner[c.data_ptr()] = me
-            _check(c, "cache", CACHE_DTYPE, 3)
-            if tuple(c.shape[1:]) != (n_kv_heads, head_dim):
-                raise ValueError(f"a cache layer {tuple(c.shape)} is not [rows, {n_kv_heads}, "
-                                 f"{head_dim}]")  # fmt: skip
+            _check_cache(c, n_kv_heads, head_dim)
         tables.append(_block_table(sp, min((c.shape[0] for c in (*sp.k, *sp.v)), default=0)))
     _check_writes(spans, tables)
     pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
@@ -221,6 +219,26 @@ def check_step(
     addresses = (ids.ctypes.data + ids.itemsize * at).astype(np.uint64)
     block = np.array([size for _, size in tables], dtype=np.int64)
     return StepArgs(t, pos.astype(np.int64), seq, k, v, addresses, block, ids)
+
+
+# the cache layers found good, by id: (the layer, its heads and head size); a step checks
+# the same 2 x layers tensors again and again, and their checks were half a decode step's
+# Python (dtype, device, shape and layout cannot change under a tensor object)
+_GOOD_CACHES: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+
+
+def _check_cache(c: torch.Tensor, n_kv_heads: int, head_dim: int) -> None:
+    """A cache layer is [rows, n_kv_heads, head_dim] `CACHE_DTYPE`, contiguous, on the CPU."""
+    known = _GOOD_CACHES.get(id(c))
+    if known is not None and known[0]() is c and known[1:] == (n_kv_heads, head_dim):
+        return
+    _check(c, "cache", CACHE_DTYPE, 3)
+    if tuple(c.shape[1:]) != (n_kv_heads, head_dim):
+        raise ValueError(f"a cache layer {tuple(c.shape)} is not [rows, {n_kv_heads}, "
+                         f"{head_dim}]")  # fmt: skip
+    key = id(c)
+    gone = lambda _: _GOOD_CACHES.pop(key, None)  # noqa: E731
+    _GOOD_CACHES[key] = (weakref.ref(c, gone), n_kv_heads, head_dim)
 
 
 _ONE_BLOCK = np.zeros(1, dtype=np.int32)  # a contiguous cache's table
