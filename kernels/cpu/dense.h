@@ -13,8 +13,8 @@
  *
  * Phases of a layer, each split over the team: norm + quantize x; q|k|v rows (one task list
  * over the three matrices, sharing x's int8 copy); bias + RoPE, k and v into the cache;
- * attention per (token, KV head: its query heads together); o rows; residual, norm, quantize; gate|up rows; silu * up,
- * quantized; down rows; residual. Many tokens (a prompt) go through every phase together, so a
+ * attention per (token, KV head: its query heads together); o rows; residual, norm,
+ * quantize; gate|up rows; silu * up, quantized; down rows; residual. Many tokens (a prompt) go through every phase together, so a
  * weight row is read once for up to VEC_TILE of them. A token's attention is the same loop
  * over its keys whatever the other tokens of the call: results do not depend on how a prompt
  * is chunked, nor on the thread count (every value is computed by one thread in one order),
