@@ -274,11 +274,14 @@ class StoreConfig(_Section, frozen=True):
 class SpeculationConfig(_Section, frozen=True):
     """Speculative decoding: drafted tokens verified in one step (docs/engine.md)."""
 
-    drafter: Literal["auto", "off", "prompt_lookup"] = "auto"
+    drafter: Literal["auto", "off", "prompt_lookup", "suffix"] = "auto"
     """Where drafts come from: `prompt_lookup` proposes the tokens that followed the latest
     earlier occurrence of the sequence's last 2-4 tokens in its prompt and output (llama.cpp's
     lookup decoding: pays where the answer repeats its input, as code edits, quotes and
-    schema filling do); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
+    schema filling do); `suffix` does that first, else proposes what most often followed the
+    sequence's last 2-8 tokens in the recent answers of its API key and user (vLLM's suffix
+    decoding: pays where clients ask again for text of one shape, as agent loops, tool calls
+    and retries do); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
     default model on a 2-core VM: 1.0-1.9x, bench/results/2026-12-05-spec-cpu.md), off on a
     GPU, where a drafted token costs 0.5-0.8 of a decode step (its rows route to more experts)
     and an oracle drafter paid only at 90% acceptance with one token (1.09-1.32x; 0.85x at 60%

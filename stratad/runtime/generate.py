@@ -185,7 +185,7 @@ class Generator:
         seq = Sequence(req, self.caches[i], self.tokenizer, self.max_context)
         seq.cached_tokens = self.cached_tokens = pos
         if self.speculation is not None:
-            seq.speculate(*self.speculation.start(req.prompt))
+            seq.speculate(*self.speculation.start(req.prompt, req.scope))
         self._admit(i, seq)
         return seq
 

@@ -25,9 +25,10 @@ class Drafts(Protocol):
 
 
 class Drafter(Protocol):
-    """A kind of drafter (a setting): makes each sequence's own."""
+    """A kind of drafter (a setting): makes each sequence's own; `scope` is the request's
+    (`Job.scope`): a drafter that learns across requests keeps scopes apart."""
 
-    def start(self, prompt: list[int]) -> Drafts: ...
+    def start(self, prompt: list[int], scope: str = "") -> Drafts: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PromptLookup:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes {self.min_n}..{self.max_n}: need 1 <= min <= max")
 
-    def start(self, prompt: list[int]) -> NgramIndex:
+    def start(self, prompt: list[int], scope: str = "") -> NgramIndex:
         index = NgramIndex(self.min_n, self.max_n)
         index.extend(prompt)
         return index

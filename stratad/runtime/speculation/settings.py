@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST
 from stratad.runtime.speculation.drafter import Drafter, Drafts, PromptLookup
 from stratad.runtime.speculation.length import DraftLength
+from stratad.runtime.speculation.suffix import SuffixDecoding
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class Speculation:
             return None
         if drafter == "prompt_lookup":
             return cls(PromptLookup(), max_draft, token_cost)
-        raise ValueError(f"speculation.drafter {drafter!r}: off or prompt_lookup")
+        if drafter == "suffix":
+            return cls(SuffixDecoding(), max_draft, token_cost)
+        raise ValueError(f"speculation.drafter {drafter!r}: off, prompt_lookup or suffix")
 
-    def start(self, prompt: list[int]) -> tuple[Drafts, DraftLength]:
-        """A new sequence's drafter (fed its prompt) and draft length."""
-        return self.drafter.start(prompt), DraftLength(self.max_draft)
+    def start(self, prompt: list[int], scope: str = "") -> tuple[Drafts, DraftLength]:
+        """A new sequence's drafter (fed its prompt) and draft length; `scope`: the
+        request's."""
+        return self.drafter.start(prompt, scope), DraftLength(self.max_draft)
