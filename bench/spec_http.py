@@ -1,7 +1,7 @@
 """Speculative decoding over HTTP: decode tokens/s with each drafter and without, on
 workloads that repeat their input and one that does not.
 
-    python -m bench.spec_http [--model PATH] [--drafters off,prompt_lookup] [--repeats 3]
+    python -m bench.spec_http [--model PATH] [--drafters off,prompt_lookup,suffix] [--repeats 3]
                               [--max-tokens 256] [--llamacpp BIN_DIR] [--json PATH]
 
 For each drafter, starts `stratad` (`speculation.drafter`, one request at a time), then runs
@@ -9,7 +9,9 @@ each workload `--repeats` times, alternating drafters between repeats: a streame
 completion (openai client), its decode rate taken as the completion tokens after the first
 over the time from the first token to the last. Workloads (made here, no download): rewrite
 a given 60-line Python function with one change; answer with quotes from a supplied text;
-fill a JSON object from a supplied record; and a story with nothing to copy. Prints each
+fill a JSON object from a supplied record; and a story with nothing to copy; then, in the same
+daemon, another record for the same schema and the story asked again (where `suffix` drafts
+from the answers given before). Prints each
 workload's rate per drafter and the speedup over `off` (median of the repeats, spread). The
 default model is the packaged SmolLM2-135M-Instruct. `--llamacpp`: a folder with
 llama.cpp's `llama-lookup` built for this host (bench/llamacpp_build.sh, examples on): its
@@ -57,15 +59,23 @@ TEXT = ("The lighthouse stood on the northern cape for two hundred years. Its ke
 RECORD = ("name: Maria Lopez; born: 1984-03-12; city: Valencia; email: maria.lopez@example.org;"
           " phone: +34 600 123 456; occupation: marine biologist; employer: Oceanographic"
           " Institute; languages: Spanish, English, Catalan")  # fmt: skip
+RECORD2 = ("name: Tomas Novak; born: 1979-11-02; city: Brno; email: t.novak@example.net;"
+           " phone: +420 731 555 010; occupation: railway engineer; employer: Czech Railways;"
+           " languages: Czech, German")  # fmt: skip
+SCHEMA = ("Write this record as a JSON object with the keys name, born, city, email, phone,"
+          " occupation, employer, languages (a list).")  # fmt: skip
 
 WORKLOADS = {
     "rewrite": f"Rewrite this function with `threshold` renamed to `limit`. Give the whole"
                f" function, nothing else.\n\n```python\n{_function()}\n```",
     "quotes": f"Text:\n{TEXT}\n\nQuote, word for word, every sentence of the text that"
               f" mentions the keeper.",
-    "schema": f"Record: {RECORD}\n\nWrite this record as a JSON object with the keys name,"
-              f" born, city, email, phone, occupation, employer, languages (a list).",
+    "schema": f"Record: {RECORD}\n\n{SCHEMA}",
     "plain": "Tell a short story about a fox who learns to sail.",
+    # asked after the two above in the same daemon: another record of the same schema (an
+    # agent's next tool call), and the story again (a retry): text of a shape already answered
+    "schema_again": f"Record: {RECORD2}\n\n{SCHEMA}",
+    "retry": "Tell a short story about a fox who learns to sail.",
 }
 
 
@@ -114,7 +124,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.spec_http", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--drafters", default="off,prompt_lookup")
+    p.add_argument("--drafters", default="off,prompt_lookup,suffix")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--llamacpp", type=Path, help="folder holding llama.cpp's llama-lookup")
@@ -152,20 +162,23 @@ def main() -> None:
     result: dict[str, Any] = {"model": Path(model).name, "max_tokens": args.max_tokens,
                               "repeats": args.repeats, "rows": []}  # fmt: skip
     extra = " llama-lookup tok/s |" if lookup is not None else ""
-    print("| workload | " + " | ".join(f"{d} tok/s" for d in drafters) + f" | speedup |{extra}")
-    print("|" + " --- |" * (len(drafters) + 2 + (lookup is not None)))
+    others = drafters[1:]
+    print("| workload | " + " | ".join(f"{d} tok/s" for d in drafters) + " | "
+          + " | ".join(f"{d} speedup" for d in others) + f" |{extra}")  # fmt: skip
+    print("|" + " --- |" * (len(drafters) + len(others) + 1 + (lookup is not None)))
     for w in WORKLOADS:
         med = {d: statistics.median(runs[d][w]) for d in drafters}
         base = med[drafters[0]]
-        best = med[drafters[-1]]
         cells = " | ".join(f"{med[d]:.1f} ({min(runs[d][w]):.1f}–{max(runs[d][w]):.1f})"
                            for d in drafters)  # fmt: skip
+        gains = " | ".join(f"{med[d] / base:.2f}x" for d in others)
         theirs = (f" {statistics.median(peer[w]):.1f} ({min(peer[w]):.1f}–{max(peer[w]):.1f}) |"
                   if peer[w] else "")  # fmt: skip
-        print(f"| {w} | {cells} | {best / base:.2f}x |{theirs}")
+        print(f"| {w} | {cells} | {gains} |{theirs}")
         result["rows"].append({"workload": w, "tok_s": {d: runs[d][w] for d in drafters},
                                "tokens": {d: tokens[d][w] for d in drafters},
-                               "llama_lookup_tok_s": peer[w], "speedup": best / base})  # fmt: skip
+                               "llama_lookup_tok_s": peer[w],
+                               "speedup": {d: med[d] / base for d in others}})  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -23,8 +23,9 @@ def test_the_most_frequent_continuation_while_it_holds_its_share() -> None:
     answers = Answers(min_n=2, max_n=3, budget=100)
     for tail in ([8], [8], [9]):  # after 1 2 3: 4 7, then 8 twice and 9 once
         answers.add(None, [1, 2, 3, 4, 7, *tail])
-    assert answers.propose([0, 2, 3], 5, min_share=0.5) == [4, 7, 8]
-    assert answers.propose([0, 2, 3], 5, min_share=0.7) == [4, 7]  # 8: 2 of 3 after 4 7
+    assert answers.propose([1, 2, 3], 5, min_share=0.5) == [4, 7, 8]
+    assert answers.propose([1, 2, 3], 5, min_share=0.7) == [4, 7]  # 8: 2 of 3 after 4 7
+    assert answers.propose([0, 2, 3], 5, min_share=0.5) == [4, 7]  # as many as matched
     assert answers.propose([5, 6], 5, min_share=0.1) == []  # never seen
     assert answers.propose([2, 3], 1, min_share=0.5) == [4]
 
@@ -33,10 +34,10 @@ def test_the_oldest_answers_go_past_the_budget_and_take_their_counts() -> None:
     answers = Answers(min_n=1, max_n=2, budget=6)
     first = answers.add(None, [1, 2, 3])
     answers.add(None, [4, 5, 6])
-    assert answers.propose([1], 2, 0.5) == [2, 3]
+    assert answers.propose([1, 2], 2, 0.5) == [3]
     answers.add(None, [7])  # 7 tokens: the first answer goes
-    assert first.dropped and answers.propose([1], 2, 0.5) == []
-    assert answers.propose([4], 2, 0.5) == [5, 6]
+    assert first.dropped and answers.propose([1, 2], 2, 0.5) == []
+    assert answers.propose([4, 5], 2, 0.5) == [6]
     kept = Answers(min_n=1, max_n=2, budget=6)
     kept.add(None, [4, 5, 6])
     kept.add(None, [7])
@@ -50,11 +51,11 @@ def test_scopes_do_not_see_each_others_answers() -> None:
     drafter = SuffixDecoding(min_n=1, max_n=2)
     mine = drafter.start([100], scope="a")
     mine.extend([1, 2, 3, 4])
-    assert drafter.start([1], scope="a").propose(3) == [2, 3, 4]
-    assert drafter.start([1], scope="b").propose(3) == []
-    # its own text comes first: the latest earlier occurrence of its suffix
-    own = drafter.start([1, 9, 9, 1], scope="a")
-    assert own.propose(2) == [9, 9]
+    assert drafter.start([1, 2], scope="a").propose(3) == [3, 4]
+    assert drafter.start([1, 2], scope="b").propose(3) == []
+    # the longer match wins; its own text's on a tie (the latest earlier occurrence)
+    assert drafter.start([1, 9, 9, 1], scope="a").propose(2) == [9, 9]
+    assert drafter.start([2, 9, 1, 2], scope="a").propose(2) == [3, 4]
     few = SuffixDecoding(scopes=1)
     few.start([1], scope="a").extend([1, 2, 3])
     few.start([1], scope="b")  # the least recently used scope goes

@@ -68,9 +68,14 @@ class NgramIndex:
         self._indexed = max(self._indexed, len(t) - 1)
 
     def propose(self, k: int) -> list[int]:
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """The length of the longest suffix found earlier (0: none) and up to `k` tokens that
+        followed its latest occurrence."""
         t = self.tokens
         for n in range(min(self.max_n, len(t)), self.min_n - 1, -1):
             end = self._ends.get(tuple(t[len(t) - n :]))
             if end is not None:
-                return t[end : end + k]
-        return []
+                return n, t[end : end + k]
+        return 0, []

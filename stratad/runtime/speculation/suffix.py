@@ -6,10 +6,11 @@ with other arguments, a JSON object of one schema, a retried answer. Prompt look
 vLLM's, after Arctic's SuffixDecoding) also keeps the answers the daemon gave lately, and
 drafts what most often followed the sequence's last tokens there.
 
-A sequence's proposal: its own text first (the latest earlier occurrence of its longest
-suffix, as prompt lookup), else the answers' counts: token by token, the most frequent
-continuation of the longest context (`min_n` .. `max_n` tokens) seen before, while that
-continuation holds at least `min_share` of what followed the context. The answers are kept
+A sequence's proposal comes from the longer of two matches: its own text's (the latest earlier
+occurrence of its longest suffix, as prompt lookup) or the answers' counts (token by token,
+the most frequent continuation of the longest context of `min_n` .. `max_n` tokens seen
+before, while that continuation holds at least `min_share` of what followed the context, and
+no more tokens than that first context is long). The answers are kept
 per scope (the server's hash of an API key and user, as cached prefixes are), so one client's
 answers never steer, nor time, another's drafts; each scope keeps its last `budget` answer
 tokens and at most `scopes` scopes are kept, the least recently used going first.
@@ -75,26 +76,32 @@ class Answers:
         self._tokens -= len(t)
 
     def propose(self, tail: list[int], k: int, min_share: float) -> list[int]:
-        """Up to `k` tokens: each the most frequent continuation of the longest known context
-        at the end of `tail` + the tokens proposed so far, while it holds `min_share`."""
-        with self._lock:
-            return self._propose(tail[-self.max_n :], k, min_share)
+        """Up to `k` tokens, and no more than the longest known context at the end of `tail`
+        is long (a short match is a weak one: vLLM's `max_spec_factor` 1): each the most
+        frequent continuation of the longest known context at the end of `tail` + the tokens
+        proposed so far, while it holds `min_share`."""
+        return self.match(tail, k, min_share)[1]
 
-    def _propose(self, ctx: list[int], k: int, min_share: float) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
-                after = self.follow.get(tuple(ctx[len(ctx) - n :]))
-                if after:
+    def match(self, tail: list[int], k: int, min_share: float) -> tuple[int, list[int]]:
+        """`propose`'s tokens after the length of the first context they continue (0:
+        none)."""
+        with self._lock:
+            ctx, out, first = tail[-self.max_n :], [], 0
+            while len(out) < k:
+                for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+                    after = self.follow.get(tuple(ctx[len(ctx) - n :]))
+                    if after:
+                        break
+                else:
                     break
-            else:
-                return out
-            token, count = max(after.items(), key=lambda kv: (kv[1], -kv[0]))
-            if count < min_share * sum(after.values()):
-                return out
-            out.append(token)
-            ctx = [*ctx[1:], token] if len(ctx) >= self.max_n else [*ctx, token]
-        return out
+                token, count = max(after.items(), key=lambda kv: (kv[1], -kv[0]))
+                if count < min_share * sum(after.values()):
+                    break
+                first = first or n
+                k = min(k, first)
+                out.append(token)
+                ctx = [*ctx[1:], token] if len(ctx) >= self.max_n else [*ctx, token]
+            return first, out
 
 
 class Answer:
@@ -167,7 +174,9 @@ class SuffixDrafts:
         self.answer = self.answers.add(self.answer, tokens)
 
     def propose(self, k: int) -> list[int]:
-        mine = self.own.propose(k)
-        if mine:
-            return mine
-        return self.answers.propose(self.own.tokens, k, self.min_share)
+        """The drafts of the longer match: the sequence's own text's, or its scope's answers'
+        (a retried answer matches the whole context there, where its own text repeats a
+        short phrase)."""
+        n, mine = self.own.match(k)
+        m, theirs = self.answers.match(self.own.tokens, k, self.min_share)
+        return theirs if m > n else mine
