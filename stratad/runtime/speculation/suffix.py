@@ -86,7 +86,8 @@ class Answers:
         """`propose`'s tokens after the length of the first context they continue (0:
         none)."""
         with self._lock:
-            ctx, out, first = tail[-self.max_n :], [], 0
+            ctx, first = tail[-self.max_n :], 0
+            out: list[int] = []
             while len(out) < k:
                 for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
                     after = self.follow.get(tuple(ctx[len(ctx) - n :]))
