@@ -193,13 +193,14 @@ class EngineConfig(_Section, frozen=True):
     a larger chunk moves fewer bytes per token; a cancelled request frees the engine within
     one chunk."""
     kv_cache: Literal["plain", "int8"] = "plain"
-    """How the offload engine stores keys and values: `plain` in the compute dtype (bf16 on a
-    GPU); `int8` as int8 with a float32 scale per token and KV head, read directly by the
-    attention kernels: about half the KV memory, so twice the context or the requests in the
-    same VRAM (the default model's perplexity +0.11% over 8K tokens of the Python
-    documentation, bench/results/2026-12-05-kv-ppl-cpu.md). The cpu and reference engines
-    keep plain KV (a start with int8 on them is refused). Conversations set aside in the
-    prefix store are plain KV only: with int8 they are reused from the pool's blocks alone."""
+    """How the offload and cpu engines store keys and values: `plain` in the compute dtype
+    (bf16 on a GPU, halves in the cpu engine); `int8` as int8 with a float32 scale per token
+    and KV head, read directly by the attention kernels: about half the KV memory, so twice the
+    context or the requests in the same memory (the default model's perplexity +0.11% over 8K
+    tokens of the Python documentation, bench/results/2026-12-05-kv-ppl-cpu.md). The
+    reference engine keeps plain KV (a start with int8 on it is refused). Conversations set
+    aside in the prefix store are plain KV only: with int8 they are reused from the pool's
+    blocks alone."""
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""

@@ -26,6 +26,7 @@ from kernels.cpu.dense import (
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
 from kernels.formats.quant import QType
+from stratad.engine.kv_format import Int8KV
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
 from tests.test_cpu_experts import blocks, dense, q8
@@ -78,8 +79,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
     return torch.stack(rows)
 
 
-def _reference(x, floats, kc, vc, start, cos, sin, qtype, s=SHAPE):  # type: ignore[no-untyped-def]
-    """The torch forward's layers (forward.ReferenceForward) with the kernels' roundings."""
+def _reference(x, floats, kc, vc, start, cos, sin, qtype, s=SHAPE,  # type: ignore[no-untyped-def]
+               store=lambda c: c):  # fmt: skip
+    """The torch forward's layers (forward.ReferenceForward) with the kernels' roundings;
+    `store`: what the cache gives back of the keys and values written."""
     t = x.shape[0]
     r = (lambda v: v) if qtype == QType.F32 else q8
     for i, f in enumerate(floats):
@@ -87,7 +90,7 @@ def _reference(x, floats, kc, vc, start, cos, sin, qtype, s=SHAPE):  # type: ign
         q, k, v = (h @ f[p].T + f.get(f"{p}_bias", 0) for p in "qkv")
         q = apply_rope(q.view(t, s.n_heads, s.head_dim), cos, sin, s.rope_interleaved)
         k = apply_rope(k.view(t, s.n_kv_heads, s.head_dim), cos, sin, s.rope_interleaved)
-        kc[i][start : start + t], vc[i][start : start + t] = k, v.view(k.shape)
+        kc[i][start : start + t], vc[i][start : start + t] = store(k), store(v.view(k.shape))
         att = _attention(q, kc[i][: start + t], vc[i][: start + t], start)
         x = x + r(att.reshape(t, -1)) @ f["o"].T
         h = r(rms_norm(x, f["ffn_norm"], s.eps))
@@ -158,6 +161,31 @@ def test_the_query_heads_of_a_kv_head_in_any_parts(kernels: CpuExperts) -> None:
         got.append(y)
     assert torch.equal(got[0], got[1])
     assert (got[0] - want).abs().max() <= TOL[QType.Q8_0] * want.abs().max()
+
+
+def test_int8_caches_as_kv_quant_stores_them(kernels: CpuExperts) -> None:
+    # int8 keys and values with a scale per row and KV head: the new rows written as
+    # kv_quant.quantize_kv writes them, every row read as q times its scale
+    fmt = Int8KV()
+    layers, floats = _layers(QType.Q8_0, 2, bias=True)
+    x, kc, vc, cos, sin = _inputs(5, 3, 2)
+    k8, v8 = [fmt.quantize(c.float()) for c in kc], [fmt.quantize(c.float()) for c in vc]
+    ref_k, ref_v = [fmt.dequantize(*a) for a in k8], [fmt.dequantize(*a) for a in v8]
+    want = _reference(x.clone(), floats, ref_k, ref_v, 3, cos, sin, QType.Q8_0,
+                      store=fmt.round_trip)  # fmt: skip
+    before = [q[:3].clone() for q, _ in k8]
+    DenseStack(kernels, SHAPE, layers)(x, [CacheSpan(
+        [q for q, _ in k8], [q for q, _ in v8], 3, 5,
+        k_scale=[s for _, s in k8], v_scale=[s for _, s in v8])], cos, sin)  # fmt: skip
+    assert (x - want).abs().max() <= TOL[QType.Q8_0] * want.abs().max()
+    for (q, sc), ref, old in zip(k8, ref_k, before, strict=True):
+        assert torch.equal(q[:3], old)  # the earlier rows as they were
+        got = fmt.dequantize(q[3:8], sc[3:8])
+        assert (got - ref[3:8]).abs().max() <= TOL[QType.Q8_0] * ref[3:8].abs().max()
+    with pytest.raises(ValueError, match="scales"):  # scales for some spans only
+        DenseStack(kernels, SHAPE, layers)(x[:1].clone(), [CacheSpan(
+            [q for q, _ in k8], [q for q, _ in v8], 3, 1, k_scale=[s for _, s in k8])],
+            cos[:1].contiguous(), sin[:1].contiguous())  # fmt: skip
 
 
 def test_a_batch_gives_each_sequence_its_bits_alone(kernels: CpuExperts) -> None:

@@ -71,11 +71,12 @@ def test_reference_attends_over_the_quantized_cache(tiny_moe: Model) -> None:
     assert int(out["int8"][-1].argmax()) == int(plain[-1].argmax())
 
 
-def test_cpu_layers_refuse_a_quantized_cache(smollm_model: Model) -> None:
-    """The cpu engine's one-call layers write plain KV themselves: no silent plain cache."""
+def test_cpu_layers_refuse_a_cache_they_cannot_write(smollm_model: Model) -> None:
+    """The cpu engine's one-call layers write plain or int8 KV themselves: no silent plain
+    cache for a 4-bit one."""
     weights = QuantWeights(CpuExperts(threads=1))
-    with pytest.raises(ValueError, match="plain KV, not int8"):
-        ReferenceForward(smollm_model, weights=weights, kv_format=Int8KV())
+    with pytest.raises(ValueError, match="plain or int8 KV, not q4"):
+        ReferenceForward(smollm_model, weights=weights, kv_format=Q4KV())
     assert ReferenceForward(smollm_model, weights=weights, kv_format=PLAIN).stack is not None
 
 
@@ -147,16 +148,42 @@ def test_offload_int8_kv_tokens_equal_the_reference_cpu(tiny_moe: Model, row_tok
 
 def test_int8_kv_in_the_start_plan(tiny_moe: Model) -> None:
     """engine.kv_cache = int8 halves the offload engine's KV bytes (plus a float32 scale per
-    token and KV head) and is refused on an engine that keeps plain KV."""
+    token and KV head) and the cpu engine's (halves there), and is refused on the reference
+    engine, which keeps plain KV."""
     spec, cpu = tiny_moe.spec, torch.device("cpu")
     kv = {}
-    for kind in ("plain", "int8"):
-        config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="offload",
-                                                                       kv_cache=kind))  # fmt: skip
-        kv[kind] = start_plan(config, tiny_moe, cpu, [None], 1 << 20).parallel.kv_bytes
+    for backend in ("offload", "cpu"):
+        for kind in ("plain", "int8"):
+            engine = EngineConfig(backend=backend, kv_cache=kind)
+            config = msgspec.structs.replace(Config(), engine=engine)
+            plan = start_plan(config, tiny_moe, cpu, [None], 1 << 20, host_bytes=1 << 34)
+            kv[backend, kind] = plan.parallel.kv_bytes  # a context's
     cells = 2 * spec.n_layers * min(Config().model.max_context, spec.context_length)
-    assert kv == {"plain": cells * spec.kv_dim * 4,  # float32 on a CPU
-                  "int8": cells * (spec.kv_dim + 4 * spec.n_kv_heads)}  # fmt: skip
-    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="cpu", kv_cache="int8"))
+    int8 = cells * (spec.kv_dim + 4 * spec.n_kv_heads)
+    assert kv == {("offload", "plain"): cells * spec.kv_dim * 4,  # float32 on a CPU
+                  ("offload", "int8"): int8, ("cpu", "plain"): cells * spec.kv_dim * 2,
+                  ("cpu", "int8"): int8}  # fmt: skip
+    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="reference",
+                                                                   kv_cache="int8"))  # fmt: skip
     with pytest.raises(ModelError, match="keeps plain KV"):
         start_plan(config, tiny_moe, cpu, [None], 1 << 20)
+
+
+def test_the_cpu_engine_keeps_int8_kv(tiny_moe: Model) -> None:
+    """The cpu engine's one-call layers with an int8 pool (the C loops write the ints and
+    scales and read them back): half the KV bytes, the greedy tokens of its plain-KV run and
+    logits within int8's rounding of them."""
+    runs = {}
+    for fmt in (PLAIN, Int8KV()):
+        engine = ReferenceForward(tiny_moe, weights=QuantWeights(CpuExperts(threads=2)),
+                                  kv_format=fmt)  # fmt: skip
+        pool = engine.new_pool(pool_tokens(3, 64))
+        caches = [KVCache(pool, 64) for _ in PROMPTS]
+        first = engine.step([Seq(c, p) for c, p in zip(caches, PROMPTS, strict=True)])
+        runs[fmt.name] = (_greedy(engine, [KVCache(pool, 64) for _ in PROMPTS], 4), first, pool)
+    (plain, lp, pp), (int8, li, pi) = runs["plain"], runs["int8"]
+    assert pi.quantized and pi.k[0].dtype == torch.int8 and float(pi.k_scale[0].sum()) > 0
+    assert pi.block_bytes < 0.6 * pp.block_bytes
+    assert int8 == plain
+    for a, b in zip(lp, li, strict=True):
+        assert (a - b).abs().max() <= 0.05 * a.abs().max()

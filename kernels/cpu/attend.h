@@ -82,22 +82,6 @@ static inline uint16_t to_f16(float f) {
 
 static inline float half_at(const uint16_t *h) { return f16((const uint8_t *)h); }
 
-/* q [D] . k [D] with k in halves */
-static inline float dot_f16(const float *q, const uint16_t *k, int64_t d) {
-    float r = 0.0f;
-    int64_t i = 0;
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= d; i += 8) {
-        __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i)));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv, acc);
-    }
-    r = hsum8(acc);
-#endif
-    for (; i < d; i++) r += q[i] * half_at(k + i);
-    return r;
-}
-
 #ifdef __AVX2__
 /* hsum8 of a[0..7] at once, one per lane of the result, each sum in hsum8's order
  * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): the same bits as a key at a time */
@@ -123,49 +107,98 @@ static inline __m256 hsum8x8(const __m256 *a) {
 #define KV_AHEAD 16 /* key and value rows prefetched ahead */
 #endif
 
-/* key j's d halves (rows `stride` apart, in blocks through `table`) on their way to the
- * caches: a head's rows are a slice of each cache row, a stride the hardware prefetcher
- * follows poorly (a 2,000-key attention 1.6x faster), and a block's last rows are followed by
- * another block's first */
-static inline void prefetch_row(const uint16_t *base, const int32_t *table, int64_t block,
-                                int64_t stride, int64_t j, int64_t d, const uint16_t *cur,
-                                int64_t b0, int64_t nb) {
-    const uint16_t *row = j < b0 + nb ? cur + (j - b0) * stride /* in the current block */
-                          : base + ((int64_t)table[j / block] * block + j % block) * stride;
-    for (int64_t i = 0; i < d; i += 32) __builtin_prefetch(row + i, 0, 3);
+/* One KV head's keys (or values) in a layer's cache: halves, or int8 with a float scale per
+ * row (`kernels/layers/kv_quant.py`'s layout: q [rows, Hkv, D], scales [rows, Hkv]); element i
+ * of cache row r is at r stride + i, its scale at r sstride. A value is read as the float it
+ * stands for: the half, or q times its scale (dequantize_kv's one multiply). */
+typedef struct {
+    const uint16_t *h;  /* halves, or NULL */
+    const int8_t *q;    /* int8, or NULL */
+    const float *sc;    /* with q: the row's scale */
+    int64_t stride, sstride;
+} kv_view_t;
+
+#ifdef __AVX2__
+static inline __m256 kv_load8(const kv_view_t *c, int64_t row, int64_t i) {
+    if (c->q) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(c->q + row * c->stride + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                             _mm256_set1_ps(c->sc[row * c->sstride]));
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->h + row * c->stride + i)));
+}
+#endif
+
+static inline float kv_load1(const kv_view_t *c, int64_t row, int64_t i) {
+    return c->q ? (float)c->q[row * c->stride + i] * c->sc[row * c->sstride]
+                : half_at(c->h + row * c->stride + i);
+}
+
+/* q [d] . key `row`: eight lanes of multiply-adds and their sum, then the rest in turn */
+static inline float kv_dot(const float *q, const kv_view_t *c, int64_t row, int64_t d) {
+    float r = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load8(c, row, i), acc);
+    r = hsum8(acc);
+#endif
+    for (; i < d; i++) r += q[i] * kv_load1(c, row, i);
+    return r;
+}
+
+/* the cache row of key j (in blocks of `block` through `table`) */
+static inline int64_t kv_row(const int32_t *table, int64_t block, int64_t j) {
+    return (int64_t)table[j / block] * block + j % block;
+}
+
+/* columns c .. c + n - 1 of key j's row (and its scale) on their way to the caches: a head's
+ * rows are a slice of each cache row, a stride the hardware prefetcher follows poorly (a
+ * 2,000-key attention 1.6x faster), and a block's last rows are followed by another block's
+ * first; `rb`: the cache row of key b0, the first of the block at hand (nb keys) */
+static inline void kv_prefetch(const kv_view_t *c, const int32_t *table, int64_t block,
+                               int64_t j, int64_t col, int64_t n, int64_t b0, int64_t nb,
+                               int64_t rb) {
+    const int64_t row = j < b0 + nb ? rb + (j - b0) : kv_row(table, block, j);
+    if (c->q) {
+        for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c->q + row * c->stride + col + i, 0, 3);
+        __builtin_prefetch(c->sc + row * c->sstride, 0, 3);
+    } else {
+        for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(c->h + row * c->stride + col + i, 0, 3);
+    }
 }
 
 /* For g <= ATTEND_GROUP_MAX heads h of one KV head: out_h [D] = softmax(q_h . k_s / sqrt(D)) v
- * over keys s < n, as llama.cpp computes it with its half-precision cache: k and v in halves,
- * q and the probabilities rounded to halves for the products, sums in float. q_h and out_h
- * are d apart; scores [g, n]. Key s is row table[s / block] block + s % block of k and v
- * (rows `stride` apart): a paged cache's blocks, or one block of all n keys (a contiguous
- * cache, table {0}). With AVX2, eight keys' scores at once (eight independent sums, where one
- * key's dot was a chain of dependent multiply-adds and a horizontal sum), and the output 64
- * columns at a time in registers across a tile of keys: each head's operations are the same
- * in the same order whatever g is, so the same bits (the int8 activations downstream turn any
- * rounding change into a visible one). A block holds a multiple of eight keys (or is the only
- * one), so the groups of eight are those of one contiguous cache, and the keys are visited in
- * the order of their positions whatever blocks hold them: a paged cache gives the same bits. */
-static void attend_heads(const float *q, int64_t g, const uint16_t *k, const uint16_t *v,
-                         int64_t n, const int32_t *table, int64_t block, int64_t stride,
-                         int64_t d, float *scores, float *out) {
+ * over keys s < n, as llama.cpp computes it with its half-precision cache: k and v as the
+ * cache holds them (halves, or int8 times their row's scale), q and the probabilities rounded
+ * to halves for the products, sums in float. q_h and out_h are d apart; scores [g, n]. Key s
+ * is row table[s / block] block + s % block of k and v: a paged cache's blocks, or one block
+ * of all n keys (a contiguous cache, table {0}). With AVX2, eight keys' scores at once (eight
+ * independent sums, where one key's dot was a chain of dependent multiply-adds and a
+ * horizontal sum), each key row converted to floats once, into a tile in L1, for all g heads;
+ * and the output 64 columns at a time in registers across a tile of value rows: each head's
+ * operations are the same in the same order whatever g is, so the same bits (the int8
+ * activations downstream turn any rounding change into a visible one). A block holds a
+ * multiple of eight keys (or is the only one), so the groups of eight are those of one
+ * contiguous cache, and the keys are visited in the order of their positions whatever blocks
+ * hold them: a paged cache gives the same bits. */
+static void attend_heads(const float *q, int64_t g, const kv_view_t *k, const kv_view_t *v,
+                         int64_t n, const int32_t *table, int64_t block, int64_t d,
+                         float *scores, float *out) {
     float qh[ATTEND_GROUP_MAX][MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d);
     for (int64_t h = 0; h < g; h++)
         for (int64_t i = 0; i < d; i++) qh[h][i] = half_at((uint16_t[]){to_f16(q[h * d + i])});
     for (int64_t b0 = 0; b0 < n; b0 += block) { /* keys b0 .. b0 + nb - 1: one block's rows */
-        const int64_t nb = n - b0 < block ? n - b0 : block;
-        const uint16_t *kb = k + (int64_t)table[b0 / block] * block * stride;
+        const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
         int64_t s = 0;
 #ifdef __AVX2__
         float kf[8][MAX_HEAD_DIM] __attribute__((aligned(32)));
         for (; d % 8 == 0 && s + 8 <= nb; s += 8) {
             for (int64_t j = b0 + s + KV_AHEAD; j < b0 + s + KV_AHEAD + 8 && j < n; j++)
-                prefetch_row(k, table, block, stride, j, d, kb, b0, nb);
+                kv_prefetch(k, table, block, j, 0, d, b0, nb, rb);
             for (int j = 0; j < 8; j++)
                 for (int64_t i = 0; i < d; i += 8)
-                    _mm256_store_ps(kf[j] + i, _mm256_cvtph_ps(_mm_loadu_si128(
-                        (const __m128i *)(kb + (s + j) * stride + i))));
+                    _mm256_store_ps(kf[j] + i, kv_load8(k, rb + s + j, i));
             for (int64_t h = 0; h < g; h++) {
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
@@ -181,7 +214,7 @@ static void attend_heads(const float *q, int64_t g, const uint16_t *k, const uin
 #endif
         for (; s < nb; s++)
             for (int64_t h = 0; h < g; h++)
-                scores[h * n + b0 + s] = dot_f16(qh[h], kb + s * stride, d) * scale;
+                scores[h * n + b0 + s] = kv_dot(qh[h], k, rb + s, d) * scale;
     }
     for (int64_t h = 0; h < g; h++) {
         float *sc = scores + h * n, mx = -INFINITY;
@@ -204,17 +237,15 @@ static void attend_heads(const float *q, int64_t g, const uint16_t *k, const uin
             for (int64_t h = 0; h < g; h++)
                 for (int i = 0; i < 64; i++) out[h * d + c + i] = 0.0f;
             for (int64_t b0 = 0; b0 < n; b0 += block) {
-                const int64_t nb = n - b0 < block ? n - b0 : block;
-                const uint16_t *vb = v + (int64_t)table[b0 / block] * block * stride + c;
+                const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
                 for (int64_t s0 = 0; s0 < nb; s0 += V_TILE) {
                     const int64_t nt = nb - s0 < V_TILE ? nb - s0 : V_TILE;
                     for (int64_t s = 0; s < nt; s++) {
                         if (b0 + s0 + s + KV_AHEAD < n)
-                            prefetch_row(v + c, table, block, stride, b0 + s0 + s + KV_AHEAD,
-                                         64, vb, b0, nb);
+                            kv_prefetch(v, table, block, b0 + s0 + s + KV_AHEAD, c, 64, b0, nb,
+                                        rb);
                         for (int i = 0; i < 8; i++)
-                            _mm256_store_ps(vf[s] + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                (const __m128i *)(vb + (s0 + s) * stride + 8 * i))));
+                            _mm256_store_ps(vf[s] + 8 * i, kv_load8(v, rb + s0 + s, c + 8 * i));
                     }
                     for (int64_t h = 0; h < g; h++) {
                         const float *p = scores + h * n + b0 + s0;
@@ -239,20 +270,16 @@ static void attend_heads(const float *q, int64_t g, const uint16_t *k, const uin
             const float *sc = scores + h * n;
             for (int64_t i = c; i < end; i++) oh[i] = 0.0f;
             for (int64_t b0 = 0; b0 < n; b0 += block) {
-                const int64_t nb = n - b0 < block ? n - b0 : block;
-                const uint16_t *vb = v + (int64_t)table[b0 / block] * block * stride;
+                const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
                 for (int64_t s = 0; s < nb; s++) {
-                    const uint16_t *vs = vb + s * stride;
                     float p = sc[b0 + s];
                     int64_t i = c;
 #ifdef __AVX2__
-                    for (__m256 pv = _mm256_set1_ps(p); i + 8 <= end; i += 8) {
-                        __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + i)));
-                        _mm256_storeu_ps(oh + i,
-                                         _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(oh + i)));
-                    }
+                    for (__m256 pv = _mm256_set1_ps(p); i + 8 <= end; i += 8)
+                        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(pv, kv_load8(v, rb + s, i),
+                                                                 _mm256_loadu_ps(oh + i)));
 #endif
-                    for (; i < end; i++) oh[i] += p * half_at(vs + i);
+                    for (; i < end; i++) oh[i] += p * kv_load1(v, rb + s, i);
                 }
             }
         }

@@ -9,7 +9,8 @@
  *
  * A call's tokens may belong to several sequences (the engine's batch: each running request's
  * next tokens): token t sits at position pos[t] of sequence seq[t], whose layer-l keys and
- * values are rows of k_cache[seq[t] L + l], v_cache[seq[t] L + l] ([rows, Hkv, D] halves).
+ * values are rows of k_cache[seq[t] L + l], v_cache[seq[t] L + l] ([rows, Hkv, D] halves, or
+ * int8 with a float scale per row and KV head in k_scale[...], v_scale[...] [rows, Hkv]).
  * Position p of sequence q is row tables[q][p / block[q]] block[q] + p % block[q]: a paged
  * cache's blocks (a pool shared by the call's sequences, each its own blocks), or a contiguous
  * cache as one block {0} at least as long as the sequence. The products read each weight row
@@ -47,7 +48,8 @@ typedef struct { /* a call's state, shared by the team */
     acts_t xa, aa;            /* int8 copies of h and att */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
-    uint16_t *const *k_cache, *const *v_cache;
+    void *const *k_cache, *const *v_cache; /* halves, or int8 where k_scale is set */
+    float *const *k_scale, *const *v_scale; /* [rows, Hkv] per cache, or NULL: halves */
     const int32_t *const *tables; /* [sequences]: each one's block ids */
     const int64_t *block;     /* [sequences]: its block size (positions a block holds) */
     const float *cos_t, *sin_t;
@@ -158,9 +160,23 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
     if (hn) rms_norm(v, hn, D, dm->eps, v);
     if (which < 2) rope(v, s->cos_t + t * D / 2, s->sin_t + t * D / 2, D, dm->rope_interleaved);
     if (which) {
-        uint16_t *dst = (which == 1 ? s->k_cache : s->v_cache)[s->seq[t] * s->L + l];
-        dst += (cache_row(s, s->seq[t], s->pos[t]) * nkv + (j - nh) % nkv) * D;
-        for (int64_t e = 0; e < D; e++) dst[e] = to_f16(v[e]);
+        const int64_t c = s->seq[t] * s->L + l;
+        const int64_t at = cache_row(s, s->seq[t], s->pos[t]) * nkv + (j - nh) % nkv;
+        void *dst = (which == 1 ? s->k_cache : s->v_cache)[c];
+        if (s->k_scale) { /* kv_quant.quantize_kv: max |v| / 127, v / scale to even */
+            float amax = 0.0f;
+            for (int64_t e = 0; e < D; e++) amax = fabsf(v[e]) > amax ? fabsf(v[e]) : amax;
+            float sc = amax / 127.0f, safe = sc > 0.0f ? sc : 1.0f;
+            int8_t *q = (int8_t *)dst + at * D;
+            for (int64_t e = 0; e < D; e++) {
+                float r = nearbyintf(v[e] / safe);
+                q[e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+            (which == 1 ? s->k_scale : s->v_scale)[c][at] = sc;
+        } else {
+            uint16_t *h = (uint16_t *)dst + at * D;
+            for (int64_t e = 0; e < D; e++) h[e] = to_f16(v[e]);
+        }
     }
 }
 
@@ -191,10 +207,17 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
         int64_t t = i / (nkv * parts), kv = i / parts % nkv, part = i % parts;
         int64_t lo = kv * g + part * g / parts, hi = kv * g + (part + 1) * g / parts;
         int64_t c = s->seq[t] * s->L + l;
-        attend_heads(s->qkv + t * W + lo * D, hi - lo, s->k_cache[c] + kv * D,
-                     s->v_cache[c] + kv * D, s->pos[t] + 1, s->tables[s->seq[t]],
-                     s->block[s->seq[t]], nkv * D, D, s->scores + me * ATTEND_GROUP_MAX * S,
-                     s->att + t * QD + lo * D);
+        kv_view_t kc = {NULL, NULL, NULL, nkv * D, nkv}, vc = kc;
+        if (s->k_scale) {
+            kc.q = (const int8_t *)s->k_cache[c] + kv * D, kc.sc = s->k_scale[c] + kv;
+            vc.q = (const int8_t *)s->v_cache[c] + kv * D, vc.sc = s->v_scale[c] + kv;
+        } else {
+            kc.h = (const uint16_t *)s->k_cache[c] + kv * D;
+            vc.h = (const uint16_t *)s->v_cache[c] + kv * D;
+        }
+        attend_heads(s->qkv + t * W + lo * D, hi - lo, &kc, &vc, s->pos[t] + 1,
+                     s->tables[s->seq[t]], s->block[s->seq[t]], D,
+                     s->scores + me * ATTEND_GROUP_MAX * S, s->att + t * QD + lo * D);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait

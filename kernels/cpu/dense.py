@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +90,11 @@ class CacheSpan:
     ceil((start + length) / block_size) of them, those past it unread): position p at row
     table[p // block_size] * block_size + p % block_size. block_size is a power of two >= 8, so
     a block holds whole groups of the eight keys attention scores at once: a paged cache gives
-    the bits of a contiguous one."""
+    the bits of a contiguous one.
+
+    Quantized (`k_scale`, `v_scale` given, for every span of the call or none): k[l], v[l] are
+    int8, and k_scale[l], v_scale[l] [rows, Hkv] float32 their scales
+    (`kernels.layers.kv_quant`'s layout: a value is q times its row and head's scale)."""
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor]
@@ -98,6 +102,8 @@ class CacheSpan:
     length: int
     table: np.ndarray | torch.Tensor | None = None  # [>= blocks the positions need]
     block_size: int = 0  # positions a block holds; paged spans only
+    k_scale: Sequence[torch.Tensor] | None = None
+    v_scale: Sequence[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,19 @@ class StepArgs:
     seq: np.ndarray  # [T] int32
     k: np.ndarray  # [spans * layers] uint64 addresses
     v: np.ndarray
+    k_scale: np.ndarray | None  # the same for int8 caches' scales; None: halves
+    v_scale: np.ndarray | None
     tables: np.ndarray  # [spans] uint64: the address of each span's block ids in `ids`
     block: np.ndarray  # [spans] int64: its block size
     ids: np.ndarray  # every span's block ids, int32 (a contiguous span's: one block, 0)
 
-    def pointers(self) -> tuple[int, int, int, int, int, int]:
+    def pointers(self) -> tuple[int, int, int, int, int | None, int | None, int, int]:
+        """pos, seq, k, v, k_scale, v_scale (None: halves), tables, block."""
+        ks, vs = (None, None) if self.k_scale is None or self.v_scale is None else (
+            self.k_scale.ctypes.data, self.v_scale.ctypes.data)  # fmt: skip
         return (self.pos.ctypes.data, self.seq.ctypes.data, self.k.ctypes.data,
-                self.v.ctypes.data, self.tables.ctypes.data, self.block.ctypes.data)  # fmt: skip
+                self.v.ctypes.data, ks, vs, self.tables.ctypes.data,
+                self.block.ctypes.data)  # fmt: skip
 
 
 class DenseStack:
@@ -159,11 +171,11 @@ class DenseStack:
         [T, D/2] float32 at each token's position (`layers.rope_tables`)."""
         s = self.shape
         a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, len(self.layers))
-        pos, seq, kp, vp, tp, bp = a.pointers()
+        pos, seq, kp, vp, ksp, vsp, tp, bp = a.pointers()
         threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
         rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers),
-                      len(self.layers), ctypes.byref(self._dims), kp, vp, tp, bp,
+                      len(self.layers), ctypes.byref(self._dims), kp, vp, ksp, vsp, tp, bp,
                       cos.data_ptr(), sin.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
         self.team.record(a.tokens, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "dense layers")
@@ -195,50 +207,68 @@ def check_step(
     # place in the span's k + v; any other second use is an error
     owner: dict[int, tuple[int, int]] = {}
     tables: list[tuple[np.ndarray, int]] = []
+    quantized = spans[0].k_scale is not None
     for i, sp in enumerate(spans):
         if sp.start < 0 or sp.length < 1:
             raise ValueError(f"a span starts at {sp.start} with {sp.length} tokens")
         if len(sp.k) != n_layers or len(sp.v) != n_layers:
             raise ValueError(f"{len(sp.k)} and {len(sp.v)} cache layers for {n_layers} layers")
-        for j, c in enumerate((*sp.k, *sp.v)):
+        scales = (*sp.k_scale, *sp.v_scale) if sp.k_scale and sp.v_scale else ()
+        if (sp.k_scale is not None or sp.v_scale is not None) != quantized or (
+                quantized and len(scales) != 2 * n_layers):
+            raise ValueError("every span of a call has k and v scales for each layer, or none")
+        for j, c in enumerate((*sp.k, *sp.v, *scales)):
             me, seen = (i if sp.table is None else -1, j), owner.get(c.data_ptr())
             if seen == me:  # a pool's, checked for an earlier span
                 continue
             if seen is not None:
                 raise ValueError("two spans or layers of one call share a cache")
             owner[c.data_ptr()] = me
-            _check_cache(c, n_kv_heads, head_dim)
+            if j >= 2 * n_layers:  # the scales of cache j - 2 n_layers
+                _check_cache(c, (n_kv_heads,), torch.float32)
+                if c.shape[0] != (*sp.k, *sp.v)[j - 2 * n_layers].shape[0]:
+                    raise ValueError(f"scales of {c.shape[0]} rows for a cache layer of "
+                                     f"{(*sp.k, *sp.v)[j - 2 * n_layers].shape[0]}")  # fmt: skip
+            else:
+                _check_cache(c, (n_kv_heads, head_dim), torch.int8 if quantized else CACHE_DTYPE)
         tables.append(_block_table(sp, min((c.shape[0] for c in (*sp.k, *sp.v)), default=0)))
     _check_writes(spans, tables)
     pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
     seq = np.repeat(np.arange(len(spans), dtype=np.int32), [sp.length for sp in spans])
-    k = np.array([c.data_ptr() for sp in spans for c in sp.k], dtype=np.uint64)
-    v = np.array([c.data_ptr() for sp in spans for c in sp.v], dtype=np.uint64)
+    def addresses(per_span: Callable[[CacheSpan], Sequence[torch.Tensor] | None]) -> np.ndarray:
+        return np.array([c.data_ptr() for sp in spans for c in per_span(sp) or ()],
+                        dtype=np.uint64)  # fmt: skip
+
+    k, v = addresses(lambda sp: sp.k), addresses(lambda sp: sp.v)
+    ks = addresses(lambda sp: sp.k_scale) if quantized else None
+    vs = addresses(lambda sp: sp.v_scale) if quantized else None
     ids = np.concatenate([b for b, _ in tables])
     at = np.cumsum([0] + [len(b) for b, _ in tables[:-1]])
-    addresses = (ids.ctypes.data + ids.itemsize * at).astype(np.uint64)
+    table_at = (ids.ctypes.data + ids.itemsize * at).astype(np.uint64)
     block = np.array([size for _, size in tables], dtype=np.int64)
-    return StepArgs(t, pos.astype(np.int64), seq, k, v, addresses, block, ids)
+    return StepArgs(t, pos.astype(np.int64), seq, k, v, ks, vs, table_at, block, ids)
 
 
-# the cache layers found good, by id: (the layer, its heads and head size); a step checks
-# the same 2 x layers tensors again and again, and their checks were half a decode step's
-# Python (dtype, device, shape and layout cannot change under a tensor object)
-_GOOD_CACHES: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+# the cache layers (and scales) found good, by id: (the tensor, its shape after the first
+# dimension, its dtype); a step checks the same 2 x layers tensors again and again, and their
+# checks were half a decode step's Python (dtype, device, shape and layout cannot change
+# under a tensor object)
+_GOOD_CACHES: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, ...], torch.dtype]] = {}
 
 
-def _check_cache(c: torch.Tensor, n_kv_heads: int, head_dim: int) -> None:
-    """A cache layer is [rows, n_kv_heads, head_dim] `CACHE_DTYPE`, contiguous, on the CPU."""
+def _check_cache(c: torch.Tensor, tail: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A cache layer is [rows, *tail] `dtype` ([rows, n_kv_heads, head_dim] halves or int8,
+    or a scale layer [rows, n_kv_heads] float32), contiguous, on the CPU."""
     known = _GOOD_CACHES.get(id(c))
-    if known is not None and known[0]() is c and known[1:] == (n_kv_heads, head_dim):
+    if known is not None and known[0]() is c and known[1:] == (tail, dtype):
         return
-    _check(c, "cache", CACHE_DTYPE, 3)
-    if tuple(c.shape[1:]) != (n_kv_heads, head_dim):
-        raise ValueError(f"a cache layer {tuple(c.shape)} is not [rows, {n_kv_heads}, "
-                         f"{head_dim}]")  # fmt: skip
+    _check(c, "cache", dtype, len(tail) + 1)
+    if tuple(c.shape[1:]) != tail:
+        raise ValueError(f"a cache layer {tuple(c.shape)} is not [rows, "
+                         f"{', '.join(map(str, tail))}]")  # fmt: skip
     key = id(c)
     gone = lambda _: _GOOD_CACHES.pop(key, None)  # noqa: E731
-    _GOOD_CACHES[key] = (weakref.ref(c, gone), n_kv_heads, head_dim)
+    _GOOD_CACHES[key] = (weakref.ref(c, gone), tail, dtype)
 
 
 _ONE_BLOCK = np.zeros(1, dtype=np.int32)  # a contiguous cache's table

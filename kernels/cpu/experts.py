@@ -114,11 +114,11 @@ class CpuExperts:
         self._moe_parts.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P,
                                     _I32, _P]  # fmt: skip
         self._dense = lib.strata_dense_layers  # kernels/cpu/dense.py
-        self._dense.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I32,
-                                _P]  # fmt: skip
+        self._dense.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+                                _I32, _P]  # fmt: skip
         self._moe_layers = lib.strata_moe_layers  # kernels/cpu/moe_stack.py
         self._moe_layers.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P,
-                                     _P, _I32, _P]  # fmt: skip
+                                     _P, _P, _P, _I32, _P]  # fmt: skip
         for fn in (self._matmul, self._moe, self._moe_parts, self._dense, self._moe_layers):
             fn.restype = ctypes.c_int
         self._read = lib.strata_read

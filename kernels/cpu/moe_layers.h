@@ -184,14 +184,16 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t
  * was routed to (the engine's routing counts). Returns 0 or an error as strata_matmul. */
 int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *seq,
                       const moe_layer_t *layers, int64_t n_layers, const moe_dims_t *dm,
-                      uint16_t *const *k_cache, uint16_t *const *v_cache,
+                      void *const *k_cache, void *const *v_cache,
+                      float *const *k_scale, float *const *v_scale,
                       const int32_t *const *tables, const int64_t *block, const float *cos_t,
                       const float *sin_t, int32_t *ids, int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, E = dm->n_experts, F = dm->ffn, K = dm->top_k;
     attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
                             dm->eps},
                      .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
-                     .v_cache = v_cache, .tables = tables, .block = block, .cos_t = cos_t,
+                     .v_cache = v_cache, .k_scale = k_scale, .v_scale = v_scale,
+                     .tables = tables, .block = block, .cos_t = cos_t,
                      .sin_t = sin_t, .tab = tab};
     route_t r = {E, K, F, T * K, 0};
     attn_weights_t aw[n_layers > 0 ? n_layers : 1];

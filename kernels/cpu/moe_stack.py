@@ -133,13 +133,13 @@ class MoEStack:
         if any(not c.w[5] and not c.experts for c in self._c_layers):
             raise ValueError("a layer without expert stacks needs place_experts before a call")
         a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, n)
-        pos, seq, kp, vp, tp, bp = a.pointers()
+        pos, seq, kp, vp, ksp, vsp, tp, bp = a.pointers()
         ids = torch.empty((n, a.tokens, s.top_k), dtype=torch.int32)
         threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
         rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers), n,
-                      ctypes.byref(self._dims), kp, vp, tp, bp, cos.data_ptr(), sin.data_ptr(),
-                      ids.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
+                      ctypes.byref(self._dims), kp, vp, ksp, vsp, tp, bp, cos.data_ptr(),
+                      sin.data_ptr(), ids.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
         self.team.record(a.tokens, threads, time.perf_counter() - t0)
         CpuExperts._raise(rc, "MoE layers")
         return ids.long()

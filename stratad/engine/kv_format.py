@@ -83,4 +83,5 @@ class Q4KV:
 
 KVFormat = PlainKV | Int8KV | Q4KV
 PLAIN = PlainKV()
-FORMATS: dict[str, KVFormat] = {f.name: f for f in (PLAIN, Int8KV(), Q4KV())}
+INT8 = Int8KV()
+FORMATS: dict[str, KVFormat] = {f.name: f for f in (PLAIN, INT8, Q4KV())}

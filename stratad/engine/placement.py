@@ -171,10 +171,10 @@ def start_plan(
     an auto `server.parallel` on a CPU."""
     spec = model.spec
     backend = choose_backend(config.engine.backend, model, device)
-    if config.engine.kv_cache == "int8" and backend != "offload":
+    if config.engine.kv_cache == "int8" and backend == "reference":
         raise ModelError(
-            f"engine.kv_cache = int8: the {backend} engine keeps plain KV (int8 KV is the"
-            " offload engine's, for a MoE model on a GPU)"
+            "engine.kv_cache = int8: the reference engine keeps plain KV (int8 KV is the"
+            " offload and cpu engines')"
         )
     dtype = compute_dtype(config.engine.dtype, device)
     max_context = min(config.model.max_context, spec.context_length)
@@ -223,9 +223,9 @@ def start_plan(
         # byte per value or less, memory-mapped)
         per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0
         dense_host = model.dense_values() * per_value
-        # the working KV caches: halves in the cpu engine's one call
+        # the working KV caches: halves (or int8 and their scales) in the cpu engine's one call
         kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
-        one = 2 * spec.n_layers * max_context * spec.kv_dim * kv_bytes
+        one = max_context * kv_token_bytes(spec, kv_bytes, config.engine.kv_cache == "int8")
         if device.type == "cpu":
             host = host_bytes if host_bytes is not None else mem_total()[0]
             parallel = parallel_for(config.server.parallel, one, host, "RAM", pool)

@@ -23,6 +23,7 @@ from stratad.config import Config
 from stratad.engine import placement
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPool
+from stratad.engine.kv_format import FORMATS
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.offload.start import OffloadTiers, open_offload
@@ -135,7 +136,8 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
                                          stages=start.stages)  # fmt: skip
         weights = cpu_weights(config.engine) if start.backend == "cpu" else None
         forward = ReferenceForward(model, device, start.dtype, experts=experts, timer=timer,
-                                   weights=weights)  # fmt: skip
+                                   weights=weights,
+                                   kv_format=FORMATS[config.engine.kv_cache])  # fmt: skip
         log.info("weights: %s; %s, %s", weight_types(model), forward.mode.name, forward.path)
     log.info(
         "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",

@@ -20,7 +20,7 @@ from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
 from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
 from stratad.engine.kv import KVCache, KVPool
-from stratad.engine.kv_format import PLAIN, KVFormat
+from stratad.engine.kv_format import INT8, PLAIN, KVFormat
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
@@ -140,8 +140,9 @@ class ReferenceForward:
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
         # the cpu engine's layers in one kernel call per step, where it can
         self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
-        if self.stack is not None and kv_format != PLAIN:
-            raise ValueError(f"the cpu engine's layers keep plain KV, not {kv_format.name}")
+        if self.stack is not None and kv_format not in (PLAIN, INT8):
+            raise ValueError(f"the cpu engine's layers keep plain or int8 KV, not "
+                             f"{kv_format.name}")  # fmt: skip
         self.kv_format = kv_format
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
@@ -171,7 +172,10 @@ class ReferenceForward:
         never further (torch gathers, and the cpu engine's C loops): host pages commit as
         blocks are first written."""
         dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
-        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, dtype)
+        # the cpu engine stores int8 itself; the torch layers round-trip into floats
+        int8 = self.stack is not None and self.kv_format == INT8
+        return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, dtype,
+                               int8=int8)  # fmt: skip
 
     def new_cache(self, max_len: int) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""
@@ -207,7 +211,8 @@ class ReferenceForward:
         assert self.stack is not None
         spec, stage = self.spec, self.timer.stage
         spans = [CacheSpan(s.cache.k, s.cache.v, s.cache.length, len(s.tokens),
-                           s.cache.host_table(), s.cache.block_size) for s in seqs]  # fmt: skip
+                           s.cache.host_table(), s.cache.block_size,
+                           *_scales(s.cache.pool)) for s in seqs]  # fmt: skip
         positions = torch.cat([torch.arange(sp.start, sp.start + sp.length) for sp in spans])
         x = self.embed(torch.tensor([t for s in seqs for t in s.tokens], device=self.device))
         x = x.to(self.dtype).contiguous()  # [T, H]
@@ -333,3 +338,8 @@ class ReferenceForward:
             return w.experts(e)
         m = self.experts.get(i, e)  # float weights: dequantized per use
         return _Dense(self.mode.linear(m.gate), self.mode.linear(m.up), self.mode.linear(m.down))
+
+
+def _scales(pool: KVPool) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """An int8 pool's k and v scales per layer; (None, None): a pool of halves."""
+    return (pool.k_scale, pool.v_scale) if pool.quantized else (None, None)
