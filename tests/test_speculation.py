@@ -44,16 +44,26 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
 
 
 def test_draft_length_follows_acceptance_and_rests_when_drafts_do_not_pay() -> None:
-    length = DraftLength(max_k=8, rest=3, rate=0.9)
+    length = DraftLength(max_k=8, rest=3, prior=0.9)
     assert length.next(0.2) == 8  # 0.9^8 = 0.43 > 0.2
     assert length.next(0.5) == 6  # 0.9^6 = 0.53 > 0.5 > 0.9^7: a dearer token, a shorter draft
     for _ in range(20):
-        length.record(8, 0)
+        length.record(1, 0)  # the first drafted token missed
     # nothing stood: three steps without a draft, then a probe of one token
     assert [length.next(0.2) for _ in range(4)] == [0, 0, 0, 1]
     length.record(1, 1)
     length.record(1, 1)
     assert length.next(0.2) == 2  # the probe stood twice: a share of 0.51, 0.51^2 > 0.2
+
+
+def test_the_share_counts_the_drafted_tokens_checked() -> None:
+    """Drafts of 8 whose first 3 stand and the 4th misses: 3 of 4 checked tokens stood (the
+    4 after the miss were never checked), 0.75^4 = 0.32 > 0.3 > 0.75^5: drafts of 4, where
+    3 of 8 drafted (0.375) would give 1."""
+    length = DraftLength(max_k=8)
+    for _ in range(30):
+        length.record(4, 3)
+    assert abs(length.rate - 0.75) < 1e-3 and length.next(0.3) == 4
 
 
 def test_step_cost_measures_a_drafted_token_against_its_batch_size() -> None:

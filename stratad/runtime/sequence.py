@@ -131,8 +131,8 @@ class Sequence:
         accepted = sum(1 for d, e in zip(drafts, events, strict=False) if e.token == d)
         self.drafted += len(drafts)
         self.accepted += accepted
-        if drafts and self.draft_length is not None:
-            self.draft_length.record(len(drafts), accepted)
+        if drafts and self.draft_length is not None:  # event j < len(drafts) checked draft j
+            self.draft_length.record(min(len(events), len(drafts)), accepted)
         # the KV of the pending token and the drafts that stood; the new pending token's next
         self.cache.truncate(length + len(events))
         self.proposed = []
