@@ -294,8 +294,9 @@ class SpeculationConfig(_Section, frozen=True):
     """What verifying one more drafted token costs, as a share of a decode step, until the
     engine's own steps measured it (steps of as many sequences with drafts and without: 0.4
     to 0.8 for 1 to 8 drafts on the 2-core VM's cpu engine, 0.5 to 1.3 on the H100). A sequence
-    drafts a j-th token while the share of its drafts accepted, to the power j, exceeds the
-    cost, and stops drafting for a while when even one token would not pay."""
+    drafts a j-th token while the share of its checked drafted tokens that stood (a verify
+    checks them up to the first miss), to the power j, exceeds the cost, and stops drafting
+    for a while when even one token would not pay."""
 
 
 class LogConfig(_Section, frozen=True):
