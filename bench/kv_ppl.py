@@ -1,12 +1,14 @@
 """Perplexity with a quantized KV cache against plain KV, on a long real text.
 
     python -m bench.kv_ppl [--model FILE] --formats plain,int8,q4 --tokens 8192 --context 2048
+                           [--engine reference|cpu]
 
 The text is the prose of the Python documentation that ships with Python (`pydoc_data`: the
 language reference's topics), tokenized whole. It is cut into windows of --context tokens;
-each window runs through the reference engine in chunks of --chunk tokens, every key and
-value the cache holds rounded as the format stores it (`stratad.engine.kv_format`), and each
-token after the window's first is scored. Prints the perplexity per format and its change
+each window runs through the engine in chunks of --chunk tokens, and each token after the
+window's first is scored. The reference engine rounds every key and value the cache holds as
+the format stores it (`stratad.engine.kv_format`); the cpu engine (plain and int8 only)
+stores the format itself, in its compiled layers. Prints the perplexity per format and its change
 against plain KV, the same windows for every format.
 """
 
@@ -21,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu.experts import CpuExperts
 from stratad.engine.kv_format import FORMATS, KVFormat
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
@@ -34,9 +38,11 @@ def python_docs_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def nll(model: Model, fmt: KVFormat, windows: list[list[int]], chunk: int) -> tuple[float, int]:
+def nll(model: Model, fmt: KVFormat, windows: list[list[int]], chunk: int,
+        engine: str = "reference") -> tuple[float, int]:  # fmt: skip
     """(summed negative log-likelihood, tokens scored) over the windows with `fmt`."""
-    forward = ReferenceForward(model, kv_format=fmt)
+    weights = QuantWeights(CpuExperts()) if engine == "cpu" else None
+    forward = ReferenceForward(model, weights=weights, kv_format=fmt)
     total, scored = 0.0, 0
     for window in windows:
         cache = forward.new_cache(len(window))
@@ -60,12 +66,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the text scored")
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--chunk", type=int, default=512, help="tokens per forward call")
+    p.add_argument("--engine", choices=("reference", "cpu"), default="reference",
+                   help="reference: torch over float weights; cpu: the compiled CPU layers")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     names = [n.strip() for n in args.formats.split(",") if n.strip()]
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
         p.error(f"--formats: {', '.join(unknown) or 'none'}: expected some of {', '.join(FORMATS)}")
+    if args.engine == "cpu" and set(names) - {"plain", "int8"}:
+        p.error("--engine cpu stores plain and int8 KV only")
     path = args.model or default_model_path()
     model = load_model(path)
     tokens = tokenizer_from_gguf(model.metadata).encode(python_docs_text(), add_special=False)
@@ -76,12 +86,13 @@ def main() -> None:
     rows = []
     for name in names:
         t = time.perf_counter()
-        total, scored = nll(model, FORMATS[name], windows, args.chunk)
+        total, scored = nll(model, FORMATS[name], windows, args.chunk, args.engine)
         rows.append({"format": name, "ppl": math.exp(total / scored), "tokens": scored,
                      "seconds": time.perf_counter() - t})  # fmt: skip
     base = next((r["ppl"] for r in rows if r["format"] == "plain"), None)
     print(f"{path.name}: the Python documentation's topics, {len(windows)} windows of"
-          f" {args.context} tokens ({n} tokens), chunks of {args.chunk}")
+          f" {args.context} tokens ({n} tokens), chunks of {args.chunk}, the {args.engine}"
+          " engine")
     print("| KV | perplexity | vs plain |")
     print("| --- | ---: | ---: |")
     for r in rows:
