@@ -10,10 +10,10 @@ A sequence's proposal comes from the longer of two matches: its own text's (the 
 occurrence of its longest suffix, as prompt lookup) or the answers' counts (token by token,
 the most frequent continuation of the longest context of `min_n` .. `max_n` tokens seen
 before, while that continuation holds at least `min_share` of what followed the context, and
-no more tokens than that first context is long). The answers are kept
-per scope (the server's hash of an API key and user, as cached prefixes are), so one client's
-answers never steer, nor time, another's drafts; each scope keeps its last `budget` answer
-tokens and at most `scopes` scopes are kept, the least recently used going first.
+no more tokens than that first context is long). The answers are kept per scope (the server's
+hash of an API key and user, as cached prefixes are), so one client's answers never steer,
+nor time, another's drafts; each scope keeps its last `budget` answer tokens and at most
+`scopes` scopes are kept, the least recently used going first.
 
 Drafts only propose: the model verifies every token (`Sequence.verify`), so what they come
 from changes the speed, never the output.
@@ -138,7 +138,8 @@ class SuffixHistory:
 
 @dataclass(frozen=True)
 class SuffixDecoding:
-    """The drafter: the sequence's own text, then its scope's recent answers."""
+    """The drafter: the longer match of the sequence's own text and its scope's recent
+    answers."""
 
     min_n: int = 2
     max_n: int = 8
