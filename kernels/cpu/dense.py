@@ -235,6 +235,7 @@ def check_step(
     _check_writes(spans, tables)
     pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
     seq = np.repeat(np.arange(len(spans), dtype=np.int32), [sp.length for sp in spans])
+
     def addresses(per_span: Callable[[CacheSpan], Sequence[torch.Tensor] | None]) -> np.ndarray:
         return np.array([c.data_ptr() for sp in spans for c in per_span(sp) or ()],
                         dtype=np.uint64)  # fmt: skip
