@@ -5,7 +5,8 @@
 Each of B sequences gets its own random prompt of --prompt-len tokens (prefilled as one
 batch), then the whole batch decodes --decode-tokens steps. Printed per B: the aggregate
 tokens/s (B x steps over the time) and the step time, each the median of --repeats with
-the spread.
+the spread; `--profile` adds the GPU kernels of 8 eager steps of each B (torch.profiler: the
+top 12 by time per step).
 A step reads each routed expert once for all of its tokens, so the ceiling of B sequences
 is B times the one-sequence rate (every token routed to the same experts).
 """
@@ -16,10 +17,12 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from bench.e2e import top_kernels
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
@@ -34,7 +37,7 @@ def _spread(xs: list[float]) -> dict[str, object]:
 def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[str, object]:
     spec = engine.spec
     gen = torch.Generator().manual_seed(b)
-    n = args.prompt_len + args.decode_tokens + 8
+    n = args.prompt_len + args.decode_tokens + 16
     pool = engine.new_pool(pool_tokens(b, n))  # one pool, as the daemon's: one launch a step
     caches = [KVCache(pool, n) for _ in range(b)]
     tps, step_ms = [], []
@@ -56,7 +59,27 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
         dt = time.perf_counter() - t
         tps.append(b * args.decode_tokens / dt)
         step_ms.append(1e3 * dt / args.decode_tokens)
-    return {"batch": b, "tok_s": _spread(tps), "step_ms": _spread(step_ms)}
+    row: dict[str, object] = {"batch": b, "tok_s": _spread(tps), "step_ms": _spread(step_ms)}
+    if args.profile:
+        row["kernels"] = _profile(engine, caches, logits)
+    return row
+
+
+def _profile(engine: OffloadForward, caches: list[KVCache], logits) -> list[list[object]]:  # type: ignore[no-untyped-def]
+    """The GPU kernels of 8 eager steps (no graph: each launch is its own profiler event)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.config = engine.config.graphs, replace(engine.config, graphs=False)
+    tokens = [int(lg[-1].argmax()) for lg in logits]
+    logits = engine.step([Seq(c, [x]) for c, x in zip(caches, tokens, strict=True)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            tokens = [int(lg[-1].argmax()) for lg in logits]
+            logits = engine.step([Seq(c, [x]) for c, x in zip(caches, tokens, strict=True)])
+        torch.cuda.synchronize()
+    engine.config = replace(engine.config, graphs=graphs)
+    return top_kernels(prof, 8)
 
 
 def main() -> None:
@@ -68,6 +91,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the GPU kernels of each B")
     p.add_argument(
         "--kernel-table",
         help="launch settings: a tuning table file (stratactl tune), or builtin for the"
@@ -79,7 +103,7 @@ def main() -> None:
     configs = configs_for_run(args.kernel_table, model.spec)
     cfg = OffloadConfig(
         expert_vram_bytes=int(args.expert_vram_gib * 2**30),
-        max_context=args.prompt_len + args.decode_tokens + 8,
+        max_context=args.prompt_len + args.decode_tokens + 16,
         prefill_chunk=4096,
         graphs=not args.no_graphs,
         kernels=configs,
@@ -102,6 +126,11 @@ def main() -> None:
         lo, hi = t["spread"]  # type: ignore[misc]
         print(f"| {r['batch']} | {t['median']:,.1f} ({lo:,.1f}–{hi:,.1f}) | "
               f"{s['median']:.2f} | {ceiling} |")  # fmt: skip
+    for r in rows:
+        if "kernels" in r:
+            print(f"\nGPU kernels of one eager step, B = {r['batch']} (ms, launches):")
+            for name, ms, count in r["kernels"]:  # type: ignore[attr-defined]
+                print(f"  {ms:8.3f}  {count:6.1f}  {name}")
     if args.json:
         given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
         args.json.write_text(json.dumps({"args": given, "rows": rows}, indent=1))

@@ -89,22 +89,24 @@ def measure_miss_reads(  # type: ignore[no-untyped-def]
     return rates
 
 
+def top_kernels(prof, steps: int, n: int = 12) -> list[list[object]]:  # type: ignore[no-untyped-def]
+    """The GPU kernels a `torch.profiler` run saw over `steps` steps: all of them summed, then
+    the top n by time, each as [name, ms per step, launches per step]."""
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / steps / 1e3
+    launches = sum(e.count for e in rows) / steps
+    out: list[list[object]] = [["(all kernels)", round(total, 3), launches]]
+    for e in rows[:n]:
+        out.append([e.key[:70], round(e.device_time_total / steps / 1e3, 3), e.count / steps])
+    return out
+
+
 def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list[object]]]:  # type: ignore[no-untyped-def]
     """The GPU kernels of 8 eager decode steps and of one 4K prefill chunk: the top 12 by
     time, as [name, ms per step (or chunk), launches per step]."""
 
     from torch.profiler import ProfilerActivity, profile
-
-    def top(prof, steps: int) -> list[list[object]]:  # type: ignore[no-untyped-def]
-        rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-        rows.sort(key=lambda e: -e.device_time_total)
-        total = sum(e.device_time_total for e in rows) / steps / 1e3
-        out: list[list[object]] = [
-            ["(all kernels)", round(total, 3), sum(e.count for e in rows) / steps]
-        ]
-        for e in rows[:12]:
-            out.append([e.key[:70], round(e.device_time_total / steps / 1e3, 3), e.count / steps])
-        return out
 
     graphs, engine.config = engine.config.graphs, replace(engine.config, graphs=False)
     cache.length = 0
@@ -117,14 +119,14 @@ def kernel_profile(engine: OffloadForward, cache, prompt) -> dict[str, list[list
         for _ in range(8):
             engine([token], cache)
         torch.cuda.synchronize()
-    decode = top(prof, 8)
+    decode = top_kernels(prof, 8)
     cache.length = 0
     cache.tokens.clear()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine(prompt(4096), cache)
         torch.cuda.synchronize()
     engine.config = replace(engine.config, graphs=graphs)
-    return {"decode step": decode, "prefill chunk of 4,096": top(prof, 1)}
+    return {"decode step": decode, "prefill chunk of 4,096": top_kernels(prof, 1)}
 
 
 def stage_timing(engine: OffloadForward, cache, prompt, args) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
