@@ -10,7 +10,8 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 --repeats with the spread): microseconds per call and the weight bytes read per second (the
 distinct routed experts' three projections: the kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
-for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 (default: the built-in `MoeConfig`).
+for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 and `:ng` for a program per (token, expert)
+pair rather than one per expert (default: the built-in `MoeConfig`).
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
 `stratactl bench kernels` times the same kernels (each type the model holds) among all the
 others, against ceilings it measures; this driver compares every type at once.
@@ -55,11 +56,15 @@ def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
 
 
 def _config(text: str) -> MoeConfig:
-    """`block_n:super_blocks:num_warps`, `:i8` after them for the int8 dots."""
+    """`block_n:super_blocks:num_warps`, then any of `:i8` (the int8 dots) and `:ng` (a
+    program per pair, not grouped by expert)."""
     fields = text.split(":")
-    int8 = fields[-1] == "i8"
-    n, sbs, w = (int(v) for v in fields[: 3])
-    return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w, int8_dots=int8)
+    n, sbs, w = (int(v) for v in fields[:3])
+    flags = set(fields[3:])
+    if flags - {"i8", "ng"}:
+        raise argparse.ArgumentTypeError(f"unknown flags in {text!r}: i8 and ng are known")
+    return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w, int8_dots="i8" in flags,
+                     group_pairs="ng" not in flags)  # fmt: skip
 
 
 def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
@@ -136,7 +141,7 @@ def main() -> None:
     d2d = 2 * 5 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # read + write
     del src, dst
     print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
-    print(f"{'format':22} {'path':10} {'T':>3} {'config':>8} {'us/call':>8} {'spread':>17}"
+    print(f"{'format':22} {'path':10} {'T':>3} {'config':>11} {'us/call':>8} {'spread':>17}"
           f" {'GB/s':>7} {'of D2D':>7}")  # fmt: skip
     out: dict[str, object] = {"d2d_gbs": d2d, "device": torch.cuda.get_device_name()}
     for name in a.formats:
@@ -147,10 +152,10 @@ def main() -> None:
                     r = time_format(mix, aligned, a, t, cfg)
                     path = "aligned" if aligned else "unaligned"
                     tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
-                    tag += ":i8" if cfg.int8_dots else ""
+                    tag += (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
                     out[f"{name}/{path}/t{t}/{tag}"] = r
                     lo, hi = r["spread_us"]
-                    print(f"{name:22} {path:10} {t:3} {tag:>8} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f}"
+                    print(f"{name:22} {path:10} {t:3} {tag:>11} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f}"
                           f" {r['gbs']:7.0f} {100 * r['gbs'] / d2d:6.1f}%")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -214,22 +214,27 @@ def _routed(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.parametrize(
-    ("mix", "t", "super_blocks"),
-    [((QType.Q4_K, QType.Q4_K, QType.Q6_K), 3, 2), ((QType.Q4_0, QType.Q4_0, QType.Q8_0), 5, 1)],
-    ids=["q4_k_m-t3", "q4_0-t5"],
+    ("mix", "t", "super_blocks", "group"),
+    [
+        ((QType.Q4_K, QType.Q4_K, QType.Q6_K), 3, 2, True),
+        ((QType.Q4_0, QType.Q4_0, QType.Q8_0), 5, 1, True),
+        ((QType.Q4_K, QType.Q4_K, QType.Q6_K), 3, 1, False),
+    ],
+    ids=["q4_k_m-t3", "q4_0-t5", "q4_k_m-t3-ungrouped"],
 )
 def test_grouped_tokens_equal_alone(
-    mix: tuple[QType, QType, QType], t: int, super_blocks: int
+    mix: tuple[QType, QType, QType], t: int, super_blocks: int, group: bool
 ) -> None:
     """Several tokens routed to shared experts (the batched decode's shape): the kernels read
-    each expert once for all of its tokens, and every token's output is bit for bit the one it
-    gets alone, and the reference's."""
+    each expert once for all of its tokens (or, ungrouped, a program per pair), and every
+    token's output is bit for bit the one it gets alone, and the reference's."""
     x, _, _, table, experts = _mixed_case(mix, 1, 2, 3, 512, 256, "cpu")
     x = torch.randn(t, 512, generator=torch.Generator().manual_seed(t))
     ids, weights = _routed(t, 2, 3, seed=t)
     ids[1, 0] = -1  # computed elsewhere: skipped, its neighbours unchanged
     # wide programs: the interpreter's time goes with their count, the grouping does not
-    cfg, fmt = MoeConfig(block_n=128, super_blocks=super_blocks), ExpertFormat(*mix)
+    cfg = MoeConfig(block_n=128, super_blocks=super_blocks, group_pairs=group)
+    fmt = ExpertFormat(*mix)
     got = fused_moe(x, ids, weights, table, 256, cfg, aligned=True, fmt=fmt)
     for i in range(t):
         alone = fused_moe(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], table, 256, cfg,
@@ -260,20 +265,22 @@ def test_super_blocks_must_be_a_power_of_two() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 33])
 @pytest.mark.parametrize("super_blocks", [1, 8])
-def test_grouped_q4_k_m_gpu(t: int, super_blocks: int) -> None:
+@pytest.mark.parametrize("group", [True, False], ids=["grouped", "ungrouped"])
+def test_grouped_q4_k_m_gpu(t: int, super_blocks: int, group: bool) -> None:
     """a3b's expert shapes in the Q4_K_M mix, t tokens over 16 experts (shared), bfloat16:
     each token's output alone is bit for bit its output in the batch, near the reference."""
     mix = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
     x, _, _, table, experts = _mixed_case(mix, 1, 8, 16, 2048, 768, "cuda")
     x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(t)).bfloat16()
     ids, weights = _routed(t, 8, 16, seed=t)
-    cfg, fmt = MoeConfig(super_blocks=super_blocks), ExpertFormat(*mix)
+    cfg = MoeConfig(super_blocks=super_blocks, int8_dots=True, group_pairs=group)
+    fmt = ExpertFormat(*mix)
     xc, idc, wc = x.cuda(), ids.cuda(), weights.cuda()
     got = fused_moe(xc, idc, wc, table, 768, cfg, aligned=True, fmt=fmt)
     for i in range(t):
         alone = fused_moe(xc[i : i + 1], idc[i : i + 1], wc[i : i + 1], table, 768, cfg,
                           aligned=True, fmt=fmt)  # fmt: skip
         assert torch.equal(got[i : i + 1], alone), f"token {i} differs from its output alone"
-    ref = fused_moe_ref(x, ids, weights, experts).float()
+    ref = fused_moe_ref(x, ids, weights, experts, int8=(True, True, True)).float()
     err = (got.float().cpu() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {err:.2e}"

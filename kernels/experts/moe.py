@@ -99,6 +99,10 @@ class MoeConfig:
     # quantized to 8 bits per 32 values once, four codes per dp4a) where the blobs are aligned;
     # else in float32
     int8_dots: bool = False
+    # T > 1: the pairs routed to one expert are computed by one program, one after the other,
+    # its rows read from memory once (`_group`); off: a program per pair as for one token,
+    # the pairs of an expert in parallel, its rows shared through the L2 cache
+    group_pairs: bool = True
     num_warps: int = 4
     num_stages: int = 2
 
@@ -339,10 +343,11 @@ def _down_kernel(
 # --- launchers ---------------------------------------------------------------------------
 
 
-def _grouped(tokens: int, pairs: int) -> int:
-    """The kernels' PAIRS: 0 for one token (its k experts are distinct: a program per pair),
-    else the power of two the grouping scans (several tokens may share an expert)."""
-    return 0 if tokens == 1 else triton.next_power_of_2(pairs)
+def _grouped(tokens: int, pairs: int, config: MoeConfig) -> int:
+    """The kernels' PAIRS: 0 for one token (its k experts are distinct: a program per pair)
+    or without `config.group_pairs`, else the power of two the grouping scans (several tokens
+    may share an expert)."""
+    return 0 if tokens == 1 or not config.group_pairs else triton.next_power_of_2(pairs)
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
@@ -383,7 +388,7 @@ def moe_gate_up(
         TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), BLOCK_N=config.block_n,
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
         ALIGNED=aligned and fmt.aligned(h, ffn), SBS=config.super_blocks,
-        PAIRS=_grouped(t, pairs), X8_GATE=x8_gate, X8_UP=x8_up, ASM=dp4a_in_asm(x.device),
+        PAIRS=_grouped(t, pairs, config), X8_GATE=x8_gate, X8_UP=x8_up, ASM=dp4a_in_asm(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
@@ -415,7 +420,7 @@ def moe_down(
         iq_tables(act.device), t * k, act8, act8.shape[1] if x8_down else 0,
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
-        SBS=config.super_blocks, PAIRS=_grouped(t, t * k), X8_DOWN=x8_down,
+        SBS=config.super_blocks, PAIRS=_grouped(t, t * k, config), X8_DOWN=x8_down,
         ASM=dp4a_in_asm(act.device), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
