@@ -48,26 +48,26 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
     # --timing adds one eager (un-captured) 8K prefill and 32 decode steps timed by stage
     for gib in ${E2E_VRAM_GIB:-4 24}; do
         # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments: split it
-        python3 -m bench.e2e --model "$A3B" --expert-vram-gib "$gib" \
+        python3 -m bench.gpu.e2e --model "$A3B" --expert-vram-gib "$gib" \
             --json "$OUT/e2e-${gib}gib.json" ${E2E_ARGS:---timing --profile} 2>&1 | tee "$OUT/e2e-${gib}gib.md" \
             || echo "e2e with ${gib} GiB failed"
     done
 fi
 if [[ $WHAT == pinning || $WHAT == all ]]; then
     # the store's paced pinning: rate and host responsiveness, paced vs unpaced
-    python3 -m bench.pinning --gib "${PIN_GIB:-16}" --out "$OUT/pinning.md" \
+    python3 -m bench.gpu.pinning --gib "${PIN_GIB:-16}" --out "$OUT/pinning.md" \
         || echo "pinning benchmark failed"
 fi
 if [[ $WHAT == types || $WHAT == all ]]; then
     # the fused MoE decode kernels per GGUF type, then the a3b in each llama.cpp preset
-    python3 -m bench.moe_types --json "$OUT/moe-types.json" 2>&1 | tee "$OUT/moe-types.md" \
+    python3 -m bench.gpu.moe_types --json "$OUT/moe-types.json" 2>&1 | tee "$OUT/moe-types.md" \
         || echo "moe_types failed"
     for ft in ${FTYPES:-q4_k_m q8_0 iq3_s}; do
         file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
         [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
         for gib in ${E2E_VRAM_GIB:-4 24}; do
             # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments: split it
-            python3 -m bench.e2e --model "$file" --expert-vram-gib "$gib" \
+            python3 -m bench.gpu.e2e --model "$file" --expert-vram-gib "$gib" \
                 --json "$OUT/e2e-$ft-${gib}gib.json" ${E2E_ARGS:---prefill-lens 8192} 2>&1 \
                 | tee "$OUT/e2e-$ft-${gib}gib.md" || echo "e2e $ft with ${gib} GiB failed"
         done
@@ -82,7 +82,7 @@ if [[ $WHAT == decode ]]; then
     file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
     [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
     for gib in 40 4; do  # every expert resident (an 80 GB card holds the a3b), a consumer budget
-        python3 -m bench.batch_decode --model "$file" --expert-vram-gib "$gib" \
+        python3 -m bench.gpu.batch_decode --model "$file" --expert-vram-gib "$gib" \
             --batches "${DECODE_BATCHES:-1,4,8,16,32}" --prompt-len 128 --decode-tokens 64 \
             --json "$OUT/batch-$ft-${gib}gib.json" 2>&1 | tee "$OUT/batch-$ft-${gib}gib.md" \
             || echo "batch_decode at $gib GiB failed"

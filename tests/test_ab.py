@@ -104,7 +104,7 @@ def test_the_switch_cli_runs_commands_and_records_the_default(tmp_path: Path) ->
                       " open(sys.argv[2], 'w'))\n")
     table = tmp_path / "sm90-cuda-13.0.json"
     table.write_text(json.dumps({"key": "sm90-cuda-13.0", "kernels": {}}))
-    r = subprocess.run([sys.executable, "-m", "bench.ab_switch", "--switch", "gate_up",
+    r = subprocess.run([sys.executable, "-m", "bench.gpu.ab_switch", "--switch", "gate_up",
                         "--values", "slow,fast", "--metric", "tps", "--rounds", "2",
                         "--cmd", f"{sys.executable} {script} {{value}} {{json}}",
                         "--table", str(table)], capture_output=True, text=True, timeout=120)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import bench.e2e
+import bench.gpu.e2e
 
 
 def test_every_argument_e2e_reads_is_parsed() -> None:
-    source = Path(bench.e2e.__file__).read_text()
+    source = Path(bench.gpu.e2e.__file__).read_text()
     used = set(re.findall(r"\bargs\.([a-z_]+)", source))
-    parsed = {a.dest for a in bench.e2e.parser()._actions}
+    parsed = {a.dest for a in bench.gpu.e2e.parser()._actions}
     assert used and used <= parsed, f"read but not parsed: {sorted(used - parsed)}"
-    args = bench.e2e.parser().parse_args(
+    args = bench.gpu.e2e.parser().parse_args(
         ["--model", "m.gguf", "--no-prefetch", "--kernel-table", "t.json", "--gpu-miss", "in_place"]
     )
     assert (
@@ -27,18 +27,18 @@ def test_every_argument_e2e_reads_is_parsed() -> None:
 def test_the_cache_fits_every_prompt_the_run_makes() -> None:
     """--profile prefills a 4,096-token chunk even when the prefill lengths are shorter."""
     short = ["--model", "m.gguf", "--prefill-lens", "1024"]
-    assert bench.e2e.context_needed(bench.e2e.parser().parse_args(short)) >= 1024 + 256
-    profiled = bench.e2e.parser().parse_args([*short, "--profile"])
-    assert bench.e2e.context_needed(profiled) >= 4096 + 8
+    assert bench.gpu.e2e.context_needed(bench.gpu.e2e.parser().parse_args(short)) >= 1024 + 256
+    profiled = bench.gpu.e2e.parser().parse_args([*short, "--profile"])
+    assert bench.gpu.e2e.context_needed(profiled) >= 4096 + 8
 
 
 def test_http_clients_settings_land_in_their_sections() -> None:
-    """`bench.http_clients --set` gives the daemon a GPU's expert budget or a context: each
+    """`bench.http.http_clients --set` gives the daemon a GPU's expert budget or a context: each
     setting in its section, the benchmark's own kept unless overridden, a malformed one
     refused before a daemon starts."""
     import pytest
 
-    from bench.http_clients import config_text, tomllib
+    from bench.http.http_clients import config_text, tomllib
     from stratad.config import parse_config
 
     text = config_text(8, ["store.expert_cache=1392", "model.max_context=1024",

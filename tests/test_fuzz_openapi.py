@@ -1,6 +1,6 @@
 """The API fuzzed from the OpenAPI document it serves (schemathesis), small and derandomized:
 for every operation a few generated requests, valid and not, each answered without a 5xx, with
-a status, content type and body the document describes. `bench/fuzz_api.py` is the long run.
+a status, content type and body the document describes. `bench/http/fuzz_api.py` is the long run.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_the_fuzz_left_no_traceback_in_the_log() -> None:
 
 
 def test_a_stream_and_a_wrong_model_are_as_documented() -> None:
-    """Found by bench/fuzz_api.py: the event-stream answer was documented as one string (each
+    """Found by bench/http/fuzz_api.py: the event-stream answer was documented as one string (each
     event is an object whose `data` is a chunk), and a 404 for a model not served was not
     documented at all."""
     schema = schemathesis.openapi.from_url(f"{shared_daemon('fuzz').url}/openapi.json")

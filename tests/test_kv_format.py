@@ -1,5 +1,5 @@
 """Quantized KV formats: what a reader of the stored form gets back, and the reference engine
-attending over exactly those values (what `bench.kv_ppl` measures)."""
+attending over exactly those values (what `bench.kv.kv_ppl` measures)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def test_a_value_this_program_does_not_know_falls_back_to_the_default() -> None:
 
 
 def test_a_recorded_verdict_reaches_the_engine_settings(tmp_path: Path) -> None:
-    """ab.record -> the table file -> lookup -> miss_paths, as bench.ab_switch writes it."""
+    """ab.record -> the table file -> lookup -> miss_paths, as bench.gpu.ab_switch writes it."""
     slow = iter([40.0, 41.0, 40.5, 40.2]).__next__
     fast = iter([55.0, 55.5, 54.8]).__next__
     verdict = ab.run_ab(("copy", slow), ("in_place", fast))

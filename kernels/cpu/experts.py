@@ -11,7 +11,7 @@ Tensors in, checked here (shapes, dtypes, contiguity, device); pointers to the C
 Every call runs `threads` OpenMP threads until all are done, so a team larger than the cores
 left free by other busy threads waits on the preempted one (on the 2-core VM, a 2-thread call
 beside one busy process ran at a 1-thread call's rate): give it the free cores. Rates per type:
-bench/cpu_experts.py, bench/results/2026-12-04-cpu-experts-2core.md.
+bench/cpu/cpu_experts.py, bench/results/2026-12-04-cpu-experts-2core.md.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class CpuExperts:
 
     def read(self, data: torch.Tensor) -> int:
         """Sum `data`'s bytes as 64-bit words with all threads: a probe of the read bandwidth
-        the kernels see (bench/cpu_experts.py)."""
+        the kernels see (bench/cpu/cpu_experts.py)."""
         if data.device.type != "cpu" or not data.is_contiguous():
             raise ValueError("data must be a contiguous CPU tensor")
         words = data.numel() * data.element_size() // 8

@@ -5,7 +5,7 @@
  * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
  * in one vector (times the activation's 8 in one multiply, then broadcast per block from
  * memory: a load, where a permute took an ALU slot, +5-17%). Measured on a 2-core EPYC VM
- * (bench/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
+ * (bench/cpu/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.

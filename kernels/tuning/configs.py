@@ -52,7 +52,7 @@ INTERPRETED = KernelConfigs(
 
 KERNELS = tuple(f.name for f in fields(KernelConfigs))
 # what `stratactl tune` measures; the prefetch copy's worth shows only beside the compute it
-# overlaps (bench.e2e --prefetch), so a table sets it by hand
+# overlaps (bench.gpu.e2e --prefetch), so a table sets it by hand
 TUNED = ("moe", "fetch", "attention", "dequant", "linear")
 
 

@@ -12,7 +12,7 @@
 
 `round_trip(x)` is what a reader of the stored form gets back for x [T, Hkv, D] (float32
 arithmetic): the reference engine applies it to every key and value it writes, so its
-attention sees exactly the quantized cache's values (what `bench.kv_ppl` measures the
+attention sees exactly the quantized cache's values (what `bench.kv.kv_ppl` measures the
 perplexity of). The GPU kernels store the ints and the scales themselves.
 """
 

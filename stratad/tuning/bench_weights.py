@@ -1,7 +1,7 @@
 """Random expert weights for timing, laid out as the engine keeps them: one stack per
 projection of a layer's experts (split Q4_0, the other types as GGUF blocks) and the table of
 their addresses the fused MoE kernels read. Random blocks with small finite scales: timing
-needs valid numbers, not meaningful ones (`stratad.tuning.kernel_bench`, `bench.moe_types`).
+needs valid numbers, not meaningful ones (`stratad.tuning.kernel_bench`, `bench.gpu.moe_types`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The offload engine's kernel-path switches, each set by the configuration, else by the A/B/A
-run recorded in this GPU's tuning table (`kernels.tuning.ab`, `bench.ab_switch`), else by a built-in
-default. Pure functions of the engine section and the table's `switches`, so the placement
+run recorded in this GPU's tuning table (`kernels.tuning.ab`, `bench.gpu.ab_switch`), else by a
+built-in default. Pure functions of the engine section and the table's `switches`, so the placement
 (which sizes the fetch staging by them) and the engine choose alike.
 
 - `gpu_miss`: how the GPU gets a decode step's missed experts, `copy` (a fetch kernel into VRAM

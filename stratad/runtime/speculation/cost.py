@@ -5,7 +5,7 @@ A drafted token is one more row of its step. What that row costs depends on the 
 draft's length and where the experts live: on the 2-core VM's cpu engine (the default model,
 256 tokens in, timed beside a running test suite) 0.38 of a step for one draft and 0.82 each
 for eight; on the H100 all resident 0.47 and 0.69, at 4 GiB of expert VRAM 0.56 and 1.3 (the
-rows route to experts that miss; `bench.verify_cost`). A fixed `speculation.token_cost` is
+rows route to experts that miss; `bench.gpu.verify_cost`). A fixed `speculation.token_cost` is
 right for one of them at best, so the loop times its steps: a step of n sequences without
 drafts or prompt tokens sets the baseline of n, and a step of n sequences with d drafted
 tokens in all gives (seconds / baseline(n) - 1) / d. Both are moving averages; until both

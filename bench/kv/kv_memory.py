@@ -1,7 +1,7 @@
 """What the working KV caches of `server.parallel` cost the daemon in RAM, with short prompts.
 
-    python -m bench.kv_memory [--model PATH] [--parallel 1,8] [--context 4096]
-                              [--max-tokens 32] [--json PATH]
+    python -m bench.kv.kv_memory [--model PATH] [--parallel 1,8] [--context 4096]
+                                 [--max-tokens 32] [--json PATH]
 
 For each `server.parallel` value, starts `stratad` (the engine `auto` picks on this host; on a
 CPU host its caches are host RAM) with `model.max_context = --context`, reads its resident
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.daemon import daemon
+from bench.http.daemon import daemon
 
 MiB = 1 << 20
 

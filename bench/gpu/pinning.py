@@ -2,9 +2,9 @@
 
 Run on the GPU machine (it needs the RAM: the arena is allocated once per mode, then freed):
 
-    python -m bench.pinning --gib 16                     # cudaHostRegister when a GPU is there
-    python -m bench.pinning --gib 16 --lock mlock        # the CPU path
-    python -m bench.pinning --gib 16 --out bench/results/pinning-h200.md
+    python -m bench.gpu.pinning --gib 16                     # cudaHostRegister when a GPU is there
+    python -m bench.gpu.pinning --gib 16 --lock mlock        # the CPU path
+    python -m bench.gpu.pinning --gib 16 --out bench/results/pinning-h200.md
 
 Each mode pins `--gib` GiB of expert-sized blobs (filled from a source buffer, as the pinner
 fills them from the page cache) through the store's own `Pinner`, while two timer loops sleep

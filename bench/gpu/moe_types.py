@@ -1,8 +1,8 @@
 """The fused MoE decode kernels per GGUF type, at a model's shapes, against HBM's rate.
 
-    python -m bench.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
-                              [--formats iq2_xxs iq1_s ...] [--tokens 1,8,32]
-                              [--configs 16:1:4 8:8:4 16:1:4:i8 ...] [--aligned-only]
+    python -m bench.gpu.moe_types [--hidden 2048 --ffn 768 --experts 128 --top-k 8]
+                                  [--formats iq2_xxs iq1_s ...] [--tokens 1,8,32]
+                                  [--configs 16:1:4 8:8:4 16:1:4:i8 ...] [--aligned-only]
 
 For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
 as blocks and as aligned words) it builds `--experts` random experts in VRAM and times

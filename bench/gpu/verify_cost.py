@@ -1,7 +1,7 @@
 """What verifying a draft costs the offload engine: a step of one sequence's pending token
 and k drafted tokens (every position's logits), against a decode step of one token.
 
-    python -m bench.verify_cost --model a3b.gguf --expert-vram-gib 4 --drafts 1,2,4,8
+    python -m bench.gpu.verify_cost --model a3b.gguf --expert-vram-gib 4 --drafts 1,2,4,8
 
 One sequence prefills a random prompt of --prompt-len tokens, then for each k times
 --repeats steps of k + 1 tokens (the cache truncated back after each, as a rejected draft
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.one_sequence import one_sequence
+from bench.gpu.one_sequence import one_sequence
 from stratad.engine.batch import Seq
 from stratad.engine.offload.forward import OffloadForward
 
@@ -41,7 +41,7 @@ def _timed(engine: OffloadForward, seq: Seq, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.verify_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.verify_cost", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
     p.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")],

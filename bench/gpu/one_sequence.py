@@ -1,5 +1,5 @@
 """One sequence on the offload engine, for the benchmarks that time its steps
-(`bench.verify_cost`, `bench.spec_oracle`): the model, the engine at an expert budget, a
+(`bench.gpu.verify_cost`, `bench.gpu.spec_oracle`): the model, the engine at an expert budget, a
 KV cache of one pool and a random prompt, seeded."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Perplexity with a quantized KV cache against plain KV, on a long real text.
 
-    python -m bench.kv_ppl [--model FILE] --formats plain,int8,q4 --tokens 8192 --context 2048
-                           [--engine reference|cpu]
+    python -m bench.kv.kv_ppl [--model FILE] --formats plain,int8,q4 --tokens 8192 --context 2048
+                              [--engine reference|cpu]
 
 The text is the prose of the Python documentation that ships with Python (`pydoc_data`: the
 language reference's topics), tokenized whole. It is cut into windows of --context tokens;
@@ -58,7 +58,7 @@ def nll(model: Model, fmt: KVFormat, windows: list[list[int]], chunk: int,
 def main() -> None:
     from stratad.model.default import default_model_path
 
-    p = argparse.ArgumentParser(prog="python -m bench.kv_ppl", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.kv.kv_ppl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, default=None, help="a GGUF (default: SmolLM2-135M)")
     p.add_argument("--formats", default="plain,int8,q4",

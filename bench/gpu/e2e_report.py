@@ -1,4 +1,4 @@
-"""The end-to-end benchmark's report (`bench.e2e`'s figures as markdown)."""
+"""The end-to-end benchmark's report (`bench.gpu.e2e`'s figures as markdown)."""
 
 from __future__ import annotations
 

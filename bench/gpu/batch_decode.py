@@ -1,6 +1,6 @@
 """Decode throughput of the offload engine with B sequences per step.
 
-    python -m bench.batch_decode --model a3b.gguf --expert-vram-gib 4 --batches 1,2,4,8
+    python -m bench.gpu.batch_decode --model a3b.gguf --expert-vram-gib 4 --batches 1,2,4,8
 
 Each of B sequences gets its own random prompt of --prompt-len tokens (prefilled as one
 batch), then the whole batch decodes --decode-tokens steps. Printed per B: the aggregate
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.e2e import top_kernels
+from bench.gpu.e2e import top_kernels
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
@@ -83,7 +83,7 @@ def _profile(engine: OffloadForward, caches: list[KVCache], logits) -> list[list
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.batch_decode", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.batch_decode", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])

@@ -1,8 +1,9 @@
 """Speculative decoding over HTTP: decode tokens/s with each drafter and without, on
 workloads that repeat their input and one that does not.
 
-    python -m bench.spec_http [--model PATH] [--drafters off,prompt_lookup,suffix] [--repeats 3]
-                              [--max-tokens 256] [--llamacpp BIN_DIR] [--json PATH]
+    python -m bench.http.spec_http [--model PATH] [--drafters off,prompt_lookup,suffix]
+                                   [--repeats 3] [--max-tokens 256] [--llamacpp BIN_DIR]
+                                   [--json PATH]
 
 For each drafter, starts `stratad` (`speculation.drafter`, one request at a time), then runs
 each workload `--repeats` times, alternating drafters between repeats: a streamed greedy chat
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.daemon import daemon
+from bench.http.daemon import daemon
 
 
 def _function() -> str:
@@ -121,7 +122,7 @@ def _lookup(binary: Path, model: Path, prompt: str, max_tokens: int, work: Path)
 def main() -> None:
     from stratad.model.default import default_model_path
 
-    p = argparse.ArgumentParser(prog="python -m bench.spec_http", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.http.spec_http", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--drafters", default="off,prompt_lookup,suffix")

@@ -1,4 +1,4 @@
-"""`bench.e2e --ram-frac`: the RAM tier a daemon would plan when RAM holds a share of the
+"""`bench.gpu.e2e --ram-frac`: the RAM tier a daemon would plan when RAM holds a share of the
 experts, and the cost its coverage WARNING predicts."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Several clients over HTTP: the daemon's throughput as clients are added, per
 `server.parallel`.
 
-    python -m bench.http_clients [--model PATH] [--parallel 1,4] [--clients 1,4]
-                                 [--max-tokens 64] [--requests 3] [--json PATH]
-                                 [--set SECTION.KEY=VALUE ...]
+    python -m bench.http.http_clients [--model PATH] [--parallel 1,4] [--clients 1,4]
+                                      [--max-tokens 64] [--requests 3] [--json PATH]
+                                      [--set SECTION.KEY=VALUE ...]
 
 For each `server.parallel` value, starts `stratad` (its own process, a free port, the
 engine `auto` picks on this host), and for each client count runs that many clients at once,
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.daemon import daemon
+from bench.http.daemon import daemon
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -2,11 +2,11 @@
 CPU kernels) next to llama.cpp (`llama-cpp-python`, no GPU layers) on the same file, in the
 same run, each in a process of its own so that each one's resident memory is its own.
 
-    python -m bench.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
-                             [--repeats 3] [--threads N] [--reference] [--json PATH]
-                             [--store-ram-gib G] [--memory-limit-gib L]
-                             [--llamacpp-repack on|off] [--batch B]
-                             [--llama-bench PATH] [--alternate]
+    python -m bench.cpu.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
+                                 [--repeats 3] [--threads N] [--reference] [--json PATH]
+                                 [--store-ram-gib G] [--memory-limit-gib L]
+                                 [--llamacpp-repack on|off] [--batch B]
+                                 [--llama-bench PATH] [--alternate]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
 spread of the repeats, and the process's resident memory after the runs (VmRSS) and at its
@@ -20,7 +20,7 @@ one kernel call. Its store counters (hits per tier, file reads) come with its re
 plan has no profile here: which experts stay in RAM is the plan's default order.
 
 `--memory-limit-gib L` runs each engine as on a host with L GiB of RAM: in a memory cgroup of
-its own (`bench/memlimit.py`; needs root), after the model file's cached pages are dropped, so
+its own (`bench/cpu/memlimit.py`; needs root), after the model file's cached pages are dropped, so
 a model larger than L is read from the disk again wherever the kernel dropped its pages.
 `--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
 default it copies them into its own interleaved layout for the CPU's vector units, which
@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 
-from bench import memlimit
+from bench.cpu import memlimit
 from kernels.cpu.build import OMP_WAIT
 
 
@@ -269,7 +269,8 @@ def _llamacpp_batch(args: argparse.Namespace) -> dict[str, Any]:
 def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one engine in a fresh interpreter (in a memory cgroup of its own when limited);
     its JSON result, or its failure (e.g. killed at the memory limit) as {"failed": why}."""
-    cmd = [sys.executable, "-m", "bench.cpu_only", "--engine", engine, "--model", str(args.model),
+    cmd = [sys.executable, "-m", "bench.cpu.cpu_only", "--engine", engine,
+           "--model", str(args.model),
            "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
            "--repeats", str(args.repeats), "--threads", str(args.threads),
            "--batch", str(args.batch),

@@ -1,7 +1,7 @@
 """Fuzz the HTTP API from the OpenAPI document the daemon serves, with schemathesis.
 
-    python -m bench.fuzz_api [--model PATH] [--max-examples 40] [--max-time 600] [--seed 1]
-                             [--schemas] [--no-openapi]
+    python -m bench.http.fuzz_api [--model PATH] [--max-examples 40] [--max-time 600] [--seed 1]
+                                  [--schemas] [--no-openapi]
 
 Starts `stratad` on loopback (the default model unless --model; a short context and short
 default completions keep each example cheap), points schemathesis at its `/openapi.json`
@@ -10,7 +10,7 @@ and a time limit. Checked: no 5xx (`not_a_server_error`), every answer's status,
 headers and body as the document describes them, bad input refused and valid input accepted.
 Prints (and with --out writes) a Markdown summary: requests sent, 5xx answers, checks that
 failed, tracebacks in the daemon's log. `--schemas` then sends the same daemon the hostile JSON
-schema corpus of `bench/schema_corpus.py` (each answer 400 or valid JSON of the schema, never
+schema corpus of `bench/http/schema_corpus.py` (each answer 400 or valid JSON of the schema, never
 5xx, /health within a second throughout); `--no-openapi` skips schemathesis.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import schema_corpus
-from bench.daemon import daemon
+from bench.http import schema_corpus
+from bench.http.daemon import daemon
 
 CHECKS = (
     "not_a_server_error,status_code_conformance,content_type_conformance,"
@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> tuple[Result | None, schema_corpus.CorpusRe
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz_api", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.http.fuzz_api",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model path (default: stratad's default model)")
     p.add_argument("--max-examples", type=int, default=40, help="test cases per operation")
     p.add_argument("--max-time", type=int, default=600, help="time budget of the run, seconds")
@@ -170,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="the daemon's model.max_context")
     p.add_argument("--threads", type=int, default=1, help="the daemon's engine.threads")
     p.add_argument("--schemas", action="store_true",
-                   help="send the hostile JSON schema corpus too (bench/schema_corpus.py)")
+                   help="send the hostile JSON schema corpus too (bench/http/schema_corpus.py)")
     p.add_argument("--no-openapi", dest="openapi", action="store_false",
                    help="skip schemathesis (with --schemas: the corpus alone)")
     p.add_argument("--schema-max-tokens", type=int, default=48,

@@ -5,9 +5,9 @@ Each arm is a command with `{value}` (the switch's setting) and `{json}` (a file
 writes its figures to) in it; `--metric` names the figure (a list of repeats counts as its
 median). E.g. on the GPU machine:
 
-    python -m bench.ab_switch --table kernels/tables/sm90-cuda-13.0.json --switch gpu_miss \\
+    python -m bench.gpu.ab_switch --table kernels/tables/sm90-cuda-13.0.json --switch gpu_miss \\
         --values copy,in_place --kind decode --metric decode_tps --rounds 3 \\
-        --cmd 'python -m bench.e2e --model a3b.gguf --gpu-miss {value} --json {json}'
+        --cmd 'python -m bench.gpu.e2e --model a3b.gguf --gpu-miss {value} --json {json}'
 
 The first value is A (today's default); the table's `switches.<name>` gets B only when B is
 really better. Without `--table` the verdict is printed and nothing is written.
@@ -31,7 +31,7 @@ from kernels.tuning import ab
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.ab_switch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.ab_switch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--switch", required=True, help="the switch's name in the table")
     p.add_argument("--values", required=True, help="A,B: the default first")
@@ -52,7 +52,7 @@ def _measure(cmd: str, value: str, metric: str) -> Callable[[], float]:
             line = cmd.replace("{value}", shlex.quote(value)).replace("{json}", str(out))
             subprocess.run(line, shell=True, check=True, stdout=sys.stderr)
             figure = json.loads(out.read_text())[metric]
-            # a list (one figure per repeat, as bench.e2e's decode_tps) counts as its median
+            # a list (one figure per repeat, as bench.gpu.e2e's decode_tps) counts as its median
             return float(statistics.median(figure) if isinstance(figure, list) else figure)
 
     return run

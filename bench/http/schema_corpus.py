@@ -1,4 +1,5 @@
-"""Hostile JSON schemas against a running daemon's structured output: `bench.fuzz_api --schemas`.
+"""Hostile JSON schemas against a running daemon's structured output:
+`bench.http.fuzz_api --schemas`.
 
 Each schema of the corpus (deep, wide, recursive, cyclic, huge enums, nested quantifiers,
 contradictions, refs that lead nowhere) goes to /v1/chat/completions twice: as

@@ -1,7 +1,7 @@
 """How fast the CPU expert kernels (kernels/cpu/experts.py) turn weight bytes into outputs,
 against the host's read bandwidth.
 
-    python -m bench.cpu_experts [--json PATH] [--threads N ...] [--types Q4_K Q6_K ...]
+    python -m bench.cpu.cpu_experts [--json PATH] [--threads N ...] [--types Q4_K Q6_K ...]
 
 1. Read bandwidth, per thread count: torch's sum over >= 1 GiB of float32 (torch threads set
    to N) and the kernels' own read probe (64-bit word sum, OpenMP), before and after the

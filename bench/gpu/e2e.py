@@ -1,6 +1,6 @@
 """End-to-end speed of the offload engine, next to the ceiling that PCIe and RAM set.
 
-    python -m bench.e2e --model a3b.gguf --expert-vram-gib 4
+    python -m bench.gpu.e2e --model a3b.gguf --expert-vram-gib 4
 
 Prints decode tokens/s (after a 1K prompt), prefill tokens/s at several lengths, the expert
 hit rate, bytes moved per token, and the ceilings, each as the median of --repeats runs
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.e2e_report import markdown
-from bench.ram_tier import ram_tier
+from bench.gpu.e2e_report import markdown
+from bench.gpu.ram_tier import ram_tier
 from kernels.experts.expert_fetch import fetch_experts
 from kernels.experts.link_pace import ns_per_blob
 from kernels.experts.moe import fused_moe
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.e2e", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
     p.add_argument("--prompt-len", type=int, default=1024)

@@ -1,6 +1,6 @@
 """Where speculation pays on the offload engine: greedy decoding with an oracle drafter.
 
-    python -m bench.spec_oracle --model a3b.gguf --expert-vram-gib 4 --drafts 2,4,8
+    python -m bench.gpu.spec_oracle --model a3b.gguf --expert-vram-gib 4 --drafts 2,4,8
 
 One sequence prefills a random prompt and decodes --tokens greedy tokens one step at a time
 (the baseline, timed). The oracle then drafts from that very run: each drafted token is the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.one_sequence import one_sequence
+from bench.gpu.one_sequence import one_sequence
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache
 from stratad.engine.offload.forward import OffloadForward
@@ -84,7 +84,7 @@ def _speculate(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.spec_oracle", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.spec_oracle", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--expert-vram-gib", type=float, default=4.0)
     p.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])

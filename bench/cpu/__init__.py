@@ -1,0 +1,1 @@
+"""Benchmarks of the host side: the `cpu` engine and its expert kernels, less RAM, the RAM tier."""

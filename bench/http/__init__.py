@@ -1,0 +1,1 @@
+"""Benchmarks over HTTP against a `stratad` of their own: clients, speculation, API fuzzing."""
