@@ -163,9 +163,9 @@ def test_the_query_heads_of_a_kv_head_in_any_parts(kernels: CpuExperts) -> None:
     assert (got[0] - want).abs().max() <= TOL[QType.Q8_0] * want.abs().max()
 
 
-def test_int8_caches_as_kv_quant_stores_them(kernels: CpuExperts) -> None:
+def test_int8_caches_as_kv_int8_stores_them(kernels: CpuExperts) -> None:
     # int8 keys and values with a scale per row and KV head: the new rows written as
-    # kv_quant.quantize_kv writes them, every row read as q times its scale
+    # kv_int8.quantize_kv writes them, every row read as q times its scale
     fmt = Int8KV()
     layers, floats = _layers(QType.Q8_0, 2, bias=True)
     x, kc, vc, cos, sin = _inputs(5, 3, 2)

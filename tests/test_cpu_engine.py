@@ -121,3 +121,21 @@ def test_auto_serves_a_cpu_from_the_blocks(smollm_model: Model, tmp_path: Path) 
     assert choose_backend("reference", smollm_model, torch.device("cpu")) == "reference"
     with pytest.raises(ModelError, match="backend=cpu"):
         choose_backend("cpu", smollm_model, torch.device("cuda"))
+
+
+def test_cpu_engine_runs_without_triton() -> None:
+    """The cpu engine (the reference forward over the compiled CPU kernels) imports no Triton:
+    on a CPU host its import alone was 71 MiB of the process's resident memory."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # any import of triton raises
+        "from kernels.cpu.experts import CpuExperts\n"
+        "from stratad.engine.kv_format import FORMATS\n"
+        "from stratad.engine.reference.forward import ReferenceForward\n"
+        "from stratad.engine.reference.weights_mode import QuantWeights\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The int8 KV cache (`kernels.layers.kv_quant`): the format's round trip, `attn_input`
+"""The int8 KV cache (`kernels.formats.kv_int8`): the format's round trip, `attn_input`
 writing it (bit for bit `quantize_kv` of what the float path writes), and `decode_attention`
 reading it directly (against the reference over the dequantized cache, and within a derived
 bound of the float cache), in the contiguous and the paged layouts."""
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
 from kernels.layers.attention import AttentionConfig, decode_attention, decode_attention_ref
 from kernels.layers.attn_input import attn_input, attn_input_ref
-from kernels.layers.kv_quant import dequantize_kv, quantize_kv
 from kernels.layers.rope import RopeStyle
 from tests.kernel_cases import DEVICE, TOL
 

@@ -108,7 +108,7 @@ static inline __m256 hsum8x8(const __m256 *a) {
 #endif
 
 /* One KV head's keys (or values) in a layer's cache: halves, or int8 with a float scale per
- * row (`kernels/layers/kv_quant.py`'s layout: q [rows, Hkv, D], scales [rows, Hkv]); element i
+ * row (`kernels/formats/kv_int8.py`'s layout: q [rows, Hkv, D], scales [rows, Hkv]); element i
  * of cache row r is at r stride + i, its scale at r sstride. A value is read as the float it
  * stands for: the half, or q times its scale (dequantize_kv's one multiply). */
 typedef struct {

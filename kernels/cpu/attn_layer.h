@@ -163,7 +163,7 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
         const int64_t c = s->seq[t] * s->L + l;
         const int64_t at = cache_row(s, s->seq[t], s->pos[t]) * nkv + (j - nh) % nkv;
         void *dst = (which == 1 ? s->k_cache : s->v_cache)[c];
-        if (s->k_scale) { /* kv_quant.quantize_kv: max |v| / 127, v / scale to even */
+        if (s->k_scale) { /* kv_int8.quantize_kv: max |v| / 127, v / scale to even */
             float amax = 0.0f;
             for (int64_t e = 0; e < D; e++) amax = fabsf(v[e]) > amax ? fabsf(v[e]) : amax;
             float sc = amax / 127.0f, safe = sc > 0.0f ? sc : 1.0f;

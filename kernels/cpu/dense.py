@@ -94,7 +94,7 @@ class CacheSpan:
 
     Quantized (`k_scale`, `v_scale` given, for every span of the call or none): k[l], v[l] are
     int8, and k_scale[l], v_scale[l] [rows, Hkv] float32 their scales
-    (`kernels.layers.kv_quant`'s layout: a value is q times its row and head's scale)."""
+    (`kernels.formats.kv_int8`'s layout: a value is q times its row and head's scale)."""
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor]

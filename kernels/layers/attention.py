@@ -9,7 +9,7 @@ Query head h reads KV head h // (Hq / Hkv), as Hugging Face's repeat_kv and llam
 Scores, softmax and the weighted sum accumulate in float32 (online softmax over blocks of S).
 
 The caches may be int8 with float32 scales per (position, KV head) (`k_scale`, `v_scale`:
-the format of `kernels.layers.kv_quant`), read as they are: the ints widen to the dot's
+the format of `kernels.formats.kv_int8`), read as they are: the ints widen to the dot's
 dtype (exactly: |q| <= 127), each K row's scores are multiplied by its k scale, and each V
 row's softmax weight by its v scale before the second dot. No dequantized copy is made.
 
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layers.kv_quant import dequantize_kv
+from kernels.formats.kv_int8 import dequantize_kv
 from kernels.layers.paged import check_block_tables, gather_pages
 
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
@@ -465,7 +465,7 @@ def decode_attention(
     be a block of the pool, padding included.
 
     `k_scale`/`v_scale` float32 (both or neither; any strides), the caches' shape less D
-    ([B, S, Hkv], paged [n_slots, Hkv]): k/v_cache are int8 (`kernels.layers.kv_quant`),
+    ([B, S, Hkv], paged [n_slots, Hkv]): k/v_cache are int8 (`kernels.formats.kv_int8`),
     read directly with each row scaled by its scale; q stays a float dtype (the dots run in
     it), the output is in q's dtype.
     """

@@ -4,7 +4,7 @@ value written into the KV cache at their position, and the rotated queries retur
 tokens may belong to different sequences of one pool of KV blocks, each token's row found
 through its sequence's block table (`block_tables`, the paged layout of
 `kernels.layers.paged`): a decode batch in one launch. With `k_scale`/`v_scale` the caches are
-int8 (`kernels.layers.kv_quant`): the k (after its rotation, rounded to the compute dtype) and
+int8 (`kernels.formats.kv_int8`): the k (after its rotation, rounded to the compute dtype) and
 the v are written quantized per (token, KV head), with their scales.
 
 Unfused, this is six launches per layer (two norms, two rotations, two cache writes), each
@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layers.kv_quant import quantize_halves, quantize_kv
+from kernels.formats.kv_int8 import quantize_kv
+from kernels.layers.kv_quant import quantize_halves
 from kernels.layers.norm import rmsnorm_ref
 from kernels.layers.paged import check_block_tables, pool_rows
 from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
@@ -33,7 +34,7 @@ from kernels.layers.rope import RopeStyle, rope_pairs, rope_rotate
 def _store_head(cache_ptr, scale_ptr, at, first, second, x1, x2, inside, held, D: tl.constexpr,
                 QUANT: tl.constexpr):  # fmt: skip
     """One head's halves x1/x2 into cache row `at`: as they are, or (QUANT) as int8 with the
-    head's scale (`kernels.layers.kv_quant`); `inside`/`held`: the stores' masks."""
+    head's scale (`kernels.formats.kv_int8`); `inside`/`held`: the stores' masks."""
     if QUANT:
         q1, q2, scale = quantize_halves(x1.to(tl.float32), x2.to(tl.float32))
         tl.store(cache_ptr + at * D + first, q1, mask=inside)
@@ -182,7 +183,7 @@ def attn_input(
     reads must be a block of the pool.
 
     `k_scale`/`v_scale` float32 [S, Hkv] (contiguous; both or neither): k_cache/v_cache are
-    int8, and each row's k and v are written quantized (`kernels.layers.kv_quant`) with
+    int8, and each row's k and v are written quantized (`kernels.formats.kv_int8`) with
     their scales beside them, in either layout. q is still returned in qkv's dtype."""
     s, hkv, d = k_cache.shape
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):

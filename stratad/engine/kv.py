@@ -61,7 +61,7 @@ class KVPool:
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> None:
         """`scales`: int8 k/v's float32 (k, v) scales per layer [rows, Hkv]
-        (`kernels.layers.kv_quant`); None: k/v hold the values as they are."""
+        (`kernels.formats.kv_int8`); None: k/v hold the values as they are."""
         rows = k[0].shape[0]
         if block_size < 8 or block_size & (block_size - 1) or rows % block_size:
             raise ValueError(

@@ -3,7 +3,7 @@
 - `PLAIN`: in the pool's dtype (bf16 on a GPU, halves or floats on a CPU).
 - `Int8KV`: int8 with one float32 scale per (token, KV head), symmetric: scale = max|x| / 127
   over the head's values, q = round(x / scale) (half to even) in -127..127
-  (`kernels.layers.kv_quant`, whose layout the attention kernels read directly); llama.cpp's
+  (`kernels.formats.kv_int8`, whose layout the attention kernels read directly); llama.cpp's
   `-ctk q8_0` keeps a scale per 32 values instead.
 - `Q4KV`: 4 bits with a float32 scale and minimum per 32 values of a head (as llama.cpp's
   `q4_1`): scale = (max - min) / 15, q = round((x - min) / scale) in 0..15. On the default
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layers.kv_quant import dequantize_kv, quantize_kv
+from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ step). A prefill chunk gathers its sequence's keys and values up to its end and 
 torch's scaled_dot_product_attention.
 
 An int8 pool (`engine.kv_cache = "int8"`) holds int8 keys and values with a float32 scale per
-token and KV head (`kernels.layers.kv_quant`): the fused input kernel writes them, decode
+token and KV head (`kernels.formats.kv_int8`): the fused input kernel writes them, decode
 attention reads them directly, and a prefill chunk dequantizes the rows it gathers.
 """
 
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
 from kernels.layers.attention import attention_counts, decode_attention
 from kernels.layers.attn_input import attn_input
-from kernels.layers.kv_quant import dequantize_kv, quantize_kv
 from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, KVPool, block_tables
 from stratad.engine.offload.config import OffloadConfig
