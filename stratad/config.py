@@ -42,6 +42,10 @@ class ModelConfig(_Section, frozen=True):
     uses the model's (the GGUF's `tokenizer.chat_template`, or a Hugging Face directory's
     `chat_template.jinja` or `tokenizer_config.json`), else ChatML. Read at start: a file that
     cannot be read is a configuration error."""
+    draft: str = ""
+    """A smaller model with this one's vocabulary (GGUF file or Hugging Face directory) whose
+    greedy tokens are the drafts of `speculation.drafter = "draft_model"`, run on the cpu
+    engine; a start with another vocabulary is refused."""
 
     def chat_template_text(self) -> str | None:
         """The override template's text, or None without one; ConfigError if unreadable."""
@@ -275,14 +279,16 @@ class StoreConfig(_Section, frozen=True):
 class SpeculationConfig(_Section, frozen=True):
     """Speculative decoding: drafted tokens verified in one step (docs/engine.md)."""
 
-    drafter: Literal["auto", "off", "prompt_lookup", "suffix"] = "auto"
+    drafter: Literal["auto", "off", "prompt_lookup", "suffix", "draft_model"] = "auto"
     """Where drafts come from: `prompt_lookup` proposes the tokens that followed the latest
     earlier occurrence of the sequence's last 2-4 tokens in its prompt and output (llama.cpp's
     lookup decoding: pays where the answer repeats its input, as code edits, quotes and
     schema filling do); `suffix` does that first, else proposes what most often followed the
     sequence's last 2-8 tokens in the recent answers of its API key and user (vLLM's suffix
     decoding: pays where clients ask again for text of one shape, as agent loops, tool calls
-    and retries do); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
+    and retries do); `draft_model` proposes the greedy tokens of `model.draft`, a smaller model
+    of the same vocabulary (llama.cpp's draft model; pays where that model is much cheaper and
+    often agrees); `off` drafts nothing; `auto`: prompt_lookup on the cpu engine (the
     default model on a 2-core VM: 1.0-1.9x, bench/results/2026-12-05-spec-cpu.md), off on a
     GPU, where a drafted token costs 0.5-0.8 of a decode step (its rows route to more experts)
     and an oracle drafter paid only at 90% acceptance with one token (1.09-1.32x; 0.85x at 60%
@@ -312,6 +318,10 @@ class Config(_Section, frozen=True):
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
+
+    def __post_init__(self) -> None:
+        if self.speculation.drafter == "draft_model" and not self.model.draft:
+            raise ValueError('speculation.drafter = "draft_model" needs model.draft')
 
 
 def _invalid(e: msgspec.ValidationError, prefix: str = "") -> str:

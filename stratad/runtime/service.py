@@ -32,6 +32,7 @@ from stratad.runtime.pooling import PooledEvent, PoolingRequest
 from stratad.runtime.prefix import PrefixStore, common_prefix
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
+from stratad.runtime.speculation.draft_model import DraftModel, open_draft_model
 from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
@@ -93,12 +94,13 @@ class Engine:
             kv_tokens=server.kv_cache_tokens,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
-                config.speculation.token_cost, self.backend),  # fmt: skip
+                config.speculation.token_cost, self.backend,
+                self._draft_model(config, max_context)),  # fmt: skip
         )
-        spec = config.speculation
+        spec, on = config.speculation, self.generator.speculation
         log.info("speculative decoding: %s (speculation.drafter %s)",
-                 f"prompt lookup, up to {spec.max_draft} tokens a step"
-                 if self.generator.speculation else "off", spec.drafter)  # fmt: skip
+                 f"{type(on.drafter).__name__}, up to {spec.max_draft} tokens a step" if on
+                 else "off", spec.drafter)  # fmt: skip
         self._running: dict[Active, Running] = {}
         default = ("default",) if not config.model.path else ()
         self.aliases: tuple[str, ...] = (*config.model.aliases, *default)
@@ -108,6 +110,13 @@ class Engine:
             max_context=max_context,
             device=str(runner.device),
         )
+
+    def _draft_model(self, config: Config, max_context: int) -> DraftModel | None:
+        """`model.draft` opened for `speculation.drafter = "draft_model"` (else None)."""
+        if config.speculation.drafter != "draft_model":
+            return None
+        return open_draft_model(config.model.draft, self.tokenizer.hf.get_vocab(),
+                                self.model.spec.vocab_size, max_context, config.engine)  # fmt: skip
 
     @property
     def model_id(self) -> str:

@@ -122,6 +122,7 @@ class StepLoop:
         ones leave the loop."""
         if not self.running:
             return []
+        start = time.perf_counter()  # a draft model's passes are part of a draft's cost
         for s in self.running:  # drafts first: a verify's tokens count in the plan
             if isinstance(s, Sequence):
                 s.propose(self.cost.token_cost)
@@ -132,7 +133,6 @@ class StepLoop:
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
         timed = _decoding(seqs)  # drafted tokens in all, or None: a step of prompt tokens
-        start = time.perf_counter()
         rows = self.forward.step(batch)  # it takes the planned blocks (`engine.batch.reserve`)
         for s in seqs:  # full blocks become hits for later prompts of the same scope
             s.cache.seal(s.req.scope)
@@ -151,7 +151,7 @@ class StepLoop:
                 out.append((s, event))
                 if event.finish_reason is not None:
                     self.running.remove(s)
-        if timed is not None:  # the forward and the sampling: what a step costs the loop
+        if timed is not None:  # drafting, the forward and the sampling: what a step costs
             self.cost.observe(len(seqs), timed, time.perf_counter() - start)
         return out
 

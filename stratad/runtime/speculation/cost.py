@@ -8,8 +8,9 @@ for eight; on the H100 all resident 0.47 and 0.69, at 4 GiB of expert VRAM 0.56 
 rows route to experts that miss; `bench.gpu.verify_cost`). A fixed `speculation.token_cost` is
 right for one of them at best, so the loop times its steps: a step of n sequences without
 drafts or prompt tokens sets the baseline of n, and a step of n sequences with d drafted
-tokens in all gives (seconds / baseline(n) - 1) / d. Both are moving averages; until both
-are measured the configured share stands (the prior).
+tokens in all gives (seconds / baseline(n) - 1) / d. A step is timed from before its drafts
+are proposed, so a draft model's own passes count in what its drafted tokens cost. Both are
+moving averages; until both are measured the configured share stands (the prior).
 """
 
 from __future__ import annotations

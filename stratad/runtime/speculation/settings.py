@@ -19,9 +19,12 @@ class Speculation:
 
     @classmethod
     def from_config(
-        cls, drafter: str, max_draft: int, token_cost: float, backend: str
-    ) -> Speculation | None:
-        """The config's setting for the engine `backend` runs; None where it is off."""
+        cls, drafter: str, max_draft: int, token_cost: float, backend: str,
+        draft_model: Drafter | None = None,
+    ) -> Speculation | None:  # fmt: skip
+        """The config's setting for the engine `backend` runs; None where it is off.
+        `draft_model`: the drafter of `model.draft` (`speculation.draft_model`), for
+        drafter = "draft_model"."""
         if drafter == "auto":
             drafter = "prompt_lookup" if backend == "cpu" else "off"
         if drafter == "off":
@@ -30,7 +33,13 @@ class Speculation:
             return cls(PromptLookup(), max_draft, token_cost)
         if drafter == "suffix":
             return cls(SuffixDecoding(), max_draft, token_cost)
-        raise ValueError(f"speculation.drafter {drafter!r}: off, prompt_lookup or suffix")
+        if drafter == "draft_model":
+            if draft_model is None:
+                raise ValueError('speculation.drafter "draft_model" needs model.draft')
+            return cls(draft_model, max_draft, token_cost)
+        raise ValueError(
+            f"speculation.drafter {drafter!r}: off, prompt_lookup, suffix or draft_model"
+        )
 
     def start(self, prompt: list[int], scope: str = "") -> tuple[Drafts, DraftLength]:
         """A new sequence's drafter (fed its prompt) and draft length; `scope`: the
