@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -22,10 +23,6 @@ import torch
 from kernels.cpu import build as cpu_build
 from kernels.cpu.dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
-from stratad.engine.offload.experts import blob_layouts, fast_path_refusal
-from stratad.engine.offload.kernel_table import Lookup, model_shapes, tuned
-from stratad.engine.offload.stages import balanced_split, parse_split
-from stratad.engine.offload.switches import miss_paths
 from stratad.engine.passes import FETCH_MAX_TOKENS
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.loader import is_pack
@@ -33,6 +30,11 @@ from stratad.store.placement.admission import mem_total
 from stratad.store.placement.plan import Stage, slot_count
 from stratad.store.sizes import GiB
 from stratad.store.startup import daemon_reserves
+
+# The offload engine's planning helpers are imported where a plan for it is made: its modules
+# bring Triton (71 MiB of a process), which a CPU host's daemon does without.
+if TYPE_CHECKING:
+    from stratad.engine.offload.kernel_table import Lookup
 
 log = logging.getLogger("stratad.engine")
 
@@ -57,6 +59,8 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
     if device.type == "cuda" and offload_supported(model):
         return "offload"
     if device.type == "cuda" and model.spec.is_moe:
+        from stratad.engine.offload.experts import fast_path_refusal
+
         log.warning(
             "the GPU engine cannot read this model's experts (%s): the reference engine"
             " serves it, much slower",
@@ -76,6 +80,8 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
 def offload_supported(model: Model) -> bool:
     """A MoE model whose every expert projection the fused kernels read
     (`kernels.experts.moe.MOE_QTYPES`)."""
+    from stratad.engine.offload.experts import fast_path_refusal
+
     return model.spec.is_moe and fast_path_refusal(model) is None
 
 
@@ -195,6 +201,10 @@ def start_plan(
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
     stages, found, kv_host = [], None, 0
     if backend == "offload":
+        from stratad.engine.offload.experts import blob_layouts
+        from stratad.engine.offload.kernel_table import model_shapes, tuned
+        from stratad.engine.offload.switches import miss_paths
+
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
         found = tuned(device.type, model_shapes(spec))
@@ -240,6 +250,8 @@ def start_plan(
 
 def split_bounds(setting: str, n_layers: int, free: Sequence[int | None]) -> list[int]:
     """The layer split: the configured counts, or (auto) in proportion to free VRAM."""
+    from stratad.engine.offload.stages import balanced_split, parse_split
+
     if setting != "auto":
         return parse_split(setting, n_layers, len(free))
     return balanced_split(n_layers, [float(f or 0) for f in free])

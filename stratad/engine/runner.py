@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +25,6 @@ from stratad.engine import placement
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import FORMATS
-from stratad.engine.offload.forward import OffloadForward
-from stratad.engine.offload.stages import StagedForward
-from stratad.engine.offload.start import OffloadTiers, open_offload
 from stratad.engine.placement import StartPlan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import cpu_weights
@@ -37,6 +35,11 @@ from stratad.store.loader import load_model
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
 from stratad.store.tiers.pinning import ProgressFn
+
+if TYPE_CHECKING:  # the GPU engine's modules (and Triton's 71 MiB) load only where it runs
+    from stratad.engine.offload.forward import OffloadForward
+    from stratad.engine.offload.stages import StagedForward
+    from stratad.engine.offload.start import OffloadTiers
 
 log = logging.getLogger("stratad.engine")
 
@@ -66,8 +69,11 @@ class Runner:
     def prepare(self, cache: KVCache) -> None:
         """Make ready what steps on caches like `cache` need before a request waits for it
         (the offload engine's decode graphs of every row count)."""
-        if isinstance(self.forward, OffloadForward):
-            self.forward.prepare(cache)
+        if self.backend == "offload":
+            from stratad.engine.offload.forward import OffloadForward
+
+            if isinstance(self.forward, OffloadForward):
+                self.forward.prepare(cache)
 
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """One batched forward: each sequence's tokens appended to its cache; the logits of
@@ -127,6 +133,8 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
     forward: ReferenceForward | OffloadForward | StagedForward
     store: ExpertStore | OffloadTiers | None = None
     if source is not None and start.backend == "offload":
+        from stratad.engine.offload.start import open_offload
+
         forward, store = open_offload(config, model, start, source, timer, on_pin_progress)
     else:
         experts = None
