@@ -18,6 +18,7 @@ from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest
 from stratad.runtime.speculation.draft_model import (
     DraftModel,
+    DraftModelError,
     DraftSequence,
     open_draft_model,
     vocabulary_mismatch,
@@ -25,6 +26,11 @@ from stratad.runtime.speculation.draft_model import (
 from stratad.runtime.speculation.settings import Speculation
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start(smollm_path: Path) -> None:
+    with pytest.raises(DraftModelError, match="not the model's vocabulary"):
+        open_draft_model(str(smollm_path), {"a": 0, "b": 1}, 2, 64, EngineConfig(threads=1))
 
 
 def test_a_draft_needs_the_models_vocabulary() -> None:

@@ -24,6 +24,7 @@ from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPoolFull
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import cpu_weights
+from stratad.model.spec import ModelError
 from stratad.model.tokenizer_build import load_tokenizer
 from stratad.store.loader import load_model
 
@@ -32,8 +33,9 @@ log = logging.getLogger("stratad.engine")
 VOCAB_SLACK = 128  # ids one vocabulary may have past the other's end (padding, as llama.cpp)
 
 
-class DraftModelError(ValueError):
-    """The draft model cannot draft for this target (another vocabulary)."""
+class DraftModelError(ModelError):
+    """The draft model cannot draft for this target (another vocabulary): the start fails as
+    for a model that cannot be served."""
 
 
 def vocabulary_mismatch(target: Mapping[str, int], draft: Mapping[str, int]) -> str | None:
