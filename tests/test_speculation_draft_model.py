@@ -23,6 +23,7 @@ from stratad.runtime.speculation.draft_model import (
     open_draft_model,
     vocabulary_mismatch,
 )
+from stratad.runtime.speculation.drafter import PromptLookup, propose_all
 from stratad.runtime.speculation.settings import Speculation
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -63,6 +64,41 @@ def test_a_proposal_after_a_miss_starts_from_the_kept_tokens(tiny_moe_model: Mod
     assert isinstance(fresh, DraftSequence)
     assert seq.propose(3) == fresh.propose(3)
     assert seq.cache.tokens[: len(prompt) + 2] == [*prompt, first[0], other]
+
+
+def test_sequences_of_one_draft_model_are_proposed_for_together(tiny_moe_model: Model) -> None:
+    """One batched pass of the draft per position gives each sequence the tokens it gets
+    alone; drafts of another kind beside them propose as they do alone."""
+    drafter = _draft(tiny_moe_model)
+    prompts = [[5, 6, 7, 8, 9, 10] * 2, [11, 12, 13] * 3, [20, 21]]
+    alone = [drafter.start(p).propose(k) for p, k in zip(prompts, (3, 1, 2), strict=True)]
+    lookup = PromptLookup().start([1, 2, 3, 1, 2])
+    asks = [(drafter.start(p), k) for p, k in zip(prompts, (3, 1, 2), strict=True)]
+    got = propose_all([asks[0], (lookup, 2), asks[1], asks[2]])
+    assert got == [alone[0], [3, 1], alone[1], alone[2]]
+    assert [len(a) for a in alone] == [3, 1, 2]
+
+
+class _Failing:
+    """A drafter whose proposals raise."""
+
+    def start(self, prompt: list[int], scope: str = "") -> _Failing:
+        return self
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, k: int) -> list[int]:
+        raise RuntimeError("the drafter broke")
+
+
+def test_a_failing_drafter_drafts_nothing(tiny_moe_model: Model) -> None:
+    forward = ReferenceForward(tiny_moe_model, weights=QuantWeights(CpuExperts(threads=2)))
+    req = GenerationRequest([5, 6, 7, 8, 9, 10] * 2, 6, GREEDY, ignore_eos=True)
+    plain = [e.token for e in _generator(forward, tiny_moe_model, None).run(req)]
+    gen = _generator(forward, tiny_moe_model, Speculation(_Failing(), max_draft=2))
+    assert [e.token for e in gen.run(req)] == plain
+    assert gen.loop.drafted == 0
 
 
 def _generator(forward: ReferenceForward, model: Model, spec: Speculation | None) -> Generator:

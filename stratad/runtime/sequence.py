@@ -102,17 +102,16 @@ class Sequence:
         """Draft tokens from `drafts` at every decode from now on (fed the prompt already)."""
         self.drafts, self.draft_length = drafts, length
 
-    def propose(self, token_cost: float) -> None:
-        """Draft this step's tokens after the pending one, a drafted token costing
+    def draft_size(self, token_cost: float) -> int:
+        """How many tokens to draft this step after the pending one, a drafted token costing
         `token_cost` of a decode step (none while in the prompt, where the draft would not
-        pay, or where the budget or the cache has no room for them)."""
+        pay, or where the budget or the cache has no room for them); this step's proposal
+        is cleared until `proposed` is set (`speculation.drafter.propose_all`)."""
         self.proposed = []
         if self.drafts is None or self.draft_length is None or self.prefilling:
-            return
+            return 0
         room = min(self.budget - self.sampled - 1, self.cache.capacity - self.cache.length - 1)
-        k = min(self.draft_length.next(token_cost), room)
-        if k > 0:
-            self.proposed = self.drafts.propose(k)
+        return max(min(self.draft_length.next(token_cost), room), 0)
 
     def verify(self, logits: torch.Tensor) -> list[GenerationEvent]:
         """The events of a step that computed the pending token and the drafts (logits

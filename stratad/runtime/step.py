@@ -31,6 +31,7 @@ from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST, StepCost
+from stratad.runtime.speculation.drafter import propose_all
 from stratad.runtime.step_plan import StepBudget, Want, plan_step
 
 log = logging.getLogger("stratad.engine")
@@ -123,9 +124,17 @@ class StepLoop:
         if not self.running:
             return []
         start = time.perf_counter()  # a draft model's passes are part of a draft's cost
-        for s in self.running:  # drafts first: a verify's tokens count in the plan
-            if isinstance(s, Sequence):
-                s.propose(self.cost.token_cost)
+        # drafts first: a verify's tokens count in the plan
+        asks = [(q, q.draft_size(self.cost.token_cost)) for q in self.running
+                if isinstance(q, Sequence)]  # fmt: skip
+        asks = [(q, k) for q, k in asks if k > 0 and q.drafts is not None]
+        try:
+            drafts = propose_all([(q.drafts, k) for q, k in asks if q.drafts is not None])
+        except Exception:  # noqa: BLE001 (drafts are a guess: a failing drafter drafts nothing)
+            log.warning("drafting failed; this step verifies no drafts", exc_info=True)
+            drafts = [[] for _ in asks]
+        for (q, _), proposed in zip(asks, drafts, strict=True):
+            q.proposed = proposed
         out: list[tuple[Active, Outcome]] = []
         picked, nexts = self._plan(out)
         if not picked:

@@ -9,13 +9,14 @@ keep are cut from the cache at the next proposal (`KVCache.common_prefix`, `trun
 draft passes are part of what a drafted token costs the loop (`speculation.cost` times the
 step from before the proposals), so a draft model that does not pay stops being asked.
 
-Not done: the sequences' draft passes go one after another, not as one batch.
+The sequences of one draft model are proposed for together (`DraftSequence.propose_many`,
+through `speculation.drafter.propose_all`): one batched pass of the draft per drafted position.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,27 +80,50 @@ class DraftSequence:
 
     def propose(self, k: int) -> list[int]:
         """Up to k greedy tokens of the draft model after the settled ones."""
+        return DraftSequence.propose_many([(self, k)])[0]
+
+    def _unsent(self, k: int) -> list[int] | None:
+        """The settled tokens the draft's cache lacks (its drafts past what the target kept
+        cut from it; at least the last token, for its logits), or None where k more tokens
+        would not fit."""
         cache = self.cache
         if not self.tokens or k < 1:
-            return []
-        # keep what the cache holds of the settled tokens, but feed at least the last one
+            return None
         cache.truncate(min(cache.common_prefix(self.tokens), len(self.tokens) - 1))
         new = self.tokens[cache.length :]
-        if cache.length + len(new) + k > cache.capacity:
-            return []
-        out: list[int] = []
-        try:
-            logits = self.forward.step([Seq(cache, new)])[0]
-            while True:
-                token = int(logits[-1].argmax())
-                if token >= self.vocab:
-                    break
-                out.append(token)
-                if len(out) == k:
-                    break
-                logits = self.forward.step([Seq(cache, [token])])[0]
-        except KVPoolFull:
-            pass  # what was drafted stands; the next proposal starts from the settled tokens
+        return None if cache.length + len(new) + k > cache.capacity else new
+
+    @classmethod
+    def propose_many(cls, asks: Sequence[tuple[DraftSequence, int]]) -> list[list[int]]:
+        """Each (sequence, k)'s proposal: the sequences of one draft model go through it
+        together, one batched pass per drafted position (the cpu engine's results per
+        sequence are those of it alone, so the same tokens as one by one)."""
+        out: list[list[int]] = [[] for _ in asks]
+        feed: dict[int, list[int]] = {}
+        for i, (d, k) in enumerate(asks):
+            new = d._unsent(k)
+            if new is not None:
+                feed[i] = new
+        while feed:
+            by_model: dict[int, list[int]] = {}
+            for i in feed:
+                by_model.setdefault(id(asks[i][0].forward), []).append(i)
+            nexts: dict[int, list[int]] = {}
+            for at in by_model.values():
+                forward = asks[at[0]][0].forward
+                try:
+                    rows = forward.step([Seq(asks[i][0].cache, feed[i]) for i in at])
+                except KVPoolFull:
+                    continue  # what was drafted stands; the next proposal starts over
+                for i, logits in zip(at, rows, strict=True):
+                    d, k = asks[i]
+                    token = int(logits[-1].argmax())
+                    if token >= d.vocab:
+                        continue
+                    out[i].append(token)
+                    if len(out[i]) < k:
+                        nexts[i] = [token]
+            feed = nexts
         return out
 
 

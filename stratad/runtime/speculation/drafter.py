@@ -10,6 +10,7 @@ its tokens come, so a proposal is a few dictionary lookups whatever the length.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +23,24 @@ class Drafts(Protocol):
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens likely to follow those so far (none: nothing to propose)."""
         ...
+
+
+def propose_all(asks: Sequence[tuple[Drafts, int]]) -> list[list[int]]:
+    """Each (sequence's drafts, k)'s proposal of up to k tokens. Drafts of a kind that can
+    propose for many sequences at once (a class method `propose_many`: a draft model's passes
+    as one batch) do so together; the others one by one."""
+    out: list[list[int]] = [[] for _ in asks]
+    together: dict[Callable[..., list[list[int]]], list[int]] = {}
+    for i, (drafts, k) in enumerate(asks):
+        many = getattr(type(drafts), "propose_many", None)
+        if many is None:
+            out[i] = drafts.propose(k)
+        else:
+            together.setdefault(many, []).append(i)
+    for many, at in together.items():
+        for i, proposed in zip(at, many([asks[i] for i in at]), strict=True):
+            out[i] = proposed
+    return out
 
 
 class Drafter(Protocol):
