@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.experts import CpuExperts
+from stratad.config import EngineConfig
 from stratad.engine.kv_format import FORMATS, KVFormat
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.engine.reference.weights_mode import QuantWeights
+from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
@@ -41,7 +41,7 @@ def python_docs_text() -> str:
 def nll(model: Model, fmt: KVFormat, windows: list[list[int]], chunk: int,
         engine: str = "reference") -> tuple[float, int]:  # fmt: skip
     """(summed negative log-likelihood, tokens scored) over the windows with `fmt`."""
-    weights = QuantWeights(CpuExperts()) if engine == "cpu" else None
+    weights = cpu_weights(EngineConfig()) if engine == "cpu" else None  # as the daemon's
     forward = ReferenceForward(model, weights=weights, kv_format=fmt)
     total, scored = 0.0, 0
     for window in windows:

@@ -125,15 +125,15 @@ class StepLoop:
             return []
         start = time.perf_counter()  # a draft model's passes are part of a draft's cost
         # drafts first: a verify's tokens count in the plan
-        asks = [(q, q.draft_size(self.cost.token_cost)) for q in self.running
-                if isinstance(q, Sequence)]  # fmt: skip
-        asks = [(q, k) for q, k in asks if k > 0 and q.drafts is not None]
+        sizes = [(q, q.drafts, q.draft_size(self.cost.token_cost)) for q in self.running
+                 if isinstance(q, Sequence)]  # fmt: skip
+        asks = [(q, d, k) for q, d, k in sizes if d is not None and k > 0]
         try:
-            drafts = propose_all([(q.drafts, k) for q, k in asks if q.drafts is not None])
+            drafts = propose_all([(d, k) for _, d, k in asks])
         except Exception:  # noqa: BLE001 (drafts are a guess: a failing drafter drafts nothing)
             log.warning("drafting failed; this step verifies no drafts", exc_info=True)
             drafts = [[] for _ in asks]
-        for (q, _), proposed in zip(asks, drafts, strict=True):
+        for (q, _, _), proposed in zip(asks, drafts, strict=True):
             q.proposed = proposed
         out: list[tuple[Active, Outcome]] = []
         picked, nexts = self._plan(out)

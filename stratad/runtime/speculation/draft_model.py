@@ -93,8 +93,8 @@ class DraftSequence:
         new = self.tokens[cache.length :]
         return None if cache.length + len(new) + k > cache.capacity else new
 
-    @classmethod
-    def propose_many(cls, asks: Sequence[tuple[DraftSequence, int]]) -> list[list[int]]:
+    @staticmethod
+    def propose_many(asks: Sequence[tuple[DraftSequence, int]]) -> list[list[int]]:
         """Each (sequence, k)'s proposal: the sequences of one draft model go through it
         together, one batched pass per drafted position (the cpu engine's results per
         sequence are those of it alone, so the same tokens as one by one)."""

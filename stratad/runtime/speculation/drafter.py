@@ -27,7 +27,7 @@ class Drafts(Protocol):
 
 def propose_all(asks: Sequence[tuple[Drafts, int]]) -> list[list[int]]:
     """Each (sequence's drafts, k)'s proposal of up to k tokens. Drafts of a kind that can
-    propose for many sequences at once (a class method `propose_many`: a draft model's passes
+    propose for many sequences at once (a static method `propose_many`: a draft model's passes
     as one batch) do so together; the others one by one."""
     out: list[list[int]] = [[] for _ in asks]
     together: dict[Callable[..., list[list[int]]], list[int]] = {}
