@@ -18,7 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu.build import CpuKernelsUnavailable
-from kernels.cpu.experts import CPU_EXPERT_QTYPES, CpuExpertFormat, CpuExperts
+from kernels.cpu.experts import (
+    CPU_EXPERT_QTYPES,
+    INTERLEAVED_QTYPES,
+    X8,
+    CpuExpertFormat,
+    CpuExperts,
+)
 from kernels.experts.moe import split_q4_0
 from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
 
@@ -119,6 +125,53 @@ def test_matmul_many_tokens_and_ragged_rows(cpu: CpuExperts, qtype: QType) -> No
         cpu.matmul(x, raw, qtype, 9, cols, out=out)
         xa = q8(x).double()
         _close(out, xa @ w.T, xa.abs() @ w.abs().T)
+
+
+def _host_has(*flags: str) -> bool:
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return all(f in words for f in flags)
+
+
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED_QTYPES, key=lambda t: t.name),
+                         ids=lambda t: t.name)  # fmt: skip
+def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
+    # rows interleaved in eights (kernels/cpu/interleave.h): two groups; 1-9 tokens cover a
+    # tile of each size (1-4) and several tiles; 96 columns: three blocks a group
+    rows, cols = 16, 96
+    raw = blocks(qtype, rows, cols, seed=7)
+    w = dense(raw, qtype, rows, cols)
+    read, code = cpu.interleave(raw, qtype, rows, cols)
+    # the native build on an AVX2 host reads the layout; the portable one keeps GGUF rows
+    assert cpu.interleaves == (cpu.native and _host_has("avx2", "f16c"))
+    assert (code == int(qtype) | X8 and read.numel() == raw.numel() + 2 * rows * (cols // 32) *
+            (qtype == QType.Q4_0)) if cpu.interleaves else (code == int(qtype) and read is raw)
+    prepared = cpu.prepare(raw, qtype, rows, cols)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
+    for t in (1, 2, 3, 4, 5, 9):
+        got = prepared(x[:t])
+        xa = q8(x[:t]).double()
+        _close(got, xa @ w.T, xa.abs() @ w.abs().T)
+        # a token's outputs are the same bits whatever else shares the call
+        assert torch.equal(got[t - 1 :], prepared(x[t - 1 : t]))
+
+
+def test_interleave_keeps_what_it_cannot_interleave(cpu: CpuExperts) -> None:
+    raw = blocks(QType.Q4_1, 12, 64, seed=1)  # 12 rows: not groups of eight
+    assert cpu.interleave(raw, QType.Q4_1, 12, 64) == (raw, int(QType.Q4_1))
+    raw = blocks(QType.Q5_0, 8, 64, seed=1)  # a type without the layout
+    assert cpu.interleave(raw, QType.Q5_0, 8, 64) == (raw, int(QType.Q5_0))
+    # a Q4_0 scale of 2^14: its offset -8 d is no fp16 (-4 from C), so the rows stay as they are
+    raw = blocks(QType.Q4_0, 8, 64, seed=1).clone()
+    raw[3, :2] = torch.tensor([0x00, 0x74], dtype=torch.uint8)  # fp16 16384
+    read, code = cpu.interleave(raw, QType.Q4_0, 8, 64)
+    assert code == int(QType.Q4_0) and read is raw
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    xa = q8(x).double()
+    w = dense(raw, QType.Q4_0, 8, 64)
+    _close(cpu.prepare(raw, QType.Q4_0, 8, 64)(x), xa @ w.T, xa.abs() @ w.abs().T)
 
 
 @functools.cache

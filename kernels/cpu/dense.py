@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kernels.cpu.experts import CpuExperts, _check
+from kernels.cpu.file_pages import FileMappings
 from kernels.cpu.team import TeamSize
 from kernels.formats.quant import QType
 
@@ -143,6 +144,8 @@ class DenseStack:
                              f"heads a multiple of {kv} kv heads")  # fmt: skip
         dims = shape.rows_cols()
         self.shape, self.layers = shape, list(layers)  # the tensors stay alive with the stack
+        self._read: list[torch.Tensor] = []  # the weights as the kernels read them
+        files = FileMappings.now()
         self._c_layers = (_Layer * len(layers))()
         for c, layer in zip(self._c_layers, layers, strict=True):
             for name, t in (("attn_norm", layer.attn_norm), ("ffn_norm", layer.ffn_norm)):
@@ -151,8 +154,9 @@ class DenseStack:
                     raise ValueError(f"{name} has {t.numel()} values, hidden is {shape.hidden}")
             c.attn_norm, c.ffn_norm = layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr()
             for i, (name, (w, qtype)) in enumerate(zip(PROJECTIONS, layer.weights, strict=True)):
-                kernels._check_weight(w, qtype, *dims[name])
-                c.w[i], c.qtype[i] = w.data_ptr(), int(qtype)
+                read, code = kernels.interleave(w, qtype, *dims[name], files)
+                self._read.append(read)
+                c.w[i], c.qtype[i] = read.data_ptr(), code
             for i, (name, b) in enumerate(zip(PROJECTIONS[:3], layer.biases, strict=True)):
                 if b is not None:
                     _check(b, f"{name} bias", torch.float32, 1)

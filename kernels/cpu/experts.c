@@ -67,6 +67,7 @@ typedef struct {
     const uint8_t *base;
     int64_t rows, cols, row_bytes;
     int qtype, split, has_min, is_float;
+    int x8; /* interleaved (interleave.h): its layout kind, else 0 */
     decode_fn dec;
     rowdot_fn fused; /* the whole-row dot (with AVX2: fused_avx2.h), else NULL: decode + dot */
 } mat_t;
@@ -88,6 +89,9 @@ int strata_block(int qtype, int *values, int *bytes) {
         }
     return -1;
 }
+
+#define X8_TILE 4 /* activations per interleaved group dot: its accumulators in registers */
+#include "interleave.h"
 
 static decode_fn decoder(int qtype, int split) {
     switch (qtype) {
@@ -111,10 +115,18 @@ static decode_fn decoder(int qtype, int split) {
 static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t rows,
                     int64_t cols) {
     int bv, bb;
+    if (qtype & T_X8) { /* rows interleaved in eights (interleave.h) */
+        int kind = x8_kind(qtype & ~T_X8);
+        if (!kind || !strata_interleaved_dots()) return -1;
+        if (cols % 32 || rows % 8) return -2;
+        *m = (mat_t){.base = base, .rows = rows, .cols = cols, .qtype = qtype, .has_min = 1,
+                     .x8 = kind, .row_bytes = cols / 32 * X8_BLOCK[kind] / 8};
+        return 0;
+    }
     if (strata_block(qtype, &bv, &bb)) return -1;
     if (cols % 32 || cols % bv) return -2; /* activations are rounded per 32 values */
     m->base = base, m->rows = rows, m->cols = cols, m->row_bytes = cols / bv * bb;
-    m->qtype = qtype, m->split = split && qtype == T_Q4_0;
+    m->qtype = qtype, m->split = split && qtype == T_Q4_0, m->x8 = 0;
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
     m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
                  qtype == T_Q5_K;
@@ -190,6 +202,12 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     int8_t q[256] __attribute__((aligned(32)));
     float fs[16], fm[16], wf[256];
     int64_t nb = m->cols / 32, nchunks = (m->cols + 255) / 256;
+#ifdef __AVX2__
+    if (m->x8) { /* strata_interleaved_dots: only with AVX2 */
+        rows_dot_x8(m, r0, r1, a, vec, outs, nv);
+        return;
+    }
+#endif
     for (int64_t v0 = 0; v0 < nv; v0 += VEC_TILE) {
         int64_t nt = nv - v0 < VEC_TILE ? nv - v0 : VEC_TILE;
         for (int64_t r = r0; r < r1; r++) {

@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from kernels.cpu.build import load
+from kernels.cpu.file_pages import FileMappings
 from kernels.cpu.team import TeamSize
 from kernels.formats.iq_tables import iq_tables
 from kernels.formats.quant import QType, row_bytes
@@ -40,6 +41,10 @@ CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
         QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S,
     }
 )  # fmt: skip
+# the 32-value types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h)
+INTERLEAVED_QTYPES: frozenset[QType] = frozenset({QType.Q4_0, QType.Q4_1, QType.Q8_0})
+X8 = 1 << 10  # or'ed into a type code: the matrix is interleaved (decode.h's T_X8)
+_X8_BLOCK = {QType.Q4_0: 160, QType.Q4_1: 160, QType.Q8_0: 272}  # a group's block, bytes
 _ERRORS = {-1: "unsupported type", -2: "columns not a multiple of the block", -3: "out of memory"}
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -96,10 +101,17 @@ class CpuExperts:
     supported: frozenset[QType] = CPU_EXPERT_QTYPES
 
     def __init__(
-        self, threads: int | None = None, cache_dir: Path | None = None, *, native: bool = True
+        self,
+        threads: int | None = None,
+        cache_dir: Path | None = None,
+        *,
+        native: bool = True,
+        interleave: bool = True,
     ) -> None:
         """Build (first use) and load the kernels; `CpuKernelsUnavailable` if they cannot be.
-        native=False: without -march=native (the portable C paths; for tests)."""
+        native=False: without -march=native (the portable C paths; for tests). interleave:
+        dense weights of `INTERLEAVED_QTYPES` are copied into rows interleaved in eights where
+        the build has those dots (`interleave`); off: read in their GGUF layout."""
         self.threads = threads if threads is not None else physical_cores()
         self.native = native
         if self.threads < 1:
@@ -121,6 +133,9 @@ class CpuExperts:
                                      _P, _P, _P, _I32, _P]  # fmt: skip
         for fn in (self._matmul, self._moe, self._moe_parts, self._dense, self._moe_layers):
             fn.restype = ctypes.c_int
+        self._interleave = lib.strata_interleave
+        self._interleave.argtypes, self._interleave.restype = [_P, _I32, _I64, _I64, _P], _I32
+        self.interleaves = interleave and bool(lib.strata_interleaved_dots())
         self._read = lib.strata_read
         self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64
         self._tables = iq_tables(torch.device("cpu"))  # [SIZE] uint8, kept alive here
@@ -154,6 +169,31 @@ class CpuExperts:
             )
         if cols % 32:
             raise ValueError(f"cols must be a multiple of 32, got {cols}")
+
+    def interleave(
+        self,
+        w: torch.Tensor,
+        qtype: QType,
+        rows: int,
+        cols: int,
+        files: FileMappings | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """A checked weight as the kernels read it fastest, and its C type code: a copy with
+        rows interleaved in eights (`kernels/cpu/interleave.h`; the code has `X8` set) where
+        this build has those dots and the type and rows allow, else w itself and its type.
+        With `files`, a copied w's pages are given back where it lies in a read-only file
+        mapping (`kernels/cpu/file_pages.py`): the process holds the copy, not both."""
+        self._check_weight(w, qtype, rows, cols)
+        if not self.interleaves or qtype not in INTERLEAVED_QTYPES or rows % 8:
+            return w, int(qtype)
+        out = torch.empty(rows // 8 * cols // 32 * _X8_BLOCK[qtype], dtype=torch.uint8)
+        rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr())
+        if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
+            return w, int(qtype)
+        self._raise(rc, "interleave")
+        if files is not None:
+            files.release(w)
+        return out, int(qtype) | X8
 
     def prepare(self, w: torch.Tensor, qtype: QType, rows: int, cols: int) -> PreparedMatmul:
         """`matmul` by one weight, checked once (a dense layer's projection, called per
@@ -306,9 +346,19 @@ class PreparedMatmul:
 
     def __init__(self, kernels: CpuExperts, w: torch.Tensor, qtype: QType, rows: int,
                  cols: int) -> None:  # fmt: skip
-        self.w, self.qtype, self.rows, self.cols = w, int(qtype), rows, cols
-        self._fn, self._tables = kernels._matmul, kernels._tables
+        self.w, self.qtype, self.rows, self.cols = w, qtype, rows, cols
+        self._kernels, self._fn, self._tables = kernels, kernels._matmul, kernels._tables
+        self._read: tuple[torch.Tensor, int] | None = None  # w as the kernels read it
         self.team = TeamSize(kernels.threads)
+
+    def _weight(self) -> tuple[torch.Tensor, int]:
+        """The weight as the kernels read it and its C type code, made at the first product
+        (`CpuExperts.interleave`: a layer's projections that a one-call stack runs instead
+        are never copied)."""
+        if self._read is None:
+            self._read = self._kernels.interleave(self.w, self.qtype, self.rows, self.cols,
+                                                  FileMappings.now())  # fmt: skip
+        return self._read
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
@@ -320,7 +370,8 @@ class PreparedMatmul:
         small = t * self.rows * self.cols < ONE_THREAD_WEIGHTS
         threads = 1 if small else self.team.pick(t)
         t0 = time.perf_counter()
-        rc = self._fn(x.data_ptr(), t, self.w.data_ptr(), self.qtype, 0, self.rows, self.cols,
+        w, code = self._weight()
+        rc = self._fn(x.data_ptr(), t, w.data_ptr(), code, 0, self.rows, self.cols,
                       out.data_ptr(), threads, self._tables.data_ptr())  # fmt: skip
         if not small:
             self.team.record(t, threads, time.perf_counter() - t0)
