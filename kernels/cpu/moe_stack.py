@@ -24,6 +24,7 @@ import torch
 
 from kernels.cpu.dense import MAX_HEAD_DIM, CacheSpan, check_step
 from kernels.cpu.experts import CpuExperts, _check
+from kernels.cpu.file_pages import FileMappings
 from kernels.cpu.team import TeamSize
 from kernels.formats.quant import QType
 
@@ -98,6 +99,10 @@ class MoEStack:
             raise ValueError(f"top_k {shape.top_k} of {shape.n_experts} experts")
         dims = shape.rows_cols()
         self.shape, self.layers = shape, list(layers)  # the tensors stay alive with the stack
+        # attention and router weights as the kernels read them (`CpuExperts.interleave`);
+        # the expert stacks stay in their GGUF rows
+        self._read: list[torch.Tensor] = []
+        files = FileMappings.now()
         self._c_layers = (_Layer * len(layers))()
         for c, layer in zip(self._c_layers, layers, strict=True):
             c.attn_norm = _vector(layer.attn_norm, "attn_norm", shape.hidden)
@@ -113,8 +118,13 @@ class MoEStack:
                     continue
                 if w is None:
                     raise ValueError(f"{name}: no weight")
-                kernels._check_weight(w, qtype, rows * (shape.n_experts if stacked else 1), cols)
-                c.w[i], c.qtype[i] = w.data_ptr(), int(qtype)
+                if stacked:
+                    kernels._check_weight(w, qtype, rows * shape.n_experts, cols)
+                    c.w[i], c.qtype[i] = w.data_ptr(), int(qtype)
+                    continue
+                read, code = kernels.interleave(w, qtype, rows, cols, files)
+                self._read.append(read)
+                c.w[i], c.qtype[i] = read.data_ptr(), code
             for i, (name, b) in enumerate(zip(WEIGHTS[:3], layer.biases, strict=True)):
                 c.bias[i] = _vector(b, f"{name} bias", dims[name][0])
         self._dims = _Dims(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim,
