@@ -150,3 +150,21 @@ def test_cpu_engine_runs_without_triton() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_interleave_setting_reaches_the_layers(smollm_model: Model) -> None:
+    """`engine.cpu_interleave`: on (the default) the one-call layers read their Q4_1 rows
+    interleaved where the build has those dots; off, the file's GGUF rows."""
+    from kernels.cpu.experts import X8
+    from stratad.config import EngineConfig
+    from stratad.engine.reference.weights_mode import cpu_weights
+
+    codes = {}
+    for on in (True, False):
+        weights = cpu_weights(EngineConfig(threads=2, cpu_interleave=on))
+        stack = ReferenceForward(smollm_model, weights=weights).stack
+        codes[on] = {int(c) for layer in stack._c_layers for c in layer.qtype}  # type: ignore[union-attr]
+        assert ("interleaved" in weights.name) == (on and weights.kernels.interleaves)
+    assert codes[False] == {int(QType.Q4_1)}
+    want = int(QType.Q4_1) | X8 if CpuExperts(1).interleaves else int(QType.Q4_1)
+    assert codes[True] == {want}

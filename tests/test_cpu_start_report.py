@@ -50,15 +50,22 @@ def test_the_warm_up_is_no_lookup(daemon: Daemon) -> None:
     assert sum(_lookups(daemon).values()) > 0
 
 
+def _interleaves() -> bool:
+    """Whether this host's kernels read the interleaved layout (the daemon's default build)."""
+    from kernels.cpu.experts import CpuExperts
+
+    return CpuExperts(1).interleaves
+
+
 def test_the_weights_line_names_types_and_path(daemon: Daemon) -> None:
     lines = [line for line in daemon.log.read_text().splitlines() if "stratad.engine: weights:"
              in line]  # fmt: skip
     assert len(lines) == 1, lines
     assert lines[0].split("stratad.engine: ", 1)[1] == (
         "weights: experts Q4_0 (12 stacks); the rest F32 (21 tensors), F16 (16), Q8_0 (2);"
-        " GGUF blocks read by the CPU kernels (1 thread), every layer in one kernel call per"
-        " step, the routed experts from the store's tiers"
-    )
+        " GGUF blocks read by the CPU kernels (1 thread{rows}), every layer in one kernel call"
+        " per step, the routed experts from the store's tiers"
+    ).format(rows="; dense Q4_0/Q4_1/Q8_0 rows interleaved in eights" * _interleaves())
 
 
 def test_coverage_names_the_model_file(daemon: Daemon) -> None:

@@ -138,7 +138,8 @@ class QuantWeights:
         cast = (f", {', '.join(sorted(self.fallbacks))} dequantized to float32 (rows the kernels"
                 " do not read)" if self.fallbacks else "")  # fmt: skip
         n = self.kernels.threads
-        return f"GGUF blocks read by the CPU kernels ({n} thread{'s' * (n != 1)}){cast}"
+        rows = "; dense Q4_0/Q4_1/Q8_0 rows interleaved in eights" * self.kernels.interleaves
+        return f"GGUF blocks read by the CPU kernels ({n} thread{'s' * (n != 1)}{rows}){cast}"
 
     def reads(self, t: QTensor) -> bool:
         return t.qtype in self.kernels.supported and len(t.shape) == 2 and t.shape[1] % 32 == 0
@@ -199,7 +200,9 @@ def cpu_weights(engine: EngineConfig) -> QuantWeights:
     `engine.threads`, else every physical core); torch on one thread unless `engine.threads`
     says otherwise, as the kernels' team owns the cores and torch's small ops run faster alone
     (SmolLM2 prefill 80 -> 104-114 tok/s on the 2-core VM, decode alike)."""
-    weights = QuantWeights(CpuExperts(engine.cpu_expert_threads or engine.threads or None))
+    kernels = CpuExperts(engine.cpu_expert_threads or engine.threads or None,
+                         interleave=engine.cpu_interleave)  # fmt: skip
+    weights = QuantWeights(kernels)
     if not engine.threads:
         torch.set_num_threads(1)
     return weights
