@@ -139,15 +139,18 @@ def _host_has(*flags: str) -> bool:
                          ids=lambda t: t.name)  # fmt: skip
 def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
     # rows interleaved in eights (kernels/cpu/interleave.h): two groups; 1-9 tokens cover a
-    # tile of each size (1-4) and several tiles; 96 columns: three blocks a group
-    rows, cols = 16, 96
+    # tile of each size (1-4) and several tiles; three blocks a group (two of Q4_K's 256)
+    grows = {QType.Q4_0: (32, 2), QType.Q4_K: (256, 4), QType.Q6_K: (256, 0)}
+    rows, (values, grown) = 16, grows.get(qtype, (32, 0))
+    cols = 3 * values if values == 32 else 2 * values
     raw = blocks(qtype, rows, cols, seed=7)
     w = dense(raw, qtype, rows, cols)
     read, code = cpu.interleave(raw, qtype, rows, cols)
     # the native build on an AVX2 host reads the layout; the portable one keeps GGUF rows
     assert cpu.interleaves == (cpu.native and _host_has("avx2", "f16c"))
-    assert (code == int(qtype) | X8 and read.numel() == raw.numel() + 2 * rows * (cols // 32) *
-            (qtype == QType.Q4_0)) if cpu.interleaves else (code == int(qtype) and read is raw)
+    # the layout's size: Q4_0's offsets and Q4_K's unpacked scales add bytes per row and block
+    assert (code == int(qtype) | X8 and read.numel() == raw.numel() + grown * rows * cols //
+            values) if cpu.interleaves else (code == int(qtype) and read is raw)  # fmt: skip
     prepared = cpu.prepare(raw, qtype, rows, cols)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
     for t in (1, 2, 3, 4, 5, 9):

@@ -65,7 +65,7 @@ def test_the_weights_line_names_types_and_path(daemon: Daemon) -> None:
         "weights: experts Q4_0 (12 stacks); the rest F32 (21 tensors), F16 (16), Q8_0 (2);"
         " GGUF blocks read by the CPU kernels (1 thread{rows}), every layer in one kernel call"
         " per step, the routed experts from the store's tiers"
-    ).format(rows="; dense Q4_0/Q4_1/Q8_0 rows interleaved in eights" * _interleaves())
+    ).format(rows="; dense rows interleaved in eights" * _interleaves())
 
 
 def test_coverage_names_the_model_file(daemon: Daemon) -> None:

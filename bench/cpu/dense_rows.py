@@ -23,9 +23,11 @@ import torch
 from kernels.cpu.experts import CpuExperts, PreparedMatmul, physical_cores
 from kernels.formats.quant import QType, quantize
 
-# SmolLM2-135M's projections: gate/up, down, q/o, k/v; and its tied Q8_0 head
+# SmolLM2-135M's projections: gate/up, down, q/o, k/v; its tied Q8_0 head; a 1B llama's
+# gate/up in Q4_K and down in Q6_K (Q4_K_M's mix)
 SHAPES = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q4_1", 576, 576), ("Q4_1", 192, 576),
-          ("Q4_0", 1536, 576), ("Q8_0", 1536, 576), ("Q8_0", 49152, 576)]  # fmt: skip
+          ("Q4_0", 1536, 576), ("Q8_0", 1536, 576), ("Q8_0", 49152, 576),
+          ("Q4_K", 8192, 2048), ("Q6_K", 2048, 8192)]  # fmt: skip
 CYCLE_BYTES = 48 << 20
 
 

@@ -118,9 +118,9 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     if (qtype & T_X8) { /* rows interleaved in eights (interleave.h) */
         int kind = x8_kind(qtype & ~T_X8);
         if (!kind || !strata_interleaved_dots()) return -1;
-        if (cols % 32 || rows % 8) return -2;
+        if (cols % X8_VALUES[kind] || rows % 8) return -2;
         *m = (mat_t){.base = base, .rows = rows, .cols = cols, .qtype = qtype, .has_min = 1,
-                     .x8 = kind, .row_bytes = cols / 32 * X8_BLOCK[kind] / 8};
+                     .x8 = kind, .row_bytes = cols / X8_VALUES[kind] * X8_BLOCK[kind] / 8};
         return 0;
     }
     if (strata_block(qtype, &bv, &bb)) return -1;

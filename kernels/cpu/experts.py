@@ -41,10 +41,12 @@ CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
         QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S,
     }
 )  # fmt: skip
-# the 32-value types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h)
-INTERLEAVED_QTYPES: frozenset[QType] = frozenset({QType.Q4_0, QType.Q4_1, QType.Q8_0})
+# the types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h): a
+# group's block, (values per row, bytes)
+_X8_BLOCK = {QType.Q4_0: (32, 160), QType.Q4_1: (32, 160), QType.Q8_0: (32, 272),
+             QType.Q4_K: (256, 1184), QType.Q6_K: (256, 1680)}  # fmt: skip
+INTERLEAVED_QTYPES: frozenset[QType] = frozenset(_X8_BLOCK)
 X8 = 1 << 10  # or'ed into a type code: the matrix is interleaved (decode.h's T_X8)
-_X8_BLOCK = {QType.Q4_0: 160, QType.Q4_1: 160, QType.Q8_0: 272}  # a group's block, bytes
 _ERRORS = {-1: "unsupported type", -2: "columns not a multiple of the block", -3: "out of memory"}
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -186,7 +188,8 @@ class CpuExperts:
         self._check_weight(w, qtype, rows, cols)
         if not self.interleaves or qtype not in INTERLEAVED_QTYPES or rows % 8:
             return w, int(qtype)
-        out = torch.empty(rows // 8 * cols // 32 * _X8_BLOCK[qtype], dtype=torch.uint8)
+        values, nbytes = _X8_BLOCK[qtype]
+        out = torch.empty(rows // 8 * (cols // values) * nbytes, dtype=torch.uint8)
         rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr())
         if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
             return w, int(qtype)

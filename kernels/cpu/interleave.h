@@ -1,7 +1,8 @@
-/* Eight rows interleaved: a layout of the 32-value block types (Q4_0, Q4_1, Q8_0) for the dense
- * products, made once when a weight is prepared (kernels/cpu/interleave.py), and its AVX2 dots.
- * Included by experts.c after fused_avx2.h. llama.cpp's CPU backend repacks Q4_0 into
- * interleaved groups for the same reason; this layout and its dots are Strata's own.
+/* Eight rows interleaved: a layout of the common weight types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
+ * for the dense products, made once when a weight is prepared (CpuExperts.interleave in
+ * kernels/cpu/experts.py), and its AVX2 dots. Included by experts.c after fused_avx2.h.
+ * llama.cpp's CPU backend repacks Q4_0 and Q4_K into interleaved groups for the same reason;
+ * this layout and its dots are Strata's own.
  *
  * Why: a GGUF row's blocks follow one another, so a row's dot gathers its blocks' scales with
  * scalar loads, widens 16 bytes of nibbles into a 32-byte register per block and reduces 8
@@ -12,24 +13,40 @@
  * activation bytes, broadcast from memory: about 4.5 instructions per 32 values, and a group's
  * 8 results land in one register, stored at once as 8 outputs.
  *
- * Group g (rows 8g .. 8g + 7) is its nb = cols / 32 blocks back to back; block b holds
- *   X8_Q4 (160 B): d[8] fp16 | m[8] fp16 | codes 128 B    value = d q + m, q in 0..15
- *                  (Q4_1 as stored; Q4_0's value d (q - 8) with m = -8 d, exact in fp16)
- *   X8_Q8 (272 B): d[8] fp16 | codes 256 B (int8)         value = d q
- * The codes are 32-byte chunks whose bytes 4r .. 4r + 3 belong to row r: a Q4 chunk c holds
- * values 8c + k (low nibbles) and 8c + 4 + k (high nibbles) of each row, k < 4; a Q8 chunk c
- * values 4c + k. Block dots are exact integers (a Q8 code is offset by 128 to be unsigned
- * for dpbusd, and 128 times the activation block's sum taken off); each group's 8 float sums
- * run over the blocks in order, one thread per group: the bits depend on neither the thread
- * count nor the other activations of the call.
+ * Group g (rows 8g .. 8g + 7) is its blocks back to back; block b holds
+ *   X8_Q4 (32 values, 160 B): d[8] fp16 | m[8] fp16 | codes 128 B      value = d q + m
+ *          (Q4_1 as stored; Q4_0's value d (q - 8) with m = -8 d, exact in fp16)
+ *   X8_Q8 (32 values, 272 B): d[8] fp16 | codes 256 B (int8)           value = d q
+ *   X8_Q4K (256 values, 1184 B): d[8] | dmin[8] fp16 | sc[8 sub-blocks][8 rows] |
+ *          mn[8][8] (the 6-bit scales and minimums, one byte each) | codes 8 x 128 B
+ *          value = d sc q - dmin mn, per sub-block of 32 values
+ *   X8_Q6K (256 values, 1680 B): d[8] fp16 | sc[16][8] int8 (per 16 values) | per sub-block
+ *          of 32 values: its low 4 bits as 128 B of 4-bit codes, then its high 2 bits as
+ *          two 32-byte vectors (below)    value = d sc (q - 32), q in 0..63
+ * A Q6_K sub-block's high bits: vector h (h = 0, 1) serves chunks 2h and 2h + 1; its byte
+ * 4r + k holds, two bits each from the lowest, the high bits of the values that chunk 2h's
+ * low nibble, chunk 2h's high nibble, chunk 2h + 1's low and its high nibble hold there.
+ * The codes of 32 values are 32-byte chunks whose bytes 4r .. 4r + 3 belong to row r: a 4-bit
+ * chunk c holds values 8c + k (low nibbles) and 8c + 4 + k (high nibbles) of each row, k < 4;
+ * an 8-bit chunk c values 4c + k. Block dots are exact integers (an 8-bit code is offset by
+ * 128 to be unsigned for dpbusd, and 128 times the activation block's sum taken off); each
+ * group's 8 float sums run over the blocks in order, one thread per group: the bits depend on
+ * neither the thread count nor the other activations of the call.
  */
 
-enum { X8_Q4 = 1, X8_Q8 = 2 };
-static const int X8_BLOCK[3] = {0, 160, 272};
+enum { X8_Q4 = 1, X8_Q8 = 2, X8_Q4K = 3, X8_Q6K = 4 };
+static const int X8_VALUES[5] = {0, 32, 32, 256, 256}; /* a block's values per row */
+static const int X8_BLOCK[5] = {0, 160, 272, 1184, 1680}; /* a group's block, bytes */
 
 /* the layout kind a GGUF type is interleaved into, else 0 */
 static int x8_kind(int qtype) {
-    return qtype == T_Q4_0 || qtype == T_Q4_1 ? X8_Q4 : qtype == T_Q8_0 ? X8_Q8 : 0;
+    switch (qtype) {
+    case T_Q4_0: case T_Q4_1: return X8_Q4;
+    case T_Q8_0: return X8_Q8;
+    case T_Q4_K: return X8_Q4K;
+    case T_Q6_K: return X8_Q6K;
+    default: return 0;
+    }
 }
 
 /* fp16 bits of -8 times the fp16 h, or -1 where that is not an exact normal fp16 */
@@ -40,43 +57,101 @@ static int x8_minus8(uint16_t h) {
     return (int)((h ^ 0x8000) + (3 << 10));
 }
 
-/* The 4-bit code v (0..31 in a Q4_0/Q4_1 block) of a block's 16 code bytes */
-static inline uint8_t q4_code(const uint8_t *qs, int v) {
-    return v < 16 ? qs[v] & 15 : qs[v - 16] >> 4;
+/* 32 values' 4-bit codes of row r into the 128-byte chunks at o (see above); code(v) is
+ * value v's, from the GGUF block's bytes qs: low nibbles first (Q4_0/Q4_1: values 0-15 low,
+ * 16-31 high), or one nibble half of a Q4_K run (shift 0 or 4) */
+static void x8_codes4(uint8_t *o, int r, const uint8_t *qs, int run) {
+    for (int c = 0; c < 4; c++)
+        for (int k = 0; k < 4; k++) {
+            int v0 = 8 * c + k, v1 = 8 * c + 4 + k, lo, hi;
+            if (run < 0) { /* a 32-value block */
+                lo = v0 < 16 ? qs[v0] & 15 : qs[v0 - 16] >> 4;
+                hi = v1 < 16 ? qs[v1] & 15 : qs[v1 - 16] >> 4;
+            } else { /* a Q4_K sub-block: nibbles `run` (0: low, 4: high) of 32 bytes */
+                lo = (qs[v0] >> run) & 15, hi = (qs[v1] >> run) & 15;
+            }
+            o[32 * c + 4 * r + k] = (uint8_t)(lo | hi << 4);
+        }
+}
+
+/* a Q6_K block's 256 codes (0..63), as dec_q6_k reads them */
+static void q6_codes(const uint8_t *b, uint8_t *q) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 32; l++)
+                q[128 * h + 32 * k + l] = (uint8_t)(((ql[32 * (k & 1) + l] >> (4 * (k >> 1))) & 15) |
+                                                    ((qh[l] >> (2 * k)) & 3) << 4);
+    }
+}
+
+/* row r's 32 six-bit codes q of a sub-block into its 192 bytes at o (see above) */
+static void x8_codes6(uint8_t *o, int r, const uint8_t *q) {
+    uint8_t lo[16];
+    for (int v = 0; v < 16; v++) lo[v] = q[v] & 15, lo[v] |= (uint8_t)((q[v + 16] & 15) << 4);
+    x8_codes4(o, r, lo, -1); /* low 4 bits: values v < 16 low nibbles, 16 + v high */
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++) {
+            const int c = 2 * h, at[4] = {8 * c + k, 8 * c + 4 + k, 8 * c + 8 + k, 8 * c + 12 + k};
+            uint8_t bits = 0;
+            for (int f = 0; f < 4; f++) bits |= (uint8_t)((q[at[f]] >> 4) << (2 * f));
+            o[128 + 32 * h + 4 * r + k] = bits;
+        }
+}
+
+/* row r's block p (GGUF) into the group block o; 0, or -4 (a Q4_0 scale: see below) */
+static int x8_row(uint8_t *o, int r, const uint8_t *p, int qtype) {
+    switch (qtype) {
+    case T_Q8_0:
+        memcpy(o + 2 * r, p, 2);
+        for (int c = 0; c < 8; c++) memcpy(o + 16 + 32 * c + 4 * r, p + 2 + 4 * c, 4);
+        return 0;
+    case T_Q4_1:
+        memcpy(o + 2 * r, p, 2), memcpy(o + 16 + 2 * r, p + 2, 2);
+        x8_codes4(o + 32, r, p + 4, -1);
+        return 0;
+    case T_Q4_0: {
+        int m = x8_minus8((uint16_t)(p[0] | p[1] << 8));
+        if (m < 0) return -4;
+        memcpy(o + 2 * r, p, 2);
+        o[16 + 2 * r] = (uint8_t)(m & 0xFF), o[17 + 2 * r] = (uint8_t)(m >> 8);
+        x8_codes4(o + 32, r, p + 2, -1);
+        return 0;
+    }
+    case T_Q6_K: {
+        uint8_t q[256];
+        q6_codes(p, q);
+        memcpy(o + 2 * r, p + 208, 2);
+        for (int s = 0; s < 16; s++) o[16 + 8 * s + r] = p[192 + s];
+        for (int s = 0; s < 8; s++) x8_codes6(o + 144 + 192 * s, r, q + 32 * s);
+        return 0;
+    }
+    default: /* T_Q4_K */
+        memcpy(o + 2 * r, p, 2), memcpy(o + 16 + 2 * r, p + 2, 2);
+        for (int s = 0; s < 8; s++) {
+            int sc, mn;
+            scale_min_k4(p + 4, s, &sc, &mn);
+            o[32 + 8 * s + r] = (uint8_t)sc, o[96 + 8 * s + r] = (uint8_t)mn;
+            x8_codes4(o + 160 + 128 * s, r, p + 16 + 32 * (s / 2), 4 * (s % 2));
+        }
+        return 0;
+    }
 }
 
 /* dst (rows / 8 groups of the layout) from src's GGUF rows [rows, cols] of qtype. Returns 0,
- * -1 (the type has no interleaved layout), -2 (rows not a multiple of 8 or cols of 32), -4 (a
- * Q4_0 scale whose -8 d is no normal fp16: left in its own layout). */
+ * -1 (the type has no interleaved layout), -2 (rows not a multiple of 8, or cols of the
+ * block), -4 (a Q4_0 scale whose -8 d is no normal fp16: left in its own layout). */
 int strata_interleave(const uint8_t *src, int qtype, int64_t rows, int64_t cols, uint8_t *dst) {
     int kind = x8_kind(qtype), bv, bb;
     if (!kind || strata_block(qtype, &bv, &bb)) return -1;
-    if (rows % 8 || cols % 32) return -2;
-    const int64_t nb = cols / 32, row_bytes = nb * bb;
+    if (rows % 8 || cols % X8_VALUES[kind]) return -2;
+    const int64_t nb = cols / bv, row_bytes = nb * bb;
     for (int64_t g = 0; g < rows / 8; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + (g * nb + b) * X8_BLOCK[kind];
+        for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 8; r++) {
-                const uint8_t *p = src + (8 * g + r) * row_bytes + b * bb;
-                memcpy(o + 2 * r, p, 2);
-                if (kind == X8_Q8) {
-                    for (int c = 0; c < 8; c++) memcpy(o + 16 + 32 * c + 4 * r, p + 2 + 4 * c, 4);
-                    continue;
-                }
-                const uint8_t *qs = p + (qtype == T_Q4_1 ? 4 : 2);
-                if (qtype == T_Q4_1) {
-                    memcpy(o + 16 + 2 * r, p + 2, 2);
-                } else {
-                    int m = x8_minus8((uint16_t)(p[0] | p[1] << 8));
-                    if (m < 0) return -4;
-                    o[16 + 2 * r] = (uint8_t)(m & 0xFF), o[17 + 2 * r] = (uint8_t)(m >> 8);
-                }
-                for (int c = 0; c < 4; c++)
-                    for (int k = 0; k < 4; k++)
-                        o[32 + 32 * c + 4 * r + k] =
-                            (uint8_t)(q4_code(qs, 8 * c + k) | q4_code(qs, 8 * c + 4 + k) << 4);
+                uint8_t *o = dst + (g * nb + b) * X8_BLOCK[kind];
+                if (x8_row(o, r, src + (8 * g + r) * row_bytes + b * bb, qtype)) return -4;
             }
-        }
     return 0;
 }
 
@@ -137,37 +212,107 @@ static inline __attribute__((always_inline)) __m256i x8_block_q8(const uint8_t *
 #endif
 }
 
-/* outs[j][r .. r + 7] = group g's rows . activation vec[j], j < nt (a constant per copy:
- * the accumulators stay in registers) */
+/* 32 values of a group's 8 rows in 4-bit codes (the 128 bytes at codes, unpacked once for
+ * all nt activations), the rows' scales sc and offsets mn (value = sc q + mn), activation
+ * block b32 of each vec[j]: acc[j] += the integer dots times sc times the activation's scale,
+ * corr[j] += mn times the activation's block sum */
+static inline __attribute__((always_inline)) void x8_sub4(
+    const uint8_t *codes, __m256 sc, __m256 mn, int64_t b32, const acts_t *a, const int64_t *vec,
+    int nt, __m256 *acc, __m256 *corr) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256i w[8];
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+        w[2 * c] = _mm256_and_si256(v, m4);
+        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int j = 0; j < nt; j++) {
+        const int64_t ib = vec[j] * (a->k / 32) + b32;
+        __m256i s = x8_block_q4(w, a->q + vec[j] * a->k + 32 * b32);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(a->d[ib])),
+                                 acc[j]);
+        corr[j] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->xf[ib]), corr[j]);
+    }
+}
+
+/* 32 values of a group's 8 rows in 6-bit codes (the 192 bytes at codes), the rows' int8
+ * scales of its two halves at sc and sc + 8, for the activation blocks b32 of each vec[j]:
+ * acc[j] += d times the exact integer sum over both halves of sc (q - 32) x, times the
+ * activation's scale */
+static inline __attribute__((always_inline)) void x8_sub6(
+    const uint8_t *codes, const int8_t *sc, __m256 d8, int64_t b32, const acts_t *a,
+    const int64_t *vec, int nt, __m256 *acc) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    __m256i w[8];
+    for (int h = 0; h < 2; h++) {
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(codes + 128 + 32 * h));
+        const __m256i high[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb,
+                                 _mm256_srli_epi16(hb, 2)};
+        for (int c = 2 * h; c < 2 * h + 2; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+            w[2 * c] = _mm256_or_si256(_mm256_and_si256(v, m4),
+                                       _mm256_and_si256(high[2 * (c - 2 * h)], m2));
+            w[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                           _mm256_and_si256(high[2 * (c - 2 * h) + 1], m2));
+        }
+    }
+    const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+    const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    for (int j = 0; j < nt; j++) {
+        const int64_t ib = vec[j] * (a->k / 32) + b32;
+        const int8_t *x = a->q + vec[j] * a->k + 32 * b32;
+        __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256(); /* values 0-15, 16-31 */
+        for (int i = 0; i < 4; i++) {
+            h0 = dpbusd_acc(h0, w[i], bcast4(x + 4 * i));
+            h1 = dpbusd_acc(h1, w[4 + i], bcast4(x + 16 + 4 * i));
+        }
+        h0 = _mm256_sub_epi32(h0, _mm256_set1_epi32(32 * a->s[2 * ib]));
+        h1 = _mm256_sub_epi32(h1, _mm256_set1_epi32(32 * a->s[2 * ib + 1]));
+        __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(h0, s0), _mm256_mullo_epi32(h1, s1));
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                 _mm256_mul_ps(d8, _mm256_set1_ps(a->d[ib])), acc[j]);
+    }
+}
+
+/* 8 unsigned bytes at p as floats */
+static inline __m256 u8x8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 ph8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* outs[j][r .. r + 7] = group g's rows (nb blocks) . activation vec[j], j < nt (a constant
+ * per copy: the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void x8_group(
     const uint8_t *g, int64_t nb, const acts_t *a, const int64_t *vec, int nt,
     float *const *outs, int64_t r, int kind) {
     __m256 acc[X8_TILE], corr[X8_TILE];
     for (int j = 0; j < nt; j++) acc[j] = corr[j] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const int64_t k = a->k;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = g + b * X8_BLOCK[kind];
-        __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        __m256 m8 = _mm256_setzero_ps();
-        __m256i w[8];
         if (kind == X8_Q4) {
-            m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-            for (int c = 0; c < 4; c++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * c));
-                w[2 * c] = _mm256_and_si256(v, m4);
-                w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            x8_sub4(p + 32, ph8(p), ph8(p + 16), b, a, vec, nt, acc, corr);
+        } else if (kind == X8_Q4K) { /* 8 sub-blocks, each its 6-bit scale and minimum */
+            __m256 d8 = ph8(p), dm8 = _mm256_sub_ps(_mm256_setzero_ps(), ph8(p + 16));
+            for (int s = 0; s < 8; s++)
+                x8_sub4(p + 160 + 128 * s, _mm256_mul_ps(d8, u8x8_ps(p + 32 + 8 * s)),
+                        _mm256_mul_ps(dm8, u8x8_ps(p + 96 + 8 * s)), 8 * b + s, a, vec, nt, acc,
+                        corr);
+        } else if (kind == X8_Q6K) {
+            for (int s = 0; s < 8; s++)
+                x8_sub6(p + 144 + 192 * s, (const int8_t *)p + 16 + 16 * s, ph8(p), 8 * b + s, a,
+                        vec, nt, acc);
+        } else {
+            __m256 d8 = ph8(p);
+            for (int j = 0; j < nt; j++) {
+                const int64_t ib = vec[j] * (a->k / 32) + b;
+                __m256i s = x8_block_q8(p + 16, a->q + vec[j] * a->k + 32 * b,
+                                        a->s[2 * ib] + a->s[2 * ib + 1]);
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                         _mm256_mul_ps(d8, _mm256_set1_ps(a->d[ib])), acc[j]);
             }
-        }
-        for (int j = 0; j < nt; j++) {
-            const int64_t ib = vec[j] * (k / 32) + b;
-            const int8_t *x = a->q + vec[j] * k + 32 * b;
-            __m256i s = kind == X8_Q4
-                            ? x8_block_q4(w, x)
-                            : x8_block_q8(p + 16, x, a->s[2 * ib] + a->s[2 * ib + 1]);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                     _mm256_mul_ps(d8, _mm256_set1_ps(a->d[ib])), acc[j]);
-            if (kind == X8_Q4) corr[j] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a->xf[ib]), corr[j]);
         }
     }
     for (int j = 0; j < nt; j++) _mm256_storeu_ps(outs[j] + r, _mm256_add_ps(acc[j], corr[j]));
@@ -178,7 +323,8 @@ static inline __attribute__((always_inline)) void x8_group(
 /* outs[j][r] for rows r in [r0, r1) (multiples of 8) of m (interleaved), j < nv */
 static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                         const int64_t *vec, float *const *outs, int64_t nv) {
-    const int64_t nb = m->cols / 32, gbytes = nb * X8_BLOCK[m->x8], groups = m->rows / 8;
+    const int64_t nb = m->cols / X8_VALUES[m->x8], gbytes = nb * X8_BLOCK[m->x8];
+    const int64_t groups = m->rows / 8;
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
         if (g + X8_PREFETCH_GROUPS < groups)
@@ -193,6 +339,20 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                 case 2: X8_CASE(2, X8_Q4); break;
                 case 3: X8_CASE(3, X8_Q4); break;
                 default: X8_CASE(4, X8_Q4); break;
+                }
+            } else if (m->x8 == X8_Q4K) {
+                switch (nt) {
+                case 1: X8_CASE(1, X8_Q4K); break;
+                case 2: X8_CASE(2, X8_Q4K); break;
+                case 3: X8_CASE(3, X8_Q4K); break;
+                default: X8_CASE(4, X8_Q4K); break;
+                }
+            } else if (m->x8 == X8_Q6K) {
+                switch (nt) {
+                case 1: X8_CASE(1, X8_Q6K); break;
+                case 2: X8_CASE(2, X8_Q6K); break;
+                case 3: X8_CASE(3, X8_Q6K); break;
+                default: X8_CASE(4, X8_Q6K); break;
                 }
             } else {
                 switch (nt) {

@@ -138,7 +138,7 @@ class QuantWeights:
         cast = (f", {', '.join(sorted(self.fallbacks))} dequantized to float32 (rows the kernels"
                 " do not read)" if self.fallbacks else "")  # fmt: skip
         n = self.kernels.threads
-        rows = "; dense Q4_0/Q4_1/Q8_0 rows interleaved in eights" * self.kernels.interleaves
+        rows = "; dense rows interleaved in eights" * self.kernels.interleaves
         return f"GGUF blocks read by the CPU kernels ({n} thread{'s' * (n != 1)}{rows}){cast}"
 
     def reads(self, t: QTensor) -> bool:
