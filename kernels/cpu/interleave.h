@@ -332,36 +332,22 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                 __builtin_prefetch(p + X8_PREFETCH_GROUPS * gbytes + off, 0, 3);
         for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
             int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
+/* a copy of x8_group per layout and tile size, each a constant */
 #define X8_CASE(n, kind) x8_group(p, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
-            if (m->x8 == X8_Q4) {
-                switch (nt) {
-                case 1: X8_CASE(1, X8_Q4); break;
-                case 2: X8_CASE(2, X8_Q4); break;
-                case 3: X8_CASE(3, X8_Q4); break;
-                default: X8_CASE(4, X8_Q4); break;
-                }
-            } else if (m->x8 == X8_Q4K) {
-                switch (nt) {
-                case 1: X8_CASE(1, X8_Q4K); break;
-                case 2: X8_CASE(2, X8_Q4K); break;
-                case 3: X8_CASE(3, X8_Q4K); break;
-                default: X8_CASE(4, X8_Q4K); break;
-                }
-            } else if (m->x8 == X8_Q6K) {
-                switch (nt) {
-                case 1: X8_CASE(1, X8_Q6K); break;
-                case 2: X8_CASE(2, X8_Q6K); break;
-                case 3: X8_CASE(3, X8_Q6K); break;
-                default: X8_CASE(4, X8_Q6K); break;
-                }
-            } else {
-                switch (nt) {
-                case 1: X8_CASE(1, X8_Q8); break;
-                case 2: X8_CASE(2, X8_Q8); break;
-                case 3: X8_CASE(3, X8_Q8); break;
-                default: X8_CASE(4, X8_Q8); break;
-                }
+#define X8_TILES(kind)                                                                       \
+    switch (nt) {                                                                            \
+    case 1: X8_CASE(1, kind); break;                                                         \
+    case 2: X8_CASE(2, kind); break;                                                         \
+    case 3: X8_CASE(3, kind); break;                                                         \
+    default: X8_CASE(4, kind); break;                                                        \
+    }
+            switch (m->x8) {
+            case X8_Q4: X8_TILES(X8_Q4); break;
+            case X8_Q4K: X8_TILES(X8_Q4K); break;
+            case X8_Q6K: X8_TILES(X8_Q6K); break;
+            default: X8_TILES(X8_Q8); break;
             }
+#undef X8_TILES
 #undef X8_CASE
         }
     }
