@@ -161,6 +161,11 @@ def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert torch.equal(got[t - 1 :], prepared(x[t - 1 : t]))
 
 
+def test_the_interleaved_flag_is_the_kernels() -> None:
+    header = (Path(__file__).parents[1] / "kernels" / "cpu" / "interleave.h").read_text()
+    assert f"#define X8_FLAG (1 << {X8.bit_length() - 1})" in header and X8 == 1 << 10
+
+
 def test_interleave_keeps_what_it_cannot_interleave(cpu: CpuExperts) -> None:
     raw = blocks(QType.Q4_1, 12, 64, seed=1)  # 12 rows: not groups of eight
     assert cpu.interleave(raw, QType.Q4_1, 12, 64) == (raw, int(QType.Q4_1))

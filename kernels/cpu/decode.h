@@ -29,7 +29,6 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23, T_BF16 = 30,
-    T_X8 = 1 << 10, /* or'ed into a type: its rows interleaved in eights (interleave.h) */
 };
 
 /* the tables buffer (kernels/formats/iq_tables.py): IQ3_S grid at 0, IQ4 levels at 2048 */

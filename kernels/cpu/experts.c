@@ -115,8 +115,8 @@ static decode_fn decoder(int qtype, int split) {
 static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t rows,
                     int64_t cols) {
     int bv, bb;
-    if (qtype & T_X8) { /* rows interleaved in eights (interleave.h) */
-        int kind = x8_kind(qtype & ~T_X8);
+    if (qtype & X8_FLAG) { /* rows interleaved in eights (interleave.h) */
+        int kind = x8_kind(qtype & ~X8_FLAG);
         if (!kind || !strata_interleaved_dots()) return -1;
         if (cols % X8_VALUES[kind] || rows % 8) return -2;
         *m = (mat_t){.base = base, .rows = rows, .cols = cols, .qtype = qtype, .has_min = 1,

@@ -46,7 +46,7 @@ CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
 _X8_BLOCK = {QType.Q4_0: (32, 160), QType.Q4_1: (32, 160), QType.Q8_0: (32, 272),
              QType.Q4_K: (256, 1184), QType.Q6_K: (256, 1680)}  # fmt: skip
 INTERLEAVED_QTYPES: frozenset[QType] = frozenset(_X8_BLOCK)
-X8 = 1 << 10  # or'ed into a type code: the matrix is interleaved (decode.h's T_X8)
+X8 = 1 << 10  # or'ed into a type code: the matrix is interleaved (interleave.h's X8_FLAG)
 _ERRORS = {-1: "unsupported type", -2: "columns not a multiple of the block", -3: "out of memory"}
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

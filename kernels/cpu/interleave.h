@@ -34,6 +34,8 @@
  * neither the thread count nor the other activations of the call.
  */
 
+#define X8_FLAG (1 << 10) /* or'ed into a GGUF type code: the matrix is in this layout */
+
 enum { X8_Q4 = 1, X8_Q8 = 2, X8_Q4K = 3, X8_Q6K = 4 };
 static const int X8_VALUES[5] = {0, 32, 32, 256, 256}; /* a block's values per row */
 static const int X8_BLOCK[5] = {0, 160, 272, 1184, 1680}; /* a group's block, bytes */
