@@ -136,7 +136,8 @@ class CpuExperts:
         for fn in (self._matmul, self._moe, self._moe_parts, self._dense, self._moe_layers):
             fn.restype = ctypes.c_int
         self._interleave = lib.strata_interleave
-        self._interleave.argtypes, self._interleave.restype = [_P, _I32, _I64, _I64, _P], _I32
+        self._interleave.argtypes = [_P, _I32, _I64, _I64, _P, _I32]
+        self._interleave.restype = _I32
         self.interleaves = interleave and bool(lib.strata_interleaved_dots())
         self._read = lib.strata_read
         self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64
@@ -190,7 +191,7 @@ class CpuExperts:
             return w, int(qtype)
         values, nbytes = _X8_BLOCK[qtype]
         out = torch.empty(rows // 8 * (cols // values) * nbytes, dtype=torch.uint8)
-        rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr())
+        rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr(), self.threads)
         if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
             return w, int(qtype)
         self._raise(rc, "interleave")
