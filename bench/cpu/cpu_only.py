@@ -5,7 +5,8 @@ same run, each in a process of its own so that each one's resident memory is its
     python -m bench.cpu.cpu_only [--model PATH] [--prompt-len 256] [--decode-tokens 64]
                                  [--repeats 3] [--threads N] [--reference] [--json PATH]
                                  [--store-ram-gib G] [--memory-limit-gib L]
-                                 [--llamacpp-repack on|off] [--batch B]
+                                 [--llamacpp-repack on|off] [--cpu-interleave on|off]
+                                 [--batch B]
                                  [--llama-bench PATH] [--alternate]
 
 Per engine: prefill tokens/s of one prompt, greedy decode tokens/s after it, median and
@@ -24,7 +25,8 @@ its own (`bench/cpu/memlimit.py`; needs root), after the model file's cached pag
 a model larger than L is read from the disk again wherever the kernel dropped its pages.
 `--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
 default it copies them into its own interleaved layout for the CPU's vector units, which
-needs RAM for the whole model.
+needs RAM for the whole model. `--cpu-interleave off` does the same for Strata's dense weights
+(`engine.cpu_interleave`: by default copied into rows interleaved in eights).
 
 `--llama-bench PATH` times llama.cpp with its own tools built from source for this host
 (`bench/llamacpp_build.sh SOURCE DIR cpu`: the host's instruction set, AMX off): `llama-bench`
@@ -85,7 +87,8 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     # as the daemon runs them: the cpu engine leaves the cores to its kernels' team
     torch.set_num_threads(args.threads if reference else 1)
     model = load_model(args.model)
-    weights = None if reference else QuantWeights(CpuExperts(args.threads))
+    kernels = CpuExperts(args.threads, interleave=args.cpu_interleave == "on")
+    weights = None if reference else QuantWeights(kernels)
     store = _store(model, args.store_ram_gib) if args.engine == "store" else None
     forward = ReferenceForward(model, weights=weights, experts=store)
     prompts = [_prompt(args.prompt_len, model.spec.vocab_size, b) for b in range(args.batch)]
@@ -275,6 +278,7 @@ def _child(engine: str, args: argparse.Namespace) -> dict[str, Any]:
            "--repeats", str(args.repeats), "--threads", str(args.threads),
            "--batch", str(args.batch),
            "--store-ram-gib", str(args.store_ram_gib), "--llamacpp-repack", args.llamacpp_repack,
+           "--cpu-interleave", args.cpu_interleave,
            "--memory-limit-gib", str(args.memory_limit_gib),
            *(["--llama-bench", args.llama_bench] if args.llama_bench else []),
            "--cgroup", f"strata-bench-{os.getpid()}-{engine}"]  # fmt: skip
@@ -349,6 +353,12 @@ def main() -> None:
         choices=["on", "off"],
         default="on",
         help="llama.cpp's CPU repacking of the weights (off: --no-repack)",
+    )
+    p.add_argument(
+        "--cpu-interleave",
+        choices=["on", "off"],
+        default="on",
+        help="Strata's interleaved copy of the dense weights (engine.cpu_interleave)",
     )
     p.add_argument(
         "--llama-bench",
