@@ -23,8 +23,11 @@ Several tokens (a decode batch, a short prompt, a drafted window) may share expe
 still has a program per (row block, pair), but for T > 1 the pairs are grouped by expert: the
 first pair routed to an expert computes every pair routed to it, one after the other, so the
 expert's rows come from memory once and from the SM's cache for the rest; the other programs
-of that expert return at once (`_group`). Each pair's arithmetic is that of a lone token, so a
-token's output is bit for bit the same in any batch.
+of that expert return at once (`_group`). With `MoeConfig.group_pairs` off every pair runs
+in its own program, the pairs of an expert in parallel sharing its rows through L2: on the
+H100 that was 1.6-3.5% faster for the a3b in Q4_K_M at 1 and 8 sequences, and the sm90 table
+ships it off (bench/results/2026-12-06-h100-r17.md). Each pair's arithmetic is that of a lone
+token, so a token's output is bit for bit the same in any batch, either way.
 
 Three tiers as everywhere in kernels/: Triton bodies, launchers (`moe_gate_up`, `moe_down`)
 that check inputs and build grids, and `fused_moe` (the operation). `fused_moe_ref` is the
