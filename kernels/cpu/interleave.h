@@ -323,18 +323,15 @@ static inline __attribute__((always_inline)) void x8_group(
     for (int j = 0; j < nt; j++) _mm256_storeu_ps(outs[j] + r, _mm256_add_ps(acc[j], corr[j]));
 }
 
-#define X8_PREFETCH_GROUPS 1 /* groups ahead: a group is a few KiB, far ahead of one row */
-
+/* No software prefetch: a group's blocks are one sequential run the hardware prefetcher
+ * follows, and prefetching the whole next group (up to 34 KiB of a wide matrix, into L1) made
+ * the products 1.1-1.6x slower on the 2-core VM (Q4_K [8192, 2048] 268 -> 165 us without). */
 /* outs[j][r] for rows r in [r0, r1) (multiples of 8) of m (interleaved), j < nv */
 static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                         const int64_t *vec, float *const *outs, int64_t nv) {
     const int64_t nb = m->cols / X8_VALUES[m->x8], gbytes = nb * X8_BLOCK[m->x8];
-    const int64_t groups = m->rows / 8;
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
-        if (g + X8_PREFETCH_GROUPS < groups)
-            for (int64_t off = 0; off < gbytes; off += 64)
-                __builtin_prefetch(p + X8_PREFETCH_GROUPS * gbytes + off, 0, 3);
         for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
             int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
 /* a copy of x8_group per layout and tile size, each a constant */
