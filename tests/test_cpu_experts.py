@@ -161,9 +161,13 @@ def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert torch.equal(got[t - 1 :], prepared(x[t - 1 : t]))
 
 
-def test_the_interleaved_flag_is_the_kernels() -> None:
+def test_the_interleaved_flag_and_types_are_the_kernels(cpu: CpuExperts) -> None:
     header = (Path(__file__).parents[1] / "kernels" / "cpu" / "interleave.h").read_text()
     assert f"#define X8_FLAG (1 << {X8.bit_length() - 1})" in header and X8 == 1 << 10
+    # the C side sizes the layout of exactly the types Python names (either build)
+    laid_out = {q for q in CPU_EXPERT_QTYPES if cpu.interleaved_bytes(q, 8, 256) >= 0}
+    assert laid_out == INTERLEAVED_QTYPES
+    assert cpu.interleaved_bytes(QType.Q4_1, 12, 256) == -2  # rows not in eights
 
 
 def test_interleave_keeps_what_it_cannot_interleave(cpu: CpuExperts) -> None:

@@ -41,11 +41,11 @@ CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
         QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S,
     }
 )  # fmt: skip
-# the types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h): a
-# group's block, (values per row, bytes)
-_X8_BLOCK = {QType.Q4_0: (32, 160), QType.Q4_1: (32, 160), QType.Q8_0: (32, 272),
-             QType.Q4_K: (256, 1184), QType.Q6_K: (256, 1680)}  # fmt: skip
-INTERLEAVED_QTYPES: frozenset[QType] = frozenset(_X8_BLOCK)
+# the types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h's
+# x8_kind, which sizes the layout: `strata_interleaved_bytes`)
+INTERLEAVED_QTYPES: frozenset[QType] = frozenset(
+    {QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K}
+)
 X8 = 1 << 10  # or'ed into a type code: the matrix is interleaved (interleave.h's X8_FLAG)
 _ERRORS = {-1: "unsupported type", -2: "columns not a multiple of the block", -3: "out of memory"}
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -138,6 +138,8 @@ class CpuExperts:
         self._interleave = lib.strata_interleave
         self._interleave.argtypes = [_P, _I32, _I64, _I64, _P, _I32]
         self._interleave.restype = _I32
+        self._interleaved_bytes = lib.strata_interleaved_bytes
+        self._interleaved_bytes.argtypes, self._interleaved_bytes.restype = [_I32, _I64, _I64], _I64
         self.interleaves = interleave and bool(lib.strata_interleaved_dots())
         self._read = lib.strata_read
         self._read.argtypes, self._read.restype = [_P, _I64, _I32], ctypes.c_uint64
@@ -173,6 +175,11 @@ class CpuExperts:
         if cols % 32:
             raise ValueError(f"cols must be a multiple of 32, got {cols}")
 
+    def interleaved_bytes(self, qtype: QType, rows: int, cols: int) -> int:
+        """The bytes of a [rows, cols] weight of qtype with rows interleaved in eights; < 0
+        where it has no such layout (its type, or rows not in eights)."""
+        return int(self._interleaved_bytes(int(qtype), rows, cols))
+
     def interleave(
         self,
         w: torch.Tensor,
@@ -187,10 +194,10 @@ class CpuExperts:
         With `files`, a copied w's pages are given back where it lies in a read-only file
         mapping (`kernels/cpu/file_pages.py`): the process holds the copy, not both."""
         self._check_weight(w, qtype, rows, cols)
-        if not self.interleaves or qtype not in INTERLEAVED_QTYPES or rows % 8:
+        nbytes = self.interleaved_bytes(qtype, rows, cols) if self.interleaves else -1
+        if nbytes < 0:
             return w, int(qtype)
-        values, nbytes = _X8_BLOCK[qtype]
-        out = torch.empty(rows // 8 * (cols // values) * nbytes, dtype=torch.uint8)
+        out = torch.empty(nbytes, dtype=torch.uint8)
         rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr(), self.threads)
         if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
             return w, int(qtype)

@@ -140,15 +140,24 @@ static int x8_row(uint8_t *o, int r, const uint8_t *p, int qtype) {
     }
 }
 
-/* dst (rows / 8 groups of the layout) from src's GGUF rows [rows, cols] of qtype, the groups
+/* The bytes of a [rows, cols] matrix of qtype in the layout; -1 (the type has none), -2 (rows
+ * not a multiple of 8, or cols of the block) */
+int64_t strata_interleaved_bytes(int qtype, int64_t rows, int64_t cols) {
+    int kind = x8_kind(qtype);
+    if (!kind) return -1;
+    if (rows % 8 || cols % X8_VALUES[kind]) return -2;
+    return rows / 8 * (cols / X8_VALUES[kind]) * X8_BLOCK[kind];
+}
+
+/* dst (strata_interleaved_bytes) from src's GGUF rows [rows, cols] of qtype, the groups
  * shared out over `threads`. Returns 0, -1 (the type has no interleaved layout), -2 (rows not
  * a multiple of 8, or cols of the block), -4 (a Q4_0 scale whose -8 d is no normal fp16: the
  * caller keeps the rows in their own layout). */
 int strata_interleave(const uint8_t *src, int qtype, int64_t rows, int64_t cols, uint8_t *dst,
                       int threads) {
+    const int64_t size = strata_interleaved_bytes(qtype, rows, cols);
     int kind = x8_kind(qtype), bv, bb, bad = 0;
-    if (!kind || strata_block(qtype, &bv, &bb)) return -1;
-    if (rows % 8 || cols % X8_VALUES[kind]) return -2;
+    if (size < 0 || strata_block(qtype, &bv, &bb)) return size < 0 ? (int)size : -1;
     const int64_t nb = cols / bv, row_bytes = nb * bb;
 #pragma omp parallel for schedule(static) num_threads(threads < 1 ? 1 : threads) reduction(| : bad)
     for (int64_t g = 0; g < rows / 8; g++)
