@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cpu.cpu_experts import read_bandwidth
 from kernels.cpu.experts import CpuExperts, PreparedMatmul, physical_cores
 from kernels.formats.quant import QType, quantize
 
@@ -45,17 +46,6 @@ def _time(products: list[PreparedMatmul], x: torch.Tensor, reps: int) -> float:
     return best
 
 
-def read_rate(kernels: CpuExperts) -> float:
-    """The host's read bandwidth in bytes/s: the kernels' probe over 1 GiB, best of 3."""
-    data = torch.ones(1 << 30, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        kernels.read(data)
-        best = min(best, time.perf_counter() - t0)
-    return data.numel() / best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=physical_cores())
@@ -67,8 +57,9 @@ def main() -> None:
                "interleaved": CpuExperts(args.threads)}  # fmt: skip
     if not layouts["interleaved"].interleaves:
         raise SystemExit("this build has no interleaved dots (no AVX2/F16C): nothing to compare")
-    ceiling = read_rate(layouts["gguf"])
-    print(f"{args.threads} threads; host read rate {ceiling / 1e9:.1f} GB/s (the kernels' probe)")
+    _, probe = read_bandwidth(layouts["gguf"], args.threads)  # bench.cpu.cpu_experts's
+    ceiling = probe["max"]
+    print(f"{args.threads} threads; host read rate {ceiling:.1f} GB/s (the kernels' probe)")
     print("| type | rows x cols | tokens | GGUF rows us (GB/s) | interleaved us (GB/s) | x |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     rows_out = []
@@ -95,7 +86,7 @@ def main() -> None:
             times = {f"{k}_us": [s * 1e6 for s in v] for k, v in runs.items()}
             rows_out.append({"type": name, "rows": rows, "cols": cols, "tokens": t, **times})
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "read_gbs": ceiling / 1e9,
+        args.json.write_text(json.dumps({"threads": args.threads, "read_gbs": ceiling,
                                          "products": rows_out}, indent=1))  # fmt: skip
 
 
