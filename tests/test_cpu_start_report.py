@@ -6,6 +6,7 @@ found in the file before their RAM copies were pinned, are not requests' file lo
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,7 +44,10 @@ def _lookups(daemon: Daemon) -> dict[str, float]:
 
 
 def test_the_warm_up_is_no_lookup(daemon: Daemon) -> None:
-    assert "pinning the resident set: 32 experts" in daemon.log.read_text()
+    [pinning] = [line for line in daemon.log.read_text().splitlines()
+                 if "pinning the resident set: 32 experts" in line]  # fmt: skip
+    # the RAM copies in the kernels' interleaved rows where they read them (interleaved_ram.py)
+    assert pinning.endswith("; the copies interleaved in eights") == _interleaves()
     assert _lookups(daemon) == {"vram": 0, "ram": 0, "file": 0}
     r = daemon.client().completions.create(model="tiny-moe.gguf", prompt="Hello", max_tokens=2)
     assert r.choices[0].text is not None
@@ -76,3 +80,17 @@ def test_coverage_names_the_model_file(daemon: Daemon) -> None:
     model: Path = tiny_moe_path()
     assert f"  complete: no routed expert is read from the model file {model}\n" in r.stdout
     assert "pack" not in r.stdout
+
+
+def test_check_plans_what_the_daemon_runs(daemon: Daemon) -> None:
+    """`stratactl check` sizes the RAM copies in the form the cpu engine makes them
+    (interleaved where its kernels read that): the daemon's plan, hash for hash."""
+    config = daemon.log.parent / "check.toml"
+    config.write_text(f'[model]\npath = "{tiny_moe_path()}"\n{CONFIG}')
+    r = subprocess.run([sys.executable, "-m", "stratactl", "check", "--json", "--config",
+                        str(config)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    sock = daemon.log.parent / "stratad.sock"
+    status = subprocess.run([sys.executable, "-m", "stratactl", "status", "--json", "--socket",
+                             str(sock)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert status.returncode == 0, status.stderr
+    assert json.loads(r.stdout)["plan"]["hash"] == json.loads(status.stdout)["plan_hash"] != ""

@@ -89,7 +89,7 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
     model = load_model(args.model)
     kernels = CpuExperts(args.threads, interleave=args.cpu_interleave == "on")
     weights = None if reference else QuantWeights(kernels)
-    store = _store(model, args.store_ram_gib) if args.engine == "store" else None
+    store = _store(model, args.store_ram_gib, weights) if args.engine == "store" else None
     forward = ReferenceForward(model, weights=weights, experts=store)
     prompts = [_prompt(args.prompt_len, model.spec.vocab_size, b) for b in range(args.batch)]
     prefill, decode = [], []
@@ -109,17 +109,23 @@ def run_strata(args: argparse.Namespace, reference: bool) -> dict[str, Any]:
             **stats, **_rss()}  # fmt: skip
 
 
-def _store(model: Any, ram_gib: float) -> Any:
+def _store(model: Any, ram_gib: float, weights: Any) -> Any:
     """The daemon's expert store on a CPU-only host: `ram_gib` of experts in RAM, mlocked and
-    pinned before it returns; the rest from the file."""
+    pinned before it returns (in the form the daemon's cpu engine makes them); the rest from
+    the file."""
     import torch
 
     from stratad.config import StoreConfig
+    from stratad.engine.reference.interleaved_ram import ram_form
+    from stratad.store.placement.plan import Stage
     from stratad.store.startup import open_source, open_store
 
     config = StoreConfig(resident_budget_gib=ram_gib, pin_rate_gbps=0, ready_after_pinning=True)
     cpu = torch.device("cpu")
-    store = open_store(config, open_source(config, model), compute_device=cpu)
+    source = open_source(config, model)
+    stages = (Stage(range(model.spec.n_layers), 0),)
+    form = None if weights is None else ram_form(weights, model, source, stages)
+    store = open_store(config, source, compute_device=cpu, stages=stages, ram_form=form)
     while store.pinner.progress.pinned_bytes < store.ram.nbytes:
         time.sleep(0.2)
     return store

@@ -198,13 +198,32 @@ class CpuExperts:
         if nbytes < 0:
             return w, int(qtype)
         out = torch.empty(nbytes, dtype=torch.uint8)
-        rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr(), self.threads)
-        if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
-            return w, int(qtype)
-        self._raise(rc, "interleave")
+        code = self.interleave_into(w, qtype, rows, cols, out, self.threads)
+        if code == int(qtype):
+            return w, code
         if files is not None:
             files.release(w)
-        return out, int(qtype) | X8
+        return out, code
+
+    def interleave_into(
+        self, w: torch.Tensor, qtype: QType, rows: int, cols: int, out: torch.Tensor, threads: int
+    ) -> int:
+        """w's rows interleaved in eights written to out (uint8, at least `interleaved_bytes`;
+        the caller checks first that the layout exists), by `threads` threads; the C type code
+        of what out holds: qtype with `X8` set, or qtype itself where a Q4_0 scale is too
+        large for the layout's fp16 offset (then out holds w's GGUF bytes, copied)."""
+        self._check_weight(w, qtype, rows, cols)
+        nbytes = self.interleaved_bytes(qtype, rows, cols)
+        fits = out.dtype == torch.uint8 and out.is_contiguous() and out.numel() >= nbytes
+        if nbytes < 0 or not fits:
+            raise ValueError(f"no room or no interleaved layout for a [{rows}, {cols}] "
+                             f"{QType(qtype).name} matrix in {out.numel()} bytes")  # fmt: skip
+        rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr(), threads)
+        if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
+            out[: w.numel()].copy_(w.view(torch.uint8).reshape(-1))
+            return int(qtype)
+        self._raise(rc, "interleave")
+        return int(qtype) | X8
 
     def prepare(self, w: torch.Tensor, qtype: QType, rows: int, cols: int) -> PreparedMatmul:
         """`matmul` by one weight, checked once (a dense layer's projection, called per

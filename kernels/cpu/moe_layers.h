@@ -26,6 +26,9 @@ typedef struct {                /* one layer, as kernels/cpu/moe_stack.py's _Lay
     /* [3 E] or NULL: expert e's gate, up and down at 3e, 3e + 1, 3e + 2 wherever they are (the
      * expert store's RAM copy or the file's mapping), in place of the stacks' rows */
     const uint8_t *const *experts;
+    /* [3 E] or NULL: the type codes of those parts (a GGUF type, or one with X8_FLAG: an
+     * expert store's RAM copy interleaved in eights), else the stacks' qtype[5..7] */
+    const int32_t *codes;
 } moe_layer_t;
 
 typedef struct {                /* the shapes, as kernels/cpu/moe_stack.py's _Dims mirrors it */
@@ -114,11 +117,22 @@ static void route_free(route_t *r) {
     free(r->cur), free(r->outs), free(r->gu), free(r->dn);
 }
 
+/* part p (0 gate, 1 up, 2 down) of expert e as a matrix like m: its own address xp[3e + p]
+ * and, with xc, its own type code xc[3e + p] (checked before the call: mat_init cannot fail) */
+static mat_t expert_mat(const mat_t *m, const uint8_t *const *xp, const int32_t *xc, int64_t e,
+                        int p) {
+    mat_t out = *m;
+    if (xc) mat_init(&out, xp[3 * e + p], xc[3 * e + p], 0, m->rows, m->cols);
+    out.base = xp[3 * e + p];
+    return out;
+}
+
 /* layer l's MoE half on s->x (normed into s->xa by the caller, which then met the team at a
  * barrier), by every thread of the team; m: router, gate, up, down (the stacks' first expert);
- * xp: the experts' own addresses (moe_layer_t.experts) or NULL; ends at a barrier */
+ * xp: the experts' own addresses (moe_layer_t.experts) or NULL, xc their type codes or NULL;
+ * ends at a barrier */
 static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t *const *xp,
-                       int norm_topk, int *sense) {
+                       const int32_t *xc, int norm_topk, int *sense) {
     const int64_t T = s->T, H = s->dm.hidden, F = r->F, n = r->n;
     const int64_t row_tasks = (F + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int64_t out_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -138,7 +152,8 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t
         int64_t r1 = r0 + ROWS_PER_TASK < F ? r0 + ROWS_PER_TASK : F, k = r->gstart[g];
         mat_t gm = m[1], um = m[2];
         if (xp) {
-            gm.base = xp[3 * r->gexp[g]], um.base = xp[3 * r->gexp[g] + 1];
+            gm = expert_mat(&m[1], xp, xc, r->gexp[g], 0);
+            um = expert_mat(&m[2], xp, xc, r->gexp[g], 1);
         } else {
             gm.base += r->gexp[g] * F * gm.row_bytes, um.base += r->gexp[g] * F * um.row_bytes;
         }
@@ -159,7 +174,10 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t
         int64_t g = task / out_tasks, r0 = task % out_tasks * ROWS_PER_TASK;
         int64_t r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H, k = r->gstart[g];
         mat_t dm = m[3];
-        dm.base = xp ? xp[3 * r->gexp[g] + 2] : dm.base + r->gexp[g] * H * dm.row_bytes;
+        if (xp)
+            dm = expert_mat(&m[3], xp, xc, r->gexp[g], 2);
+        else
+            dm.base += r->gexp[g] * H * dm.row_bytes;
         rows_dot(&dm, r0, r1, &r->ha, r->order + k, r->outs + 2 * n + k, r->gstart[g + 1] - k,
                  s->tab);
     }
@@ -208,6 +226,10 @@ int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *se
         const int64_t shape[4][2] = {{E, H}, {F, H}, {F, H}, {H, F}};
         for (int i = 0; i < 4 && !err; i++)
             err = mat_init(&mats[4 + i], NULL, ly->qtype[4 + i], 0, shape[i][0], shape[i][1]);
+        for (int64_t j = 0; ly->experts && ly->codes && j < 3 * E && !err; j++) {
+            mat_t probe; /* each expert's own part type, checked once here */
+            err = mat_init(&probe, NULL, ly->codes[j], 0, shape[1 + j % 3][0], shape[1 + j % 3][1]);
+        }
     }
     if (err || dm->head_dim > MAX_HEAD_DIM) return err ? err : -2;
     if (threads < 1) threads = 1;
@@ -228,7 +250,8 @@ int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *se
             ffn_input(&s, ly->ffn_norm);
             if (me == 0) r.ids = ids + l * T * K; /* read after the barrier */
             spin_barrier(&s.bar, &sense);
-            moe_phases(&s, &r, &m[4], ly->experts, dm->norm_topk, &sense);
+            moe_phases(&s, &r, &m[4], ly->experts, ly->experts ? ly->codes : NULL,
+                       dm->norm_topk, &sense);
         }
     }
 done:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kernels.cpu.dense import MAX_HEAD_DIM, CacheSpan, check_step
-from kernels.cpu.experts import CpuExperts, _check
+from kernels.cpu.experts import X8, CpuExperts, _check
 from kernels.cpu.file_pages import FileMappings
 from kernels.cpu.team import TeamSize
 from kernels.formats.quant import QType
@@ -34,7 +34,8 @@ WEIGHTS = ("q", "k", "v", "o", "router", "gate", "up", "down")  # moe_layer_t's 
 
 class _Layer(ctypes.Structure):  # moe_layer_t
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("bias", _P * 3), ("q_norm", _P),
-                ("k_norm", _P), ("w", _P * 8), ("qtype", _I32 * 8), ("experts", _P)]  # fmt: skip
+                ("k_norm", _P), ("w", _P * 8), ("qtype", _I32 * 8), ("experts", _P),
+                ("codes", _P)]  # fmt: skip
 
 
 class _Dims(ctypes.Structure):  # moe_dims_t
@@ -132,7 +133,8 @@ class MoEStack:
                            int(shape.norm_topk), shape.eps)  # fmt: skip
         self._fn, self._tables = kernels._moe_layers, kernels._tables
         self.team = TeamSize(kernels.threads)  # measured per call shape (kernels/cpu/team.py)
-        self._tables_in_use: dict[int, np.ndarray] = {}  # place_experts'; kept alive here
+        # place_experts' tables, kept alive here
+        self._tables_in_use: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
 
     def __call__(
         self, x: torch.Tensor, spans: Sequence[CacheSpan], cos: torch.Tensor, sin: torch.Tensor
@@ -154,19 +156,34 @@ class MoEStack:
         CpuExperts._raise(rc, "MoE layers")
         return ids.long()
 
-    def place_experts(self, layer: int, table: np.ndarray | None) -> None:
+    def place_experts(
+        self, layer: int, table: np.ndarray | None, codes: np.ndarray | None = None
+    ) -> None:
         """Layer `layer`'s experts read from `table` ([E, 3] uint64: expert e's gate, up and
-        down addresses, each its GGUF blocks in the stacks' types; the caller keeps that memory
-        alive and the table unchanged until the next call) instead of the stacks; None: the
-        stacks again."""
+        down addresses; the caller keeps that memory alive and the table unchanged until the
+        next call) instead of the stacks; None: the stacks again. Each part is GGUF blocks in
+        its stack's type, or with `codes` ([E, 3] int32) in the type each code names: the
+        stack's, or the stack's with `X8` (rows interleaved in eights: `CpuExperts.interleave`,
+        an expert store's RAM copy)."""
+        c = self._c_layers[layer]
         if table is None:
-            self._c_layers[layer].experts = None
+            c.experts = c.codes = None
             self._tables_in_use.pop(layer, None)
             return
-        if table.dtype != np.uint64 or table.shape != (self.shape.n_experts, 3):
-            raise ValueError(f"an expert table is [{self.shape.n_experts}, 3] uint64, got"
-                             f" {table.dtype} {table.shape}")  # fmt: skip
+        shape = (self.shape.n_experts, 3)
+        if table.dtype != np.uint64 or table.shape != shape:
+            raise ValueError(f"an expert table is [{shape[0]}, 3] uint64, got {table.dtype}"
+                             f" {table.shape}")  # fmt: skip
         if not table.flags.c_contiguous or not table.all():
             raise ValueError("an expert table must be contiguous and hold no null address")
-        self._tables_in_use[layer] = table
-        self._c_layers[layer].experts = table.ctypes.data
+        if codes is not None:
+            if codes.dtype != np.int32 or codes.shape != shape or not codes.flags.c_contiguous:
+                raise ValueError(f"expert type codes are [{shape[0]}, 3] contiguous int32, got"
+                                 f" {codes.dtype} {codes.shape}")  # fmt: skip
+            stacks = np.array(c.qtype[5:8], dtype=np.int32)
+            if not np.all((codes == stacks) | (codes == (stacks | X8))):
+                raise ValueError("an expert's type code is neither its stack's type nor that"
+                                 " type interleaved")  # fmt: skip
+        self._tables_in_use[layer] = (table, codes)
+        c.experts = table.ctypes.data
+        c.codes = None if codes is None else codes.ctypes.data

@@ -303,9 +303,14 @@ def dry_plan(
         start = placement.start_plan(
             config, model, device, free_vram, slot_bytes(source), host_total[0]
         )
-        planned = plan_store(
-            store, source, stages=start.stages, reserves=start.reserves, host_total=host_total
-        )
+        form = None
+        if start.backend == "cpu":  # the cpu engine's RAM copies may take its kernels' layout
+            from stratad.engine.reference.interleaved_ram import ram_form
+            from stratad.engine.reference.weights_mode import cpu_weights
+
+            form = ram_form(cpu_weights(config.engine), model, source, start.stages)
+        planned = plan_store(store, source, stages=start.stages, reserves=start.reserves,
+                             host_total=host_total, ram_form=form)  # fmt: skip
     finally:
         source.close()
     plan, inputs, budget = planned.plan, planned.inputs, planned.budget

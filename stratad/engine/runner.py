@@ -27,6 +27,7 @@ from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import FORMATS
 from stratad.engine.placement import StartPlan
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.interleaved_ram import ram_form
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
@@ -138,11 +139,12 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
         forward, store = open_offload(config, model, start, source, timer, on_pin_progress)
     else:
         experts = None
+        weights = cpu_weights(config.engine) if start.backend == "cpu" else None
         if source is not None:
+            form = None if weights is None else ram_form(weights, model, source, start.stages)
             store = experts = open_store(store_config, source, compute_device=device,
                                          reserves=start.reserves, on_pin_progress=on_pin_progress,
-                                         stages=start.stages)  # fmt: skip
-        weights = cpu_weights(config.engine) if start.backend == "cpu" else None
+                                         stages=start.stages, ram_form=form)  # fmt: skip
         forward = ReferenceForward(model, device, start.dtype, experts=experts, timer=timer,
                                    weights=weights,
                                    kv_format=FORMATS[config.engine.kv_cache])  # fmt: skip

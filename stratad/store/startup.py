@@ -40,6 +40,7 @@ from stratad.store.store import ExpertStore
 from stratad.store.tiers.lock import choose_locker
 from stratad.store.tiers.original import repair_source
 from stratad.store.tiers.pinning import PinSettings, ProgressFn
+from stratad.store.tiers.ram_form import AsInFile, RamForm
 from stratad.store.tiers.sources import ExpertSource, ModelExperts, PackExperts
 
 log = logging.getLogger("stratad.store")
@@ -86,11 +87,13 @@ def plan_inputs(
     profile: ExpertProfile,
     slots: int,
     ram_budget_bytes: int,
+    ram_form: RamForm | None = None,
 ) -> PlanInputs:
+    """What the plan is made from; each blob sized as `ram_form` keeps it in RAM (default: as
+    in the file)."""
+    form = ram_form or AsInFile(source.layouts)
     sizes = tuple(
-        source.layouts[layer].stride
-        for layer in range(source.n_layers)
-        for _ in range(source.n_experts)
+        form.stride(layer) for layer in range(source.n_layers) for _ in range(source.n_experts)
     )
     return PlanInputs(
         n_layers=source.n_layers,
@@ -128,6 +131,7 @@ def plan_store(
     profile: ExpertProfile | None = None,
     reserves: Sequence[tuple[str, int]] = (),
     host_total: tuple[int, str] | None = None,
+    ram_form: RamForm | None = None,
 ) -> Planned:
     """Budget and plan for the devices' `stages` (layers and VRAM slots of each): what a
     start runs from, and what a dry run (`stratactl check`) shows. Reads MemTotal (never
@@ -147,7 +151,7 @@ def plan_store(
         ],
         total_name,
     )
-    inputs = plan_inputs(source, profile, sum(s.slots for s in stages), budget.bytes)
+    inputs = plan_inputs(source, profile, sum(s.slots for s in stages), budget.bytes, ram_form)
     return Planned(inputs, budget, place(inputs, stages))
 
 
@@ -174,12 +178,12 @@ def plan_and_admit(
     bandwidths: Bandwidths | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    ram_form: RamForm | None = None,
 ) -> Admitted:
     """Budget -> plan -> measured bandwidths -> admission -> the coverage line: the start of
     every engine that serves experts (the store's, and the offload engine's)."""
-    planned = plan_store(
-        config, source, stages=stages, profile=profile, reserves=reserves, host_total=host_total
-    )
+    planned = plan_store(config, source, stages=stages, profile=profile, reserves=reserves,
+                         host_total=host_total, ram_form=ram_form)  # fmt: skip
     inputs, plan = planned.inputs, planned.plan
     log.info(planned.budget.describe())
     log.info(describe_plan(plan))
@@ -230,12 +234,15 @@ def open_store(
     clock: Callable[[], float] = time.monotonic,
     on_pin_progress: ProgressFn | None = None,
     stages: Sequence[Stage] | None = None,
+    ram_form: RamForm | None = None,
 ) -> ExpertStore:
     """Plan, admit and start the store (on `stages`, or one stage with the slots the
     cache device holds now). Raises `AdmissionRefused` (exit code 75) in strict
     mode when the RAM is not there. `reserves` are subtracted by the auto budget besides the
     headroom and the runtime reserve (see `daemon_reserves`). A pack's damaged blobs are read
-    from its original; without one, every blob is checked first (`DamagedPack`, exit 65)."""
+    from its original; without one, every blob is checked first (`DamagedPack`, exit 65).
+    `ram_form`: the form the RAM copies are made in (and the plan sizes them in; default: as in
+    the file)."""
     cache_device = cache_device or compute_device
     repair = repair_source(source) if isinstance(source, PackExperts) else None
     if stages is None:
@@ -253,6 +260,7 @@ def open_store(
         bandwidths=bandwidths,
         sleep=sleep,
         clock=clock,
+        ram_form=ram_form,
     )
     plan = started.plan
     store = ExpertStore(
@@ -269,6 +277,7 @@ def open_store(
         budget=started.planned.budget,
         degraded=started.degraded,
         repair=repair,
+        ram_form=ram_form,
     )
     store.start()
     if config.ready_after_pinning:

@@ -15,6 +15,7 @@ call).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -29,7 +30,16 @@ from stratad.store.tiers.lock import LockChoice
 from stratad.store.tiers.memory import ResidentRAM, VRAMSlots
 from stratad.store.tiers.original import OriginalExperts
 from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.tiers.ram_form import AsInFile, Codes, RamForm, file_codes
 from stratad.store.tiers.sources import BlobCorrupt, ExpertSource
+
+
+class InPlace(NamedTuple):
+    """Where a kernel reads one expert as it lies (`ExpertStore.in_place`)."""
+
+    parts: ExpertBytes  # gate, up and down's bytes
+    tier: str  # "ram" or "file"
+    codes: Codes  # the parts' type codes (`tiers/ram_form.py`)
 
 
 class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +74,10 @@ class ExpertStore:
         budget: RamBudget | None = None,
         degraded: bool = False,
         repair: OriginalExperts | None = None,
+        ram_form: RamForm | None = None,
     ) -> None:
+        """`ram_form`: the form the RAM copies are made in (`tiers/ram_form.py`; default: as
+        in the file). Another form's copies are read only through `in_place`."""
         self.source = source
         self.repair = repair
         self.plan = plan
@@ -77,13 +90,16 @@ class ExpertStore:
         self.degraded = degraded
         self.layouts = source.layouts
         self.admit_on_miss = admit_on_miss
-        self.ram = ResidentRAM(plan.ram, [self.layouts[u.layer].stride for u in plan.ram])
+        self.ram_form: RamForm = ram_form or AsInFile(self.layouts)
+        if not self.ram_form.as_file and plan.vram:
+            raise ValueError(f"RAM copies {self.ram_form.name} cannot fill VRAM slots")
+        self.ram = ResidentRAM(plan.ram, [self.ram_form.stride(u.layer) for u in plan.ram])
         self._ram_slots: list[list[int]] = [[] for _ in range(source.n_layers)]
         for i, u in enumerate(plan.ram):
             self._ram_slots[u.layer].append(i)
         self.slots = VRAMSlots(len(plan.vram), plan.slot_bytes, cache_device)
         self.cache = ExpertCache(len(plan.vram), policy, initial=plan.vram, keep=plan.vram_only)
-        self.pinner = Pinner(self.ram, source, lock, pin, on_pin_progress)
+        self.pinner = Pinner(self.ram, source, lock, pin, on_pin_progress, form=self.ram_form)
         self.hits = {"vram": 0, "ram": 0, "file": 0}
 
     def start(self) -> None:
@@ -128,24 +144,27 @@ class ExpertStore:
             if tier != "vram" and blob is not None:
                 self._admit(layer, e, blob, tier)
 
-    def in_place(self, layer: int) -> list[tuple[ExpertBytes, str]] | None:
-        """Every expert of `layer` where a kernel can read it as it lies, with its tier: the RAM
-        copy once pinned, else the source's mapping; None where some expert cannot be (VRAM
-        slots to look up and admit into, or a source read with copies: a pack). Not counted:
-        `count` what a step used. Valid until the next pinned chunk (`ready_in`) or `close`."""
+    def in_place(self, layer: int) -> list[InPlace] | None:
+        """Every expert of `layer` where a kernel can read it as it lies, with its tier and its
+        parts' type codes: the RAM copy once pinned (in `ram_form`), else the source's
+        mapping; None where some expert cannot be (VRAM slots to look up and admit into, or a
+        source read with copies: a pack). Not counted: `count` what a step used. Valid until
+        the next pinned chunk (`ready_in`) or `close`."""
         if self.slots.n:
             return None
-        out: list[tuple[ExpertBytes, str]] = []
-        layout = self.layouts[layer]
+        out: list[InPlace] = []
+        in_file = file_codes(self.layouts[layer])
         for e in range(self.source.n_experts):
-            blob = self.ram.view(ExpertUnit(layer, e))
+            unit = ExpertUnit(layer, e)
+            blob = self.ram.view(unit)
             if blob is not None:
-                out.append((expert_bytes(blob, layout), "ram"))
+                codes = self.ram.codes_of(unit) or in_file
+                out.append(InPlace(self.ram_form.parts(layer, blob), "ram", codes))
                 continue
             mapped = self.source.mapped(layer, e)
             if mapped is None:
                 return None
-            out.append((mapped, "file"))
+            out.append(InPlace(mapped, "file", in_file))
         return out
 
     def ready_version(self) -> int:
@@ -178,6 +197,9 @@ class ExpertStore:
         if slot is not None:
             self.hits["vram"] += 1
             return self.slots.slot(slot), "vram"
+        if not self.ram_form.as_file:
+            raise RuntimeError(f"the RAM copies are {self.ram_form.name}: only in_place reads"
+                               " them")  # fmt: skip
         blob = self.ram.view(unit)
         if blob is not None:
             self.hits["ram"] += 1

@@ -74,6 +74,24 @@ def _moe_reads(kernels: CpuExperts, reads: Reads, spec: ModelSpec, m: MoEWeights
     )  # fmt: skip
 
 
+def one_call_moe(
+    kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
+) -> bool:
+    """Whether the model is a stack of MoE layers of routed experts only (q/k norms per head or
+    none) that the kernels read: what `moe_stack` runs in one call."""
+    if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
+        return False
+    for w in layers:
+        a, m = w.attn, w.mlp
+        if not isinstance(m, MoEWeights) or not _moe_reads(kernels, reads, spec, m):
+            return False
+        if not all(reads(t) for t in (a.q, a.k, a.v, a.o)):
+            return False
+        if spec.qk_norm == "head" and (a.q_norm is None or a.k_norm is None):
+            return False
+    return True
+
+
 def moe_stack(
     kernels: CpuExperts,
     reads: Reads,
@@ -81,22 +99,16 @@ def moe_stack(
     layers: list[LayerWeights],
     stacks: bool = True,
 ) -> MoEStack | None:
-    """Every layer in one call where the model is a stack of MoE layers of routed experts only
-    (q/k norms per head or none) that the kernels read; else None. `stacks` False: the experts
+    """Every layer in one call where `one_call_moe`; else None. `stacks` False: the experts
     are addressed per expert before each call (`MoEStack.place_experts`, the expert store's),
     and the model's stacks are not read (a pack's are strided views onto its file)."""
-    if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
+    if not one_call_moe(kernels, reads, spec, layers):
         return None
     out = []
     for w in layers:
         a, m = w.attn, w.mlp
-        if not isinstance(m, MoEWeights) or not _moe_reads(kernels, reads, spec, m):
-            return None
-        if not all(reads(t) for t in (a.q, a.k, a.v, a.o)):
-            return None
-        head_norms = spec.qk_norm == "head" and a.q_norm is not None and a.k_norm is not None
-        if spec.qk_norm == "head" and not head_norms:
-            return None
+        assert isinstance(m, MoEWeights)  # one_call_moe's
+        head_norms = spec.qk_norm == "head"
         ex, b = m.experts, _biases(a)
         weights = (a.q, a.k, a.v, a.o, m.router)
         out.append(MoELayer(

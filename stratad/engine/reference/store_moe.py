@@ -19,6 +19,7 @@ from kernels.cpu.experts import CpuExperts
 from kernels.formats.quant import QType
 from stratad.model.weights import MLPWeights
 from stratad.store.pack.manifest import ExpertBytes, ExpertLayout
+from stratad.store.store import InPlace
 
 
 class ExpertProvider(Protocol):
@@ -33,7 +34,7 @@ class ExpertProvider(Protocol):
         self, layer: int, experts: Sequence[int], use: Callable[[list[ExpertBytes]], None]
     ) -> None: ...
 
-    def in_place(self, layer: int) -> list[tuple[ExpertBytes, str]] | None: ...
+    def in_place(self, layer: int) -> list[InPlace] | None: ...
 
     def ready_version(self) -> int: ...
 

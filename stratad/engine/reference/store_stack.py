@@ -21,10 +21,15 @@ import torch
 from kernels.cpu.dense import CacheSpan
 from kernels.cpu.moe_stack import MoEStack
 from stratad.engine.reference.store_moe import ExpertProvider
+from stratad.store.store import InPlace
 
 
-def _table(experts: Sequence[tuple[Sequence[torch.Tensor], str]]) -> np.ndarray:
-    return np.array([[p.data_ptr() for p in parts] for parts, _ in experts], dtype=np.uint64)
+def _table(experts: Sequence[InPlace]) -> np.ndarray:
+    return np.array([[p.data_ptr() for p in x.parts] for x in experts], dtype=np.uint64)
+
+
+def _codes(experts: Sequence[InPlace]) -> np.ndarray:
+    return np.array([x.codes for x in experts], dtype=np.int32)
 
 
 class StoreStack:
@@ -57,8 +62,8 @@ class StoreStack:
             experts = self.store.in_place(layer)
             if experts is None:
                 return False
-            self.stack.place_experts(layer, _table(experts))
-            self._tiers[layer] = [tier for _, tier in experts]
+            self.stack.place_experts(layer, _table(experts), _codes(experts))
+            self._tiers[layer] = [x.tier for x in experts]
             self._keep[layer], self._ready[layer] = experts, ready
         self._version = version
         return True

@@ -37,6 +37,8 @@ class ResidentRAM:
         self.nbytes = sum(self.sizes)
         self.index = {u: i for i, u in enumerate(self.units)}
         self.ready = [False] * len(self.units)
+        # the type codes of a filled slot's parts where its filler named them (ram_form.py)
+        self.codes: list[tuple[int, int, int] | None] = [None] * len(self.units)
         self.version = 0  # changes whenever `ready` does (mark_ready, close)
         self._map = mmap.mmap(-1, self.nbytes) if self.nbytes else None
         self.buf = (
@@ -58,8 +60,15 @@ class ResidentRAM:
         i = self.index.get(unit)
         return self.slot(i) if i is not None and self.ready[i] else None
 
-    def mark_ready(self, i: int) -> None:
-        """Slot i is filled: it serves its expert from now on."""
+    def codes_of(self, unit: ExpertUnit) -> tuple[int, int, int] | None:
+        """The type codes its filler named for the unit's slot (None: unnamed, or no slot)."""
+        i = self.index.get(unit)
+        return None if i is None else self.codes[i]
+
+    def mark_ready(self, i: int, codes: tuple[int, int, int] | None = None) -> None:
+        """Slot i is filled (its parts' type `codes`, where the filler named them): it serves
+        its expert from now on."""
+        self.codes[i] = codes
         self.ready[i] = True
         self.version += 1
 

@@ -18,15 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
-
-import torch
+from typing import Literal
 
 from stratad.model.spec import ExpertUnit
 from stratad.store.pack.manifest import PackError
 from stratad.store.sizes import GiB, size_text
 from stratad.store.tiers.lock import LockChoice, LockError, NoLocker
 from stratad.store.tiers.memory import ResidentRAM
+from stratad.store.tiers.ram_form import BlobReader, RamForm
 
 log = logging.getLogger("stratad.store")
 
@@ -72,18 +71,13 @@ class PinProgress:
 ProgressFn = Callable[[PinProgress], None]
 
 
-class BlobReader(Protocol):
-    """What the pinner needs of a source (an `ExpertSource` is one)."""
-
-    def read_into(self, layer: int, expert: int, out: torch.Tensor) -> None: ...
-
-
 class Pinner:
     """Fills `ram` from `source` chunk by chunk, locking each chunk first.
 
     A blob that fails its checks (`PackError`) is, by `on_bad_blob`: "skip", named and left
     to the file tier (which raises it on use; `failed` lists it); "stop", the end of pinning,
     kept in `error` for the owner to raise (an engine whose every RAM copy must be there).
+    `form`: the form each copy is made in (`ram_form.py`); None: the blob's bytes as read.
     """
 
     def __init__(
@@ -94,8 +88,10 @@ class Pinner:
         settings: PinSettings,
         on_progress: ProgressFn | None = None,
         on_bad_blob: Literal["skip", "stop"] = "skip",
+        form: RamForm | None = None,
     ) -> None:
         self.ram = ram
+        self.form = form
         self.on_bad_blob = on_bad_blob
         self.source = source
         self.choice = lock
@@ -118,7 +114,7 @@ class Pinner:
             log.warning(self.choice.warning)
         log.info(
             "pinning the resident set: %d experts, %s via %s, in %d chunks of <= %s %s%s;"
-            " experts not yet pinned are read from the file",
+            " experts not yet pinned are read from the file%s",
             len(self.ram),
             size_text(self.ram.nbytes),
             self.locker.name,
@@ -126,6 +122,7 @@ class Pinner:
             size_text(s.chunk_bytes),
             pace,
             eta,
+            "" if self.form is None or self.form.as_file else f"; the copies {self.form.name}",
         )
         self._thread.start()
 
@@ -154,8 +151,13 @@ class Pinner:
     def _fill(self, chunk: range) -> None:
         for i in chunk:
             unit = self.ram.units[i]
+            slot = self.ram.slot(i)
             try:
-                self.source.read_into(unit.layer, unit.expert, self.ram.slot(i))
+                if self.form is None:
+                    self.source.read_into(unit.layer, unit.expert, slot)
+                    codes = None
+                else:
+                    codes = self.form.fill(self.source, unit, slot)
             except PackError as e:  # named and left to the file tier, which raises it on use
                 if self.on_bad_blob == "stop":
                     raise
@@ -164,7 +166,7 @@ class Pinner:
                 )
                 self.failed.append((unit, str(e)))
                 continue
-            self.ram.mark_ready(i)
+            self.ram.mark_ready(i, codes)
 
     def _run(self) -> None:
         s = self.settings
