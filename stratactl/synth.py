@@ -18,7 +18,7 @@ PROGRESS_MIN_BYTES = 256 << 20
 # `stratad.model.ftype_rules.FTYPES`, named here so that building the parser imports neither
 # gguf nor numpy (every stratactl verb builds it); a test keeps the two the same.
 FTYPE_NAMES = ("q4_0", "q8_0", "q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
-               "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s")
+               "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "mxfp4_moe")
 PRESET_TYPES = "preset"
 
 

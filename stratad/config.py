@@ -159,8 +159,8 @@ class EngineConfig(_Section, frozen=True):
     llama.cpp; experts through the store); `reference` is the torch reference (float copies
     of the weights, experts through the store, any device); `auto` picks offload for a MoE
     on a GPU whose expert types its kernels read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to
-    Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: every quantized
-    type Strata reads), cpu on a CPU where a C compiler builds the kernels, and says why
+    Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, MXFP4: every
+    quantized type Strata reads), cpu on a CPU where a C compiler builds the kernels, and says why
     when it cannot."""
     pcie_frac: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | Literal["auto", "balanced"] = (
         "auto"

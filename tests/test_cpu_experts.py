@@ -50,7 +50,7 @@ def cpu(request: pytest.FixtureRequest, cache: Path) -> CpuExperts:
 @functools.cache  # the native and portable runs share inputs (read only)
 def blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
     """uint8 [rows, row bytes]: quantized random values, or for the types without a
-    quantizer here random blocks with small finite fp16 scales."""
+    quantizer here random blocks with small finite fp16 scales (MXFP4: E8M0 exponents)."""
     gen = torch.Generator().manual_seed(seed)
     if qtype in FP16_AT or qtype not in QUANTIZE_QTYPES | FLOAT_QTYPES:
         block, nbytes = block_geometry(qtype)
@@ -59,6 +59,8 @@ def blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
         for at in FP16_AT.get(qtype, ()):
             scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
             raw[:, at : at + 2] = scale.view(torch.uint8).reshape(-1, 2)
+        if qtype == QType.MXFP4:  # scales 2^-10..2^-4
+            raw[:, 0] = torch.randint(118, 125, (raw.shape[0],), generator=gen)
         return raw.reshape(rows, -1)
     values = torch.randn(rows, cols, generator=gen) / cols**0.5
     if qtype in FLOAT_QTYPES:
@@ -108,7 +110,7 @@ def test_matmul_matches_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert bool((err <= 1.001 * (half_step @ w.abs().T) + 1e-6).all())
 
 
-BLOCK_32 = [QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1]
+BLOCK_32 = [QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.MXFP4]
 
 
 @pytest.mark.parametrize("qtype", [*BLOCK_32, QType.Q4_K, QType.Q6_K, QType.Q2_K, QType.IQ4_XS,
@@ -222,6 +224,7 @@ MIXES = [
     (QType.IQ2_XXS, QType.IQ3_XXS, QType.IQ2_XS),
     (QType.IQ2_S, QType.IQ1_S, QType.IQ2_XXS),
     (QType.IQ4_NL, QType.Q4_0, QType.F16),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),  # gpt-oss's experts
     (QType.BF16, QType.F32, QType.Q8_0),
 ]
 

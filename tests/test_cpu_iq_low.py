@@ -32,7 +32,8 @@ def test_table_offsets_match_iq_tables() -> None:
     defines = dict(re.findall(r"^#define (\w+) (\d+)$", _headers(), re.M))
     offsets = {name: int(v) for name, v in defines.items() if hasattr(iq_tables, name)}
     assert set(offsets) >= {"IQ3_S_GRID", "IQ4_VALUES", "IQ3_XXS_GRID", "IQ2_XXS_GRID",
-                            "IQ2_XS_GRID", "IQ2_S_GRID", "IQ1_S_GRID", "KSIGNS"}  # fmt: skip
+                            "IQ2_XS_GRID", "IQ2_S_GRID", "IQ1_S_GRID", "KSIGNS",
+                            "MXFP4_VALUES"}  # fmt: skip
     assert offsets == {name: getattr(iq_tables, name) for name in offsets}
 
 

@@ -42,10 +42,11 @@ def test_refuses_a_wrong_size() -> None:
         dequant_blocks(torch.zeros(2, 100, dtype=torch.uint8), QType.Q8_0, 2, 64, torch.float32)
 
 
-# where each type without a quantizer here keeps its fp16 fields
+# where each type without a quantizer here keeps its fp16 fields (MXFP4 has none: any byte is
+# an E8M0 exponent, the subnormal and overflowing scales included)
 FP16_AT = {QType.IQ3_S: [0], QType.IQ4_XS: [0], QType.IQ4_NL: [0], QType.Q2_K: [80, 82],
            QType.Q3_K: [108], QType.IQ3_XXS: [0], QType.IQ2_XXS: [0], QType.IQ2_XS: [0],
-           QType.IQ2_S: [0], QType.IQ1_S: [0]}  # fmt: skip
+           QType.IQ2_S: [0], QType.IQ1_S: [0], QType.MXFP4: []}  # fmt: skip
 
 
 def _random_blocks(qtype: QType, n: int, rows: int, cols: int) -> torch.Tensor:
@@ -78,3 +79,15 @@ def test_random_blocks_gpu(qtype: QType) -> None:
     raw = _random_blocks(qtype, 4, 768, 2048)
     got = dequant_blocks(raw.cuda(), qtype, 768, 2048, torch.bfloat16)
     assert torch.equal(got.cpu(), dequant_blocks_ref(raw, qtype, 768, 2048).to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf is meant
+def test_mxfp4_every_exponent() -> None:
+    """MXFP4 blocks with each of the 256 E8M0 exponents (0 and 1 scale by subnormals, the top
+    ones overflow the larger levels to inf), bit for bit in float32."""
+    raw = _random_blocks(QType.MXFP4, 1, 32, 256)  # 256 blocks of 17 bytes
+    raw.view(-1, 17)[:, 0] = torch.arange(256, dtype=torch.uint8)
+    got = dequant_blocks(raw, QType.MXFP4, 32, 256, torch.float32, BlocksConfig(block_r=8))
+    want = dequant_blocks_ref(raw, QType.MXFP4, 32, 256)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert want.isinf().any() and (want.abs() == 2.0**-128).any()

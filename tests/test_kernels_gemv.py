@@ -46,7 +46,7 @@ LOW_BIT = {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
 
 def random_weight(qtype: QType, n: int, k: int, seed: int) -> QTensor:
     """Random bytes everywhere (every bit of every field exercised), fp16 scales in [-1, 1]
-    so products stay finite."""
+    (MXFP4's E8M0 exponents: scales 2^-8..2^0) so products stay finite."""
     gen = torch.Generator().manual_seed(seed)
     block, nbytes = block_geometry(qtype)
     n_blocks = n * k // block
@@ -54,6 +54,8 @@ def random_weight(qtype: QType, n: int, k: int, seed: int) -> QTensor:
     for at in FP16_FIELDS[qtype]:
         scale = (torch.rand(n_blocks, generator=gen) * 2 - 1).half()
         raw[:, at : at + 2] = scale.view(torch.uint8).reshape(n_blocks, 2)
+    if qtype == QType.MXFP4:
+        raw[:, 0] = torch.randint(120, 129, (n_blocks,), generator=gen, dtype=torch.uint8)
     return QTensor(raw.reshape(n, row_bytes(qtype, k)).to(DEVICE), qtype, (n, k))
 
 

@@ -106,11 +106,11 @@ def test_negative_ids_are_skipped() -> None:
 
 
 def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor:
-    """Quantized random values; for the i-quants (no quantizer here) random blocks whose
-    leading fp16 scale is small and finite."""
+    """Quantized random values; for the i-quants and MXFP4 (no quantizer here) random blocks
+    whose leading fp16 scale (MXFP4: E8M0 exponent) is small and finite."""
     fp16_at = {QType.IQ3_S: (0,), QType.IQ4_XS: (0,), QType.IQ4_NL: (0,), QType.Q2_K: (80, 82),
                QType.Q3_K: (108,), QType.IQ3_XXS: (0,), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
-               QType.IQ2_S: (0,), QType.IQ1_S: (0,)}  # fmt: skip
+               QType.IQ2_S: (0,), QType.IQ1_S: (0,), QType.MXFP4: ()}  # fmt: skip
     if qtype in fp16_at:
         block, nbytes = block_geometry(qtype)
         raw = torch.randint(0, 256, (rows * cols // block, nbytes), generator=gen)
@@ -118,6 +118,8 @@ def _blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> QTensor
         for at in fp16_at[qtype]:
             scale = (torch.rand(raw.shape[0], generator=gen) / (4 * cols**0.5)).half()
             raw[:, at : at + 2] = scale.view(torch.uint8).reshape(-1, 2)
+        if qtype == QType.MXFP4:  # scales 2^-10..2^-7
+            raw[:, 0] = torch.randint(118, 122, (raw.shape[0],), generator=gen)
         return QTensor(raw.reshape(rows, -1), qtype, (rows, cols))
     values = torch.randn(rows, cols, generator=gen) / cols**0.5
     return QTensor(quantize(values, qtype), qtype, (rows, cols))
@@ -133,6 +135,7 @@ MIXES = [
     (QType.Q4_0, QType.Q4_0, QType.Q4_K),
     (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
     (QType.IQ4_NL, QType.IQ4_NL, QType.Q6_K),
+    (QType.MXFP4, QType.MXFP4, QType.MXFP4),  # gpt-oss's experts
     (QType.Q5_K, QType.Q5_K, QType.IQ4_XS),
     (QType.Q2_K, QType.Q2_K, QType.Q3_K),
     (QType.IQ2_XXS, QType.IQ3_XXS, QType.IQ2_XS),  # the low-bit i-quants, two mixes for time

@@ -27,6 +27,7 @@ READ_ONLY = sorted(SUPPORTED_QTYPES - FLOAT_QTYPES - QUANTIZE_QTYPES, key=lambda
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there could be inf/NaN,
 # which llama.cpp files never hold, so the tests overwrite them with random finite halves.
+# MXFP4 has none: its scale is an E8M0 exponent byte, and every byte is one.
 FP16_FIELDS: dict[QType, list[int]] = {
     QType.Q8_0: [0],
     QType.Q4_0: [0],
@@ -46,6 +47,7 @@ FP16_FIELDS: dict[QType, list[int]] = {
     QType.IQ2_XS: [0],
     QType.IQ2_XXS: [0],
     QType.IQ1_S: [0],
+    QType.MXFP4: [],
 }
 
 
@@ -93,7 +95,7 @@ def test_dequantize_bit_exact_with_gguf(qtype: QType, rows: int) -> None:
 # an expert stack), against gguf-py.
 NEW_QTYPES = sorted(
     {QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}
-    | {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S},
+    | {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.MXFP4},
     key=lambda t: t.name,
 )
 
@@ -112,6 +114,25 @@ def test_new_type_on_ragged_shapes(qtype: QType, blocks_shape: tuple[int, ...]) 
     expected = gguf_dequantize(raw, qtype).reshape(shape)
     assert ours.shape == shape
     assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+
+
+def test_mxfp4_edge_exponents_bit_exact_with_gguf() -> None:
+    """MXFP4's E8M0 exponent byte at its edges, each block holding every 4-bit code: e = 0 and
+    1 scale by the subnormals 2^-128 and 2^-127, e = 255 by 2^127 (its larger levels overflow
+    to inf in float32, in gguf-py as here)."""
+    gen = torch.Generator().manual_seed(9)
+    exponents = torch.tensor([0, 1, 2, 127, 128, 253, 254, 255], dtype=torch.uint8)
+    codes = torch.randint(0, 256, (len(exponents), 16), generator=gen, dtype=torch.uint8)
+    codes[:, :8] = torch.arange(0, 16, 2, dtype=torch.uint8) | (torch.arange(1, 16, 2) << 4)
+    raw = torch.cat([exponents[:, None], codes], dim=1)  # [8 blocks, 17 bytes]
+    ours = dequantize(raw, QType.MXFP4, (len(exponents), 32))
+    with np.errstate(over="ignore"):  # the inf is meant
+        expected = gguf_dequantize(raw, QType.MXFP4)
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+    # values 0..15 are codes 0, 2, .., 14 and values 16..31 codes 1, 3, .., 15
+    assert ours[0, 16].item() == 2.0**-128  # code 1 (level 1) at e = 0: no flush to zero
+    assert ours[1, 16].item() == 2.0**-127 and ours[3, 16].item() == 0.5
+    assert ours[7, 16].item() == 2.0**127 and ours[7, 23].item() == float("-inf")  # 1, -12
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
@@ -207,7 +228,7 @@ def test_round_trip_error_bound(qtype: QType) -> None:
     assert torch.all(err <= ROUND_TRIP_BOUND[qtype] * absmax), (err / absmax).max()
 
 
-@pytest.mark.parametrize("qtype", [QType.IQ1_M, QType.TQ2_0, QType.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.IQ1_M, QType.TQ2_0, QType.NVFP4], ids=lambda t: t.name)
 def test_unsupported_type_is_refused_by_name(qtype: QType) -> None:
     raw = torch.zeros(1, 64, dtype=torch.uint8)
     with pytest.raises(UnsupportedTensorType, match=qtype.name):

@@ -40,12 +40,13 @@ TYPES = [
     QType.IQ2_XS,
     QType.IQ2_XXS,
     QType.IQ1_S,
+    QType.MXFP4,
 ]
 
 
 def _small_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> np.ndarray:
-    """uint8 [rows, row_bytes]: random quants, fp16 fields of magnitude 2^-14..2^-10 (so the
-    weights stay small enough for finite logits)."""
+    """uint8 [rows, row_bytes]: random quants, fp16 fields (MXFP4: scales) of magnitude
+    2^-14..2^-10 (so the weights stay small enough for finite logits)."""
     n = rows * cols // block_geometry(qtype)[0]
     raw = torch.randint(0, 256, (n, block_geometry(qtype)[1]), generator=gen, dtype=torch.uint8)
     for offset in FP16_FIELDS[qtype]:
@@ -53,6 +54,8 @@ def _small_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> n
         sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
         field = (sign * magnitude).half().view(torch.uint8).reshape(n, 2)
         raw[:, offset : offset + 2] = field
+    if qtype == QType.MXFP4:  # E8M0 exponents e: scales 2^(e - 128)
+        raw[:, 0] = torch.randint(114, 119, (n,), generator=gen, dtype=torch.uint8)
     return raw.reshape(rows, row_bytes(qtype, cols)).numpy()
 
 

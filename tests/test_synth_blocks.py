@@ -28,7 +28,7 @@ def test_blocks_have_the_intended_spread(name: str, std: float) -> None:
     assert (values.reshape(-1, block).std(axis=1) > 0).all()
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "IQ3_S", "Q8_0", "IQ2_XXS"])
+@pytest.mark.parametrize("name", ["Q4_K", "IQ3_S", "Q8_0", "IQ2_XXS", "MXFP4"])
 def test_blocks_are_deterministic_in_the_seed(name: str) -> None:
     qtype = QType[name]
     one = random_blocks(qtype, 4096, 0.1, seed=1)
@@ -43,3 +43,5 @@ def test_refuses_what_it_cannot_write() -> None:
         random_blocks(QType.IQ1_M, 256, 0.1, seed=0)
     with pytest.raises(ValueError, match="fp16 block scale"):
         random_blocks(QType.Q8_0, 32, 1e-12, seed=0)
+    with pytest.raises(ValueError, match="MXFP4 block scale"):
+        random_blocks(QType.MXFP4, 32, 1e-40, seed=0)

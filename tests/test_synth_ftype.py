@@ -23,7 +23,7 @@ Q4_0, Q5_0, Q5_1, Q8_0 = QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.Q8_0
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K
 IQ3_S, IQ4_NL, F32 = QType.IQ3_S, QType.IQ4_NL, QType.F32
 IQ3_XXS, IQ2_XXS, IQ2_S = QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_S
-IQ2_XS, IQ1_S = QType.IQ2_XS, QType.IQ1_S
+IQ2_XS, IQ1_S, MXFP4 = QType.IQ2_XS, QType.IQ1_S, QType.MXFP4
 
 # --- the rules, derived by hand from llama_tensor_get_type ----------------------------------
 # tiny-moe: 4 layers, 4 query / 2 KV heads (n_gqa 2), 8 experts; every row is 256 values but
@@ -44,6 +44,7 @@ IQ2_XS, IQ1_S = QType.IQ2_XS, QType.IQ1_S
 #     q2_k: Q3_K -> Q4_0; q3_k_m: Q4_K (layer < 4/16 never) -> Q5_0; iq3_xxs: Q3_K -> Q4_0;
 #     q4_k_s: Q4_K (layer < 4/8 never) -> Q5_0; q4_k_m, q5_k_m: use_more_bits(i, 4) is
 #     true for layers 2 ((2 - 0) % 3 == 2) and 3 (>= 7*4/8), so Q6_K -> Q8_0 there.
+#   mxfp4_moe: the expert tensors (more than one expert) MXFP4, every other quantized Q8_0.
 # columns: token_embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate/up_exps,
 #          ffn_down_exps layers 0-1, ffn_down_exps layers 2-3
 TINY_MOE = {
@@ -62,6 +63,7 @@ TINY_MOE = {
     "iq2_xs": (Q2_K, Q5_K, IQ2_XS, Q4_K, Q4_K, Q5_K, IQ2_XS, IQ4_NL, IQ4_NL),
     "iq2_s": (IQ3_S, Q5_K, IQ2_XS, Q4_K, Q4_K, Q5_K, IQ2_XS, IQ4_NL, IQ4_NL),
     "iq1_s": (Q2_K, Q5_K, IQ1_S, Q4_K, Q4_K, Q5_K, IQ1_S, IQ4_NL, IQ4_NL),
+    "mxfp4_moe": (Q8_0, Q8_0, Q8_0, Q8_0, Q8_0, Q8_0, MXFP4, MXFP4, MXFP4),
 }
 
 

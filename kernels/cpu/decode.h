@@ -10,6 +10,7 @@
  *   Q8_0 (34): d | int8 q[32]              Q4_0 (18): d | qs 16 (low nibbles values 0-15)
  *   Q4_1 (20): d | m | qs 16               Q5_0 (22): d | qh u32 (5th bits) | qs 16
  *   Q5_1 (24): d | m | qh | qs 16          IQ4_NL (18): d | qs 16 (indices into kvalues)
+ *   MXFP4 (17): e (E8M0 exponent) | qs 16 (as IQ4_NL's, indices into kvalues_mxfp4)
  *   Q2_K (84): scales 16 | qs 64 | d | dmin          Q3_K (110): hmask 32 | qs 64 | scales 12 | d
  *   Q4_K (144): d | dmin | scales 12 | qs 128        Q5_K (176): ... | qh 32 | qs 128
  *   Q6_K (210): ql 128 | qh 64 | int8 scales 16 | d  IQ4_XS (136): d | sh u16 | sl 4 | qs 128
@@ -28,12 +29,14 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23, T_BF16 = 30,
+    T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39,
 };
 
-/* the tables buffer (kernels/formats/iq_tables.py): IQ3_S grid at 0, IQ4 levels at 2048 */
+/* the tables buffer (kernels/formats/iq_tables.py): IQ3_S grid at 0, IQ4 levels at 2048,
+ * MXFP4's levels (E2M1 doubled) at 33936 */
 #define IQ3_S_GRID 0
 #define IQ4_VALUES 2048
+#define MXFP4_VALUES 33936
 
 #define DECODE_ARGS                                                                  \
     const uint8_t *row, const uint8_t *aux, int64_t c, int n32, const uint8_t *tab, \
@@ -61,6 +64,15 @@ static inline float f16(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
+}
+
+/* an MXFP4 block's E8M0 exponent e as 2^(e - 128), half its scale (the levels are doubled):
+ * ggml_e8m0_to_fp32_half, from the bits (e < 2: subnormals) */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 static inline uint32_t le32(const uint8_t *p) {
@@ -145,6 +157,18 @@ static void dec_iq4_nl(DECODE_ARGS) {
         for (int i = 0; i < 16; i++) {
             q[32 * j + i] = kv[b[2 + i] & 15];
             q[32 * j + i + 16] = kv[b[2 + i] >> 4];
+        }
+    }
+}
+
+static void dec_mxfp4(DECODE_ARGS) {
+    const int8_t *kv = (const int8_t *)(tab + MXFP4_VALUES);
+    const uint8_t *b = row + c * 8 * 17;
+    for (int j = 0; j < n32; j++, b += 17) {
+        scale32(fs, j, e8m0_half(b[0]));
+        for (int i = 0; i < 16; i++) {
+            q[32 * j + i] = kv[b[1 + i] & 15];
+            q[32 * j + i + 16] = kv[b[1 + i] >> 4];
         }
     }
 }

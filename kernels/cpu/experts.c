@@ -76,8 +76,8 @@ int strata_block(int qtype, int *values, int *bytes) {
     static const int geo[][3] = {
         {T_F32, 1, 4}, {T_F16, 1, 2}, {T_BF16, 1, 2}, {T_Q4_0, 32, 18}, {T_Q4_1, 32, 20},
         {T_Q5_0, 32, 22}, {T_Q5_1, 32, 24}, {T_Q8_0, 32, 34}, {T_IQ4_NL, 32, 18},
-        {T_Q2_K, 256, 84}, {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144}, {T_Q5_K, 256, 176},
-        {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136}, {T_IQ3_S, 256, 110},
+        {T_MXFP4, 32, 17}, {T_Q2_K, 256, 84}, {T_Q3_K, 256, 110}, {T_Q4_K, 256, 144},
+        {T_Q5_K, 256, 176}, {T_Q6_K, 256, 210}, {T_IQ4_XS, 256, 136}, {T_IQ3_S, 256, 110},
         {T_IQ3_XXS, 256, 98}, {T_IQ2_XXS, 256, 66}, {T_IQ2_XS, 256, 74}, {T_IQ2_S, 256, 82},
         {T_IQ1_S, 256, 50},
     };
@@ -98,6 +98,7 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
     case T_Q4_1: return dec_q4_1;
     case T_IQ4_NL: return dec_iq4_nl;
+    case T_MXFP4: return dec_mxfp4;
     case T_IQ4_XS: return dec_iq4_xs;
     case T_Q4_K: return dec_q4_k;
     case T_Q5_K: return dec_q5_k;

@@ -38,7 +38,7 @@ CPU_EXPERT_QTYPES: frozenset[QType] = frozenset(
         QType.F32, QType.F16, QType.BF16,
         QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL,
         QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.IQ3_S,
-        QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S,
+        QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S, QType.MXFP4,
     }
 )  # fmt: skip
 # the types the kernels read with rows interleaved in eights (kernels/cpu/interleave.h's

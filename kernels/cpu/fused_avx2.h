@@ -1,11 +1,11 @@
-/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, Q4_1, Q5_0, Q5_1,
- * Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h; IQ3_XXS, IQ2_XXS in
- * fused_iq_low_avx2.h), included by experts.c when
- * __AVX2__: a block is decoded into a register and dotted at once with every activation that
- * uses the row, with no trip through the decode buffer, and the scales of 8 blocks are taken
- * in one vector (times the activation's 8 in one multiply, then broadcast per block from
- * memory: a load, where a permute took an ALU slot, +5-17%). Measured on a 2-core EPYC VM
- * (bench/cpu/cpu_experts.py): 1.4-2.6x the decode-then-dot path per type.
+/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, MXFP4, Q4_1, Q5_0,
+ * Q5_1, Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h; IQ3_XXS, IQ2_XXS
+ * in fused_iq_low_avx2.h), included by experts.c when __AVX2__: a block is decoded into a
+ * register and dotted at once with every activation that uses the row, with no trip through the
+ * decode buffer, and the scales of 8 blocks are taken in one vector (times the activation's 8
+ * in one multiply, then broadcast per block from memory: a load, where a permute took an ALU
+ * slot, +5-17%). Measured on a 2-core EPYC VM (bench/cpu/cpu_experts.py): 1.4-2.6x the
+ * decode-then-dot path per type.
  *
  * A row dot: acc[j] = row . activation vec[j] for j < nt (nt <= VEC_TILE). The activation
  * of vec[j] is a->q + vec[j] * k (int8), its block scales a->d, its 16-value sums a->s.
@@ -38,12 +38,22 @@ static inline __m256i udot32(__m256i u, const int8_t *x) {
 }
 
 /* The 32-value block types, by kind: 0 Q4_0, 1 Q4_0 split, 2 Q8_0, 3 IQ4_NL, 4 Q4_1, 5 Q5_0,
- * 6 Q5_1. Value = d q + o per block, with codes q kept unsigned where they are (maddubs takes
- * them as they are) and the offset o (Q4_0 -8 d, Q5_0 -16 d, Q4_1/Q5_1 the stored m) applied
- * through the activation's block sums: sum (d q + o) x = d sum q x + o sum x. */
-static const int BYTES_32[7] = {18, 2, 34, 18, 20, 22, 24};
+ * 6 Q5_1, 7 MXFP4. Value = d q + o per block, with codes q kept unsigned where they are (maddubs
+ * takes them as they are) and the offset o (Q4_0 -8 d, Q5_0 -16 d, Q4_1/Q5_1 the stored m)
+ * applied through the activation's block sums: sum (d q + o) x = d sum q x + o sum x. MXFP4's d
+ * is its exponent byte's 2^(e - 128) (e8m0_half), its q the levels of its table. */
+static const int BYTES_32[8] = {18, 2, 34, 18, 20, 22, 24, 17};
 
-static inline int signed_32(int kind) { return kind == 2 || kind == 3; }
+static inline int signed_32(int kind) { return kind == 2 || kind == 3 || kind == 7; }
+
+/* the exponents of 8 MXFP4 blocks (the first at p) as e8m0_half does one */
+static inline __m256 e8m0_half8(const uint8_t *p) {
+    __m256i e = _mm256_setr_epi32(p[0], p[17], p[34], p[51], p[68], p[85], p[102], p[119]);
+    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e); /* e < 2 */
+    __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, small));
+}
 
 /* block b's 32 codes */
 static inline __attribute__((always_inline)) __m256i codes_32(
@@ -56,13 +66,15 @@ static inline __attribute__((always_inline)) __m256i codes_32(
     case 3: return _mm256_shuffle_epi8(kv, nib32(p + 2));
     case 4: return nib32(p + 4);
     case 5: return five32(p + 2, p + 6);
-    default: return five32(p + 4, p + 8);
+    case 6: return five32(p + 4, p + 8);
+    default: return _mm256_shuffle_epi8(kv, nib32(p + 1));
     }
 }
 
 /* the offset o of a block with scale d (m: the stored fp16 at byte 2, for Q4_1/Q5_1) */
 static inline float offset_32(int kind, float d, const uint8_t *p) {
-    return kind <= 1 ? -8.0f * d : kind == 5 ? -16.0f * d : kind >= 4 ? f16(p + 2) : 0.0f;
+    if (kind == 4 || kind == 6) return f16(p + 2);
+    return kind <= 1 ? -8.0f * d : kind == 5 ? -16.0f * d : 0.0f;
 }
 
 static inline __m256i dot_32(int kind, __m256i w, const int8_t *x) {
@@ -74,7 +86,7 @@ static inline __attribute__((always_inline)) void block_32(
     const uint8_t *row, const uint8_t *aux, int64_t b, const acts_t *a, const int64_t *vec,
     int64_t nt, __m256 *acc, int kind, __m256i kv) {
     const uint8_t *p = kind == 1 ? row + 2 * b : row + BYTES_32[kind] * b;
-    float dw = f16(p), o = offset_32(kind, dw, p);
+    float dw = kind == 7 ? e8m0_half(p[0]) : f16(p), o = offset_32(kind, dw, p);
     __m256i w = codes_32(kind, row, aux, b, kv);
     for (int64_t j = 0; j < nt; j++) {
         int64_t ib = vec[j] * (a->k / 32) + b;
@@ -96,15 +108,15 @@ static inline __attribute__((always_inline)) void rowdot_32(
         acc[0][j] = acc[1][j] = corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128((const __m128i *)(a->tab + IQ4_VALUES)));
+        _mm_loadu_si128((const __m128i *)(a->tab + (kind == 7 ? MXFP4_VALUES : IQ4_VALUES))));
     const int64_t stride = BYTES_32[kind];
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m128i h, hm = _mm_setzero_si128();
+        __m128i h = _mm_setzero_si128(), hm = _mm_setzero_si128();
         const uint8_t *p = row + stride * b;
         if (kind == 1) {
             h = _mm_loadu_si128((const __m128i *)(row + 2 * b));
-        } else {
+        } else if (kind != 7) {
 #define H(i, at) (short)(p[stride * (i) + (at)] | p[stride * (i) + (at) + 1] << 8)
             h = _mm_setr_epi16(H(0, 0), H(1, 0), H(2, 0), H(3, 0), H(4, 0), H(5, 0), H(6, 0),
                                H(7, 0));
@@ -113,7 +125,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
                                     H(7, 2));
 #undef H
         }
-        __m256 dw = _mm256_cvtph_ps(h);
+        __m256 dw = kind == 7 ? e8m0_half8(p) : _mm256_cvtph_ps(h);
         __m256 o = kind == 4 || kind == 6 ? _mm256_cvtph_ps(hm)
                                           : _mm256_mul_ps(dw, _mm256_set1_ps(kind == 5 ? -16.0f
                                                                                       : -8.0f));
@@ -175,6 +187,7 @@ ROWDOT_32(rowdot_iq4_nl, 3)
 ROWDOT_32(rowdot_q4_1, 4)
 ROWDOT_32(rowdot_q5_0, 5)
 ROWDOT_32(rowdot_q5_1, 6)
+ROWDOT_32(rowdot_mxfp4, 7)
 
 /* Q4_K's 8 6-bit scales and mins (llama.cpp's utmp shuffle), times d and dmin */
 static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
@@ -375,6 +388,7 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
     case T_Q8_0: return rowdot_q8_0;
     case T_IQ4_NL: return rowdot_iq4_nl;
+    case T_MXFP4: return rowdot_mxfp4;
     case T_Q4_1: return rowdot_q4_1;
     case T_Q5_0: return rowdot_q5_0;
     case T_Q5_1: return rowdot_q5_1;

@@ -15,8 +15,8 @@ its dot:
   per 8): each 16-value sub-block's scale once.
 - the i-quants IQ4_XS (aligned), IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S: their
   block shapes in `kernels.experts.moe_dots_iq`.
-Every other type (Q4_1, Q5_0, Q5_1, IQ4_NL, and the unaligned blobs of the word readers):
-`_values_rows_dot`, value by value.
+Every other type (Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, and the unaligned blobs of the word
+readers): `_values_rows_dot`, value by value.
 """
 
 from __future__ import annotations

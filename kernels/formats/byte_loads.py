@@ -1,5 +1,6 @@
 """Triton loads of GGUF block fields at byte addresses, correct at any alignment (a block's
-fields are rarely aligned to their size: a Q8_0 block is 34 bytes, an IQ3_XXS block 98)."""
+fields are rarely aligned to their size: a Q8_0 block is 34 bytes, an IQ3_XXS block 98, an
+MXFP4 block 17)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,11 @@ def _load_u16(ptr, mask):
 def _load_u32(ptr, mask):
     """The little-endian uint32 at byte address `ptr`, as int32 bits (any alignment)."""
     return _load_u16(ptr, mask) | (_load_u16(ptr + 2, mask) << 16)
+
+
+@triton.jit
+def _load_e8m0_half(ptr, mask):
+    """The E8M0 exponent byte e at byte address `ptr` as float32 2^(e - 128), half the scale
+    it encodes (llama.cpp's ggml_e8m0_to_fp32_half, from the bits: e < 2 are subnormals)."""
+    e = _load_u8(ptr, mask)
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)

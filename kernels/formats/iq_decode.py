@@ -1,7 +1,7 @@
-"""The i-quants decoded in Triton, two ways:
+"""The i-quants (and MXFP4, decoded through a table as IQ4_NL) in Triton, two ways:
 
 - `dequant_iq`, value by value: the tile decoder's share (`kernels.layers.gemv._dequant_tile`) for
-  IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S, which the GEMV kernel,
+  IQ4_NL, MXFP4, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S, which the GEMV kernel,
   the fused MoE kernels' fallback row dot and the prefill dequantization call. Each element
   locates its own block, grid point, sign bit and scale, so a tile need not align with blocks.
 - `grid_block`, a super-block at a time for the low-bit grid types (`GRID_QTYPES`: IQ3_XXS,
@@ -21,10 +21,11 @@ import triton
 import triton.language as tl
 
 from kernels.formats import iq_tables
-from kernels.formats.byte_loads import _load_f16, _load_u8, _load_u16, _load_u32
+from kernels.formats.byte_loads import _load_e8m0_half, _load_f16, _load_u8, _load_u16, _load_u32
 from kernels.formats.quant import QType, block_geometry
 
 IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
+MXFP4: tl.constexpr = tl.constexpr(int(QType.MXFP4))
 IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
 IQ3_XXS: tl.constexpr = tl.constexpr(int(QType.IQ3_XXS))
@@ -34,6 +35,7 @@ IQ2_S: tl.constexpr = tl.constexpr(int(QType.IQ2_S))
 IQ1_S: tl.constexpr = tl.constexpr(int(QType.IQ1_S))
 IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
+MXFP4_VALUES: tl.constexpr = tl.constexpr(iq_tables.MXFP4_VALUES)
 IQ3_XXS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_XXS_GRID)
 IQ2_XXS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ2_XXS_GRID)
 IQ2_XS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ2_XS_GRID)
@@ -46,7 +48,9 @@ GRID_QTYPES: frozenset[QType] = frozenset(
     {QType.IQ3_XXS, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ1_S}
 )
 GRID_BITS: tl.constexpr = tl.constexpr(sum(1 << int(q) for q in GRID_QTYPES))
-IQ_QTYPES: frozenset[QType] = frozenset({QType.IQ4_NL, QType.IQ4_XS, QType.IQ3_S}) | GRID_QTYPES
+IQ_QTYPES: frozenset[QType] = (
+    frozenset({QType.IQ4_NL, QType.MXFP4, QType.IQ4_XS, QType.IQ3_S}) | GRID_QTYPES
+)
 # (values per grid point, bytes per block) of each grid type
 _GRID_SHAPES = {int(q): (4 if q == QType.IQ3_XXS else 8, block_geometry(q)[1]) for q in GRID_QTYPES}
 
@@ -63,9 +67,10 @@ def grid_block_bytes(qtype: int) -> int:
 
 
 @triton.jit
-def _iq4_value(tab_ptr, q, mask):
-    """The IQ4 level (float32) of 4-bit codes q."""
-    level = tl.load(tab_ptr + IQ4_VALUES + q, mask=mask, other=0).to(tl.int8, bitcast=True)
+def _level(tab_ptr, q, mask, TABLE: tl.constexpr):
+    """The level (float32) of 4-bit codes q in the 16-entry int8 table at TABLE (IQ4_VALUES,
+    MXFP4_VALUES)."""
+    level = tl.load(tab_ptr + TABLE + q, mask=mask, other=0).to(tl.int8, bitcast=True)
     return level.to(tl.float32)
 
 
@@ -112,7 +117,12 @@ def dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         blk = row_ptr + (ks // 32) * 18
         j = ks % 32
         q = (_load_u8(blk + 2 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
-        w = _load_f16(blk, mask) * _iq4_value(tab_ptr, q, mask)
+        w = _load_f16(blk, mask) * _level(tab_ptr, q, mask, IQ4_VALUES)
+    elif QTYPE == MXFP4:  # e (E8M0) | 16 bytes of 4-bit codes, as IQ4_NL's
+        blk = row_ptr + (ks // 32) * 17
+        j = ks % 32
+        q = (_load_u8(blk + 1 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+        w = _load_e8m0_half(blk, mask) * _level(tab_ptr, q, mask, MXFP4_VALUES)
     elif QTYPE == IQ4_XS:  # d | scales_h u16 | scales_l 4 | codes 128 (16 per 32 values)
         blk = row_ptr + (ks // 256) * 136
         i = ks % 256
@@ -122,7 +132,7 @@ def dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         hi = (_load_u8(blk + 2 + ib // 4, mask) >> ((ib % 4) * 2)) & 3
         q = (_load_u8(blk + 8 + ib * 16 + r % 16, mask) >> ((r // 16) * 4)) & 0xF
         dl = _load_f16(blk, mask) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        w = dl * _iq4_value(tab_ptr, q, mask)
+        w = dl * _level(tab_ptr, q, mask, IQ4_VALUES)
     elif QTYPE == IQ3_S:  # d | qs 64 | qh 8 | signs 32 | scales 4: a grid point per 4 values
         blk = row_ptr + (ks // 256) * 110
         i = ks % 256

@@ -4,8 +4,8 @@ A `QTensor` keeps a weight as GGUF stores it (raw blocks, row-major, one row of 
 row) so that kernels can read the blocks directly; `dequantize()` gives the float32 values exactly
 as llama.cpp computes them, in pure torch so it runs where the blocks already are (CPU or GPU). The
 K-quants (256-value super-blocks) live in `kernels/formats/quant_k.py`, the i-quants (lattice
-codebooks) in `kernels/formats/quant_iq.py`; this file owns the types, the dispatch and the 32-value
-formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+codebooks) and MXFP4 (a level table, as IQ4_NL) in `kernels/formats/quant_iq.py`; this file owns
+the types, the dispatch and the 32-value formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
 
 `quantize()` writes blocks of the `QUANTIZE_QTYPES`, for building synthetic models and test
 fixtures.
@@ -50,6 +50,7 @@ SUPPORTED_QTYPES: frozenset[QType] = frozenset(
         QType.IQ2_XS,
         QType.IQ2_XXS,
         QType.IQ1_S,
+        QType.MXFP4,
     }
 )
 FLOAT_QTYPES: frozenset[QType] = frozenset({QType.F32, QType.F16, QType.BF16})

@@ -1,4 +1,5 @@
-"""GGUF i-quants (IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S), in pure torch.
+"""GGUF i-quants (IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_S) and MXFP4, in
+pure torch.
 
 Dequantizers take blocks [n, bytes per block] (uint8) and return values [n, block] (float32),
 bit-identical with llama.cpp's dequantize_row_iq* (as ported by gguf-py): the fp16 scale is
@@ -7,11 +8,14 @@ widened to float32 and combined with the sub-block scale in llama.cpp's order, e
 
 Most i-quants store indices into a lattice codebook (the "grid": 4 or 8 small integers per
 entry) plus sign bits; IQ4_NL/IQ4_XS store 4-bit indices into a 16-value non-linear table.
-The tables are read from the gguf package (which holds llama.cpp's tables) and kept as torch
-tensors, built once per device on first use.
+MXFP4 is IQ4_NL's cousin: 4-bit indices into the doubled E2M1 levels, scaled by a power of two
+stored as one E8M0 exponent byte instead of an fp16 `d` (the product is exact). The tables are
+read from the gguf package (which holds llama.cpp's tables) and kept as torch tensors, built once
+per device on first use.
 
 Block layouts (bytes; d is the fp16 scale):
     IQ4_NL  (18, 32 values): d | qs 16 (4-bit indices, low nibbles first)
+    MXFP4   (17, 32 values): e (E8M0) | qs 16 (as IQ4_NL's)
     IQ4_XS  (136):  d | scales_h 2 | scales_l 4 | qs 128 (8 sub-blocks laid out as IQ4_NL)
     IQ3_XXS (98):   d | qs 64 (grid of 4) | 8 x uint32 (4 x 7-bit sign index, 4-bit scale)
     IQ3_S   (110):  d | qs 64 | qh 8 (9th index bit) | signs 32 | scales 4 (4-bit)
@@ -64,6 +68,20 @@ def _kvalues(device: torch.device) -> torch.Tensor:
     return torch.tensor(gguf_quants.IQ4_NL.kvalues, dtype=torch.float32, device=device)
 
 
+@cache
+def _kvalues_mxfp4(device: torch.device) -> torch.Tensor:
+    """[16] float32: MXFP4's E2M1 levels doubled (llama.cpp's kvalues_mxfp4)."""
+    return torch.tensor(gguf_quants.MXFP4.kvalues, dtype=torch.float32, device=device)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """[...] uint8 E8M0 exponents -> [...] float32 2^(e - 128): half the scale 2^(e - 127)
+    they encode, as the levels are doubled. llama.cpp's ggml_e8m0_to_fp32_half, built from
+    the bits: e = 0 and 1 are the subnormals 2^-128 and 2^-127."""
+    e = e.int()
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
 def _signs(masks: torch.Tensor) -> torch.Tensor:
     """[...] uint8 sign masks -> [..., 8] float32: -1 where bit j is set, else +1."""
     return 1.0 - 2.0 * split_bits(masks, 8, 1).float()
@@ -86,6 +104,12 @@ def _nibble_pairs(b: torch.Tensor) -> torch.Tensor:
 def dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     d = fp16(blocks[:, :2])  # [n, 1]
     q = _kvalues(blocks.device)[nibbles(blocks[:, 2:]).long()]  # [n, 32]
+    return d * q
+
+
+def dequant_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    d = _e8m0_half(blocks[:, :1])  # [n, 1]
+    q = _kvalues_mxfp4(blocks.device)[nibbles(blocks[:, 1:]).long()]  # [n, 32]
     return d * q
 
 
@@ -174,6 +198,7 @@ def dequant_iq1_s(blocks: torch.Tensor) -> torch.Tensor:
 
 DEQUANTIZERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.IQ4_NL: dequant_iq4_nl,
+    QType.MXFP4: dequant_mxfp4,
     QType.IQ4_XS: dequant_iq4_xs,
     QType.IQ3_XXS: dequant_iq3_xxs,
     QType.IQ3_S: dequant_iq3_s,

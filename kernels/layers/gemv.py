@@ -2,8 +2,8 @@
 
 The kernel reads the GGUF blocks [N, row_bytes] directly and dequantizes a tile in registers, so a
 weight is read once in its compressed size (the point for a model larger than GPU memory: bandwidth,
-not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and the
-i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S (decoded in
+not FLOPs, bounds decode). Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, the
+i-quants IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and MXFP4 (decoded in
 `kernels.formats.iq_decode`; their tables are a byte buffer the kernel reads:
 `kernels.formats.iq_tables`). Dequantization follows `kernels/formats/quant.py` (llama.cpp's
 formulas) in float32; the products are accumulated in float32.

@@ -9,7 +9,7 @@ geometry. Read at llama.cpp commit 007dbbf; `tests/test_synth_ftype.py` checks i
 installed llama.cpp's own choice (a dry-run quantization) on every preset.
 
 Not ported (the synthetic presets never meet them): the IQ1_M, IQ2_M, IQ3_XS/M, Q2_K_S,
-Q3_K_S/L, IQ4 and MXFP4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
+Q3_K_S/L and IQ4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
 assumed, as for a plain `llama-quantize IN OUT TYPE`) and user overrides (--tensor-type,
 --output-tensor-type, --pure).
 
@@ -40,6 +40,9 @@ class Ftype:
     name: str
     file_type: LlamaFileType  # written as general.file_type (llama.cpp's LLAMA_FTYPE_*)
     default: QType  # llama_ftype_get_default_type: every quantized tensor no rule moves
+    # mxfp4_moe: the type of every tensor of more than one expert, which no other rule moves
+    # (llama-quantize's `ne[2] > 1`)
+    experts: QType | None = None
 
 
 FTYPES: Mapping[str, Ftype] = {
@@ -61,6 +64,7 @@ FTYPES: Mapping[str, Ftype] = {
         # llama.cpp's IQ2_S file type is mostly IQ2_XS (its IQ2_M is mostly IQ2_S)
         Ftype("iq2_s", LlamaFileType.MOSTLY_IQ2_S, QType.IQ2_XS),
         Ftype("iq1_s", LlamaFileType.MOSTLY_IQ1_S, QType.IQ1_S),
+        Ftype("mxfp4_moe", LlamaFileType.MOSTLY_MXFP4_MOE, QType.Q8_0, experts=QType.MXFP4),
     )
 }
 
@@ -303,6 +307,8 @@ def tensor_type(name: str, shape: tuple[int, ...], ftype: Ftype, model: ModelSha
     if not quantizable(name, len(shape)):
         return None
     cols = shape[-1]
+    if ftype.experts is not None and len(shape) == 3 and shape[0] > 1:
+        return fallback(name, cols, ftype.experts)
     cat = category(name)
     if cat == Category.OUTPUT or (cat == Category.TOKEN_EMBD and model.tied_embeddings):
         qtype = _output_type(ftype, cols)

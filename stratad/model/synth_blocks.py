@@ -11,13 +11,16 @@ values have mean 0 and the requested standard deviation:
   times half the quant range, so values are `d * sc * (q - (levels - 1) / 2)`;
 - Q3_K and Q6_K: sub-block scales of random sign; IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S:
   4-bit sub-block scales 8..15 over the signed grid values; IQ1_S: 3-bit scales 4..7 over its
-  grid values (-1, 0, 1) shifted by a delta of random sign (+-1/8 per 32 values).
+  grid values (-1, 0, 1) shifted by a delta of random sign (+-1/8 per 32 values);
+- MXFP4: a power-of-two scale per block (an E8M0 exponent) over its symmetric levels; a
+  power of two cannot hit every spread, so each block takes one of the two exponents around
+  it, the upper with the probability that makes the mean square right.
 
 `d` comes from the exact second moment of that construction (the quant levels, the scale
-choices and, for IQ4_NL and the grid types, gguf-py's copy of llama.cpp's value tables), so the
-spread is right in expectation, not fitted. Every draw comes from one SFC64 stream seeded by
-the caller: same seed, same bytes. Vectorised numpy; generating a block costs less than
-writing it to disk.
+choices and, for IQ4_NL, MXFP4 and the grid types, gguf-py's copy of llama.cpp's value
+tables), so the spread is right in expectation, not fitted. Every draw comes from one SFC64
+stream seeded by the caller: same seed, same bytes. Vectorised numpy; generating a block costs
+less than writing it to disk.
 """
 
 from __future__ import annotations
@@ -95,6 +98,19 @@ def _iq4nl_mean_square() -> float:
 
 def _write_iq4_nl(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
     _signed_scale_only(_iq4nl_mean_square())(blocks, std, bits)
+
+
+def _write_mxfp4(blocks: np.ndarray, std: float, bits: np.random.BitGenerator) -> None:
+    # e | qs[16]: y = kvalues[q] 2^(e - 128). The squared scale is 4^a for e = a + 128 and
+    # 4^(a + 1) for e = a + 129; taking the upper with probability p makes its mean
+    # (1 - p) 4^a + p 4^(a + 1), the target for p = (target / 4^a - 1) / 3.
+    target = std**2 / _mean_square(np.asarray(gguf_quants.MXFP4.kvalues))
+    a = int(np.floor(np.log2(target) / 2))
+    p = (target / 4.0**a - 1) / 3
+    e = a + 128 + (np.random.Generator(bits).random(len(blocks)) < p)
+    if not 2 <= e.min() <= e.max() <= 254:  # 2^-126..2^126: a normal float, levels finite
+        raise ValueError(f"std {std} cannot be stored as an MXFP4 block scale")
+    blocks[:, 0] = e
 
 
 # --- K-quants (256-value super-blocks) -----------------------------------------------------------
@@ -223,6 +239,7 @@ _WRITERS: Mapping[QType, Writer] = {
     QType.Q5_0: _signed_scale_only(_mean_square(_levels(32, 16))),
     QType.Q5_1: _write_q5_1,
     QType.IQ4_NL: _write_iq4_nl,
+    QType.MXFP4: _write_mxfp4,
     QType.Q2_K: _write_q2_k,
     QType.Q3_K: _write_q3_k,
     QType.Q4_K: _with_minimum(16, scales_at=4),

@@ -20,8 +20,9 @@ Mix = tuple[QType, QType, QType]  # gate, up, down
 
 def random_blocks(qtype: QType, rows: int, cols: int, device: torch.device) -> torch.Tensor:
     """[rows, row bytes] random GGUF blocks of `qtype` whose fp16 scales are small and finite
-    (every block type's first field is one, and some K-quants' second too); a float type's
-    values are normal numbers (random bytes would hold subnormals and NaNs)."""
+    (every block type's first field is one but MXFP4's, an exponent byte, and some K-quants'
+    second too); a float type's values are normal numbers (random bytes would hold subnormals
+    and NaNs)."""
     if qtype in FLOAT_QTYPES:
         dtype = {QType.F32: torch.float32, QType.F16: torch.float16}.get(qtype, torch.bfloat16)
         values = torch.randn(rows, cols, device=device).to(dtype)
@@ -35,6 +36,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, device: torch.device) -> t
     fields = {QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
     for at in fields.get(qtype, ()):
         raw[:, at : at + 2] = scale.view(-1, 2)
+    if qtype == QType.MXFP4:  # E8M0 exponent e, scale 2^(e - 128): 2^-10, about 1e-3
+        raw[:, 0] = 118
     return raw.reshape(rows, row_bytes(qtype, cols))
 
 
