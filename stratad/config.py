@@ -182,10 +182,11 @@ class EngineConfig(_Section, frozen=True):
     cpu_interleave: bool = True
     """The cpu engine copies its dense Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights (the layers'
     projections, the router, the head) once at start into rows interleaved in eights, which
-    its kernels read 1.3-3x faster (as llama.cpp repacks Q4_0 and Q4_K; docs/engine.md). The
-    copy lives in RAM and the file's pages it was made from are given back; off reads every
-    weight from the file's mapping, for a dense model larger than RAM (the copy would not
-    fit)."""
+    its kernels read 1.3-3x faster (as llama.cpp repacks Q4_0 and Q4_K; docs/engine.md), and
+    makes the expert store's RAM copies of a MoE model's experts in the same layout as it pins
+    them (the plan sizes them so). The dense copy lives in RAM and the file's pages it was made
+    from are given back; off reads every weight from the file's mapping and pins the experts'
+    blobs as they are, for a dense model larger than RAM (the copy would not fit)."""
     gpu_miss: Literal["auto", "copy", "in_place"] = "auto"
     """Offload engine: how the GPU gets the experts a decode step misses in VRAM. `copy`: one
     fetch kernel per layer copies them from page-locked RAM into VRAM staging (it keeps the
