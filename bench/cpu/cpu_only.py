@@ -23,10 +23,11 @@ plan has no profile here: which experts stay in RAM is the plan's default order.
 `--memory-limit-gib L` runs each engine as on a host with L GiB of RAM: in a memory cgroup of
 its own (`bench/cpu/memlimit.py`; needs root), after the model file's cached pages are dropped, so
 a model larger than L is read from the disk again wherever the kernel dropped its pages.
-`--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`): by
-default it copies them into its own interleaved layout for the CPU's vector units, which
-needs RAM for the whole model. `--cpu-interleave off` does the same for Strata's dense weights
-(`engine.cpu_interleave`: by default copied into rows interleaved in eights).
+`--llamacpp-repack off` keeps llama.cpp's weights in the file's mapping (`--no-repack`;
+llama-bench's `--repack 0`): by default it copies them into its own interleaved layout for the
+CPU's vector units, which needs RAM for the whole model. `--cpu-interleave off` does the same
+for Strata's weights (`engine.cpu_interleave`: by default its dense weights are copied into
+rows interleaved in eights, and the store's RAM copies of experts are made so).
 
 `--llama-bench PATH` times llama.cpp with its own tools built from source for this host
 (`bench/llamacpp_build.sh SOURCE DIR cpu`: the host's instruction set, AMX off): `llama-bench`
@@ -173,7 +174,8 @@ def run_llama_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch > 1:
         return _llama_batched_bench(binary.with_name("llama-batched-bench"), args)
     base = [str(binary), "-m", str(args.model), "-t", str(args.threads), "-r",
-            str(args.repeats), "-o", "json"]  # fmt: skip
+            str(args.repeats), "-o", "json", "--repack", "1" if args.llamacpp_repack == "on"
+            else "0"]  # fmt: skip
     # the prompt from an empty context; the decode after it (-d: as Strata decodes here, not
     # from depth 0, where attention costs nothing)
     runs = (["-p", str(args.prompt_len), "-n", "0"],
