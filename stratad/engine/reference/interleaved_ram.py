@@ -1,11 +1,11 @@
 """The cpu engine's RAM copies of experts with their rows interleaved in eights.
 
 The one-call MoE layers (`kernels/cpu/moe_layers.h`) read each routed expert where the store
-says it lies (`ExpertStore.in_place`). A dense weight the kernels read fastest in rows
-interleaved in eights (`kernels/cpu/interleave.h`: one VNNI dot for four values of eight
-rows); here the store's RAM copies are made in that layout as they are pinned, so that the
-experts in RAM are read as fast, while those still in the file are read as GGUF rows (each
-part's type code goes with its address). The copy is made from the blob as read, one expert
+says it lies (`ExpertStore.in_place`). The kernels read a weight fastest in rows interleaved
+in eights (`kernels/cpu/interleave.h`: one VNNI dot for four values of eight rows), as the
+cpu engine holds its dense weights; here the store's RAM copies are made in that layout as
+they are pinned, while the experts still in the file are read as GGUF rows (each part's type
+code goes with its address). The copy is made from the blob as read, one expert
 at a time on the pinner's thread (one kernel thread: pinning is paced, serving goes on).
 
 A part whose type has no interleaved layout stays in its GGUF bytes; the copy's parts lie at
