@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf import quants as gguf_quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.model.spec import ModelError
@@ -19,8 +18,8 @@ H, F, V = 64, 96, 32
 
 
 def _write_llama(path: Path, arch: str = "llama", skip: str = "", odd: str = "") -> None:
-    """A one-layer llama GGUF; `skip` leaves a tensor out, `odd` stores one as MXFP4 (a type
-    Strata does not read)."""
+    """A one-layer llama GGUF; `skip` leaves a tensor out, `odd` stores one as NVFP4 (a type
+    Strata does not read; zero blocks, which gguf cannot quantize into)."""
     w = GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(128)
@@ -49,8 +48,10 @@ def _write_llama(path: Path, arch: str = "llama", skip: str = "", odd: str = "")
             continue
         values = rng.standard_normal(shape).astype(np.float32) * 0.1
         if name == odd:
-            qt = GGMLQuantizationType.MXFP4
-            w.add_tensor(name, gguf_quants.quantize(values, qt), raw_dtype=qt)
+            qt = GGMLQuantizationType.NVFP4
+            values_per_block, block_bytes = GGML_QUANT_SIZES[qt]
+            blocks = np.zeros((shape[0], shape[1] // values_per_block * block_bytes), np.uint8)
+            w.add_tensor(name, blocks, raw_dtype=qt)
         else:
             w.add_tensor(name, values)
     w.write_header_to_file()
@@ -70,7 +71,7 @@ def test_good_file_loads(tmp_path: Path) -> None:
     [
         ("unknown-arch", "unknown architecture 'gpt-foo'"),
         ("missing-tensor", "missing tensor 'model.layers.0.self_attn.k_proj.weight'"),
-        ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type MXFP4"),
+        ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type NVFP4"),
         ("truncated-data", "truncated: tensor data ends early"),
         ("truncated-header", "not a readable GGUF file"),
         ("absent", "no such model file"),
@@ -108,7 +109,7 @@ def test_daemon_reports_one_line(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_BAD_MODEL
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "has type MXFP4" in errors[0], proc.stderr
+    assert len(errors) == 1 and "has type NVFP4" in errors[0], proc.stderr
 
 
 def test_bad_config_is_named(tmp_path: Path) -> None:
