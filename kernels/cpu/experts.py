@@ -198,7 +198,7 @@ class CpuExperts:
         if nbytes < 0:
             return w, int(qtype)
         out = torch.empty(nbytes, dtype=torch.uint8)
-        code = self.interleave_into(w, qtype, rows, cols, out, self.threads)
+        code = self._interleave_checked(w, qtype, rows, cols, out, self.threads)
         if code == int(qtype):
             return w, code
         if files is not None:
@@ -218,6 +218,12 @@ class CpuExperts:
         if nbytes < 0 or not fits:
             raise ValueError(f"no room or no interleaved layout for a [{rows}, {cols}] "
                              f"{QType(qtype).name} matrix in {out.numel()} bytes")  # fmt: skip
+        return self._interleave_checked(w, qtype, rows, cols, out, threads)
+
+    def _interleave_checked(
+        self, w: torch.Tensor, qtype: QType, rows: int, cols: int, out: torch.Tensor, threads: int
+    ) -> int:
+        """`interleave_into` once w and out are checked."""
         rc = self._interleave(w.data_ptr(), int(qtype), rows, cols, out.data_ptr(), threads)
         if rc == -4:  # a Q4_0 scale too large for its offset in fp16: the GGUF layout serves
             out[: w.numel()].copy_(w.view(torch.uint8).reshape(-1))

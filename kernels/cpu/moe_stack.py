@@ -184,6 +184,8 @@ class MoEStack:
             if not np.all((codes == stacks) | (codes == (stacks | X8))):
                 raise ValueError("an expert's type code is neither its stack's type nor that"
                                  " type interleaved")  # fmt: skip
+            if np.all(codes == stacks):  # the stacks' types: no per-expert matrix in the call
+                codes = None
         self._tables_in_use[layer] = (table, codes)
         c.experts = table.ctypes.data
         c.codes = None if codes is None else codes.ctypes.data
