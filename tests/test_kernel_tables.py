@@ -13,8 +13,16 @@ import pytest
 
 from kernels.experts.expert_fetch import FetchConfig
 from kernels.experts.moe import MoeConfig
+from kernels.formats.quant import QType
 from kernels.tuning import table_file, tables
-from kernels.tuning.configs import KernelConfigs, TuningTableError, configs_from_json, load_configs
+from kernels.tuning.configs import (
+    KernelConfigs,
+    TuningTableError,
+    configs_from_json,
+    configs_from_kernels,
+    configs_to_json,
+    load_configs,
+)
 from stratad.engine.offload.kernel_table import BUILTIN, configs_for_run, kernel_configs, lookup
 from stratad.model.spec import ModelSpec
 
@@ -78,7 +86,9 @@ def test_exact_match_is_said_at_info(tmp_path: Path, caplog: pytest.LogCaptureFi
     path = write(tmp_path, "sm90-cuda-13.0")
     with caplog.at_level(logging.INFO, "stratad.engine"):
         got = kernel_configs("cuda", A3B, stack("sm90-cuda-13.0"), [tmp_path])
-    assert got == replace(KernelConfigs(), moe=MoeConfig(block_n=64))
+    # a table without "moe_down" runs down with "moe"'s settings
+    moe = MoeConfig(block_n=64)
+    assert got == replace(KernelConfigs(), moe=moe, moe_down=moe)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.INFO, f"kernel tuning table sm90-cuda-13.0: using {path}")]
     assert tables.select(stack("sm90-cuda-13.0"), [tmp_path]).exact
@@ -108,6 +118,39 @@ def test_nearest_version_is_used_with_one_warning_naming_both(
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "tuned for cuda 11.8, on cuda 11.7" in caplog.records[0].getMessage()
     assert "the cost of the mismatch was not measured" in caplog.records[0].getMessage()
+
+
+def test_down_launch_settings_of_their_own() -> None:
+    got = configs_from_kernels({"moe": {"block_n": 8, "group_pairs": False},
+                                "moe_down": {"block_n": 32, "super_blocks": 4}})  # fmt: skip
+    assert got.moe == MoeConfig(block_n=8, group_pairs=False)
+    assert got.moe_down == MoeConfig(block_n=32, super_blocks=4)
+    assert configs_from_kernels({"moe_down": {"block_n": 32}}).moe == MoeConfig()
+
+
+def test_moe_launch_settings_per_type() -> None:
+    """`moe@TYPE` / `moe_down@TYPE` set a launch for one GGUF type, on top of the launch's
+    own settings; other types keep the launch's; written back as read."""
+    got = configs_from_kernels({"moe": {"block_n": 16, "num_warps": 4},
+                                "moe@q4_k": {"block_n": 2, "num_warps": 1},
+                                "moe_down@q6_k": {"block_n": 4}})  # fmt: skip
+    assert got.moe_for("moe", QType.Q4_K) == MoeConfig(block_n=2, num_warps=1)
+    assert got.moe_for("moe", QType.Q4_0) == MoeConfig(block_n=16, num_warps=4)
+    assert got.moe_for("moe_down", QType.Q6_K) == MoeConfig(block_n=4, num_warps=4)
+    assert got.moe_for("moe_down", QType.Q4_K) == MoeConfig(block_n=16, num_warps=4)
+    assert configs_from_kernels(configs_to_json(got)) == got
+    for bad, match in (({"linear@q4_k": {}}, "only moe and moe_down take settings per type"),
+                       ({"moe@q4_q": {}}, "'q4_q' is no type the MoE kernels read"),
+                       ({"moe@q4_k": {"block_n": 0}}, "kernels.moe@q4_k.block_n = 0")):  # fmt: skip
+        with pytest.raises(TuningTableError, match=match):
+            configs_from_kernels(bad)
+
+
+def test_the_shipped_sm90_table_sets_the_measured_types() -> None:
+    path = ROOT / "kernels" / "tables" / "sm90-cuda-13.0.json"
+    got = load_configs(path)
+    assert got.moe_for("moe", QType.Q4_K).block_n == 2
+    assert got.moe_for("moe", QType.Q4_0) == got.moe  # Q4_0's reader keeps the wider launch
 
 
 def test_nearest_version_rule() -> None:

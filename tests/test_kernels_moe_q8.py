@@ -80,13 +80,20 @@ def test_int8_dots_only_where_aligned_and_typed() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8])
-def test_int8_dots_gpu(t: int) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [MoeConfig(int8_dots=True),
+     MoeConfig(block_n=2, super_blocks=4, num_warps=1, int8_dots=True, group_pairs=False),
+     MoeConfig(block_n=4, num_warps=1, int8_dots=True, group_pairs=False)],
+    ids=["default", "sm90-gate-up", "sm90-down"],
+)  # fmt: skip
+def test_int8_dots_gpu(t: int, cfg: MoeConfig) -> None:
     """a3b's expert shapes in the Q4_K_M mix through dp4a: near the Q8-rounded reference,
     each token alone bit for bit its output in the batch."""
     x, _, _, table, experts = _mixed_case(Q4_K_M, 1, 8, 16, 2048, 768, "cuda")
     x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(t))
     ids, weights = _routed(t, 8, 16, seed=t)
-    cfg, fmt = MoeConfig(int8_dots=True), ExpertFormat(*Q4_K_M)
+    fmt = ExpertFormat(*Q4_K_M)
     xc, idc, wc = x.cuda(), ids.cuda(), weights.cuda()
     got = fused_moe(xc, idc, wc, table, 768, cfg, aligned=True, fmt=fmt)
     ref = fused_moe_ref(x, ids, weights, experts, int8=(True, True, True))

@@ -99,7 +99,8 @@ def test_a_partial_table_keeps_the_other_defaults() -> None:
     got = configs_from_json({"kernels": {"fetch": {"chunk": 32768}}})
     assert got == replace(KernelConfigs(), fetch=FetchConfig(chunk=32768))
     got = configs_from_json({"kernels": {"moe": {"int8_dots": True}}})
-    assert got == replace(KernelConfigs(), moe=replace(KernelConfigs().moe, int8_dots=True))
+    moe = replace(KernelConfigs().moe, int8_dots=True)  # down too: the table has no moe_down
+    assert got == replace(KernelConfigs(), moe=moe, moe_down=moe)
 
 
 def test_the_daemon_falls_back_to_defaults_on_a_bad_or_missing_table(tmp_path: Path) -> None:

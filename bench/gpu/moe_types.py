@@ -11,7 +11,9 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 distinct routed experts' three projections: the kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
 for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 and `:ng` for a program per (token, expert)
-pair rather than one per expert (default: the built-in `MoeConfig`).
+pair rather than one per expert (default: the built-in `MoeConfig`). `--launch gate_up` or
+`down` times that launch alone (the engine's table sets each apart: `kernels.moe` and
+`kernels.moe_down`); `bench.gpu.moe_pick` writes the fastest of each into a tuning table.
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
 `stratactl bench kernels` times the same kernels (each type the model holds) among all the
 others, against ceilings it measures; this driver compares every type at once.
@@ -27,7 +29,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.experts.moe import ExpertFormat, MoeConfig, expert_table, fused_moe, split_q4_0
+from kernels.experts.moe import (
+    ExpertFormat,
+    MoeConfig,
+    expert_table,
+    fused_moe,
+    moe_down,
+    moe_gate_up,
+    split_q4_0,
+)
 from kernels.formats.quant import QType
 from stratad.tuning.bench_weights import random_blocks
 
@@ -67,6 +77,12 @@ def _config(text: str) -> MoeConfig:
                      group_pairs="ng" not in flags)  # fmt: skip
 
 
+def config_tag(cfg: MoeConfig) -> str:
+    """The `--configs` text of a setting."""
+    tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
+    return tag + (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
+
+
 def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
     return torch.stack([torch.randperm(a.experts, device="cuda")[: a.top_k]
                         for _ in range(t)]).to(torch.int32)  # fmt: skip
@@ -80,17 +96,28 @@ def time_format(
     experts = [(_matrix(mix[0], f, h), _matrix(mix[1], f, h), _matrix(mix[2], h, f))
                for _ in range(a.experts)]  # fmt: skip
     table = expert_table(experts).cuda()  # type: ignore[arg-type]
-    nbytes = sum(m.numel() for m in experts[0])
+    nbytes = sum(m.numel() for m in experts[0][: 2 if a.launch == "gate_up" else 3])
+    nbytes = experts[0][2].numel() if a.launch == "down" else nbytes
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((t, a.top_k), 1.0 / a.top_k, device="cuda")
     ids = _route(t, a)
     fmt = ExpertFormat(*mix)
+    act = moe_gate_up(x, ids, table, f, cfg, aligned, fmt)
+
+    def call() -> None:
+        if a.launch == "gate_up":
+            moe_gate_up(x, ids, table, f, cfg, aligned, fmt)
+        elif a.launch == "down":
+            moe_down(act, ids, weights, table, h, cfg, aligned, fmt)
+        else:
+            fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
+
     for _ in range(3):  # compile, warm
-        fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
+        call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(a.calls):
-            fused_moe(x, ids, weights, table, f, cfg, aligned, fmt)
+            call()
     times, distinct = [], []
     for _ in range(a.repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,6 +135,7 @@ def time_format(
         "gbs": statistics.median(distinct) * nbytes / us / 1e3,
         "expert_mib": nbytes / 2**20,
         "tokens": t,
+        "launch": a.launch,
         "config": asdict(cfg),
     }
 
@@ -127,6 +155,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", type=_config, default=[MoeConfig()],
                    metavar="N:SB:W", help="block_n:super_blocks:num_warps settings to time")
     p.add_argument("--aligned-only", action="store_true")
+    p.add_argument("--launch", choices=("both", "gate_up", "down"), default="both",
+                   help="time both launches (a layer's experts) or one alone")  # fmt: skip
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -141,6 +171,7 @@ def main() -> None:
     d2d = 2 * 5 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # read + write
     del src, dst
     print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
+    print(f"launch: {a.launch}")
     print(f"{'format':22} {'path':10} {'T':>3} {'config':>11} {'us/call':>8} {'spread':>17}"
           f" {'GB/s':>7} {'of D2D':>7}")  # fmt: skip
     out: dict[str, object] = {"d2d_gbs": d2d, "device": torch.cuda.get_device_name()}
@@ -151,9 +182,9 @@ def main() -> None:
                 for cfg in a.configs:
                     r = time_format(mix, aligned, a, t, cfg)
                     path = "aligned" if aligned else "unaligned"
-                    tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
-                    tag += (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
-                    out[f"{name}/{path}/t{t}/{tag}"] = r
+                    tag = config_tag(cfg)
+                    launch = "" if a.launch == "both" else f"/{a.launch}"
+                    out[f"{name}/{path}/t{t}/{tag}{launch}"] = r
                     lo, hi = r["spread_us"]
                     print(f"{name:22} {path:10} {t:3} {tag:>11} {r['us']:8.1f} {lo:8.1f}-{hi:<8.1f}"
                           f" {r['gbs']:7.0f} {100 * r['gbs'] / d2d:6.1f}%")  # fmt: skip

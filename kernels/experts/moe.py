@@ -182,7 +182,8 @@ def _rows_dot(
     """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K] (X8: dot x's Q8
     row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
     if X8:
-        acc = q8_rows_dot(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, QTYPE, BLOCK_N, SBS, ASM)
+        row_at = w_ptr + rows.to(tl.int64) * ROW_BYTES
+        acc = q8_rows_dot(row_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)
     elif QTYPE == Q4_0:
         acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
     else:

@@ -105,7 +105,7 @@ def _load_i32_halves(ptr, mask):
 
 @triton.jit
 def _q45_k_rows_dot_q8(
-    w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
+    row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
     FIVE_BIT: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N] float32: rows of a Q4_K (144-byte blocks) or Q5_K matrix (176: a 32-byte plane
@@ -116,7 +116,6 @@ def _q45_k_rows_dot_q8(
     fifth bits of those values are bits 2p and 2p + 1 of the plane's word w."""
     xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
     xs_ptr = (x8_ptr + K + 4 * (K // 32)).to(tl.pointer_type(tl.float32))
-    rows64 = rows.to(tl.int64)
     sp = tl.arange(0, 4 * SBS)[None, :, None]  # [1, P, 1]: (super-block of the step, pair)
     word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
     sp2 = tl.arange(0, 4 * SBS)[None, :]  # [1, P]
@@ -127,7 +126,7 @@ def _q45_k_rows_dot_q8(
         sb, pair = sb0 + sp // 4, sp % 4
         smask = sb < nsb
         mask3 = row_mask[:, None, None] & smask
-        blk = w_ptr + rows64[:, None, None] * ROW_BYTES + sb * nbytes
+        blk = row_at[:, None, None] + sb * nbytes
         q = tl.load((blk + nbytes - 128 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)),
                     mask=mask3, other=0)  # fmt: skip
         lo = q & 0x0F0F0F0F
@@ -145,7 +144,7 @@ def _q45_k_rows_dot_q8(
         sb2, pair2 = sb0 + sp2 // 4, sp2 % 4
         smask2 = sb2 < nsb
         hmask = row_mask[:, None] & smask2  # [BN, P]
-        head = w_ptr + rows64[:, None] * ROW_BYTES + sb2 * nbytes
+        head = row_at[:, None] + sb2 * nbytes
         d = _load_f16(head, hmask)
         dmin = _load_f16(head + 2, hmask)
         sub = 2 * pair2  # the low nibbles' sub-block
@@ -166,8 +165,7 @@ def _q45_k_rows_dot_q8(
 
 @triton.jit
 def _q6_k_rows_dot_q8(
-    w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
-    ASM: tl.constexpr,
+    row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N] float32: rows of a Q6_K matrix (210-byte blocks: ql 128 | qh 64 | int8
     scales 16 | d; 2-byte aligned) dot the Q8 row at x8_ptr. Half n of a super-block holds
@@ -184,14 +182,13 @@ def _q6_k_rows_dot_q8(
     hn3 = tl.arange(0, 2 * SBS)[None, :, None]
     g3 = tl.arange(0, 2)[None, None, :]
     hn2 = tl.arange(0, 2 * SBS)[None, :]
-    rows64 = rows.to(tl.int64)
     nsb = K // 256
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for sb0 in range(0, nsb, SBS):
         sb, n = sb0 + hn // 2, hn % 2
         smask = sb < nsb
         mask4 = row_mask[:, None, None, None] & smask
-        blk = w_ptr + rows64[:, None, None, None] * ROW_BYTES + sb * 210
+        blk = row_at[:, None, None, None] + sb * 210
         qa = _load_i32_halves(blk + 64 * n + lane, mask4)
         qb = _load_i32_halves(blk + 64 * n + 32 + lane, mask4)
         qh = _load_i32_halves(blk + 128 + 32 * n + lane, mask4)
@@ -199,7 +196,7 @@ def _q6_k_rows_dot_q8(
         sb3, n3 = sb0 + hn3 // 2, hn3 % 2
         smask3 = sb3 < nsb
         mask3 = row_mask[:, None, None] & smask3
-        sc_at = w_ptr + rows64[:, None, None] * ROW_BYTES + sb3 * 210 + 192
+        sc_at = row_at[:, None, None] + sb3 * 210 + 192
         zero = tl.zeros_like(qa)
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
@@ -219,24 +216,22 @@ def _q6_k_rows_dot_q8(
             xs = tl.load(xs_ptr + sb3 * 16 + 8 * n3 + 2 * k + g3, mask=smask3, other=0.0)
             part += sc.to(tl.float32) * (xd * i16.to(tl.float32) - 32.0 * xs)
         sb2 = sb0 + hn2 // 2
-        d_at = w_ptr + rows64[:, None] * ROW_BYTES + sb2 * 210 + 208  # [BN, HN]
+        d_at = row_at[:, None] + sb2 * 210 + 208  # [BN, HN]
         d = _load_f16(d_at, row_mask[:, None] & (sb2 < nsb))
         acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
     return acc
 
 
 @triton.jit
-def _q8_0_rows_dot_q8(
-    w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, ASM: tl.constexpr
-):  # fmt: skip
+def _q8_0_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_N] float32: rows of a Q8_0 matrix (34-byte blocks: d | 32 int8; 2-byte aligned)
     dot the Q8 row at x8_ptr, eight blocks a step: [BN, 8, 8] words of codes."""
     xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
     blk = tl.arange(0, 8)[None, :, None]
     blk2 = tl.arange(0, 8)[None, :]
     word = tl.arange(0, 8)[None, None, :]
-    row = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES  # [BN, 1, 1]
-    row2 = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
+    row = row_at[:, None, None]  # [BN, 1, 1]
+    row2 = row_at[:, None]  # [BN, 1]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     nb = K // 32
     for b0 in range(0, nb, 8):
@@ -254,21 +249,20 @@ def _q8_0_rows_dot_q8(
 
 @triton.jit
 def q8_rows_dot(
-    w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SBS: tl.constexpr, ASM: tl.constexpr,
+    row_at, row_mask, x8_ptr, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """Rows of a projection of GGUF blocks of QTYPE (one of `Q8_DOT_QTYPES`) dot the Q8 row
-    at x8_ptr."""
+    """[BLOCK_N] float32: rows of GGUF blocks of QTYPE (one of `Q8_DOT_QTYPES`), each at
+    its own byte address (`row_at` [BLOCK_N], uint8 pointers: the rows of one matrix, or of
+    two matrices of one type side by side), dot the Q8 row at x8_ptr."""
     if QTYPE == Q4_K:
-        acc = _q45_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS,
-                                 False, ASM)  # fmt: skip
+        acc = _q45_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, False, ASM)
     elif QTYPE == Q5_K:
-        acc = _q45_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS,
-                                 True, ASM)  # fmt: skip
+        acc = _q45_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, True, ASM)
     elif QTYPE == Q6_K:
-        acc = _q6_k_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, SBS, ASM)
+        acc = _q6_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, ASM)
     else:
-        acc = _q8_0_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, ROW_BYTES, BLOCK_N, ASM)
+        acc = _q8_0_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, ASM)
     return acc
 
 

@@ -215,13 +215,14 @@ def _decode_experts(
         def gate_up(layer: ExpertLayer = layer, ids: list[torch.Tensor] = ids,
                     fmt: ExpertFormat = fmt, al: bool = al) -> None:  # fmt: skip
             for i in ids:
-                moe_gate_up(x, i, layer.table, f, cfg.moe, al, fmt)
+                moe_gate_up(x, i, layer.table, f, cfg.moe_for("moe", fmt.gate), al, fmt)
 
         def down(layer: ExpertLayer = layer, ids: list[torch.Tensor] = ids,
                  acts: list[torch.Tensor] = acts, fmt: ExpertFormat = fmt,
                  al: bool = al) -> None:  # fmt: skip
             for i, a in zip(ids, acts, strict=True):
-                moe_down(a, i, weights, layer.table, h, cfg.moe, al, fmt)
+                moe_down(a, i, weights, layer.table, h, cfg.moe_for("moe_down", fmt.down), al,
+                         fmt)  # fmt: skip
 
         gate, up, dn = layer.mix
         if (gate, up) not in timed:

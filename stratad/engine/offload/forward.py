@@ -311,9 +311,11 @@ class OffloadForward:
                 ids, table = fetch_experts(ids, table, span, buf, self.layouts.copy_bytes(i), cfg)
             name = "experts (VRAM)"
         with stage(name):
-            moe, aligned, fmt = self.config.kernels.moe, self._aligned, self.layouts[i].fmt
-            act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, moe, aligned, fmt)
-            return moe_down(act, ids, weights, table, self.spec.hidden, moe, aligned, fmt)
+            kernels, aligned, fmt = self.config.kernels, self._aligned, self.layouts[i].fmt
+            gate_up, down = kernels.moe_for("moe", fmt.gate), kernels.moe_for("moe_down", fmt.down)
+            act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, gate_up, aligned,
+                              fmt)  # fmt: skip
+            return moe_down(act, ids, weights, table, self.spec.hidden, down, aligned, fmt)
 
     @property
     def tables(self) -> list[ExpertTable]:
