@@ -96,8 +96,8 @@ def time_format(
     experts = [(_matrix(mix[0], f, h), _matrix(mix[1], f, h), _matrix(mix[2], h, f))
                for _ in range(a.experts)]  # fmt: skip
     table = expert_table(experts).cuda()  # type: ignore[arg-type]
-    nbytes = sum(m.numel() for m in experts[0][: 2 if a.launch == "gate_up" else 3])
-    nbytes = experts[0][2].numel() if a.launch == "down" else nbytes
+    read = {"gate_up": experts[0][:2], "down": experts[0][2:]}.get(a.launch, experts[0])
+    nbytes = sum(m.numel() for m in read)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((t, a.top_k), 1.0 / a.top_k, device="cuda")
     ids = _route(t, a)

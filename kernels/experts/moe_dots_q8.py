@@ -253,8 +253,7 @@ def q8_rows_dot(
     ASM: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N] float32: rows of GGUF blocks of QTYPE (one of `Q8_DOT_QTYPES`), each at
-    its own byte address (`row_at` [BLOCK_N], uint8 pointers: the rows of one matrix, or of
-    two matrices of one type side by side), dot the Q8 row at x8_ptr."""
+    its own byte address (`row_at` [BLOCK_N], uint8 pointers), dot the Q8 row at x8_ptr."""
     if QTYPE == Q4_K:
         acc = _q45_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, False, ASM)
     elif QTYPE == Q5_K:
