@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a GPU host from a folder of wheels, run the GPU tests and the end-to-end benchmark.
 #
-#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|moe|all]
+#   bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|moe|dense|all]
 #
 # WHEEL_DIR holds wheels for what the host's Python lacks (on a CUDA image with torch, triton,
 # aiohttp, tokenizers, jinja2 and prometheus_client: gguf and msgspec for the engine; for the
@@ -21,15 +21,17 @@
 # (gate/up, down) of the a3b's $DECODE_FTYPE format timed alone over a grid of launch
 # settings, and the fastest per type written into a copy of the shipped table
 # (moe-sweep-*.{txt,json}, moe-picked.json: pass it to bench.gpu.batch_decode --kernel-table
-# to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there).
+# to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there); for
+# `dense` (not part of `all`): the a3b's dense projections in bf16 against the same matrices
+# read in their GGUF type (dense-types.{txt,json}).
 # The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
-WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
-OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|all]}
+WHEELS=${1:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|moe|dense|all]}
+OUT=${2:?usage: bench/gpu.sh WHEEL_DIR OUT_DIR [tests|tune|bench|pinning|types|decode|moe|dense|all]}
 WHAT=${3:-all}
-case $WHAT in tests|tune|bench|pinning|types|decode|moe|all) ;;
-    *) echo "bench/gpu.sh: unknown step $WHAT (tests|tune|bench|pinning|types|decode|moe|all)" >&2; exit 2 ;;
+case $WHAT in tests|tune|bench|pinning|types|decode|moe|dense|all) ;;
+    *) echo "bench/gpu.sh: unknown step $WHAT (tests|tune|bench|pinning|types|decode|moe|dense|all)" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -100,6 +102,12 @@ if [[ $WHAT == moe ]]; then
     [[ -n $table ]] || { echo "no tuning table for this stack: stratactl tune writes one" >&2; exit 1; }
     python3 -m bench.gpu.moe_pick --format "$fmt" --sweep "$OUT"/moe-sweep-*.json \
         --base "$table" --out "$OUT/moe-picked.json"
+fi
+if [[ $WHAT == dense ]]; then
+    grid=()
+    for n in 1 2 4 8; do for sb in 1 2 4; do for w in 1 2 4; do grid+=("$n:$sb:$w"); done; done; done
+    python3 -m bench.gpu.dense_types --configs "${grid[@]}" --json "$OUT/dense-types.json" 2>&1 \
+        | tee "$OUT/dense-types.txt"
 fi
 if [[ $WHAT == decode ]]; then
     # issue 28's comparison in one call: B sequences decoded together beside llama.cpp
