@@ -23,7 +23,8 @@
 # (moe-sweep-*.{txt,json}, moe-picked.json: pass it to bench.gpu.batch_decode --kernel-table
 # to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there); for
 # `dense` (not part of `all`): the a3b's dense projections in bf16 against the same matrices
-# read in their GGUF type (dense-types.{txt,json}).
+# read in their GGUF type (dense-types.{txt,json}), then the engine without and with
+# --dense-gguf, A/B/A (dense-engine.md).
 # The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
@@ -44,9 +45,16 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 
 if [[ $WHAT == tests || $WHAT == all ]]; then
-    # only the files that hold GPU tests: others import CPU-side references (llama.cpp)
+    # only the files that hold GPU tests (others import CPU-side references: llama.cpp), each
+    # in a process of its own: in one process, a file's failure once took ~60 passing kernel
+    # tests of later files down with it (bench/results/2026-12-06-h100-r18.md)
     mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
-    python3 -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/gpu-tests.log" || true
+    : >"$OUT/gpu-tests.log"
+    for f in "${files[@]}"; do
+        echo "== $f" | tee -a "$OUT/gpu-tests.log"
+        python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider "$f" 2>&1 \
+            | tee -a "$OUT/gpu-tests.log" | tail -n 1 || true
+    done
 fi
 if [[ $WHAT == tune || $WHAT == all ]]; then
     # a tuning table for this stack at a3b's shapes (E2E_ARGS="--kernel-table PATH" uses it)
@@ -108,6 +116,15 @@ if [[ $WHAT == dense ]]; then
     for n in 1 2 4 8; do for sb in 1 2 4; do for w in 1 2 4; do grid+=("$n:$sb:$w"); done; done; done
     python3 -m bench.gpu.dense_types --configs "${grid[@]}" --json "$OUT/dense-types.json" 2>&1 \
         | tee "$OUT/dense-types.txt"
+    # the engine with and without the GGUF copy of the dense projections, A/B/A
+    ft=${DECODE_FTYPE:-q4_k_m}
+    file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
+    [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
+    for arm in bf16 gguf bf16; do
+        flag=(); [[ $arm == gguf ]] && flag=(--dense-gguf)
+        python3 -m bench.gpu.batch_decode --model "$file" --expert-vram-gib 40 --batches 1,8 \
+            --prompt-len 128 --decode-tokens 32 "${flag[@]}" 2>&1 | tee -a "$OUT/dense-engine.md"
+    done
 fi
 if [[ $WHAT == decode ]]; then
     # issue 28's comparison in one call: B sequences decoded together beside llama.cpp

@@ -201,3 +201,36 @@ def test_llama_cpp_presets_match_reference(
     tokens, logits = _greedy(off, 3)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def quantized_attention(tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path) -> Model:
+    """tiny-moe with its attention and head in a Q4_K_M file's types: q, k Q4_K; v Q6_K; o
+    Q8_0; the output head Q6_K."""
+    kinds = {"attn_q": QType.Q4_K, "attn_k": QType.Q4_K, "attn_v": QType.Q6_K,
+             "attn_output": QType.Q8_0}  # fmt: skip
+    types = {f"blk.{layer}.{k}.weight": q for layer in range(len(MIX)) for k, q in kinds.items()}
+    path = tmp_path_factory.mktemp("attn") / "attn.gguf"
+    export_retyped(tiny_moe_file, path, {**types, "output.weight": QType.Q6_K})
+    return load_model(path)
+
+
+def test_dense_gguf_decode_reads_the_blocks(quantized_attention: Model) -> None:
+    """`dense_gguf`: a decode pass reads qkv, o and the head as their GGUF blocks, dotted in
+    int8 (prefill keeps the dequantized copy): the plain engine's greedy tokens, and logits
+    within the activations' 8-bit rounding, but not equal to them (the blocks were read)."""
+
+    def engine(gguf: bool) -> OffloadForward:
+        cfg = OffloadConfig(expert_vram_bytes=0, dtype=torch.float32, prefill_chunk=CHUNK,
+                            graphs=False, kernels=INTERPRETED, dense_gguf=gguf)  # fmt: skip
+        return OffloadForward(quantized_attention, torch.device("cpu"), cfg)
+
+    plain, gguf = engine(False), engine(True)
+    qkv = gguf.layers[0].qkv_gguf
+    assert qkv is not None and gguf.layers[0].o_gguf is not None and gguf.lm_head_gguf is not None
+    assert [q for _, q in qkv.parts] == [QType.Q4_K, QType.Q6_K]  # q and k share a run
+    assert plain.layers[0].qkv_gguf is None and plain.lm_head_gguf is None
+    want_tokens, want = _greedy(plain, 2)
+    tokens, got = _greedy(gguf, 2)
+    assert tokens == want_tokens
+    assert (got - want).norm() / want.norm() < 3e-2 and not torch.equal(got, want)

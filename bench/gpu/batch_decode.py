@@ -97,6 +97,12 @@ def main() -> None:
         help="launch settings: a tuning table file (stratactl tune), or builtin for the"
         " built-in ones; default: the table the daemon picks for this model on this stack",
     )
+    p.add_argument(
+        "--dense-gguf",
+        action="store_true",
+        help="decode reads the attention projections and the head as their GGUF blocks"
+        " (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))
@@ -107,6 +113,7 @@ def main() -> None:
         prefill_chunk=4096,
         graphs=not args.no_graphs,
         kernels=configs,
+        dense_gguf=args.dense_gguf,
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]

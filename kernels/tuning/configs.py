@@ -31,6 +31,7 @@ from kernels.formats.dequant import DequantConfig
 from kernels.formats.quant import QType
 from kernels.layers.attention import AttentionConfig
 from kernels.layers.linear import LinearConfig
+from kernels.layers.qlinear import QLinearConfig
 from kernels.tuning.table_file import TableFileError, buckets_of, nearest_bucket
 
 
@@ -48,6 +49,7 @@ class KernelConfigs:
     # the speculative copy (engine.prefetch) beside the compute: few programs, see its docs
     prefetch: FetchConfig = FetchConfig(programs=4)
     linear: LinearConfig = LinearConfig()  # decode's dense projections
+    qlinear: QLinearConfig = QLinearConfig()  # the same read as GGUF blocks (dense_gguf)
     # a MoE launch's settings for one GGUF type: ("moe@q4_k", MoeConfig(...)), ...
     moe_by_type: tuple[tuple[str, MoeConfig], ...] = ()
 
@@ -67,6 +69,7 @@ INTERPRETED = KernelConfigs(
     moe=MoeConfig(block_n=128, block_b=8),
     moe_down=MoeConfig(block_n=128, block_b=8),
     attention=AttentionConfig(block_s=32, split_s=64, max_splits=2),
+    qlinear=QLinearConfig(block_n=1024),
 )
 
 KERNELS = tuple(f.name for f in fields(KernelConfigs) if f.name != "moe_by_type")

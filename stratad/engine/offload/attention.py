@@ -28,12 +28,15 @@ from kernels.layers.attn_input import attn_input
 from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, KVPool, block_tables
 from stratad.engine.offload.config import OffloadConfig
-from stratad.engine.offload.dense import DenseLayer
+from stratad.engine.offload.dense import DenseLayer, GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.reference.layers import apply_rope, rope_tables
 from stratad.model.spec import ModelSpec
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# x, the bf16 weight, its bias, its GGUF blocks (decode reads them where given)
+Linear = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, GgufMatrix | None], torch.Tensor
+]
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -89,7 +92,7 @@ class OffloadAttention:
         output projections over every row of the pass, attention per sequence (a decode
         batch of one pool: in one launch)."""
         spec = self.spec
-        qkv = self.linear(h, w.qkv, w.qkv_bias)
+        qkv = self.linear(h, w.qkv, w.qkv_bias, w.qkv_gguf)
         if step.decode and self.kv_tables is not None:
             out = self._batch(w, i, qkv, pos, caches, self.kv_tables)
         else:
@@ -98,7 +101,7 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, None)
+        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, None, w.o_gguf)
 
     def _batch(
         self,

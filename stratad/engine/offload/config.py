@@ -43,6 +43,10 @@ class OffloadConfig:
     # Benchmarks only: each blob a decode step's miss copy moves also waits this long on the
     # GPU (kernels.experts.link_pace), as over a slower link; needs gpu_miss "copy" and no prefetch.
     link_wait_ns_per_blob: int = 0
+    # Benchmarks only for now: a decode pass reads the attention projections and the output
+    # head as their GGUF blocks, dotted in int8 (`dense.GgufMatrix`), from a second copy in
+    # VRAM that no plan counts yet; prefill keeps the bf16 copy.
+    dense_gguf: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:

@@ -1,15 +1,48 @@
-"""The dense (non-expert) weights of MoE layers, dequantized once into the compute dtype."""
+"""The dense (non-expert) weights of MoE layers, dequantized once into the compute dtype, and
+(benchmarks only for now) a second copy of the attention projections as their GGUF blocks,
+which a decode pass dots in int8 (`kernels.layers.qlinear`): a third of bf16's bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels.formats.quant import QTensor
+from kernels.experts.moe_dots_q8 import Q8_DOT_QTYPES
+from kernels.formats.quant import QTensor, QType
+from kernels.layers.qlinear import QLinearConfig, qlinear
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
+
+
+@dataclass(frozen=True)
+class GgufMatrix:
+    """A dense projection as GGUF blocks: runs of rows of one type each ([rows, row bytes] on
+    the device), stacked as the bf16 matrix stacks them."""
+
+    parts: tuple[tuple[torch.Tensor, QType], ...]
+
+    def __call__(self, x: torch.Tensor, config: QLinearConfig) -> torch.Tensor:
+        """x [T, K] @ the matrix^T -> [T, N], x's rows dotted as their Q8 rows."""
+        outs = [qlinear(x, blocks, qtype, config) for blocks, qtype in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def gguf_matrix(tensors: Sequence[QTensor], device: torch.device) -> GgufMatrix | None:
+    """The tensors' rows stacked in order (consecutive tensors of one type share a run), or
+    None where a type has no int8 reader."""
+    if any(t.qtype not in Q8_DOT_QTYPES or len(t.shape) != 2 for t in tensors):
+        return None
+    runs: list[tuple[list[torch.Tensor], QType]] = []
+    for t in tensors:
+        rows = t.data.reshape(t.shape[0], -1)
+        if runs and runs[-1][1] == t.qtype:
+            runs[-1][0].append(rows)
+        else:
+            runs.append(([rows], t.qtype))
+    return GgufMatrix(tuple((torch.cat(r).to(device).contiguous(), q) for r, q in runs))
 
 
 @dataclass
@@ -24,13 +57,16 @@ class DenseLayer:
     router: torch.Tensor  # [E, H]
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     shared_gate: torch.Tensor | None
+    # qkv and o as GGUF blocks for decode (`gguf_matrix`; None: bf16 only)
+    qkv_gguf: GgufMatrix | None = None
+    o_gguf: GgufMatrix | None = None
 
 
 def dense_layers(
-    model: Model, device: torch.device, dtype: torch.dtype, layers: range
+    model: Model, device: torch.device, dtype: torch.dtype, layers: range, gguf: bool = False
 ) -> dict[int, DenseLayer]:
     """Everything but the routed experts of these layers, dequantized once into the compute
-    dtype."""
+    dtype; `gguf`: also qkv and o as their GGUF blocks where the int8 readers take them."""
 
     def f(t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=device, dtype=dtype)
@@ -59,5 +95,7 @@ def dense_layers(
             router=f(moe.router),
             shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
             shared_gate=opt(moe.shared_gate),
+            qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf else None,
+            o_gguf=gguf_matrix([a.o], device) if gguf else None,
         )
     return out

@@ -41,7 +41,7 @@ from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
-from stratad.engine.offload.dense import DenseLayer, dense_layers
+from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import kernel_layouts
 from stratad.engine.offload.file_misses import FileMisses
@@ -94,7 +94,7 @@ class OffloadForward:
         # decode's projections read their weights near HBM's rate in a GEMV kernel (cuBLAS's
         # M = 1 path reached about a third of it on an H200); prefill's chunks stay GEMMs
         self.gemv = device.type != "cpu" and self.dtype in (torch.float16, torch.bfloat16)
-        self.layers = dense_layers(model, device, self.dtype, self.layer_ids)
+        self.layers = dense_layers(model, device, self.dtype, self.layer_ids, config.dense_gguf)
         first, last = self.layer_ids.start == 0, self.layer_ids.stop == spec.n_layers
 
         def weight(name: str) -> torch.Tensor:
@@ -106,6 +106,9 @@ class OffloadForward:
         head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         self.lm_head = (
             (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
+        )
+        self.lm_head_gguf = (
+            gguf_matrix([model.tensor(head)], device) if last and config.dense_gguf else None
         )
         self.host.wait()
         if device.type == "cuda" and not self.host.gpu_registered:
@@ -204,9 +207,17 @@ class OffloadForward:
     # -- one layer ------------------------------------------------------------------------
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gguf: GgufMatrix | None = None,
     ) -> torch.Tensor:
-        """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens, else torch."""
+        """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens (over the GGUF
+        blocks where `gguf` holds them), else torch."""
+        if gguf is not None and x.shape[0] <= MAX_TOKENS:
+            out = gguf(x, self.config.kernels.qlinear)
+            return out if bias is None else out + bias
         if self.gemv and x.shape[0] <= MAX_TOKENS and weight.stride(1) == 1:
             return decode_linear(x, weight, bias, self.config.kernels.linear)
         return fn.linear(x, weight, bias)
@@ -393,7 +404,8 @@ class OffloadForward:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] float32 of the hidden rows x [R, H]."""
-        return self.linear(rms_norm(x, self.norm, self.spec.rms_eps), self.lm_head).float()
+        h = rms_norm(x, self.norm, self.spec.rms_eps)
+        return self.linear(h, self.lm_head, None, self.lm_head_gguf).float()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm's output [R, H] float32 of the hidden rows x [R, H]."""
