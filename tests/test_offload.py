@@ -279,4 +279,3 @@ def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
     ids = [[e for e in range(8) if e not in off.experts.slot_of[0]][:2]] * 2  # 4 misses
     assert off.cpu.slots(0, ids, 0.5) == [(1, 0), (1, 1)]
     assert off.cpu.slots(0, ids, 0.5) == off.cpu.slots(0, ids, 0.5)
-
