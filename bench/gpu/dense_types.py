@@ -30,6 +30,7 @@ from kernels.formats.quant import QType, row_bytes
 from kernels.layers.linear import LinearConfig, decode_linear
 from kernels.layers.qlinear import QLinearConfig, qlinear
 from kernels.tuning.configs import load_configs
+from kernels.tuning.roofline import copy_rates
 from stratad.tuning.bench_weights import random_blocks
 
 SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "head": (151936, 2048)}
@@ -92,18 +93,6 @@ def time_quantized(
     return out
 
 
-def _d2d() -> float:
-    """GB/s of a 1 GiB device-to-device copy (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    src.clone()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    src.clone()
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
@@ -115,7 +104,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     linear = load_configs(a.kernel_table).linear
-    d2d = _d2d()
+    d2d = copy_rates(1 << 30, torch.device("cuda"))[0]
     print(f"{torch.cuda.get_device_name()}: D2D {d2d:.0f} GB/s; bf16 with {linear}")
     out: dict[str, object] = {"device": torch.cuda.get_device_name(), "d2d_gbs": d2d}
     for name, (n, k) in SHAPES.items():

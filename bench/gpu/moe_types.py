@@ -39,6 +39,7 @@ from kernels.experts.moe import (
     split_q4_0,
 )
 from kernels.formats.quant import QType
+from kernels.tuning.roofline import copy_rates
 from stratad.tuning.bench_weights import random_blocks
 
 FORMATS: dict[str, tuple[QType, QType, QType]] = {
@@ -159,17 +160,7 @@ def main() -> None:
                    help="time both launches (a layer's experts) or one alone")  # fmt: skip
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    d2d = 2 * 5 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9  # read + write
-    del src, dst
+    d2d = copy_rates(1 << 30, torch.device("cuda"))[0]  # read + write
     print(f"{torch.cuda.get_device_name()}: D2D copy {d2d:.0f} GB/s (read + write)")
     print(f"launch: {a.launch}")
     print(f"{'format':22} {'path':10} {'T':>3} {'config':>11} {'us/call':>8} {'spread':>17}"

@@ -148,7 +148,7 @@ def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
     """The copy rates, matmul rates and launch floor of `device` (a few seconds on a GPU)."""
     gpu = device.type == "cuda"
     copy_bytes = (256 if quick else 1024) << 20 if gpu else (16 if quick else 64) << 20
-    d2d, h2d = _copy_rates(copy_bytes, device)
+    d2d, h2d = copy_rates(copy_bytes, device)
     n = (4096 if quick else 8192) if gpu else (256 if quick else 512)
     dtypes = (torch.bfloat16, torch.float16) if gpu else (torch.float32,)
     rates = {str(d).removeprefix("torch."): matmul_tflops(n, d, device) for d in dtypes}
@@ -158,7 +158,7 @@ def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
     return Ceilings(h2d, d2d, rates, launch)
 
 
-def _copy_rates(nbytes: int, device: torch.device) -> tuple[float, float]:
+def copy_rates(nbytes: int, device: torch.device) -> tuple[float, float]:
     """GB/s device→device (read + write) and host→device from page-locked memory (the CPU:
     half its copy rate, the one side a copy reads)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
