@@ -51,3 +51,22 @@ def test_http_clients_settings_land_in_their_sections() -> None:
     for bad in ["expert_cache=3", "store.expert_cache", "store.=1", "store.x=not toml"]:
         with pytest.raises((ValueError, tomllib.TOMLDecodeError)):
             config_text(1, [bad])
+
+
+def test_http_clients_summary_is_the_median_of_its_rounds() -> None:
+    """`--rounds 3` reports each (parallel, clients) pair once: the median of its rounds, with
+    their lowest and highest beside it, pairs kept apart."""
+    from bench.http.http_clients import markdown, summarize
+
+    def rnd(parallel: int, clients: int, rate: float) -> dict[str, float]:
+        return {"parallel": parallel, "clients": clients, "tokens_per_s": rate,
+                "latency_s": rate / 100, "first_token_s": rate / 1000}  # fmt: skip
+
+    rounds = [rnd(8, 1, 50.0), rnd(8, 1, 40.0), rnd(8, 1, 45.0), rnd(8, 8, 300.0),
+              rnd(8, 8, 320.0), rnd(8, 8, 280.0)]  # fmt: skip
+    rows = summarize(rounds)
+    assert [(r["clients"], r["tokens_per_s"], r["spread"], r["rounds"]) for r in rows] == [
+        (1, 45.0, [40.0, 50.0], 3), (8, 300.0, [280.0, 320.0], 3)]
+    text = markdown({"model": "m.gguf", "max_tokens": 128, "requests": 2, "rounds_each": 3,
+                     "summary": rows})  # fmt: skip
+    assert "| 8 | 8 | 300.0 | 280.0–320.0 |" in text and "median of 3 rounds" in text

@@ -85,3 +85,28 @@ def test_prefix_reuse_same_tokens(gen: Generator, smollm_forward: ReferenceForwa
 def test_prompt_too_long(gen: Generator) -> None:
     with pytest.raises(ValueError, match="does not fit the context of 512"):
         list(gen.run(GenerationRequest([1] * 600)))
+
+
+def test_a_step_draws_its_tokens_together_as_each_would_alone(
+    smollm_model, smollm_forward: ReferenceForward  # type: ignore[no-untyped-def]
+) -> None:
+    """Three requests in one loop (greedy, seeded top-p, seeded top-k with min-p) draw their
+    tokens in one `draw_rows` a step, and each gets the tokens it gets run alone: a row's
+    draw depends on its own logits, filters and seed only."""
+    together = Generator(smollm_forward, tokenizer_from_gguf(smollm_model.metadata),
+                         max_context=256, parallel=3)  # fmt: skip
+    prompt = _chat(together, "Name three colours.")
+    reqs = [GenerationRequest(prompt, max_tokens=6, sampling=s) for s in (
+        GREEDY, SamplingParams(temperature=1.2, top_p=0.9, seed=5),
+        SamplingParams(temperature=0.8, top_k=20, min_p=0.05, seed=9))]  # fmt: skip
+    seqs = [together.start(r) for r in reqs]
+    got: dict[int, list[int]] = {id(s): [] for s in seqs}
+    while together.loop.running:
+        for s, outcome in together.step():
+            assert not isinstance(outcome, Exception)
+            got[id(s)].append(outcome.token)  # type: ignore[union-attr]
+    for s in seqs:
+        together.finish(s)
+    alone = [[e.token for e in together.run(r)] for r in reqs]
+    assert [got[id(s)] for s in seqs] == alone
+    assert alone[1] != alone[0] or alone[2] != alone[0]  # the tempered ones drew, not argmax

@@ -128,3 +128,60 @@ def test_allowed_mask_restricts_the_draw() -> None:
     s = Sampler(SamplingParams(seed=0))
     assert {s.draw(LOGITS, allowed).token for _ in range(50)} == {3, 4}
     assert Sampler(SamplingParams(temperature=0.0)).draw(LOGITS, allowed).token == 3
+
+
+def _reference(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters by their definitions, one row, sorting the whole vocabulary."""
+    scores = (scores.double() - scores.max()) / p.temperature
+    if 0 < p.top_k < scores.numel():
+        scores = scores.masked_fill(scores < scores.topk(p.top_k).values[-1], float("-inf"))
+    probs = scores.softmax(-1)
+    if p.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        drop = ordered.cumsum(-1) - ordered >= p.top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def test_filtered_rows_follow_the_definitions_each_on_its_own() -> None:
+    """`filtered` over rows of mixed settings: each row as the definitions give it alone,
+    whether its top-p cut lies among the likeliest `TOP_P_WIDTH` tokens or past them (a flat
+    row of a vocabulary wider than that)."""
+    from stratad.runtime.sampling import TOP_P_WIDTH, filtered
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 3 * TOP_P_WIDTH
+    spread = torch.tensor([4.0, 2.0, 0.05, 1.0, 3.0, 0.01])[:, None]
+    rows = torch.randn(6, vocab, generator=g) * spread
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=50),
+              SamplingParams(temperature=1.3, top_p=0.95),  # flat: the cut is past the width
+              SamplingParams(min_p=0.2, top_k=400), SamplingParams(),
+              SamplingParams(top_p=0.5, min_p=0.01)]  # fmt: skip
+    got = filtered(rows, params)
+    for i, p in enumerate(params):
+        want = _reference(rows[i], p)
+        assert ((got[i] > 0) == (want > 0)).all(), p
+        assert torch.allclose(got[i], want, atol=1e-12), p
+        assert torch.equal(filtered(rows[i : i + 1], [p])[0], got[i])  # alone, the same
+    assert (got[2] > 0).sum() > TOP_P_WIDTH  # that row did reach past the width
+
+
+def test_draw_rows_inverts_each_rows_distribution() -> None:
+    """Greedy rows give their argmax; a tempered row the token where its cumulative filtered
+    mass passes the row's uniform number (so evenly spaced numbers hit each token in
+    proportion to its probability); a NaN row gives None and leaves the others be."""
+    from stratad.runtime.sampling import draw_rows, filtered
+
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    greedy = SamplingParams(temperature=0.0)
+    n = 2000
+    us = [(i + 0.5) / n for i in range(n)]
+    rows = LOGITS[None].expand(n, -1)
+    counts = torch.bincount(torch.tensor(draw_rows(rows, [p] * n, us)), minlength=6)
+    assert torch.allclose(counts / n, filtered(LOGITS[None], [p])[0].float(), atol=1e-3)
+    mixed = torch.stack([LOGITS, torch.full((6,), float("nan")), LOGITS.flip(0)])
+    assert draw_rows(mixed, [p, p, greedy], [0.0, 0.5, 0.9]) == [0, None, 5]
+    with pytest.raises(ValueError, match="3 rows of logits, 2 params"):
+        draw_rows(mixed, [p, p], [0.0, 0.5])

@@ -19,6 +19,7 @@ drafts or without (one draw per position either way, whatever the drafts' length
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,56 +105,45 @@ class Sampler:
             scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         return scores
 
+    @property
+    def plain(self) -> bool:
+        """Whether a draw needs nothing but the logits and the filters (no bias, penalties or
+        log-probabilities): such rows of a step are drawn together (`draw_rows`)."""
+        return not self.params.adjusts and self.params.logprobs is None
+
+    def uniform(self) -> float:
+        """This sequence's next uniform number in [0, 1): what a draw at temperature spends
+        (none for a greedy one), so that a seeded request draws the same tokens alone or in
+        a batch, with drafts or without."""
+        return 0.0 if self.params.greedy else float(torch.rand(1, generator=self.generator))
+
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The filtered distribution [V] that `sample` draws from (logits already adjusted)."""
-        p = self.params
-        logits = logits.float().cpu()
-        # Shift before dividing: a tiny temperature then sends the others to -inf, never
-        # inf - inf (NaN); the top token always keeps its mass.
-        scores = (logits - logits.max()) / p.temperature
-        if p.top_k and p.top_k < scores.numel():
-            kth = scores.topk(p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = scores.softmax(-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always the first token)
-            drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return probs / probs.sum()
+        return filtered(logits.float().cpu()[None], [self.params])[0].float()
 
     def draw(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> Sample:
         """logits [V] -> the next token; `allowed` [<= V] bool: the only tokens it may be."""
         p = self.params
-        if not p.adjusts and allowed is None and p.logprobs is None and p.greedy:
-            token = argmax(logits)
-        else:
-            scores = self.adjusted(logits)
-            logprob: float | None = None
-            top: tuple[tuple[int, float], ...] = ()
-            if p.logprobs is not None:
-                logprobs = scores.log_softmax(-1)
-                if p.logprobs:
-                    values, ids = logprobs.topk(min(p.logprobs, logprobs.numel()))
-                    top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-            if allowed is not None:
-                mask = torch.zeros(scores.numel(), dtype=torch.bool)
-                n = min(allowed.numel(), scores.numel())
-                mask[:n] = allowed[:n]
-                scores = scores.masked_fill(~mask, float("-inf"))
-            if p.greedy:
-                token = argmax(scores)
-            else:
-                probs = self.probabilities(scores)
-                token = int(torch.multinomial(probs, 1, generator=self.generator))
-            if p.logprobs is not None:
-                logprob = float(logprobs[token])
-            self._count(token, logits.numel())
-            return Sample(token, logprob, top)
+        if self.plain and allowed is None:
+            return Sample(drawn_token(draw_rows(logits[None], [p], [self.uniform()])[0]))
+        scores = self.adjusted(logits)
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs is not None:
+            logprobs = scores.log_softmax(-1)
+            if p.logprobs:
+                values, ids = logprobs.topk(min(p.logprobs, logprobs.numel()))
+                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        if allowed is not None:
+            mask = torch.zeros(scores.numel(), dtype=torch.bool)
+            n = min(allowed.numel(), scores.numel())
+            mask[:n] = allowed[:n]
+            scores = scores.masked_fill(~mask, float("-inf"))
+        token = drawn_token(draw_rows(scores[None], [p], [self.uniform()])[0])
+        if p.logprobs is not None:
+            logprob = float(logprobs[token])
         self._count(token, logits.numel())
-        return Sample(token)
+        return Sample(token, logprob, top)
 
     def _count(self, token: int, vocab: int) -> None:
         if self.params.presence_penalty or self.params.frequency_penalty:
@@ -164,3 +154,95 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits [V] -> token id."""
         return self.draw(logits).token
+
+
+def drawn_token(token: int | None) -> int:
+    """A token `draw_rows` drew; raises for a row it could not draw from."""
+    if token is None:
+        raise ValueError("the logits give no distribution to draw from (NaN, or no token left)")
+    return token
+
+
+TOP_P_WIDTH = 1024  # the likeliest tokens a top-p cut is looked for among before a full sort
+
+
+def filtered(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's filtered distribution: probabilities [R, V] float64 summing to 1 per row.
+    The filters of each row's `params` in vLLM's order: temperature, then top-k (ties with
+    the k-th kept), top-p (the smallest prefix of the likeliest tokens whose mass reaches it,
+    ties with its last kept; the top token always is) and min-p (relative to the top
+    token). Vectorised over the rows, on their device; no full sort of the vocabulary
+    unless a row's top-p reaches past its `TOP_P_WIDTH` likeliest tokens."""
+    vocab = scores.shape[1]
+    knobs = torch.tensor([[max(p.temperature, 0.0), p.top_k, p.top_p, p.min_p] for p in params],
+                         dtype=torch.float64).to(scores.device)  # fmt: skip
+    temperature, top_k, top_p, min_p = knobs.unbind(1)
+    x = scores.double()
+    # shift before dividing: a tiny temperature sends the others to -inf, never inf - inf
+    x = (x - x.max(1, keepdim=True).values) / temperature[:, None]
+    ks = [p.top_k for p in params if 0 < p.top_k < vocab]
+    if ks:
+        k = top_k.long()
+        kth = x.topk(max(ks), dim=1).values.gather(1, (k.clamp(1, max(ks)) - 1)[:, None])
+        x = x.masked_fill(((k > 0) & (k < vocab))[:, None] & (x < kth), float("-inf"))
+    probs = x.softmax(1)
+    if any(p.top_p < 1.0 for p in params):
+        probs = probs.masked_fill(probs < _top_p_floor(probs, top_p), 0.0)
+    if any(p.min_p > 0.0 for p in params):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(1, keepdim=True).values, 0.0)
+    return probs / probs.sum(1, keepdim=True)
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: the least probability a row's top-p keeps (0 where top_p is 1). The cut is
+    looked for among the likeliest `TOP_P_WIDTH`; the rows whose cut lies beyond are sorted
+    whole."""
+    width = min(probs.shape[1], TOP_P_WIDTH)
+    ordered = probs.topk(width, dim=1).values
+    if width < probs.shape[1]:
+        short = (ordered.sum(1) < top_p) & (top_p < 1.0)
+        if bool(short.any()):
+            whole = probs.sort(dim=1, descending=True).values
+            ordered = torch.where(short[:, None], whole, torch.nn.functional.pad(
+                ordered, (0, probs.shape[1] - width)))  # fmt: skip
+    kept = (ordered.cumsum(1) - ordered < top_p[:, None]).sum(1, keepdim=True).clamp(min=1)
+    floor = ordered.gather(1, kept - 1)
+    return torch.where((top_p < 1.0)[:, None], floor, torch.zeros_like(floor))
+
+
+def draw_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> list[int | None]:
+    """The token drawn from each row of logits [R, V] (on any device) under its `params`:
+    greedy rows their argmax (`argmax`'s rule), the others by inverting the cumulative
+    filtered distribution (`filtered`, in the vocabulary's order) at the row's uniform
+    number. None for a row whose filters leave no distribution (NaN logits). One transfer
+    to the host for every row: a step's rows are drawn together, not one synchronisation
+    each."""
+    rows = logits.shape[0]
+    if len(params) != rows or len(uniforms) != rows:
+        raise ValueError(f"{rows} rows of logits, {len(params)} params, {len(uniforms)} uniforms")
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tempered = [i for i, p in enumerate(params) if not p.greedy]
+    out: list[int | None] = [None] * rows
+    if greedy:
+        picked = logits[greedy] if len(greedy) < rows else logits
+        if picked.device.type == "cpu" and picked.dtype == torch.float32:
+            ids = picked.detach().numpy().argmax(1).tolist()  # numpy's is ~9x torch's (`argmax`)
+        else:
+            ids = picked.argmax(1).tolist()
+        for i, t in zip(greedy, ids, strict=True):
+            out[i] = int(t)
+    if tempered:
+        probs = filtered(logits[tempered], [params[i] for i in tempered])
+        u = torch.tensor([uniforms[i] for i in tempered], dtype=torch.float64)
+        cdf = probs.cumsum(1)
+        # the first token whose cumulative mass passes u (a token of zero mass never does)
+        at = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)
+        last = probs.shape[1] - 1 - (probs.flip(1) > 0).long().argmax(1, keepdim=True)
+        at = torch.minimum(at, last)  # u * mass rounded up to the mass itself
+        ok = torch.isfinite(cdf[:, -1:]) & (probs > 0).any(1, keepdim=True)
+        tokens = torch.cat([at, ok.long()], 1).tolist()
+        for i, (t, good) in zip(tempered, tokens, strict=True):
+            out[i] = int(t) if good else None
+    return out

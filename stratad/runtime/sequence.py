@@ -154,10 +154,12 @@ class Sequence:
         self.resuming = bool(self.generated)
         self.preemptions += 1
 
-    def sample(self, logits: torch.Tensor) -> GenerationEvent:
-        """The next event from the logits [V] of the last position."""
-        allowed = self.constraint.allowed() if self.constraint else None
-        drawn = self.sampler.draw(logits, allowed)
+    def sample(self, logits: torch.Tensor, drawn: Sample | None = None) -> GenerationEvent:
+        """The next event from the logits [V] of the last position (`drawn`: the token drawn
+        from them already, with the other sequences of the step)."""
+        if drawn is None:
+            allowed = self.constraint.allowed() if self.constraint else None
+            drawn = self.sampler.draw(logits, allowed)
         token = self.token = drawn.token
         self.generated.append(token)
         if self.drafts is not None:

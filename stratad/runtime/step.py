@@ -29,6 +29,7 @@ from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
+from stratad.runtime.sampling import Sample, draw_rows, drawn_token
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST, StepCost
 from stratad.runtime.speculation.drafter import propose_all
@@ -145,21 +146,24 @@ class StepLoop:
         rows = self.forward.step(batch)  # it takes the planned blocks (`engine.batch.reserve`)
         for s in seqs:  # full blocks become hits for later prompts of the same scope
             s.cache.seal(s.req.scope)
+        settled: list[tuple[Sequence, torch.Tensor]] = []  # those that sample this step
         for s, b, r in zip(seqs, batch, rows, strict=True):
             try:
-                events = (
-                    [s.pool(r)] if isinstance(s, Pooling) else self._advance(s, len(b.tokens), r)
-                )
+                if isinstance(s, Pooling):
+                    self._emit(out, s, [s.pool(r)])
+                elif self._settle(s, len(b.tokens)):
+                    settled.append((s, r))
             except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
-                self.running.remove(s)
-                out.append((s, err))
+                self._fail(out, s, err)
+        drawn = self._draw(settled)
+        for s, r in settled:
+            try:
+                with self.timer.stage("sampling"):
+                    events = self._sample(s, r, drawn)
+            except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
+                self._fail(out, s, err)
                 continue
-            for event in events:
-                if event is None:
-                    continue
-                out.append((s, event))
-                if event.finish_reason is not None:
-                    self.running.remove(s)
+            self._emit(out, s, events)
         if timed is not None:  # drafting, the forward and the sampling: what a step costs
             self.cost.observe(len(seqs), timed, time.perf_counter() - start)
         return out
@@ -206,24 +210,65 @@ class StepLoop:
             s.pos = n
             self.resumed_tokens += n
 
-    def _advance(self, s: Sequence, n: int, logits: torch.Tensor) -> list[GenerationEvent]:
-        """Sequence s after the step computed its n tokens: its events (none for a prompt
-        chunk that samples nothing, or the end of a resumption's recompute, whose pending
-        token decodes next; several where drafts stood)."""
+    def _emit(
+        self, out: list[tuple[Active, Outcome]], s: Active, events: Seqs[Outcome | None]
+    ) -> None:
+        for event in events:
+            if event is None:
+                continue
+            out.append((s, event))
+            if not isinstance(event, Exception) and event.finish_reason is not None:
+                self.running.remove(s)
+
+    def _fail(self, out: list[tuple[Active, Outcome]], s: Active, err: Exception) -> None:
+        self.running.remove(s)
+        out.append((s, err))
+
+    def _settle(self, s: Sequence, n: int) -> bool:
+        """Sequence s after the step computed its n tokens: whether it samples now (not for
+        a prompt chunk short of the prompt's end, nor at the end of a resumption's
+        recompute, whose pending token decodes next)."""
         if s.prefilling:
             resuming = s.resuming
             s.computed(n)
             if s.pos == s.req.pin:  # a chunk ends at the pin: snapshot its KV as it is
                 self.prefixes.save(s.cache, s.pos, pinned=True, scope=s.req.scope)
             if s.prefilling or resuming:
-                return []
-        with self.timer.stage("sampling"):
-            if s.proposed:
-                drafted, accepted = s.drafted, s.accepted
-                events = s.verify(logits)
-                self.drafted += s.drafted - drafted
-                self.accepted += s.accepted - accepted
-                self.verifies += 1
-                return events
-            return [s.sample(logits[-1])]
+                return False
+        return True
 
+    def _draw(self, settled: list[tuple[Sequence, torch.Tensor]]) -> dict[int, int | None]:
+        """The tokens of the step's plain draws (no drafts to verify, no grammar, no bias,
+        penalties or log-probabilities), drawn together: one transfer from the device, not
+        one each (`draw_rows`); by the sequence's id. A failure here leaves each to draw
+        alone."""
+        plain = [(s, r) for s, r in settled
+                 if not s.proposed and s.constraint is None and s.sampler.plain]  # fmt: skip
+        if not plain:
+            return {}
+        uniforms = [s.sampler.uniform() for s, _ in plain]
+        with self.timer.stage("sampling"):
+            try:
+                tokens = draw_rows(torch.cat([r[-1:] for _, r in plain]),
+                                   [s.sampler.params for s, _ in plain], uniforms)  # fmt: skip
+            except Exception:  # noqa: BLE001 (each sequence then draws, and fails, alone)
+                log.warning("drawing a step's tokens together failed; each draws alone"
+                            " (a seeded one then spends another number)", exc_info=True)
+                return {}
+        return {id(s): t for (s, _), t in zip(plain, tokens, strict=True)}
+
+    def _sample(
+        self, s: Sequence, logits: torch.Tensor, drawn: dict[int, int | None]
+    ) -> list[GenerationEvent]:
+        """Sequence s's events from its logits: the token drawn with the others (`_draw`),
+        else its own draw, or a verify of its drafts (several events)."""
+        if id(s) in drawn:
+            return [s.sample(logits[-1], Sample(drawn_token(drawn[id(s)])))]
+        if s.proposed:
+            drafted, accepted = s.drafted, s.accepted
+            events = s.verify(logits)
+            self.drafted += s.drafted - drafted
+            self.accepted += s.accepted - accepted
+            self.verifies += 1
+            return events
+        return [s.sample(logits[-1])]
