@@ -128,6 +128,18 @@ def test_down_launch_settings_of_their_own() -> None:
     assert configs_from_kernels({"moe_down": {"block_n": 32}}).moe == MoeConfig()
 
 
+def test_the_tokens_a_dense_kernel_takes_are_a_setting() -> None:
+    """`linear.max_tokens` / `qlinear.max_tokens`: the most rows of a step the decode kernels
+    read (more go to torch's GEMM, or to the bf16 copy); by default every decode step's."""
+    from kernels.layers.linear import MAX_TOKENS
+
+    assert KernelConfigs().linear.max_tokens == MAX_TOKENS
+    got = configs_from_kernels({"linear": {"max_tokens": 2}, "qlinear": {"max_tokens": 1}})
+    assert (got.linear.max_tokens, got.qlinear.max_tokens) == (2, 1)
+    with pytest.raises(TuningTableError, match="linear.max_tokens = 0"):
+        configs_from_kernels({"linear": {"max_tokens": 0}})
+
+
 def test_moe_launch_settings_per_type() -> None:
     """`moe@TYPE` / `moe_down@TYPE` set a launch for one GGUF type, on top of the launch's
     own settings; other types keep the launch's; written back as read."""

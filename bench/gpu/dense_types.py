@@ -10,9 +10,10 @@ head [151936, 2048]. Each matrix is held in enough copies to outgrow the L2 cach
 over and the copies are read in turn, in a CUDA graph, as decode reads each layer's weights
 once per step from HBM. Prints µs per matrix (median of --repeats, the spread), the bytes read
 per second and the time against bf16's. bf16 runs `decode_linear` with the table's `linear`
-setting (`--kernel-table`, default the shipped table for this stack); each `--configs`
-setting (`block_n:super_blocks:num_warps`) runs `qlinear` for each type. The device's copy
-rate (D2D) is the ceiling.
+setting (`--kernel-table`, default the shipped table for this stack), and beside it torch's
+`linear` (the GEMM library, what a step of more than `linear.max_tokens` rows runs); each
+`--configs` setting (`block_n:super_blocks:num_warps`) runs `qlinear` for each type. The
+device's copy rate (D2D) is the ceiling.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def time_bf16(x: torch.Tensor, n: int, linear: LinearConfig, repeats: int) -> di
     copies = _copies(n * k * 2)
     ws = [torch.randn(n, k, device=x.device, dtype=torch.bfloat16) for _ in range(copies)]
     us, spread = _timed(lambda: [decode_linear(x, w, None, linear) for w in ws], len(ws), repeats)
-    return {"us": us, "spread": spread, "gbs": n * k * 2 / us / 1e3}
+    torch_us, torch_spread = _timed(lambda: [torch.nn.functional.linear(x, w) for w in ws],
+                                    len(ws), repeats)  # fmt: skip
+    return {"us": us, "spread": spread, "gbs": n * k * 2 / us / 1e3, "torch_us": torch_us,
+            "torch_spread": torch_spread, "torch_gbs": n * k * 2 / torch_us / 1e3}  # fmt: skip
 
 
 def time_quantized(
@@ -96,7 +100,8 @@ def time_quantized(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8])
-    p.add_argument("--types", nargs="+", default=["q4_k", "q6_k", "q8_0"])
+    p.add_argument("--types", nargs="*", default=["q4_k", "q6_k", "q8_0"],
+                   help="GGUF types to read the matrices in (none: bf16 and torch alone)")
     p.add_argument("--configs", nargs="+", type=_config,
                    default=[QLinearConfig(), QLinearConfig(block_n=2, super_blocks=4)])  # fmt: skip
     p.add_argument("--kernel-table", type=Path, default=TABLE)
@@ -111,7 +116,8 @@ def main() -> None:
         for t in a.tokens:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
             base = out[f"{name}/t{t}/bf16"] = time_bf16(x, n, linear, a.repeats)
-            print(f"{name:5} [{n}, {k}] T={t}: bf16 {base['us']:8.1f} us ({base['gbs']:.0f} GB/s)")
+            print(f"{name:5} [{n}, {k}] T={t}: bf16 {base['us']:8.1f} us ({base['gbs']:.0f} GB/s);"
+                  f" torch {base['torch_us']:8.1f} us ({base['torch_gbs']:.0f} GB/s)")
             for type_name in a.types:
                 qtype = QType.__members__[type_name.upper()]
                 for tag, r in time_quantized(x, n, qtype, a.configs, a.repeats).items():

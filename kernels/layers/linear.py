@@ -30,6 +30,10 @@ class LinearConfig:
     block_k: int = 1024  # reduction step (a power of two)
     num_warps: int = 4
     num_stages: int = 3
+    # the most tokens a step reads through this kernel (at most MAX_TOKENS); a step of more
+    # goes to torch (a GEMM library), which may read W closer to the memory's rate for a few
+    # tokens than per-lane partial sums do
+    max_tokens: int = MAX_TOKENS
 
 
 @triton.jit

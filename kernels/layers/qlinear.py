@@ -41,6 +41,9 @@ class QLinearConfig:
     super_blocks: int = 1  # K-quant super-blocks per reduction step (a power of two)
     num_warps: int = 1
     num_stages: int = 2
+    # the most tokens a step reads through the GGUF blocks (at most linear.MAX_TOKENS); a
+    # step of more reads the bf16 copy
+    max_tokens: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_n", "super_blocks"):

@@ -215,11 +215,13 @@ class OffloadForward:
     ) -> torch.Tensor:
         """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens (over the GGUF
         blocks where `gguf` holds them), else torch."""
-        if gguf is not None and x.shape[0] <= MAX_TOKENS:
-            out = gguf(x, self.config.kernels.qlinear)
+        kernels, rows = self.config.kernels, x.shape[0]
+        if gguf is not None and rows <= min(kernels.qlinear.max_tokens, MAX_TOKENS):
+            out = gguf(x, kernels.qlinear)
             return out if bias is None else out + bias
-        if self.gemv and x.shape[0] <= MAX_TOKENS and weight.stride(1) == 1:
-            return decode_linear(x, weight, bias, self.config.kernels.linear)
+        gemv = self.gemv and weight.stride(1) == 1
+        if gemv and rows <= min(kernels.linear.max_tokens, MAX_TOKENS):
+            return decode_linear(x, weight, bias, kernels.linear)
         return fn.linear(x, weight, bias)
 
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
