@@ -130,10 +130,9 @@ def test_down_launch_settings_of_their_own() -> None:
 
 def test_the_tokens_a_dense_kernel_takes_are_a_setting() -> None:
     """`linear.max_tokens` / `qlinear.max_tokens`: the most rows of a step the decode kernels
-    read (more go to torch's GEMM, or to the bf16 copy); by default every decode step's."""
-    from kernels.layers.linear import MAX_TOKENS
-
-    assert KernelConfigs().linear.max_tokens == MAX_TOKENS
+    read (more go to torch's GEMM, or to the bf16 copy); by default one token's for the bf16
+    kernel (the GEMM reads a few tokens' faster: r19), every decode step's for the GGUF one."""
+    assert (KernelConfigs().linear.max_tokens, KernelConfigs().qlinear.max_tokens) == (1, 8)
     got = configs_from_kernels({"linear": {"max_tokens": 2}, "qlinear": {"max_tokens": 1}})
     assert (got.linear.max_tokens, got.qlinear.max_tokens) == (2, 1)
     with pytest.raises(TuningTableError, match="linear.max_tokens = 0"):

@@ -31,9 +31,10 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     # the most tokens a step reads through this kernel (at most MAX_TOKENS); a step of more
-    # goes to torch (a GEMM library), which may read W closer to the memory's rate for a few
-    # tokens than per-lane partial sums do
-    max_tokens: int = MAX_TOKENS
+    # goes to torch (a GEMM library). On an H100 (bench/results/2026-12-06-h100-r19.md) the
+    # GEMM reads the a3b's qkv and output head faster from 2 tokens on (8 tokens: 11.0 against
+    # 23.8 us, 220 against 534 us), and an a3b step of 8 sequences ran 11% faster with it
+    max_tokens: int = 1
 
 
 @triton.jit

@@ -110,9 +110,8 @@ class PrefixStore:
         ]
         snap = Snapshot(
             tokens=tokens,
-            # per layer to the host first: a layer split keeps layers on different devices
-            k=torch.stack([k[rows[k.device]].cpu() for k in cache.k]),
-            v=torch.stack([v[rows[v.device]].cpu() for v in cache.v]),
+            k=_to_host([k[rows[k.device]] for k in cache.k]),
+            v=_to_host([v[rows[v.device]] for v in cache.v]),
             pinned=pinned,
             used=next(self._clock),
             scope=scope,
@@ -142,3 +141,12 @@ class PrefixStore:
                 break
             self.snapshots.remove(s)
             used -= s.nbytes
+
+
+def _to_host(layers: list[torch.Tensor]) -> torch.Tensor:
+    """Each layer's rows [T, ...] stacked on the host [layers, T, ...]: one copy per device
+    (stacked there first), not one per layer, each of which would wait for the device."""
+    devices = {x.device for x in layers}
+    if len(devices) == 1:
+        return torch.stack(layers).cpu()
+    return torch.stack([x.cpu() for x in layers])  # a layer split: layers on several devices
