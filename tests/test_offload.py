@@ -279,3 +279,38 @@ def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
     ids = [[e for e in range(8) if e not in off.experts.slot_of[0]][:2]] * 2  # 4 misses
     assert off.cpu.slots(0, ids, 0.5) == [(1, 0), (1, 1)]
     assert off.cpu.slots(0, ids, 0.5) == off.cpu.slots(0, ids, 0.5)
+
+
+def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
+    tiny_moe: Model,
+) -> None:
+    """The offload engine takes short prompts as rows of its decode pass (`prompt_rows`:
+    64 rows, prompts of up to 64 tokens); the reference forward has no such pass. With the
+    pass cut to 6 rows, three 4-token prompts arriving together run one a step (each waits
+    for room, never for a separate prefill pass) and each gets the tokens it gets alone."""
+    from stratad.engine.runner import prompt_rows
+    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.runtime.generate import Generator
+    from stratad.runtime.sampling import SamplingParams
+    from stratad.runtime.sequence import GenerationRequest
+
+    off = _offload(tiny_moe, 8, "cpu", graphs=False)
+    assert prompt_rows(off) == (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS)
+    assert prompt_rows(ReferenceForward(tiny_moe)) == (0, 0)
+    gen = Generator(off, tokenizer_from_gguf(tiny_moe.metadata), max_context=64, parallel=3,
+                    prompt_rows=(6, 4))  # fmt: skip
+    greedy = SamplingParams(temperature=0.0)
+    reqs = [GenerationRequest([100 + i, 7, 8, 9], max_tokens=3, sampling=greedy, ignore_eos=True)
+            for i in range(3)]  # fmt: skip
+    seqs = [gen.start(r) for r in reqs]
+    got: dict[int, list[int]] = {id(s): [] for s in seqs}
+    firsts = []  # which sequences had their first token after each step
+    while gen.loop.running:
+        for s, outcome in gen.step():
+            assert not isinstance(outcome, Exception)
+            got[id(s)].append(outcome.token)  # type: ignore[union-attr]
+        firsts.append(sum(1 for s in seqs if got[id(s)]))
+    assert firsts[:3] == [1, 2, 3]  # one prompt a step: the pass holds one beside the decodes
+    for s in seqs:
+        gen.finish(s)
+    assert [got[id(s)] for s in seqs] == [[e.token for e in gen.run(r)] for r in reqs]

@@ -25,6 +25,7 @@ from stratad.engine import placement
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import FORMATS
+from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import StartPlan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.interleaved_ram import ram_form
@@ -64,6 +65,10 @@ class Runner:
     def new_pool(self, tokens: int) -> KVPool:
         return self.forward.new_pool(tokens)
 
+    @property
+    def prompt_rows(self) -> tuple[int, int]:
+        return prompt_rows(self.forward)
+
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)
 
@@ -80,6 +85,16 @@ class Runner:
         """One batched forward: each sequence's tokens appended to its cache; the logits of
         each one's last new token (of every new token where it asks)."""
         return self.forward.step(seqs)
+
+
+def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> tuple[int, int]:
+    """(the rows of the forward's one decode pass, the most tokens of one prompt it takes
+    there as rows): short prompts ride beside the decodes (the offload engine's graphs);
+    (0, 0) where prompts only ever run as chunks."""
+    if isinstance(forward, ReferenceForward):
+        return 0, 0
+    n = forward.row_tokens
+    return (FUSED_MAX_TOKENS, n) if n > 1 else (0, 0)
 
 
 def pick_device(name: str) -> torch.device:

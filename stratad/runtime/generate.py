@@ -56,11 +56,14 @@ class Generator:
         step_tokens: int = 0,
         kv_tokens: int = 0,
         speculation: Speculation | None = None,
+        prompt_rows: tuple[int, int] = (0, 0),
     ) -> None:
         """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
         beside a token of every running request); `kv_tokens`: the KV pool's tokens (0: the
         whole context of every working cache, so no request is ever preempted; at least one
-        context); `speculation`: how each sequence drafts (None: it does not)."""
+        context); `speculation`: how each sequence drafts (None: it does not);
+        `prompt_rows`: the rows of the forward's decode pass and the most tokens of a prompt
+        it takes there (`Runner.prompt_rows`; short prompts wait for room there)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
@@ -79,7 +82,7 @@ class Generator:
         self._owner: dict[int, Active] = {}  # cache index -> the sequence running on it
         self._waiting: dict[Active, collections.deque[Outcome]] = {}
         self.timer: StageTimer = getattr(forward, "timer", None) or StageTimer(enabled=False)
-        budget = StepBudget.auto(prefill_chunk, parallel, step_tokens)
+        budget = StepBudget.auto(prefill_chunk, parallel, step_tokens, *prompt_rows)
         cost = StepCost(speculation.token_cost) if speculation is not None else None
         self.loop = StepLoop(forward, budget, self.store, self.kv, self.timer, idle=self,
                              cost=cost)  # fmt: skip

@@ -92,6 +92,7 @@ class Engine:
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
             kv_tokens=server.kv_cache_tokens,
+            prompt_rows=runner.prompt_rows,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
                 config.speculation.token_cost, self.backend,
