@@ -26,13 +26,18 @@ import torch
 
 
 def argmax(logits: torch.Tensor) -> int:
-    """The index of the largest of `logits` (the first of equals; a NaN counts as largest), as
-    torch's argmax gives it. Host float32 logits go through numpy: torch's CPU argmax takes
-    ~45 us over a 49k vocabulary, numpy's ~5 us, and greedy decoding pays it for every token.
-    Logits on a device stay there: only the index is copied."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return int(logits.detach().numpy().argmax())
-    return int(logits.argmax())
+    """The index of the largest of `logits` [V] (`argmax_rows` of one row)."""
+    return argmax_rows(logits[None])[0]
+
+
+def argmax_rows(rows: torch.Tensor) -> list[int]:
+    """The index of the largest of each row [R, V] (the first of equals; a NaN counts as
+    largest), as torch's argmax gives it. Host float32 logits go through numpy: torch's CPU
+    argmax takes ~45 us over a 49k vocabulary, numpy's ~5 us, and greedy decoding pays it for
+    every token. Logits on a device stay there: only the indices are copied, in one transfer."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return [int(i) for i in rows.detach().numpy().argmax(1)]
+    return [int(i) for i in rows.argmax(1).tolist()]
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,7 @@ def draw_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
 ) -> list[int | None]:
     """The token drawn from each row of logits [R, V] (on any device) under its `params`:
-    greedy rows their argmax (`argmax`'s rule), the others by inverting the cumulative
+    greedy rows their argmax (`argmax_rows`), the others by inverting the cumulative
     filtered distribution (`filtered`, in the vocabulary's order) at the row's uniform
     number. None for a row whose filters leave no distribution (NaN logits). One transfer
     to the host for every row: a step's rows are drawn together, not one synchronisation
@@ -226,13 +231,9 @@ def draw_rows(
     tempered = [i for i, p in enumerate(params) if not p.greedy]
     out: list[int | None] = [None] * rows
     if greedy:
-        picked = logits[greedy] if len(greedy) < rows else logits
-        if picked.device.type == "cpu" and picked.dtype == torch.float32:
-            ids = picked.detach().numpy().argmax(1).tolist()  # numpy's is ~9x torch's (`argmax`)
-        else:
-            ids = picked.argmax(1).tolist()
+        ids = argmax_rows(logits[greedy] if len(greedy) < rows else logits)
         for i, t in zip(greedy, ids, strict=True):
-            out[i] = int(t)
+            out[i] = t
     if tempered:
         probs = filtered(logits[tempered], [params[i] for i in tempered])
         u = torch.tensor([uniforms[i] for i in tempered], dtype=torch.float64)
