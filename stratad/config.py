@@ -95,14 +95,17 @@ class ServerConfig(_Section, frozen=True):
     running request's next tokens in one batch, so N clients share each read of the weights.
     Their KV lives in one pool of blocks (`kv_cache_tokens`), by default the whole context
     of each (N times the memory of one); 1 serves one request at a time, in arrival order.
-    0 (auto): up to 4, as many as keep those contexts within an eighth of the memory they
-    live in (free VRAM on a GPU, RAM on a CPU); the start-up log and `stratactl check` say
-    how many and why."""
+    0 (auto): on a CPU up to 4, as many as keep those contexts within an eighth of the RAM;
+    on a GPU (the offload engine) 16, sharing a pool of the whole contexts that fit in an
+    eighth of the free VRAM (at most one each; when it runs short the newest requests give
+    their blocks back and compute them again later). The start-up log and `stratactl check`
+    say how many and why."""
     kv_cache_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Tokens of keys and values the KV pool holds for every request together. KV is paged:
     a request takes blocks of 32 tokens as it grows and gives them back when it ends, so
     short requests hold little. 0 (auto): the whole context of every request at once
-    (`parallel` times `model.max_context`), so none ever waits for KV. Fewer (at least one
+    (`parallel` times `model.max_context`), so none ever waits for KV; with `parallel` auto
+    on a GPU, what fits in an eighth of the free VRAM (see `parallel`). Fewer (at least one
     context) lets `parallel` run past what whole contexts would cost: when the pool runs
     short, the newest requests give their blocks back and compute their tokens again once
     there is room (the log says so; their output is what it would have been)."""

@@ -412,6 +412,37 @@ def test_auto_parallel_is_sized_from_memory(model: Model) -> None:
     assert start.parallel.count == 6 and "server.kv_cache_tokens" in start.parallel.describe()
 
 
+def test_auto_parallel_on_a_gpu_shares_a_pool_sized_from_vram(model: Model) -> None:
+    """On a GPU the offload engine serves 16 requests at once by default, sharing a KV pool of
+    the whole contexts that fit in an eighth of the free VRAM (at least one, at most one
+    each); the VRAM plan counts that pool. A configured `server.parallel` keeps a whole
+    context per request. (A plan only: no GPU is touched.)"""
+    from stratad.engine.placement import AUTO_MOST_GPU
+
+    gpu = torch.device("cuda")
+    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="offload"))
+    one = start_plan(config, model, gpu, [1 << 40], 1 << 20).parallel.kv_bytes
+    pools = {}
+    for free in (1 << 40, 8 * 3 * one + 7, 8 * one - 1):
+        p = start_plan(config, model, gpu, [free], 1 << 20).parallel
+        assert p.count == AUTO_MOST_GPU == 16 and p.shared
+        pools[free] = p.pool_contexts
+    assert list(pools.values()) == [16.0, 3.0, 1.0]
+    assert "shared by all" in p.describe() and "newest requests give their blocks back" in (
+        p.describe())
+    fixed = msgspec.structs.replace(config, server=ServerConfig(parallel=6))
+    p = start_plan(fixed, model, gpu, [1 << 40], 1 << 20).parallel
+    assert (p.count, p.pool_contexts, p.shared) == (6, 6.0, False)
+    # the VRAM plan counts the pool: the expert slots get what it does not take
+    free = 8 * 3 * one + 7
+    config = msgspec.structs.replace(config, store=msgspec.structs.replace(
+        config.store, vram_reserve_gib=0.0))  # fmt: skip (the small card's VRAM all for these)
+    sixteen = msgspec.structs.replace(config, server=ServerConfig(parallel=16))
+    auto, whole = (start_plan(c, model, gpu, [free], 1 << 20) for c in (config, sixteen))
+    assert (auto.parallel.pool_contexts, whole.parallel.pool_contexts) == (3.0, 16.0)
+    assert auto.stages[0].slots > whole.stages[0].slots > 0
+
+
 def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine: tuple) -> None:
     """Three requests that need 3 blocks of 32 tokens each at their ends, on a pool of 4
     blocks: the youngest give their blocks back and recompute later (their prompt and the

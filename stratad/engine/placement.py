@@ -96,7 +96,8 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
 class Parallel:
     """Requests served at once: `server.parallel`, or (0, auto) as many working KV caches of
     the whole context as fit in `AUTO_KV_SHARE` of the memory they live in, at most
-    `AUTO_MOST` and at least one, as llama-server sizes its slots."""
+    `AUTO_MOST` and at least one, as llama-server sizes its slots; on a GPU (`shared`)
+    `AUTO_MOST_GPU` requests sharing a KV pool of the whole contexts that fit there."""
 
     count: int
     kv_bytes: int  # one working cache: the whole context's keys and values
@@ -104,6 +105,7 @@ class Parallel:
     where: str  # "VRAM" or "RAM"
     auto: bool
     contexts: float = 0.0  # whole contexts the KV pool holds (`server.kv_cache_tokens`); 0: count
+    shared: bool = False  # auto on a GPU: more requests than whole contexts in the pool
 
     @property
     def pool_contexts(self) -> float:
@@ -118,25 +120,45 @@ class Parallel:
             return f"{caches} (server.parallel)"
         if self.memory is None:
             return f"{caches} (server.parallel auto: {self.where} size unknown, one)"
+        share = f"1/{round(1 / AUTO_KV_SHARE)} of {self.memory / GiB:.1f} GiB"
+        if self.shared:
+            return (f"a KV pool of {self.contexts:.3g} whole contexts shared by all, "
+                    f"{total:.2f} GiB of {self.where} (server.parallel auto: {self.count} on a"
+                    f" GPU, the pool what fits in {share}; when it runs short the newest"
+                    " requests give their blocks back and compute them again later)")  # fmt: skip
         return (f"{caches} (server.parallel auto: at most {AUTO_MOST}, the caches within"
-                f" 1/{round(1 / AUTO_KV_SHARE)} of {self.memory / GiB:.1f} GiB)")  # fmt: skip
+                f" {share})")  # fmt: skip
 
 
-AUTO_MOST = 4  # requests at once that `server.parallel = 0` chooses at most
+AUTO_MOST = 4  # requests at once that `server.parallel = 0` chooses at most on a CPU
+# ... and on a GPU, where a decode step of 8 sequences gave 2.8x one's tokens and of 32 3.9x
+# (bench/results/2026-12-06-h100-r19.md), and the KV blocks are shared: the pool holds the
+# whole contexts that fit in AUTO_KV_SHARE of the VRAM (at least one, at most one each), and
+# requests that outgrow it are preempted (`stratad/runtime/kv_plan.py`)
+AUTO_MOST_GPU = 16
 AUTO_KV_SHARE = 1 / 8  # the memory the working KV caches may take when it chooses
 
 
 def parallel_for(
-    configured: int, kv_bytes: int, memory: int | None, where: str, contexts: float = 0.0
+    configured: int,
+    kv_bytes: int,
+    memory: int | None,
+    where: str,
+    contexts: float = 0.0,
+    shared: bool = False,
 ) -> Parallel:
     """`contexts`: the KV pool's size in whole contexts when `server.kv_cache_tokens` sets it
-    (at least one); 0: a whole context per request."""
+    (at least one); 0: a whole context per request. `shared`: an auto count serves
+    `AUTO_MOST_GPU` requests from a pool of what fits (the offload engine on a GPU)."""
     contexts = max(contexts, 1.0) if contexts else 0.0
     if configured:
         return Parallel(configured, kv_bytes, memory, where, auto=False, contexts=contexts)
-    fits = 1 if memory is None else int(memory * AUTO_KV_SHARE) // max(kv_bytes, 1)
-    count = min(max(fits, 1), AUTO_MOST)
-    return Parallel(count, kv_bytes, memory, where, auto=True, contexts=contexts)
+    fits = max(1 if memory is None else int(memory * AUTO_KV_SHARE) // max(kv_bytes, 1), 1)
+    if shared:
+        pool = contexts or float(min(fits, AUTO_MOST_GPU))
+        return Parallel(AUTO_MOST_GPU, kv_bytes, memory, where, auto=True, contexts=pool,
+                        shared=True)  # fmt: skip
+    return Parallel(min(fits, AUTO_MOST), kv_bytes, memory, where, auto=True, contexts=contexts)
 
 
 @dataclass(frozen=True)
@@ -212,7 +234,8 @@ def start_plan(
         known = [f for f in frees if f is not None]
         per_token = kv_token_bytes(spec, size, config.engine.kv_cache == "int8")
         parallel = parallel_for(config.server.parallel, max_context * per_token,
-                                sum(known) if known else None, "VRAM", pool)  # fmt: skip
+                                sum(known) if known else None, "VRAM", pool,
+                                shared=device.type == "cuda")  # fmt: skip
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             # the KV pool: a whole context per request served at once, or what is configured
             kv_tokens = int(max_context * parallel.pool_contexts)

@@ -91,7 +91,9 @@ class Engine:
             prefix_store=self.prefixes,
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
-            kv_tokens=server.kv_cache_tokens,
+            # the pool the start planned (and counted): `server.kv_cache_tokens`, a whole
+            # context per request, or on a GPU what fits (`placement.parallel_for`)
+            kv_tokens=round(max_context * runner.start.parallel.pool_contexts),
             prompt_rows=runner.prompt_rows,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
