@@ -67,3 +67,37 @@ def test_step_loop_runs_requests_together(tiny: tuple[Model, Tokenizer]) -> None
     with pytest.raises(ValueError, match="one running sequence"):
         loop.add(seqs[0])
         loop.add(Sequence(reqs[0], seqs[0].cache, tok, 64))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_conversation_set_aside_comes_back_whole(
+    tiny: tuple[Model, Tokenizer], device: str
+) -> None:
+    """A snapshot's copy to the host (from a GPU: queued into page-locked memory, not waited
+    for) holds the rows as they were when it was taken, though the pool is overwritten right
+    after, and a restore into another cache gives them back."""
+    from stratad.engine.kv import KVPool
+
+    spec = tiny[0].spec
+    pool = KVPool.allocate(spec, pool_tokens(2, 64), [torch.device(device)] * spec.n_layers,
+                           torch.float32)  # fmt: skip
+    cache = KVCache(pool, 64)
+    cache.reserve(40)
+    rows = cache.rows(0, 40, torch.device(device))
+    g = torch.Generator().manual_seed(1)
+    want = [(torch.randn(k[rows].shape, generator=g), torch.randn(v[rows].shape, generator=g))
+            for k, v in zip(pool.k, pool.v, strict=True)]  # fmt: skip
+    for (k, v), (wk, wv) in zip(zip(pool.k, pool.v, strict=True), want, strict=True):
+        k[rows], v[rows] = wk.to(device), wv.to(device)
+    cache.length = 40
+    cache.tokens[:] = list(range(40))
+    store = PrefixStore(1 << 30, 0)
+    assert store.save(cache, 40)
+    for k, v in zip(pool.k, pool.v, strict=True):  # the next step writes over them
+        k[rows], v[rows] = 0.0, 0.0
+    cache.release()
+    other = KVCache(pool, 64)
+    store.restore(store.snapshots[0], 40, other)
+    back = other.rows(0, 40, torch.device(device))
+    for (k, v), (wk, wv) in zip(zip(pool.k, pool.v, strict=True), want, strict=True):
+        assert torch.equal(k[back].cpu(), wk) and torch.equal(v[back].cpu(), wv)

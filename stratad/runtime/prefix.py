@@ -144,9 +144,15 @@ class PrefixStore:
 
 
 def _to_host(layers: list[torch.Tensor]) -> torch.Tensor:
-    """Each layer's rows [T, ...] stacked on the host [layers, T, ...]: one copy per device
-    (stacked there first), not one per layer, each of which would wait for the device."""
+    """Each layer's rows [T, ...] stacked on the host [layers, T, ...]: one copy (stacked on
+    the device first), not one per layer. From a GPU the copy goes into page-locked memory
+    without waiting: the engine thread queues the next step meanwhile, and `restore`'s copy
+    back is queued after it on the same stream."""
     devices = {x.device for x in layers}
-    if len(devices) == 1:
-        return torch.stack(layers).cpu()
-    return torch.stack([x.cpu() for x in layers])  # a layer split: layers on several devices
+    if len(devices) > 1:  # a layer split: layers on several devices
+        return torch.stack([x.cpu() for x in layers])
+    stacked = torch.stack(layers)
+    if stacked.device.type != "cuda":
+        return stacked.cpu()
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    return host.copy_(stacked, non_blocking=True)
