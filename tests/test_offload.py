@@ -284,10 +284,11 @@ def test_cpu_slots_split_is_deterministic(tiny_moe: Model) -> None:
 def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
     tiny_moe: Model,
 ) -> None:
-    """The offload engine takes short prompts as rows of its decode pass (`prompt_rows`:
-    64 rows, prompts of up to 64 tokens); the reference forward has no such pass. With the
-    pass cut to 6 rows, three 4-token prompts arriving together run one a step (each waits
-    for room, never for a separate prefill pass) and each gets the tokens it gets alone."""
+    """Where the offload engine's decode pass replays a graph (on a GPU: `prompt_rows` says
+    64 rows, prompts of up to 64 tokens), short prompts wait for room in it; on the CPU
+    either pass is launched op by op and they do not. With a pass of 6 rows, three 4-token
+    prompts arriving together run one a step (each waits for room, never for a separate
+    prefill pass) and each gets the tokens it gets alone."""
     from stratad.engine.runner import prompt_rows
     from stratad.model.tokenizer_build import tokenizer_from_gguf
     from stratad.runtime.generate import Generator
@@ -295,7 +296,7 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
     from stratad.runtime.sequence import GenerationRequest
 
     off = _offload(tiny_moe, 8, "cpu", graphs=False)
-    assert prompt_rows(off) == (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS)
+    assert prompt_rows(off) == (0, 0) and not off.replays_decode
     assert prompt_rows(ReferenceForward(tiny_moe)) == (0, 0)
     gen = Generator(off, tokenizer_from_gguf(tiny_moe.metadata), max_context=64, parallel=3,
                     prompt_rows=(6, 4))  # fmt: skip
@@ -314,3 +315,11 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
     for s in seqs:
         gen.finish(s)
     assert [got[id(s)] for s in seqs] == [[e.token for e in gen.run(r)] for r in reqs]
+
+
+@pytest.mark.gpu
+def test_a_graph_replaying_pass_takes_short_prompts_as_rows(tiny_moe: Model) -> None:
+    from stratad.engine.runner import prompt_rows
+
+    off = _offload(tiny_moe, 8, "cuda")
+    assert off.replays_decode and prompt_rows(off) == (FUSED_MAX_TOKENS, FUSED_MAX_TOKENS)

@@ -89,9 +89,14 @@ class Runner:
 
 def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> tuple[int, int]:
     """(the rows of the forward's one decode pass, the most tokens of one prompt it takes
-    there as rows): short prompts ride beside the decodes (the offload engine's graphs);
-    (0, 0) where prompts only ever run as chunks."""
+    there as rows), where that pass replays a captured graph (the offload engine on a GPU):
+    short prompts then wait for room in it rather than run as a prefill pass launched op by
+    op; (0, 0) elsewhere, where either pass is launched op by op."""
     if isinstance(forward, ReferenceForward):
+        return 0, 0
+    from stratad.engine.offload.forward import OffloadForward  # loaded: the forward is one
+
+    if not (isinstance(forward, OffloadForward) and forward.replays_decode):
         return 0, 0
     n = forward.row_tokens
     return (FUSED_MAX_TOKENS, n) if n > 1 else (0, 0)

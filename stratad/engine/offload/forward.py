@@ -437,6 +437,11 @@ class OffloadForward:
     def _graphs(self) -> bool:
         return self.config.graphs and self.device.type == "cuda"
 
+    @property
+    def replays_decode(self) -> bool:
+        """Whether a decode pass replays a captured graph (not launched op by op)."""
+        return self._graphs and self.config.pcie_frac == 1.0 and not self.files.enabled
+
     def decode(self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
         """Logits [R, V] of rows of one token each (see `batch.Layers`)."""
         self.experts.apply()
