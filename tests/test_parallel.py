@@ -441,6 +441,16 @@ def test_auto_parallel_on_a_gpu_shares_a_pool_sized_from_vram(model: Model) -> N
     auto, whole = (start_plan(c, model, gpu, [free], 1 << 20) for c in (config, sixteen))
     assert (auto.parallel.pool_contexts, whole.parallel.pool_contexts) == (3.0, 16.0)
     assert auto.stages[0].slots > whole.stages[0].slots > 0
+    # the generator gets the pool planned: 3 contexts' tokens for the 16; a whole context
+    # each (0) where the pool holds one a request; a configured size as configured
+    from stratad.runtime.service import kv_pool_tokens
+
+    ctx = auto.max_context
+    assert kv_pool_tokens(0, auto.parallel, ctx) == 3 * ctx
+    assert kv_pool_tokens(0, whole.parallel, ctx) == 0
+    assert kv_pool_tokens(0, start_plan(config, model, gpu, [1 << 40], 1 << 20).parallel,
+                          ctx) == 0  # fmt: skip (16 whole contexts fit: one each)
+    assert kv_pool_tokens(5 * ctx, auto.parallel, ctx) == 5 * ctx
 
 
 def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine: tuple) -> None:

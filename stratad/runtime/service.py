@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from stratad.config import Config
+from stratad.engine.placement import Parallel
 from stratad.engine.runner import open_runner
 from stratad.engine.timing import stages_text, tier_shares
 from stratad.model.tokenizer_build import load_tokenizer
@@ -40,6 +41,15 @@ from stratad.store.store import ExpertStore
 from stratad.store.tiers.pinning import ProgressFn
 
 log = logging.getLogger("stratad.engine")
+
+
+def kv_pool_tokens(configured: int, planned: Parallel, max_context: int) -> int:
+    """The KV pool's tokens as the start planned (and counted) them: as configured, or on a
+    GPU the whole contexts that fit where that is fewer than one a request (0: a whole
+    context each, so that none is ever preempted)."""
+    if configured or not (planned.shared and planned.contexts < planned.count):
+        return configured
+    return round(max_context * planned.contexts)
 
 
 @dataclass(eq=False)
@@ -91,9 +101,8 @@ class Engine:
             prefix_store=self.prefixes,
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
-            # the pool the start planned (and counted): `server.kv_cache_tokens`, a whole
-            # context per request, or on a GPU what fits (`placement.parallel_for`)
-            kv_tokens=round(max_context * runner.start.parallel.pool_contexts),
+            kv_tokens=kv_pool_tokens(server.kv_cache_tokens, runner.start.parallel,
+                                     max_context),  # fmt: skip
             prompt_rows=runner.prompt_rows,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
