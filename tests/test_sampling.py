@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratad.runtime.sampling import Sampler, SamplingParams, argmax
+from stratad.runtime.sampling import Sampler, SamplingParams, argmax_rows
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
 
@@ -26,14 +26,14 @@ def test_greedy_is_argmax() -> None:
 )
 def test_argmax_is_torchs(values: list[float]) -> None:
     x = torch.tensor(values)
-    assert argmax(x) == int(x.argmax())
+    assert argmax_rows(x[None]) == [int(x.argmax())]
 
 
 def test_argmax_of_a_vocabulary_and_of_views() -> None:
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(3, 49152, generator=g).round(decimals=1)  # many equal maxima
     for x in (rows[1], rows[:, 7], rows.double()[2], rows.half()[0]):
-        assert argmax(x) == int(x.argmax())
+        assert argmax_rows(x[None]) == [int(x.argmax())]
 
 
 def test_top_k_keeps_k() -> None:

@@ -31,6 +31,7 @@ from kernels.experts.moe_dots_q8 import (
     quantize_q8_ref,
 )
 from kernels.formats.quant import QTensor, QType, row_bytes
+from kernels.layers.linear import MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class QLinearConfig:
     super_blocks: int = 1  # K-quant super-blocks per reduction step (a power of two)
     num_warps: int = 1
     num_stages: int = 2
-    # the most tokens a step reads through the GGUF blocks (at most linear.MAX_TOKENS); a
-    # step of more reads the bf16 copy
-    max_tokens: int = 8
+    # the most tokens a step reads through the GGUF blocks (at most MAX_TOKENS); a step of
+    # more reads the bf16 copy
+    max_tokens: int = MAX_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("block_n", "super_blocks"):

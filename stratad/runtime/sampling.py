@@ -25,11 +25,6 @@ from dataclasses import dataclass
 import torch
 
 
-def argmax(logits: torch.Tensor) -> int:
-    """The index of the largest of `logits` [V] (`argmax_rows` of one row)."""
-    return argmax_rows(logits[None])[0]
-
-
 def argmax_rows(rows: torch.Tensor) -> list[int]:
     """The index of the largest of each row [R, V] (the first of equals; a NaN counts as
     largest), as torch's argmax gives it. Host float32 logits go through numpy: torch's CPU
