@@ -443,14 +443,13 @@ def test_auto_parallel_on_a_gpu_shares_a_pool_sized_from_vram(model: Model) -> N
     assert auto.stages[0].slots > whole.stages[0].slots > 0
     # the generator gets the pool planned: 3 contexts' tokens for the 16; a whole context
     # each (0) where the pool holds one a request; a configured size as configured
-    from stratad.runtime.service import kv_pool_tokens
-
     ctx = auto.max_context
-    assert kv_pool_tokens(0, auto.parallel, ctx) == 3 * ctx
-    assert kv_pool_tokens(0, whole.parallel, ctx) == 0
-    assert kv_pool_tokens(0, start_plan(config, model, gpu, [1 << 40], 1 << 20).parallel,
-                          ctx) == 0  # fmt: skip (16 whole contexts fit: one each)
-    assert kv_pool_tokens(5 * ctx, auto.parallel, ctx) == 5 * ctx
+    assert auto.parallel.pool_tokens(ctx) == 3 * ctx
+    assert whole.parallel.pool_tokens(ctx) == 0
+    assert start_plan(config, model, gpu, [1 << 40], 1 << 20).parallel.pool_tokens(
+        ctx) == 0  # fmt: skip (16 whole contexts fit: one each)
+    five = msgspec.structs.replace(config, server=ServerConfig(kv_cache_tokens=5 * ctx))
+    assert start_plan(five, model, gpu, [free], 1 << 20).parallel.pool_tokens(ctx) == 5 * ctx
 
 
 def test_a_pool_too_small_for_all_preempts_and_every_answer_stays_its_own(engine: tuple) -> None:

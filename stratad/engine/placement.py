@@ -111,6 +111,14 @@ class Parallel:
     def pool_contexts(self) -> float:
         return self.contexts or float(self.count)
 
+    def pool_tokens(self, max_context: int) -> int:
+        """The KV pool's tokens for the generator: those planned where the pool is smaller
+        or larger than a whole context a request (configured, or shared on a GPU); 0 where
+        it is exactly that (the generator then rounds each context to whole blocks, so
+        none is ever preempted)."""
+        whole = not self.contexts or (self.shared and self.contexts >= self.count)
+        return 0 if whole else round(max_context * self.contexts)
+
     def describe(self) -> str:
         total = self.kv_bytes * self.pool_contexts / GiB
         pool = (f"{self.contexts:.3g} whole contexts (server.kv_cache_tokens)" if self.contexts

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from stratad.config import Config
-from stratad.engine.placement import Parallel
 from stratad.engine.runner import open_runner
 from stratad.engine.timing import stages_text, tier_shares
 from stratad.model.tokenizer_build import load_tokenizer
@@ -41,15 +40,6 @@ from stratad.store.store import ExpertStore
 from stratad.store.tiers.pinning import ProgressFn
 
 log = logging.getLogger("stratad.engine")
-
-
-def kv_pool_tokens(configured: int, planned: Parallel, max_context: int) -> int:
-    """The KV pool's tokens as the start planned (and counted) them: as configured, or on a
-    GPU the whole contexts that fit where that is fewer than one a request (0: a whole
-    context each, so that none is ever preempted)."""
-    if configured or not (planned.shared and planned.contexts < planned.count):
-        return configured
-    return round(max_context * planned.contexts)
 
 
 @dataclass(eq=False)
@@ -101,8 +91,7 @@ class Engine:
             prefix_store=self.prefixes,
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
-            kv_tokens=kv_pool_tokens(server.kv_cache_tokens, runner.start.parallel,
-                                     max_context),  # fmt: skip
+            kv_tokens=runner.start.parallel.pool_tokens(max_context),
             prompt_rows=runner.prompt_rows,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
