@@ -11,4 +11,8 @@ echo "== mypy"; mypy
 echo "== pytest"
 # Triton kernels run on the CPU through Triton's interpreter.
 export TRITON_INTERPRET=1
-exec python -m pytest -m "not gpu" -q "$@"
+# One worker a core, at most 4 (pytest-xdist), each test file whole on one worker so that its
+# module fixtures (models, daemons) are made once; `scripts/test.sh -n 0` runs in one process.
+workers=$(nproc)
+((workers > 4)) && workers=4
+exec python -m pytest -m "not gpu" -q -n "$workers" --dist loadfile "$@"

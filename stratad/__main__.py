@@ -125,17 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopped (forced)")
         return _exit(server, 0, now=True)
     if failed:
-        # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug
+        # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug.
+        # At once: the load thread may still be unwinding inside torch, and the interpreter's
+        # exit beside it can abort (a test saw the exit status lost on a loaded host).
         if isinstance(failed[0], AdmissionRefused):
-            return failed[0].exit_code
-        return EXIT_BAD_MODEL if isinstance(failed[0], (ModelError, PackError)) else 1
+            return _exit(server, failed[0].exit_code, now=True)
+        bad = isinstance(failed[0], (ModelError, PackError))
+        return _exit(server, EXIT_BAD_MODEL if bad else 1, now=True)
     return 0
 
 
 def _exit(server: Any, code: int, now: bool = False) -> int:
     """Exit with `code`; at once if the model still loads, since the interpreter's exit under a
     thread inside torch aborts the process (exit 134 instead of `code`), or when `now` (a forced
-    stop: the interpreter's exit would wait for threads still at work)."""
+    stop, or a failed load: the interpreter's exit would wait for threads still at work)."""
     if server.loading or now:
         logging.shutdown()
         sys.stdout.flush()

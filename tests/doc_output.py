@@ -120,7 +120,7 @@ def damaged_pack_lines(gguf: Path, work: Path) -> list[str]:
          str(free_port()), "--control-socket", str(work / "damaged.sock")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert r.returncode == 65, r.stderr
+    assert r.returncode == 65, f"exit {r.returncode}: {r.stderr}"
     return [*lines, *r.stderr.splitlines()]
 
 

@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,10 +41,13 @@ else:
     import tomli as tomllib
 
 
-def _client(base: str, index: int, args: argparse.Namespace) -> list[dict[str, float]]:
+def _openai(base: str) -> Any:
     import openai
 
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def _client(client: Any, index: int, args: argparse.Namespace) -> list[dict[str, float]]:
     out = []
     for r in range(args.requests):
         prompt = f"{index * 100 + r}, {index * 100 + r + 1}, {index * 100 + r + 2},"
@@ -64,10 +68,21 @@ def _client(base: str, index: int, args: argparse.Namespace) -> list[dict[str, f
 
 
 def run_round(base: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    """`clients` clients at once, each made (an HTTP client, its TLS context) and its thread
+    started before the clock starts: the wall is the requests' alone."""
+    made = [_openai(base) for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def run(i: int) -> list[dict[str, float]]:
+        start.wait()
+        return _client(made[i], i, args)
+
     with ThreadPoolExecutor(clients) as pool:
-        per_client = list(pool.map(lambda i: _client(base, i, args), range(clients)))
-    wall = time.perf_counter() - t0
+        futures = [pool.submit(run, i) for i in range(clients)]
+        start.wait()
+        t0 = time.perf_counter()
+        per_client = [f.result() for f in futures]
+        wall = time.perf_counter() - t0
     reqs = [r for c in per_client for r in c]
     tokens = sum(r["tokens"] for r in reqs)
     return {"clients": clients, "requests": len(reqs), "completion_tokens": tokens,
@@ -100,8 +115,8 @@ def serve(model: Path, parallel: int, args: argparse.Namespace) -> list[dict[str
     config = config_text(parallel, args.set)
     with tempfile.TemporaryDirectory() as tmp, daemon(str(model), Path(tmp), config,
                                                       args.start_timeout) as base:  # fmt: skip
-        _client(base, 999, argparse.Namespace(requests=1, max_tokens=4, temperature=0.0,
-                                              top_p=1.0))  # warm up
+        _client(_openai(base), 999, argparse.Namespace(requests=1, max_tokens=4,
+                                                       temperature=0.0, top_p=1.0))  # warm up
         rounds = []
         for clients in args.clients:
             for repeat in range(args.rounds):
