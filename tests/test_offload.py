@@ -317,6 +317,77 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
     assert [got[id(s)] for s in seqs] == [[e.token for e in gen.run(r)] for r in reqs]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, device: str) -> None:
+    """Greedy decode steps queue the next step from their tokens on the device before the
+    host reads them (`StepLoop.ahead`; by default where the decode pass replays a graph): a
+    request that finishes, one cancelled while a step is queued for it, and one arriving
+    while a step is queued each get the tokens (and keep the KV) they get alone; a sampled
+    request turns it off while it runs."""
+    from stratad.engine.runner import ahead_pass
+    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.runtime.generate import Generator
+    from stratad.runtime.sampling import SamplingParams
+    from stratad.runtime.sequence import GenerationRequest
+
+    off = _offload(tiny_moe, 8, device, graphs=device == "cuda")
+    assert (ahead_pass(off) is None) == (device == "cpu")
+    tok = tokenizer_from_gguf(tiny_moe.metadata)
+    gen = Generator(off, tok, max_context=64, parallel=3, ahead=off.step_ahead)
+    greedy, warm = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)
+
+    def req(first: int, n: int, sampling: SamplingParams = greedy) -> GenerationRequest:
+        return GenerationRequest([first, 7, 8], max_tokens=n, sampling=sampling, ignore_eos=True)
+
+    reqs = [req(100, 2), req(101, 5), req(102, 4), req(103, 3), req(104, 3, warm)]
+    got: dict[int, list[int]] = {}
+    kv: dict[int, list[int]] = {}  # the ids behind each finished one's cache, as it ended
+    seqs = [gen.start(reqs[0]), gen.start(reqs[1]), gen.start(reqs[2])]
+    cancelled = seqs[2]
+    steps, ahead_at = 0, []
+    while gen.loop.running:
+        for s, outcome in gen.step():
+            assert not isinstance(outcome, Exception)
+            got.setdefault(id(s), []).append(outcome.token)  # type: ignore[union-attr]
+            if outcome.finish_reason is not None:  # type: ignore[union-attr]
+                kv[id(s)] = list(s.cache.tokens)
+                gen.finish(s)
+        steps += 1
+        ahead_at.append(gen.loop._ahead is not None)
+        if steps == 3:  # queued ahead for it: cancelled, its cache ends at its last token
+            assert gen.loop._ahead is not None and cancelled in gen.loop.running
+            gen.finish(cancelled)
+            assert cancelled.cache.length == len(reqs[2].prompt) + len(got[id(cancelled)]) - 1
+        if steps == 4:  # arrives while a step is queued; the sampled one after it
+            seqs.append(gen.start(reqs[3]))
+        if steps == 6:
+            seqs.append(gen.start(reqs[4]))
+    assert gen.loop.ahead_steps >= 3 and not all(ahead_at)
+    alone = Generator(off, tok, max_context=64)  # no step ahead
+    for s, r in zip(seqs, reqs, strict=True):
+        want = [e.token for e in alone.run(r)]
+        assert got[id(s)] == (want[: len(got[id(s)])] if s is cancelled else want)
+        if s is not cancelled:  # the KV a later turn of the conversation reuses
+            assert kv[id(s)] == r.prompt + want[:-1]
+
+
+@pytest.mark.gpu
+def test_a_graph_replays_tokens_given_on_the_device(tiny_moe: Model) -> None:
+    """Five rows (padded to the capture of six) from ids on the device: the logits of the
+    same ids from the host."""
+    off = _offload(tiny_moe, 8, "cuda")
+    caches = [off.new_cache(16) for _ in range(5)]
+    pos = [0] * 5
+    for c in caches:
+        c.reserve(1)
+    ids = [11, 12, 13, 14, 15]
+    with torch.inference_mode():
+        want = off.decode(ids, pos, caches).clone()
+        got = off.decode(torch.tensor(ids, device="cuda"), pos, caches)
+    assert off.graph.captured >= 1
+    assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 def test_a_graph_replaying_pass_takes_short_prompts_as_rows(tiny_moe: Model) -> None:
     from stratad.engine.runner import prompt_rows

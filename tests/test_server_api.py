@@ -204,10 +204,12 @@ def test_nulls_are_accepted(daemon: Daemon) -> None:
             "max_completion_tokens": None, "logprobs": None, "top_logprobs": None}  # fmt: skip
     status, body = _error(daemon, "/v1/chat/completions", {**chat, "max_tokens": 3})
     assert status == 200 and body["choices"][0]["message"]["content"], body
-    # a counting prompt: the model goes on past the default limit (after "Hi" it may end sooner)
     text = {**base, "prompt": "1, 2, 3, 4, 5, 6,", "echo": None, "logprobs": None,
             "suffix": None, "best_of": None}  # fmt: skip
-    status, body = _error(daemon, "/v1/completions", text)
+    status, body = _error(daemon, "/v1/completions", text)  # sampled at the default 1.0
+    assert status == 200 and 0 < body["usage"]["completion_tokens"] <= 16, body
+    # greedy, a counting prompt goes on past the default limit (sampled, it may end sooner)
+    status, body = _error(daemon, "/v1/completions", {**text, "temperature": 0})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert body["usage"]["completion_tokens"] == 16, body  # the default
     assistant = {"role": "assistant", "content": None}

@@ -77,11 +77,12 @@ class Layers(Protocol):
         ...
 
     def decode(
-        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
     ) -> torch.Tensor:
         """Logits [R, V] of rows of one token each: token r at position pos[r] of cache r,
         attending to cache r up to it (a cache may be given for several rows, in order of
-        position; the lengths are left as they were)."""
+        position; the lengths are left as they were). `tokens` on the device: ids the host
+        has not read (`run_ahead`)."""
         ...
 
 
@@ -163,6 +164,26 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
             for b, o in zip(which, run(layers, [seqs[b] for b in which]), strict=True):
                 out[b] = o
     return out
+
+
+UNREAD = -1  # a cache's token id computed ahead from a device tensor, until the host reads it
+
+
+def run_ahead(layers: Layers, caches: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+    """One decode pass of each cache's next token, given on the device (drawn there from the
+    pass before, not yet read by the host, so that this pass is queued behind that one
+    without waiting for it): logits [R, V]. Each cache grows by one token whose id it holds
+    as `UNREAD` until the caller writes it (`KVCache.tokens[-1]`). Raises `KVPoolFull`
+    before anything is queued when a cache cannot take its token's block."""
+    if tokens.shape != (len(caches),):
+        raise ValueError(f"{tuple(tokens.shape)} tokens for {len(caches)} caches")
+    seqs = [Seq(c, [UNREAD]) for c in caches]
+    check_batch(seqs)
+    reserve(seqs)
+    logits = layers.decode(tokens, [c.length for c in caches], caches)
+    for c in caches:
+        _append(c, [UNREAD])
+    return logits
 
 
 def _decode_pass(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +69,10 @@ class Runner:
     def prompt_rows(self) -> tuple[int, int]:
         return prompt_rows(self.forward)
 
+    @property
+    def ahead(self) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
+        return ahead_pass(self.forward)
+
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)
 
@@ -100,6 +104,22 @@ def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> t
         return 0, 0
     n = forward.row_tokens
     return (FUSED_MAX_TOKENS, n) if n > 1 else (0, 0)
+
+
+def ahead_pass(
+    forward: ReferenceForward | OffloadForward | StagedForward,
+) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
+    """The forward's decode step from tokens still on the device (`batch.run_ahead`), where
+    its decode pass replays a captured graph (a GPU: that step queues behind the one that
+    draws its tokens, and the device computes it while the host reads, samples and streams
+    those); None elsewhere, where the host launches every kernel itself and gains nothing."""
+    if isinstance(forward, ReferenceForward):
+        return None
+    from stratad.engine.offload.forward import OffloadForward  # loaded: the forward is one
+
+    if not (isinstance(forward, OffloadForward) and forward.replays_decode):
+        return None
+    return forward.step_ahead
 
 
 def pick_device(name: str) -> torch.device:

@@ -32,7 +32,7 @@ from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.speculation.cost import StepCost
 from stratad.runtime.speculation.settings import Speculation
-from stratad.runtime.step import Active, Forward, Outcome, StepLoop
+from stratad.runtime.step import Active, AheadPass, Forward, Outcome, StepLoop
 from stratad.runtime.step_plan import StepBudget
 
 # a request's events; closing it ends the request and frees its cache
@@ -57,13 +57,16 @@ class Generator:
         kv_tokens: int = 0,
         speculation: Speculation | None = None,
         prompt_rows: tuple[int, int] = (0, 0),
+        ahead: AheadPass | None = None,
     ) -> None:
         """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
         beside a token of every running request); `kv_tokens`: the KV pool's tokens (0: the
         whole context of every working cache, so no request is ever preempted; at least one
         context); `speculation`: how each sequence drafts (None: it does not);
         `prompt_rows`: the rows of the forward's decode pass and the most tokens of a prompt
-        it takes there (`Runner.prompt_rows`; short prompts wait for room there)."""
+        it takes there (`Runner.prompt_rows`; short prompts wait for room there); `ahead`:
+        the forward's decode step from tokens on the device (`Runner.ahead`: greedy decode
+        steps queue the next one before the host reads their tokens)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
@@ -85,7 +88,7 @@ class Generator:
         budget = StepBudget.auto(prefill_chunk, parallel, step_tokens, *prompt_rows)
         cost = StepCost(speculation.token_cost) if speculation is not None else None
         self.loop = StepLoop(forward, budget, self.store, self.kv, self.timer, idle=self,
-                             cost=cost)  # fmt: skip
+                             cost=cost, ahead=ahead)  # fmt: skip
 
     @property
     def cache(self) -> KVCache:

@@ -93,6 +93,7 @@ class Engine:
             step_tokens=server.step_tokens,
             kv_tokens=runner.start.parallel.pool_tokens(max_context),
             prompt_rows=runner.prompt_rows,
+            ahead=runner.ahead if config.engine.step_ahead else None,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
                 config.speculation.token_cost, self.backend,

@@ -12,19 +12,28 @@ finished leaves the loop; its cache is the caller's again. A sequence whose
 own part of the step fails (its grammar refuses, its sampler raises) leaves the loop with
 that error as its outcome; the others' outcomes of the same step stand, so one request's
 failure never changes another's tokens.
+
+Where the forward offers it (`ahead`: a GPU replaying its decode graph), a step in which
+every running sequence decodes greedily draws its tokens on the device and queues the next
+step from them there before the host reads them: the device computes step N+1 while the
+host samples, streams and plans step N, and the next `step` takes that step's logits. A
+sequence that finishes or leaves meanwhile gives the queued token's KV back; one that
+arrives meanwhile joins the step after.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seqs
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from stratad.engine.batch import Output, Seq
-from stratad.engine.kv import KVPool, KVPoolFull, prompt_keys
+from stratad.engine.kv import KVCache, KVPool, KVPoolFull, prompt_keys
 from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
@@ -68,6 +77,20 @@ def _wants(s: Active) -> Output:
     return Output.LOGITS if isinstance(s, Sequence) and s.proposed else s.out
 
 
+# the forward's decode pass of each cache's next token given on the device, queued without
+# the host reading it (`engine.batch.run_ahead`): logits [R, V]
+AheadPass = Callable[[list[KVCache], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Ahead:
+    """A step queued before the host read the tokens it computes: row i is `seqs[i]`'s."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    gone: set[int] = field(default_factory=set)  # ids of those that left the loop since
+
+
 class Idle(Protocol):
     """The caches no running sequence holds, whose blocks a step may take back."""
 
@@ -96,9 +119,13 @@ class StepLoop:
         timer: StageTimer | None = None,
         idle: Idle | None = None,
         cost: StepCost | None = None,
+        ahead: AheadPass | None = None,
     ) -> None:
         """`cost`: what a drafted token costs, measured on these steps (a prior of
-        `DEFAULT_TOKEN_COST` where not given)."""
+        `DEFAULT_TOKEN_COST` where not given). `ahead`: where given, a step of greedy
+        decodes only queues the next step from its tokens on the device before the host
+        reads them, so that the device computes that step while the host samples, streams
+        and plans (`_launch_ahead`)."""
         self.forward, self.budget, self.prefixes, self.kv = forward, budget, prefixes, kv
         self.cost = cost or StepCost(DEFAULT_TOKEN_COST)
         self.timer = timer or StageTimer(enabled=False)
@@ -107,6 +134,9 @@ class StepLoop:
         self.preempted = 0  # preemptions so far
         self.resumed_tokens = 0  # tokens preempted sequences found still in the pool
         self.drafted = self.accepted = self.verifies = 0  # speculative decoding so far
+        self.ahead = ahead
+        self._ahead: _Ahead | None = None  # the step queued ahead, not yet taken
+        self.ahead_steps = 0  # steps queued ahead so far
 
     def add(self, seq: Active) -> None:
         if seq.cache.pool is not self.kv:
@@ -117,11 +147,22 @@ class StepLoop:
 
     def remove(self, seq: Active) -> None:
         self.running.remove(seq)
+        self._drop_ahead(seq)
+
+    def _drop_ahead(self, seq: Active) -> None:
+        """A sequence leaving the loop gives back the token a step queued ahead computed
+        for it: its cache ends where its last sampled token's KV ends."""
+        ahead = self._ahead
+        if ahead is not None and any(q is seq for q in ahead.seqs) and id(seq) not in ahead.gone:
+            ahead.gone.add(id(seq))
+            seq.cache.truncate(seq.cache.length - 1)
 
     def step(self) -> list[tuple[Active, Outcome]]:
         """Advance the running sequences the plan picks: the outcomes of those that sampled a
         token (a sequence still in its prompt samples nothing) or failed; finished and failed
         ones leave the loop."""
+        if self._ahead is not None:
+            return self._step_ahead()
         if not self.running:
             return []
         start = time.perf_counter()  # a draft model's passes are part of a draft's cost
@@ -155,6 +196,30 @@ class StepLoop:
                     settled.append((s, r))
             except Exception as err:  # noqa: BLE001 (its own failure ends this sequence alone)
                 self._fail(out, s, err)
+        self._sample_all(out, settled)
+        if timed is not None:  # drafting, the forward and the sampling: what a step costs
+            self.cost.observe(len(seqs), timed, time.perf_counter() - start)
+        return out
+
+    def _step_ahead(self) -> list[tuple[Active, Outcome]]:
+        """A step whose forward was queued ahead: the logits of those of its sequences still
+        in the loop (a request that arrived since waits for the next step)."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        settled = [(s, ahead.logits[i : i + 1]) for i, s in enumerate(ahead.seqs)
+                   if id(s) not in ahead.gone]  # fmt: skip
+        if not settled:
+            return self.step()
+        for s, _ in settled:
+            s.cache.seal(s.req.scope)
+        out: list[tuple[Active, Outcome]] = []
+        self._sample_all(out, settled)
+        return out
+
+    def _sample_all(
+        self, out: list[tuple[Active, Outcome]], settled: list[tuple[Sequence, torch.Tensor]]
+    ) -> None:
+        """Each settled sequence's events from its logits (`_draw`, then `_sample`)."""
         drawn = self._draw(settled)
         for s, r in settled:
             try:
@@ -164,9 +229,6 @@ class StepLoop:
                 self._fail(out, s, err)
                 continue
             self._emit(out, s, events)
-        if timed is not None:  # drafting, the forward and the sampling: what a step costs
-            self.cost.observe(len(seqs), timed, time.perf_counter() - start)
-        return out
 
     def _plan(self, out: list[tuple[Active, Outcome]]) -> tuple[list[int], list[list[int]]]:
         """The running sequences that compute this step (and every running one's next
@@ -218,10 +280,10 @@ class StepLoop:
                 continue
             out.append((s, event))
             if not isinstance(event, Exception) and event.finish_reason is not None:
-                self.running.remove(s)
+                self.remove(s)
 
     def _fail(self, out: list[tuple[Active, Outcome]], s: Active, err: Exception) -> None:
-        self.running.remove(s)
+        self.remove(s)
         out.append((s, err))
 
     def _settle(self, s: Sequence, n: int) -> bool:
@@ -246,6 +308,8 @@ class StepLoop:
                  if not s.proposed and s.constraint is None and s.sampler.plain]  # fmt: skip
         if not plain:
             return {}
+        if self._can_launch_ahead(plain):
+            return self._launch_ahead(plain)
         uniforms = [s.sampler.uniform() for s, _ in plain]
         with self.timer.stage("sampling"):
             try:
@@ -256,6 +320,41 @@ class StepLoop:
                             " (a seeded one then spends another number)", exc_info=True)
                 return {}
         return {id(s): t for (s, _), t in zip(plain, tokens, strict=True)}
+
+    def _can_launch_ahead(self, plain: list[tuple[Sequence, torch.Tensor]]) -> bool:
+        """Whether the next step can be queued from this one's tokens on the device: every
+        running sequence draws greedily here and decodes one token next (no prompt waits,
+        no drafts, no pooling), and each cache has room for it."""
+        return (
+            self.ahead is not None
+            and len(plain) == len(self.running)
+            and all(s.sampler.params.greedy and s.drafts is None
+                    and s.cache.length < s.cache.capacity for s, _ in plain)  # fmt: skip
+        )
+
+    def _launch_ahead(self, plain: list[tuple[Sequence, torch.Tensor]]) -> dict[int, int | None]:
+        """The greedy tokens of `plain` (every running sequence): drawn on the device, the
+        next step queued from them there (`ahead`), then read. A pool short of a block for
+        them queues nothing (the next step plans as usual)."""
+        assert self.ahead is not None
+        seqs = [s for s, _ in plain]
+        with self.timer.stage("sampling"):
+            ids = torch.cat([r[-1:] for _, r in plain]).argmax(1)
+        try:
+            self._ahead = _Ahead(seqs, self.ahead([s.cache for s in seqs], ids))
+            self.ahead_steps += 1
+        except KVPoolFull:
+            pass
+        except Exception:  # noqa: BLE001 (a way to go faster: the steps go on without it)
+            log.warning("queueing a step ahead failed; steps run one after the other from"
+                        " now on (same tokens)", exc_info=True)  # fmt: skip
+            self.ahead = None
+        with self.timer.stage("sampling"):
+            tokens = [int(t) for t in ids.tolist()]
+        if self._ahead is not None:
+            for s, t in zip(seqs, tokens, strict=True):
+                s.cache.tokens[-1] = t  # the id the queued step computes
+        return {id(s): t for s, t in zip(seqs, tokens, strict=True)}
 
     def _sample(
         self, s: Sequence, logits: torch.Tensor, drawn: dict[int, int | None]

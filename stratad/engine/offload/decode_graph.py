@@ -75,14 +75,19 @@ class DecodeGraph:
         return ("caches", tuple(id(c) for c in caches)), False
 
     def replay(
-        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [R, V], routed ids [layers, R * k]) of a step of R rows, views of the
-        graph's own tensors (or the eager step's, where the capture failed)."""
+        graph's own tensors (or the eager step's, where the capture failed). `tokens` on the
+        device are copied there, ordered after the work that makes them."""
         rows = len(caches)
         size = next((n for n in SIZES if n >= rows), rows)
         if size > rows:  # padded with copies of the last row
-            tokens = [*tokens, *[tokens[-1]] * (size - rows)]
+            extra = size - rows
+            if isinstance(tokens, torch.Tensor):
+                tokens = torch.cat([tokens, tokens[-1:].expand(extra)])
+            else:
+                tokens = [*tokens, *[tokens[-1]] * extra]
             pos = [*pos, *[pos[-1]] * (size - rows)]
             caches = [*caches, *[caches[-1]] * (size - rows)]
         logits, ids = self._replay(tokens, pos, caches)
@@ -104,7 +109,7 @@ class DecodeGraph:
         return self.captured - before
 
     def _replay(
-        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         key, by_size = self._key(caches)
         if key in self._failed:
@@ -136,21 +141,30 @@ class DecodeGraph:
         return cap.logits, cap.ids
 
     def _eager(
-        self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tok = torch.tensor(tokens, device=self.device)
+        tok = (tokens.to(self.device) if isinstance(tokens, torch.Tensor)
+               else torch.tensor(tokens, device=self.device))  # fmt: skip
         at = torch.tensor(pos, device=self.device)
         return self.step(tok, at, caches, None)
 
     def _fill(
-        self, cap: _Capture, tokens: list[int], pos: list[int], caches: Sequence[KVCache]
+        self,
+        cap: _Capture,
+        tokens: list[int] | torch.Tensor,
+        pos: list[int],
+        caches: Sequence[KVCache],
     ) -> None:
         """The step's inputs into the capture's tensors (before its replay)."""
-        if len(caches) == 1:  # no host-to-device copy for the common case
+        if isinstance(tokens, torch.Tensor):  # on the device already
+            cap.tok.copy_(tokens)
+        elif len(caches) == 1:  # no host-to-device copy for the common case
             cap.tok.fill_(tokens[0])
-            cap.pos.fill_(pos[0])
         else:
             cap.tok.copy_(torch.tensor(tokens))
+        if len(caches) == 1:
+            cap.pos.fill_(pos[0])
+        else:
             cap.pos.copy_(torch.tensor(pos))
         if cap.tables is not None:
             cap.tables.copy_(block_tables(caches, cap.tables.device))

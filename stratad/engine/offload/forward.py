@@ -35,7 +35,7 @@ from kernels.experts.moe import moe_down, moe_gate_up
 from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
-from stratad.engine.batch import Seq, run_batch
+from stratad.engine.batch import Seq, run_ahead, run_batch
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
@@ -442,7 +442,9 @@ class OffloadForward:
         """Whether a decode pass replays a captured graph (not launched op by op)."""
         return self._graphs and self.config.pcie_frac == 1.0 and not self.files.enabled
 
-    def decode(self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+    def decode(
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
+    ) -> torch.Tensor:
         """Logits [R, V] of rows of one token each (see `batch.Layers`)."""
         self.experts.apply()
         # a graph replays without the host, which must read the file tier's routed experts
@@ -450,11 +452,13 @@ class OffloadForward:
         # a CPU share of the misses: the step in pieces, the host's turn between them
         split = self.config.pcie_frac < 1.0 and not self.files.enabled
         if split and Decode(len(caches)).fused:
-            logits, ids = self.split(tokens, pos, caches)
+            ids_of = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+            logits, ids = self.split(ids_of, pos, caches)
         elif self._graphs and graph:
             logits, ids = self.graph.replay(tokens, pos, caches)
         else:
-            tok = torch.tensor(tokens, device=self.device)
+            tok = (tokens.to(self.device) if isinstance(tokens, torch.Tensor)
+                   else torch.tensor(tokens, device=self.device))  # fmt: skip
             at = torch.tensor(pos, device=self.device)
             logits, ids = self._decode_pass(tok, at, caches)
         self.experts.step(ids)
@@ -464,6 +468,11 @@ class OffloadForward:
     def step(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
         """One step of a batch: each sequence's `Output` (logits [1, V], or what it asks)."""
         return run_batch(self, seqs)
+
+    @torch.inference_mode()
+    def step_ahead(self, caches: list[KVCache], tokens: torch.Tensor) -> torch.Tensor:
+        """A decode step of each cache's next token given on the device (`batch.run_ahead`)."""
+        return run_ahead(self, caches, tokens)
 
     def __call__(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """The ReferenceForward interface: logits [1, V] of the last token ([T, V] of all)."""

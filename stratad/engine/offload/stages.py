@@ -170,7 +170,11 @@ class StagedForward:
     def row_tokens(self) -> int:
         return self.config.row_tokens
 
-    def decode(self, tokens: list[int], pos: list[int], caches: Sequence[KVCache]) -> torch.Tensor:
+    def decode(
+        self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
+    ) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor):  # a pipeline reads its tokens on the host
+            tokens = tokens.tolist()
         for stage in self.stages:
             stage.experts.apply()
         return self.head(self.run(tokens, pos, caches, Decode(len(caches))))
