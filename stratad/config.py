@@ -219,11 +219,12 @@ class EngineConfig(_Section, frozen=True):
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
-    step_ahead: bool = True
+    step_ahead: bool = False
     """On a GPU (the offload engine's captured decode steps): when every running request
     decodes greedily, queue the next step from this step's tokens on the GPU before the host
     reads them, so that the GPU computes it while the host samples, streams and plans. The
-    tokens are the same either way; false runs the steps one after the other."""
+    tokens are the same either way. Off until a GPU run shows that it pays
+    (bench/results/2026-12-06-h100-r20.md)."""
 
     def __post_init__(self) -> None:
         if self.expert_prefetch is True and self.gpu_miss == "in_place":

@@ -320,7 +320,7 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, device: str) -> None:
     """Greedy decode steps queue the next step from their tokens on the device before the
-    host reads them (`StepLoop.ahead`; by default where the decode pass replays a graph): a
+    host reads them (`StepLoop.ahead`; offered where the decode pass replays a graph): a
     request that finishes, one cancelled while a step is queued for it, and one arriving
     while a step is queued each get the tokens (and keep the KV) they get alone; a sampled
     request turns it off while it runs."""

@@ -91,6 +91,23 @@ class _Ahead:
     gone: set[int] = field(default_factory=set)  # ids of those that left the loop since
 
 
+def _read_later(ids: torch.Tensor) -> Callable[[], list[int]]:
+    """Start copying `ids` to the host now; the call returns them, waiting for that copy
+    alone (a GPU's `tolist()` would wait for all the work queued after it too)."""
+    if ids.device.type != "cuda":
+        return lambda: [int(t) for t in ids.tolist()]
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[int]:
+        copied.synchronize()
+        return [int(t) for t in host.tolist()]
+
+    return read
+
+
 class Idle(Protocol):
     """The caches no running sequence holds, whose blocks a step may take back."""
 
@@ -340,6 +357,7 @@ class StepLoop:
         seqs = [s for s, _ in plain]
         with self.timer.stage("sampling"):
             ids = torch.cat([r[-1:] for _, r in plain]).argmax(1)
+            read = _read_later(ids)  # its copy queued before the next step, not behind it
         try:
             self._ahead = _Ahead(seqs, self.ahead([s.cache for s in seqs], ids))
             self.ahead_steps += 1
@@ -350,7 +368,7 @@ class StepLoop:
                         " now on (same tokens)", exc_info=True)  # fmt: skip
             self.ahead = None
         with self.timer.stage("sampling"):
-            tokens = [int(t) for t in ids.tolist()]
+            tokens = read()
         if self._ahead is not None:
             for s, t in zip(seqs, tokens, strict=True):
                 s.cache.tokens[-1] = t  # the id the queued step computes
