@@ -25,11 +25,11 @@
 # `dense` (not part of `all`): the a3b's dense projections in bf16 against the same matrices
 # read in their GGUF type (dense-types.{txt,json}), then the engine without and with
 # --dense-gguf, A/B/A (dense-engine.md); for `http` (not part of `all`; needs LLAMA_SRC as
-# `decode` does): the daemon over HTTP (bench.http.http_clients, openai clients streaming 128
-# tokens) at 1, 8 and 32 greedy clients and 8 sampled ones (temperature 0.7, top_p 0.9),
-# all resident and at 4 GiB, beside the engine alone (bench.gpu.batch_decode) and
-# llama-batched-bench on the same file (http-*.{md,json}, http-*.log, batch-http-*.json,
-# llama-batched-http*.txt).
+# `decode` does): the daemon over HTTP with its default requests at once (bench.http.http_clients,
+# openai clients streaming 128 tokens) at 1, 8, 16 and 32 greedy clients, the same with
+# engine.step_ahead on, and 8 sampled ones (temperature 0.7, top_p 0.9), all resident and at
+# 4 GiB, beside the engine alone (bench.gpu.batch_decode) and llama-batched-bench on the same
+# file (http-*.{md,json}, http-*.log, batch-http-*.json, llama-batched-http*.txt).
 # The benchmark model (the synthetic a3b, ~17.5 GB)
 # is written to $A3B (default /tmp/a3b.gguf) unless it exists.
 set -euo pipefail
@@ -141,23 +141,26 @@ if [[ $WHAT == http ]]; then
     file=${A3B_DIR:-/tmp}/a3b-$ft.gguf
     [[ -f $file ]] || python3 -m stratactl synth a3b --ftype "$ft" -o "$file" --workers "$(nproc)"
     common=(--model "$file" --max-tokens 128 --set model.max_context=1024)
-    python3 -m bench.http.http_clients "${common[@]}" --parallel 32 --clients 1,8,32 \
+    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8,16,32 \
         --requests 2 --rounds 3 --json "$OUT/http-all.json" --log "$OUT/http-all.log" 2>&1 \
         | tee "$OUT/http-all.md" || echo "http (all resident) failed"
-    python3 -m bench.http.http_clients "${common[@]}" --parallel 32 --clients 8 --requests 1 \
+    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8,16 \
+        --requests 2 --rounds 3 --set engine.step_ahead=true --json "$OUT/http-ahead.json" \
+        --log "$OUT/http-ahead.log" 2>&1 | tee "$OUT/http-ahead.md" || echo "http (ahead) failed"
+    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 8 --requests 1 \
         --rounds 3 --temperature 0.7 --top-p 0.9 --json "$OUT/http-sampled.json" 2>&1 \
         | tee "$OUT/http-sampled.md" || echo "http (sampled) failed"
-    python3 -m bench.http.http_clients "${common[@]}" --parallel 8 --clients 1,8 --requests 1 \
+    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8 --requests 1 \
         --rounds 3 --set store.expert_cache=1392 --json "$OUT/http-4gib.json" \
         --log "$OUT/http-4gib.log" 2>&1 | tee "$OUT/http-4gib.md" || echo "http (4 GiB) failed"
-    python3 -m bench.gpu.batch_decode --model "$file" --expert-vram-gib 40 --batches 1,8,32 \
+    python3 -m bench.gpu.batch_decode --model "$file" --expert-vram-gib 40 --batches 1,8,16,32 \
         --prompt-len 128 --decode-tokens 32 --json "$OUT/batch-http-all.json" \
         || echo "batch_decode failed"
     while pgrep -f llamacpp_build.sh >/dev/null; do sleep 5; done
     bin=$LLAMA_BUILD/bin
     if [[ -x $bin/llama-batched-bench ]]; then
         "$bin/llama-batched-bench" -m "$file" -fa 1 -ngl 99 -c 8192 -b 2048 -ub 512 -npp 128 \
-            -ntg 128 -npl 1,8,32 >"$OUT/llama-batched-http.txt" 2>&1 || echo "llama failed"
+            -ntg 128 -npl 1,8,16,32 >"$OUT/llama-batched-http.txt" 2>&1 || echo "llama failed"
         "$bin/llama-batched-bench" -m "$file" -fa 1 -ngl 99 -ncmoe 36 -c 4096 -b 2048 -ub 512 \
             -npp 128 -ntg 128 -npl 1,8 >"$OUT/llama-batched-http-ncmoe36.txt" 2>&1 \
             || echo "llama failed"
