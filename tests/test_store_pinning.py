@@ -100,6 +100,20 @@ def test_paced_mlock_respects_chunk_and_rate_caps(caplog: pytest.LogCaptureFixtu
     assert vm_locked() == locked_before
 
 
+def test_nothing_to_pin_finishes_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Every expert in VRAM: the plan keeps no RAM copies, and the pinner says so and is
+    done (the daemon's readiness waits on it)."""
+    source = FakeSource(n_layers=2, n_experts=4)
+    ram = resident(source, 0)
+    pinner = Pinner(ram, source, LockChoice(MlockLocker(), None), PinSettings(256 * KiB, 8e6))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        pinner.start()
+        assert pinner.wait(timeout=5) and pinner.error is None
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert lines == ["pinning: the plan keeps no RAM copies, nothing to pin"]
+    ram.close()
+
+
 def test_unpaced_is_only_bounded_by_the_work() -> None:
     source = FakeSource(n_layers=4, n_experts=64)
     ram = resident(source, lockable_bytes())

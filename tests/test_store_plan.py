@@ -98,6 +98,22 @@ def test_hotter_experts_sit_in_faster_tiers(inputs: PlanInputs) -> None:
                 assert rank[a] <= rank[b], (a, b, plan)
 
 
+def test_ram_copies_of_vram_experts_only_where_they_can_be_evicted() -> None:
+    """A VRAM expert's RAM copy is where it goes when evicted: with one expert outside VRAM
+    the others have theirs (after the outsider's); with every expert in VRAM nothing misses
+    or is evicted, and RAM holds nothing to pin."""
+    n = 2 * 3
+    inputs = PlanInputs(n_layers=2, n_experts=3, blob_bytes=(PAGE,) * n,
+                        counts=tuple(range(n, 0, -1)), vram_budget=(n - 1) * PAGE,
+                        ram_budget=n * PAGE)  # fmt: skip
+    short = place(inputs)
+    assert len(short.vram) == n - 1 and len(short.ram) == n
+    assert short.ram[0] not in short.vram_set and not short.vram_only
+    full = place(replace(inputs, vram_budget=n * PAGE))
+    assert len(full.vram) == n and full.ram == () and full.ram_bytes == 0
+    assert full.vram_only == full.vram_set and not full.file_only
+
+
 def test_plan_hash_is_stable_across_processes() -> None:
     """A golden value: the log and the control socket show it, operators compare it."""
     inputs = PlanInputs(

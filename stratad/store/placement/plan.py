@@ -215,7 +215,10 @@ def place(inputs: PlanInputs, stages: Sequence[Stage] | None = None) -> Residenc
     taken = set(vram)
     position = {i: n for n, i in enumerate(order)}
     vram.sort(key=position.__getitem__)  # hottest first across the devices
-    ram = _prefix([i for i in order if i not in taken] + vram, sizes, inputs.ram_budget)
+    # the VRAM experts' copies are there to be evicted to; with every expert in VRAM nothing
+    # misses, so none is ever evicted and RAM holds nothing (no pinning, no locked RAM)
+    backups = vram if len(vram) < len(order) else []
+    ram = _prefix([i for i in order if i not in taken] + backups, sizes, inputs.ram_budget)
 
     def units(idx: list[int]) -> tuple[ExpertUnit, ...]:
         return tuple(ExpertUnit(i // e, i % e) for i in idx)
