@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from stratad.engine.batch import Output, Seq
+from stratad.engine.host_copy import HostCopy
 from stratad.engine.kv import KVCache, KVPool, KVPoolFull, prompt_keys
 from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
@@ -89,23 +90,6 @@ class _Ahead:
     seqs: list[Sequence]
     logits: torch.Tensor
     gone: set[int] = field(default_factory=set)  # ids of those that left the loop since
-
-
-def _read_later(ids: torch.Tensor) -> Callable[[], list[int]]:
-    """Start copying `ids` to the host now; the call returns them, waiting for that copy
-    alone (a GPU's `tolist()` would wait for all the work queued after it too)."""
-    if ids.device.type != "cuda":
-        return lambda: [int(t) for t in ids.tolist()]
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    host.copy_(ids, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def read() -> list[int]:
-        copied.synchronize()
-        return [int(t) for t in host.tolist()]
-
-    return read
 
 
 class Idle(Protocol):
@@ -357,7 +341,7 @@ class StepLoop:
         seqs = [s for s, _ in plain]
         with self.timer.stage("sampling"):
             ids = torch.cat([r[-1:] for _, r in plain]).argmax(1)
-            read = _read_later(ids)  # its copy queued before the next step, not behind it
+            copied = HostCopy(ids)  # queued before the next step, not behind it
         try:
             self._ahead = _Ahead(seqs, self.ahead([s.cache for s in seqs], ids))
             self.ahead_steps += 1
@@ -368,7 +352,7 @@ class StepLoop:
                         " now on (same tokens)", exc_info=True)  # fmt: skip
             self.ahead = None
         with self.timer.stage("sampling"):
-            tokens = read()
+            tokens = [int(t) for t in copied.wait().tolist()]
         if self._ahead is not None:
             for s, t in zip(seqs, tokens, strict=True):
                 s.cache.tokens[-1] = t  # the id the queued step computes

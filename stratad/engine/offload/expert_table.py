@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from stratad.engine.host_copy import HostCopy
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.experts import ExpertLayouts
 from stratad.engine.offload.host_experts import HostExperts
@@ -78,8 +79,7 @@ class ExpertTable:
         self.pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []  # copies in flight
         # the last step, not yet accounted: its ids on the host, their copy's event, and the
         # experts that step found in VRAM
-        self._last: tuple[torch.Tensor, torch.cuda.Event | None, list[frozenset[int]]] | None
-        self._last = None
+        self._last: tuple[HostCopy, list[frozenset[int]]] | None = None
         log.info(
             "expert cache: %d of %d experts in VRAM (%.2f GiB)",
             self.n_slots, len(layers) * n_experts, self.n_slots * nbytes / 2**30,
@@ -107,15 +107,7 @@ class ExpertTable:
             self.hits += ids.numel()
             return
         resident = [frozenset(self.slot_of[layer]) for layer in self.layers]
-        if ids.is_cuda:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            copied: torch.cuda.Event | None = event
-        else:
-            host, copied = ids.clone(), None
-        last, self._last = self._last, (host, copied, resident)
+        last, self._last = self._last, (HostCopy(ids), resident)
         if last is not None:
             self._account(*last)
 
@@ -125,12 +117,9 @@ class ExpertTable:
         if last is not None:
             self._account(*last)
 
-    def _account(
-        self, ids: torch.Tensor, copied: torch.cuda.Event | None, resident: list[frozenset[int]]
-    ) -> None:
+    def _account(self, copied: HostCopy, resident: list[frozenset[int]]) -> None:
         """Count hits and plan VRAM moves for the experts one step used (on the host)."""
-        if copied is not None:
-            copied.synchronize()
+        ids = copied.wait()
         repoint: list[tuple[int, int, int]] = []
         cfg = self.config
         for layer, experts, vram in zip(self.layers, ids.tolist(), resident, strict=True):
