@@ -91,35 +91,38 @@ class Runner:
         return self.forward.step(seqs)
 
 
-def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> tuple[int, int]:
-    """(the rows of the forward's one decode pass, the most tokens of one prompt it takes
-    there as rows), where that pass replays a captured graph (the offload engine on a GPU):
-    short prompts then wait for room in it rather than run as a prefill pass launched op by
-    op; (0, 0) elsewhere, where either pass is launched op by op."""
+def _replaying(
+    forward: ReferenceForward | OffloadForward | StagedForward,
+) -> OffloadForward | None:
+    """The forward, where its decode pass replays a captured graph (the offload engine on a
+    GPU); None where every pass is launched op by op."""
     if isinstance(forward, ReferenceForward):
-        return 0, 0
+        return None
     from stratad.engine.offload.forward import OffloadForward  # loaded: the forward is one
 
-    if not (isinstance(forward, OffloadForward) and forward.replays_decode):
+    return forward if isinstance(forward, OffloadForward) and forward.replays_decode else None
+
+
+def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> tuple[int, int]:
+    """(the rows of the forward's one decode pass, the most tokens of one prompt it takes
+    there as rows), where that pass replays a captured graph: short prompts then wait for
+    room in it rather than run as a prefill pass launched op by op; (0, 0) elsewhere, where
+    either pass is launched op by op."""
+    replaying = _replaying(forward)
+    if replaying is None or replaying.row_tokens <= 1:
         return 0, 0
-    n = forward.row_tokens
-    return (FUSED_MAX_TOKENS, n) if n > 1 else (0, 0)
+    return FUSED_MAX_TOKENS, replaying.row_tokens
 
 
 def ahead_pass(
     forward: ReferenceForward | OffloadForward | StagedForward,
 ) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
     """The forward's decode step from tokens still on the device (`batch.run_ahead`), where
-    its decode pass replays a captured graph (a GPU: that step queues behind the one that
-    draws its tokens, and the device computes it while the host reads, samples and streams
-    those); None elsewhere, where the host launches every kernel itself and gains nothing."""
-    if isinstance(forward, ReferenceForward):
-        return None
-    from stratad.engine.offload.forward import OffloadForward  # loaded: the forward is one
-
-    if not (isinstance(forward, OffloadForward) and forward.replays_decode):
-        return None
-    return forward.step_ahead
+    its decode pass replays a captured graph (that step queues behind the one that draws its
+    tokens, and the device computes it while the host reads, samples and streams those);
+    None elsewhere, where the host launches every kernel itself and gains nothing."""
+    replaying = _replaying(forward)
+    return replaying.step_ahead if replaying is not None else None
 
 
 def pick_device(name: str) -> torch.device:

@@ -88,8 +88,8 @@ class DecodeGraph:
                 tokens = torch.cat([tokens, tokens[-1:].expand(extra)])
             else:
                 tokens = [*tokens, *[tokens[-1]] * extra]
-            pos = [*pos, *[pos[-1]] * (size - rows)]
-            caches = [*caches, *[caches[-1]] * (size - rows)]
+            pos = [*pos, *[pos[-1]] * extra]
+            caches = [*caches, *[caches[-1]] * extra]
         logits, ids = self._replay(tokens, pos, caches)
         return logits[:rows], ids[:, : ids.shape[1] // size * rows]
 
