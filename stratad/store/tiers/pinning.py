@@ -110,9 +110,9 @@ class Pinner:
         s = self.settings
         pace = f"at <= {s.rate_bps / 1e9:.2f} GB/s" if s.rate_bps else "unpaced"
         eta = f", about {self.ram.nbytes / s.rate_bps:.0f}s" if s.rate_bps else ""
-        if not len(self.ram):  # every expert in VRAM (`placement.plan.place`)
+        if not len(self.ram):  # every expert in VRAM (`placement.plan.place`): no thread
             log.info("pinning: the plan keeps no RAM copies, nothing to pin")
-            self._thread.start()
+            self.done.set()
             return
         if self.choice.warning:
             log.warning(self.choice.warning)
@@ -196,8 +196,6 @@ class Pinner:
                     log.info(self.progress.describe())
                     last_log = now
             elapsed = time.monotonic() - start
-            if not len(self.ram):
-                return
             where = (
                 f"page-locked ({self.locker.name})"
                 if self.locker.locks
