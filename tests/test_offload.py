@@ -339,7 +339,7 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, devic
     def req(first: int, n: int, sampling: SamplingParams = greedy) -> GenerationRequest:
         return GenerationRequest([first, 7, 8], max_tokens=n, sampling=sampling, ignore_eos=True)
 
-    reqs = [req(100, 2), req(101, 5), req(102, 4), req(103, 3), req(104, 3, warm)]
+    reqs = [req(100, 2), req(101, 4), req(102, 4), req(103, 2), req(104, 2, warm)]
     got: dict[int, list[int]] = {}
     kv: dict[int, list[int]] = {}  # the ids behind each finished one's cache, as it ended
     seqs = [gen.start(reqs[0]), gen.start(reqs[1]), gen.start(reqs[2])]
