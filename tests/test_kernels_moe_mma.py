@@ -31,7 +31,6 @@ def test_tensor_cores_match_reference(mix: tuple[QType, QType, QType]) -> None:
     x, ids, weights, table, experts = _case(mix, 5, "cpu")
     fmt = ExpertFormat(*mix)
     got = fused_moe(x, ids, weights, table, 256, MMA, fmt=fmt)
-    assert torch.equal(fused_moe(x, ids, weights, table, 256, MMA, aligned=True, fmt=fmt), got)
     ref = fused_moe_ref(x, ids, weights, experts, int8=(True, True, True))
     assert (got - ref).norm() / ref.norm() < 1e-5
     rows = fused_moe(x, ids, weights, table, 256, MoeConfig(block_n=128, int8_dots=True),

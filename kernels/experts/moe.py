@@ -396,7 +396,7 @@ def moe_gate_up(
         x8 = quantize_q8(x)
         gate_up_mma_kernel[(triton.cdiv(ffn, config.tensor_core_rows), pairs)](
             ids, table, act, x8, ffn, h, gate_row, up_row, pairs, x8.shape[1],
-            TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up), ALIGNED=aligned,
+            TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up),
             BLOCK_N=config.tensor_core_rows, PAIRS=triton.next_power_of_2(pairs), M=MEMBERS,
             num_warps=config.tensor_core_warps, num_stages=config.num_stages,
         )  # fmt: skip
@@ -438,8 +438,7 @@ def moe_down(
         act8 = quantize_q8(act)
         down_mma_kernel[(triton.cdiv(hidden, config.tensor_core_rows), t * k)](
             ids, weights.contiguous(), table, part, act8, hidden, ffn, row_bytes(fmt.down, ffn),
-            t * k, act8.shape[1], Q_DOWN=int(fmt.down), ALIGNED=aligned,
-            BLOCK_N=config.tensor_core_rows,
+            t * k, act8.shape[1], Q_DOWN=int(fmt.down), BLOCK_N=config.tensor_core_rows,
             PAIRS=triton.next_power_of_2(t * k), M=MEMBERS, num_warps=config.tensor_core_warps,
             num_stages=config.num_stages,
         )  # fmt: skip

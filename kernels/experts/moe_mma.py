@@ -145,7 +145,6 @@ def gate_up_mma_kernel(
     TOP_K: tl.constexpr,
     Q_GATE: tl.constexpr,
     Q_UP: tl.constexpr,
-    ALIGNED: tl.constexpr,  # every blob 16-byte aligned: rows of Q4_K load 16 bytes at a time
     BLOCK_N: tl.constexpr,
     PAIRS: tl.constexpr,  # a power of two >= N_PAIRS
     M: tl.constexpr,
@@ -157,9 +156,6 @@ def gate_up_mma_kernel(
     if (e >= 0) & first:
         gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
         up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
-        if ALIGNED:
-            gate = tl.multiple_of(gate, 16)
-            up = tl.multiple_of(up, 16)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < F
         for c0 in range(0, tl.sum(members.to(tl.int32)), M):
@@ -187,7 +183,6 @@ def down_mma_kernel(
     N_PAIRS,
     A8_ROW,
     Q_DOWN: tl.constexpr,
-    ALIGNED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAIRS: tl.constexpr,
     M: tl.constexpr,
@@ -204,8 +199,6 @@ def down_mma_kernel(
         first, members = group_of(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
             down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
-            if ALIGNED:
-                down = tl.multiple_of(down, 16)
             for c0 in range(0, tl.sum(members.to(tl.int32)), M):
                 pair, valid = members_chunk(members, c0, PAIRS, M)
                 a8_rows = act8_ptr + pair.to(tl.int64) * A8_ROW
