@@ -11,8 +11,7 @@ as blocks and as aligned words) it builds `--experts` random experts in VRAM and
 distinct routed experts' three projections: the kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
 for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 and `:ng` for a program per (token, expert)
-pair rather than one per expert (default: the built-in `MoeConfig`); `rows:1:warps:tc` is
-the expert-major tensor-core launch of Q4_K and Q6_K. `--launch gate_up` or
+pair rather than one per expert (default: the built-in `MoeConfig`). `--launch gate_up` or
 `down` times that launch alone (the engine's table sets each apart: `kernels.moe` and
 `kernels.moe_down`); `bench.gpu.moe_pick` writes the fastest of each into a tuning table.
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
@@ -69,23 +68,18 @@ def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
 
 def _config(text: str) -> MoeConfig:
     """`block_n:super_blocks:num_warps`, then any of `:i8` (the int8 dots) and `:ng` (a
-    program per pair, not grouped by expert); or `rows:1:warps:tc`, the expert-major
-    tensor-core launch (`kernels.experts.moe_mma`) for every step."""
+    program per pair, not grouped by expert)."""
     fields = text.split(":")
     n, sbs, w = (int(v) for v in fields[:3])
     flags = set(fields[3:])
-    if flags - {"i8", "ng", "tc"}:
-        raise argparse.ArgumentTypeError(f"unknown flags in {text!r}: i8, ng and tc are known")
-    if "tc" in flags:
-        return MoeConfig(tensor_cores=True, tensor_core_rows=n, tensor_core_warps=w)
+    if flags - {"i8", "ng"}:
+        raise argparse.ArgumentTypeError(f"unknown flags in {text!r}: i8 and ng are known")
     return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w, int8_dots="i8" in flags,
                      group_pairs="ng" not in flags)  # fmt: skip
 
 
 def config_tag(cfg: MoeConfig) -> str:
     """The `--configs` text of a setting."""
-    if cfg.tensor_cores:
-        return f"{cfg.tensor_core_rows}:1:{cfg.tensor_core_warps}:tc"
     tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
     return tag + (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
 
@@ -155,24 +149,12 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--formats",
-        nargs="+",
-        choices=list(FORMATS),
-        default=list(FORMATS),
-        metavar="FORMAT",
-        help="the formats to time (default: all)",
-    )
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS),
+                   metavar="FORMAT", help="the formats to time (default: all)")
     p.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1],
                    help="tokens per call, comma-separated (default 1)")  # fmt: skip
-    p.add_argument(
-        "--configs",
-        nargs="+",
-        type=_config,
-        default=[MoeConfig()],
-        metavar="N:SB:W",
-        help="block_n:super_blocks:num_warps settings to time",
-    )
+    p.add_argument("--configs", nargs="+", type=_config, default=[MoeConfig()],
+                   metavar="N:SB:W", help="block_n:super_blocks:num_warps settings to time")
     p.add_argument("--aligned-only", action="store_true")
     p.add_argument("--launch", choices=("both", "gate_up", "down"), default="both",
                    help="time both launches (a layer's experts) or one alone")  # fmt: skip

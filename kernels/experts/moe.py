@@ -23,15 +23,11 @@ Several tokens (a decode batch, a short prompt, a drafted window) may share expe
 still has a program per (row block, pair), but for T > 1 the pairs are grouped by expert: the
 first pair routed to an expert computes every pair routed to it, one after the other, so the
 expert's rows come from memory once and from the SM's cache for the rest; the other programs
-of that expert return at once (`kernels.experts.pair_groups`). With `MoeConfig.group_pairs`
-off every pair runs in its own program, the pairs of an expert in parallel sharing its rows
-through L2: on the H100 that was 1.6-3.5% faster for the a3b in Q4_K_M at 1 and 8 sequences,
-and the sm90 table ships it off (bench/results/2026-12-06-h100-r17.md). Each pair's arithmetic
-is that of a lone token, so a token's output is bit for bit the same in any batch, either way.
-
-With `MoeConfig.tensor_cores`, Q4_K and Q6_K projections go expert-major instead: each
-expert's codes are unpacked once and multiplied with all of its tokens in integer `tl.dot`s
-(`kernels.experts.moe_mma`), the pairs' arithmetic no longer repeated per token.
+of that expert return at once (`_group`). With `MoeConfig.group_pairs` off every pair runs
+in its own program, the pairs of an expert in parallel sharing its rows through L2: on the
+H100 that was 1.6-3.5% faster for the a3b in Q4_K_M at 1 and 8 sequences, and the sm90 table
+ships it off (bench/results/2026-12-06-h100-r17.md). Each pair's arithmetic is that of a lone
+token, so a token's output is bit for bit the same in any batch, either way.
 
 Three tiers as everywhere in kernels/: Triton bodies, launchers (`moe_gate_up`, `moe_down`)
 that check inputs and build grids, and `fused_moe` (the operation). `fused_moe_ref` is the
@@ -55,8 +51,6 @@ from kernels.experts.moe_dots_q8 import (
     quantize_q8,
     quantize_q8_ref,
 )
-from kernels.experts.moe_mma import MEMBERS, MMA_QTYPES, down_mma_kernel, gate_up_mma_kernel
-from kernels.experts.pair_groups import group_of, next_member
 from kernels.formats.iq_tables import iq_tables
 from kernels.formats.quant import QTensor, QType, row_bytes
 from kernels.layers.gemv import GEMV_QTYPES
@@ -109,37 +103,15 @@ class MoeConfig:
     # else in float32
     int8_dots: bool = False
     # T > 1: the pairs routed to one expert are computed by one program, one after the other,
-    # its rows read from memory once (`pair_groups.group_of`); off: a program per pair as for
-    # one token, the pairs of an expert in parallel, its rows shared through the L2 cache
+    # its rows read from memory once (`_group`); off: a program per pair as for one token,
+    # the pairs of an expert in parallel, its rows shared through the L2 cache
     group_pairs: bool = True
     num_warps: int = 4
     num_stages: int = 2
-    # steps of `tensor_core_tokens` tokens or more go expert-major on the tensor cores where
-    # the projections' types have such a reader (`kernels.experts.moe_mma`: Q4_K, Q6_K): an
-    # expert's codes unpacked once for all its tokens, `tensor_core_rows` rows and
-    # `tensor_core_warps` warps a program.
-    # 1: every step, so a token's result is the same in a step of any size; more: steps of
-    # fewer tokens take the row dots, whose float sums round apart from these
-    tensor_cores: bool = False
-    tensor_core_tokens: int = 1
-    tensor_core_rows: int = 32
-    tensor_core_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.super_blocks < 1 or self.super_blocks & (self.super_blocks - 1):
             raise ValueError(f"super_blocks must be a power of two, got {self.super_blocks}")
-        rows = self.tensor_core_rows
-        if rows < 16 or rows & (rows - 1):
-            raise ValueError(f"tensor_core_rows must be a power of two of 16 or more, got {rows}")
-
-    def tensor_core_step(self, tokens: int, *qtypes: QType) -> bool:
-        """Whether a launch of `tokens` tokens over projections of `qtypes` goes on the
-        tensor cores."""
-        return (
-            self.tensor_cores
-            and tokens >= self.tensor_core_tokens
-            and all(q in MMA_QTYPES for q in qtypes)
-        )
 
 
 # --- Triton ------------------------------------------------------------------------------
@@ -221,6 +193,25 @@ def _rows_dot(
 
 
 @triton.jit
+def _group(ids_ptr, s, e, N_PAIRS, PAIRS: tl.constexpr):
+    """Pairs routed to expert `e`, for program `s`: (whether s is the first of them, the
+    pairs [PAIRS] as a mask over 0..PAIRS-1). Grouping lets one program read an expert's rows
+    once for every token routed to it; the other programs of that expert do nothing."""
+    at = tl.arange(0, PAIRS)
+    every = tl.load(ids_ptr + at, mask=at < N_PAIRS, other=-1)
+    members = (every == e) & (at < N_PAIRS)
+    first = tl.min(tl.where(members, at, PAIRS)) == s
+    return first, members
+
+
+@triton.jit
+def _next_member(members, j, PAIRS: tl.constexpr):
+    """The next pair after j of an expert's group (PAIRS: none)."""
+    at = tl.arange(0, PAIRS)
+    return tl.min(tl.where(members & (at > j), at, PAIRS))
+
+
+@triton.jit
 def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, UP_ROW, tab_ptr,
                   Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
@@ -291,7 +282,7 @@ def _gate_up_kernel(
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
                           ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM)  # fmt: skip
     else:
-        first, members = group_of(ids_ptr, s, e, N_PAIRS, PAIRS)
+        first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if (e >= 0) & first:
             gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
             up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
@@ -301,7 +292,7 @@ def _gate_up_kernel(
                               GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
                               BLOCK_K, ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP,
                               ASM)  # fmt: skip
-                j = next_member(members, j, PAIRS)
+                j = _next_member(members, j, PAIRS)
 
 
 @triton.jit
@@ -342,7 +333,7 @@ def _down_kernel(
                    tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
                    X8_DOWN, ASM)  # fmt: skip
     else:
-        first, members = group_of(ids_ptr, s, e, N_PAIRS, PAIRS)
+        first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
             down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
             j = s
@@ -350,7 +341,7 @@ def _down_kernel(
                 _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
                            DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
                            ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM)  # fmt: skip
-                j = next_member(members, j, PAIRS)
+                j = _next_member(members, j, PAIRS)
 
 
 # --- launchers ---------------------------------------------------------------------------
@@ -392,15 +383,6 @@ def moe_gate_up(
     gate_row, up_row = row_bytes(fmt.gate, h), row_bytes(fmt.up, h)
     pairs = t * ids.shape[1]
     act = torch.empty(pairs, ffn, dtype=torch.float32, device=x.device)
-    if config.tensor_core_step(t, fmt.gate, fmt.up):
-        x8 = quantize_q8(x)
-        gate_up_mma_kernel[(triton.cdiv(ffn, config.tensor_core_rows), pairs)](
-            ids, table, act, x8, ffn, h, gate_row, up_row, pairs, x8.shape[1],
-            TOP_K=ids.shape[1], Q_GATE=int(fmt.gate), Q_UP=int(fmt.up),
-            BLOCK_N=config.tensor_core_rows, PAIRS=triton.next_power_of_2(pairs), M=MEMBERS,
-            num_warps=config.tensor_core_warps, num_stages=config.num_stages,
-        )  # fmt: skip
-        return act
     grid = (triton.cdiv(ffn, config.block_n), pairs)
     x8_gate, x8_up = fmt.int8(fmt.gate, config, aligned), fmt.int8(fmt.up, config, aligned)
     x8 = quantize_q8(x) if x8_gate or x8_up else x
@@ -433,17 +415,8 @@ def moe_down(
     if act.shape[0] != t * k or weights.shape != ids.shape or weights.dtype != torch.float32:
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
-    ffn = act.shape[1]
-    if config.tensor_core_step(t, fmt.down):
-        act8 = quantize_q8(act)
-        down_mma_kernel[(triton.cdiv(hidden, config.tensor_core_rows), t * k)](
-            ids, weights.contiguous(), table, part, act8, hidden, ffn, row_bytes(fmt.down, ffn),
-            t * k, act8.shape[1], Q_DOWN=int(fmt.down), BLOCK_N=config.tensor_core_rows,
-            PAIRS=triton.next_power_of_2(t * k), M=MEMBERS, num_warps=config.tensor_core_warps,
-            num_stages=config.num_stages,
-        )  # fmt: skip
-        return part.view(t, k, hidden)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
+    ffn = act.shape[1]
     x8_down = fmt.int8(fmt.down, config, aligned)
     act8 = quantize_q8(act) if x8_down else act
     _down_kernel[grid](

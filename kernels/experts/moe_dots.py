@@ -136,23 +136,6 @@ def _q45_k_rows_dot(
 
 
 @triton.jit
-def q6_k_codes(qa, qb, qh, k: tl.constexpr):
-    """Q6_K's 6-bit codes (0..63) of values 32k + l of a half super-block, from its bytes
-    ql[l] (qa), ql[32 + l] (qb) and qh[l] (any int tensors of one shape): the low 4 bits are
-    qa's (k even) or qb's nibble, low for k < 2, high for k 2, 3; the top 2 bits at shift 2k
-    of qh."""
-    if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
-        low = qa
-    else:
-        low = qb
-    if k < 2:  # noqa: SIM108
-        low = low & 0xF
-    else:
-        low = low >> 4
-    return low | (((qh >> (2 * k)) & 3) << 4)
-
-
-@triton.jit
 def _q6_k_rows_dot(
     w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr
 ):
@@ -185,7 +168,15 @@ def _q6_k_rows_dot(
         sc_at = w_ptr + rows64[:, None, None] * ROW_BYTES + sb3 * 210 + 192
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
-            q = q6_k_codes(qa, qb, qh, k) - 32
+            if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
+                low = qa
+            else:
+                low = qb
+            if k < 2:  # noqa: SIM108
+                low = low & 0xF
+            else:
+                low = low >> 4
+            q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
             x = tl.load(xb + 32 * k, mask=smask, other=0.0).to(tl.float32)
             dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, HN, 2]
             sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)
