@@ -15,6 +15,9 @@ import msgspec
 
 from stratad.env import Env
 
+# when decode steps queue the next one on the GPU (`engine.step_ahead`)
+StepAhead = Literal["auto", "on", "off"]
+
 DEFAULT_CONFIG_PATH = Path("/etc/strata/stratad.toml")
 
 
@@ -219,12 +222,15 @@ class EngineConfig(_Section, frozen=True):
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
-    step_ahead: bool = False
+    step_ahead: StepAhead = "auto"
     """On a GPU (the offload engine's captured decode steps): when every running request
     decodes greedily, queue the next step from this step's tokens on the GPU before the host
     reads them, so that the GPU computes it while the host samples, streams and plans. The
-    tokens are the same either way. Off until a GPU run shows that it pays
-    (bench/results/2026-12-06-h100-r20.md)."""
+    tokens are the same either way. `auto`: where every expert is in VRAM (on an H100, the
+    a3b over HTTP 300.0 against 243.0 tok/s at 1 client, 801.8 against 716.7 at 8, 949.6
+    against 944.7 at 16; with 4 GiB of expert VRAM it ran slower, 36.7 and 50.7 at 1 and 8
+    clients against 49.8 and 71.1 without in an earlier loan:
+    bench/results/2026-12-06-h100-r21.md); `on`: wherever a decode step replays a graph."""
 
     def __post_init__(self) -> None:
         if self.expert_prefetch is True and self.gpu_miss == "in_place":

@@ -332,6 +332,12 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, devic
 
     off = _offload(tiny_moe, 8, device, graphs=device == "cuda")
     assert (ahead_pass(off) is None) == (device == "cpu")
+    # engine.step_ahead: auto takes it where every expert is in VRAM (here), off never
+    assert (ahead_pass(off, "auto") is None) == (device == "cpu")
+    assert ahead_pass(off, "off") is None
+    if device == "cuda":  # 3 of 8 experts a layer in VRAM: auto leaves it, on takes it
+        partial = _offload(tiny_moe, 3, device, graphs=True)
+        assert ahead_pass(partial, "auto") is None and ahead_pass(partial, "on") is not None
     tok = tokenizer_from_gguf(tiny_moe.metadata)
     gen = Generator(off, tok, max_context=64, parallel=3, ahead=off.step_ahead)
     greedy, warm = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stratad.config import Config
+from stratad.config import Config, StepAhead
 from stratad.engine import placement
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPool
@@ -69,9 +69,10 @@ class Runner:
     def prompt_rows(self) -> tuple[int, int]:
         return prompt_rows(self.forward)
 
-    @property
-    def ahead(self) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
-        return ahead_pass(self.forward)
+    def ahead(
+        self, mode: StepAhead
+    ) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
+        return ahead_pass(self.forward, mode)
 
     def new_cache(self, max_len: int) -> KVCache:
         return self.forward.new_cache(max_len)
@@ -115,14 +116,20 @@ def prompt_rows(forward: ReferenceForward | OffloadForward | StagedForward) -> t
 
 
 def ahead_pass(
-    forward: ReferenceForward | OffloadForward | StagedForward,
+    forward: ReferenceForward | OffloadForward | StagedForward, mode: StepAhead = "on"
 ) -> Callable[[list[KVCache], torch.Tensor], torch.Tensor] | None:
     """The forward's decode step from tokens still on the device (`batch.run_ahead`), where
     its decode pass replays a captured graph (that step queues behind the one that draws its
-    tokens, and the device computes it while the host reads, samples and streams those);
-    None elsewhere, where the host launches every kernel itself and gains nothing."""
+    tokens, and the device computes it while the host reads, samples and streams those) and
+    `mode` (`engine.step_ahead`) takes it: "on" there, "auto" only where every expert holds a
+    VRAM slot (with misses to fetch it measured slower), "off" never. None elsewhere, where
+    the host launches every kernel itself and gains nothing."""
     replaying = _replaying(forward)
-    return replaying.step_ahead if replaying is not None else None
+    if replaying is None or mode == "off":
+        return None
+    if mode == "auto" and not replaying.experts.complete:
+        return None
+    return replaying.step_ahead
 
 
 def pick_device(name: str) -> torch.device:

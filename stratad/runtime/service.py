@@ -79,6 +79,12 @@ class Engine:
             conversation_bytes=server.conversation_cache_mib << 20,
             pinned_bytes=server.pinned_prefix_mib << 20,
         )
+        ahead = runner.ahead(config.engine.step_ahead)
+        if ahead is not None:
+            log.info(
+                "decode steps queue the next one on the GPU while every request decodes"
+                " greedily (engine.step_ahead = %s)", config.engine.step_ahead,
+            )  # fmt: skip
         self.generator = Generator(
             runner,
             self.tokenizer,
@@ -93,7 +99,7 @@ class Engine:
             step_tokens=server.step_tokens,
             kv_tokens=runner.start.parallel.pool_tokens(max_context),
             prompt_rows=runner.prompt_rows,
-            ahead=runner.ahead if config.engine.step_ahead else None,
+            ahead=ahead,
             speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
                 config.speculation.token_cost, self.backend,
