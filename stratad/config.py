@@ -224,13 +224,16 @@ class EngineConfig(_Section, frozen=True):
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
     step_ahead: StepAhead = "auto"
     """On a GPU (the offload engine's captured decode steps): when every running request
-    decodes greedily, queue the next step from this step's tokens on the GPU before the host
-    reads them, so that the GPU computes it while the host samples, streams and plans. The
-    tokens are the same either way. `auto`: where every expert is in VRAM (on an H100, the
-    a3b over HTTP 300.0 against 243.0 tok/s at 1 client, 801.8 against 716.7 at 8, 949.6
-    against 944.7 at 16; with 4 GiB of expert VRAM it ran slower, 36.7 and 50.7 at 1 and 8
-    clients against 49.8 and 71.1 without in an earlier loan:
-    bench/results/2026-12-06-h100-r21.md); `on`: wherever a decode step replays a graph."""
+    decodes with nothing but the sampling filters (greedy or temperature, top-k, top-p,
+    min-p; no penalties, bias, log-probabilities, grammar or drafts), draw the tokens and
+    queue the next step from them on the GPU before the host reads them, so that the GPU
+    computes it while the host samples, streams and plans. The tokens are the same either
+    way. `auto`: where every expert is in VRAM (on an H100, the a3b over HTTP, greedy: 300.0
+    against 243.0 tok/s at 1 client, 801.8 against 716.7 at 8, 949.6 against 944.7 at 16;
+    with 4 GiB of expert VRAM it ran slower, 36.7 and 50.7 at 1 and 8 clients against 49.8
+    and 71.1 without in an earlier loan: bench/results/2026-12-06-h100-r21.md); `on`:
+    wherever a decode step replays a graph. Sampled requests taking it is not yet timed on a
+    GPU."""
 
     def __post_init__(self) -> None:
         if self.expert_prefetch is True and self.gpu_miss == "in_place":

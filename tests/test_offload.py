@@ -318,13 +318,20 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, device: str) -> None:
-    """Greedy decode steps queue the next step from their tokens on the device before the
-    host reads them (`StepLoop.ahead`; offered where the decode pass replays a graph): a
-    request that finishes, one cancelled while a step is queued for it, and one arriving
-    while a step is queued each get the tokens (and keep the KV) they get alone; a sampled
-    request turns it off while it runs."""
+def test_steps_queued_ahead_give_the_tokens_of_each_alone(
+    tiny_moe: Model, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps queue the next step from their tokens on the device before the host
+    reads them (`StepLoop.ahead`; offered where the decode pass replays a graph): a request
+    that finishes, one cancelled while a step is queued for it, one arriving while a step is
+    queued, a seeded one sampled at temperature and one with a top-p cut past the tokens the
+    device sorts (the step queued for it taken back, its token drawn again) each get the
+    tokens (and keep the KV) they get alone."""
     from stratad.engine.runner import ahead_pass
+    from stratad.runtime import sampling
+
+    # a top-p cut past the 2 likeliest tokens (a random model's distribution is flat)
+    monkeypatch.setattr(sampling, "TOP_P_WIDTH", 2)
     from stratad.model.tokenizer_build import tokenizer_from_gguf
     from stratad.runtime.generate import Generator
     from stratad.runtime.sampling import SamplingParams
@@ -341,16 +348,18 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, devic
     tok = tokenizer_from_gguf(tiny_moe.metadata)
     gen = Generator(off, tok, max_context=64, parallel=3, ahead=off.step_ahead)
     greedy, warm = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)
+    cut = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
 
     def req(first: int, n: int, sampling: SamplingParams = greedy) -> GenerationRequest:
         return GenerationRequest([first, 7, 8], max_tokens=n, sampling=sampling, ignore_eos=True)
 
-    reqs = [req(100, 2), req(101, 4), req(102, 4), req(103, 2), req(104, 2, warm)]
+    reqs = [req(100, 2), req(101, 4), req(102, 4), req(103, 2), req(104, 3, warm),
+            req(105, 2, cut)]  # fmt: skip
     got: dict[int, list[int]] = {}
     kv: dict[int, list[int]] = {}  # the ids behind each finished one's cache, as it ended
     seqs = [gen.start(reqs[0]), gen.start(reqs[1]), gen.start(reqs[2])]
     cancelled = seqs[2]
-    steps, ahead_at = 0, []
+    steps, ahead_at, sampled_ahead = 0, [], []
     while gen.loop.running:
         for s, outcome in gen.step():
             assert not isinstance(outcome, Exception)
@@ -360,6 +369,8 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, devic
                 gen.finish(s)
         steps += 1
         ahead_at.append(gen.loop._ahead is not None)
+        if len(seqs) > 4 and seqs[4] in gen.loop.running:
+            sampled_ahead.append(gen.loop._ahead is not None)
         if steps == 3:  # queued ahead for it: cancelled, its cache ends at its last token
             assert gen.loop._ahead is not None and cancelled in gen.loop.running
             gen.finish(cancelled)
@@ -368,7 +379,11 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(tiny_moe: Model, devic
             seqs.append(gen.start(reqs[3]))
         if steps == 6:
             seqs.append(gen.start(reqs[4]))
+        if steps == 8:
+            seqs.append(gen.start(reqs[5]))
     assert gen.loop.ahead_steps >= 3 and not all(ahead_at)
+    assert any(sampled_ahead)  # a step queued ahead of a sampled one
+    assert gen.loop.ahead_taken_back >= 1  # and one taken back for the top-p cut
     alone = Generator(off, tok, max_context=64)  # no step ahead
     for s, r in zip(seqs, reqs, strict=True):
         want = [e.token for e in alone.run(r)]

@@ -185,3 +185,32 @@ def test_draw_rows_inverts_each_rows_distribution() -> None:
     assert draw_rows(mixed, [p, p, greedy], [0.0, 0.5, 0.9]) == [0, None, 5]
     with pytest.raises(ValueError, match="3 rows of logits, 2 params"):
         draw_rows(mixed, [p, p], [0.0, 0.5])
+
+
+def test_draw_on_device_is_draw_rows_without_the_wait() -> None:
+    """The draws left on the device (a step queued from them before the host reads them):
+    the tokens `draw_rows` gives, greedy and tempered rows mixed, a NaN row not ok; a row
+    whose top-p cut lies past the likeliest `TOP_P_WIDTH` tokens (a flat row) is not sorted
+    whole but flagged, for `draw_rows` to draw again."""
+    from stratad.runtime.sampling import TOP_P_WIDTH, draw_on_device, draw_rows
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 2 * TOP_P_WIDTH
+    rows = torch.randn(5, vocab, generator=g) * torch.tensor([4.0, 3.0, 5.0, 1.0, 2.0])[:, None]
+    rows[3] = float("nan")
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=40, min_p=0.05), SamplingParams(),
+              SamplingParams(seed=1)]  # fmt: skip
+    us = [0.3, 0.0, 0.9, 0.5, 0.7]
+    drawn = draw_on_device(rows, params, us)
+    want = draw_rows(rows, params, us)
+    assert not bool(drawn.redo) and drawn.ok.tolist() == [t is not None for t in want]
+    assert [t if ok else None for t, ok in zip(drawn.tokens.tolist(), drawn.ok.tolist(),
+                                               strict=True)] == want  # fmt: skip
+    greedy, zeros = [SamplingParams(temperature=0.0)] * 5, [0.0] * 5
+    assert draw_on_device(rows, greedy, zeros).tokens.tolist() == draw_rows(rows, greedy, zeros)
+    flat = torch.randn(2, vocab, generator=g) * 0.01
+    cut = [SamplingParams(top_p=0.95), SamplingParams(temperature=0.0)]
+    assert bool(draw_on_device(flat, cut, [0.4, 0.0]).redo)
+    with pytest.raises(ValueError, match="2 rows of logits, 1 params"):
+        draw_on_device(flat, cut[:1], [0.4])

@@ -173,6 +173,16 @@ def filtered(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     ties with its last kept; the top token always is) and min-p (relative to the top
     token). Vectorised over the rows, on their device; no full sort of the vocabulary
     unless a row's top-p reaches past its `TOP_P_WIDTH` likeliest tokens."""
+    return _filtered(scores, params, sort_whole=True)[0]
+
+
+def _filtered(
+    scores: torch.Tensor, params: Sequence[SamplingParams], sort_whole: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`filtered`, and whether a row's top-p cut lay past its `TOP_P_WIDTH` likeliest tokens
+    ([] bool on the device). `sort_whole`: such rows are sorted whole (which asks the device
+    whether there are any: the host waits); else they are not, and their distributions are
+    wrong where the flag says so."""
     vocab = scores.shape[1]
     knobs = torch.tensor([[max(p.temperature, 0.0), p.top_k, p.top_p, p.min_p] for p in params],
                          dtype=torch.float64).to(scores.device)  # fmt: skip
@@ -186,28 +196,54 @@ def filtered(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
         kth = x.topk(max(ks), dim=1).values.gather(1, (k.clamp(1, max(ks)) - 1)[:, None])
         x = x.masked_fill(((k > 0) & (k < vocab))[:, None] & (x < kth), float("-inf"))
     probs = x.softmax(1)
+    beyond = torch.zeros((), dtype=torch.bool, device=scores.device)
     if any(p.top_p < 1.0 for p in params):
-        probs = probs.masked_fill(probs < _top_p_floor(probs, top_p), 0.0)
+        floor, beyond = _top_p_floor(probs, top_p, sort_whole)
+        probs = probs.masked_fill(probs < floor, 0.0)
     if any(p.min_p > 0.0 for p in params):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(1, keepdim=True).values, 0.0)
-    return probs / probs.sum(1, keepdim=True)
+    return probs / probs.sum(1, keepdim=True), beyond
 
 
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[R, 1]: the least probability a row's top-p keeps (0 where top_p is 1). The cut is
-    looked for among the likeliest `TOP_P_WIDTH`; the rows whose cut lies beyond are sorted
-    whole."""
+def _top_p_floor(
+    probs: torch.Tensor, top_p: torch.Tensor, sort_whole: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, 1]: the least probability a row's top-p keeps (0 where top_p is 1), and whether a
+    row's cut lay past its likeliest `TOP_P_WIDTH` ([] bool). The cut is looked for among
+    those; with `sort_whole` the rows whose cut lies beyond are sorted whole."""
     width = min(probs.shape[1], TOP_P_WIDTH)
     ordered = probs.topk(width, dim=1).values
+    beyond = torch.zeros((), dtype=torch.bool, device=probs.device)
     if width < probs.shape[1]:
         short = (ordered.sum(1) < top_p) & (top_p < 1.0)
-        if bool(short.any()):
+        beyond = short.any()
+        if sort_whole and bool(beyond):
             whole = probs.sort(dim=1, descending=True).values
             ordered = torch.where(short[:, None], whole, torch.nn.functional.pad(
                 ordered, (0, probs.shape[1] - width)))  # fmt: skip
+            beyond = torch.zeros_like(beyond)
     kept = (ordered.cumsum(1) - ordered < top_p[:, None]).sum(1, keepdim=True).clamp(min=1)
     floor = ordered.gather(1, kept - 1)
-    return torch.where((top_p < 1.0)[:, None], floor, torch.zeros_like(floor))
+    return torch.where((top_p < 1.0)[:, None], floor, torch.zeros_like(floor)), beyond
+
+
+def _draw_tempered(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float],
+    sort_whole: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Rows drawn at temperature by inverting the cumulative filtered distribution (in the
+    vocabulary's order) at each row's uniform number: the tokens [R] and whether each row had
+    a distribution to draw from [R] (not where its filters leave none, as NaN logits do), on
+    the device, and `_filtered`'s flag of a top-p cut past the rows it sorted."""
+    probs, beyond = _filtered(logits, params, sort_whole)
+    u = torch.tensor(list(uniforms), dtype=torch.float64)
+    cdf = probs.cumsum(1)
+    # the first token whose cumulative mass passes u (a token of zero mass never does)
+    at = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)
+    last = probs.shape[1] - 1 - (probs.flip(1) > 0).long().argmax(1, keepdim=True)
+    at = torch.minimum(at, last)  # u * mass rounded up to the mass itself
+    ok = torch.isfinite(cdf[:, -1:]) & (probs > 0).any(1, keepdim=True)
+    return at[:, 0], ok[:, 0], beyond
 
 
 def draw_rows(
@@ -230,15 +266,48 @@ def draw_rows(
         for i, t in zip(greedy, ids, strict=True):
             out[i] = t
     if tempered:
-        probs = filtered(logits[tempered], [params[i] for i in tempered])
-        u = torch.tensor([uniforms[i] for i in tempered], dtype=torch.float64)
-        cdf = probs.cumsum(1)
-        # the first token whose cumulative mass passes u (a token of zero mass never does)
-        at = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)
-        last = probs.shape[1] - 1 - (probs.flip(1) > 0).long().argmax(1, keepdim=True)
-        at = torch.minimum(at, last)  # u * mass rounded up to the mass itself
-        ok = torch.isfinite(cdf[:, -1:]) & (probs > 0).any(1, keepdim=True)
-        tokens = torch.cat([at, ok.long()], 1).tolist()
+        at, ok, _ = _draw_tempered(logits[tempered], [params[i] for i in tempered],
+                                   [uniforms[i] for i in tempered], sort_whole=True)  # fmt: skip
+        tokens = torch.stack([at, ok.long()], 1).tolist()
         for i, (t, good) in zip(tempered, tokens, strict=True):
             out[i] = int(t) if good else None
     return out
+
+
+@dataclass(frozen=True)
+class DeviceDraw:
+    """A step's draws left on the logits' device (`draw_on_device`), for the host to read
+    later."""
+
+    tokens: torch.Tensor  # [R] int64: each row's token (0 where `ok` is not)
+    ok: torch.Tensor  # [R] bool: the row had a distribution to draw from
+    # [] bool: a row's top-p cut lay past its `TOP_P_WIDTH` likeliest tokens, which this
+    # draw does not sort: its tokens may be wrong, draw the rows again with `draw_rows`
+    redo: torch.Tensor
+
+
+def draw_on_device(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> DeviceDraw:
+    """`draw_rows` with the tokens left on the device and no wait for it (the host can queue
+    work on them before it reads them): the same token for every row, except that a top-p
+    cut past a row's likeliest `TOP_P_WIDTH` tokens (a flat distribution) is not sorted
+    whole but flagged (`DeviceDraw.redo`)."""
+    rows = logits.shape[0]
+    if len(params) != rows or len(uniforms) != rows:
+        raise ValueError(f"{rows} rows of logits, {len(params)} params, {len(uniforms)} uniforms")
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tempered = [i for i, p in enumerate(params) if not p.greedy]
+    if not tempered:
+        ok = torch.ones(rows, dtype=torch.bool, device=logits.device)
+        return DeviceDraw(logits.argmax(1), ok, torch.zeros_like(ok[0]))
+    at, ok, redo = _draw_tempered(logits[tempered], [params[i] for i in tempered],
+                                  [uniforms[i] for i in tempered], sort_whole=False)  # fmt: skip
+    if not greedy:
+        return DeviceDraw(torch.where(ok, at, torch.zeros_like(at)), ok, redo)
+    tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+    good = torch.ones(rows, dtype=torch.bool, device=logits.device)
+    tokens[greedy] = logits[greedy].argmax(1)
+    tokens[tempered] = torch.where(ok, at, torch.zeros_like(at))
+    good[tempered] = ok
+    return DeviceDraw(tokens, good, redo)

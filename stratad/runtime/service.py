@@ -82,8 +82,8 @@ class Engine:
         ahead = runner.ahead(config.engine.step_ahead)
         if ahead is not None:
             log.info(
-                "decode steps queue the next one on the GPU while every request decodes"
-                " greedily (engine.step_ahead = %s)", config.engine.step_ahead,
+                "decode steps queue the next one on the GPU while every request draws with"
+                " the sampling filters alone (engine.step_ahead = %s)", config.engine.step_ahead,
             )  # fmt: skip
         self.generator = Generator(
             runner,

@@ -39,7 +39,13 @@ from stratad.engine.timing import StageTimer
 from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore
-from stratad.runtime.sampling import Sample, draw_rows, drawn_token
+from stratad.runtime.sampling import (
+    Sample,
+    SamplingParams,
+    draw_on_device,
+    draw_rows,
+    drawn_token,
+)
 from stratad.runtime.sequence import GenerationEvent, Sequence
 from stratad.runtime.speculation.cost import DEFAULT_TOKEN_COST, StepCost
 from stratad.runtime.speculation.drafter import propose_all
@@ -138,6 +144,7 @@ class StepLoop:
         self.ahead = ahead
         self._ahead: _Ahead | None = None  # the step queued ahead, not yet taken
         self.ahead_steps = 0  # steps queued ahead so far
+        self.ahead_taken_back = 0  # of them, taken back for a draw the device could not finish
 
     def add(self, seq: Active) -> None:
         if seq.cache.pool is not self.kv:
@@ -309,41 +316,51 @@ class StepLoop:
                  if not s.proposed and s.constraint is None and s.sampler.plain]  # fmt: skip
         if not plain:
             return {}
-        if self._can_launch_ahead(plain):
-            return self._launch_ahead(plain)
-        uniforms = [s.sampler.uniform() for s, _ in plain]
-        with self.timer.stage("sampling"):
-            try:
-                tokens = draw_rows(torch.cat([r[-1:] for _, r in plain]),
-                                   [s.sampler.params for s, _ in plain], uniforms)  # fmt: skip
-            except Exception:  # noqa: BLE001 (each sequence then draws, and fails, alone)
-                log.warning("drawing a step's tokens together failed; each draws alone"
-                            " (a seeded one then spends another number)", exc_info=True)
-                return {}
-        return {id(s): t for (s, _), t in zip(plain, tokens, strict=True)}
+        seqs = [s for s, _ in plain]
+        logits = torch.cat([r[-1:] for _, r in plain])
+        params = [s.sampler.params for s in seqs]
+        uniforms = [s.sampler.uniform() for s in seqs]
+        try:
+            if self._can_launch_ahead(plain):
+                tokens = self._launch_ahead(seqs, logits, params, uniforms)
+            else:
+                with self.timer.stage("sampling"):
+                    tokens = draw_rows(logits, params, uniforms)
+        except Exception:  # noqa: BLE001 (each sequence then draws, and fails, alone)
+            log.warning("drawing a step's tokens together failed; each draws alone"
+                        " (a seeded one then spends another number)", exc_info=True)
+            self._take_back_ahead()
+            return {}
+        return {id(s): t for s, t in zip(seqs, tokens, strict=True)}
 
     def _can_launch_ahead(self, plain: list[tuple[Sequence, torch.Tensor]]) -> bool:
         """Whether the next step can be queued from this one's tokens on the device: every
-        running sequence draws greedily here and decodes one token next (no prompt waits,
-        no drafts, no pooling), and each cache has room for it."""
+        running sequence draws plainly here (greedy or at temperature, with nothing but the
+        filters: `_draw`) and decodes one token next (no prompt waits, no drafts, no
+        pooling), and each cache has room for it."""
         return (
             self.ahead is not None
             and len(plain) == len(self.running)
-            and all(s.sampler.params.greedy and s.drafts is None
-                    and s.cache.length < s.cache.capacity for s, _ in plain)  # fmt: skip
+            and all(s.drafts is None and s.cache.length < s.cache.capacity for s, _ in plain)
         )
 
-    def _launch_ahead(self, plain: list[tuple[Sequence, torch.Tensor]]) -> dict[int, int | None]:
-        """The greedy tokens of `plain` (every running sequence): drawn on the device, the
-        next step queued from them there (`ahead`), then read. A pool short of a block for
-        them queues nothing (the next step plans as usual)."""
+    def _launch_ahead(
+        self, seqs: list[Sequence], logits: torch.Tensor, params: list[SamplingParams],
+        uniforms: list[float],
+    ) -> list[int | None]:  # fmt: skip
+        """The tokens of `seqs` (every running sequence) from their logits: drawn on the
+        device (`draw_on_device`), the next step queued from them there (`ahead`), then read.
+        A pool short of a block for them queues nothing (the next step plans as usual); a
+        draw the device could not finish alone (a top-p cut in a flat distribution) takes the
+        queued step back and draws again as `draw_rows` does, with the same uniforms."""
         assert self.ahead is not None
-        seqs = [s for s, _ in plain]
+        n = len(seqs)
         with self.timer.stage("sampling"):
-            ids = torch.cat([r[-1:] for _, r in plain]).argmax(1)
-            copied = HostCopy(ids)  # queued before the next step, not behind it
+            drawn = draw_on_device(logits, params, uniforms)
+            # queued before the next step, not behind it
+            copied = HostCopy(torch.cat([drawn.tokens, drawn.ok.long(), drawn.redo.long()[None]]))
         try:
-            self._ahead = _Ahead(seqs, self.ahead([s.cache for s in seqs], ids))
+            self._ahead = _Ahead(seqs, self.ahead([s.cache for s in seqs], drawn.tokens))
             self.ahead_steps += 1
         except KVPoolFull:
             pass
@@ -352,11 +369,24 @@ class StepLoop:
                         " now on (same tokens)", exc_info=True)  # fmt: skip
             self.ahead = None
         with self.timer.stage("sampling"):
-            tokens = [int(t) for t in copied.wait().tolist()]
+            read = copied.wait().tolist()
+            if read[2 * n]:  # the queued step's tokens may be wrong
+                self.ahead_taken_back += self._ahead is not None
+                self._take_back_ahead()
+                return draw_rows(logits, params, uniforms)
+        tokens = [int(t) if ok else None for t, ok in zip(read[:n], read[n : 2 * n], strict=True)]
         if self._ahead is not None:
             for s, t in zip(seqs, tokens, strict=True):
-                s.cache.tokens[-1] = t  # the id the queued step computes
-        return {id(s): t for s, t in zip(seqs, tokens, strict=True)}
+                if t is not None:  # None: it fails, and leaving gives the queued token back
+                    s.cache.tokens[-1] = t  # the id the queued step computes
+        return tokens
+
+    def _take_back_ahead(self) -> None:
+        """Forget a step queued ahead: each of its sequences gives back the token's KV."""
+        if self._ahead is not None:
+            for s in self._ahead.seqs:
+                self._drop_ahead(s)
+            self._ahead = None
 
     def _sample(
         self, s: Sequence, logits: torch.Tensor, drawn: dict[int, int | None]
