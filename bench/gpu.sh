@@ -27,8 +27,9 @@
 # --dense-gguf, A/B/A (dense-engine.md); for `http` (not part of `all`; needs LLAMA_SRC as
 # `decode` does): the daemon over HTTP with its default requests at once (bench.http.http_clients,
 # openai clients streaming 128 tokens) at 1, 8, 16 and 32 greedy clients, the same with
-# engine.step_ahead off (its default, auto, takes it with every expert in VRAM), and 8 sampled
-# ones (temperature 0.7, top_p 0.9), all resident and at 4 GiB, beside the engine alone
+# engine.step_ahead off (its default, auto, takes it with every expert in VRAM), 8 sampled
+# ones (temperature 0.7, top_p 0.9) with it and without, all resident, and at 4 GiB with
+# auto (no steps ahead there) and on, beside the engine alone
 # (bench.gpu.batch_decode) and llama-batched-bench on the same file (http-*.{md,json},
 # http-*.log, batch-http-*.json, llama-batched-http*.txt).
 # The benchmark model (the synthetic a3b, ~17.5 GB)
@@ -148,12 +149,19 @@ if [[ $WHAT == http ]]; then
     python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8,16 \
         --requests 2 --rounds 3 --set engine.step_ahead=off --json "$OUT/http-no-ahead.json" \
         --log "$OUT/http-no-ahead.log" 2>&1 | tee "$OUT/http-no-ahead.md" || echo "http (not ahead) failed"
-    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 8 --requests 1 \
-        --rounds 3 --temperature 0.7 --top-p 0.9 --json "$OUT/http-sampled.json" 2>&1 \
-        | tee "$OUT/http-sampled.md" || echo "http (sampled) failed"
-    python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8 --requests 1 \
-        --rounds 3 --set store.expert_cache=1392 --json "$OUT/http-4gib.json" \
-        --log "$OUT/http-4gib.log" 2>&1 | tee "$OUT/http-4gib.md" || echo "http (4 GiB) failed"
+    for ahead in auto off; do
+        python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 8 \
+            --requests 1 --rounds 3 --temperature 0.7 --top-p 0.9 \
+            --set engine.step_ahead=$ahead --json "$OUT/http-sampled-$ahead.json" 2>&1 \
+            | tee "$OUT/http-sampled-$ahead.md" || echo "http (sampled, $ahead) failed"
+    done
+    for ahead in auto on; do
+        python3 -m bench.http.http_clients "${common[@]}" --parallel 0 --clients 1,8 \
+            --requests 1 --rounds 3 --set store.expert_cache=1392 \
+            --set engine.step_ahead=$ahead --json "$OUT/http-4gib-$ahead.json" \
+            --log "$OUT/http-4gib-$ahead.log" 2>&1 | tee "$OUT/http-4gib-$ahead.md" \
+            || echo "http (4 GiB, $ahead) failed"
+    done
     python3 -m bench.gpu.batch_decode --model "$file" --expert-vram-gib 40 --batches 1,8,16,32 \
         --prompt-len 128 --decode-tokens 32 --json "$OUT/batch-http-all.json" \
         || echo "batch_decode failed"
