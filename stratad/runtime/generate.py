@@ -65,8 +65,8 @@ class Generator:
         context); `speculation`: how each sequence drafts (None: it does not);
         `prompt_rows`: the rows of the forward's decode pass and the most tokens of a prompt
         it takes there (`Runner.prompt_rows`; short prompts wait for room there); `ahead`:
-        the forward's decode step from tokens on the device (`Runner.ahead`: greedy decode
-        steps queue the next one before the host reads their tokens)."""
+        the forward's decode step from tokens on the device (`Runner.ahead`: decode steps
+        of plain draws queue the next one before the host reads their tokens)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward

@@ -14,11 +14,11 @@ that error as its outcome; the others' outcomes of the same step stand, so one r
 failure never changes another's tokens.
 
 Where the forward offers it (`ahead`: a GPU replaying its decode graph), a step in which
-every running sequence decodes greedily draws its tokens on the device and queues the next
-step from them there before the host reads them: the device computes step N+1 while the
-host samples, streams and plans step N, and the next `step` takes that step's logits. A
-sequence that finishes or leaves meanwhile gives the queued token's KV back; one that
-arrives meanwhile joins the step after.
+every running sequence decodes with the sampling filters alone (greedy or tempered) draws its
+tokens on the device and queues the next step from them there before the host reads them:
+the device computes step N+1 while the host samples, streams and plans step N, and the next
+`step` takes that step's logits. A sequence that finishes or leaves meanwhile gives the
+queued token's KV back; one that arrives meanwhile joins the step after.
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ class StepLoop:
         ahead: AheadPass | None = None,
     ) -> None:
         """`cost`: what a drafted token costs, measured on these steps (a prior of
-        `DEFAULT_TOKEN_COST` where not given). `ahead`: where given, a step of greedy
-        decodes only queues the next step from its tokens on the device before the host
-        reads them, so that the device computes that step while the host samples, streams
-        and plans (`_launch_ahead`)."""
+        `DEFAULT_TOKEN_COST` where not given). `ahead`: where given, a step of plain
+        decodes only (`_can_launch_ahead`) queues the next step from its tokens on the device
+        before the host reads them, so that the device computes that step while the host
+        samples, streams and plans (`_launch_ahead`)."""
         self.forward, self.budget, self.prefixes, self.kv = forward, budget, prefixes, kv
         self.cost = cost or StepCost(DEFAULT_TOKEN_COST)
         self.timer = timer or StageTimer(enabled=False)
