@@ -107,13 +107,13 @@ class Pinner:
         self._thread = threading.Thread(target=self._run, name="strata-pinner", daemon=True)
 
     def start(self) -> None:
-        s = self.settings
-        pace = f"at <= {s.rate_bps / 1e9:.2f} GB/s" if s.rate_bps else "unpaced"
-        eta = f", about {self.ram.nbytes / s.rate_bps:.0f}s" if s.rate_bps else ""
         if not len(self.ram):  # every expert in VRAM (`placement.plan.place`): no thread
             log.info("pinning: the plan keeps no RAM copies, nothing to pin")
             self.done.set()
             return
+        s = self.settings
+        pace = f"at <= {s.rate_bps / 1e9:.2f} GB/s" if s.rate_bps else "unpaced"
+        eta = f", about {self.ram.nbytes / s.rate_bps:.0f}s" if s.rate_bps else ""
         if self.choice.warning:
             log.warning(self.choice.warning)
         log.info(
