@@ -169,6 +169,16 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
 UNREAD = -1  # a cache's token id computed ahead from a device tensor, until the host reads it
 
 
+def decode_inputs(
+    tokens: list[int] | torch.Tensor, pos: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode pass's token ids and positions on `device` (ids given on the device stay
+    there, ordered after the work that makes them)."""
+    tok = (tokens.to(device) if isinstance(tokens, torch.Tensor)
+           else torch.tensor(tokens, device=device))  # fmt: skip
+    return tok, torch.tensor(pos, device=device)
+
+
 def run_ahead(layers: Layers, caches: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:
     """One decode pass of each cache's next token, given on the device (drawn there from the
     pass before, not yet read by the host, so that this pass is queued behind that one

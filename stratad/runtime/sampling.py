@@ -227,16 +227,28 @@ def _top_p_floor(
     return torch.where((top_p < 1.0)[:, None], floor, torch.zeros_like(floor)), beyond
 
 
+def _kinds(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> tuple[list[int], list[int]]:
+    """The greedy rows and the tempered ones of a step's draws (checked: a params and a
+    uniform number per row of logits)."""
+    rows = logits.shape[0]
+    if len(params) != rows or len(uniforms) != rows:
+        raise ValueError(f"{rows} rows of logits, {len(params)} params, {len(uniforms)} uniforms")
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    return greedy, [i for i, p in enumerate(params) if not p.greedy]
+
+
 def _draw_tempered(
     logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float],
-    sort_whole: bool,
+    tempered: list[int], sort_whole: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Rows drawn at temperature by inverting the cumulative filtered distribution (in the
-    vocabulary's order) at each row's uniform number: the tokens [R] and whether each row had
-    a distribution to draw from [R] (not where its filters leave none, as NaN logits do), on
-    the device, and `_filtered`'s flag of a top-p cut past the rows it sorted."""
-    probs, beyond = _filtered(logits, params, sort_whole)
-    u = torch.tensor(list(uniforms), dtype=torch.float64)
+    """Rows `tempered` drawn at temperature by inverting the cumulative filtered distribution
+    (in the vocabulary's order) at each row's uniform number: their tokens [R] and whether
+    each had a distribution to draw from [R] (not where its filters leave none, as NaN logits
+    do), on the device, and `_filtered`'s flag of a top-p cut past the rows it sorted."""
+    probs, beyond = _filtered(logits[tempered], [params[i] for i in tempered], sort_whole)
+    u = torch.tensor([uniforms[i] for i in tempered], dtype=torch.float64)
     cdf = probs.cumsum(1)
     # the first token whose cumulative mass passes u (a token of zero mass never does)
     at = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)
@@ -256,18 +268,14 @@ def draw_rows(
     to the host for every row: a step's rows are drawn together, not one synchronisation
     each."""
     rows = logits.shape[0]
-    if len(params) != rows or len(uniforms) != rows:
-        raise ValueError(f"{rows} rows of logits, {len(params)} params, {len(uniforms)} uniforms")
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    tempered = [i for i, p in enumerate(params) if not p.greedy]
+    greedy, tempered = _kinds(logits, params, uniforms)
     out: list[int | None] = [None] * rows
     if greedy:
         ids = argmax_rows(logits[greedy] if len(greedy) < rows else logits)
         for i, t in zip(greedy, ids, strict=True):
             out[i] = t
     if tempered:
-        at, ok, _ = _draw_tempered(logits[tempered], [params[i] for i in tempered],
-                                   [uniforms[i] for i in tempered], sort_whole=True)  # fmt: skip
+        at, ok, _ = _draw_tempered(logits, params, uniforms, tempered, sort_whole=True)
         tokens = torch.stack([at, ok.long()], 1).tolist()
         for i, (t, good) in zip(tempered, tokens, strict=True):
             out[i] = int(t) if good else None
@@ -294,15 +302,11 @@ def draw_on_device(
     cut past a row's likeliest `TOP_P_WIDTH` tokens (a flat distribution) is not sorted
     whole but flagged (`DeviceDraw.redo`)."""
     rows = logits.shape[0]
-    if len(params) != rows or len(uniforms) != rows:
-        raise ValueError(f"{rows} rows of logits, {len(params)} params, {len(uniforms)} uniforms")
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    tempered = [i for i, p in enumerate(params) if not p.greedy]
+    greedy, tempered = _kinds(logits, params, uniforms)
     if not tempered:
         ok = torch.ones(rows, dtype=torch.bool, device=logits.device)
         return DeviceDraw(logits.argmax(1), ok, torch.zeros_like(ok[0]))
-    at, ok, redo = _draw_tempered(logits[tempered], [params[i] for i in tempered],
-                                  [uniforms[i] for i in tempered], sort_whole=False)  # fmt: skip
+    at, ok, redo = _draw_tempered(logits, params, uniforms, tempered, sort_whole=False)
     if not greedy:
         return DeviceDraw(torch.where(ok, at, torch.zeros_like(at)), ok, redo)
     tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stratad.engine.batch import decode_inputs
 from stratad.engine.kv import KVCache, block_tables
 
 log = logging.getLogger("stratad.engine")
@@ -143,10 +144,7 @@ class DecodeGraph:
     def _eager(
         self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tok = (tokens.to(self.device) if isinstance(tokens, torch.Tensor)
-               else torch.tensor(tokens, device=self.device))  # fmt: skip
-        at = torch.tensor(pos, device=self.device)
-        return self.step(tok, at, caches, None)
+        return self.step(*decode_inputs(tokens, pos, self.device), caches, None)
 
     def _fill(
         self,

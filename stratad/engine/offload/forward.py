@@ -35,7 +35,7 @@ from kernels.experts.moe import moe_down, moe_gate_up
 from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
-from stratad.engine.batch import Seq, run_ahead, run_batch
+from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
@@ -457,10 +457,7 @@ class OffloadForward:
         elif self._graphs and graph:
             logits, ids = self.graph.replay(tokens, pos, caches)
         else:
-            tok = (tokens.to(self.device) if isinstance(tokens, torch.Tensor)
-                   else torch.tensor(tokens, device=self.device))  # fmt: skip
-            at = torch.tensor(pos, device=self.device)
-            logits, ids = self._decode_pass(tok, at, caches)
+            logits, ids = self._decode_pass(*decode_inputs(tokens, pos, self.device), caches)
         self.experts.step(ids)
         return logits
 
