@@ -53,12 +53,14 @@ def test_int8_dots_match_reference(t: int, super_blocks: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "mix", [(QType.Q5_K, QType.Q8_0, QType.Q8_0), (QType.Q8_0, QType.Q5_K, QType.Q5_K)],
-    ids=["q5_k-q8_0-q8_0", "q8_0-q5_k-q5_k"],
+    "mix",
+    [(QType.Q5_K, QType.Q8_0, QType.Q8_0), (QType.Q5_K, QType.Q5_K, QType.Q5_K)],
+    ids=["q5_k-q8_0-q8_0", "q5_k-q5_k-q5_k"],
 )
 def test_int8_dots_of_q5_k_and_q8_0(mix: tuple[QType, QType, QType]) -> None:
-    """Q5_K (its fifth bits OR-ed into the nibble words) and Q8_0 (blocks read as 16-bit
-    halves) through the int8 dots: the Q8-rounded reference, to float32 rounding."""
+    """Q5_K (its fifth bits OR-ed into the nibble words; gate and up of one type dotted in
+    one pass) and Q8_0 (blocks read as 16-bit halves) through the int8 dots: the Q8-rounded
+    reference, to float32 rounding."""
     x, ids, weights, table, experts = _mixed_case(mix, 2, 2, 3, 512, 256, "cpu")
     cfg = MoeConfig(block_n=128, int8_dots=True)
     got = fused_moe(x, ids, weights, table, 256, cfg, aligned=True, fmt=ExpertFormat(*mix))

@@ -48,6 +48,7 @@ from kernels.experts.moe_dots_q8 import (
     dequantize_q8_ref,
     dp4a_in_asm,
     q8_rows_dot,
+    q8_rows_dot2,
     quantize_q8,
     quantize_q8_ref,
 )
@@ -193,6 +194,17 @@ def _rows_dot(
 
 
 @triton.jit
+def _matrix_at(table_ptr, e, j, ALIGNED16: tl.constexpr):
+    """The byte address of projection j (0 gate, 1 up, 2 down) of expert e. ALIGNED16: the
+    caller vouches that it is 16-byte aligned (the int8 dots are taken only then), and the
+    compiler, told so, loads the rows' words 16 bytes at a time."""
+    at = tl.load(table_ptr + e * 3 + j).to(tl.pointer_type(tl.uint8))
+    if ALIGNED16:
+        at = tl.multiple_of(at, 16)
+    return at
+
+
+@triton.jit
 def _group(ids_ptr, s, e, N_PAIRS, PAIRS: tl.constexpr):
     """Pairs routed to expert `e`, for program `s`: (whether s is the first of them, the
     pairs [PAIRS] as a mask over 0..PAIRS-1). Grouping lets one program read an expert's rows
@@ -220,10 +232,14 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
     """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows`."""
     x = x_ptr + t.to(tl.int64) * H
     x8 = x8_ptr + t.to(tl.int64) * X8_ROW
-    g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
-                  BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM)  # fmt: skip
-    u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
-                  ALIGNED, SBS, x8, X8_UP, ASM)  # fmt: skip
+    if X8_GATE and X8_UP and Q_GATE == Q_UP:  # one pass over x's Q8 row for both
+        at = rows.to(tl.int64) * GATE_ROW
+        g, u = q8_rows_dot2(gate + at, up + at, rmask, x8, H, Q_GATE, BLOCK_N, SBS, ASM)
+    else:
+        g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
+                      BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM)  # fmt: skip
+        u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
+                      BLOCK_K, ALIGNED, SBS, x8, X8_UP, ASM)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -276,16 +292,16 @@ def _gate_up_kernel(
     rmask = rows < F
     if PAIRS == 0:
         if e >= 0:  # a negative id: this slot is computed elsewhere (the CPU miss path)
-            gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
-            up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
+            gate = _matrix_at(table_ptr, e, 0, X8_GATE | X8_UP)
+            up = _matrix_at(table_ptr, e, 1, X8_GATE | X8_UP)
             _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
                           ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if (e >= 0) & first:
-            gate = tl.load(table_ptr + e * 3).to(tl.pointer_type(tl.uint8))
-            up = tl.load(table_ptr + e * 3 + 1).to(tl.pointer_type(tl.uint8))
+            gate = _matrix_at(table_ptr, e, 0, X8_GATE | X8_UP)
+            up = _matrix_at(table_ptr, e, 1, X8_GATE | X8_UP)
             j = s
             for _ in range(tl.sum(members.to(tl.int32))):  # the expert's rows stay in cache
                 _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
@@ -328,14 +344,14 @@ def _down_kernel(
         tl.store(part_ptr + s.to(tl.int64) * H + rows, tl.zeros([BLOCK_N], tl.float32),
                  mask=rmask)  # fmt: skip
     elif PAIRS == 0:
-        down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
+        down = _matrix_at(table_ptr, e, 2, X8_DOWN)
         _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
                    tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
                    X8_DOWN, ASM)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
-            down = tl.load(table_ptr + e * 3 + 2).to(tl.pointer_type(tl.uint8))
+            down = _matrix_at(table_ptr, e, 2, X8_DOWN)
             j = s
             for _ in range(tl.sum(members.to(tl.int32))):
                 _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,

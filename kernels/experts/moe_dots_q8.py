@@ -31,7 +31,6 @@ import triton.language as tl
 
 from kernels.formats.byte_loads import _load_f16
 from kernels.formats.quant import QType
-from kernels.layers.gemv import _k_scale_min
 
 Q8_BLOCK = 32  # values per activation scale
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
@@ -104,63 +103,118 @@ def _load_i32_halves(ptr, mask):
 
 
 @triton.jit
+def _f16_low(w):
+    """The fp16 in the low 16 bits of the int32 word w, as float32."""
+    return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min_words(w1, w2, w3, sub):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block `sub` (0..7) from the 12 packed scale bytes
+    read as three little-endian words (bytes 0-3, 4-7, 8-11: `kernels.layers.gemv
+    ._k_scale_min` reads the same bits a byte at a time)."""
+    shift = 8 * (sub % 4)
+    b_d = (w1 >> shift) & 0xFF  # scales 0-3, top bits of scales 4-7
+    b_m = (w2 >> shift) & 0xFF  # mins 0-3, top bits of mins 4-7
+    b_hi = (w3 >> shift) & 0xFF  # low nibbles of scales / mins 4-7
+    sc = tl.where(sub < 4, b_d & 63, (b_hi & 0xF) | ((b_d >> 6) << 4))
+    mn = tl.where(sub < 4, b_m & 63, (b_hi >> 4) | ((b_m >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q45_k_codes(r32, sb, pair, word, mask, FIVE_BIT: tl.constexpr):
+    """The (low, high) nibble words of [BN, S, 4, 8] (row, super-block, pair, word) of a Q4_K
+    or Q5_K matrix whose rows start at the int32 pointers r32 [BN] (Q5_K: the fifth bits
+    OR-ed in)."""
+    words = 36 + 8 * FIVE_BIT  # a block's 144 or 176 bytes
+    blk = r32[:, None, None, None] + sb * words
+    q = tl.load(blk + (words - 32) + pair * 8 + word, mask=mask, other=0)
+    lo = q & 0x0F0F0F0F
+    hi = (q >> 4) & 0x0F0F0F0F
+    if FIVE_BIT:
+        qh = tl.load(blk + 4 + word, mask=mask, other=0)
+        lo = lo | (((qh >> (2 * pair)) & 0x01010101) << 4)
+        hi = hi | (((qh >> (2 * pair + 1)) & 0x01010101) << 4)
+    return lo, hi
+
+
+@triton.jit
+def _q45_k_scaled(r32, sb, pair, mask, i_lo, i_hi, xd_lo, xd_hi, xs_lo, xs_hi,
+                  FIVE_BIT: tl.constexpr):  # fmt: skip
+    """[BN] float32: the integer dots i_lo / i_hi [BN, S, 4] of (row, super-block, pair)
+    scaled by the blocks' d, dmin and 6-bit scales and mins and the activation's, summed."""
+    head = r32[:, None, None] + sb * (36 + 8 * FIVE_BIT)
+    w0 = tl.load(head, mask=mask, other=0)  # d | dmin
+    w1 = tl.load(head + 1, mask=mask, other=0)
+    w2 = tl.load(head + 2, mask=mask, other=0)
+    w3 = tl.load(head + 3, mask=mask, other=0)
+    d, dmin = _f16_low(w0), _f16_low(w0 >> 16)
+    sc_lo, m_lo = _k_scale_min_words(w1, w2, w3, 2 * pair)
+    sc_hi, m_hi = _k_scale_min_words(w1, w2, w3, 2 * pair + 1)
+    part = (d * sc_lo) * (xd_lo * i_lo.to(tl.float32)) - (dmin * m_lo) * xs_lo
+    part += (d * sc_hi) * (xd_hi * i_hi.to(tl.float32)) - (dmin * m_hi) * xs_hi
+    return tl.sum(tl.sum(part, axis=2), axis=1)
+
+
+@triton.jit
 def _q45_k_rows_dot_q8(
-    row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
-    FIVE_BIT: tl.constexpr, ASM: tl.constexpr,
+    a_at, b_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
+    FIVE_BIT: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N] float32: rows of a Q4_K (144-byte blocks) or Q5_K matrix (176: a 32-byte plane
-    of fifth bits before the nibbles; 16-byte aligned) dot the Q8 row at x8_ptr. The tile is
-    that of `moe_dots._q45_k_rows_dot`: [BN, (super-block, pair), word], byte b of word w of
-    pair p holding value 64p + 4w + b (low nibble) and 64p + 32 + 4w + b (high nibble), so a
-    word's four nibbles meet four consecutive codes of the activation, one 32-bit load; Q5_K's
-    fifth bits of those values are bits 2p and 2p + 1 of the plane's word w."""
+    """([BLOCK_N], [BLOCK_N]) float32: rows of a Q4_K (144-byte blocks) or Q5_K matrix (176: a
+    32-byte plane of fifth bits before the nibbles) at a_at, and with TWO of a second matrix
+    of the type and shape at b_at (gate and up: the activation's words are read once for
+    both; else the second is zeros), dot the Q8 row at x8_ptr. Rows start 4-byte aligned.
+    Every address is taken in 32-bit words, so where the rows start on 16 bytes the compiler
+    sees eight consecutive words of a (row, super-block, pair) and loads them 16 bytes at a
+    time. Pair p of a super-block holds in word w's byte b the codes of values 64p + 4w + b
+    (low nibble) and 64p + 32 + 4w + b (high nibble), so a word's four nibbles meet four
+    consecutive codes of the activation; Q5_K's fifth bits of those values are bits 2p and
+    2p + 1 of the plane's word w. The tile is [BN, super-block of the step, pair, word]."""
+    a32 = a_at.to(tl.pointer_type(tl.int32))
+    b32 = b_at.to(tl.pointer_type(tl.int32))
+    x32 = x8_ptr.to(tl.pointer_type(tl.int32))
     xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
     xs_ptr = (x8_ptr + K + 4 * (K // 32)).to(tl.pointer_type(tl.float32))
-    sp = tl.arange(0, 4 * SBS)[None, :, None]  # [1, P, 1]: (super-block of the step, pair)
-    word = tl.arange(0, 8)[None, None, :]  # [1, 1, 8]
-    sp2 = tl.arange(0, 4 * SBS)[None, :]  # [1, P]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    s4 = tl.arange(0, SBS)[None, :, None, None]
+    pair4 = tl.arange(0, 4)[None, None, :, None]
+    word = tl.arange(0, 8)[None, None, None, :]
+    s3 = tl.arange(0, SBS)[None, :, None]
+    pair = tl.arange(0, 4)[None, None, :]
+    acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
     nsb = K // 256
-    nbytes = 144 + 32 * FIVE_BIT  # the block's bytes
     for sb0 in range(0, nsb, SBS):
-        sb, pair = sb0 + sp // 4, sp % 4
-        smask = sb < nsb
-        mask3 = row_mask[:, None, None] & smask
-        blk = row_at[:, None, None] + sb * nbytes
-        q = tl.load((blk + nbytes - 128 + pair * 32 + word * 4).to(tl.pointer_type(tl.int32)),
-                    mask=mask3, other=0)  # fmt: skip
-        lo = q & 0x0F0F0F0F
-        hi = (q >> 4) & 0x0F0F0F0F
-        if FIVE_BIT:
-            qh = tl.load((blk + 16 + word * 4).to(tl.pointer_type(tl.int32)), mask=mask3, other=0)
-            lo = lo | (((qh >> (2 * pair)) & 0x01010101) << 4)
-            hi = hi | (((qh >> (2 * pair + 1)) & 0x01010101) << 4)
-        xw = x8_ptr + sb * 256 + pair * 64 + word * 4  # [1, P, 8]
-        x_lo = tl.load(xw.to(tl.pointer_type(tl.int32)), mask=smask, other=0)
-        x_hi = tl.load((xw + 32).to(tl.pointer_type(tl.int32)), mask=smask, other=0)
-        zero = tl.zeros_like(q)
-        i_lo = tl.sum(_dp4a(lo, x_lo + zero, ASM), axis=2)  # [BN, P]
-        i_hi = tl.sum(_dp4a(hi, x_hi + zero, ASM), axis=2)
-        sb2, pair2 = sb0 + sp2 // 4, sp2 % 4
-        smask2 = sb2 < nsb
-        hmask = row_mask[:, None] & smask2  # [BN, P]
-        head = row_at[:, None] + sb2 * nbytes
-        d = _load_f16(head, hmask)
-        dmin = _load_f16(head + 2, hmask)
-        sub = 2 * pair2  # the low nibbles' sub-block
-        sc_lo, m_lo = _k_scale_min(head + 4, sub, hmask)
-        sc_hi, m_hi = _k_scale_min(head + 4, sub + 1, hmask)
-        b32 = sb2 * 8 + sub  # [1, P]: the activation's block of the low nibbles
-        xd_lo = tl.load(xd_ptr + b32, mask=smask2, other=0.0)
-        xd_hi = tl.load(xd_ptr + b32 + 1, mask=smask2, other=0.0)
-        xs_lo = tl.load(xs_ptr + 2 * b32, mask=smask2, other=0.0)
-        xs_lo += tl.load(xs_ptr + 2 * b32 + 1, mask=smask2, other=0.0)
-        xs_hi = tl.load(xs_ptr + 2 * b32 + 2, mask=smask2, other=0.0)
-        xs_hi += tl.load(xs_ptr + 2 * b32 + 3, mask=smask2, other=0.0)
-        part = (d * sc_lo) * (xd_lo * i_lo.to(tl.float32)) - (dmin * m_lo) * xs_lo
-        part += (d * sc_hi) * (xd_hi * i_hi.to(tl.float32)) - (dmin * m_hi) * xs_hi
-        acc += tl.sum(part, axis=1)
-    return acc
+        sb4 = sb0 + s4
+        in4 = sb4 < nsb
+        mask4 = row_mask[:, None, None, None] & in4
+        xw = x32 + sb4 * 64 + pair4 * 16 + word  # [1, S, 4, 8]: the low nibbles' codes
+        zero = tl.zeros([BLOCK_N, SBS, 4, 8], dtype=tl.int32)
+        x_lo = tl.load(xw, mask=in4, other=0) + zero
+        x_hi = tl.load(xw + 8, mask=in4, other=0) + zero
+        sb = sb0 + s3
+        inb = sb < nsb
+        mask = row_mask[:, None, None] & inb
+        b32i = sb * 8 + 2 * pair  # [1, S, 4]: the activation's block of the low nibbles
+        xd_lo = tl.load(xd_ptr + b32i, mask=inb, other=0.0)
+        xd_hi = tl.load(xd_ptr + b32i + 1, mask=inb, other=0.0)
+        xs_lo = tl.load(xs_ptr + 2 * b32i, mask=inb, other=0.0)
+        xs_lo += tl.load(xs_ptr + 2 * b32i + 1, mask=inb, other=0.0)
+        xs_hi = tl.load(xs_ptr + 2 * b32i + 2, mask=inb, other=0.0)
+        xs_hi += tl.load(xs_ptr + 2 * b32i + 3, mask=inb, other=0.0)
+        lo, hi = _q45_k_codes(a32, sb4, pair4, word, mask4, FIVE_BIT)
+        i_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)  # [BN, S, 4]
+        i_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
+        acc_a += _q45_k_scaled(a32, sb, pair, mask, i_lo, i_hi, xd_lo, xd_hi, xs_lo, xs_hi,
+                               FIVE_BIT)  # fmt: skip
+        if TWO:
+            lo, hi = _q45_k_codes(b32, sb4, pair4, word, mask4, FIVE_BIT)
+            i_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3)
+            i_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3)
+            acc_b += _q45_k_scaled(b32, sb, pair, mask, i_lo, i_hi, xd_lo, xd_hi, xs_lo,
+                                   xs_hi, FIVE_BIT)  # fmt: skip
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -255,14 +309,34 @@ def q8_rows_dot(
     """[BLOCK_N] float32: rows of GGUF blocks of QTYPE (one of `Q8_DOT_QTYPES`), each at
     its own byte address (`row_at` [BLOCK_N], uint8 pointers), dot the Q8 row at x8_ptr."""
     if QTYPE == Q4_K:
-        acc = _q45_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, False, ASM)
+        acc, _ = _q45_k_rows_dot_q8(row_at, row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, False,
+                                    False, ASM)  # fmt: skip
     elif QTYPE == Q5_K:
-        acc = _q45_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, True, ASM)
+        acc, _ = _q45_k_rows_dot_q8(row_at, row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, True,
+                                    False, ASM)  # fmt: skip
     elif QTYPE == Q6_K:
         acc = _q6_k_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, SBS, ASM)
     else:
         acc = _q8_0_rows_dot_q8(row_at, row_mask, x8_ptr, K, BLOCK_N, ASM)
     return acc
+
+
+@triton.jit
+def q8_rows_dot2(
+    a_at, b_at, row_mask, x8_ptr, K, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SBS: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """`q8_rows_dot` of two matrices of one type and shape (gate and up) with one Q8 row:
+    Q4_K and Q5_K read the activation once for both; each row's sum is the one `q8_rows_dot`
+    gives it alone."""
+    if QTYPE == Q4_K:
+        a, b = _q45_k_rows_dot_q8(a_at, b_at, row_mask, x8_ptr, K, BLOCK_N, SBS, False, True, ASM)
+    elif QTYPE == Q5_K:
+        a, b = _q45_k_rows_dot_q8(a_at, b_at, row_mask, x8_ptr, K, BLOCK_N, SBS, True, True, ASM)
+    else:
+        a = q8_rows_dot(a_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)
+        b = q8_rows_dot(b_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)
+    return a, b
 
 
 # --- launcher and reference ----------------------------------------------------------------
