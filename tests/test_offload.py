@@ -393,6 +393,57 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(
 
 
 @pytest.mark.gpu
+def test_a_step_queued_ahead_never_waits_for_the_device(
+    tiny_moe: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drawing a step's tokens on the device and queueing the next step from them make no
+    host-device synchronisation (`torch.cuda.set_sync_debug_mode("error")` raises at one:
+    a copy from pageable memory, an index list, a read of a device value), so the host
+    prepares step n + 1 while step n runs. Greedy and sampled rows, in steps of 1 to 3
+    sequences; the second run of the same requests, once every graph has been captured."""
+    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.runtime import step as step_module
+    from stratad.runtime.generate import Generator
+    from stratad.runtime.sampling import SamplingParams
+    from stratad.runtime.sequence import GenerationRequest
+
+    off = _offload(tiny_moe, 8, "cuda", graphs=True)
+    gen = Generator(off, tokenizer_from_gguf(tiny_moe.metadata), max_context=64, parallel=3,
+                    ahead=off.step_ahead)  # fmt: skip
+    armed, checked = [False], [0]
+
+    def strict(fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if armed[0]:
+                checked[0] += 1
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        return run
+
+    monkeypatch.setattr(step_module, "draw_on_device", strict(step_module.draw_on_device))
+    assert gen.loop.ahead is not None
+    gen.loop.ahead = strict(gen.loop.ahead)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, seed=1),
+             SamplingParams(temperature=0.7, top_p=0.95, min_p=0.01, seed=2)]  # fmt: skip
+    reqs = [GenerationRequest([100 + i, 7, 8], max_tokens=6, sampling=kinds[i], ignore_eos=True)
+            for i in range(3)]  # fmt: skip
+    for arm in (False, True):
+        armed[0] = arm
+        seqs = [gen.start(r) for r in reqs]
+        while gen.loop.running:
+            for s, outcome in gen.step():
+                assert not isinstance(outcome, Exception), outcome
+                if outcome.finish_reason is not None:  # type: ignore[union-attr]
+                    gen.finish(s)
+        assert all(s not in gen.loop.running for s in seqs)
+    assert checked[0] >= 8  # the draws and queued steps of the second run, each checked
+
+
+@pytest.mark.gpu
 def test_a_graph_replays_tokens_given_on_the_device(tiny_moe: Model) -> None:
     """Five rows (padded to the capture of six) from ids on the device: the logits of the
     same ids from the host."""

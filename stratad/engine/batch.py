@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache
 from stratad.engine.passes import FUSED_MAX_TOKENS, ROW_READS_MAX, Chunk, Pass, Span
 
@@ -175,8 +176,8 @@ def decode_inputs(
     """A decode pass's token ids and positions on `device` (ids given on the device stay
     there, ordered after the work that makes them)."""
     tok = (tokens.to(device) if isinstance(tokens, torch.Tensor)
-           else torch.tensor(tokens, device=device))  # fmt: skip
-    return tok, torch.tensor(pos, device=device)
+           else to_device(tokens, torch.long, device))  # fmt: skip
+    return tok, to_device(pos, torch.long, device)
 
 
 def run_ahead(layers: Layers, caches: Sequence[KVCache], tokens: torch.Tensor) -> torch.Tensor:

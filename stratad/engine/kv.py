@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from stratad.engine.host_copy import to_device
 from stratad.model.spec import ModelSpec
 
 BLOCK_SIZE = 32  # tokens per block: a multiple of 8 (the CPU kernels' key groups)
@@ -265,9 +266,8 @@ class KVCache:
         self._write_table(at, new)
 
     def _write_table(self, at: int, ids: list[int]) -> None:
-        new = torch.tensor(ids, dtype=torch.int32)
         for table in self.tables.values():
-            table[at : at + len(ids)].copy_(new, non_blocking=False)
+            table[at : at + len(ids)].copy_(to_device(ids, torch.int32, table.device))
 
     def _own_last(self) -> None:
         """Copy-on-write: the partly written block the next token goes into, if another

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stratad.engine.host_copy import to_device
+
 
 def argmax_rows(rows: torch.Tensor) -> list[int]:
     """The index of the largest of each row [R, V] (the first of equals; a NaN counts as
@@ -184,8 +186,8 @@ def _filtered(
     whether there are any: the host waits); else they are not, and their distributions are
     wrong where the flag says so."""
     vocab = scores.shape[1]
-    knobs = torch.tensor([[max(p.temperature, 0.0), p.top_k, p.top_p, p.min_p] for p in params],
-                         dtype=torch.float64).to(scores.device)  # fmt: skip
+    knobs = to_device([[max(p.temperature, 0.0), p.top_k, p.top_p, p.min_p] for p in params],
+                      torch.float64, scores.device)  # fmt: skip
     temperature, top_k, top_p, min_p = knobs.unbind(1)
     x = scores.double()
     # shift before dividing: a tiny temperature sends the others to -inf, never inf - inf
@@ -247,11 +249,14 @@ def _draw_tempered(
     (in the vocabulary's order) at each row's uniform number: their tokens [R] and whether
     each had a distribution to draw from [R] (not where its filters leave none, as NaN logits
     do), on the device, and `_filtered`'s flag of a top-p cut past the rows it sorted."""
-    probs, beyond = _filtered(logits[tempered], [params[i] for i in tempered], sort_whole)
-    u = torch.tensor([uniforms[i] for i in tempered], dtype=torch.float64)
+    device = logits.device
+    if len(tempered) < logits.shape[0]:
+        logits = logits.index_select(0, to_device(tempered, torch.long, device))
+    probs, beyond = _filtered(logits, [params[i] for i in tempered], sort_whole)
+    u = to_device([uniforms[i] for i in tempered], torch.float64, device)
     cdf = probs.cumsum(1)
     # the first token whose cumulative mass passes u (a token of zero mass never does)
-    at = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)
+    at = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
     last = probs.shape[1] - 1 - (probs.flip(1) > 0).long().argmax(1, keepdim=True)
     at = torch.minimum(at, last)  # u * mass rounded up to the mass itself
     ok = torch.isfinite(cdf[:, -1:]) & (probs > 0).any(1, keepdim=True)
@@ -309,9 +314,11 @@ def draw_on_device(
     at, ok, redo = _draw_tempered(logits, params, uniforms, tempered, sort_whole=False)
     if not greedy:
         return DeviceDraw(torch.where(ok, at, torch.zeros_like(at)), ok, redo)
-    tokens = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    good = torch.ones(rows, dtype=torch.bool, device=logits.device)
-    tokens[greedy] = logits[greedy].argmax(1)
-    tokens[tempered] = torch.where(ok, at, torch.zeros_like(at))
-    good[tempered] = ok
+    device = logits.device
+    g, t = to_device(greedy, torch.long, device), to_device(tempered, torch.long, device)
+    tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+    good = torch.ones(rows, dtype=torch.bool, device=device)
+    tokens.index_copy_(0, g, logits.index_select(0, g).argmax(1))
+    tokens.index_copy_(0, t, torch.where(ok, at, torch.zeros_like(at)))
+    good.index_copy_(0, t, ok)
     return DeviceDraw(tokens, good, redo)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from stratad.engine.batch import decode_inputs
+from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache, block_tables
 
 log = logging.getLogger("stratad.engine")
@@ -159,11 +160,11 @@ class DecodeGraph:
         elif len(caches) == 1:  # no host-to-device copy for the common case
             cap.tok.fill_(tokens[0])
         else:
-            cap.tok.copy_(torch.tensor(tokens))
+            cap.tok.copy_(to_device(tokens, torch.long, cap.tok.device))
         if len(caches) == 1:
             cap.pos.fill_(pos[0])
         else:
-            cap.pos.copy_(torch.tensor(pos))
+            cap.pos.copy_(to_device(pos, torch.long, cap.pos.device))
         if cap.tables is not None:
             cap.tables.copy_(block_tables(caches, cap.tables.device))
 

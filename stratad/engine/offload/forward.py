@@ -36,6 +36,7 @@ from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
+from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
@@ -361,8 +362,8 @@ class OffloadForward:
     ) -> torch.Tensor:
         """Hidden states [T, H] of a pass after this engine's layers (see `batch.Layers`)."""
         device = self.device
-        x = self.embed[torch.tensor(tokens, device=device)]
-        x, _ = self.run_layers(x, torch.tensor(pos, device=device), caches, step)
+        x = self.embed[to_device(tokens, torch.long, device)]
+        x, _ = self.run_layers(x, to_device(pos, torch.long, device), caches, step)
         return x
 
     def _decode_pass(
