@@ -15,6 +15,7 @@ from kernels.experts.moe import (
     fused_moe_ref,
     split_q4_0,
     split_q4_0_ok,
+    split_q6_k,
     unsplit_q4_0,
 )
 from kernels.formats.quant import QTensor, QType, block_geometry, quantize
@@ -152,10 +153,20 @@ CASES = [
 ]
 
 
+def _held(w: QTensor, q6_k_split: bool) -> torch.Tensor:
+    """A matrix's bytes as the engine holds them."""
+    if w.qtype == QType.Q4_0:
+        return split_q4_0(w.data)
+    if w.qtype == QType.Q6_K and q6_k_split:
+        return split_q6_k(w.data)
+    return w.data.reshape(-1)
+
+
 def _mixed_case(mix: tuple[QType, QType, QType], t: int, k: int, e: int, h: int, f: int,
-                device: str):  # type: ignore[no-untyped-def]
+                device: str, q6_k_split: bool = False):  # type: ignore[no-untyped-def]
     """e random experts of the mix (on the CPU) and the table of their bytes on `device` as
-    the engine holds them (Q4_0 split, the others as blocks), t tokens routed to k each."""
+    the engine holds them (Q4_0 split, with q6_k_split Q6_K too, the others as blocks), t
+    tokens routed to k each."""
     gen = torch.Generator().manual_seed(11)
     shapes = ((f, h), (f, h), (h, f))
     experts = [
@@ -163,8 +174,7 @@ def _mixed_case(mix: tuple[QType, QType, QType], t: int, k: int, e: int, h: int,
         for _ in range(e)
     ]
     held = [
-        tuple((split_q4_0(w.data) if w.qtype == QType.Q4_0 else w.data.reshape(-1)).to(device)
-              for w in tr)
+        tuple(_held(w, q6_k_split).to(device) for w in tr)
         for tr in experts
     ]  # fmt: skip
     _KEEP.append(held)  # the table holds raw addresses: keep the bytes alive

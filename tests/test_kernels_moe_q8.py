@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.experts.moe import ExpertFormat, MoeConfig, fused_moe, fused_moe_ref
+from kernels.experts.moe import (
+    ExpertFormat,
+    MoeConfig,
+    fused_moe,
+    fused_moe_ref,
+    split_q6_k,
+    unsplit_q6_k,
+)
 from kernels.experts.moe_dots_q8 import (
     dequantize_q8_ref,
     q8_row_bytes,
@@ -66,6 +73,27 @@ def test_int8_dots_of_q5_k_and_q8_0(mix: tuple[QType, QType, QType]) -> None:
     got = fused_moe(x, ids, weights, table, 256, cfg, aligned=True, fmt=ExpertFormat(*mix))
     ref = fused_moe_ref(x, ids, weights, experts, int8=(True, True, True))
     assert (got - ref).norm() / ref.norm() < 1e-4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_split_q6_k_reads_as_the_blocks_do(device: str) -> None:
+    """Q6_K down in the split layout (codes, then scales, then d: aligned words) gives the
+    int8 dots of the blocks bit for bit, over three super-blocks a row (a step of two masked);
+    the layout is the blocks' bytes rearranged; float dots refuse it."""
+    h = 256 if device == "cpu" else 2048
+    x, ids, weights, table, experts = _mixed_case(Q4_K_M, 3, 2, 3, h, 768, device)
+    _, _, _, split_table, _ = _mixed_case(Q4_K_M, 3, 2, 3, h, 768, device, q6_k_split=True)
+    x, ids, weights = x.to(device), ids.to(device), weights.to(device)
+    cfg = MoeConfig(block_n=64 if device == "cpu" else 4, super_blocks=2, int8_dots=True)
+    blocks = fused_moe(x, ids, weights, table, 768, cfg, aligned=True, fmt=ExpertFormat(*Q4_K_M))
+    fmt = ExpertFormat(*Q4_K_M, q6_k_split=True)
+    split = fused_moe(x, ids, weights, split_table, 768, cfg, aligned=True, fmt=fmt)
+    assert torch.equal(split, blocks)
+    down = experts[0][2].data
+    assert torch.equal(unsplit_q6_k(split_q6_k(down), h, 768), down)
+    assert split_q6_k(down).numel() == down.numel()
+    with pytest.raises(ValueError, match="split Q6_K"):
+        fused_moe(x, ids, weights, split_table, 768, MoeConfig(), aligned=True, fmt=fmt)
 
 
 def test_int8_dots_only_where_aligned_and_typed() -> None:

@@ -5,10 +5,12 @@
                                   [--configs 16:1:4 8:8:4 16:1:4:i8 ...] [--aligned-only]
 
 For each expert format (Q4_0 split and each type the kernels read as GGUF blocks, Q4_K both
-as blocks and as aligned words) it builds `--experts` random experts in VRAM and times
-`fused_moe` for T decode tokens (each routed to a random top-k, CUDA graph, median of
---repeats with the spread): microseconds per call and the weight bytes read per second (the
-distinct routed experts' three projections: the kernels read each once for all its tokens).
+as blocks and as aligned words; `q4_k_m(q6_k split down)` holds its Q6_K down in
+`kernels.experts.moe.split_q6_k`'s layout, which the int8 dots alone read) it builds
+`--experts` random experts in VRAM and times `fused_moe` for T decode tokens (each routed
+to a random top-k, CUDA graph, median of --repeats with the spread): microseconds per call
+and the weight bytes read per second (the distinct routed experts' three projections: the
+kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
 for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 and `:ng` for a program per (token, expert)
 pair rather than one per expert (default: the built-in `MoeConfig`). `--launch gate_up` or
@@ -37,6 +39,7 @@ from kernels.experts.moe import (
     moe_down,
     moe_gate_up,
     split_q4_0,
+    split_q6_k,
 )
 from kernels.formats.quant import QType
 from kernels.tuning.roofline import copy_rates
@@ -46,6 +49,7 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "q4_0": (QType.Q4_0, QType.Q4_0, QType.Q4_0),
     "q4_k": (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     "q4_k_m(q6_k down)": (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    "q4_k_m(q6_k split down)": (QType.Q4_K, QType.Q4_K, QType.Q6_K),
     "q8_0": (QType.Q8_0, QType.Q8_0, QType.Q8_0),
     "q5_k": (QType.Q5_K, QType.Q5_K, QType.Q5_K),
     "iq3_s(iq4_xs down)": (QType.IQ3_S, QType.IQ3_S, QType.IQ4_XS),
@@ -60,10 +64,17 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
 }
 
 
-def _matrix(qtype: QType, rows: int, cols: int) -> torch.Tensor:
-    """Random blocks with finite scales (`stratad.tuning.bench_weights`), Q4_0 split."""
+# the formats whose Q6_K projections are held in the split layout (`split_q6_k`)
+Q6_K_SPLIT = frozenset({"q4_k_m(q6_k split down)"})
+
+
+def _matrix(qtype: QType, rows: int, cols: int, q6_k_split: bool) -> torch.Tensor:
+    """Random blocks with finite scales (`stratad.tuning.bench_weights`), Q4_0 split (and
+    Q6_K with q6_k_split)."""
     data = random_blocks(qtype, rows, cols, torch.device("cuda"))
-    return split_q4_0(data) if qtype == QType.Q4_0 else data.reshape(-1)
+    if qtype == QType.Q4_0:
+        return split_q4_0(data)
+    return split_q6_k(data) if qtype == QType.Q6_K and q6_k_split else data.reshape(-1)
 
 
 def _config(text: str) -> MoeConfig:
@@ -91,18 +102,18 @@ def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
 
 def time_format(
     mix: tuple[QType, QType, QType], aligned: bool, a: argparse.Namespace, t: int,
-    cfg: MoeConfig,
+    cfg: MoeConfig, q6_k_split: bool = False,
 ) -> dict:  # fmt: skip
     h, f = a.hidden, a.ffn
-    experts = [(_matrix(mix[0], f, h), _matrix(mix[1], f, h), _matrix(mix[2], h, f))
-               for _ in range(a.experts)]  # fmt: skip
+    experts = [(_matrix(mix[0], f, h, q6_k_split), _matrix(mix[1], f, h, q6_k_split),
+                _matrix(mix[2], h, f, q6_k_split)) for _ in range(a.experts)]  # fmt: skip
     table = expert_table(experts).cuda()  # type: ignore[arg-type]
     read = {"gate_up": experts[0][:2], "down": experts[0][2:]}.get(a.launch, experts[0])
     nbytes = sum(m.numel() for m in read)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     weights = torch.full((t, a.top_k), 1.0 / a.top_k, device="cuda")
     ids = _route(t, a)
-    fmt = ExpertFormat(*mix)
+    fmt = ExpertFormat(*mix, q6_k_split=q6_k_split)
     act = moe_gate_up(x, ids, table, f, cfg, aligned, fmt)
 
     def call() -> None:
@@ -171,7 +182,7 @@ def main() -> None:
         for aligned in (True,) if a.aligned_only else (False, True):
             for t in a.tokens:
                 for cfg in a.configs:
-                    r = time_format(mix, aligned, a, t, cfg)
+                    r = time_format(mix, aligned, a, t, cfg, name in Q6_K_SPLIT)
                     path = "aligned" if aligned else "unaligned"
                     tag = config_tag(cfg)
                     launch = "" if a.launch == "both" else f"/{a.launch}"

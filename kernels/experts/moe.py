@@ -45,6 +45,7 @@ import triton.language as tl
 from kernels.experts.moe_dots import blocks_rows_dot
 from kernels.experts.moe_dots_q8 import (
     Q8_DOT_QTYPES,
+    _q6_k_split_rows_dot_q8,
     dequantize_q8_ref,
     dp4a_in_asm,
     q8_rows_dot,
@@ -58,6 +59,9 @@ from kernels.layers.gemv import GEMV_QTYPES
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
+Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
+Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
+Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 # the types the fused kernels read: Q4_0 split, the rest as GGUF blocks
 MOE_QTYPES: frozenset[QType] = GEMV_QTYPES
 
@@ -69,12 +73,20 @@ class ExpertFormat:
     gate: QType = QType.Q4_0
     up: QType = QType.Q4_0
     down: QType = QType.Q4_0
+    # Q6_K projections in the split layout (`split_q6_k`), which only the int8 dots read
+    q6_k_split: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate", "up", "down"):
             qtype = getattr(self, name)
             if qtype not in MOE_QTYPES:
                 raise ValueError(f"the fused MoE kernels do not read {qtype.name} ({name})")
+
+    def check_split(self, config: MoeConfig, aligned: bool) -> None:
+        """Raise where a split Q6_K projection would not be read by the int8 dots."""
+        for q in (self.gate, self.up, self.down):
+            if self.q6_k_split and q == QType.Q6_K and not self.int8(q, config, aligned):
+                raise ValueError("split Q6_K is read by the int8 dots alone (int8_dots, aligned)")
 
     def int8(self, qtype: QType, config: MoeConfig, aligned: bool) -> bool:
         """Whether a projection of `qtype` is dotted in int8 (`MoeConfig.int8_dots`)."""
@@ -179,10 +191,13 @@ def _rows_dot(
     x8_ptr,
     X8: tl.constexpr,
     ASM: tl.constexpr,
+    Q6_SPLIT: tl.constexpr,
 ):
-    """Rows of a projection of type QTYPE (Q4_0: the split layout) dot x [K] (X8: dot x's Q8
-    row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
-    if X8:
+    """Rows of a projection of type QTYPE (Q4_0: the split layout; Q6_K with Q6_SPLIT too)
+    dot x [K] (X8: dot x's Q8 row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
+    if X8 and Q6_SPLIT and QTYPE == Q6_K:
+        acc = _q6_k_split_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N, SBS, ASM)
+    elif X8:
         row_at = w_ptr + rows.to(tl.int64) * ROW_BYTES
         acc = q8_rows_dot(row_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)
     elif QTYPE == Q4_0:
@@ -228,18 +243,19 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
                   Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
                   SBS: tl.constexpr, x8_ptr, X8_ROW, X8_GATE: tl.constexpr,
-                  X8_UP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                  X8_UP: tl.constexpr, ASM: tl.constexpr, Q6_SPLIT: tl.constexpr):  # fmt: skip
     """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows`."""
     x = x_ptr + t.to(tl.int64) * H
     x8 = x8_ptr + t.to(tl.int64) * X8_ROW
-    if X8_GATE and X8_UP and Q_GATE == Q_UP:  # one pass over x's Q8 row for both
+    if X8_GATE and X8_UP and Q_GATE == Q_UP and (Q_GATE == Q4_K or Q_GATE == Q5_K):  # noqa: SIM109
+        # one pass over x's Q8 row for both (constexprs: Triton compiles the test away)
         at = rows.to(tl.int64) * GATE_ROW
         g, u = q8_rows_dot2(gate + at, up + at, rmask, x8, H, Q_GATE, BLOCK_N, SBS, ASM)
     else:
         g = _rows_dot(gate, rows, rmask, x, H, F, GATE_ROW, tab_ptr, Q_GATE, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM)  # fmt: skip
+                      BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM, Q6_SPLIT)  # fmt: skip
         u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED, SBS, x8, X8_UP, ASM)  # fmt: skip
+                      BLOCK_K, ALIGNED, SBS, x8, X8_UP, ASM, Q6_SPLIT)  # fmt: skip
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
@@ -248,13 +264,14 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
 def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW, tab_ptr,
                Q_DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr, act8_ptr,
-               A8_ROW, X8_DOWN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+               A8_ROW, X8_DOWN: tl.constexpr, ASM: tl.constexpr,
+               Q6_SPLIT: tl.constexpr):  # fmt: skip
     """part[s] = weight[s] * (down @ act[s]) on `rows`."""
     w = tl.load(weights_ptr + s)
     act = act_ptr + s.to(tl.int64) * F
     act8 = act8_ptr + s.to(tl.int64) * A8_ROW
     y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM)  # fmt: skip
+                      BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -284,6 +301,7 @@ def _gate_up_kernel(
     X8_GATE: tl.constexpr,  # gate / up dotted with x's Q8 rows
     X8_UP: tl.constexpr,
     ASM: tl.constexpr,  # dp4a as inline PTX (else its emulation)
+    Q6_SPLIT: tl.constexpr,  # Q6_K projections in the split layout (split_q6_k)
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair
@@ -296,7 +314,8 @@ def _gate_up_kernel(
             up = _matrix_at(table_ptr, e, 1, X8_GATE | X8_UP)
             _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
-                          ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM)  # fmt: skip
+                          ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM,
+                          Q6_SPLIT)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if (e >= 0) & first:
@@ -307,7 +326,7 @@ def _gate_up_kernel(
                 _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
                               GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
                               BLOCK_K, ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP,
-                              ASM)  # fmt: skip
+                              ASM, Q6_SPLIT)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -334,6 +353,7 @@ def _down_kernel(
     PAIRS: tl.constexpr,  # as in _gate_up_kernel
     X8_DOWN: tl.constexpr,
     ASM: tl.constexpr,
+    Q6_SPLIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
@@ -347,7 +367,7 @@ def _down_kernel(
         down = _matrix_at(table_ptr, e, 2, X8_DOWN)
         _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
                    tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
-                   X8_DOWN, ASM)  # fmt: skip
+                   X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
@@ -356,7 +376,7 @@ def _down_kernel(
             for _ in range(tl.sum(members.to(tl.int32))):
                 _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
                            DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
-                           ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM)  # fmt: skip
+                           ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -394,6 +414,7 @@ def moe_gate_up(
     vouches that every address in `table` is 16-byte aligned (see `fused_moe`); `fmt`: the
     projections' types."""
     _check(x, ids, table)
+    fmt.check_split(config, aligned)
     t, h = x.shape
     # raises for a row length the types' blocks do not divide
     gate_row, up_row = row_bytes(fmt.gate, h), row_bytes(fmt.up, h)
@@ -409,7 +430,7 @@ def moe_gate_up(
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
         ALIGNED=aligned and fmt.aligned(h, ffn), SBS=config.super_blocks,
         PAIRS=_grouped(t, pairs, config), X8_GATE=x8_gate, X8_UP=x8_up, ASM=dp4a_in_asm(x.device),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        Q6_SPLIT=fmt.q6_k_split, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
@@ -433,6 +454,7 @@ def moe_down(
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
     ffn = act.shape[1]
+    fmt.check_split(config, aligned)
     x8_down = fmt.int8(fmt.down, config, aligned)
     act8 = quantize_q8(act) if x8_down else act
     _down_kernel[grid](
@@ -441,7 +463,7 @@ def moe_down(
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
         SBS=config.super_blocks, PAIRS=_grouped(t, t * k, config), X8_DOWN=x8_down,
-        ASM=dp4a_in_asm(act.device), num_warps=config.num_warps,
+        ASM=dp4a_in_asm(act.device), Q6_SPLIT=fmt.q6_k_split, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden)
@@ -484,6 +506,28 @@ def unsplit_q4_0(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     scales = data[: rows * nb * 2].reshape(rows, nb, 2)
     nibbles = data[rows * nb * 2 :].reshape(rows, nb, 16)
     return torch.cat([scales, nibbles], dim=-1).reshape(rows, nb * Q4_0_BYTES)
+
+
+Q6_K_BLOCK_BYTES, Q6_K_CODE_BYTES, Q6_K_SCALE_BYTES = 210, 192, 16
+
+
+def split_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [N, K/256 * 210] -> the split layout, flat bytes of the same size: every
+    block's 192 code bytes (ql, qh) [N, K/256, 192], then its 16 scale bytes, then its fp16 d.
+    A GGUF block is 210 bytes, a stride that keeps its words 2-byte aligned; split, the codes
+    and scales of every block start on 16 bytes where the matrix does."""
+    b = blocks.reshape(blocks.shape[0], -1, Q6_K_BLOCK_BYTES)
+    parts = (b[:, :, :Q6_K_CODE_BYTES], b[:, :, Q6_K_CODE_BYTES:208], b[:, :, 208:])
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def unsplit_q6_k(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `split_q6_k`: Q6_K blocks [rows, cols/256 * 210]."""
+    n = rows * (cols // 256)
+    codes = data[: n * Q6_K_CODE_BYTES].reshape(n, Q6_K_CODE_BYTES)
+    scales = data[n * Q6_K_CODE_BYTES : n * 208].reshape(n, Q6_K_SCALE_BYTES)
+    d = data[n * 208 : n * Q6_K_BLOCK_BYTES].reshape(n, 2)
+    return torch.cat([codes, scales, d], dim=1).reshape(rows, -1)
 
 
 def split_q4_0_ok(rows: int, cols: int) -> bool:

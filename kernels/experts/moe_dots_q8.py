@@ -218,6 +218,21 @@ def _q45_k_rows_dot_q8(
 
 
 @triton.jit
+def _q6_k_word(qa, qb, qh, K: tl.constexpr):
+    """Words of four 6-bit Q6_K codes (0..63) of k = K (0..3) of a half-block: the low four
+    bits from its ql words (qa: k 0 low nibbles, 2 high; qb: k 1, 3), the top two from qh."""
+    if K % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
+        low = qa
+    else:
+        low = qb
+    if K < 2:  # noqa: SIM108
+        low = low & 0x0F0F0F0F
+    else:
+        low = (low >> 4) & 0x0F0F0F0F
+    return low | (((qh >> (2 * K)) & 0x03030303) << 4)
+
+
+@triton.jit
 def _q6_k_rows_dot_q8(
     row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
@@ -254,15 +269,7 @@ def _q6_k_rows_dot_q8(
         zero = tl.zeros_like(qa)
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
-            if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
-                low = qa
-            else:
-                low = qb
-            if k < 2:  # noqa: SIM108
-                low = low & 0x0F0F0F0F
-            else:
-                low = (low >> 4) & 0x0F0F0F0F
-            q = low | (((qh >> (2 * k)) & 0x03030303) << 4)
+            q = _q6_k_word(qa, qb, qh, k)
             xk = tl.load((xw + 32 * k).to(tl.pointer_type(tl.int32)), mask=smask, other=0)
             i16 = tl.sum(_dp4a(q, xk + zero, ASM), axis=3)  # [BN, HN, 2]
             sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)
@@ -273,6 +280,68 @@ def _q6_k_rows_dot_q8(
         d_at = row_at[:, None] + sb2 * 210 + 208  # [BN, HN]
         d = _load_f16(d_at, row_mask[:, None] & (sb2 < nsb))
         acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
+    return acc
+
+
+@triton.jit
+def _q6_k_split_rows_dot_q8(
+    w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N] float32: rows `rows` of a Q6_K matrix [N, K] in the split layout
+    (`kernels.experts.moe.split_q6_k`: every block's 192 code bytes, ql then qh, then every
+    block's 16 scale bytes, then every block's fp16 d; 16-byte aligned at w_ptr) dot the Q8
+    row at x8_ptr. The codes are those of `_q6_k_rows_dot_q8`, read as 32-bit words: the
+    eight words of (row, half, l // 16) are consecutive, so they load 16 bytes at a time, and
+    a half's four scale bytes of each l // 16 come as two words. The tile is [BN, (super-block,
+    n), l // 16, word of the 16]."""
+    nb = K // 256
+    codes = w_ptr.to(tl.pointer_type(tl.int32))  # 48 words a block
+    scales = codes + N * nb * 48  # 4 words a block
+    ds = (w_ptr + N * nb * 208).to(tl.pointer_type(tl.float16))
+    x32 = x8_ptr.to(tl.pointer_type(tl.int32))
+    xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
+    xs_ptr = (x8_ptr + K + 4 * (K // 32)).to(tl.pointer_type(tl.float32))
+    blk_row = rows.to(tl.int64) * nb  # [BN]: the row's first block
+    hn = tl.arange(0, 2 * SBS)[None, :, None, None]  # (super-block of the step, half)
+    g = tl.arange(0, 2)[None, None, :, None]  # l // 16
+    w4 = tl.arange(0, 4)[None, None, None, :]
+    hn3 = tl.arange(0, 2 * SBS)[None, :, None]
+    g3 = tl.arange(0, 2)[None, None, :]
+    hn2 = tl.arange(0, 2 * SBS)[None, :]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for sb0 in range(0, nb, SBS):
+        sb, n = sb0 + hn // 2, hn % 2
+        smask = sb < nb
+        mask4 = row_mask[:, None, None, None] & smask
+        blk = (blk_row[:, None, None, None] + sb) * 48 + 4 * g + w4  # word of l = 16g + 4w4
+        qa = tl.load(codes + blk + 16 * n, mask=mask4, other=0)  # ql[64n + l]: k 0, 2
+        qb = tl.load(codes + blk + 16 * n + 8, mask=mask4, other=0)  # ql[64n + 32 + l]: k 1, 3
+        qh = tl.load(codes + blk + 32 + 8 * n, mask=mask4, other=0)  # qh[32n + l]
+        xw = x32 + sb * 64 + 32 * n + 4 * g + w4  # [1, HN, 2, 4]: values 128n + l (k = 0)
+        sb3, n3 = sb0 + hn3 // 2, hn3 % 2
+        smask3 = sb3 < nb
+        mask3 = row_mask[:, None, None] & smask3
+        sc_at = scales + (blk_row[:, None, None] + sb3) * 4 + 2 * n3  # [BN, HN, 1]
+        sc01 = tl.load(sc_at, mask=mask3, other=0)  # sc[8n + 0..3]: k 0, 1
+        sc23 = tl.load(sc_at + 1, mask=mask3, other=0)  # sc[8n + 4..7]: k 2, 3
+        zero = tl.zeros_like(qa)
+        part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
+        for k in tl.static_range(4):
+            q = _q6_k_word(qa, qb, qh, k)
+            xk = tl.load(xw + 8 * k, mask=smask, other=0) + zero
+            i16 = tl.sum(_dp4a(q, xk, ASM), axis=3)  # [BN, HN, 2]
+            if k < 2:  # noqa: SIM108
+                word = sc01
+            else:
+                word = sc23
+            sc = ((word >> (8 * (2 * (k % 2) + g3))) << 24) >> 24  # sc[8n + 2k + g], signed
+            xd = tl.load(xd_ptr + sb3 * 8 + 4 * n3 + k, mask=smask3, other=0.0)  # [1, HN, 1]
+            xs = tl.load(xs_ptr + sb3 * 16 + 8 * n3 + 2 * k + g3, mask=smask3, other=0.0)
+            part += sc.to(tl.float32) * (xd * i16.to(tl.float32) - 32.0 * xs)
+        sb2 = sb0 + hn2 // 2
+        d = tl.load(ds + blk_row[:, None] + sb2, mask=row_mask[:, None] & (sb2 < nb), other=0.0)
+        acc += tl.sum(tl.sum(part, axis=2) * d.to(tl.float32), axis=1)
     return acc
 
 
