@@ -160,7 +160,8 @@ def test_moe_launch_settings_per_type() -> None:
 def test_the_shipped_sm90_table_sets_the_measured_types() -> None:
     path = ROOT / "kernels" / "tables" / "sm90-cuda-13.0.json"
     got = load_configs(path)
-    assert got.moe_for("moe", QType.Q4_K).block_n == 2
+    q4_k = got.moe_for("moe", QType.Q4_K)  # the word-addressed reader's pick (H100, r22)
+    assert (q4_k.block_n, q4_k.super_blocks, q4_k.num_warps) == (4, 8, 1)
     assert got.moe_for("moe", QType.Q4_0) == got.moe  # Q4_0's reader keeps the wider launch
 
 
