@@ -8,6 +8,7 @@ blocks; prefill dequantizes them, the CPU miss path too.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,43 @@ def test_tokens_match_reference(
     assert (logits - ref_logits).abs().max() < (0.15 if pcie_frac < 1.0 else 1e-3)
     assert (off.cpu.experts > 0) == (pcie_frac < 1.0)
     assert (off.host.file_reads > 0) == file_tier
+
+
+def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model) -> None:
+    """Layer 1's Q6_K gate/up held in the split layout (`OffloadConfig.q6_k_split`) through
+    every tier and path: the fused int8 dots give the logits of the blocks bit for bit (VRAM
+    slots, RAM copies, the file; prefill's dequantized chunk), and with the CPU's share of the
+    misses (torch dequantizing the split layer) near the reference's logits; the RAM copy's
+    views are the file's blocks. Without the int8 dots the setting is refused."""
+    spec = mixed_moe.spec
+    int8 = replace(INTERPRETED, moe=replace(INTERPRETED.moe, int8_dots=True),
+                   moe_down=replace(INTERPRETED.moe_down, int8_dots=True))  # fmt: skip
+    ram = [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
+    budget = 3 * spec.n_layers * blob_layouts(mixed_moe).slot_bytes
+
+    def engine(split: bool, pcie_frac: float = 1.0) -> OffloadForward:
+        cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
+                            kernels=int8, graphs=False, pcie_frac=pcie_frac,
+                            q6_k_split=split)  # fmt: skip
+        return OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
+
+    split = engine(True)
+    assert split.layouts[1].is_split(QType.Q6_K) and split.layouts[1].fmt.q6_k_split
+    gate = split.layouts[1].views(split.host.blob(1, 4))[0]
+    assert torch.equal(gate.data, moe_layers(mixed_moe)[1].experts.expert(4).gate.data)
+    tokens, logits = _greedy(split)
+    blocks_tokens, blocks_logits = _greedy(engine(False))
+    assert tokens == blocks_tokens and torch.equal(logits, blocks_logits)
+    assert split.host.file_reads > 0
+    # every miss on the CPU: layer 1 dequantized in torch (the C kernels read Q6_K as blocks:
+    # given the split bytes they give NaN here), the others through the compiled kernels;
+    # near the reference as `test_tokens_match_reference` holds the CPU's share
+    shared = engine(True, pcie_frac=0.0)
+    assert not split.layouts[0].q6_k_split  # a layer without Q6_K keeps its C kernels
+    got, ref = _greedy(shared, 2)[1], _greedy(ReferenceForward(mixed_moe), 2)[1]
+    assert shared.cpu.experts > 0 and (got - ref).abs().max() < 0.15
+    with pytest.raises(ValueError, match="int8 dots alone"):
+        OffloadConfig(expert_vram_bytes=0, kernels=INTERPRETED, q6_k_split=True)
 
 
 def test_a_type_without_a_kernel_is_named(

@@ -4,12 +4,15 @@ else the built-in one; the placement and the engine choose alike."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from kernels.experts.moe import MoeConfig
 from kernels.tuning import ab, tables
+from kernels.tuning.configs import KernelConfigs
 from stratad.config import EngineConfig, parse_config
 from stratad.engine.offload.kernel_table import lookup
-from stratad.engine.offload.switches import miss_paths
+from stratad.engine.offload.switches import miss_paths, q6_k_layout
 
 TABLE = "sm90-cuda-13.0"
 
@@ -31,6 +34,18 @@ def test_the_table_sets_what_the_configuration_leaves_to_auto() -> None:
     assert f"expert_prefetch off (table {TABLE} (A/B/A))" in paths.line()
     # a JSON boolean reads as on/off
     assert miss_paths(engine(), {"expert_prefetch": True}, TABLE).prefetching
+
+
+def test_the_q6_k_layout_is_the_tables_where_its_int8_dots_run() -> None:
+    """`q6_k_layout`: blocks by default, the table's `split` where the table also dots Q6_K
+    in int8 (the split layout's only reader), else blocks, saying why."""
+    int8 = KernelConfigs(moe=MoeConfig(int8_dots=True), moe_down=MoeConfig(int8_dots=True))
+    assert str(q6_k_layout({}, int8)) == "blocks (default)"
+    assert q6_k_layout({"q6_k_layout": "split"}, int8, TABLE).value == "split"
+    assert q6_k_layout({"q6_k_layout": "interleaved"}, int8, TABLE).value == "blocks"
+    half = replace(int8, moe_down=MoeConfig())
+    kept = q6_k_layout({"q6_k_layout": "split"}, half, TABLE)
+    assert kept.value == "blocks" and "int8 dots are off" in kept.source
 
 
 def test_the_configuration_wins_over_the_table() -> None:

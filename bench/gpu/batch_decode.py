@@ -103,6 +103,12 @@ def main() -> None:
         help="decode reads the attention projections and the head as their GGUF blocks"
         " (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)",
     )
+    p.add_argument(
+        "--q6-k-split",
+        action="store_true",
+        help="hold the experts' Q6_K projections in the split layout (OffloadConfig.q6_k_split;"
+        " the kernel table must turn the int8 dots on)",
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))
@@ -114,6 +120,7 @@ def main() -> None:
         graphs=not args.no_graphs,
         kernels=configs,
         dense_gguf=args.dense_gguf,
+        q6_k_split=args.q6_k_split,
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]

@@ -501,11 +501,12 @@ def split_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def unsplit_q4_0(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The inverse of `split_q4_0`: Q4_0 blocks [rows, cols/32 * 18]."""
-    nb = cols // Q4_0_BLOCK
-    scales = data[: rows * nb * 2].reshape(rows, nb, 2)
-    nibbles = data[rows * nb * 2 :].reshape(rows, nb, 16)
-    return torch.cat([scales, nibbles], dim=-1).reshape(rows, nb * Q4_0_BYTES)
+    """The inverse of `split_q4_0`: data [..., bytes] (one split matrix per leading index) ->
+    Q4_0 blocks [..., rows, cols/32 * 18]."""
+    lead, nb = data.shape[:-1], cols // Q4_0_BLOCK
+    scales = data[..., : rows * nb * 2].reshape(*lead, rows, nb, 2)
+    nibbles = data[..., rows * nb * 2 :].reshape(*lead, rows, nb, 16)
+    return torch.cat([scales, nibbles], dim=-1).reshape(*lead, rows, nb * Q4_0_BYTES)
 
 
 Q6_K_BLOCK_BYTES, Q6_K_CODE_BYTES, Q6_K_SCALE_BYTES = 210, 192, 16
@@ -522,12 +523,13 @@ def split_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def unsplit_q6_k(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The inverse of `split_q6_k`: Q6_K blocks [rows, cols/256 * 210]."""
-    n = rows * (cols // 256)
-    codes = data[: n * Q6_K_CODE_BYTES].reshape(n, Q6_K_CODE_BYTES)
-    scales = data[n * Q6_K_CODE_BYTES : n * 208].reshape(n, Q6_K_SCALE_BYTES)
-    d = data[n * 208 : n * Q6_K_BLOCK_BYTES].reshape(n, 2)
-    return torch.cat([codes, scales, d], dim=1).reshape(rows, -1)
+    """The inverse of `split_q6_k`: data [..., bytes] (one split matrix per leading index) ->
+    Q6_K blocks [..., rows, cols/256 * 210]."""
+    lead, n = data.shape[:-1], rows * (cols // 256)
+    codes = data[..., : n * Q6_K_CODE_BYTES].reshape(*lead, n, Q6_K_CODE_BYTES)
+    scales = data[..., n * Q6_K_CODE_BYTES : n * 208].reshape(*lead, n, Q6_K_SCALE_BYTES)
+    d = data[..., n * 208 : n * Q6_K_BLOCK_BYTES].reshape(*lead, n, 2)
+    return torch.cat([codes, scales, d], dim=-1).reshape(*lead, rows, -1)
 
 
 def split_q4_0_ok(rows: int, cols: int) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.formats.quant import QType
 from kernels.tuning.configs import KernelConfigs
 from stratad.engine.passes import FUSED_MAX_TOKENS
 
@@ -47,6 +48,10 @@ class OffloadConfig:
     # head as their GGUF blocks, dotted in int8 (`dense.GgufMatrix`), from a second copy in
     # VRAM that no plan counts yet; prefill keeps the bf16 copy.
     dense_gguf: bool = False
+    # Q6_K experts held in the split layout (kernels.experts.moe.split_q6_k: aligned words,
+    # which the int8 dots alone read) rather than as GGUF blocks: the tuning table's switch
+    # `q6_k_layout`; needs the int8 dots for Q6_K in both MoE launches
+    q6_k_split: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.pcie_frac <= 1.0:
@@ -55,6 +60,10 @@ class OffloadConfig:
             raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
         if not 1 <= self.row_tokens <= FUSED_MAX_TOKENS:
             raise ValueError(f"row_tokens {self.row_tokens} is not in [1, {FUSED_MAX_TOKENS}]")
+        if self.q6_k_split and not all(self.kernels.moe_for(launch, QType.Q6_K).int8_dots
+                                       for launch in ("moe", "moe_down")):  # fmt: skip
+            raise ValueError("q6_k_split: the split Q6_K layout is read by the int8 dots alone"
+                             " (int8_dots in the kernels' moe and moe_down settings)")
         if self.link_wait_ns_per_blob and (self.gpu_miss != "copy" or self.prefetch):
             raise ValueError("a paced link (link_wait_ns_per_blob) paces the miss copy: it needs"
                              " gpu_miss 'copy' and no prefetch")

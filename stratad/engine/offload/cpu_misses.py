@@ -43,7 +43,8 @@ class ExpertMath(Protocol):
 
 class CompiledMath:
     """The C kernels, reading Q4_0 split and every other type as GGUF blocks; a layer holding a
-    type they do not read (outside `CpuExperts.supported`: no quantized type today) is
+    type they do not read (outside `CpuExperts.supported`: no quantized type today), or Q6_K
+    in its split layout (`BlobLayout.q6_k_split`, which only the GPU's int8 dots read), is
     dequantized in torch per use, as `TorchMath` does."""
 
     def __init__(self, kernels: CpuExperts) -> None:
@@ -53,7 +54,7 @@ class CompiledMath:
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
             weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
-        if not set(layout.qtypes) <= self.kernels.supported:
+        if not set(layout.qtypes) <= self.kernels.supported or layout.q6_k_split:
             TorchMath().moe(x, blobs, tokens, weights, layout, out)
             return
         fmt = self._formats.get(layout)

@@ -3,8 +3,9 @@
 This is the unit every tier holds: a VRAM slot, the resident RAM copy and the pack file all
 store the same bytes, so moving an expert is one copy and a kernel finds its three
 matrices at fixed offsets from one address. Each projection keeps its GGUF type (Q4_0 in the
-kernels' split layout); the types, and so the offsets, may change from layer to layer, and
-every tier gives a blob the same row (`ExpertLayouts.slot_bytes`).
+kernels' split layout, Q6_K too where the tuning table says it pays: `kernel_layouts`); the
+types, and so the offsets, may change from layer to layer, and every tier gives a blob the
+same row (`ExpertLayouts.slot_bytes`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from functools import cached_property
 
 import torch
 
-from kernels.experts.moe import MOE_QTYPES, ExpertFormat, split_q4_0, split_q4_0_ok, unsplit_q4_0
+from kernels.experts.moe import (
+    MOE_QTYPES,
+    ExpertFormat,
+    split_q4_0,
+    split_q4_0_ok,
+    split_q6_k,
+    unsplit_q4_0,
+    unsplit_q6_k,
+)
 from kernels.formats.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
@@ -34,6 +43,9 @@ class BlobLayout:
     down_bytes: int  # [H, F]
     # Q4_0 projections in the kernels' split layout (kernels.experts.moe.split_q4_0)
     split: bool = False
+    # Q6_K projections in theirs (kernels.experts.moe.split_q6_k: the int8 dots alone read
+    # it); set only where the layer holds Q6_K
+    q6_k_split: bool = False
 
     @property
     def up_offset(self) -> int:
@@ -49,8 +61,9 @@ class BlobLayout:
 
     @cached_property
     def fmt(self) -> ExpertFormat:
-        """What the fused kernels read (Q4_0 split, the rest as blocks)."""
-        return ExpertFormat(*self.qtypes)
+        """What the fused kernels read (Q4_0 split, Q6_K split or as blocks, the rest as
+        blocks)."""
+        return ExpertFormat(*self.qtypes, q6_k_split=self.is_split(QType.Q6_K))
 
     def spans(self) -> tuple[tuple[int, int, int, int], ...]:
         """(start, end, rows, cols) of gate, up and down inside a blob."""
@@ -62,15 +75,29 @@ class BlobLayout:
         )
 
     def is_split(self, qtype: QType) -> bool:
-        return self.split and qtype == QType.Q4_0
+        """Whether projections of `qtype` are held in a split layout, not as GGUF blocks."""
+        return (self.split and qtype == QType.Q4_0) or (self.q6_k_split and qtype == QType.Q6_K)
+
+    def held(self, qtype: QType, blocks: torch.Tensor) -> torch.Tensor:
+        """A projection's GGUF blocks [rows, row bytes] as the blob holds them (flat)."""
+        if not self.is_split(qtype):
+            return blocks.reshape(-1)
+        return split_q4_0(blocks) if qtype == QType.Q4_0 else split_q6_k(blocks)
+
+    def blocks(self, qtype: QType, part: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """The GGUF blocks [..., rows, row bytes] of a projection held as `part` [..., bytes]
+        (one per leading index; a copy where it is held split)."""
+        if not self.is_split(qtype):
+            return part.reshape(*part.shape[:-1], rows, -1)
+        unsplit = unsplit_q4_0 if qtype == QType.Q4_0 else unsplit_q6_k
+        return unsplit(part, rows, cols)
 
     def views(self, blob: torch.Tensor) -> tuple[QTensor, QTensor, QTensor]:
         """The (gate, up, down) weights inside a blob [>= nbytes] (any device), as GGUF
-        blocks (copies where the blob holds the split layout)."""
+        blocks (copies where the blob holds a split layout)."""
         out = []
         for (lo, hi, rows, cols), qtype in zip(self.spans(), self.qtypes, strict=True):
-            part = blob[lo:hi]
-            data = unsplit_q4_0(part, rows, cols) if self.is_split(qtype) else part.view(rows, -1)
+            data = self.blocks(qtype, blob[lo:hi], rows, cols)
             out.append(QTensor(data, qtype, (rows, cols)))
         return out[0], out[1], out[2]
 
@@ -163,13 +190,16 @@ def fast_path_refusal(model: Model) -> str | None:
     return None
 
 
-def kernel_layouts(model: Model) -> ExpertLayouts:
+def kernel_layouts(model: Model, q6_k_split: bool = False) -> ExpertLayouts:
     """The blob layouts the fast engine's kernels read: Q4_0 projections in the split layout,
-    the other types as GGUF blocks."""
+    Q6_K ones too with `q6_k_split` (its int8 dots read them in 16-byte words: the tuning
+    table's switch `q6_k_layout`), the other types as GGUF blocks."""
     why = fast_path_refusal(model)
     if why is not None:
         raise ModelError(f"{model.source}: the offload engine cannot read it: {why}")
-    return ExpertLayouts(tuple(replace(lay, split=True) for lay in blob_layouts(model).layers))
+    return ExpertLayouts(tuple(
+        replace(lay, split=True, q6_k_split=q6_k_split and QType.Q6_K in lay.qtypes)
+        for lay in blob_layouts(model).layers))  # fmt: skip
 
 
 def from_stored(
@@ -180,7 +210,7 @@ def from_stored(
     parts = zip(layout.spans(), stored.projections, layout.qtypes, strict=True)
     for (start, end, _, _), t, qtype in parts:
         data = raw[t.offset : t.offset + t.nbytes].view(t.shape[0], -1)
-        out[start:end].copy_(split_q4_0(data) if layout.is_split(qtype) else data.reshape(-1))
+        out[start:end].copy_(layout.held(qtype, data))
 
 
 def dequant_blobs(
@@ -191,9 +221,10 @@ def dequant_blobs(
     lo, hi, rows, cols = layout.spans()[projection]
     qtype = layout.qtypes[projection]
     part = blobs[:, lo:hi]
-    if layout.is_split(qtype):
+    if layout.is_split(qtype) and qtype == QType.Q4_0:
         return dequant_split(part, rows, cols).to(dtype)
-    return dequantize(part.contiguous(), qtype, (part.shape[0], rows, cols)).to(dtype)
+    blocks = layout.blocks(qtype, part, rows, cols).reshape(part.shape[0], -1)
+    return dequantize(blocks.contiguous(), qtype, (part.shape[0], rows, cols)).to(dtype)
 
 
 def dequant_split(sections: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

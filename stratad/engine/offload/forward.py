@@ -83,11 +83,14 @@ class OffloadForward:
         self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
-        self.layouts = kernel_layouts(model)
+        self.layouts = kernel_layouts(model, config.q6_k_split)
         self.device, self.config, self.dtype = device, config, config.dtype
         # the RAM tier pins on its own thread while the dense weights load
         self.host = host or HostExperts(ModelExperts(model), self.layouts, ram,
                                         default_lock(device))  # fmt: skip
+        if self.host.layouts != self.layouts:
+            raise ValueError("the RAM tier holds the experts in other layouts than the kernels"
+                             " read (OffloadConfig.q6_k_split)")  # fmt: skip
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
         # softmax, top-k and renormalisation in one kernel (torch: six launches per layer)
@@ -167,6 +170,9 @@ class OffloadForward:
         # every blob (host rows start on pages, VRAM slots and staging rows on 16 bytes) and
         # every projection in it starts on 16 bytes: the kernels may load 16 bytes at a time
         self._aligned = self.layouts.offsets_aligned and self._host_span[0] % 16 == 0
+        if self.config.q6_k_split and not self._aligned:
+            raise ModelError(f"{self.spec.arch}: q6_k_split needs every projection on 16 bytes"
+                             " (the int8 dots read the split layout alone)")  # fmt: skip
         nothing_to_miss = self.experts.complete
         copy = self._aligned and self.config.gpu_miss == "copy" and not nothing_to_miss
         rows = pairs if copy else 0

@@ -17,6 +17,7 @@ import torch
 
 from kernels.formats.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
 from kernels.formats.dequant_blocks import dequant_blocks
+from kernels.formats.quant import QType
 from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import dequant_blobs
 from stratad.engine.offload.grouped import grouped_swiglu
@@ -127,12 +128,15 @@ class ExpertStaging:
 
         def deq(k: int) -> torch.Tensor:
             lo, hi, rows, cols = lay.spans()[k]
+            qtype = lay.qtypes[k]
             if outs is None:  # the CPU: torch (Triton would run in its slow interpreter)
                 return dequant_blobs(buf, lay, k, self.dtype)
-            if not lay.is_split(lay.qtypes[k]):  # GGUF blocks
-                return dequant_blocks(buf[:, lo:hi], lay.qtypes[k], rows, cols, self.dtype)
-            return dequant_q4_0_split(buf[:, lo:hi], rows, cols, self.dtype, out=outs[k],
-                                      config=self.dequant)  # fmt: skip
+            if qtype == QType.Q4_0 and lay.is_split(qtype):
+                return dequant_q4_0_split(buf[:, lo:hi], rows, cols, self.dtype, out=outs[k],
+                                          config=self.dequant)  # fmt: skip
+            # GGUF blocks (a view), or split Q6_K's blocks put back (a copy)
+            blocks = lay.blocks(qtype, buf[:, lo:hi], rows, cols).reshape(buf.shape[0], -1)
+            return dequant_blocks(blocks, qtype, rows, cols, self.dtype)
 
         out = (deq(0), deq(1), deq(2))
         if e.side is not None:

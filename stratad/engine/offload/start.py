@@ -22,7 +22,7 @@ from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.host_experts import HostExperts, default_lock
 from stratad.engine.offload.kernel_table import model_shapes, tuned
 from stratad.engine.offload.stages import StagedForward
-from stratad.engine.offload.switches import Chosen, miss_paths
+from stratad.engine.offload.switches import Chosen, miss_paths, q6_k_layout
 from stratad.engine.placement import StartPlan
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
@@ -89,16 +89,18 @@ def open_offload(
                              compute_device=start.devices[0], reserves=start.reserves)  # fmt: skip
     plan, inputs, bw = started.plan, started.planned.inputs, started.bandwidths
     ram = plan.in_ram()  # the RAM tier; the rest are read from the file when routed
-    layouts = kernel_layouts(model)
-    log.info(
-        "experts hold %s: the fused kernels read them (Q4_0 split, the rest as GGUF blocks)",
-        ", ".join(q.name for q in layouts.qtypes()),
-    )
     device = start.devices[0]
     found = start.kernels or tuned(device.type, model_shapes(model.spec))
     log.log(found.level, "%s", found.message)
     paths = miss_paths(config.engine, found.switches, found.table)
-    log.info("%s", paths.line())
+    q6_k = q6_k_layout(found.switches, found.configs, found.table)
+    log.info("%s, q6_k_layout %s", paths.line(), q6_k)
+    layouts = kernel_layouts(model, q6_k.value == "split")
+    log.info(
+        "experts hold %s: the fused kernels read them (Q4_0 split, Q6_K %s, the rest as GGUF"
+        " blocks)", ", ".join(q.name for q in layouts.qtypes()),
+        "split" if q6_k.value == "split" else "as blocks",
+    )  # fmt: skip
     cfg = OffloadConfig(
         expert_vram_bytes=len(plan.vram) * layouts.slot_bytes, max_context=start.max_context,
         dtype=start.dtype, graphs=device.type == "cuda" and not timer.enabled,
@@ -106,7 +108,7 @@ def open_offload(
         cache_policy=config.store.cache_policy, gpu_miss=paths.gpu_miss.value,
         kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
-        kv_int8=config.engine.kv_cache == "int8",
+        kv_int8=config.engine.kv_cache == "int8", q6_k_split=q6_k.value == "split",
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

@@ -9,6 +9,9 @@ built-in default. Pure functions of the engine section and the table's `switches
   copy path only).
 - `cpu_split`: `pcie_frac = auto` gives the CPU its balanced share of the misses (`balanced`),
   or keeps every miss on the GPU (`off`): a split step runs without its CUDA graph.
+- `q6_k_layout`: the experts' Q6_K projections held as GGUF blocks (`blocks`, 2-byte aligned
+  words read as halves) or in the split layout (`split`: 16-byte words, which the int8 dots
+  alone read; the CPU's share of the misses then dequantizes such layers in torch).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kernels.formats.quant import QType
+from kernels.tuning.configs import KernelConfigs
 from stratad.config import EngineConfig
 
 TableSwitches = Mapping[str, str | int | bool]
@@ -23,6 +28,7 @@ TableSwitches = Mapping[str, str | int | bool]
 GPU_MISS = ("copy", "in_place")
 ON_OFF = ("on", "off")
 CPU_SPLIT = ("off", "balanced")
+Q6_K_LAYOUT = ("blocks", "split")
 
 
 @dataclass(frozen=True)
@@ -61,19 +67,36 @@ class MissPaths:
                 f" cpu_split {self.cpu_split}")
 
 
+def _pick(switches: TableSwitches, table: str, name: str, allowed: tuple[str, ...],
+          default: str) -> Chosen:  # fmt: skip
+    """A switch as the table records it, else its built-in default."""
+    raw = switches.get(name)
+    if raw is None:
+        return Chosen(default, "default")
+    found = ("on" if raw else "off") if isinstance(raw, bool) else str(raw)
+    if found not in allowed:  # a table from another version of this program
+        return Chosen(default, f"default; table {table}'s {found!r} is not a setting")
+    return Chosen(found, f"table {table} (A/B/A)")
+
+
+def q6_k_layout(switches: TableSwitches, configs: KernelConfigs, table: str = "") -> Chosen:
+    """How the experts hold their Q6_K projections (`Q6_K_LAYOUT`): the table's recorded
+    choice, else `blocks`; `blocks` too where `configs` do not dot Q6_K in int8 in both MoE
+    launches (the split layout's only reader)."""
+    chosen = _pick(switches, table, "q6_k_layout", Q6_K_LAYOUT, "blocks")
+    int8 = all(configs.moe_for(launch, QType.Q6_K).int8_dots for launch in ("moe", "moe_down"))
+    if chosen.value == "split" and not int8:
+        return Chosen("blocks", f"{chosen.source} asks split, but Q6_K's int8 dots are off")
+    return chosen
+
+
 def miss_paths(engine: EngineConfig, switches: TableSwitches, table: str = "") -> MissPaths:
     """Each switch: the engine section's explicit setting, else the table's recorded default,
     else the built-in one. An explicit `expert_prefetch = true` needs (and sets) the copy
     path."""
 
     def pick(name: str, allowed: tuple[str, ...], default: str) -> Chosen:
-        raw = switches.get(name)
-        if raw is None:
-            return Chosen(default, "default")
-        found = ("on" if raw else "off") if isinstance(raw, bool) else str(raw)
-        if found not in allowed:  # a table from another version of this program
-            return Chosen(default, f"default; table {table}'s {found!r} is not a setting")
-        return Chosen(found, f"table {table} (A/B/A)")
+        return _pick(switches, table, name, allowed, default)
 
     if engine.gpu_miss != "auto":
         gpu_miss = Chosen(engine.gpu_miss, "engine.gpu_miss")
