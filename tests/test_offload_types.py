@@ -133,7 +133,8 @@ def test_tokens_match_reference(
     assert (off.host.file_reads > 0) == file_tier
 
 
-def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model, device: str) -> None:
     """Layer 1's Q6_K gate/up held in the split layout (`OffloadConfig.q6_k_split`) through
     every tier and path: the fused int8 dots give the logits of the blocks bit for bit (VRAM
     slots, RAM copies, the file; prefill's dequantized chunk), and with the CPU's share of the
@@ -149,7 +150,7 @@ def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model) -> N
         cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                             kernels=int8, graphs=False, pcie_frac=pcie_frac,
                             q6_k_split=split)  # fmt: skip
-        return OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
+        return OffloadForward(mixed_moe, torch.device(device), cfg, ram=ram)
 
     split = engine(True)
     assert split.layouts[1].is_split(QType.Q6_K) and split.layouts[1].fmt.q6_k_split
@@ -164,7 +165,7 @@ def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model) -> N
     # near the reference as `test_tokens_match_reference` holds the CPU's share
     shared = engine(True, pcie_frac=0.0)
     assert not split.layouts[0].q6_k_split  # a layer without Q6_K keeps its C kernels
-    got, ref = _greedy(shared, 2)[1], _greedy(ReferenceForward(mixed_moe), 2)[1]
+    got, ref = _greedy(shared, 2)[1].cpu(), _greedy(ReferenceForward(mixed_moe), 2)[1]
     assert shared.cpu.experts > 0 and (got - ref).abs().max() < 0.15
     with pytest.raises(ValueError, match="int8 dots alone"):
         OffloadConfig(expert_vram_bytes=0, kernels=INTERPRETED, q6_k_split=True)
