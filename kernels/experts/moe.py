@@ -9,11 +9,12 @@ decode step needs no synchronisation and can be captured in a graph.
 Each projection has its own GGUF type (`ExpertFormat`: a Q4_K_M file mixes Q4_K gate/up
 with Q6_K or Q5_0 down). Q4_0 is read in a split layout (`split_q4_0`): a GGUF block is 18
 bytes, a stride that allows only byte loads, so each matrix keeps its fp16 scales first and
-its nibbles after, read as 32-bit words. The other types (`MOE_QTYPES`) are read as GGUF
-blocks (`kernels.experts.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
-through the GEMV kernel's tile decoder). The bytes
-per expert are those of the GGUF blocks; gate/up are [F, H], down is [H, F]. Two launches per
-layer:
+its nibbles after, read as 32-bit words; Q6_K may be held split too (`split_q6_k`,
+`ExpertFormat.q6_k_split`: its 210-byte blocks leave the words 2-byte aligned), which the
+int8 dots alone read. The other types (`MOE_QTYPES`) are read as GGUF blocks
+(`kernels.experts.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
+through the GEMV kernel's tile decoder). The bytes per expert are those of the GGUF blocks;
+gate/up are [F, H], down is [H, F]. Two launches per layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
      (the offload engine sums the parts into the residual stream: `kernels.layers.norm.add_rmsnorm`)
