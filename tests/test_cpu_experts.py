@@ -25,7 +25,7 @@ from kernels.cpu.experts import (
     CpuExpertFormat,
     CpuExperts,
 )
-from kernels.experts.moe import split_q4_0
+from kernels.experts.moe import split_q4_0, split_q6_k
 from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
 
 ALL = sorted(CPU_EXPERT_QTYPES, key=lambda t: t.name)
@@ -196,7 +196,12 @@ def _blob(fmt: CpuExpertFormat, seed: int) -> tuple[torch.Tensor, list[torch.Ten
     for k, (qtype, (rows, cols)) in enumerate(zip(fmt.qtypes, shapes, strict=True)):
         raw = blocks(qtype, rows, cols, seed=seed * 3 + k)
         dense_parts.append(dense(raw, qtype, rows, cols))
-        parts.append(split_q4_0(raw) if fmt.q4_0_split and qtype == QType.Q4_0 else raw.reshape(-1))
+        if fmt.q4_0_split and qtype == QType.Q4_0:
+            parts.append(split_q4_0(raw))
+        elif fmt.q6_k_split and qtype == QType.Q6_K:
+            parts.append(split_q6_k(raw))
+        else:
+            parts.append(raw.reshape(-1))
     parts.append(torch.zeros(3, dtype=torch.uint8))
     return torch.cat(parts), dense_parts
 
@@ -229,8 +234,10 @@ MIXES = [
 ]
 
 
-# the split layout changes only Q4_0 projections
-CASES = [(m, False) for m in MIXES] + [(m, True) for m in MIXES if QType.Q4_0 in m]
+# the split layouts change only Q4_0 and Q6_K projections
+CASES = [(m, False) for m in MIXES] + [
+    (m, True) for m in MIXES if QType.Q4_0 in m or QType.Q6_K in m
+]
 
 
 @pytest.mark.parametrize(
@@ -240,7 +247,7 @@ CASES = [(m, False) for m in MIXES] + [(m, True) for m in MIXES if QType.Q4_0 in
 )
 def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
                            split: bool) -> None:  # fmt: skip
-    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=256, q4_0_split=split)
+    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=256, q4_0_split=split, q6_k_split=split)
     made = [_blob(fmt, seed) for seed in range(3)]
     # the blobs at odd byte offsets in one tensor
     store = torch.cat([torch.zeros(1, dtype=torch.uint8)] + [b for b, _ in made])

@@ -246,9 +246,9 @@ static void dec_q5_k(DECODE_ARGS) {
         }
 }
 
-static void dec_q6_k(DECODE_ARGS) {
-    const uint8_t *b = row + c * 210;
-    float d = f16(b + 208);
+/* a Q6_K block's codes and scales at b (ql 128 | qh 64 | scales 16), its d given */
+static inline void q6_k_block(const uint8_t *b, float d, int8_t *restrict q,
+                              float *restrict fs) {
     for (int s = 0; s < 16; s++) fs[s] = d * (float)(int8_t)b[192 + s];
     /* per 128-value half: ql 64 bytes (low nibbles values 0-63, high 64-127), qh 32 bytes
      * (2-bit field k of byte l: value 32 k + l) */
@@ -261,6 +261,17 @@ static void dec_q6_k(DECODE_ARGS) {
                 q[128 * h + 32 * k + l] = (int8_t)((lo | hi << 4) - 32);
             }
     }
+}
+
+static void dec_q6_k(DECODE_ARGS) {
+    const uint8_t *b = row + c * 210;
+    q6_k_block(b, f16(b + 208), q, fs);
+}
+
+/* split Q6_K (kernels.experts.moe.split_q6_k): row points at the row's 208-byte block
+ * bodies, aux at its blocks' fp16 d */
+static void dec_q6_k_split(DECODE_ARGS) {
+    q6_k_block(row + c * 208, f16(aux + 2 * c), q, fs);
 }
 
 static void dec_iq4_xs(DECODE_ARGS) {

@@ -102,7 +102,7 @@ static decode_fn decoder(int qtype, int split) {
     case T_IQ4_XS: return dec_iq4_xs;
     case T_Q4_K: return dec_q4_k;
     case T_Q5_K: return dec_q5_k;
-    case T_Q6_K: return dec_q6_k;
+    case T_Q6_K: return split ? dec_q6_k_split : dec_q6_k;
     case T_Q5_0: return dec_q5_0;
     case T_Q5_1: return dec_q5_1;
     case T_Q2_K: return dec_q2_k;
@@ -127,7 +127,9 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     if (strata_block(qtype, &bv, &bb)) return -1;
     if (cols % 32 || cols % bv) return -2; /* activations are rounded per 32 values */
     m->base = base, m->rows = rows, m->cols = cols, m->row_bytes = cols / bv * bb;
-    m->qtype = qtype, m->split = split && qtype == T_Q4_0, m->x8 = 0;
+    /* split: bit 0 Q4_0 in its split layout, bit 1 Q6_K in its (kernels.experts.moe) */
+    m->qtype = qtype, m->x8 = 0;
+    m->split = ((split & 1) && qtype == T_Q4_0) || ((split & 2) && qtype == T_Q6_K);
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
     m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
                  qtype == T_Q5_K;
@@ -212,16 +214,22 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     for (int64_t v0 = 0; v0 < nv; v0 += VEC_TILE) {
         int64_t nt = nv - v0 < VEC_TILE ? nv - v0 : VEC_TILE;
         for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *row = m->base + r * m->row_bytes, *aux = NULL;
-            if (m->split) {
+            const uint8_t *row = m->base + r * m->row_bytes, *aux = NULL, *bulk = row;
+            int64_t bulk_bytes = m->row_bytes; /* the row's largest run, prefetched ahead */
+            if (m->split && m->qtype == T_Q4_0) { /* scales, then nibbles */
                 row = m->base + r * nb * 2;
-                aux = m->base + m->rows * nb * 2 + r * nb * 16;
+                aux = bulk = m->base + m->rows * nb * 2 + r * nb * 16;
+                bulk_bytes = nb * 16;
+            } else if (m->split) { /* Q6_K: 208-byte block bodies, then every block's d */
+                int64_t nsb = m->cols / 256;
+                row = bulk = m->base + r * nsb * 208;
+                aux = m->base + m->rows * nsb * 208 + r * nsb * 2;
+                bulk_bytes = nsb * 208;
             }
             float acc[VEC_TILE] = {0};
             if (r + PREFETCH_ROWS < m->rows) { /* ahead of the hardware prefetcher */
-                const uint8_t *next = m->split ? aux + PREFETCH_ROWS * nb * 16
-                                               : row + PREFETCH_ROWS * m->row_bytes;
-                for (int64_t off = 0; off < (m->split ? nb * 16 : m->row_bytes); off += 64)
+                const uint8_t *next = bulk + PREFETCH_ROWS * bulk_bytes;
+                for (int64_t off = 0; off < bulk_bytes; off += 64)
                     __builtin_prefetch(next + off, 0, 3);
             }
             if (m->fused) {

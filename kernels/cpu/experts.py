@@ -56,7 +56,8 @@ class CpuExpertFormat:
     """One layer's expert blob: [gate | up | down] contiguous bytes.
 
     gate/up are [ffn, hidden] and down is [hidden, ffn] in their GGUF blocks; q4_0_split: the
-    Q4_0 projections are in `kernels.experts.moe.split_q4_0`'s layout (same size)."""
+    Q4_0 projections are in `kernels.experts.moe.split_q4_0`'s layout, q6_k_split: the Q6_K
+    ones in `split_q6_k`'s (each the same size)."""
 
     qtypes: tuple[QType, QType, QType]  # gate, up, down
     hidden: int
@@ -64,15 +65,22 @@ class CpuExpertFormat:
     up_offset: int
     down_offset: int
     q4_0_split: bool
+    q6_k_split: bool = False
 
     @classmethod
     def packed(
-        cls, qtypes: tuple[QType, QType, QType], hidden: int, ffn: int, q4_0_split: bool = False
-    ) -> CpuExpertFormat:
+        cls, qtypes: tuple[QType, QType, QType], hidden: int, ffn: int, q4_0_split: bool = False,
+        q6_k_split: bool = False,
+    ) -> CpuExpertFormat:  # fmt: skip
         """The format of a blob with the three matrices back to back."""
         gate = ffn * row_bytes(qtypes[0], hidden)
         up = ffn * row_bytes(qtypes[1], hidden)
-        return cls(qtypes, hidden, ffn, gate, gate + up, q4_0_split)
+        return cls(qtypes, hidden, ffn, gate, gate + up, q4_0_split, q6_k_split)
+
+    @property
+    def split_bits(self) -> int:
+        """The C kernels' `split`: bit 0 Q4_0 split, bit 1 Q6_K split."""
+        return int(self.q4_0_split) | int(self.q6_k_split) << 1
 
     @property
     def nbytes(self) -> int:
@@ -318,7 +326,7 @@ class CpuExperts:
         qts = np.array([int(q) for q in fmt.qtypes], dtype=np.int32)
         rc = self._moe(
             x.data_ptr(), n_tokens, fmt.hidden, fmt.ffn, ptrs.ctypes.data, n, tok.ctypes.data,
-            wts.ctypes.data, qts.ctypes.data, fmt.up_offset, fmt.down_offset, int(fmt.q4_0_split),
+            wts.ctypes.data, qts.ctypes.data, fmt.up_offset, fmt.down_offset, fmt.split_bits,
             out.data_ptr(), self.threads, self._tables.data_ptr(),
         )  # fmt: skip
         self._raise(rc, "moe")

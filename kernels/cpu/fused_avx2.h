@@ -396,7 +396,7 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_IQ3_S: return rowdot_iq3_s;
     case T_Q4_K: return rowdot_q4_k;
     case T_Q5_K: return rowdot_q5_k;
-    case T_Q6_K: return rowdot_q6_k;
+    case T_Q6_K: return split ? rowdot_q6_k_split : rowdot_q6_k;
     case T_Q2_K: return rowdot_q2_k;
     case T_Q3_K: return rowdot_q3_k;
     default: return fused_rowdot_iq_low(qtype);

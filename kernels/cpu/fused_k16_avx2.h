@@ -7,8 +7,8 @@
 /* Q6_K: 16 scales (one per 16 values) times the activation's block scales, two multiplies
  * per super-block; each 32 values then take their pair of products with one permute */
 static inline __attribute__((always_inline)) void rowdot_q6_k_body(
-    const uint8_t *row, int64_t nsb, const acts_t *a, const int64_t *vec, int64_t nt,
-    float *out) {
+    const uint8_t *row, const uint8_t *ds, int64_t stride, int64_t nsb, const acts_t *a,
+    const int64_t *vec, int64_t nt, float *out) { /* ds: the blocks' d (split), else NULL */
     __m256 acc[2][VEC_TILE], p[VEC_TILE][2];
     for (int64_t j = 0; j < nt; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
@@ -16,8 +16,8 @@ static inline __attribute__((always_inline)) void rowdot_q6_k_body(
     const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     const __m256i pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t c = 0; c < nsb; c++) {
-        const uint8_t *b = row + 210 * c;
-        __m256 d = _mm256_set1_ps(f16(b + 208));
+        const uint8_t *b = row + stride * c;
+        __m256 d = _mm256_set1_ps(f16(ds ? ds + 2 * c : b + 208));
         __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
         __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         __m128i sc_hi = _mm_srli_si128(sc, 8);
@@ -56,9 +56,18 @@ static inline __attribute__((always_inline)) void rowdot_q6_k_body(
 static void rowdot_q6_k(const uint8_t *row, const uint8_t *aux, int64_t cols, const acts_t *a,
                         const int64_t *vec, int64_t nt, float *out) {
     if (nt == 1)
-        rowdot_q6_k_body(row, cols / 256, a, vec, 1, out);
+        rowdot_q6_k_body(row, NULL, 210, cols / 256, a, vec, 1, out);
     else
-        rowdot_q6_k_body(row, cols / 256, a, vec, nt, out);
+        rowdot_q6_k_body(row, NULL, 210, cols / 256, a, vec, nt, out);
+}
+
+/* split Q6_K: row at the row's 208-byte block bodies, aux at its blocks' d */
+static void rowdot_q6_k_split(const uint8_t *row, const uint8_t *aux, int64_t cols,
+                              const acts_t *a, const int64_t *vec, int64_t nt, float *out) {
+    if (nt == 1)
+        rowdot_q6_k_body(row, aux, 208, cols / 256, a, vec, 1, out);
+    else
+        rowdot_q6_k_body(row, aux, 208, cols / 256, a, vec, nt, out);
 }
 
 /* Q2_K (kind 0) and Q3_K (kind 1): a scale per 16 values. Codes stay unsigned (Q2_K 0..3,

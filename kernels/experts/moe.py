@@ -510,27 +510,25 @@ def unsplit_q4_0(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.cat([scales, nibbles], dim=-1).reshape(*lead, rows, nb * Q4_0_BYTES)
 
 
-Q6_K_BLOCK_BYTES, Q6_K_CODE_BYTES, Q6_K_SCALE_BYTES = 210, 192, 16
+Q6_K_BLOCK_BYTES, Q6_K_BODY_BYTES = 210, 208  # a block; its ql, qh and scales
 
 
 def split_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks [N, K/256 * 210] -> the split layout, flat bytes of the same size: every
-    block's 192 code bytes (ql, qh) [N, K/256, 192], then its 16 scale bytes, then its fp16 d.
-    A GGUF block is 210 bytes, a stride that keeps its words 2-byte aligned; split, the codes
-    and scales of every block start on 16 bytes where the matrix does."""
+    block's first 208 bytes (ql 128, qh 64, scales 16) [N, K/256, 208], then every block's
+    fp16 d [N, K/256, 2]. A GGUF block is 210 bytes, a stride that keeps its words 2-byte
+    aligned; split, every block's codes and scales start on 16 bytes where the matrix does."""
     b = blocks.reshape(blocks.shape[0], -1, Q6_K_BLOCK_BYTES)
-    parts = (b[:, :, :Q6_K_CODE_BYTES], b[:, :, Q6_K_CODE_BYTES:208], b[:, :, 208:])
-    return torch.cat([p.reshape(-1) for p in parts])
+    return torch.cat([b[:, :, :Q6_K_BODY_BYTES].reshape(-1), b[:, :, Q6_K_BODY_BYTES:].reshape(-1)])
 
 
 def unsplit_q6_k(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The inverse of `split_q6_k`: data [..., bytes] (one split matrix per leading index) ->
     Q6_K blocks [..., rows, cols/256 * 210]."""
     lead, n = data.shape[:-1], rows * (cols // 256)
-    codes = data[..., : n * Q6_K_CODE_BYTES].reshape(*lead, n, Q6_K_CODE_BYTES)
-    scales = data[..., n * Q6_K_CODE_BYTES : n * 208].reshape(*lead, n, Q6_K_SCALE_BYTES)
-    d = data[..., n * 208 : n * Q6_K_BLOCK_BYTES].reshape(*lead, n, 2)
-    return torch.cat([codes, scales, d], dim=-1).reshape(*lead, rows, -1)
+    body = data[..., : n * Q6_K_BODY_BYTES].reshape(*lead, n, Q6_K_BODY_BYTES)
+    d = data[..., n * Q6_K_BODY_BYTES : n * Q6_K_BLOCK_BYTES].reshape(*lead, n, 2)
+    return torch.cat([body, d], dim=-1).reshape(*lead, rows, -1)
 
 
 def split_q4_0_ok(rows: int, cols: int) -> bool:

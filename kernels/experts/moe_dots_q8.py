@@ -289,15 +289,14 @@ def _q6_k_split_rows_dot_q8(
     ASM: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N] float32: rows `rows` of a Q6_K matrix [N, K] in the split layout
-    (`kernels.experts.moe.split_q6_k`: every block's 192 code bytes, ql then qh, then every
-    block's 16 scale bytes, then every block's fp16 d; 16-byte aligned at w_ptr) dot the Q8
-    row at x8_ptr. The codes are those of `_q6_k_rows_dot_q8`, read as 32-bit words: the
-    eight words of (row, half, l // 16) are consecutive, so they load 16 bytes at a time, and
-    a half's four scale bytes of each l // 16 come as two words. The tile is [BN, (super-block,
-    n), l // 16, word of the 16]."""
+    (`kernels.experts.moe.split_q6_k`: every block's first 208 bytes, ql | qh | scales, then
+    every block's fp16 d; 16-byte aligned at w_ptr) dot the Q8 row at x8_ptr. The codes are
+    those of `_q6_k_rows_dot_q8`, read as 32-bit words: the eight words of (row, half,
+    l // 16) are consecutive, so they load 16 bytes at a time, and a half's four scale bytes
+    of each l // 16 come as two words. The tile is [BN, (super-block, n), l // 16, word of the
+    16]."""
     nb = K // 256
-    codes = w_ptr.to(tl.pointer_type(tl.int32))  # 48 words a block
-    scales = codes + N * nb * 48  # 4 words a block
+    body = w_ptr.to(tl.pointer_type(tl.int32))  # 52 words a block: ql 0-31, qh 32-47, sc 48-51
     ds = (w_ptr + N * nb * 208).to(tl.pointer_type(tl.float16))
     x32 = x8_ptr.to(tl.pointer_type(tl.int32))
     xd_ptr = (x8_ptr + K).to(tl.pointer_type(tl.float32))
@@ -314,15 +313,15 @@ def _q6_k_split_rows_dot_q8(
         sb, n = sb0 + hn // 2, hn % 2
         smask = sb < nb
         mask4 = row_mask[:, None, None, None] & smask
-        blk = (blk_row[:, None, None, None] + sb) * 48 + 4 * g + w4  # word of l = 16g + 4w4
-        qa = tl.load(codes + blk + 16 * n, mask=mask4, other=0)  # ql[64n + l]: k 0, 2
-        qb = tl.load(codes + blk + 16 * n + 8, mask=mask4, other=0)  # ql[64n + 32 + l]: k 1, 3
-        qh = tl.load(codes + blk + 32 + 8 * n, mask=mask4, other=0)  # qh[32n + l]
+        blk = (blk_row[:, None, None, None] + sb) * 52 + 4 * g + w4  # word of l = 16g + 4w4
+        qa = tl.load(body + blk + 16 * n, mask=mask4, other=0)  # ql[64n + l]: k 0, 2
+        qb = tl.load(body + blk + 16 * n + 8, mask=mask4, other=0)  # ql[64n + 32 + l]: k 1, 3
+        qh = tl.load(body + blk + 32 + 8 * n, mask=mask4, other=0)  # qh[32n + l]
         xw = x32 + sb * 64 + 32 * n + 4 * g + w4  # [1, HN, 2, 4]: values 128n + l (k = 0)
         sb3, n3 = sb0 + hn3 // 2, hn3 % 2
         smask3 = sb3 < nb
         mask3 = row_mask[:, None, None] & smask3
-        sc_at = scales + (blk_row[:, None, None] + sb3) * 4 + 2 * n3  # [BN, HN, 1]
+        sc_at = body + (blk_row[:, None, None] + sb3) * 52 + 48 + 2 * n3  # [BN, HN, 1]
         sc01 = tl.load(sc_at, mask=mask3, other=0)  # sc[8n + 0..3]: k 0, 1
         sc23 = tl.load(sc_at + 1, mask=mask3, other=0)  # sc[8n + 4..7]: k 2, 3
         zero = tl.zeros_like(qa)
@@ -331,7 +330,7 @@ def _q6_k_split_rows_dot_q8(
             q = _q6_k_word(qa, qb, qh, k)
             xk = tl.load(xw + 8 * k, mask=smask, other=0) + zero
             i16 = tl.sum(_dp4a(q, xk, ASM), axis=3)  # [BN, HN, 2]
-            if k < 2:  # noqa: SIM108
+            if k < 2:  # noqa: SIM108 (a static branch, which Triton compiles away)
                 word = sc01
             else:
                 word = sc23

@@ -42,10 +42,9 @@ class ExpertMath(Protocol):
 
 
 class CompiledMath:
-    """The C kernels, reading Q4_0 split and every other type as GGUF blocks; a layer holding a
-    type they do not read (outside `CpuExperts.supported`: no quantized type today), or Q6_K
-    in its split layout (`BlobLayout.q6_k_split`, which only the GPU's int8 dots read), is
-    dequantized in torch per use, as `TorchMath` does."""
+    """The C kernels, reading Q4_0 split, Q6_K split or as blocks, and every other type as
+    GGUF blocks; a layer holding a type they do not read (outside `CpuExperts.supported`: no
+    quantized type today) is dequantized in torch per use, as `TorchMath` does."""
 
     def __init__(self, kernels: CpuExperts) -> None:
         self.kernels = kernels
@@ -54,14 +53,14 @@ class CompiledMath:
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
             weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
-        if not set(layout.qtypes) <= self.kernels.supported or layout.q6_k_split:
+        if not set(layout.qtypes) <= self.kernels.supported:
             TorchMath().moe(x, blobs, tokens, weights, layout, out)
             return
         fmt = self._formats.get(layout)
         if fmt is None:
             fmt = self._formats[layout] = CpuExpertFormat(
                 layout.qtypes, layout.hidden, layout.ffn, layout.up_offset, layout.down_offset,
-                layout.split)  # fmt: skip
+                layout.split, layout.q6_k_split)  # fmt: skip
         self.kernels.moe(x, blobs, tokens, weights, fmt, out)
 
 

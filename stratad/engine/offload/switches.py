@@ -10,8 +10,8 @@ built-in default. Pure functions of the engine section and the table's `switches
 - `cpu_split`: `pcie_frac = auto` gives the CPU its balanced share of the misses (`balanced`),
   or keeps every miss on the GPU (`off`): a split step runs without its CUDA graph.
 - `q6_k_layout`: the experts' Q6_K projections held as GGUF blocks (`blocks`, 2-byte aligned
-  words read as halves) or in the split layout (`split`: 16-byte words, which the int8 dots
-  alone read; the CPU's share of the misses then dequantizes such layers in torch).
+  words read as halves) or in the split layout (`split`: 16-byte words, which the GPU's int8
+  dots alone read; the compiled CPU kernels read either).
 """
 
 from __future__ import annotations
