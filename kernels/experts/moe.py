@@ -46,9 +46,9 @@ import triton.language as tl
 from kernels.experts.moe_dots import blocks_rows_dot
 from kernels.experts.moe_dots_q8 import (
     Q8_DOT_QTYPES,
-    _q6_k_split_rows_dot_q8,
     dequantize_q8_ref,
     dp4a_in_asm,
+    q6_k_split_rows_dot,
     q8_rows_dot,
     q8_rows_dot2,
     quantize_q8,
@@ -197,7 +197,7 @@ def _rows_dot(
     """Rows of a projection of type QTYPE (Q4_0: the split layout; Q6_K with Q6_SPLIT too)
     dot x [K] (X8: dot x's Q8 row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
     if X8 and Q6_SPLIT and QTYPE == Q6_K:
-        acc = _q6_k_split_rows_dot_q8(w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N, SBS, ASM)
+        acc = q6_k_split_rows_dot(w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N, SBS, ASM)
     elif X8:
         row_at = w_ptr + rows.to(tl.int64) * ROW_BYTES
         acc = q8_rows_dot(row_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)

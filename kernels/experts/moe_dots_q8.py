@@ -284,7 +284,7 @@ def _q6_k_rows_dot_q8(
 
 
 @triton.jit
-def _q6_k_split_rows_dot_q8(
+def q6_k_split_rows_dot(
     w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N: tl.constexpr, SBS: tl.constexpr,
     ASM: tl.constexpr,
 ):  # fmt: skip
