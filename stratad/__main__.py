@@ -118,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the port is taken, the address is not this host's or not a name
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
         return _exit(server, 1)
-    if server.loading:
-        log.info("stopped while the model was loading")
-        return _exit(server, 0)
-    if ops.forced:
-        log.info("stopped (forced)")
-        return _exit(server, 0, now=True)
-    if failed:
+    if failed:  # first: the load thread may not have ended yet (`server.loading` still true)
         # systemd: 75 (EX_TEMPFAIL) says "the host lacked the RAM the plan needs", not a bug.
         # At once: the load thread may still be unwinding inside torch, and the interpreter's
         # exit beside it can abort (a test saw the exit status lost on a loaded host).
@@ -132,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             return _exit(server, failed[0].exit_code, now=True)
         bad = isinstance(failed[0], (ModelError, PackError))
         return _exit(server, EXIT_BAD_MODEL if bad else 1, now=True)
+    if server.loading:
+        log.info("stopped while the model was loading")
+        return _exit(server, 0)
+    if ops.forced:
+        log.info("stopped (forced)")
+        return _exit(server, 0, now=True)
     return 0
 
 
