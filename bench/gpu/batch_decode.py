@@ -104,10 +104,11 @@ def main() -> None:
         " (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)",
     )
     p.add_argument(
-        "--q6-k-split",
-        action="store_true",
-        help="hold the experts' Q6_K projections in the split layout (OffloadConfig.q6_k_split;"
-        " the kernel table must turn the int8 dots on)",
+        "--q6-k-layout",
+        choices=["blocks", "split"],
+        default="blocks",
+        help="the experts' Q6_K projections as GGUF blocks or split (the switch q6_k_layout,"
+        " OffloadConfig.q6_k_split; the kernel table must dot Q6_K in int8)",
     )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
@@ -120,7 +121,7 @@ def main() -> None:
         graphs=not args.no_graphs,
         kernels=configs,
         dense_gguf=args.dense_gguf,
-        q6_k_split=args.q6_k_split,
+        q6_k_split=args.q6_k_layout == "split",
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]

@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         kernels=configs,
         prefetch=args.prefetch == "on" and args.gpu_miss == "copy"
         and not args.link_gbs,
+        q6_k_split=args.q6_k_layout == "split",
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
@@ -360,6 +361,13 @@ def parser() -> argparse.ArgumentParser:
         choices=["off", "balanced"],
         help="the switch cpu_split as a table records it: off is --pcie-frac 1, balanced is"
         " --pcie-frac auto (overrides --pcie-frac)",
+    )
+    p.add_argument(
+        "--q6-k-layout",
+        choices=["blocks", "split"],
+        default="blocks",
+        help="the switch q6_k_layout as a table records it: the experts' Q6_K projections as"
+        " GGUF blocks or split (OffloadConfig.q6_k_split; the kernel table must dot Q6_K in int8)",
     )
     p.add_argument(
         "--prefetch-programs",
