@@ -59,6 +59,10 @@ class KernelConfigs:
         key = f"{launch}@{qtype.name.lower()}"
         return next((c for k, c in self.moe_by_type if k == key), getattr(self, launch))
 
+    def moe_int8(self, qtype: QType) -> bool:
+        """Whether both MoE launches dot projections of `qtype` in int8 (where aligned)."""
+        return all(self.moe_for(launch, qtype).int8_dots for launch in MOE_LAUNCHES)
+
 
 # Triton's interpreter (the CPU, in tests) runs each program as numpy operations, so fewer and
 # wider programs run faster: a tiny model's expert matrices in one or two programs and one

@@ -63,7 +63,7 @@ class BlobLayout:
     def fmt(self) -> ExpertFormat:
         """What the fused kernels read (Q4_0 split, Q6_K split or as blocks, the rest as
         blocks)."""
-        return ExpertFormat(*self.qtypes, q6_k_split=self.is_split(QType.Q6_K))
+        return ExpertFormat(*self.qtypes, q6_k_split=self.q6_k_split)
 
     def spans(self) -> tuple[tuple[int, int, int, int], ...]:
         """(start, end, rows, cols) of gate, up and down inside a blob."""
