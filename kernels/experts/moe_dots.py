@@ -136,6 +136,23 @@ def _q45_k_rows_dot(
 
 
 @triton.jit
+def q6_k_codes(qa, qb, qh, K: tl.constexpr):
+    """Q6_K's 6-bit codes (0..63) of k = K (0..3) of a half super-block, from its ql bytes
+    (qa: k 0 low nibbles, 2 high; qb: k 1, 3) and qh bytes: each an int32 holding one byte
+    (values 32k + l of byte l) or four (a word of four consecutive l); the top two bits at
+    shift 2k of qh."""
+    if K % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
+        low = qa
+    else:
+        low = qb
+    if K < 2:  # noqa: SIM108
+        low = low & 0x0F0F0F0F
+    else:
+        low = (low >> 4) & 0x0F0F0F0F
+    return low | (((qh >> (2 * K)) & 0x03030303) << 4)
+
+
+@triton.jit
 def _q6_k_rows_dot(
     w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr, SBS: tl.constexpr
 ):
@@ -168,15 +185,7 @@ def _q6_k_rows_dot(
         sc_at = w_ptr + rows64[:, None, None] * ROW_BYTES + sb3 * 210 + 192
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
-            if k % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
-                low = qa
-            else:
-                low = qb
-            if k < 2:  # noqa: SIM108
-                low = low & 0xF
-            else:
-                low = low >> 4
-            q = (low | (((qh >> (2 * k)) & 3) << 4)) - 32
+            q = q6_k_codes(qa, qb, qh, k) - 32
             x = tl.load(xb + 32 * k, mask=smask, other=0.0).to(tl.float32)
             dot = tl.sum(q.to(tl.float32) * x, axis=3)  # [BN, HN, 2]
             sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)

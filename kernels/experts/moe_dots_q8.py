@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.experts.moe_dots import q6_k_codes
 from kernels.formats.byte_loads import _load_f16
 from kernels.formats.quant import QType
 
@@ -218,21 +219,6 @@ def _q45_k_rows_dot_q8(
 
 
 @triton.jit
-def _q6_k_word(qa, qb, qh, K: tl.constexpr):
-    """Words of four 6-bit Q6_K codes (0..63) of k = K (0..3) of a half-block: the low four
-    bits from its ql words (qa: k 0 low nibbles, 2 high; qb: k 1, 3), the top two from qh."""
-    if K % 2 == 0:  # noqa: SIM108 (a static branch, which Triton compiles away)
-        low = qa
-    else:
-        low = qb
-    if K < 2:  # noqa: SIM108
-        low = low & 0x0F0F0F0F
-    else:
-        low = (low >> 4) & 0x0F0F0F0F
-    return low | (((qh >> (2 * K)) & 0x03030303) << 4)
-
-
-@triton.jit
 def _q6_k_rows_dot_q8(
     row_at, row_mask, x8_ptr, K, BLOCK_N: tl.constexpr, SBS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
@@ -269,7 +255,7 @@ def _q6_k_rows_dot_q8(
         zero = tl.zeros_like(qa)
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
-            q = _q6_k_word(qa, qb, qh, k)
+            q = q6_k_codes(qa, qb, qh, k)
             xk = tl.load((xw + 32 * k).to(tl.pointer_type(tl.int32)), mask=smask, other=0)
             i16 = tl.sum(_dp4a(q, xk + zero, ASM), axis=3)  # [BN, HN, 2]
             sc = tl.load(sc_at + 8 * n3 + 2 * k + g3, mask=mask3, other=0).to(tl.int8, bitcast=True)
@@ -327,7 +313,7 @@ def q6_k_split_rows_dot(
         zero = tl.zeros_like(qa)
         part = tl.zeros([BLOCK_N, 2 * SBS, 2], dtype=tl.float32)
         for k in tl.static_range(4):
-            q = _q6_k_word(qa, qb, qh, k)
+            q = q6_k_codes(qa, qb, qh, k)
             xk = tl.load(xw + 8 * k, mask=smask, other=0) + zero
             i16 = tl.sum(_dp4a(q, xk, ASM), axis=3)  # [BN, HN, 2]
             if k < 2:  # noqa: SIM108 (a static branch, which Triton compiles away)
