@@ -69,11 +69,17 @@ def test_offload_daemon_matches_reference(
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         plan = subprocess.run([*ctl, "plan", "--json", "--socket", str(sock)],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        stats = subprocess.run([*ctl, "stats", "--json", "--socket", str(sock)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.choices[0].text == tok.decode(want)
     assert cov.returncode == 3, cov.stderr  # "not yet": the coverage is incomplete
     coverage = json.loads(cov.stdout)
     assert not coverage["complete"] and coverage["in_vram"] == 12 and coverage["experts"] == 32
     assert coverage["in_file_only"] == 4 and coverage["file_reads"] > 0, coverage
+    # the store counts the decode steps' lookups by tier, as the other engines' stores do: the
+    # file-only experts a step routed to among them (the warm-up's forgotten)
+    hits = json.loads(stats.stdout)["tier_hits"]
+    assert hits["file"] > 0 and hits["vram"] > 0 and hits["ram"] > 0, hits
     log = (tmp_path / "stratad.log").read_text()
     daemon_hash = json.loads(plan.stdout)["hash"]
     assert daemon_hash in log

@@ -125,7 +125,7 @@ def test_batch_tokens_equal_alone_cpu(
     engine = _offload(tiny_moe, "cpu", graphs=False, **kw)  # type: ignore[arg-type]
     assert batched(engine, which) == [alone[b] for b in which]
     if not kw.get("ram", True):
-        assert engine.host.file_reads > 0
+        assert engine.ram.file_reads > 0
 
 
 @pytest.mark.parametrize("row_tokens", [64, 1], ids=["rows", "chunk"])

@@ -12,10 +12,10 @@ import torch
 
 from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.slots import SlotPolicy, initial_residents
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
+from stratad.store.tiers.slots import SlotPolicy, SlotSettings, initial_residents
 
 # a chunk of FUSED_MAX_TOKENS + 1 tokens (the staged grouped GEMMs), then 2 (the fused kernels
 # with T > 1); prompts short enough to ride as rows of a decode step are tests/test_batch.py's
@@ -103,15 +103,15 @@ def test_file_tier_same_tokens(
     ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
     off = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False, gpu_miss=gpu_miss,
                    pcie_frac=pcie_frac, prefetch=True)  # fmt: skip
-    assert off.files.enabled and not off.prefetch.enabled  # no address to guess from
+    assert off.experts.reads_file and not off.prefetch.enabled  # no address to guess from
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < LOGIT_TOL[pcie_frac < 1.0]
-    reads = off.host.file_reads
-    assert reads > 0 and off.host.file_bytes == reads * off.layouts[0].nbytes
+    reads = off.ram.file_reads
+    assert reads > 0 and off.ram.file_bytes == reads * off.layouts[0].nbytes
     table = off.experts
     table.flush()  # the decode lookups by tier: each read from the file was counted as such
-    assert 0 < table.file_lookups <= table.lookups - table.hits
+    assert 0 < table.lookups.file <= table.lookups.total - table.lookups.vram
     # a slot holds an expert with a RAM copy, or one that started there (held for good)
     start = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False).experts.slot_of
     for layer, slot_of in enumerate(off.experts.slot_of):
@@ -126,7 +126,7 @@ def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:
 
 
 def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
-    off = _offload(tiny_moe, 2, "cpu", graphs=False, moves_per_step=4)
+    off = _offload(tiny_moe, 2, "cpu", graphs=False, slots=SlotSettings(moves_per_step=4))
     ref_tokens, _ = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
     tokens, _ = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
@@ -182,7 +182,7 @@ def test_file_tier_tokens_match_reference_gpu(tiny_moe: Model, gpu_miss: str) ->
     tokens, logits = _greedy(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
-    assert off.host.file_reads > 0
+    assert off.ram.file_reads > 0
 
 
 @pytest.mark.gpu
@@ -267,7 +267,7 @@ def test_cpu_miss_path_same_tokens(
     tokens, logits = _greedy(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < LOGIT_TOL[compiled]
-    misses = off.experts.lookups - off.experts.hits
+    misses = off.experts.lookups.total - off.experts.lookups.vram
     if pcie_frac == 0.0:
         assert off.cpu.experts >= misses > 0  # every decode miss (prefill's too) on the CPU
     else:

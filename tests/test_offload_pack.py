@@ -18,12 +18,14 @@ from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.__main__ import EXIT_BAD_MODEL
 from stratad.engine.offload.experts import blob_layouts, kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.store.addressed import AddressedStore
 from stratad.store.pack.manifest import EXPERTS_NAME, read_manifest
 from stratad.store.pack.packed import load_pack
 from stratad.store.pack.write import write_pack
+from stratad.store.tiers.rows import PinnedRows, gpu_lock
 from stratad.store.tiers.sources import BlobCorrupt, PackExperts
 from tests.daemon import free_port
 from tests.test_store_fakes import tiny_moe_gguf
@@ -55,15 +57,15 @@ def _damaged(pack: Path, tmp_path: Path, layer: int, expert: int) -> Path:
 
 def _engine(pack: Path, device: str, ram: list[list[int]] | None) -> OffloadForward:
     model, _ = load_pack(pack)
-    host = HostExperts(
-        PackExperts(pack), kernel_layouts(model), ram, default_lock(torch.device(device))
-    )
+    source = PackExperts(pack)
+    form = KernelForm(source.layouts, kernel_layouts(model))
+    store = AddressedStore(PinnedRows(source, form, ram, gpu_lock(torch.device(device))))
     budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     kernels = INTERPRETED if device == "cpu" else KernelConfigs()
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=kernels, graphs=False)  # fmt: skip
     # the slots start with experts 0-2 of each layer: the damaged expert 5 is not among them
-    return OffloadForward(model, torch.device(device), cfg, host=host)
+    return OffloadForward(model, torch.device(device), cfg, store=store)
 
 
 def _greedy(engine: OffloadForward | ReferenceForward, n: int) -> list[int]:

@@ -26,13 +26,14 @@ from stratad.engine.offload.experts import (
     moe_layers,
 )
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.host_experts import HostExperts
+from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synth import get_preset, write_synth
 from stratad.store.loader import load_model
+from stratad.store.tiers.rows import PinnedRows
 from stratad.store.tiers.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
@@ -89,19 +90,19 @@ def test_ram_copies_take_what_the_plan_counts(mixed_moe: Model) -> None:
     (not the largest layer's), and its row holds the blob's bytes in the kernels' layout."""
     source = ModelExperts(mixed_moe)
     layouts = kernel_layouts(mixed_moe)
-    host = HostExperts(source, layouts)
-    host.wait()
+    rows = PinnedRows(source, KernelForm(source.layouts, layouts))
+    rows.wait()
     try:
-        want = [source.layouts[u.layer].stride for u in host.ram.units]
-        assert list(host.ram.sizes) == want and len(set(want)) > 1
+        want = [source.layouts[u.layer].stride for u in rows.ram.units]
+        assert list(rows.ram.sizes) == want and len(set(want)) > 1
         for layer in range(mixed_moe.spec.n_layers):
-            blob = host.blob(layer, 5)
+            blob = rows.blob(layer, 5)
             assert blob.numel() == layouts.copy_bytes(layer) < layouts.slot_bytes or layer == 1
             gate = layouts[layer].views(blob)[0]
             stored = moe_layers(mixed_moe)[layer].experts.expert(5).gate
             assert torch.equal(gate.dequantize(), stored.dequantize())
     finally:
-        host.close()
+        rows.close()
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,7 @@ def test_tokens_match_reference(
     # the compiled CPU kernels round activations to 8 bits per block of 32, as llama.cpp does
     assert (logits - ref_logits).abs().max() < (0.15 if pcie_frac < 1.0 else 1e-3)
     assert (off.cpu.experts > 0) == (pcie_frac < 1.0)
-    assert (off.host.file_reads > 0) == file_tier
+    assert (off.ram.file_reads > 0) == file_tier
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -154,12 +155,12 @@ def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model, devi
 
     split = engine(True)
     assert split.layouts[1].is_split(QType.Q6_K) and split.layouts[1].fmt.q6_k_split
-    gate = split.layouts[1].views(split.host.blob(1, 4))[0]
+    gate = split.layouts[1].views(split.ram.blob(1, 4))[0]
     assert torch.equal(gate.data, moe_layers(mixed_moe)[1].experts.expert(4).gate.data)
     tokens, logits = _greedy(split)
     blocks_tokens, blocks_logits = _greedy(engine(False))
     assert tokens == blocks_tokens and torch.equal(logits, blocks_logits)
-    assert split.host.file_reads > 0
+    assert split.ram.file_reads > 0
     # every miss on the CPU: the C kernels read layer 1's split Q6_K (read as blocks, its
     # bytes give NaN here) with the blocks' arithmetic
     shared = engine(True, pcie_frac=0.0)

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     engine = OffloadForward(model, torch.device("cuda"), cfg, ram=ram)
     load_s = time.monotonic() - t0
     bw = measure_pcie()
-    reads = measure_miss_reads(spec, engine.layouts, engine.host, engine._aligned)
+    reads = measure_miss_reads(spec, engine.layouts, engine.ram, engine._aligned)
     cpu_bw = engine.measure_cpu_expert_bps() / 1e9
     host_gbs = read_bps() / 1e9
     gpu_miss_gbs = reads["fetch"] if args.gpu_miss == "copy" else reads["inplace"]
@@ -211,12 +211,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         cache.length = 0
         cache.tokens.clear()
         logits = engine(prompt(args.prompt_len), cache)[0]
-        engine.experts.hits = engine.experts.lookups = 0
+        engine.experts.forget_lookups()
         token = int(logits.argmax())
         logits = engine([token], cache)[0]  # the first step captures the graph
         torch.cuda.synchronize()
-        engine.experts.flush()  # the capture step's accounting stays out of the window
-        engine.experts.hits = engine.experts.lookups = 0
+        engine.experts.forget_lookups()  # the capture step's accounting stays out of the window
         engine.prefetch.reset_score()
         t = time.perf_counter()
         for _ in range(args.decode_tokens):
@@ -255,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     kernels = kernel_profile(engine, cache, prompt) if args.profile else {}
     result = {
         "coverage": warning,
-        "file_reads": engine.host.file_reads,
+        "file_reads": engine.ram.file_reads,
         "timing": timing,
         "kernels": kernels,
         "gpu_miss": args.gpu_miss,

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache
 from stratad.engine.passes import FUSED_MAX_TOKENS, ROW_READS_MAX, Chunk, Pass, Span
+from stratad.host_copy import to_device
 
 
 class Output(Enum):

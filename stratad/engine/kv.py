@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stratad.engine.host_copy import to_device
+from stratad.host_copy import to_device
 from stratad.model.spec import ModelSpec
 
 BLOCK_SIZE = 32  # tokens per block: a multiple of 8 (the CPU kernels' key groups)

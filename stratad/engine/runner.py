@@ -33,6 +33,7 @@ from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
 from stratad.model.spec import Model
+from stratad.store.addressed import AddressedStore
 from stratad.store.loader import load_model
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
@@ -41,7 +42,6 @@ from stratad.store.tiers.pinning import ProgressFn
 if TYPE_CHECKING:  # the GPU engine's modules (and Triton's 71 MiB) load only where it runs
     from stratad.engine.offload.forward import OffloadForward
     from stratad.engine.offload.stages import StagedForward
-    from stratad.engine.offload.start import OffloadTiers
 
 log = logging.getLogger("stratad.engine")
 
@@ -55,7 +55,7 @@ class Runner:
     device: torch.device
     start: StartPlan  # the engine, the split, the slots, the requests at once, the context
     forward: ReferenceForward | OffloadForward | StagedForward
-    store: ExpertStore | OffloadTiers | None  # the experts' tiers, as the control socket reads
+    store: ExpertStore | AddressedStore | None  # the experts' tiers, as the control socket reads
     timer: StageTimer
 
     @property
@@ -182,7 +182,7 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
     start = placement.start_plan(config, model, device, free_vram(config, device),
                                  slot_bytes(source) if source else 0)  # fmt: skip
     forward: ReferenceForward | OffloadForward | StagedForward
-    store: ExpertStore | OffloadTiers | None = None
+    store: ExpertStore | AddressedStore | None = None
     if source is not None and start.backend == "offload":
         from stratad.engine.offload.start import open_offload
 

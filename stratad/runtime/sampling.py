@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stratad.engine.host_copy import to_device
+from stratad.host_copy import to_device
 
 
 def argmax_rows(rows: torch.Tensor) -> list[int]:

@@ -36,7 +36,6 @@ from stratad.runtime.speculation.draft_model import DraftModel, open_draft_model
 from stratad.runtime.speculation.settings import Speculation
 from stratad.runtime.step import Active
 from stratad.runtime.template_form import template_message, template_tools
-from stratad.store.store import ExpertStore
 from stratad.store.tiers.pinning import ProgressFn
 
 log = logging.getLogger("stratad.engine")
@@ -402,7 +401,7 @@ class Engine:
             pass
         self.generator.cache.truncate(0)
         self.runner.prepare(self.generator.cache)
-        if isinstance(self.store, ExpertStore):  # the lookups by tier count requests' alone
+        if self.store is not None:  # the lookups by tier count requests' alone
             self.store.forget_lookups()
 
     def counters(self) -> dict[str, int]:

@@ -33,9 +33,9 @@ from typing import Protocol
 import torch
 
 from stratad.engine.batch import Output, Seq
-from stratad.engine.host_copy import HostCopy
 from stratad.engine.kv import KVCache, KVPool, KVPoolFull, prompt_keys
 from stratad.engine.timing import StageTimer
+from stratad.host_copy import HostCopy
 from stratad.runtime.kv_plan import plan_blocks
 from stratad.runtime.pooling import PooledEvent, Pooling
 from stratad.runtime.prefix import PrefixStore

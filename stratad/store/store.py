@@ -27,6 +27,7 @@ from stratad.store.placement.bandwidth import Bandwidths
 from stratad.store.placement.plan import RamBudget, ResidencyPlan
 from stratad.store.tiers.cache import ExpertCache
 from stratad.store.tiers.lock import LockChoice
+from stratad.store.tiers.lookups import Lookups
 from stratad.store.tiers.memory import ResidentRAM, VRAMSlots
 from stratad.store.tiers.original import OriginalExperts
 from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
@@ -100,7 +101,7 @@ class ExpertStore:
         self.slots = VRAMSlots(len(plan.vram), plan.slot_bytes, cache_device)
         self.cache = ExpertCache(len(plan.vram), policy, initial=plan.vram, keep=plan.vram_only)
         self.pinner = Pinner(self.ram, source, lock, pin, on_pin_progress, form=self.ram_form)
-        self.hits = {"vram": 0, "ram": 0, "file": 0}
+        self.lookups = Lookups()  # experts served, by tier
 
     def start(self) -> None:
         """Fill the VRAM slots with the plan's initial experts, then start pinning."""
@@ -180,7 +181,7 @@ class ExpertStore:
         """Count experts of `layer` as served, one from each of `tiers` (in_place's, for those
         a step used; a file-tier answer counts as a read of its bytes)."""
         for tier in tiers:
-            self.hits[tier] += 1
+            self.lookups.add(tier)
             if tier == "file":
                 self.source.stats.add(self.layouts[layer].nbytes)
 
@@ -188,21 +189,21 @@ class ExpertStore:
         """Start the lookups by tier over at zero: those so far were no request's (the daemon's
         warm-up, which runs while pinning may still be under way and so finds experts in the
         file that the plan keeps in RAM). The file reads stay counted: they were made."""
-        self.hits = dict.fromkeys(self.hits, 0)
+        self.lookups.clear()
 
     def _held(self, layer: int, expert: int) -> tuple[torch.Tensor | None, str]:
         """The expert's VRAM slot or RAM copy (counted by tier), or (None, "file")."""
         unit = ExpertUnit(layer, expert)
         slot = self.cache.lookup(unit)
         if slot is not None:
-            self.hits["vram"] += 1
+            self.lookups.add("vram")
             return self.slots.slot(slot), "vram"
         if not self.ram_form.as_file:
             raise RuntimeError(f"the RAM copies are {self.ram_form.name}: only in_place reads"
                                " them")  # fmt: skip
         blob = self.ram.view(unit)
         if blob is not None:
-            self.hits["ram"] += 1
+            self.lookups.add("ram")
             return blob, "ram"
         return None, "file"
 
@@ -210,7 +211,7 @@ class ExpertStore:
         """The file tier (counted): the expert's blob read into a new buffer."""
         blob = torch.empty(self.layouts[layer].stride, dtype=torch.uint8)
         self._read_file(layer, expert, blob)
-        self.hits["file"] += 1
+        self.lookups.add("file")
         return blob
 
     def _admit(self, layer: int, expert: int, blob: torch.Tensor, tier: str) -> torch.Tensor:
@@ -241,9 +242,9 @@ class ExpertStore:
         reads = self.source.stats.snapshot()
         return StoreStats(
             plan_hash=self.plan.hash,
-            vram_hits=self.hits["vram"],
-            ram_hits=self.hits["ram"],
-            file_hits=self.hits["file"],
+            vram_hits=self.lookups.vram,
+            ram_hits=self.lookups.ram,
+            file_hits=self.lookups.file,
             evictions=self.cache.evictions,
             file_reads=reads.reads,
             file_bytes=reads.bytes,

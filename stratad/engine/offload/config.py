@@ -9,6 +9,7 @@ import torch
 from kernels.formats.quant import QType
 from kernels.tuning.configs import KernelConfigs
 from stratad.engine.passes import FUSED_MAX_TOKENS
+from stratad.store.tiers.slots import SlotSettings
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,7 @@ class OffloadConfig:
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
     row_tokens: int = FUSED_MAX_TOKENS
     kv_int8: bool = False  # keys and values in int8 with a scale per token and KV head
-    adapt: bool = True  # move recently used experts into VRAM between steps
-    moves_per_step: int = 8
-    cache_policy: str = "lru"  # the store's eviction policies (stratad.store.tiers.cache)
+    slots: SlotSettings = SlotSettings()  # how the VRAM slots follow the routing
     # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
     # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once
     # per layer (the host must see the routing), so it is not captured as a graph.

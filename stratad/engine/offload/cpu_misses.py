@@ -23,10 +23,10 @@ import torch
 
 from kernels.cpu.build import CpuKernelsUnavailable
 from kernels.cpu.experts import CpuExpertFormat, CpuExperts
-from stratad.engine.offload.expert_table import ExpertTable
-from stratad.engine.offload.experts import BlobLayout
+from stratad.engine.offload.experts import BlobLayout, ExpertLayouts
 from stratad.engine.reference.layers import swiglu
 from stratad.engine.timing import StageTimer
+from stratad.store.tiers.address_table import AddressTable
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,10 @@ def balanced_frac(cpu_bps: float, gpu_bps: float) -> float:
 
 
 class CpuMisses:
-    def __init__(self, experts: ExpertTable, hidden: int, math: ExpertMath) -> None:
-        self.table, self.hidden, self.math = experts, hidden, math
+    def __init__(
+        self, experts: AddressTable, layouts: ExpertLayouts, hidden: int, math: ExpertMath
+    ) -> None:
+        self.table, self.layouts, self.hidden, self.math = experts, layouts, hidden, math
         self.experts = 0  # expert computations done on the CPU so far
         # blobs only the file holds are read into these, on the host (one per CPU slot)
         self._scratch: list[torch.Tensor] = []
@@ -152,16 +154,16 @@ class CpuMisses:
         the CPU (x and out [T, H] float32 on the host)."""
         blobs = [self._blob(layer, host_ids[t][k], n) for n, (t, k) in enumerate(slots)]
         self.math.moe(x, blobs, [t for t, _ in slots], [weights[t][k] for t, k in slots],
-                      self.table.layouts[layer], out)  # fmt: skip
+                      self.layouts[layer], out)  # fmt: skip
         self.experts += len(slots)
 
     def _blob(self, layer: int, expert: int, i: int) -> torch.Tensor:
         """The expert's RAM copy, or its bytes read from the file into scratch row i."""
-        host = self.table.host
+        host = self.table.ram
         if host.has(layer, expert):
             return host.blob(layer, expert)
         while len(self._scratch) <= i:
-            self._scratch.append(torch.empty(self.table.layouts.slot_bytes, dtype=torch.uint8))
+            self._scratch.append(torch.empty(self.table.slot_bytes, dtype=torch.uint8))
         return host.file_read(layer, expert, self._scratch[i])
 
     def measure_bps(self, repeats: int = 3, per_call: int = 4) -> float:
@@ -178,7 +180,7 @@ class CpuMisses:
             blobs = [self._blob(layer, e, j) for j, e in enumerate(experts)]
             out = torch.zeros(1, self.hidden)
             t0 = time.perf_counter()
-            self.math.moe(x, blobs, [0] * per_call, [1.0] * per_call, t.layouts[layer], out)
+            self.math.moe(x, blobs, [0] * per_call, [1.0] * per_call, self.layouts[layer], out)
             times.append(time.perf_counter() - t0)
-            nbytes = per_call * t.layouts[layer].nbytes
+            nbytes = per_call * self.layouts[layer].nbytes
         return nbytes / sorted(times[1:])[len(times[1:]) // 2]

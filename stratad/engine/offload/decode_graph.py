@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from stratad.engine.batch import decode_inputs
-from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache, block_tables
+from stratad.host_copy import to_device
 
 log = logging.getLogger("stratad.engine")
 

@@ -36,25 +36,26 @@ from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
-from stratad.engine.host_copy import to_device
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
-from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.experts import kernel_layouts
-from stratad.engine.offload.file_misses import FileMisses
-from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.offload.prefetch import ExpertPrefetch
-from stratad.engine.offload.slots import initial_residents
 from stratad.engine.offload.split_step import SplitParts, SplitStep
 from stratad.engine.offload.staging import ExpertStaging
 from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.reference.layers import rms_norm, route, swiglu
 from stratad.engine.timing import StageTimer
+from stratad.host_copy import to_device
 from stratad.model.spec import Model, ModelError
+from stratad.store.addressed import AddressedStore
+from stratad.store.tiers.address_table import AddressTable
+from stratad.store.tiers.rows import PinnedRows, gpu_lock
+from stratad.store.tiers.slots import initial_residents
 from stratad.store.tiers.sources import ModelExperts
 
 log = logging.getLogger("stratad.engine")
@@ -68,15 +69,17 @@ class OffloadForward:
         model: Model,
         device: torch.device,
         config: OffloadConfig,
-        host: HostExperts | None = None,
+        store: AddressedStore | None = None,
         residents: list[list[int]] | None = None,
         layers: range | None = None,
         ram: list[list[int]] | None = None,
     ) -> None:
-        """`residents`: each layer's experts that start in VRAM (e.g. from the store's
-        residency plan); by default an even share of `config.expert_vram_bytes`. `ram`: each
-        layer's experts with a RAM copy (the plan's; None: every expert), the others are read
-        from the file when routed. `layers`:
+        """`store`: the experts' tiers (the plan's RAM rows in the kernels' form, page-locked
+        for the GPU; None: every expert's, read from the model, `ram` aside). `residents`: each
+        layer's experts that start in VRAM (e.g. from the store's residency plan); by default
+        an even share of `config.expert_vram_bytes`. `ram`: each layer's experts with a RAM
+        copy where no `store` is given (None: every expert), the others are read from the file
+        when routed. `layers`:
         the layers this engine runs (a pipeline stage, see `stratad.engine.offload.stages`); the
         first stage embeds, the last computes the logits."""
         spec = self.spec = model.spec
@@ -86,9 +89,14 @@ class OffloadForward:
         self.layouts = kernel_layouts(model, config.q6_k_split)
         self.device, self.config, self.dtype = device, config, config.dtype
         # the RAM tier pins on its own thread while the dense weights load
-        self.host = host or HostExperts(ModelExperts(model), self.layouts, ram,
-                                        default_lock(device))  # fmt: skip
-        if self.host.layouts != self.layouts:
+        if store is None:
+            source = ModelExperts(model)
+            rows = PinnedRows(source, KernelForm(source.layouts, self.layouts), ram,
+                              gpu_lock(device))  # fmt: skip
+            store = AddressedStore(rows)
+        self.store, self.ram = store, store.rows
+        held = self.ram.form
+        if not (isinstance(held, KernelForm) and held.layouts == self.layouts):
             raise ValueError("the RAM tier holds the experts in other layouts than the kernels"
                              " read (OffloadConfig.q6_k_split)")  # fmt: skip
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
@@ -114,25 +122,27 @@ class OffloadForward:
         self.lm_head_gguf = (
             gguf_matrix([model.tensor(head)], device) if last and config.dense_gguf else None
         )
-        self.host.wait()
-        if device.type == "cuda" and not self.host.gpu_registered:
+        self.ram.wait()
+        if device.type == "cuda" and not self.ram.gpu_registered:
             raise ValueError(
-                "the GPU engine reads its RAM tier in place: build HostExperts"
-                " with a lock that registers it with the GPU (default_lock)"
+                "the GPU engine reads its RAM tier in place: build its PinnedRows"
+                " with a lock that registers them with the GPU (gpu_lock)"
             )
         self.experts = self._init_table(residents)
         self.side = self.experts.side
         self._init_fetch()
         self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
         self.timer = StageTimer(enabled=False)
-        self.staging = ExpertStaging(self.experts, self.dtype, config.kernels.dequant)
-        self.cpu = CpuMisses(self.experts, spec.hidden,
-                             expert_math(config.cpu_kernels, config.cpu_threads))
+        self.staging = ExpertStaging(self.experts, self.layouts, self.dtype,
+                                     config.kernels.dequant)  # fmt: skip
+        self.cpu = CpuMisses(self.experts, self.layouts, spec.hidden,
+                             expert_math(config.cpu_kernels, config.cpu_threads))  # fmt: skip
         # guesses need the copy path's staging (none when every expert is in VRAM: nothing to
         # guess) and no file tier (its experts have no address to copy from before the step)
-        guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.files.enabled
-        self.prefetch = ExpertPrefetch(self.experts, self._guess_route, spec.n_experts_used,
-                                       config.kernels.prefetch, self._host_span, guess)  # fmt: skip
+        guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.experts.reads_file
+        self.prefetch = ExpertPrefetch(self.experts, self.layouts, self._guess_route,
+                                       spec.n_experts_used, config.kernels.prefetch,
+                                       self._host_span, guess)  # fmt: skip
         # with the fused input kernel a batched step reads and writes every cache through the
         # block tables: one capture per batch size serves every set of caches of the pool
         by_table = self.attention.batched if self.attention.fused_input else lambda _: False
@@ -141,10 +151,10 @@ class OffloadForward:
 
     # -- placement -----------------------------------------------------------------------
 
-    def _init_table(self, residents: list[list[int]] | None) -> ExpertTable:
-        """The VRAM slots and the address table; each of this engine's layers owns the slots
-        its initial residents fill (the plan's choice, or an even share of the budget by
-        expert index)."""
+    def _init_table(self, residents: list[list[int]] | None) -> AddressTable:
+        """The VRAM slots and the address table (the store's); each of this engine's layers
+        owns the slots its initial residents fill (the plan's choice, or an even share of the
+        budget by expert index)."""
         spec, nbytes, own = self.spec, self.layouts.slot_bytes, self.layer_ids
         if residents is None:
             per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // len(own))
@@ -152,21 +162,19 @@ class OffloadForward:
         # the file tier: this engine's experts with neither a RAM copy nor a slot held for good
         # (a resident without a RAM copy is never evicted)
         file_only = any(
-            not self.host.has(layer, x) and x not in residents[layer]
+            not self.ram.has(layer, x) and x not in residents[layer]
             for layer in own for x in range(spec.n_experts)
         )  # fmt: skip
         # distinct experts: at most a layer's, at most the pairs of the longest fused pass
         rows = min(FUSED_MAX_TOKENS * spec.n_experts_used, spec.n_experts) if file_only else 0
-        self.files = FileMisses(self.host, rows, self.device)
-        return ExpertTable(self.host, self.layouts, own, residents, self.device, self.config,
-                           self.files.address)  # fmt: skip
+        return self.store.address_table(own, residents, self.device, self.config.slots, rows)
 
     def _init_fetch(self) -> None:
         """VRAM staging for the missed experts of a fused pass of up to FETCH_MAX_TOKENS tokens
         (the copy miss path; a row per (token, slot), filled for the first pair of each
         missed expert)."""
         nbytes, pairs = self.layouts.slot_bytes, self.spec.n_experts_used * FETCH_MAX_TOKENS
-        self._host_span = self.host.span
+        self._host_span = self.ram.span
         # every blob (host rows start on pages, VRAM slots and staging rows on 16 bytes) and
         # every projection in it starts on 16 bytes: the kernels may load 16 bytes at a time
         self._aligned = self.layouts.offsets_aligned and self._host_span[0] % 16 == 0
@@ -273,7 +281,7 @@ class OffloadForward:
         stage = self.timer.stage
         x, h, weights, ids = self._attend_route(i, x, parts, pos, caches, step)
         if step.fused:
-            self.files.before(i, ids, self.experts.slot_of[i], self.experts.table)  # its reads
+            self.experts.read_file_misses(i, ids)
         if step.fused and self.config.pcie_frac < 1.0:
             parts = self.cpu.run(i, h, ids, weights, self.config.pcie_frac, self.gpu_experts,
                                  self.timer)  # fmt: skip
@@ -338,7 +346,7 @@ class OffloadForward:
             return moe_down(act, ids, weights, table, self.spec.hidden, down, aligned, fmt)
 
     @property
-    def tables(self) -> list[ExpertTable]:
+    def tables(self) -> list[AddressTable]:
         return [self.experts]
 
     @property
@@ -425,7 +433,7 @@ class OffloadForward:
         """A sequence's several new tokens ride in a decode pass (captured as a graph per
         padded row count) unless a CPU share of the misses splits the step into pieces
         captured per set of caches: a short prompt would capture anew each time."""
-        split = self.config.pcie_frac < 1.0 and not self.files.enabled
+        split = self.config.pcie_frac < 1.0 and not self.experts.reads_file
         return 1 if split and self._graphs else self.config.row_tokens
 
     @torch.inference_mode()
@@ -433,7 +441,7 @@ class OffloadForward:
         """Capture the decode step of every row count for caches like `cache` (its pool and
         capacity) before any request needs it (`DecodeGraph.prepare`), where steps replay
         graphs."""
-        if not (self._graphs and self.config.pcie_frac == 1.0 and not self.files.enabled):
+        if not (self._graphs and self.config.pcie_frac == 1.0 and not self.experts.reads_file):
             return
         t = time.perf_counter()
         n = self.graph.prepare(cache)
@@ -447,7 +455,7 @@ class OffloadForward:
     @property
     def replays_decode(self) -> bool:
         """Whether a decode pass replays a captured graph (not launched op by op)."""
-        return self._graphs and self.config.pcie_frac == 1.0 and not self.files.enabled
+        return self._graphs and self.config.pcie_frac == 1.0 and not self.experts.reads_file
 
     def decode(
         self, tokens: list[int] | torch.Tensor, pos: list[int], caches: Sequence[KVCache]
@@ -455,9 +463,9 @@ class OffloadForward:
         """Logits [R, V] of rows of one token each (see `batch.Layers`)."""
         self.experts.apply()
         # a graph replays without the host, which must read the file tier's routed experts
-        graph = self.config.pcie_frac == 1.0 and not self.files.enabled
+        graph = self.config.pcie_frac == 1.0 and not self.experts.reads_file
         # a CPU share of the misses: the step in pieces, the host's turn between them
-        split = self.config.pcie_frac < 1.0 and not self.files.enabled
+        split = self.config.pcie_frac < 1.0 and not self.experts.reads_file
         if split and Decode(len(caches)).fused:
             ids_of = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
             logits, ids = self.split(ids_of, pos, caches)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.experts.expert_fetch import FetchConfig, fetch_experts
-from stratad.engine.offload.expert_table import ExpertTable
+from stratad.engine.offload.experts import ExpertLayouts
+from stratad.store.tiers.address_table import AddressTable
 
 
 @dataclass
@@ -47,7 +48,8 @@ class _Guess:
 class ExpertPrefetch:
     def __init__(
         self,
-        experts: ExpertTable,
+        experts: AddressTable,
+        layouts: ExpertLayouts,
         route: Callable[[int, torch.Tensor], torch.Tensor],
         k: int,
         config: FetchConfig,
@@ -59,10 +61,11 @@ class ExpertPrefetch:
         the copy kernel reads; `enabled`: guess at all (the engine's copy path is on and no
         expert of a step lives only in the file)."""
         self.experts, self.route, self.config, self.host_span = experts, route, config, host_span
+        self.layouts = layouts
         rows = k if enabled else 0
         self.enabled = enabled
         device = experts.device
-        self.buf = torch.zeros((2, rows, experts.layouts.slot_bytes), dtype=torch.uint8,
+        self.buf = torch.zeros((2, rows, experts.slot_bytes), dtype=torch.uint8,
                                device=device)  # fmt: skip
         on_gpu = self.enabled and device.type == "cuda"
         self.guess_stream = torch.cuda.Stream(device) if on_gpu else None
@@ -117,7 +120,7 @@ class ExpertPrefetch:
     ) -> None:
         t = self.experts
         _, rows = fetch_experts(ids, t.table[layer], self.host_span, self.buf[layer % 2],
-                                t.layouts.copy_bytes(layer), self.config)  # fmt: skip
+                                self.layouts.copy_bytes(layer), self.config)  # fmt: skip
         table[ids[0].long()] = rows  # rows of guessed hits repeat their VRAM address
         if event is not None:
             event.record()

@@ -16,12 +16,12 @@ import torch
 
 from stratad.engine.batch import Seq, run_batch
 from stratad.engine.kv import KVCache, KVPool
-from stratad.engine.offload.expert_table import ExpertTable
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.host_experts import HostExperts
 from stratad.engine.passes import Decode, Pass
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model, ModelError
+from stratad.store.addressed import AddressedStore
+from stratad.store.tiers.address_table import AddressTable
 
 log = logging.getLogger("stratad.engine")
 
@@ -72,7 +72,7 @@ class StagedForward:
         config: OffloadConfig,
         residents: list[list[int]] | None = None,
         ram: list[list[int]] | None = None,
-        host: HostExperts | None = None,
+        store: AddressedStore | None = None,
     ) -> None:
         if len(bounds) != len(devices) + 1 or bounds[0] != 0 or bounds[-1] != model.spec.n_layers:
             raise ModelError(
@@ -85,10 +85,10 @@ class StagedForward:
             share = config.expert_vram_bytes * (hi - lo) // model.spec.n_layers
             cfg = replace(config, expert_vram_bytes=share, graphs=False)
             # the RAM tier is page-locked for every GPU of the process (portable)
-            stage = OffloadForward(model, torch.device(device), cfg, host=host,
+            stage = OffloadForward(model, torch.device(device), cfg, store=store,
                                    residents=residents, layers=range(lo, hi),
                                    ram=ram)  # fmt: skip
-            host = stage.host
+            store = stage.store
             self.stages.append(stage)
         self.config = config
         self.layer_device = [s.device for s in self.stages for _ in s.layer_ids]
@@ -120,11 +120,11 @@ class StagedForward:
         return self.stages[0].cpu_math
 
     @property
-    def host(self) -> HostExperts:
-        return self.stages[0].host
+    def store(self) -> AddressedStore:
+        return self.stages[0].store
 
     @property
-    def tables(self) -> list[ExpertTable]:
+    def tables(self) -> list[AddressTable]:
         """Each stage's slots, address table and counters."""
         return [s.experts for s in self.stages]
 

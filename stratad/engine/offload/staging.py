@@ -18,16 +18,20 @@ import torch
 from kernels.formats.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_split
 from kernels.formats.dequant_blocks import dequant_blocks
 from kernels.formats.quant import QType
-from stratad.engine.offload.expert_table import ExpertTable
-from stratad.engine.offload.experts import dequant_blobs
+from stratad.engine.offload.experts import ExpertLayouts, dequant_blobs
 from stratad.engine.offload.grouped import grouped_swiglu
+from stratad.store.tiers.address_table import AddressTable
 
 
 class ExpertStaging:
-    def __init__(self, experts: ExpertTable, dtype: torch.dtype, dequant: DequantConfig) -> None:
+    def __init__(
+        self, experts: AddressTable, layouts: ExpertLayouts, dtype: torch.dtype,
+        dequant: DequantConfig,
+    ) -> None:  # fmt: skip
         """`experts`: where each blob is (VRAM slot, RAM copy, the file) and the side stream
-        the copies run on; `dtype`: the compute dtype the blobs are dequantized to."""
-        self.experts, self.dtype, self.dequant = experts, dtype, dequant
+        the copies run on; `layouts`: the blobs'; `dtype`: the compute dtype the blobs are
+        dequantized to."""
+        self.experts, self.layouts, self.dtype, self.dequant = experts, layouts, dtype, dequant
         self.n_experts = experts.table.shape[1]
         self._buf: torch.Tensor | None = None  # [2, E, blob bytes], allocated on first use
         self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
@@ -42,7 +46,7 @@ class ExpertStaging:
         """(gate [E, F, H], up, down [E, H, F]) in the compute dtype, allocated on first use."""
         if self._out is None:
             e = self.experts
-            f, h = e.layouts.ffn, e.layouts.hidden
+            f, h = self.layouts.ffn, self.layouts.hidden
 
             def empty(rows: int, cols: int) -> torch.Tensor:
                 return torch.empty((self.n_experts, rows, cols), dtype=self.dtype, device=e.device)
@@ -54,7 +58,7 @@ class ExpertStaging:
         if self._buf is None:
             e = self.experts
             self._buf = torch.empty(
-                (2, self.n_experts, e.layouts.slot_bytes), dtype=torch.uint8, device=e.device
+                (2, self.n_experts, e.slot_bytes), dtype=torch.uint8, device=e.device
             )
         return self._buf
 
@@ -69,7 +73,7 @@ class ExpertStaging:
         after that buffer's previous reader)."""
         e = self.experts
         buf, after = self.buffers()[layer % 2], self._freed[layer % 2]
-        slot_of, host = e.slot_of[layer], e.host
+        slot_of, host = e.slot_of[layer], e.ram
         files = [x for x in range(len(buf)) if x not in slot_of and not host.has(layer, x)]
         bounce = self._read_files(layer, files)
         row_of = {x: r for r, x in enumerate(files)}
@@ -104,14 +108,14 @@ class ExpertStaging:
             return torch.empty(0, dtype=torch.uint8)
         if self._bounce is None:
             pin = e.device.type == "cuda"
-            self._bounce = torch.empty((2, self.n_experts, e.layouts.slot_bytes), dtype=torch.uint8,
+            self._bounce = torch.empty((2, self.n_experts, e.slot_bytes), dtype=torch.uint8,
                                        pin_memory=pin)  # fmt: skip
         freed = self._bounce_free[layer % 2]
         if freed is not None:
             freed.synchronize()
         rows = self._bounce[layer % 2]
         for row, x in enumerate(experts):
-            e.host.file_read(layer, x, rows[row])
+            e.ram.file_read(layer, x, rows[row])
         return rows[: len(experts)]
 
     def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,7 +126,7 @@ class ExpertStaging:
         ready = self._ready.get(layer)
         if ready is not None:
             torch.cuda.current_stream(e.device).wait_event(ready)
-        lay, buf = e.layouts[layer], self.buffers()[layer % 2]
+        lay, buf = self.layouts[layer], self.buffers()[layer % 2]
         fast = buf.is_cuda and self.dtype in DEQUANT_DTYPES
         outs = self.outputs() if fast else None
 
@@ -160,6 +164,6 @@ class ExpertStaging:
         xs = h[tokens]  # [T*k, H], grouped by expert
         rows = grouped_swiglu(xs, counts, gate, up, down)
         scaled = rows.float() * weights.reshape(-1)[order, None]
-        out = torch.zeros((t, e.layouts.hidden), dtype=torch.float32, device=e.device)
+        out = torch.zeros((t, self.layouts.hidden), dtype=torch.float32, device=e.device)
         out.index_add_(0, tokens, scaled)
         return out.to(self.dtype)

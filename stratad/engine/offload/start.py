@@ -13,66 +13,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from stratad.config import Config
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.experts import kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.offload.host_experts import HostExperts, default_lock
+from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.offload.kernel_table import model_shapes, tuned
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.offload.switches import Chosen, miss_paths, q6_k_layout
 from stratad.engine.placement import StartPlan
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
+from stratad.store.addressed import AddressedStore
 from stratad.store.placement.bandwidth import Bandwidths
 from stratad.store.placement.hostmem import cores, read_bps
-from stratad.store.placement.plan import ResidencyPlan
 from stratad.store.sizes import MiB
 from stratad.store.startup import plan_and_admit
-from stratad.store.store import StoreStats
-from stratad.store.tiers.pinning import Pinner, PinSettings, ProgressFn
+from stratad.store.tiers.pinning import PinSettings, ProgressFn
+from stratad.store.tiers.rows import PinnedRows, gpu_lock
+from stratad.store.tiers.slots import SlotSettings
 from stratad.store.tiers.sources import ExpertSource
 
 log = logging.getLogger("stratad.engine")
-
-
-class OffloadTiers:
-    """The offload engine's tiers as the control socket sees a store (`plan`, `stats()`): the
-    counters are its expert tables' own (decode lookups by tier, moves, slots)."""
-
-    def __init__(
-        self,
-        plan: ResidencyPlan,
-        forward: OffloadForward | StagedForward,
-        source: Any,
-        counts: tuple[int, ...],
-        bandwidths: Bandwidths,
-        budget: Any,
-        degraded: bool = False,
-    ) -> None:
-        self.plan, self.forward, self.source = plan, forward, source
-        self.layouts = source.layouts
-        self.counts, self.bandwidths, self.budget = counts, bandwidths, budget
-        self.degraded = degraded  # admission ran a smaller plan than configured
-
-    @property
-    def pinner(self) -> Pinner:
-        """The RAM tier's pinner (the control socket follows its progress)."""
-        return self.forward.host.pinner
-
-    def stats(self) -> StoreStats:
-        tables, host = self.forward.tables, self.forward.host
-        hits, lookups = sum(t.hits for t in tables), sum(t.lookups for t in tables)
-        files = sum(t.file_lookups for t in tables)
-        return StoreStats(
-            plan_hash=self.plan.hash, vram_hits=hits, ram_hits=lookups - hits - files,
-            file_hits=files,
-            evictions=sum(t.moves for t in tables), file_reads=host.file_reads,
-            file_bytes=host.file_bytes, pinned_bytes=host.pinned_bytes,
-            planned_ram_bytes=host.nbytes, vram_slots=sum(t.n_slots for t in tables),
-        )  # fmt: skip
 
 
 def open_offload(
@@ -82,7 +45,7 @@ def open_offload(
     source: ExpertSource,
     timer: StageTimer,
     on_pin_progress: ProgressFn | None = None,
-) -> tuple[OffloadForward | StagedForward, OffloadTiers]:
+) -> tuple[OffloadForward | StagedForward, AddressedStore]:
     """Plan (the store's one placement function on the start's stages), admit (wait for the
     RAM), fill and pin, then build."""
     started = plan_and_admit(config.store, source, stages=start.stages,
@@ -105,7 +68,7 @@ def open_offload(
         expert_vram_bytes=len(plan.vram) * layouts.slot_bytes, max_context=start.max_context,
         dtype=start.dtype, graphs=device.type == "cuda" and not timer.enabled,
         prefill_chunk=config.engine.offload_prefill_chunk,
-        cache_policy=config.store.cache_policy, gpu_miss=paths.gpu_miss.value,
+        slots=SlotSettings(config.store.cache_policy), gpu_miss=paths.gpu_miss.value,
         kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
         kv_int8=config.engine.kv_cache == "int8", q6_k_split=q6_k.value == "split",
@@ -114,7 +77,7 @@ def open_offload(
     forward: OffloadForward | StagedForward
     # the RAM tier, read through the store's source (a pack's checksums are verified there),
     # filled and page-locked by the store's paced pinner while the engine loads
-    lock = default_lock(device)
+    lock = gpu_lock(device)
     if lock.locker.gpu_registered and config.store.lock not in ("auto", "gpu"):
         log.warning(
             "store.lock = %s: the GPU engine registers its RAM tier with the GPU"
@@ -122,12 +85,15 @@ def open_offload(
             config.store.lock,
         )
     pin = PinSettings(config.store.pin_chunk_mib * MiB, config.store.pin_rate_gbps * 1e9)
-    host = HostExperts(source, layouts, ram, lock, pin, on_pin_progress)
+    rows = PinnedRows(source, KernelForm(source.layouts, layouts), ram, lock, pin,
+                      on_pin_progress)  # fmt: skip
+    store = AddressedStore(rows, plan, counts=inputs.counts, bandwidths=bw,
+                           budget=started.planned.budget, degraded=started.degraded)  # fmt: skip
     if len(start.devices) == 1:
-        forward = OffloadForward(model, device, cfg, residents=plan.residents(), host=host)
+        forward = OffloadForward(model, device, cfg, residents=plan.residents(), store=store)
     else:
         forward = StagedForward(model, start.devices, plan.bounds, cfg, residents=plan.residents(),
-                                host=host)  # fmt: skip
+                                store=store)  # fmt: skip
     forward.timer = timer
     forward.set_pcie_frac(_pcie_frac(config.engine.pcie_frac, paths.cpu_split, forward, bw))
     log.info(
@@ -136,9 +102,7 @@ def open_offload(
         "fetched into VRAM" if cfg.gpu_miss == "copy" else "read in place",
     )
     log.info("offload engine ready in %.1f s", time.monotonic() - t0)
-    tiers = OffloadTiers(plan, forward, source, inputs.counts, bw, started.planned.budget,
-                         started.degraded)  # fmt: skip
-    return forward, tiers
+    return forward, store
 
 
 def _pcie_frac(

@@ -1,18 +1,29 @@
-"""Which experts hold a VRAM slot: the initial placement and the recency policy that adapts it.
+"""Which experts hold a VRAM slot of an address table: the initial placement and the recency
+policy that adapts it.
 
-Pure bookkeeping (no torch): the engine asks `touch()` which missed experts to bring into
-VRAM and whom they replace, then moves the bytes itself. Each layer owns a fixed number of
-slots, so one hot layer cannot starve the others; within a layer the store's eviction policy
-(`store.cache_policy`: LRU or LFRU) names the expert that gives way. The initial fill is a
-pure function of the profile, so a restart starts from the same place.
+Pure bookkeeping (no torch): the table (`address_table.py`) asks `touch()` which missed experts
+to bring into VRAM and whom they replace, then moves the bytes itself. Each layer owns a fixed
+number of slots, so one hot layer cannot starve the others; within a layer the store's eviction
+policy (`store.cache_policy`: LRU or LFRU) names the expert that gives way. The initial fill is
+a pure function of the profile, so a restart starts from the same place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 
 from stratad.model.spec import ExpertUnit
 from stratad.store.tiers.cache import POLICIES, CachePolicy
+
+
+@dataclass(frozen=True)
+class SlotSettings:
+    """How an address table's slots follow the routing."""
+
+    policy: str = "lru"  # the store's eviction policies (`cache.POLICIES`)
+    adapt: bool = True  # move recently used experts into VRAM between steps
+    moves_per_step: int = 8  # the most copies in flight at once
 
 
 def initial_residents(

@@ -1,9 +1,11 @@
-"""An engine's experts on the device: the VRAM slots, the per-(layer, expert) address table,
-the eviction policy, the moves between decode steps and the counters.
+"""A runner's experts on one device, for kernels that read them by address (the GPU engine):
+the VRAM slots, the per-(layer, expert) address table, the eviction policy, the moves between
+decode steps and the counters. The store hands one out per device (`AddressedStore`).
 
 Each layer owns the slots its initial residents fill. The table says where each expert's
-blob is for the kernels: its VRAM slot, its page-locked RAM copy, or (an expert only the
-file holds) the file tier's bounce rows.
+blob is for the kernels: its VRAM slot, its page-locked RAM copy (`rows.py`), or (an expert
+only the file holds) the file tier's bounce rows (`file_rows.py`, read before a layer's
+kernels: `read_file_misses`).
 
 Between decode steps (`step`): each step's routed ids are copied to the host without
 waiting, and are accounted while the *next* step runs on the GPU, so the bookkeeping never
@@ -21,40 +23,41 @@ import logging
 
 import torch
 
-from stratad.engine.host_copy import HostCopy
-from stratad.engine.offload.config import OffloadConfig
-from stratad.engine.offload.experts import ExpertLayouts
-from stratad.engine.offload.host_experts import HostExperts
-from stratad.engine.offload.slots import SlotPolicy
+from stratad.host_copy import HostCopy
+from stratad.store.tiers.file_rows import FileRows
+from stratad.store.tiers.lookups import Lookups
+from stratad.store.tiers.rows import PinnedRows
+from stratad.store.tiers.slots import SlotPolicy, SlotSettings
 
-log = logging.getLogger("stratad.engine")
+log = logging.getLogger("stratad.store")
 
 
-class ExpertTable:
+class AddressTable:
     def __init__(
         self,
-        host: HostExperts,
-        layouts: ExpertLayouts,
+        ram: PinnedRows,
         layers: range,
         residents: list[list[int]],
         device: torch.device,
-        config: OffloadConfig,
-        unread_address: int,
+        settings: SlotSettings,
+        file_rows: int = 0,
     ) -> None:
-        """`residents`: each layer's experts that start in VRAM (only `layers` are this
-        engine's); `unread_address`: where the table points experts that only the file holds
-        until a step reads them."""
-        n_layers, n_experts = len(host.row_of), host.source.n_experts
-        self.host, self.layouts, self.layers, self.device = host, layouts, layers, device
-        self.config = config
+        """`ram`: the RAM rows (their form says a slot's bytes and where the parts lie in a
+        blob); `residents`: each layer's experts that start in VRAM (only `layers` are this
+        table's); `file_rows`: the most experts only the file holds that one layer's kernels
+        may read at once (0: none can be routed)."""
+        n_layers, n_experts = len(ram.row_of), ram.source.n_experts
+        self.ram, self.layers, self.device, self.settings = ram, layers, device, settings
+        self.slot_bytes = nbytes = ram.form.slot_bytes
         residents = [r if layer in layers else [] for layer, r in enumerate(residents)]
-        nbytes = layouts.slot_bytes
         self.n_slots = sum(len(r) for r in residents)
         self.slots = torch.empty((max(self.n_slots, 1), nbytes), dtype=torch.uint8, device=device)
         # a slot's expert without a RAM copy stays in VRAM; one only the file holds is never
         # admitted (there is no RAM copy to move in from)
-        self.policy = SlotPolicy(residents, config.cache_policy, ram=host.row_of)
-        self.offsets = layouts.offsets()  # [L, 3]
+        self.policy = SlotPolicy(residents, settings.policy, ram=ram.row_of)
+        self.offsets = ram.form.offsets()  # [L, 3]
+        self.files = FileRows(ram, file_rows, nbytes, self.offsets, device)
+        unread_address = self.files.address  # where experts only the file holds point until read
         self.slot_of: list[dict[int, int]] = []
         table = torch.empty((n_layers, n_experts, 3), dtype=torch.int64)
         scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -62,10 +65,10 @@ class ExpertTable:
         for layer in range(n_layers):
             slot_of = {}
             for e in range(n_experts):
-                base = host.blob(layer, e).data_ptr() if host.has(layer, e) else unread_address
+                base = ram.blob(layer, e).data_ptr() if ram.has(layer, e) else unread_address
                 table[layer, e] = base + self.offsets[layer]
             for e in residents[layer]:
-                blob = host.read(layer, e, scratch)
+                blob = ram.read(layer, e, scratch)
                 self.slots[s][: blob.numel()].copy_(blob)
                 table[layer, e] = self.slots[s].data_ptr() + self.offsets[layer]
                 slot_of[e] = s
@@ -74,8 +77,8 @@ class ExpertTable:
         self.table = table.to(device)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.route_counts = torch.zeros((n_layers, n_experts), dtype=torch.int64, device=device)
-        # routed experts of decode steps: all, found in VRAM, read from the file
-        self.hits = self.lookups = self.file_lookups = self.moves = 0
+        self.lookups = Lookups()  # the routed experts of decode steps, by tier
+        self.moves = 0
         self.pending: list[tuple[int, int, int, torch.cuda.Event | None]] = []  # copies in flight
         # the last step, not yet accounted: its ids on the host, their copy's event, and the
         # experts that step found in VRAM
@@ -94,7 +97,23 @@ class ExpertTable:
     def hit_rate(self) -> float:
         """VRAM hits over routed experts of the decode steps so far (accounts the last)."""
         self.flush()
-        return self.hits / self.lookups if self.lookups else 0.0
+        return self.lookups.hit_rate
+
+    @property
+    def reads_file(self) -> bool:
+        """Whether a step may route to an expert only the file holds (the host then reads it
+        before the layer's kernels: such a step cannot replay as a captured graph)."""
+        return self.files.enabled
+
+    def read_file_misses(self, layer: int, ids: torch.Tensor) -> None:
+        """Before `layer`'s kernels: read its routed experts [T, k] that only the file holds
+        into the bounce rows and point the table at them (waits for the routing)."""
+        self.files.before(layer, ids, self.slot_of[layer], self.table)
+
+    def forget_lookups(self) -> None:
+        """Count the lookups by tier from zero (the last step's too)."""
+        self.flush()
+        self.lookups.clear()
 
     def step(self, ids: torch.Tensor) -> None:
         """After a decode step is queued: count its routing ([layers, n] on the device, n
@@ -103,8 +122,7 @@ class ExpertTable:
         own = self.route_counts[self.layers.start : self.layers.stop]
         own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         if self.complete:  # nothing can miss or move: the counts need no copy of the ids
-            self.lookups += ids.numel()
-            self.hits += ids.numel()
+            self.lookups.add("vram", ids.numel())
             return
         resident = [frozenset(self.slot_of[layer]) for layer in self.layers]
         last, self._last = self._last, (HostCopy(ids), resident)
@@ -121,12 +139,14 @@ class ExpertTable:
         """Count hits and plan VRAM moves for the experts one step used (on the host)."""
         ids = copied.wait()
         repoint: list[tuple[int, int, int]] = []
-        cfg = self.config
+        cfg = self.settings
         for layer, experts, vram in zip(self.layers, ids.tolist(), resident, strict=True):
-            self.lookups += len(experts)
-            self.hits += sum(1 for x in experts if x in vram)
-            ram = self.host.row_of[layer]
-            self.file_lookups += sum(1 for x in experts if x not in vram and x not in ram)
+            hits = sum(1 for x in experts if x in vram)
+            held = self.ram.row_of[layer]
+            files = sum(1 for x in experts if x not in vram and x not in held)
+            self.lookups.add("vram", hits)
+            self.lookups.add("file", files)
+            self.lookups.add("ram", len(experts) - hits - files)
             if cfg.adapt and self.n_slots:
                 room = max(0, cfg.moves_per_step - len(self.pending))
                 # each expert once, in the order of first use: the policy's work is per
@@ -147,7 +167,7 @@ class ExpertTable:
             return None
         self.moves += 1
         s = self.slot_of[layer].pop(victim)
-        blob = self.host.blob(layer, admitted)
+        blob = self.ram.blob(layer, admitted)
         if self.side is None:
             self.slots[s][: blob.numel()].copy_(blob)
             self.pending.append((layer, admitted, s, None))
@@ -160,7 +180,7 @@ class ExpertTable:
                 done = torch.cuda.Event()
                 done.record()
             self.pending.append((layer, admitted, s, done))
-        return int(self.host.blob(layer, victim).data_ptr())
+        return int(self.ram.blob(layer, victim).data_ptr())
 
     def apply(self) -> None:
         """Repoint the table at slots whose copies have finished (never waits)."""
