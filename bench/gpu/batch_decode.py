@@ -31,7 +31,7 @@ from stratad.store.loader import load_model
 
 
 def _spread(xs: list[float]) -> dict[str, object]:
-    return {"median": statistics.median(xs), "spread": [min(xs), max(xs)]}
+    return {"median": statistics.median(xs), "spread": [min(xs), max(xs)], "samples": xs}
 
 
 def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[str, object]:
@@ -148,7 +148,10 @@ def main() -> None:
                 print(f"  {ms:8.3f}  {count:6.1f}  {name}")
     if args.json:
         given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"args": given, "rows": rows}, indent=1))
+        # each batch's repeats under a name of its own too, as `bench.gpu.ab_switch --metric`
+        # reads a figure (tok_s_b8)
+        figures = {f"tok_s_b{r['batch']}": r["tok_s"]["samples"] for r in rows}  # type: ignore[index]
+        args.json.write_text(json.dumps({"args": given, "rows": rows, **figures}, indent=1))
 
 
 if __name__ == "__main__":
