@@ -40,7 +40,7 @@ def test_two_stages_same_tokens_as_one(tiny_moe_model: Model) -> None:
     # each stage keeps slots and counts for its own layers only
     assert all(not staged.stages[0].experts.slot_of[i] for i in range(1, 4))
     assert staged.stages[1].route_counts[0].sum() == 0 < staged.stages[1].route_counts[1].sum()
-    seen = staged.store.lookups()
+    seen = staged.store.lookups
     assert 0 < seen.vram < seen.total
 
 

@@ -59,6 +59,7 @@ class AddressedStore:
         """The RAM tier's pinner (the control socket follows its progress)."""
         return self.rows.pinner
 
+    @property
     def lookups(self) -> Lookups:
         """The routed experts of decode steps by tier, every table's, as accounted so far (a
         table accounts a step while the next runs; any thread may read them)."""
@@ -77,7 +78,7 @@ class AddressedStore:
     def stats(self) -> StoreStats:
         if self.plan is None:
             raise RuntimeError("a store built without a residency plan has no stats")
-        seen, reads = self.lookups(), self.source.stats.snapshot()
+        seen, reads = self.lookups, self.source.stats.snapshot()
         return StoreStats(
             plan_hash=self.plan.hash, vram_hits=seen.vram, ram_hits=seen.ram,
             file_hits=seen.file, evictions=sum(t.moves for t in self.tables),
