@@ -150,7 +150,15 @@ def test_moe_launch_settings_per_type() -> None:
     assert got.moe_for("moe_down", QType.Q6_K) == MoeConfig(block_n=4, num_warps=4)
     assert got.moe_for("moe_down", QType.Q4_K) == MoeConfig(block_n=16, num_warps=4)
     assert configs_from_kernels(configs_to_json(got)) == got
+    # a split layout's own settings (Q6_K's) where the projection is held split; else the type's
+    held = configs_from_kernels({"moe_down@q6_k": {"block_n": 4},
+                                 "moe_down@q6_k_split": {"block_n": 8}})  # fmt: skip
+    assert held.moe_for("moe_down", QType.Q6_K, split=True).block_n == 8
+    assert held.moe_for("moe_down", QType.Q6_K).block_n == 4
+    assert got.moe_for("moe_down", QType.Q6_K, split=True) == MoeConfig(block_n=4, num_warps=4)
+    assert configs_from_kernels(configs_to_json(held)) == held
     for bad, match in (({"linear@q4_k": {}}, "only moe and moe_down take settings per type"),
+                       ({"moe@q4_k_split": {}}, "'q4_k_split' is no type the MoE kernels read"),
                        ({"moe@q4_q": {}}, "'q4_q' is no type the MoE kernels read"),
                        ({"moe@q4_k": {"block_n": 0}}, "kernels.moe@q4_k.block_n = 0")):  # fmt: skip
         with pytest.raises(TuningTableError, match=match):
@@ -163,6 +171,10 @@ def test_the_shipped_sm90_table_sets_the_measured_types() -> None:
     q4_k = got.moe_for("moe", QType.Q4_K)  # the word-addressed reader's pick (H100, r22)
     assert (q4_k.block_n, q4_k.super_blocks, q4_k.num_warps) == (4, 8, 1)
     assert got.moe_for("moe", QType.Q4_0) == got.moe  # Q4_0's reader keeps the wider launch
+    # Q6_K's down: as blocks 4:1:1, split 8:1:1 (the moe_types down launch, H100, r23)
+    blocks, split = (got.moe_for("moe_down", QType.Q6_K, s) for s in (False, True))
+    assert (blocks.block_n, split.block_n, split.super_blocks, split.num_warps) == (4, 8, 1, 1)
+    assert got.moe_int8(QType.Q6_K, split=True)  # the switch q6_k_layout may say split
 
 
 def test_nearest_version_rule() -> None:

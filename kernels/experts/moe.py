@@ -86,8 +86,13 @@ class ExpertFormat:
     def check_split(self, config: MoeConfig, aligned: bool) -> None:
         """Raise where a split Q6_K projection would not be read by the int8 dots."""
         for q in (self.gate, self.up, self.down):
-            if self.q6_k_split and q == QType.Q6_K and not self.int8(q, config, aligned):
+            if self.held_split(q) and not self.int8(q, config, aligned):
                 raise ValueError("split Q6_K is read by the int8 dots alone (int8_dots, aligned)")
+
+    def held_split(self, qtype: QType) -> bool:
+        """Whether projections of `qtype` are held in a split layout of their own settings
+        (`KernelConfigs.moe_for`'s `split`): Q6_K with `q6_k_split`."""
+        return self.q6_k_split and qtype == QType.Q6_K
 
     def int8(self, qtype: QType, config: MoeConfig, aligned: bool) -> bool:
         """Whether a projection of `qtype` is dotted in int8 (`MoeConfig.int8_dots`)."""

@@ -53,15 +53,21 @@ class KernelConfigs:
     # a MoE launch's settings for one GGUF type: ("moe@q4_k", MoeConfig(...)), ...
     moe_by_type: tuple[tuple[str, MoeConfig], ...] = ()
 
-    def moe_for(self, launch: str, qtype: QType) -> MoeConfig:
+    def moe_for(self, launch: str, qtype: QType, split: bool = False) -> MoeConfig:
         """The settings of MoE launch `launch` ("moe": gate/up, "moe_down") over a projection
-        of `qtype`: the type's own where the table has them, else the launch's."""
-        key = f"{launch}@{qtype.name.lower()}"
-        return next((c for k, c in self.moe_by_type if k == key), getattr(self, launch))
+        of `qtype`: the type's own where the table has them, else the launch's. `split`: the
+        projection is held in its type's split layout (Q6_K's, `kernels.experts.moe.split_q6_k`),
+        read by another reader: that layout's settings (`LAUNCH@q6_k_split`) come first."""
+        keys = [f"{launch}@{qtype.name.lower()}"]
+        if split:
+            keys.insert(0, f"{keys[0]}{SPLIT_SUFFIX}")
+        by_type = dict(self.moe_by_type)
+        return next((by_type[k] for k in keys if k in by_type), getattr(self, launch))
 
-    def moe_int8(self, qtype: QType) -> bool:
-        """Whether both MoE launches dot projections of `qtype` in int8 (where aligned)."""
-        return all(self.moe_for(launch, qtype).int8_dots for launch in MOE_LAUNCHES)
+    def moe_int8(self, qtype: QType, split: bool = False) -> bool:
+        """Whether both MoE launches dot projections of `qtype` (held split, with `split`) in
+        int8 (where aligned)."""
+        return all(self.moe_for(launch, qtype, split).int8_dots for launch in MOE_LAUNCHES)
 
 
 # Triton's interpreter (the CPU, in tests) runs each program as numpy operations, so fewer and
@@ -78,6 +84,9 @@ INTERPRETED = KernelConfigs(
 
 KERNELS = tuple(f.name for f in fields(KernelConfigs) if f.name != "moe_by_type")
 MOE_LAUNCHES = ("moe", "moe_down")
+# a layout of a type with settings of its own: LAUNCH@TYPE_split (Q6_K's split layout)
+SPLIT_SUFFIX = "_split"
+SPLIT_TYPES = ("q6_k",)
 # what `stratactl tune` measures; the prefetch copy's worth shows only beside the compute it
 # overlaps (bench.gpu.e2e --prefetch), so a table sets it by hand
 TUNED = ("moe", "fetch", "attention", "dequant", "linear")
@@ -130,6 +139,7 @@ def _moe_type(launch: str, type_name: str, name: str, source: str) -> None:
             f"{source}: {name!r}: only {' and '.join(MOE_LAUNCHES)} take settings per type"
         )
     known = sorted(q.name.lower() for q in MOE_QTYPES)
+    known += [f"{t}{SPLIT_SUFFIX}" for t in SPLIT_TYPES]
     if type_name not in known:
         raise TuningTableError(
             f"{source}: {name!r}: {type_name!r} is no type the MoE kernels read"

@@ -59,7 +59,7 @@ class OffloadConfig:
             raise ValueError(f"gpu_miss {self.gpu_miss!r} is not one of {GPU_MISS_PATHS}")
         if not 1 <= self.row_tokens <= FUSED_MAX_TOKENS:
             raise ValueError(f"row_tokens {self.row_tokens} is not in [1, {FUSED_MAX_TOKENS}]")
-        if self.q6_k_split and not self.kernels.moe_int8(QType.Q6_K):
+        if self.q6_k_split and not self.kernels.moe_int8(QType.Q6_K, split=True):
             raise ValueError("q6_k_split: the split Q6_K layout is read by the int8 dots alone"
                              " (int8_dots in the kernels' moe and moe_down settings)")
         if self.link_wait_ns_per_blob and (self.gpu_miss != "copy" or self.prefetch):

@@ -340,7 +340,8 @@ class OffloadForward:
             name = "experts (VRAM)"
         with stage(name):
             kernels, aligned, fmt = self.config.kernels, self._aligned, self.layouts[i].fmt
-            gate_up, down = kernels.moe_for("moe", fmt.gate), kernels.moe_for("moe_down", fmt.down)
+            gate_up = kernels.moe_for("moe", fmt.gate, fmt.held_split(fmt.gate))
+            down = kernels.moe_for("moe_down", fmt.down, fmt.held_split(fmt.down))
             act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, gate_up, aligned,
                               fmt)  # fmt: skip
             return moe_down(act, ids, weights, table, self.spec.hidden, down, aligned, fmt)

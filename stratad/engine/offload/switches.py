@@ -84,7 +84,7 @@ def q6_k_layout(switches: TableSwitches, configs: KernelConfigs, table: str = ""
     choice, else `blocks`; `blocks` too where `configs` do not dot Q6_K in int8 in both MoE
     launches (the split layout's only reader)."""
     chosen = _pick(switches, table, "q6_k_layout", Q6_K_LAYOUT, "blocks")
-    if chosen.value == "split" and not configs.moe_int8(QType.Q6_K):
+    if chosen.value == "split" and not configs.moe_int8(QType.Q6_K, split=True):
         return Chosen("blocks", f"{chosen.source} asks split, but Q6_K's int8 dots are off")
     return chosen
 
