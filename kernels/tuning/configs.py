@@ -58,11 +58,12 @@ class KernelConfigs:
         of `qtype`: the type's own where the table has them, else the launch's. `split`: the
         projection is held in its type's split layout (Q6_K's, `kernels.experts.moe.split_q6_k`),
         read by another reader: that layout's settings (`LAUNCH@q6_k_split`) come first."""
-        keys = [f"{launch}@{qtype.name.lower()}"]
-        if split:
-            keys.insert(0, f"{keys[0]}{SPLIT_SUFFIX}")
-        by_type = dict(self.moe_by_type)
-        return next((by_type[k] for k in keys if k in by_type), getattr(self, launch))
+        key = f"{launch}@{qtype.name.lower()}"
+        for wanted in (f"{key}{SPLIT_SUFFIX}", key) if split else (key,):
+            for k, c in self.moe_by_type:  # a few entries: read on every eager MoE launch
+                if k == wanted:
+                    return c
+        return getattr(self, launch)
 
     def moe_int8(self, qtype: QType, split: bool = False) -> bool:
         """Whether both MoE launches dot projections of `qtype` (held split, with `split`) in

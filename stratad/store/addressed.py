@@ -63,11 +63,9 @@ class AddressedStore:
     def lookups(self) -> Lookups:
         """The routed experts of decode steps by tier, every table's, as accounted so far (a
         table accounts a step while the next runs; any thread may read them)."""
-        out = Lookups()
-        for t in self.tables:
-            for tier in ("vram", "ram", "file"):
-                out.add(tier, getattr(t.lookups, tier))
-        return out
+        seen = [t.lookups for t in self.tables]
+        return Lookups(sum(s.vram for s in seen), sum(s.ram for s in seen),
+                       sum(s.file for s in seen))  # fmt: skip
 
     def forget_lookups(self) -> None:
         """Start the lookups by tier over at zero (as `ExpertStore.forget_lookups`; on the

@@ -122,7 +122,7 @@ class AddressTable:
         own = self.route_counts[self.layers.start : self.layers.stop]
         own.scatter_add_(1, ids.long(), torch.ones_like(ids, dtype=torch.int64))
         if self.complete:  # nothing can miss or move: the counts need no copy of the ids
-            self.lookups.add("vram", ids.numel())
+            self.lookups.vram += ids.numel()
             return
         resident = [frozenset(self.slot_of[layer]) for layer in self.layers]
         last, self._last = self._last, (HostCopy(ids), resident)
@@ -144,9 +144,9 @@ class AddressTable:
             hits = sum(1 for x in experts if x in vram)
             held = self.ram.row_of[layer]
             files = sum(1 for x in experts if x not in vram and x not in held)
-            self.lookups.add("vram", hits)
-            self.lookups.add("file", files)
-            self.lookups.add("ram", len(experts) - hits - files)
+            self.lookups.vram += hits
+            self.lookups.file += files
+            self.lookups.ram += len(experts) - hits - files
             if cfg.adapt and self.n_slots:
                 room = max(0, cfg.moves_per_step - len(self.pending))
                 # each expert once, in the order of first use: the policy's work is per

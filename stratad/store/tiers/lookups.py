@@ -21,8 +21,9 @@ class Lookups:
         """Found in VRAM, over all (0 before the first)."""
         return self.vram / self.total if self.total else 0.0
 
-    def add(self, tier: str, n: int = 1) -> None:
-        setattr(self, tier, getattr(self, tier) + n)
+    def add(self, tier: str) -> None:
+        """One expert served from `tier` ("vram", "ram" or "file")."""
+        setattr(self, tier, getattr(self, tier) + 1)
 
     def clear(self) -> None:
         self.vram = self.ram = self.file = 0
