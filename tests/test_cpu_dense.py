@@ -143,9 +143,29 @@ def test_chunks_and_threads_give_the_same_bits(kernels: CpuExperts) -> None:
     assert torch.equal(torch.cat(parts), whole)
 
 
+def test_a_window_of_tokens_gives_each_token_its_bits_alone(kernels: CpuExperts) -> None:
+    # a verify window (9 tokens after 37 cached: their keys end inside groups of eight, and
+    # 18 queries per KV head make two parts) attended together gives each token the bits it
+    # gets alone; rows past the window are NaN, so a read past the last key shows
+    layers, _ = _layers(QType.Q4_1, 2, bias=True)
+    x, kc, vc, cos, sin = _inputs(9, 37, 2)
+    for c in kc + vc:
+        c[46:] = float("nan")
+    whole, wk, wv = x.clone(), [c.clone() for c in kc], [c.clone() for c in vc]
+    DenseStack(kernels, SHAPE, layers)(whole, [CacheSpan(wk, wv, 37, 9)], cos, sin)
+    one = DenseStack(CpuExperts(threads=1, native=kernels.native), SHAPE, layers)
+    for t in range(9):
+        row = x[t : t + 1]  # a view: each token's row is computed in place
+        one(row, [CacheSpan(kc, vc, 37 + t, 1)], cos[t : t + 1].contiguous(),
+            sin[t : t + 1].contiguous())  # fmt: skip
+    assert not whole.isnan().any()
+    assert torch.equal(x, whole)
+    assert all(torch.equal(g[:46], w[:46]) for g, w in zip(kc + vc, wk + wv, strict=True))
+
+
 def test_the_query_heads_of_a_kv_head_in_any_parts(kernels: CpuExperts) -> None:
-    # ten query heads on one KV head: attended in parts of at most eight heads, as many parts
-    # as keep the team busy (two on one thread, eight on four); each head's sums are the same
+    # ten query heads on one KV head: attended in parts of at most sixteen queries, as many
+    # parts as keep the team busy (two on one thread, eight on four); each head's sums are the same
     # whatever part holds it, over keys past the prefetch distance
     wide = DenseShape(hidden=128, n_heads=10, n_kv_heads=1, head_dim=32, ffn=96,
                       rope_interleaved=False, eps=1e-5)  # fmt: skip

@@ -98,10 +98,13 @@ static inline __m256 hsum8x8(const __m256 *a) {
 }
 #endif
 
-/* Heads that share a KV head (GQA's group) are attended together: each key and value row is
- * converted from halves once, into a small float tile in L1, and every head of the group
- * reads the tile; one head at a time converted (and fetched) the same rows once per head. */
-#define ATTEND_GROUP_MAX 8
+/* The queries that read one KV head's cache rows are attended together: the heads of a GQA
+ * group, and the tokens of one sequence in a call (a verify window, a prompt chunk), each
+ * with its own count of keys. Each key and value row is converted from halves once, into a
+ * small float tile in L1, and every query of the task reads the tile; one token at a time
+ * converted (and fetched) the same rows once per token, which left a window of 8 drafted
+ * tokens at 1,400 keys with 2.5x the attention time of one token per token. */
+#define ATTEND_GROUP_MAX 16 /* queries of one task */
 #define V_TILE 32 /* value rows converted at once */
 #ifndef KV_AHEAD
 #define KV_AHEAD 16 /* key and value rows prefetched ahead */
@@ -117,6 +120,15 @@ typedef struct {
     const float *sc;    /* with q: the row's scale */
     int64_t stride, sstride;
 } kv_view_t;
+
+/* An attention task's g <= ATTEND_GROUP_MAX queries of one KV head: query j [d] at q[j], its
+ * output [d] at out[j], attending keys s < n[j] (its position + 1) */
+typedef struct {
+    const float *q[ATTEND_GROUP_MAX];
+    float *out[ATTEND_GROUP_MAX];
+    int64_t n[ATTEND_GROUP_MAX];
+    int64_t g;
+} queries_t;
 
 /* `quant` in the helpers below is the view's format (c->q set), passed as a constant by each
  * of attend_heads's two copies so that no branch on it is left in the loops (a test of c->q
@@ -176,26 +188,32 @@ static inline __attribute__((always_inline)) void kv_prefetch(
     }
 }
 
-/* For g <= ATTEND_GROUP_MAX heads h of one KV head: out_h [D] = softmax(q_h . k_s / sqrt(D)) v
- * over keys s < n, as llama.cpp computes it with its half-precision cache: k and v as the
- * cache holds them (halves, or int8 times their row's scale), q and the probabilities rounded
- * to halves for the products, sums in float. q_h and out_h are d apart; scores [g, n]. Key s
- * is row table[s / block] block + s % block of k and v: a paged cache's blocks, or one block
- * of all n keys (a contiguous cache, table {0}). With AVX2, eight keys' scores at once (eight
- * independent sums, where one key's dot was a chain of dependent multiply-adds and a
- * horizontal sum), each key row converted to floats once, into a tile in L1, for all g heads;
- * and the output 64 columns at a time in registers across a tile of value rows: each head's
- * operations are the same in the same order whatever g is, so the same bits (the int8
- * activations downstream turn any rounding change into a visible one). A block holds a
- * multiple of eight keys (or is the only one), so the groups of eight are those of one
- * contiguous cache, and the keys are visited in the order of their positions whatever blocks
- * hold them: a paged cache gives the same bits. */
-static inline __attribute__((always_inline)) void attend_heads_as(
-    const float *q, int64_t g, const kv_view_t *k, const kv_view_t *v, int64_t n,
-    const int32_t *table, int64_t block, int64_t d, float *scores, float *out, const int quant) {
+/* For the queries qs of one KV head: out_j [D] = softmax(q_j . k_s / sqrt(D)) v over keys
+ * s < n_j, as llama.cpp computes it with its half-precision cache: k and v as the cache holds
+ * them (halves, or int8 times their row's scale), q and the probabilities rounded to halves
+ * for the products, sums in float; scores [g, max n_j]. Key s is row table[s / block] block +
+ * s % block of k and v: a paged cache's blocks, or one block of all keys (a contiguous cache,
+ * table {0}). With AVX2, eight keys' scores at once (eight independent sums, where one key's
+ * dot was a chain of dependent multiply-adds and a horizontal sum), each key row converted to
+ * floats once, into a tile in L1, for every query; and the output 64 columns at a time in
+ * registers across a tile of value rows. Each query's operations are the same in the same
+ * order whatever the other queries of the task are (a query whose keys end inside a group of
+ * eight takes that group's scores from the eight-wide sums, the same bits as one key's dot),
+ * so the same bits alone or together (the int8 activations downstream turn any rounding change
+ * into a visible one). A block holds a multiple of eight keys (or is the only one), so the
+ * groups of eight are those of one contiguous cache, and the keys are visited in the order of
+ * their positions whatever blocks hold them: a paged cache gives the same bits. No row at or
+ * past the largest n_j is read. */
+static inline __attribute__((always_inline)) void attend_as(
+    const queries_t *qs, const kv_view_t *k, const kv_view_t *v, const int32_t *table,
+    int64_t block, int64_t d, float *scores, const int quant) {
+    const int64_t g = qs->g;
     float qh[ATTEND_GROUP_MAX][MAX_HEAD_DIM], scale = 1.0f / sqrtf((float)d);
-    for (int64_t h = 0; h < g; h++)
-        for (int64_t i = 0; i < d; i++) qh[h][i] = half_at((uint16_t[]){to_f16(q[h * d + i])});
+    int64_t n = 0; /* keys of the task: the most any query attends */
+    for (int64_t h = 0; h < g; h++) {
+        n = qs->n[h] > n ? qs->n[h] : n;
+        for (int64_t i = 0; i < d; i++) qh[h][i] = half_at((uint16_t[]){to_f16(qs->q[h][i])});
+    }
     for (int64_t b0 = 0; b0 < n; b0 += block) { /* keys b0 .. b0 + nb - 1: one block's rows */
         const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
         int64_t s = 0;
@@ -208,6 +226,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
                 for (int64_t i = 0; i < d; i += 8)
                     _mm256_store_ps(kf[j] + i, kv_load8(k, rb + s + j, i, quant));
             for (int64_t h = 0; h < g; h++) {
+                if (qs->n[h] <= b0 + s) continue; /* the query's keys ended before */
                 __m256 acc[8];
                 for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
                 for (int64_t i = 0; i < d; i += 8) {
@@ -222,28 +241,30 @@ static inline __attribute__((always_inline)) void attend_heads_as(
 #endif
         for (; s < nb; s++)
             for (int64_t h = 0; h < g; h++)
-                scores[h * n + b0 + s] = kv_dot(qh[h], k, rb + s, d, quant) * scale;
+                if (b0 + s < qs->n[h])
+                    scores[h * n + b0 + s] = kv_dot(qh[h], k, rb + s, d, quant) * scale;
     }
     for (int64_t h = 0; h < g; h++) {
+        const int64_t nh = qs->n[h];
         float *sc = scores + h * n, mx = -INFINITY;
-        for (int64_t s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx; /* fmaxf: a libm call */
-        float inv = 1.0f / softmax_exp(sc, n, mx);
+        for (int64_t s = 0; s < nh; s++) mx = sc[s] > mx ? sc[s] : mx; /* fmaxf: a libm call */
+        float inv = 1.0f / softmax_exp(sc, nh, mx);
         int64_t s = 0;
 #ifdef __AVX2__
-        for (; s + 8 <= n; s += 8) { /* the probabilities rounded to halves, eight at a time */
+        for (; s + 8 <= nh; s += 8) { /* the probabilities rounded to halves, eight at a time */
             __m256 pr = _mm256_mul_ps(_mm256_loadu_ps(sc + s), _mm256_set1_ps(inv));
             __m128i hv = _mm256_cvtps_ph(pr, _MM_FROUND_TO_NEAREST_INT);
             _mm256_storeu_ps(sc + s, _mm256_cvtph_ps(hv));
         }
 #endif
-        for (; s < n; s++) sc[s] = half_at((uint16_t[]){to_f16(sc[s] * inv)});
+        for (; s < nh; s++) sc[s] = half_at((uint16_t[]){to_f16(sc[s] * inv)});
     }
     for (int64_t c = 0; c < d; c += 64) {
 #ifdef __AVX2__
         if (d - c >= 64) {
             float vf[V_TILE][64] __attribute__((aligned(32)));
             for (int64_t h = 0; h < g; h++)
-                for (int i = 0; i < 64; i++) out[h * d + c + i] = 0.0f;
+                for (int i = 0; i < 64; i++) qs->out[h][c + i] = 0.0f;
             for (int64_t b0 = 0; b0 < n; b0 += block) {
                 const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
                 for (int64_t s0 = 0; s0 < nb; s0 += V_TILE) {
@@ -257,11 +278,13 @@ static inline __attribute__((always_inline)) void attend_heads_as(
                                             kv_load8(v, rb + s0 + s, c + 8 * i, quant));
                     }
                     for (int64_t h = 0; h < g; h++) {
+                        const int64_t left = qs->n[h] - (b0 + s0), m = left < nt ? left : nt;
+                        if (m <= 0) continue;
                         const float *p = scores + h * n + b0 + s0;
-                        float *oh = out + h * d + c;
+                        float *oh = qs->out[h] + c;
                         __m256 o[8];
                         for (int i = 0; i < 8; i++) o[i] = _mm256_loadu_ps(oh + 8 * i);
-                        for (int64_t s = 0; s < nt; s++) {
+                        for (int64_t s = 0; s < m; s++) {
                             __m256 pv = _mm256_set1_ps(p[s]);
                             for (int i = 0; i < 8; i++)
                                 o[i] = _mm256_fmadd_ps(pv, _mm256_load_ps(vf[s] + 8 * i), o[i]);
@@ -275,11 +298,13 @@ static inline __attribute__((always_inline)) void attend_heads_as(
 #endif
         int64_t end = d - c < 64 ? d : c + 64;
         for (int64_t h = 0; h < g; h++) {
-            float *oh = out + h * d;
+            float *oh = qs->out[h];
             const float *sc = scores + h * n;
+            const int64_t nh = qs->n[h];
             for (int64_t i = c; i < end; i++) oh[i] = 0.0f;
-            for (int64_t b0 = 0; b0 < n; b0 += block) {
-                const int64_t nb = n - b0 < block ? n - b0 : block, rb = kv_row(table, block, b0);
+            for (int64_t b0 = 0; b0 < nh; b0 += block) {
+                const int64_t nb = nh - b0 < block ? nh - b0 : block;
+                const int64_t rb = kv_row(table, block, b0);
                 for (int64_t s = 0; s < nb; s++) {
                     float p = sc[b0 + s];
                     int64_t i = c;
@@ -295,12 +320,11 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     }
 }
 
-/* attend_heads_as for the views' format: halves, or int8 where k->q is set (k and v alike) */
-static void attend_heads(const float *q, int64_t g, const kv_view_t *k, const kv_view_t *v,
-                         int64_t n, const int32_t *table, int64_t block, int64_t d,
-                         float *scores, float *out) {
+/* attend_as for the views' format: halves, or int8 where k->q is set (k and v alike) */
+static void attend(const queries_t *qs, const kv_view_t *k, const kv_view_t *v,
+                   const int32_t *table, int64_t block, int64_t d, float *scores) {
     if (k->q)
-        attend_heads_as(q, g, k, v, n, table, block, d, scores, out, 1);
+        attend_as(qs, k, v, table, block, d, scores, 1);
     else
-        attend_heads_as(q, g, k, v, n, table, block, d, scores, out, 0);
+        attend_as(qs, k, v, table, block, d, scores, 0);
 }

@@ -34,6 +34,11 @@ typedef struct { /* one layer's attention weights */
     int32_t qtype[4];
 } attn_weights_t;
 
+typedef struct { /* queries q0 .. q1 - 1 of KV head kv of the tokens ta, ta + 1, .. of one
+                  * sequence: query j is head kv g + j % g of token ta + j / g */
+    int64_t ta, q0, q1, kv;
+} attn_task_t;
+
 typedef struct { /* a call's state, shared by the team */
     attn_dims_t dm;
     int64_t T, L;             /* tokens, layers */
@@ -44,7 +49,8 @@ typedef struct { /* a call's state, shared by the team */
     float *h, *tmp;           /* [T, H]: x normed; the o product */
     float *qkv, *att;         /* [T, Hq D + 2 Hkv D], [T, Hq D] */
     float *scores;            /* [threads, ATTEND_GROUP_MAX span] */
-    int64_t parts;            /* attention tasks per KV head and token (heads_parts) */
+    attn_task_t *tasks;       /* the attention's tasks (attn_tasks) */
+    int64_t n_tasks;
     acts_t xa, aa;            /* int8 copies of h and att */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
@@ -88,14 +94,27 @@ static int attn_mats(mat_t *m, const attn_weights_t *w, const attn_dims_t *dm) {
     return err;
 }
 
-/* The parts the g query heads of a KV head are attended in: as few as keep the team busy (a
- * part converts its KV rows once for all its heads), at most ATTEND_GROUP_MAX heads a part;
- * groups: (token, KV head) pairs of the call */
-static int64_t heads_parts(int64_t g, int64_t groups, int threads) {
-    int64_t parts = (2 * threads + groups - 1) / groups, least = (g + ATTEND_GROUP_MAX - 1) /
-                                                                ATTEND_GROUP_MAX;
-    parts = parts < g ? parts : g;
-    return parts > least ? parts : least;
+/* The attention's tasks: each run of consecutive tokens of one sequence has, per KV head, its
+ * tokens' g query heads to attend, cut into as few parts as keep the team busy (a part
+ * converts its KV rows once for all its queries), at most ATTEND_GROUP_MAX queries a part;
+ * `tasks` NULL: only their count. A decode step of many sequences (a token each) has a task
+ * per sequence and KV head; one sequence's verify window or prompt chunk, its tokens' heads
+ * in parts of up to ATTEND_GROUP_MAX queries, each reading the rows once for all of them. */
+static int64_t attn_tasks(const int32_t *seq, int64_t T, int64_t nkv, int64_t g, int threads,
+                          attn_task_t *tasks) {
+    int64_t runs = 0, n = 0;
+    for (int64_t t = 0; t < T; t++) runs += t == 0 || seq[t] != seq[t - 1];
+    const int64_t want = (2 * threads + runs * nkv - 1) / (runs * nkv); /* parts per run */
+    for (int64_t ta = 0, tb; ta < T; ta = tb) {
+        for (tb = ta + 1; tb < T && seq[tb] == seq[ta];) tb++;
+        const int64_t q = (tb - ta) * g, least = (q + ATTEND_GROUP_MAX - 1) / ATTEND_GROUP_MAX;
+        const int64_t parts = want < least ? least : want < q ? want : q;
+        for (int64_t kv = 0; kv < nkv; kv++)
+            for (int64_t part = 0; part < parts; part++, n++)
+                if (tasks)
+                    tasks[n] = (attn_task_t){ta, part * q / parts, (part + 1) * q / parts, kv};
+    }
+    return n;
 }
 
 /* allocate s's buffers for its T tokens on `threads` threads (x, pos, seq, the caches, their
@@ -114,11 +133,15 @@ static int attn_alloc(attn_step_t *s, int threads) {
     s->att = FLOATS(T * QD), s->scores = FLOATS(threads * ATTEND_GROUP_MAX * s->span);
 #undef FLOATS
     s->vec = malloc(sizeof(int64_t) * (size_t)T);
+    const int64_t g = s->dm.n_heads / s->dm.n_kv_heads;
+    s->n_tasks = attn_tasks(s->seq, T, s->dm.n_kv_heads, g, threads, NULL);
+    s->tasks = malloc(sizeof(attn_task_t) * (size_t)s->n_tasks);
     s->outs = malloc(sizeof(float *) * (size_t)(4 * T));
     int bad = acts_alloc(&s->xa, T, H, s->h, H, s->tab);
     bad |= acts_alloc(&s->aa, T, QD, s->att, QD, s->tab);
-    if (bad || !s->h || !s->tmp || !s->qkv || !s->att || !s->scores || !s->vec || !s->outs)
+    if (bad || !s->h || !s->tmp || !s->qkv || !s->att || !s->scores || !s->vec || !s->outs || !s->tasks)
         return -3;
+    attn_tasks(s->seq, T, s->dm.n_kv_heads, g, threads, s->tasks);
     for (int64_t t = 0; t < T; t++) {
         s->vec[t] = t;
         s->outs[t] = s->qkv + t * W, s->outs[T + t] = s->qkv + t * W + QD;
@@ -126,14 +149,13 @@ static int attn_alloc(attn_step_t *s, int threads) {
         s->outs[3 * T + t] = s->tmp + t * H;
     }
     s->bar = (spin_barrier_t){0, 0, 0, threads};
-    s->parts = heads_parts(s->dm.n_heads / s->dm.n_kv_heads, T * s->dm.n_kv_heads, threads);
     return 0;
 }
 
 static void attn_free(attn_step_t *s) {
     acts_free(&s->xa), acts_free(&s->aa);
     free(s->h), free(s->tmp), free(s->qkv), free(s->att), free(s->scores), free(s->vec);
-    free(s->outs);
+    free(s->outs), free(s->tasks);
 }
 
 /* the cache row of position p of sequence q */
@@ -201,12 +223,19 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
     for (int64_t i = 0; i < T * (nh + 2 * nkv); i++)
         head_prep(s, w, l, i / (nh + 2 * nkv), i % (nh + 2 * nkv));
     spin_barrier(&s->bar, sense);
-    const int64_t g = nh / nkv, parts = s->parts;
+    const int64_t g = nh / nkv;
 #pragma omp for schedule(dynamic) nowait
-    for (int64_t i = 0; i < T * nkv * parts; i++) { /* heads lo .. hi - 1 of KV head kv */
-        int64_t t = i / (nkv * parts), kv = i / parts % nkv, part = i % parts;
-        int64_t lo = kv * g + part * g / parts, hi = kv * g + (part + 1) * g / parts;
-        int64_t c = s->seq[t] * s->L + l;
+    for (int64_t i = 0; i < s->n_tasks; i++) {
+        const attn_task_t *tk = &s->tasks[i];
+        const int32_t q = s->seq[tk->ta];
+        const int64_t c = q * s->L + l, kv = tk->kv;
+        queries_t qs = {.g = tk->q1 - tk->q0};
+        for (int64_t j = tk->q0; j < tk->q1; j++) {
+            const int64_t t = tk->ta + j / g, h = kv * g + j % g;
+            qs.q[j - tk->q0] = s->qkv + t * W + h * D;
+            qs.out[j - tk->q0] = s->att + t * QD + h * D;
+            qs.n[j - tk->q0] = s->pos[t] + 1;
+        }
         kv_view_t kc = {NULL, NULL, NULL, nkv * D, nkv}, vc = kc;
         if (s->k_scale) {
             kc.q = (const int8_t *)s->k_cache[c] + kv * D, kc.sc = s->k_scale[c] + kv;
@@ -215,9 +244,7 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
             kc.h = (const uint16_t *)s->k_cache[c] + kv * D;
             vc.h = (const uint16_t *)s->v_cache[c] + kv * D;
         }
-        attend_heads(s->qkv + t * W + lo * D, hi - lo, &kc, &vc, s->pos[t] + 1,
-                     s->tables[s->seq[t]], s->block[s->seq[t]], D,
-                     s->scores + me * ATTEND_GROUP_MAX * S, s->att + t * QD + lo * D);
+        attend(&qs, &kc, &vc, s->tables[q], s->block[q], D, s->scores + me * ATTEND_GROUP_MAX * S);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait
