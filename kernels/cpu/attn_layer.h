@@ -104,6 +104,7 @@ static int64_t attn_tasks(const int32_t *seq, int64_t T, int64_t nkv, int64_t g,
                           attn_task_t *tasks) {
     int64_t runs = 0, n = 0;
     for (int64_t t = 0; t < T; t++) runs += t == 0 || seq[t] != seq[t - 1];
+    if (runs == 0) return 0;
     const int64_t want = (2 * threads + runs * nkv - 1) / (runs * nkv); /* parts per run */
     for (int64_t ta = 0, tb; ta < T; ta = tb) {
         for (tb = ta + 1; tb < T && seq[tb] == seq[ta];) tb++;
@@ -139,7 +140,8 @@ static int attn_alloc(attn_step_t *s, int threads) {
     s->outs = malloc(sizeof(float *) * (size_t)(4 * T));
     int bad = acts_alloc(&s->xa, T, H, s->h, H, s->tab);
     bad |= acts_alloc(&s->aa, T, QD, s->att, QD, s->tab);
-    if (bad || !s->h || !s->tmp || !s->qkv || !s->att || !s->scores || !s->vec || !s->outs || !s->tasks)
+    if (bad || !s->h || !s->tmp || !s->qkv || !s->att || !s->scores || !s->vec || !s->outs ||
+        !s->tasks)
         return -3;
     attn_tasks(s->seq, T, s->dm.n_kv_heads, g, threads, s->tasks);
     for (int64_t t = 0; t < T; t++) {
@@ -244,7 +246,8 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
             kc.h = (const uint16_t *)s->k_cache[c] + kv * D;
             vc.h = (const uint16_t *)s->v_cache[c] + kv * D;
         }
-        attend(&qs, &kc, &vc, s->tables[q], s->block[q], D, s->scores + me * ATTEND_GROUP_MAX * S);
+        attend(&qs, &kc, &vc, s->tables[q], s->block[q], D,
+               s->scores + me * ATTEND_GROUP_MAX * S);
     }
     spin_barrier(&s->bar, sense);
 #pragma omp for schedule(static) nowait
