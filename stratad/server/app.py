@@ -8,6 +8,7 @@ while it loads). The completion handlers live in `stratad.server.completions`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import logging
@@ -162,6 +163,11 @@ class Server:
                     warm_up = getattr(engine, "warm_up", None)
                     if warm_up is not None:
                         warm_up()
+                    # what the load made (torch's modules, the model's tables: ~245K objects
+                    # with the default model) leaves the collector's walks: a full collection
+                    # over them took 50-110 ms on the 2-core VM, a stall in some stream
+                    gc.collect()
+                    gc.freeze()
                 except BaseException as e:  # reported, then the daemon exits
                     self.scheduler.state = "failed"
                     loop.call_soon_threadsafe(failed, e)
