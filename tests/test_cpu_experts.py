@@ -163,6 +163,20 @@ def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert torch.equal(got[t - 1 :], prepared(x[t - 1 : t]))
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1], ids=lambda q: q.name)
+def test_two_groups_at_once_give_each_groups_bits(cpu: CpuExperts, qtype: QType) -> None:
+    # 24 rows: the first two groups of eight may go together (512-bit registers where the
+    # host has AVX-512 VNNI), the third alone; each group's rows give the bits they give as a
+    # matrix of one group (the 8-row path), for 1-9 tokens
+    rows, cols = 24, 96
+    raw = blocks(qtype, rows, cols, seed=11)
+    whole = cpu.prepare(raw, qtype, rows, cols)
+    alone = [cpu.prepare(raw[8 * g : 8 * g + 8].contiguous(), qtype, 8, cols) for g in range(3)]
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(5))
+    for t in (1, 3, 4, 9):
+        assert torch.equal(whole(x[:t]), torch.cat([p(x[:t]) for p in alone], dim=1))
+
+
 def test_the_interleaved_flag_and_types_are_the_kernels(cpu: CpuExperts) -> None:
     header = (Path(__file__).parents[1] / "kernels" / "cpu" / "interleave.h").read_text()
     assert f"#define X8_FLAG (1 << {X8.bit_length() - 1})" in header and X8 == 1 << 10

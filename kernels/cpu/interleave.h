@@ -332,6 +332,70 @@ static inline __attribute__((always_inline)) void x8_group(
     for (int j = 0; j < nt; j++) _mm256_storeu_ps(outs[j] + r, _mm256_add_ps(acc[j], corr[j]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Two groups of 4-bit blocks at once in 512-bit registers (16 rows: group g's 8 in the low
+ * half, g + 1's in the high): each activation's 4 bytes broadcast once for 16 rows, and its
+ * scale and block sum applied to 16 rows by one multiply-add each, where the 256-bit dots
+ * spent those per 8 rows: products of 64 tokens 1.24-1.53x faster on the 2-core VM (Sapphire
+ * Rapids; SmolLM2's Q4_1 shapes and a Q4_0 one), 1 and 9 tokens within 0.94-1.18x
+ * (bench/results/2026-12-07-cpu-ab.md). Each lane's operations are those of x8_sub4 and
+ * x8_group, in the same order: the same bits. */
+#define X16_Q4 1
+
+/* 16 halves: 8 at pa, 8 at pb, as floats */
+static inline __m512 ph16(const uint8_t *pa, const uint8_t *pb) {
+    __m256i h = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
+        _mm_loadu_si128((const __m128i *)pb), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+/* x8_sub4 for the 32 values of two groups' blocks, codes at ca and cb */
+static inline __attribute__((always_inline)) void x16_sub4(
+    const uint8_t *ca, const uint8_t *cb, __m512 sc, __m512 mn, int64_t b32, const acts_t *a,
+    const int64_t *vec, int nt, __m512 *acc, __m512 *corr) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i w[8];
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(ca + 32 * c))),
+            _mm256_loadu_si256((const __m256i *)(cb + 32 * c)), 1);
+        w[2 * c] = _mm512_and_si512(v, m4);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    for (int j = 0; j < nt; j++) {
+        const int64_t ib = vec[j] * (a->k / 32) + b32;
+        const int8_t *x = a->q + vec[j] * a->k + 32 * b32;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512(); /* two chains */
+        for (int c = 0; c < 4; c++) {
+            int32_t v0, v1;
+            memcpy(&v0, x + 8 * c, 4), memcpy(&v1, x + 8 * c + 4, 4);
+            lo = _mm512_dpbusd_epi32(lo, w[2 * c], _mm512_set1_epi32(v0));
+            hi = _mm512_dpbusd_epi32(hi, w[2 * c + 1], _mm512_set1_epi32(v1));
+        }
+        __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+        acc[j] = _mm512_fmadd_ps(s, _mm512_mul_ps(sc, _mm512_set1_ps(a->d[ib])), acc[j]);
+        corr[j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->xf[ib]), corr[j]);
+    }
+}
+
+/* x8_group of an X8_Q4 matrix for groups at ga and gb (rows r .. r + 15) */
+static inline __attribute__((always_inline)) void x16_group(
+    const uint8_t *ga, const uint8_t *gb, int64_t nb, const acts_t *a, const int64_t *vec,
+    int nt, float *const *outs, int64_t r) {
+    __m512 acc[X8_TILE], corr[X8_TILE];
+    for (int j = 0; j < nt; j++) acc[j] = corr[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pa = ga + b * X8_BLOCK[X8_Q4], *pb = gb + b * X8_BLOCK[X8_Q4];
+        x16_sub4(pa + 32, pb + 32, ph16(pa, pb), ph16(pa + 16, pb + 16), b, a, vec, nt, acc,
+                 corr);
+    }
+    for (int j = 0; j < nt; j++) _mm512_storeu_ps(outs[j] + r, _mm512_add_ps(acc[j], corr[j]));
+}
+#else
+#define X16_Q4 0
+#endif
+
 /* No software prefetch: a group's blocks are one sequential run the hardware prefetcher
  * follows, and prefetching the whole next group (up to 34 KiB of a wide matrix, into L1) made
  * the products 1.1-1.6x slower on the 2-core VM (Q4_K [8192, 2048] 268 -> 165 us without). */
@@ -341,6 +405,23 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     const int64_t nb = m->cols / X8_VALUES[m->x8], gbytes = nb * X8_BLOCK[m->x8];
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
+#if X16_Q4
+        if (m->x8 == X8_Q4 && g + 1 < r1 / 8) { /* two groups at once */
+            for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
+                int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
+#define X16_CASE(n) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g)
+                switch (nt) {
+                case 1: X16_CASE(1); break;
+                case 2: X16_CASE(2); break;
+                case 3: X16_CASE(3); break;
+                default: X16_CASE(4); break;
+                }
+#undef X16_CASE
+            }
+            g++;
+            continue;
+        }
+#endif
         for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
             int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
 /* a copy of x8_group per layout and tile size, each a constant */
