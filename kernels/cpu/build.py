@@ -81,15 +81,16 @@ def _host_cpu() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keys}))
 
 
-def build(cache_dir: Path | None = None, native: bool = True) -> Path:
+def build(cache_dir: Path | None = None, native: bool = True, source: Path = SOURCE_DIR) -> Path:
     """The path of the compiled library, building it if the cache does not hold it.
 
     native=False builds for the baseline of the target (no -march=native): the portable C
-    paths, not the AVX2 ones, for the tests to check both."""
+    paths, not the AVX2 ones, for the tests to check both. `source`: the folder of the C
+    sources (this package's; another commit's for `bench.cpu.ab_kernels`)."""
     cc = compiler()
     version = _version(cc)
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.glob("*.[ch]")):
+    for path in sorted(source.glob("*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     march = (NATIVE,) if native else ()
     digest.update(repr((cc, FLAGS, march, version, _host_cpu() if native else "")).encode())
@@ -104,7 +105,7 @@ def build(cache_dir: Path | None = None, native: bool = True) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        src = str(SOURCE_DIR / MAIN)
+        src = str(source / MAIN)
         done = _run([*cc, *FLAGS, *march, "-o", tmp, src])
         if done.returncode != 0 and march and "march" in done.stderr:  # a compiler without it
             done = _run([*cc, *FLAGS, "-o", tmp, src])
@@ -134,10 +135,12 @@ def quiet_openmp() -> None:
     os.environ.setdefault(*OMP_WAIT)
 
 
-def load(cache_dir: Path | None = None, native: bool = True) -> ctypes.CDLL:
+def load(
+    cache_dir: Path | None = None, native: bool = True, source: Path = SOURCE_DIR
+) -> ctypes.CDLL:
     """Build if needed, then load the library (its functions release the GIL when called)."""
     quiet_openmp()  # our runtime reads it when the library loads
-    lib = build(cache_dir, native)
+    lib = build(cache_dir, native, source)
     try:
         return ctypes.CDLL(str(lib))
     except OSError as e:

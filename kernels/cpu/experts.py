@@ -27,7 +27,7 @@ import numpy as np
 import psutil
 import torch
 
-from kernels.cpu.build import load
+from kernels.cpu.build import SOURCE_DIR, load
 from kernels.cpu.file_pages import FileMappings
 from kernels.cpu.team import TeamSize
 from kernels.formats.iq_tables import iq_tables
@@ -117,16 +117,19 @@ class CpuExperts:
         *,
         native: bool = True,
         interleave: bool = True,
+        source: Path = SOURCE_DIR,
     ) -> None:
         """Build (first use) and load the kernels; `CpuKernelsUnavailable` if they cannot be.
         native=False: without -march=native (the portable C paths; for tests). interleave:
         dense weights of `INTERLEAVED_QTYPES` are copied into rows interleaved in eights where
-        the build has those dots (`interleave`); off: read in their GGUF layout."""
+        the build has those dots (`interleave`); off: read in their GGUF layout. source: the
+        C sources' folder (another commit's, with the same functions, for an A/B in one
+        process: `bench.cpu.ab_kernels`)."""
         self.threads = threads if threads is not None else physical_cores()
         self.native = native
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        lib = load(cache_dir, native)
+        lib = load(cache_dir, native, source)
         self._matmul = lib.strata_matmul
         self._matmul.argtypes = [_P, _I64, _P, _I32, _I32, _I64, _I64, _P, _I32, _P]
         self._moe = lib.strata_moe
