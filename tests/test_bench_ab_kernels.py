@@ -36,3 +36,5 @@ def test_bad_cases_are_refused() -> None:
         main(["HEAD", "--cases", "8-2"])
     with pytest.raises(SystemExit):
         main(["HEAD", "--cases", "8:0"])
+    with pytest.raises(SystemExit):
+        main(["HEAD", "--qtype", "Q9_9"])

@@ -1,12 +1,14 @@
 """The CPU kernels of several revisions side by side in one process: which is faster, and do
 they give the same bits.
 
-    python -m bench.cpu.ab_kernels REV [REV ...] [--layers 30] [--cases 1400:1,1400:9,0:512]
-                                   [--rounds 7] [--threads N] [--json PATH]
+    python -m bench.cpu.ab_kernels REV [REV ...] [--shape smollm2|llama1b] [--qtype T]
+                                   [--layers 30] [--cases 1400:1,1400:9,0:512] [--rounds 7]
+                                   [--threads N] [--json PATH]
 
 Each REV's `kernels/cpu` sources (`git archive REV`; `.` for the working tree) are built and
 loaded together, then timed in turns within each round: dense layers in one call
-(`kernels/cpu/dense.py`) at SmolLM2-135M's shapes with random Q4_1 weights, for each case
+(`kernels/cpu/dense.py`) at SmolLM2-135M's shapes with random Q4_1 weights (`--shape llama1b`:
+a 1B llama's, Q4_K; `--qtype` another type the kernels read), for each case
 KEYS:TOKENS, that is TOKENS new tokens of one sequence after KEYS cached ones (1400:1 a decode
 step at 1,400 keys, 1400:9 a verify of 8 drafted tokens, 0:512 a prompt chunk). Prints the
 median ms per call (min–max) of each revision, its ratio to the first, and whether every
@@ -49,8 +51,12 @@ from stratad.engine.reference.layers import rope_tables
 from stratad.model.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
-SMOLLM2 = DenseShape(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn=1536,
-                     rope_interleaved=False, eps=1e-5)  # fmt: skip
+SHAPES = {  # a shape and the type its weights are timed in unless --qtype says
+    "smollm2": (DenseShape(hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn=1536,
+                           rope_interleaved=False, eps=1e-5), QType.Q4_1),
+    "llama1b": (DenseShape(hidden=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192,
+                           rope_interleaved=False, eps=1e-5), QType.Q4_K),
+}  # fmt: skip
 MIN_TIMING_S = 0.05  # calls repeated until one timing lasts this long
 
 
@@ -68,14 +74,14 @@ def sources(rev: str, work: Path) -> Path:
     return into / "kernels" / "cpu"
 
 
-def random_layers(shape: DenseShape, n: int, seed: int = 0) -> list[DenseLayer]:
-    """n layers of random Q4_1 weights (unit norms, no biases)."""
+def random_layers(shape: DenseShape, n: int, qtype: QType, seed: int = 0) -> list[DenseLayer]:
+    """n layers of random weights in qtype (unit norms, no biases)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         weights = tuple(
-            (quantize(torch.randn(*shape.rows_cols()[p], generator=gen) * 0.02, QType.Q4_1),
-             QType.Q4_1) for p in PROJECTIONS
+            (quantize(torch.randn(*shape.rows_cols()[p], generator=gen) * 0.02, qtype), qtype)
+            for p in PROJECTIONS
         )  # fmt: skip
         ones = torch.ones(shape.hidden)
         out.append(DenseLayer(ones, ones.clone(), weights, (None, None, None)))
@@ -130,18 +136,18 @@ def _timing(case: Case, stack: DenseStack, rev: str, reps: int) -> float:
 
 
 def compare(revs: Sequence[str], cases: Sequence[tuple[int, int]], layers: int, rounds: int,
-            threads: int) -> dict[str, object]:  # fmt: skip
+            threads: int, shape: DenseShape, qtype: QType) -> dict[str, object]:  # fmt: skip
     """Each case's ms per call per revision (a sample per round) and whether the bits agree."""
     with tempfile.TemporaryDirectory() as tmp:
         stacks = {}
-        weights = random_layers(SMOLLM2, layers)
+        weights = random_layers(shape, layers, qtype)
         for rev in revs:
             cpu = CpuExperts(threads, source=sources(rev, Path(tmp)))
-            stacks[rev] = DenseStack(cpu, SMOLLM2, weights)
+            stacks[rev] = DenseStack(cpu, shape, weights)
     result: dict[str, object] = {"revisions": list(revs), "layers": layers, "rounds": rounds,
                                  "threads": threads, "cases": {}}  # fmt: skip
     for keys, tokens in cases:
-        case = Case.make(keys, tokens, SMOLLM2, layers, revs)
+        case = Case.make(keys, tokens, shape, layers, revs)
         outs = {r: case.run(stacks[r], r) for r in revs}  # the first call: builds and warms
         reps = max(1, round(MIN_TIMING_S / _timing(case, stacks[revs[0]], revs[0], 1)))
         ms: dict[str, list[float]] = {r: [] for r in revs}
@@ -175,10 +181,19 @@ def table(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _qtype(name: str) -> QType:
+    try:
+        return QType.__members__[name.upper()]
+    except KeyError:
+        raise ValueError(name) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.cpu.ab_kernels", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("revs", nargs="+", help='git revisions, "." for the working tree')
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--qtype", type=_qtype, help="Q4_0, Q4_1, Q8_0, Q4_K, ...")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--cases", default="1400:1,1400:9,0:512", help="KEYS:TOKENS,...")
     p.add_argument("--rounds", type=int, default=7)
@@ -192,9 +207,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if any(k < 0 or t < 1 for k, t in cases) or args.layers < 1 or args.rounds < 1:
         p.error("keys >= 0, tokens >= 1, --layers >= 1 and --rounds >= 1")
     torch.set_num_threads(1)
-    result = compare(args.revs, cases, args.layers, args.rounds, args.threads)
-    print(f"{args.layers} layers at SmolLM2-135M's shapes, Q4_1, {args.threads} threads; "
-          f"median of {args.rounds} rounds in turns (min–max)")  # fmt: skip
+    shape, qtype = SHAPES[args.shape]
+    qtype = args.qtype or qtype
+    result = compare(args.revs, cases, args.layers, args.rounds, args.threads, shape, qtype)
+    result.update(shape=args.shape, qtype=qtype.name)
+    print(f"{args.layers} layers at {args.shape}'s shapes, {qtype.name}, {args.threads} threads;"
+          f" median of {args.rounds} rounds in turns (min–max)")  # fmt: skip
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
