@@ -338,8 +338,8 @@ static inline __attribute__((always_inline)) void x8_group(
  * scale and block sum applied to 16 rows by one multiply-add each, where the 256-bit dots
  * spent those per 8 rows: products of 64 tokens 1.24-1.53x faster on the 2-core VM (Sapphire
  * Rapids; SmolLM2's Q4_1 shapes and a Q4_0 one), 1 and 9 tokens within 0.94-1.18x
- * (bench/results/2026-12-07-cpu-ab.md). Each lane's operations are those of x8_sub4 and
- * x8_group, in the same order: the same bits. */
+ * (bench/results/2026-12-07-cpu-ab.md). Q4_0/Q4_1 blocks and Q4_K's sub-blocks. Each lane's
+ * operations are those of x8_sub4 and x8_group, in the same order: the same bits. */
 #define X16_Q4 1
 
 /* 16 halves: 8 at pa, 8 at pb, as floats */
@@ -379,16 +379,33 @@ static inline __attribute__((always_inline)) void x16_sub4(
     }
 }
 
-/* x8_group of an X8_Q4 matrix for groups at ga and gb (rows r .. r + 15) */
+/* 8 unsigned bytes at pa and 8 at pb as floats */
+static inline __m512 u8x16_ps(const uint8_t *pa, const uint8_t *pb) {
+    __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)pa),
+                                   _mm_loadl_epi64((const __m128i *)pb));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+/* x8_group of an X8_Q4 or X8_Q4K matrix for groups at ga and gb (rows r .. r + 15) */
 static inline __attribute__((always_inline)) void x16_group(
     const uint8_t *ga, const uint8_t *gb, int64_t nb, const acts_t *a, const int64_t *vec,
-    int nt, float *const *outs, int64_t r) {
+    int nt, float *const *outs, int64_t r, int kind) {
     __m512 acc[X8_TILE], corr[X8_TILE];
     for (int j = 0; j < nt; j++) acc[j] = corr[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *pa = ga + b * X8_BLOCK[X8_Q4], *pb = gb + b * X8_BLOCK[X8_Q4];
-        x16_sub4(pa + 32, pb + 32, ph16(pa, pb), ph16(pa + 16, pb + 16), b, a, vec, nt, acc,
-                 corr);
+        const uint8_t *pa = ga + b * X8_BLOCK[kind], *pb = gb + b * X8_BLOCK[kind];
+        if (kind == X8_Q4) {
+            x16_sub4(pa + 32, pb + 32, ph16(pa, pb), ph16(pa + 16, pb + 16), b, a, vec, nt, acc,
+                     corr);
+            continue;
+        } /* X8_Q4K: 8 sub-blocks, each its 6-bit scale and minimum (x8_group's) */
+        __m512 d16 = ph16(pa, pb);
+        __m512 dm16 = _mm512_sub_ps(_mm512_setzero_ps(), ph16(pa + 16, pb + 16));
+        for (int s = 0; s < 8; s++)
+            x16_sub4(pa + 160 + 128 * s, pb + 160 + 128 * s,
+                     _mm512_mul_ps(d16, u8x16_ps(pa + 32 + 8 * s, pb + 32 + 8 * s)),
+                     _mm512_mul_ps(dm16, u8x16_ps(pa + 96 + 8 * s, pb + 96 + 8 * s)), 8 * b + s,
+                     a, vec, nt, acc, corr);
     }
     for (int j = 0; j < nt; j++) _mm512_storeu_ps(outs[j] + r, _mm512_add_ps(acc[j], corr[j]));
 }
@@ -406,16 +423,22 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
 #if X16_Q4
-        if (m->x8 == X8_Q4 && g + 1 < r1 / 8) { /* two groups at once */
+        if ((m->x8 == X8_Q4 || m->x8 == X8_Q4K) && g + 1 < r1 / 8) { /* two groups at once */
             for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
                 int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
-#define X16_CASE(n) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g)
-                switch (nt) {
-                case 1: X16_CASE(1); break;
-                case 2: X16_CASE(2); break;
-                case 3: X16_CASE(3); break;
-                default: X16_CASE(4); break;
-                }
+#define X16_CASE(n, kind) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
+#define X16_TILES(kind)                                                                      \
+    switch (nt) {                                                                            \
+    case 1: X16_CASE(1, kind); break;                                                        \
+    case 2: X16_CASE(2, kind); break;                                                        \
+    case 3: X16_CASE(3, kind); break;                                                        \
+    default: X16_CASE(4, kind); break;                                                       \
+    }
+                if (m->x8 == X8_Q4)
+                    X16_TILES(X8_Q4)
+                else
+                    X16_TILES(X8_Q4K)
+#undef X16_TILES
 #undef X16_CASE
             }
             g++;
