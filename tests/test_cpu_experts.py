@@ -163,12 +163,13 @@ def test_interleaved_rows_match_torch(cpu: CpuExperts, qtype: QType) -> None:
         assert torch.equal(got[t - 1 :], prepared(x[t - 1 : t]))
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", sorted(INTERLEAVED_QTYPES, key=lambda t: t.name),
+                         ids=lambda t: t.name)  # fmt: skip
 def test_two_groups_at_once_give_each_groups_bits(cpu: CpuExperts, qtype: QType) -> None:
     # 24 rows: the first two groups of eight may go together (512-bit registers where the
     # host has AVX-512 VNNI), the third alone; each group's rows give the bits they give as a
     # matrix of one group (the 8-row path), for 1-9 tokens
-    rows, cols = 24, 256 if qtype == QType.Q4_K else 96
+    rows, cols = 24, 96 if qtype in BLOCK_32 else 256
     raw = blocks(qtype, rows, cols, seed=11)
     whole = cpu.prepare(raw, qtype, rows, cols)
     alone = [cpu.prepare(raw[8 * g : 8 * g + 8].contiguous(), qtype, 8, cols) for g in range(3)]

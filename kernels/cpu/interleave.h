@@ -333,14 +333,15 @@ static inline __attribute__((always_inline)) void x8_group(
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* Two groups of 4-bit blocks at once in 512-bit registers (16 rows: group g's 8 in the low
+/* Two groups at once in 512-bit registers (16 rows: group g's 8 in the low
  * half, g + 1's in the high): each activation's 4 bytes broadcast once for 16 rows, and its
  * scale and block sum applied to 16 rows by one multiply-add each, where the 256-bit dots
  * spent those per 8 rows: products of 64 tokens 1.24-1.53x faster on the 2-core VM (Sapphire
  * Rapids; SmolLM2's Q4_1 shapes and a Q4_0 one), 1 and 9 tokens within 0.94-1.18x
- * (bench/results/2026-12-07-cpu-ab.md). Q4_0/Q4_1 blocks and Q4_K's sub-blocks. Each lane's
- * operations are those of x8_sub4 and x8_group, in the same order: the same bits. */
-#define X16_Q4 1
+ * (bench/results/2026-12-07-cpu-ab.md); every layout (Q4_0/Q4_1, Q8_0, Q4_K, Q6_K). Each
+ * lane's operations are those of x8_sub4, x8_sub6, x8_block_q8 and x8_group, in the same
+ * order: the same bits. */
+#define X16_DOTS 1
 
 /* 16 halves: 8 at pa, 8 at pb, as floats */
 static inline __m512 ph16(const uint8_t *pa, const uint8_t *pb) {
@@ -379,6 +380,78 @@ static inline __attribute__((always_inline)) void x16_sub4(
     }
 }
 
+/* two 32-byte vectors, at pa (low half) and pb (high) */
+static inline __m512i join32(const uint8_t *pa, const uint8_t *pb) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pa)),
+                              _mm256_loadu_si256((const __m256i *)pb), 1);
+}
+
+/* x8_block_q8's dots for two groups' blocks (codes at ca and cb; x8_group's X8_Q8 case): the
+ * codes offset to unsigned once for the nt activations */
+static inline __attribute__((always_inline)) void x16_q8(
+    const uint8_t *ca, const uint8_t *cb, __m512 d16, int64_t b, const acts_t *a,
+    const int64_t *vec, int nt, __m512 *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80); /* q + 128: unsigned */
+    __m512i w[8];
+    for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(join32(ca + 32 * c, cb + 32 * c), flip);
+    for (int j = 0; j < nt; j++) {
+        const int64_t ib = vec[j] * (a->k / 32) + b;
+        const int8_t *x = a->q + vec[j] * a->k + 32 * b;
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+            int32_t v0, v1;
+            memcpy(&v0, x + 4 * c, 4), memcpy(&v1, x + 4 * c + 4, 4);
+            lo = _mm512_dpbusd_epi32(lo, w[c], _mm512_set1_epi32(v0));
+            hi = _mm512_dpbusd_epi32(hi, w[c + 1], _mm512_set1_epi32(v1));
+        }
+        __m512i s = _mm512_sub_epi32(_mm512_add_epi32(lo, hi),
+                                     _mm512_set1_epi32(128 * (a->s[2 * ib] + a->s[2 * ib + 1])));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                 _mm512_mul_ps(d16, _mm512_set1_ps(a->d[ib])), acc[j]);
+    }
+}
+
+/* x8_sub6 for the 32 values of two groups' Q6_K sub-blocks (codes at ca and cb, the rows'
+ * int8 scales of its two halves at sa, sa + 8 and sb, sb + 8) */
+static inline __attribute__((always_inline)) void x16_sub6(
+    const uint8_t *ca, const uint8_t *cb, const int8_t *sa, const int8_t *sb, __m512 d16,
+    int64_t b32, const acts_t *a, const int64_t *vec, int nt, __m512 *acc) {
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(0x30);
+    __m512i w[8];
+    for (int h = 0; h < 2; h++) {
+        __m512i hb = join32(ca + 128 + 32 * h, cb + 128 + 32 * h);
+        const __m512i high[4] = {_mm512_slli_epi16(hb, 4), _mm512_slli_epi16(hb, 2), hb,
+                                 _mm512_srli_epi16(hb, 2)};
+        for (int c = 2 * h; c < 2 * h + 2; c++) {
+            __m512i v = join32(ca + 32 * c, cb + 32 * c);
+            w[2 * c] = _mm512_or_si512(_mm512_and_si512(v, m4),
+                                       _mm512_and_si512(high[2 * (c - 2 * h)], m2));
+            w[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                           _mm512_and_si512(high[2 * (c - 2 * h) + 1], m2));
+        }
+    }
+    const __m512i s0 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+        _mm_loadl_epi64((const __m128i *)sa), _mm_loadl_epi64((const __m128i *)sb)));
+    const __m512i s1 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+        _mm_loadl_epi64((const __m128i *)(sa + 8)), _mm_loadl_epi64((const __m128i *)(sb + 8))));
+    for (int j = 0; j < nt; j++) {
+        const int64_t ib = vec[j] * (a->k / 32) + b32;
+        const int8_t *x = a->q + vec[j] * a->k + 32 * b32;
+        __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512(); /* 0-15, 16-31 */
+        for (int i = 0; i < 4; i++) {
+            int32_t v0, v1;
+            memcpy(&v0, x + 4 * i, 4), memcpy(&v1, x + 16 + 4 * i, 4);
+            h0 = _mm512_dpbusd_epi32(h0, w[i], _mm512_set1_epi32(v0));
+            h1 = _mm512_dpbusd_epi32(h1, w[4 + i], _mm512_set1_epi32(v1));
+        }
+        h0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(32 * a->s[2 * ib]));
+        h1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(32 * a->s[2 * ib + 1]));
+        __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(h0, s0), _mm512_mullo_epi32(h1, s1));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                 _mm512_mul_ps(d16, _mm512_set1_ps(a->d[ib])), acc[j]);
+    }
+}
+
 /* 8 unsigned bytes at pa and 8 at pb as floats */
 static inline __m512 u8x16_ps(const uint8_t *pa, const uint8_t *pb) {
     __m128i v = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)pa),
@@ -386,7 +459,7 @@ static inline __m512 u8x16_ps(const uint8_t *pa, const uint8_t *pb) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-/* x8_group of an X8_Q4 or X8_Q4K matrix for groups at ga and gb (rows r .. r + 15) */
+/* x8_group for groups at ga and gb (rows r .. r + 15) */
 static inline __attribute__((always_inline)) void x16_group(
     const uint8_t *ga, const uint8_t *gb, int64_t nb, const acts_t *a, const int64_t *vec,
     int nt, float *const *outs, int64_t r, int kind) {
@@ -398,8 +471,18 @@ static inline __attribute__((always_inline)) void x16_group(
             x16_sub4(pa + 32, pb + 32, ph16(pa, pb), ph16(pa + 16, pb + 16), b, a, vec, nt, acc,
                      corr);
             continue;
-        } /* X8_Q4K: 8 sub-blocks, each its 6-bit scale and minimum (x8_group's) */
+        }
         __m512 d16 = ph16(pa, pb);
+        if (kind == X8_Q8) {
+            x16_q8(pa + 16, pb + 16, d16, b, a, vec, nt, acc);
+            continue;
+        }
+        if (kind == X8_Q6K) {
+            for (int s = 0; s < 8; s++)
+                x16_sub6(pa + 144 + 192 * s, pb + 144 + 192 * s, (const int8_t *)pa + 16 + 16 * s,
+                         (const int8_t *)pb + 16 + 16 * s, d16, 8 * b + s, a, vec, nt, acc);
+            continue;
+        } /* X8_Q4K: 8 sub-blocks, each its 6-bit scale and minimum (x8_group's) */
         __m512 dm16 = _mm512_sub_ps(_mm512_setzero_ps(), ph16(pa + 16, pb + 16));
         for (int s = 0; s < 8; s++)
             x16_sub4(pa + 160 + 128 * s, pb + 160 + 128 * s,
@@ -410,7 +493,7 @@ static inline __attribute__((always_inline)) void x16_group(
     for (int j = 0; j < nt; j++) _mm512_storeu_ps(outs[j] + r, _mm512_add_ps(acc[j], corr[j]));
 }
 #else
-#define X16_Q4 0
+#define X16_DOTS 0
 #endif
 
 /* No software prefetch: a group's blocks are one sequential run the hardware prefetcher
@@ -422,8 +505,8 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     const int64_t nb = m->cols / X8_VALUES[m->x8], gbytes = nb * X8_BLOCK[m->x8];
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
-#if X16_Q4
-        if ((m->x8 == X8_Q4 || m->x8 == X8_Q4K) && g + 1 < r1 / 8) { /* two groups at once */
+#if X16_DOTS
+        if (g + 1 < r1 / 8) { /* two groups at once */
             for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
                 int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
 #define X16_CASE(n, kind) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
@@ -434,10 +517,12 @@ static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
     case 3: X16_CASE(3, kind); break;                                                        \
     default: X16_CASE(4, kind); break;                                                       \
     }
-                if (m->x8 == X8_Q4)
-                    X16_TILES(X8_Q4)
-                else
-                    X16_TILES(X8_Q4K)
+                switch (m->x8) {
+                case X8_Q4: X16_TILES(X8_Q4); break;
+                case X8_Q4K: X16_TILES(X8_Q4K); break;
+                case X8_Q6K: X16_TILES(X8_Q6K); break;
+                default: X16_TILES(X8_Q8); break;
+                }
 #undef X16_TILES
 #undef X16_CASE
             }
