@@ -121,8 +121,8 @@ static inline __m256 hsum8x8(const __m256 *a) {
  * group, and the tokens of one sequence in a call (a verify window, a prompt chunk), each
  * with its own count of keys. Each key and value row is converted from halves once, into a
  * small float tile in L1, and every query of the task reads the tile; one token at a time
- * converted (and fetched) the same rows once per token, which left a window of 8 drafted
- * tokens at 1,400 keys with 2.5x the attention time of one token per token. */
+ * converted (and fetched) the same rows once per token (30 of SmolLM2's layers, 9 tokens at
+ * 1,400 keys with small FFNs: 20.6 -> 16.8 ms, bench/results/2026-12-07-cpu-ab.md). */
 #define ATTEND_GROUP_MAX 16 /* queries of one task */
 #define V_TILE 32 /* value rows converted at once */
 #ifndef KV_AHEAD
@@ -150,7 +150,7 @@ typedef struct {
 } queries_t;
 
 /* `quant` in the helpers below is the view's format (c->q set), passed as a constant by each
- * of attend_heads's two copies so that no branch on it is left in the loops (a test of c->q
+ * of attend_as's two copies so that no branch on it is left in the loops (a test of c->q
  * per eight values cost a 1,000-key attention 60% more time on the 2-core VM) */
 #ifdef __AVX2__
 static inline __attribute__((always_inline)) __m256 kv_load8(const kv_view_t *c, int64_t row,
