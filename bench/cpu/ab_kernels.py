@@ -144,8 +144,7 @@ def compare(revs: Sequence[str], cases: Sequence[tuple[int, int]], layers: int, 
         for rev in revs:
             cpu = CpuExperts(threads, source=sources(rev, Path(tmp)))
             stacks[rev] = DenseStack(cpu, shape, weights)
-    result: dict[str, object] = {"revisions": list(revs), "layers": layers, "rounds": rounds,
-                                 "threads": threads, "cases": {}}  # fmt: skip
+    timed: dict[str, dict[str, object]] = {}
     for keys, tokens in cases:
         case = Case.make(keys, tokens, shape, layers, revs)
         outs = {r: case.run(stacks[r], r) for r in revs}  # the first call: builds and warms
@@ -160,8 +159,9 @@ def compare(revs: Sequence[str], cases: Sequence[tuple[int, int]], layers: int, 
                        case.caches[r][0] + case.caches[r][1],
                        case.caches[first][0] + case.caches[first][1], strict=True))
                    for r in revs)  # fmt: skip
-        result["cases"][case.name] = {"ms": ms, "same_bits": same}  # type: ignore[index]
-    return result
+        timed[case.name] = {"ms": ms, "same_bits": same}
+    return {"revisions": list(revs), "layers": layers, "rounds": rounds, "threads": threads,
+            "cases": timed}  # fmt: skip
 
 
 def table(result: dict[str, object]) -> str:
