@@ -499,59 +499,48 @@ static inline __attribute__((always_inline)) void x16_group(
 /* No software prefetch: a group's blocks are one sequential run the hardware prefetcher
  * follows, and prefetching the whole next group (up to 34 KiB of a wide matrix, into L1) made
  * the products 1.1-1.6x slower on the 2-core VM (Q4_K [8192, 2048] 268 -> 165 us without). */
+/* a copy of the group dot CALL(n, kind) per layout and tile size nt, each a constant (the
+ * accumulators stay in registers) */
+#define X8_TILES(CALL, kind)                                                                 \
+    switch (nt) {                                                                            \
+    case 1: CALL(1, kind); break;                                                            \
+    case 2: CALL(2, kind); break;                                                            \
+    case 3: CALL(3, kind); break;                                                            \
+    default: CALL(4, kind); break;                                                           \
+    }
+#define X8_KINDS(CALL)                                                                       \
+    switch (m->x8) {                                                                         \
+    case X8_Q4: X8_TILES(CALL, X8_Q4); break;                                                \
+    case X8_Q4K: X8_TILES(CALL, X8_Q4K); break;                                              \
+    case X8_Q6K: X8_TILES(CALL, X8_Q6K); break;                                              \
+    default: X8_TILES(CALL, X8_Q8); break;                                                   \
+    }
 /* outs[j][r] for rows r in [r0, r1) (multiples of 8) of m (interleaved), j < nv */
 static void rows_dot_x8(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
                         const int64_t *vec, float *const *outs, int64_t nv) {
     const int64_t nb = m->cols / X8_VALUES[m->x8], gbytes = nb * X8_BLOCK[m->x8];
+#define X8_CASE(n, kind) x8_group(p, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
+#define X16_CASE(n, kind) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
     for (int64_t g = r0 / 8; g < r1 / 8; g++) {
         const uint8_t *p = m->base + g * gbytes;
-#if X16_DOTS
-        if (g + 1 < r1 / 8) { /* two groups at once */
-            for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
-                int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
-#define X16_CASE(n, kind) x16_group(p, p + gbytes, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
-#define X16_TILES(kind)                                                                      \
-    switch (nt) {                                                                            \
-    case 1: X16_CASE(1, kind); break;                                                        \
-    case 2: X16_CASE(2, kind); break;                                                        \
-    case 3: X16_CASE(3, kind); break;                                                        \
-    default: X16_CASE(4, kind); break;                                                       \
-    }
-                switch (m->x8) {
-                case X8_Q4: X16_TILES(X8_Q4); break;
-                case X8_Q4K: X16_TILES(X8_Q4K); break;
-                case X8_Q6K: X16_TILES(X8_Q6K); break;
-                default: X16_TILES(X8_Q8); break;
-                }
-#undef X16_TILES
-#undef X16_CASE
-            }
-            g++;
-            continue;
-        }
-#endif
+        const int two = X16_DOTS && g + 1 < r1 / 8; /* two groups at once */
         for (int64_t v0 = 0; v0 < nv; v0 += X8_TILE) {
             int64_t nt = nv - v0 < X8_TILE ? nv - v0 : X8_TILE;
-/* a copy of x8_group per layout and tile size, each a constant */
-#define X8_CASE(n, kind) x8_group(p, nb, a, vec + v0, n, outs + v0, 8 * g, kind)
-#define X8_TILES(kind)                                                                       \
-    switch (nt) {                                                                            \
-    case 1: X8_CASE(1, kind); break;                                                         \
-    case 2: X8_CASE(2, kind); break;                                                         \
-    case 3: X8_CASE(3, kind); break;                                                         \
-    default: X8_CASE(4, kind); break;                                                        \
-    }
-            switch (m->x8) {
-            case X8_Q4: X8_TILES(X8_Q4); break;
-            case X8_Q4K: X8_TILES(X8_Q4K); break;
-            case X8_Q6K: X8_TILES(X8_Q6K); break;
-            default: X8_TILES(X8_Q8); break;
+#if X16_DOTS
+            if (two) {
+                X8_KINDS(X16_CASE)
+                continue;
             }
-#undef X8_TILES
-#undef X8_CASE
+#endif
+            X8_KINDS(X8_CASE)
         }
+        g += two;
     }
+#undef X16_CASE
+#undef X8_CASE
 }
+#undef X8_KINDS
+#undef X8_TILES
 #endif
 
 /* 1 where this build has the interleaved dots (AVX2 with F16C), else 0: the layout is only
