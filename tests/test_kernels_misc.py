@@ -29,6 +29,7 @@ from kernels.layers.attention import (
     decode_attention,
     decode_attention_ref,
 )
+from kernels.layers.paged import HostPages
 from kernels.layers.rope import (
     RopeConfig,
     RopeStyle,
@@ -350,6 +351,44 @@ def test_decode_attention_paged(block_size: int, dtype: torch.dtype) -> None:
                                block_size=block_size)  # fmt: skip
     assert torch.equal(ref, decode_attention_ref(q, k, v, seq_lens))
     torch.testing.assert_close(paged, ref, **TOL[dtype])
+
+
+def split_tier(pool: torch.Tensor, first: int, block_size: int, fill: float) -> tuple[
+    torch.Tensor, torch.Tensor
+]:
+    """A pool cut at block `first`: (the pool with those rows `fill`ed, the rows from there
+    on as a tensor of their own, the second tier)."""
+    host = pool[first * block_size :].clone()
+    pool = pool.clone()
+    pool[first * block_size :] = fill
+    return pool, host
+
+
+@pytest.mark.parametrize("first", [1, 6], ids=["host-most", "host-some"])
+def test_decode_attention_reads_the_host_tier(first: int) -> None:
+    """The pool's blocks from `first` on in a second tier (the first tier NaN there): bit for
+    bit the one-tier call, split in pieces, and the reference agrees."""
+    lens, block_size = [45, 1, 70], 8
+    q, k, v, _ = attention_inputs(3, 4, 2, 16, 72, torch.float32, seed=31)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    k_pool, v_pool, table = to_pool(k, v, lens, block_size, seed=31)
+    config = AttentionConfig(block_s=16, split_s=32)
+    want = decode_attention(q, k_pool, v_pool, seq_lens, config=config, block_tables=table,
+                            block_size=block_size)  # fmt: skip
+    (k_dev, k_host), (v_dev, v_host) = (split_tier(t, first, block_size, float("nan"))
+                                        for t in (k_pool, v_pool))  # fmt: skip
+    host = HostPages(k_host, v_host, None, None, first)
+    got = decode_attention(q, k_dev, v_dev, seq_lens, config=config, block_tables=table,
+                           block_size=block_size, host=host)  # fmt: skip
+    assert torch.equal(got, want)
+    ref = decode_attention_ref(q, k_dev, v_dev, seq_lens, block_tables=table,
+                               block_size=block_size, host=host)  # fmt: skip
+    torch.testing.assert_close(ref, want, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="layout"):
+        decode_attention(q, k_dev, v_dev, seq_lens, block_tables=table, block_size=block_size,
+                         host=HostPages(k_host.half(), v_host, None, None, first))  # fmt: skip
+    with pytest.raises(ValueError, match="needs block_tables"):
+        decode_attention(q, k, v, seq_lens, host=host)
 
 
 def test_decode_attention_paged_launch_reads_no_values(launched: list[tuple[int, ...]]) -> None:

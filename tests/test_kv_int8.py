@@ -13,6 +13,7 @@ import torch
 from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
 from kernels.layers.attention import AttentionConfig, decode_attention, decode_attention_ref
 from kernels.layers.attn_input import attn_input, attn_input_ref
+from kernels.layers.paged import HostPages
 from kernels.layers.rope import RopeStyle
 from tests.kernel_cases import DEVICE, TOL
 
@@ -259,6 +260,41 @@ def test_decode_attention_int8(dtype: torch.dtype, split_s: int, block_size: int
         err = (out - decode_attention_ref(q, k, v, seq_lens)).abs().amax(-1).cpu().double()
         bound = _float_bound(q.cpu(), k.cpu(), v.cpu(), ks.cpu(), vs.cpu(), lens, 1 / math.sqrt(D))
         assert bool((err <= bound + 1e-5).all()), (err, bound)  # 1e-5: float32 roundings
+
+
+def test_decode_attention_int8_reads_the_host_tier() -> None:
+    """An int8 pool's blocks from 3 on, ints and scales, in a second tier (the first tier's
+    scales NaN there, its ints garbage): bit for bit the one-tier call."""
+    lens, block_size, first = [40, 13, 1], 8, 3
+    q = torch.randn(3, HQ, D, generator=_gen(21)).to(DEVICE)
+    k, v = _rows(3, 40, HKV, D, seed=22).to(DEVICE), _rows(3, 40, HKV, D, seed=23).to(DEVICE)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    k8p, table = _to_pool(k8, 0, lens, block_size, seed=24)
+    v8p, _ = _to_pool(v8, 0, lens, block_size, seed=24)
+    ksp, _ = _to_pool(ks, float("nan"), lens, block_size, seed=24)
+    vsp, _ = _to_pool(vs, float("nan"), lens, block_size, seed=24)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    config = AttentionConfig(block_s=8, split_s=16)
+    paged = {"block_tables": table, "block_size": block_size}
+    want = decode_attention(q, k8p, v8p, seq_lens, config=config, k_scale=ksp, v_scale=vsp,
+                            **paged)  # type: ignore[arg-type]
+    cut = first * block_size
+    tiers = [(t.clone(), t[cut:].clone()) for t in (k8p, v8p, ksp, vsp)]
+    for dev, _ in tiers[:2]:
+        dev[cut:] = 77
+    for dev, _ in tiers[2:]:
+        dev[cut:] = float("nan")
+    (kd, kh), (vd, vh), (ksd, ksh), (vsd, vsh) = tiers
+    host = HostPages(kh, vh, ksh, vsh, first)
+    got = decode_attention(q, kd, vd, seq_lens, config=config, k_scale=ksd, v_scale=vsd,
+                           host=host, **paged)  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+    ref = decode_attention_ref(q, kd, vd, seq_lens, k_scale=ksd, v_scale=vsd, host=host,
+                               **paged)  # type: ignore[arg-type]
+    torch.testing.assert_close(ref, want, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="scales"):
+        decode_attention(q, kd, vd, seq_lens, k_scale=ksd, v_scale=vsd,
+                         host=HostPages(kh, vh, None, None, first), **paged)  # type: ignore[arg-type]
 
 
 def test_decode_attention_int8_checks() -> None:

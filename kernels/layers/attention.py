@@ -13,6 +13,11 @@ the format of `kernels.formats.kv_int8`), read as they are: the ints widen to th
 dtype (exactly: |q| <= 127), each K row's scores are multiplied by its k scale, and each V
 row's softmax weight by its v scale before the second dot. No dequantized copy is made.
 
+A paged pool may have a second tier (`host`, `kernels.layers.paged.HostPages`): the blocks
+from `first_block` on live in other tensors, typically page-locked RAM mapped for the GPU, a
+long context's older blocks. Each step loads its rows from both tiers, each load masked to
+the rows it holds (a masked-off row costs no memory traffic), and adds the two.
+
 One program serves all query heads of one KV head, so each K/V row is read once per
 group rather than once per query head: decode attention is bound by reading the cache.
 
@@ -50,7 +55,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats.kv_int8 import dequantize_kv
-from kernels.layers.paged import check_block_tables, gather_pages
+from kernels.layers.paged import HostPages, check_block_tables, gather_pages
 
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
 _MERGE_J = 8  # pieces merged per step
@@ -88,6 +93,12 @@ def _attend(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
     QUANT: tl.constexpr,  # int8 K/V, each row scaled by its ks/vs
+    hk_base,  # the host tier's K/V/scales at slot 0 of the KV head (HOST); else unread
+    hv_base,
+    hks_base,
+    hvs_base,
+    first_host,  # the first block id of the host tier (HOST)
+    HOST: tl.constexpr,  # PAGED with a second tier: blocks >= first_host read from it
 ):
     """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
     unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
@@ -103,15 +114,36 @@ def _attend(
         kv_mask = (s[:, None] < end) & (d[None, :] < D)
         if PAGED:  # each position's row in the pool: its block's slot 0, plus its offset
             block = tl.load(table + s // PAGE, mask=s < end, other=0)  # [BS]
-            rows = (block.to(tl.int64) * PAGE + s % PAGE)[:, None]
+            if HOST:  # the host tier's rows go to its own load; here they read row 0
+                on_host = block >= first_host
+                host_row = (tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE
+                            + s % PAGE)  # fmt: skip
+                block = tl.where(on_host, 0, block)
+            srow = block.to(tl.int64) * PAGE + s % PAGE  # [BS]
         else:
-            rows = s[:, None].to(tl.int64)
-        k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
+            srow = s.to(tl.int64)
+        rows = srow[:, None]
+        if HOST:
+            dev_mask = kv_mask & ~on_host[:, None]
+            host_mask = kv_mask & on_host[:, None]
+            hrows = host_row[:, None]
+            k = tl.load(k_base + rows * stride_ks + d[None, :], mask=dev_mask, other=0.0)
+            v = tl.load(v_base + rows * stride_vs + d[None, :], mask=dev_mask, other=0.0)
+            k += tl.load(hk_base + hrows * stride_ks + d[None, :], mask=host_mask, other=0.0)
+            v += tl.load(hv_base + hrows * stride_vs + d[None, :], mask=host_mask, other=0.0)
+        else:
+            k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
         if QUANT:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
-            srow = block.to(tl.int64) * PAGE + s % PAGE if PAGED else s.to(tl.int64)
-            ks = tl.load(ks_base + srow * stride_kss, mask=s < end, other=0.0)
-            vs = tl.load(vs_base + srow * stride_vss, mask=s < end, other=0.0)
+            if HOST:
+                dev_s, host_s = (s < end) & ~on_host, (s < end) & on_host
+                ks = tl.load(ks_base + srow * stride_kss, mask=dev_s, other=0.0)
+                vs = tl.load(vs_base + srow * stride_vss, mask=dev_s, other=0.0)
+                ks += tl.load(hks_base + host_row * stride_kss, mask=host_s, other=0.0)
+                vs += tl.load(hvs_base + host_row * stride_vss, mask=host_s, other=0.0)
+            else:
+                ks = tl.load(ks_base + srow * stride_kss, mask=s < end, other=0.0)
+                vs = tl.load(vs_base + srow * stride_vss, mask=s < end, other=0.0)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         elif DOT_F32:
@@ -231,6 +263,12 @@ def _decode_attention_kernel(
     PAGED: tl.constexpr,  # sequence b's K/V rows through table_ptr[b] (stride_kb is 0)
     PAGE: tl.constexpr,  # positions per block (PAGED)
     QUANT: tl.constexpr,  # int8 K/V with per (row, KV head) scales
+    hk_ptr,  # the host tier [n_host_slots, Hkv, D] in the pool's strides (HOST); else unread
+    hv_ptr,
+    hks_ptr,  # its scales [n_host_slots, Hkv] in the pool's scale strides (HOST and QUANT)
+    hvs_ptr,
+    first_host,  # the first block id of the host tier
+    HOST: tl.constexpr,
 ):
     """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
     piece it writes the output; with more it writes its partials, and the last program of
@@ -261,6 +299,8 @@ def _decode_attention_kernel(
         q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, ks_base, vs_base,
         stride_kss, stride_vss, start, end, scale,
         D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE, QUANT,
+        hk_ptr + kv_head * stride_kh, hv_ptr + kv_head * stride_vh,
+        hks_ptr + kv_head * stride_ksh, hvs_ptr + kv_head * stride_vsh, first_host, HOST,
     )  # fmt: skip
     if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -378,6 +418,7 @@ def _launch(
     block_size: int,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    host: HostPages | None,
 ) -> None:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
@@ -406,6 +447,10 @@ def _launch(
     interpreted = q.device.type == "cpu"  # a dot's operands at least 16 wide on a GPU
     block_s = cfg.block_s if interpreted else max(cfg.block_s, 16)
     block_h = triton.next_power_of_2(group)
+    unread = seq_lens  # a pointer the kernel is given but never reads
+    hk, hv = (host.k, host.v) if host is not None else (unread, unread)
+    hks = host.k_scale if host is not None and host.k_scale is not None else unread
+    hvs = host.v_scale if host is not None and host.v_scale is not None else unread
     _decode_attention_kernel[(B, Hkv, n_splits)](
         q, k_cache, v_cache, seq_lens, m, l, acc, counts, out,
         block_tables if block_tables is not None else seq_lens,
@@ -421,7 +466,9 @@ def _launch(
         BLOCK_S=block_s, N_SPLITS=n_splits, BLOCK_N=triton.next_power_of_2(n_splits),
         MERGE_J=_MERGE_J, DOT_F32=interpreted or q.dtype == torch.float32,
         PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
-        QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT=quant, hk_ptr=hk, hv_ptr=hv, hks_ptr=hks, hvs_ptr=hvs,
+        first_host=host.first_block if host is not None else 0, HOST=host is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -445,6 +492,7 @@ def decode_attention(
     block_size: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    host: HostPages | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
@@ -468,6 +516,9 @@ def decode_attention(
     ([B, S, Hkv], paged [n_slots, Hkv]): k/v_cache are int8 (`kernels.formats.kv_int8`),
     read directly with each row scaled by its scale; q stays a float dtype (the dots run in
     it), the output is in q's dtype.
+
+    `host` (paged only): the pool's second tier, blocks `host.first_block` and above read
+    from its tensors (`kernels.layers.paged.HostPages`); the pool then holds those below.
     """
     paged = block_tables is not None
     if block_tables is not None:
@@ -479,6 +530,10 @@ def decode_attention(
         check_block_tables(block_tables, block_size, q.shape[0], k_cache.shape[0], q.device)
     elif block_size:
         raise ValueError(f"block_size {block_size} without block_tables")
+    if host is not None:
+        if not paged:
+            raise ValueError("a host tier extends a paged pool: it needs block_tables")
+        host.check(k_cache, k_scale)
     _check_inputs(q, k_cache, v_cache, seq_lens, paged, k_scale, v_scale)
     cfg = config or AttentionConfig()
     _check_config(cfg)
@@ -499,7 +554,7 @@ def decode_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     _launch(
         q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, block_tables,
-        block_size, k_scale, v_scale,
+        block_size, k_scale, v_scale, host,
     )  # fmt: skip
     return out
 
@@ -515,15 +570,24 @@ def decode_attention_ref(
     block_size: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    host: HostPages | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in torch: over caches [B, S, Hkv, D], or (block_tables, block_size)
-    over pools [n_slots, Hkv, D], each sequence's blocks gathered first; int8 caches with
-    k_scale/v_scale are dequantized first (a float32 copy: the reference's way in)."""
+    over pools [n_slots, Hkv, D] (and a `host` tier), each sequence's blocks gathered first;
+    int8 caches with k_scale/v_scale are dequantized first (a float32 copy: the reference's
+    way in)."""
     if k_scale is not None and v_scale is not None:
         k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
+        if host is not None and host.k_scale is not None and host.v_scale is not None:
+            host = HostPages(dequantize_kv(host.k, host.k_scale),
+                             dequantize_kv(host.v, host.v_scale), None, None,
+                             host.first_block)  # fmt: skip
     if block_tables is not None:
-        k_cache = gather_pages(k_cache, block_tables, block_size)  # [B, S, Hkv, D]
-        v_cache = gather_pages(v_cache, block_tables, block_size)
+        first = host.first_block if host is not None else 0
+        k_cache = gather_pages(k_cache, block_tables, block_size,  # [B, S, Hkv, D]
+                               host.k if host is not None else None, first)  # fmt: skip
+        v_cache = gather_pages(v_cache, block_tables, block_size,
+                               host.v if host is not None else None, first)  # fmt: skip
     B, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
