@@ -219,6 +219,15 @@ class EngineConfig(_Section, frozen=True):
     reference engine keeps plain KV (a start with int8 on it is refused). Conversations set
     aside in the prefix store are plain KV only: with int8 they are reused from the pool's
     blocks alone."""
+    kv_resident: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Offload engine on a GPU: tokens of each request's newest keys and values kept in VRAM
+    (a resident window); its older KV blocks move to page-locked RAM as it grows, and decode
+    attention reads them there over PCIe, so the context is bounded by RAM, not VRAM (as the
+    upstream engine's --kv-resident). Each decode step then reads the older part of every
+    request's KV over the link: at 25 GB/s, 1 GB of it costs about 40 ms a step. 0: all in
+    VRAM. At least 64 (two blocks); at or above `model.max_context` it changes nothing. The
+    start plan counts the window in VRAM and the rest in RAM; conversations set aside in the
+    prefix store are not kept with it (they are reused from the pool's blocks alone)."""
     decode_timing: bool = False
     """Log each request's time per decode step by stage (STRATA_DECODE_TIMING=1 also sets it);
     the same figures go to /metrics. Adds a synchronisation per stage on a GPU."""
@@ -238,6 +247,9 @@ class EngineConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if self.expert_prefetch is True and self.gpu_miss == "in_place":
             raise ValueError('expert_prefetch needs gpu_miss = "copy": it copies its guesses')
+        if 0 < self.kv_resident < 64:
+            raise ValueError(f"kv_resident {self.kv_resident} is less than two KV blocks (64"
+                             " tokens); 0 keeps all of it in VRAM")  # fmt: skip
 
 
 class ControlConfig(_Section, frozen=True):

@@ -110,6 +110,11 @@ def main() -> None:
         help="the experts' Q6_K projections as GGUF blocks or split (the switch q6_k_layout,"
         " OffloadConfig.q6_k_split; the kernel table must dot Q6_K in int8)",
     )
+    p.add_argument("--kv-int8", action="store_true",
+                   help="int8 keys and values (engine.kv_cache = int8)")
+    p.add_argument("--kv-resident", type=int, default=0,
+                   help="tokens of each sequence's newest KV in VRAM, the rest in page-locked"
+                   " RAM read over PCIe (engine.kv_resident); 0: all in VRAM")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))
@@ -122,12 +127,16 @@ def main() -> None:
         kernels=configs,
         dense_gguf=args.dense_gguf,
         q6_k_split=args.q6_k_layout == "split",
+        kv_int8=args.kv_int8,
+        kv_resident=args.kv_resident,
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
     rows = [measure(engine, b, args) for b in args.batches]
     one = next((r for r in rows if r["batch"] == 1), None)
     print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"
-          f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts")
+          f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts;"
+          f" KV {'int8' if cfg.kv_int8 else 'plain'}, resident window"
+          f" {cfg.kv_resident or 'all'}")  # fmt: skip
     print("| B | tok/s (all sequences) | ms/step | ceiling (B x B=1) |")
     print("| --- | --- | --- | --- |")
     for r in rows:

@@ -102,11 +102,16 @@ def check_batch(seqs: Sequence[Seq]) -> None:
             )
 
 
-def reserve(seqs: Sequence[Seq]) -> None:
+def reserve(seqs: Sequence[Seq], chunk: int = 0) -> None:
     """Each cache holds the blocks of its new tokens (raises `KVPoolFull` if the pool has too
-    few: the caches reserved before the one that failed keep what they took)."""
+    few: the caches reserved before the one that failed keep what they took). `chunk` > 0:
+    a cache with a resident window holds those of its first `chunk` only (the prefill takes
+    the rest chunk by chunk, as the older blocks leave for the host tier)."""
     for s in seqs:
-        s.cache.reserve(s.cache.length + len(s.tokens))
+        n = len(s.tokens)
+        if chunk and s.cache.pool.window:
+            n = min(n, chunk)
+        s.cache.reserve(s.cache.length + n)
 
 
 def decode_rows(seqs: Sequence[Seq], row_tokens: int) -> list[bool]:
@@ -156,7 +161,7 @@ def run_batch(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
     """Each sequence's `Output`: logits [1, V] of its last new token, [T, V] of every one, or
     the final norm's output [T, H]."""
     check_batch(seqs)
-    reserve(seqs)
+    reserve(seqs, layers.prefill_chunk)
     picked = decode_rows(seqs, layers.row_tokens)
     out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     for part, run in ((True, _decode_pass), (False, _prefill)):
@@ -216,6 +221,8 @@ def _prefill(layers: Layers, seqs: Sequence[Seq]) -> list[torch.Tensor]:
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for part in chunks([len(s.tokens) for s in seqs], layers.prefill_chunk):
         spans = tuple(Span(seqs[b].cache.length, n) for b, _, n in part)
+        for b, _, n in part:  # (all held already, but where a resident window takes chunks)
+            seqs[b].cache.reserve(seqs[b].cache.length + n)
         tokens = [t for b, at, n in part for t in seqs[b].tokens[at : at + n]]
         pos = [p for s in spans for p in range(s.start, s.start + s.tokens)]
         x = layers.run(tokens, pos, [seqs[b].cache for b, _, _ in part], Chunk(spans))

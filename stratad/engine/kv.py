@@ -20,6 +20,15 @@ stays registered, evicted least recently freed first when the pool needs blocks.
 never writes into a block another references (nor into a registered one): it copies the
 block first (copy-on-write), which happens only where a truncated cache writes into its
 last, partly shared block.
+
+A resident window (`window` tokens, the offload engine's `engine.kv_resident`): a pool may
+have a second tier of blocks in page-locked host RAM that the GPU reads in place
+(`kernels.layers.paged.HostPages`, ids from `n_blocks` on). As a cache grows, its blocks that
+lie wholly before its newest `window` tokens move there (`KVCache.reserve`), so a sequence
+holds about `window` tokens of VRAM however long its context: decode attention reads the rest
+over PCIe. Only blocks no other cache holds move (a shared prefix stays where it is); a block
+keeps its registration as it moves, and registered host blocks stay hits as on the GPU. With
+the host tier full, blocks stay in VRAM.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.layers.paged import HostPages, gather_rows
+from stratad.engine.mapped import mapped_empty
 from stratad.host_copy import to_device
 from stratad.model.spec import ModelSpec
 
@@ -43,6 +54,22 @@ BLOCK_SIZE = 32  # tokens per block: a multiple of 8 (the CPU kernels' key group
 def pool_tokens(caches: int, capacity: int, block_size: int = BLOCK_SIZE) -> int:
     """The rows a pool needs for `caches` caches of `capacity` tokens each, all full."""
     return caches * -(-capacity // block_size) * block_size
+
+
+def resident_split(
+    tokens: int, capacity: int, window: int, chunk: int, block_size: int = BLOCK_SIZE
+) -> tuple[int, int]:
+    """A pool of `tokens` rows for caches of `capacity` tokens, each keeping its newest
+    `window` in the first tier: (first tier rows, host tier rows). The first tier holds each
+    full cache's window and two blocks (the one being filled, the one before it leaves),
+    and one prefill chunk of `chunk` tokens besides (a chunk's blocks are taken before any
+    of them is written); the host tier the rest of each. No window (0, or one of the whole
+    capacity): every row in the first tier."""
+    if not window or window >= capacity:
+        return tokens, 0
+    caches = max(tokens // capacity, 1)
+    first = caches * (window + 2 * block_size) + chunk
+    return min(first, tokens), caches * (capacity - window)
 
 
 class KVPoolFull(RuntimeError):
@@ -60,9 +87,13 @@ class KVPool:
         v: list[torch.Tensor],
         block_size: int,
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        host: list[HostPages] | None = None,
+        window: int = 0,
     ) -> None:
         """`scales`: int8 k/v's float32 (k, v) scales per layer [rows, Hkv]
-        (`kernels.formats.kv_int8`); None: k/v hold the values as they are."""
+        (`kernels.formats.kv_int8`); None: k/v hold the values as they are. `host`: each
+        layer's second tier (its `first_block` this pool's block count), where a cache's
+        blocks before its newest `window` tokens go (see the module)."""
         rows = k[0].shape[0]
         if block_size < 8 or block_size & (block_size - 1) or rows % block_size:
             raise ValueError(
@@ -73,14 +104,30 @@ class KVPool:
         self.quantized = scales is not None
         if self.quantized and any(t.dtype != torch.int8 for t in (*k, *v)):
             raise ValueError("a pool with scales holds int8 keys and values")
-        self.n_blocks = rows // block_size
+        self.n_blocks = rows // block_size  # the first tier's (in VRAM on a GPU)
+        self.host = host or []
+        self.n_host_blocks = self.host[0].k.shape[0] // block_size if self.host else 0
+        for i, tier in enumerate(self.host):
+            tier.check(k[i], self.k_scale[i] if self.quantized else None)
+            if tier.first_block != self.n_blocks or tier.k.shape[0] != self.host[0].k.shape[0]:
+                raise ValueError("every layer's host tier starts at the pool's block count"
+                                 " and holds as many blocks")  # fmt: skip
+        if self.host and len(self.host) != len(k):
+            raise ValueError(f"{len(self.host)} host tiers for {len(k)} layers")
+        if self.host and window < 2 * block_size:
+            raise ValueError(f"a resident window of {window} tokens is less than two blocks"
+                             f" of {block_size}")  # fmt: skip
+        self.window = window if self.host else 0
         self._free = list(range(self.n_blocks))  # a heap: the lowest free id first
+        self._free_host = list(range(self.n_blocks, self.n_blocks + self.n_host_blocks))
         self.devices = list(dict.fromkeys(t.device for t in k))
-        self.refs = [0] * self.n_blocks  # caches holding each block
+        self.refs = [0] * (self.n_blocks + self.n_host_blocks)  # caches holding each block
         self._by_hash: dict[Hashable, int] = {}  # registered full blocks
         self._hash_of: dict[int, Hashable] = {}
         # registered blocks no cache holds, least recently freed first: free, but still hits
+        # (one list a tier: `take` hands out the first tier's, `take_host` the host's)
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self._cached_host: OrderedDict[int, None] = OrderedDict()
 
     @classmethod
     def allocate(
@@ -92,26 +139,47 @@ class KVPool:
         zeroed: bool = False,
         block_size: int = BLOCK_SIZE,
         int8: bool = False,
+        window: int = 0,
+        host_tokens: int = 0,
     ) -> KVPool:
         """A pool of at least `tokens` rows, layer i on devices[i], in `dtype` (`int8`: int8
         with a float32 scale per token and KV head). `zeroed` False: the buffers as
-        allocated (attention never reads past a cache's length)."""
+        allocated (attention never reads past a cache's length). `host_tokens` > 0: a second
+        tier of at least that many rows in page-locked host RAM mapped for each layer's
+        device, where blocks before each cache's newest `window` tokens go."""
         n = -(-max(tokens, 1) // block_size) * block_size
         shape = (n, spec.n_kv_heads, spec.head_dim)
         new = torch.zeros if zeroed else torch.empty
         store = torch.int8 if int8 else dtype
         k = [new(shape, device=d, dtype=store) for d in devices]
         v = [new(shape, device=d, dtype=store) for d in devices]
-        if not int8:
-            return cls(k, v, block_size)
-        scales = tuple([torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices]
-                       for _ in range(2))  # fmt: skip
-        return cls(k, v, block_size, (scales[0], scales[1]))
+        scales = None
+        if int8:
+            scales = ([torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices],
+                      [torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices])
+        host = None
+        if host_tokens > 0:
+            h = -(-host_tokens // block_size) * block_size
+            hshape = (h, spec.n_kv_heads, spec.head_dim)
+            host = [
+                HostPages(
+                    mapped_empty(hshape, store, d), mapped_empty(hshape, store, d),
+                    mapped_empty(hshape[:2], torch.float32, d) if int8 else None,
+                    mapped_empty(hshape[:2], torch.float32, d) if int8 else None,
+                    n // block_size,
+                )
+                for d in devices
+            ]  # fmt: skip
+        return cls(k, v, block_size, scales, host, window)
 
     @property
     def free_blocks(self) -> int:
         """Blocks `take` can hand out: never used, and registered ones no cache holds."""
         return len(self._free) + len(self._cached)
+
+    @property
+    def free_host_blocks(self) -> int:
+        return len(self._free_host) + len(self._cached_host)
 
     @property
     def block_bytes(self) -> int:
@@ -121,7 +189,16 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """The first tier's bytes (VRAM on a GPU)."""
         return self.n_blocks * self.block_bytes
+
+    @property
+    def host_nbytes(self) -> int:
+        """The host tier's bytes (page-locked RAM)."""
+        return self.n_host_blocks * self.block_bytes
+
+    def on_host(self, block: int) -> bool:
+        return block >= self.n_blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -134,33 +211,51 @@ class KVPool:
                 f"the KV pool has {self.free_blocks} free blocks of {self.block_size} tokens,"
                 f" {n} wanted"
             )
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = heapq.heappop(self._free)
-            else:
-                b, _ = self._cached.popitem(last=False)
-                self.unregister(b)
-            self.refs[b] = 1
-            out.append(b)
-        return out
+        return [self._take(self._free, self._cached) for _ in range(n)]
+
+    def _take(self, free: list[int], cached: OrderedDict[int, None]) -> int:
+        if free:
+            b = heapq.heappop(free)
+        else:
+            b, _ = cached.popitem(last=False)
+            self.unregister(b)
+        self.refs[b] = 1
+        return b
 
     def give(self, ids: Sequence[int]) -> None:
         """A cache lets go of its references to `ids`."""
         for i in ids:
             self.refs[i] -= 1
             if self.refs[i] == 0:
-                if i in self._hash_of:
-                    self._cached[i] = None  # still a hit until the pool needs it
+                host = self.on_host(i)
+                if i in self._hash_of:  # still a hit until the pool needs it
+                    (self._cached_host if host else self._cached)[i] = None
                 else:
-                    heapq.heappush(self._free, i)
+                    heapq.heappush(self._free_host if host else self._free, i)
 
     def share(self, ids: Sequence[int]) -> None:
         """One more reference to each of `ids` (registered blocks a new cache starts with)."""
         for i in ids:
             if self.refs[i] == 0:
-                del self._cached[i]
+                del (self._cached_host if self.on_host(i) else self._cached)[i]
             self.refs[i] += 1
+
+    def to_host(self, block: int) -> int | None:
+        """Move `block` (held by one cache alone, in the first tier) to the host tier: its
+        keys and values copied, its registration carried; the host block's id, or None
+        where the host tier has no free block. The copy is queued on the current stream,
+        after the steps that wrote the block and before those that read the host block."""
+        if not self.free_host_blocks:
+            return None
+        assert self.refs[block] == 1 and not self.on_host(block)
+        dst = self._take(self._free_host, self._cached_host)
+        self.copy_block(block, dst)
+        key = self._hash_of.pop(block, None)
+        if key is not None:
+            self._by_hash[key], self._hash_of[dst] = dst, key
+        self.refs[block] = 0
+        heapq.heappush(self._free, block)
+        return dst
 
     def register(self, block: int, key: Hashable) -> None:
         """`block` is full and holds what `key` names (a block already registered under
@@ -188,10 +283,27 @@ class KVPool:
         return out
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block `src`'s keys and values into block `dst` (every layer)."""
+        """Block `src`'s keys and values into block `dst` (every layer, either tier)."""
+        for i in range(len(self.k)):
+            for a, b in zip(self._block(i, src), self._block(i, dst), strict=True):
+                b.copy_(a, non_blocking=True)
+
+    def _block(self, i: int, block: int) -> list[torch.Tensor]:
+        """Layer i's rows of `block`: keys, values (and their scales), in its tier."""
         bs = self.block_size
-        for t in (*self.k, *self.v, *self.k_scale, *self.v_scale):
-            t[dst * bs : dst * bs + bs].copy_(t[src * bs : src * bs + bs])
+        if self.on_host(block):
+            tier, at = self.host[i], (block - self.n_blocks) * bs
+            tensors = [tier.k, tier.v] + ([tier.k_scale, tier.v_scale] if self.quantized else [])
+        else:
+            at = block * bs
+            tensors = [self.k[i], self.v[i]]
+            if self.quantized:
+                tensors += [self.k_scale[i], self.v_scale[i]]
+        return [t[at : at + bs] for t in tensors if t is not None]
+
+    def host_pages(self, i: int) -> HostPages | None:
+        """Layer i's host tier, for the attention kernels (None: the pool has none)."""
+        return self.host[i] if self.host else None
 
     def same_kind(self, other: KVPool) -> bool:
         return self is other
@@ -238,16 +350,40 @@ class KVCache:
         return self.pool is other.pool and self.max_blocks == other.max_blocks
 
     def blocks_to_add(self, tokens: int) -> int:
-        """The blocks `tokens` more tokens need beyond those held (and the copy of a shared
-        block they would write into)."""
+        """The first tier's blocks `tokens` more tokens need beyond those held (and the copy
+        of a shared block they would write into), less those that go to the host tier as
+        they do (a resident window)."""
         new = max(self.pool.blocks_for(self.length + tokens) - len(self.blocks), 0)
         i = self.length // self.block_size
         shared = self.length % self.block_size and i < len(self.blocks)
-        return new + int(bool(shared) and self.pool.refs[self.blocks[i]] > 1)
+        moving = min(len(self._leaving(self.length + tokens)), self.pool.free_host_blocks)
+        return max(new + int(bool(shared) and self.pool.refs[self.blocks[i]] > 1) - moving, 0)
 
     def own_blocks(self) -> int:
-        """The blocks no other cache holds (what releasing this one gives back)."""
-        return sum(1 for b in self.blocks if self.pool.refs[b] == 1)
+        """The first tier's blocks no other cache holds (what releasing this one gives
+        back there)."""
+        pool = self.pool
+        return sum(1 for b in self.blocks if pool.refs[b] == 1 and not pool.on_host(b))
+
+    def _leaving(self, length: int) -> list[int]:
+        """The indices of the blocks that go to the host tier once the cache reaches
+        `length`: written ones wholly before its newest `window` tokens, in the first tier,
+        held by this cache alone."""
+        pool, bs = self.pool, self.block_size
+        if not pool.window:
+            return []
+        end = min(self.length, length - pool.window) // bs  # blocks wholly before both
+        return [i for i in range(min(end, len(self.blocks)))
+                if not pool.on_host(self.blocks[i]) and pool.refs[self.blocks[i]] == 1]  # fmt: skip
+
+    def _move_out(self, length: int) -> None:
+        """Move the blocks `_leaving(length)` names to the host tier (while it has room)."""
+        for i in self._leaving(length):
+            moved = self.pool.to_host(self.blocks[i])
+            if moved is None:
+                return
+            self.blocks[i] = moved
+            self._write_table(i, [moved])
 
     def reserve(self, length: int) -> None:
         """Hold blocks for the first `length` positions (taken from the pool; raises
@@ -257,6 +393,7 @@ class KVCache:
             raise ValueError(f"{length} tokens exceed the KV cache of {self.capacity}")
         if length > self.length:
             self._own_last()
+            self._move_out(length)
         want = self.pool.blocks_for(length) - len(self.blocks)
         if want <= 0:
             return
@@ -331,6 +468,18 @@ class KVCache:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return self.tables[device]
+
+    def gather(self, i: int, end: int, device: torch.device) -> list[torch.Tensor]:
+        """Layer i's keys and values (and their scales, int8) of positions 0..end-1, gathered
+        from either tier onto `device` (a prefill chunk's way in to torch attention)."""
+        pool, bs = self.pool, self.block_size
+        rows = self.rows(0, end, device)
+        tier = pool.host_pages(i)
+        pairs = [(pool.k[i], tier.k if tier else None), (pool.v[i], tier.v if tier else None)]
+        if pool.quantized:
+            pairs += [(pool.k_scale[i], tier.k_scale if tier else None),
+                      (pool.v_scale[i], tier.v_scale if tier else None)]  # fmt: skip
+        return [gather_rows(t, rows, bs, h, pool.n_blocks) for t, h in pairs]
 
     def host_table(self) -> np.ndarray:
         """The blocks held, int32 (the CPU kernels' table)."""

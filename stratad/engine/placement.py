@@ -23,6 +23,7 @@ import torch
 from kernels.cpu import build as cpu_build
 from kernels.cpu.dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
+from stratad.engine.kv import resident_split
 from stratad.engine.passes import FETCH_MAX_TOKENS
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.loader import is_pack
@@ -207,6 +208,9 @@ def start_plan(
     an auto `server.parallel` on a CPU."""
     spec = model.spec
     backend = choose_backend(config.engine.backend, model, device)
+    if config.engine.kv_resident and not (backend == "offload" and device.type == "cuda"):
+        log.warning("engine.kv_resident applies to the offload engine on a GPU; the %s engine"
+                    " keeps every KV block where it runs", backend)  # fmt: skip
     if config.engine.kv_cache == "int8" and backend == "reference":
         raise ModelError(
             "engine.kv_cache = int8: the reference engine keeps plain KV (int8 KV is the"
@@ -229,7 +233,7 @@ def start_plan(
     if device.type != "cuda":
         frees = [None] * len(devices)
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
-    stages, found, kv_host = [], None, 0
+    stages, found, kv_host, kv_label = [], None, 0, "KV caches (server.parallel)"
     if backend == "offload":
         from stratad.engine.offload.experts import blob_layouts
         from stratad.engine.offload.kernel_table import model_shapes, tuned
@@ -241,14 +245,20 @@ def start_plan(
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
         per_token = kv_token_bytes(spec, size, config.engine.kv_cache == "int8")
-        parallel = parallel_for(config.server.parallel, max_context * per_token,
+        window = kv_window(config.engine.kv_resident, max_context)
+        # what a request holds in VRAM: its whole context, or its resident window
+        parallel = parallel_for(config.server.parallel, (window or max_context) * per_token,
                                 sum(known) if known else None, "VRAM", pool,
                                 shared=device.type == "cuda")  # fmt: skip
+        # the KV pool: a whole context per request served at once, or what is configured;
+        # with a resident window, the older blocks in page-locked RAM
+        first, in_ram = resident_split(int(max_context * parallel.pool_contexts), max_context,
+                                       window, config.engine.offload_prefill_chunk)  # fmt: skip
+        kv_host = in_ram * per_token
+        kv_label = "KV blocks beyond the resident window (engine.kv_resident), page-locked"
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
-            # the KV pool: a whole context per request served at once, or what is configured
-            kv_tokens = int(max_context * parallel.pool_contexts)
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size,
-                                        kv_tokens * per_token, prefetch,
+                                        first * per_token, prefetch,
                                         (hi - lo) / n)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (
@@ -274,7 +284,8 @@ def start_plan(
         else:
             parallel = parallel_for(config.server.parallel, one, frees[0], "VRAM", pool)
     return StartPlan(
-        backend, devices, tuple(stages), tuple(daemon_reserves(config, dense_host, kv_host)),
+        backend, devices, tuple(stages),
+        tuple(daemon_reserves(config, dense_host, kv_host, kv_label)),
         dtype, max_context, parallel, found,
     )  # fmt: skip
 
@@ -286,6 +297,12 @@ def split_bounds(setting: str, n_layers: int, free: Sequence[int | None]) -> lis
     if setting != "auto":
         return parse_split(setting, n_layers, len(free))
     return balanced_split(n_layers, [float(f or 0) for f in free])
+
+
+def kv_window(setting: int, max_context: int) -> int:
+    """`engine.kv_resident` as the offload engine keeps it: 0 (all in VRAM) where it is 0 or
+    reaches the whole context."""
+    return setting if 0 < setting < max_context else 0
 
 
 def kv_token_bytes(spec: ModelSpec, dtype_bytes: int, int8: bool) -> int:

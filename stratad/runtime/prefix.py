@@ -91,7 +91,7 @@ class PrefixStore:
         tokens = tuple(cache.tokens[:length])
         if (length < MIN_SNAPSHOT_TOKENS and not pinned) or length > cache.length:
             return False
-        if cache.pool.quantized:  # snapshots hold plain rows: int8 ones are not set aside
+        if cache.pool.quantized or cache.pool.host:  # snapshots hold plain rows of one tier
             return False
         # a snapshot of the same kind that already holds these tokens (or more) covers them
         for s in self.snapshots:

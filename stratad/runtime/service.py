@@ -104,6 +104,13 @@ class Engine:
                 config.speculation.token_cost, self.backend,
                 self._draft_model(config, max_context)),  # fmt: skip
         )
+        kv = self.generator.kv
+        if kv.host:
+            log.info("KV: each request's newest %d tokens in VRAM, %d blocks of %d tokens there"
+                     " (%.2f GiB); older blocks in page-locked RAM, %d of them (%.2f GiB), read"
+                     " over PCIe by decode attention (engine.kv_resident)", kv.window,
+                     kv.n_blocks, kv.block_size, kv.nbytes / 2**30, kv.n_host_blocks,
+                     kv.host_nbytes / 2**30)  # fmt: skip
         spec, on = config.speculation, self.generator.speculation
         log.info("speculative decoding: %s (speculation.drafter %s)",
                  f"{type(on.drafter).__name__}, up to {spec.max_draft} tokens a step" if on

@@ -56,13 +56,14 @@ def open_source(config: StoreConfig, model: Model) -> ExpertSource:
 
 
 def daemon_reserves(
-    config: Config, dense_host_bytes: int, kv_host_bytes: int = 0
+    config: Config, dense_host_bytes: int, kv_host_bytes: int = 0,
+    kv_label: str = "KV caches (server.parallel)",
 ) -> list[tuple[str, int]]:
     """What the daemon holds in host RAM besides the resident set and the named store
     reserves: dense weights kept on the host (0 when they live on the GPU), the working KV
-    caches where they are on the host (one of the whole context per `server.parallel`), and
-    the server's host caches."""
-    kv = [("KV caches (server.parallel)", kv_host_bytes)] if kv_host_bytes else []
+    caches where they are on the host (one of the whole context per `server.parallel`, or
+    the blocks beyond a resident window), and the server's host caches."""
+    kv = [(kv_label, kv_host_bytes)] if kv_host_bytes else []
     return [
         ("dense weights", dense_host_bytes),
         *kv,

@@ -126,7 +126,7 @@ class OffloadAttention:
                            for b, cache in enumerate(caches)])  # fmt: skip
         return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
                                 block_tables=tables, block_size=bs, k_scale=ks,
-                                v_scale=vs)  # fmt: skip
+                                v_scale=vs, host=pool.host_pages(i))  # fmt: skip
 
     def _one(
         self,
@@ -151,14 +151,14 @@ class OffloadAttention:
         if isinstance(step, Decode):  # split-K through the block table
             lens = self.lens[b : b + 1]
             return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
-                                    counts=self.counts, block_tables=table,
-                                    block_size=bs, k_scale=ks, v_scale=vs)  # fmt: skip
+                                    counts=self.counts, block_tables=table, block_size=bs,
+                                    k_scale=ks, v_scale=vs,
+                                    host=cache.pool.host_pages(i))  # fmt: skip
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
-        rows = cache.rows(0, start + t, qkv.device)
-        keys, values = cache.k[i][rows], cache.v[i][rows]
-        if ks is not None and vs is not None:  # a prefill chunk attends with torch: floats
-            keys = dequantize_kv(keys, ks[rows]).to(q.dtype)
-            values = dequantize_kv(values, vs[rows]).to(q.dtype)
+        keys, values, *scales = cache.gather(i, start + t, qkv.device)
+        if scales:  # a prefill chunk attends with torch: floats
+            keys = dequantize_kv(keys, scales[0]).to(q.dtype)
+            values = dequantize_kv(values, scales[1]).to(q.dtype)
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]

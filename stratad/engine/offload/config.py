@@ -23,6 +23,9 @@ class OffloadConfig:
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
     row_tokens: int = FUSED_MAX_TOKENS
     kv_int8: bool = False  # keys and values in int8 with a scale per token and KV head
+    # Tokens of each sequence's newest KV kept in VRAM; older blocks go to page-locked RAM,
+    # read over PCIe by decode attention (stratad.engine.kv); 0: all in VRAM.
+    kv_resident: int = 0
     slots: SlotSettings = SlotSettings()  # how the VRAM slots follow the routing
     # Share of the missed experts of a decode step that the GPU reads in place over PCIe; the
     # rest are computed on the CPU from RAM, in parallel. Below 1 the step synchronises once

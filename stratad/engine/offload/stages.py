@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.kv import KVCache, KVPool
+from stratad.engine.kv import KVCache, KVPool, resident_split
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.passes import Decode, Pass
 from stratad.engine.timing import StageTimer
@@ -135,8 +135,11 @@ class StagedForward:
 
     def new_pool(self, tokens: int) -> KVPool:
         """A KV pool of at least `tokens` rows, each layer's on its stage's device."""
-        return KVPool.allocate(self.spec, tokens, self.layer_device, self.config.dtype,
-                               int8=self.config.kv_int8)  # fmt: skip
+        cfg = self.config
+        first, host = resident_split(tokens, cfg.max_context, cfg.kv_resident, cfg.prefill_chunk)
+        return KVPool.allocate(self.spec, first, self.layer_device, cfg.dtype,
+                               int8=cfg.kv_int8, window=cfg.kv_resident,
+                               host_tokens=host)  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""

@@ -22,7 +22,7 @@ from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.offload.kernel_table import model_shapes, tuned
 from stratad.engine.offload.stages import StagedForward
 from stratad.engine.offload.switches import Chosen, miss_paths, q6_k_layout
-from stratad.engine.placement import StartPlan
+from stratad.engine.placement import StartPlan, kv_window
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
 from stratad.store.addressed import AddressedStore
@@ -72,6 +72,7 @@ def open_offload(
         kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
         kv_int8=config.engine.kv_cache == "int8", q6_k_split=q6_k.value == "split",
+        kv_resident=kv_window(config.engine.kv_resident, start.max_context),
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward
