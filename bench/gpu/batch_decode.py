@@ -40,13 +40,17 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
     n = args.prompt_len + args.decode_tokens + 16
     pool = engine.new_pool(pool_tokens(b, n))  # one pool, as the daemon's: one launch a step
     caches = [KVCache(pool, n) for _ in range(b)]
-    tps, step_ms = [], []
+    tps, step_ms, prefill_s = [], [], []
     for _ in range(args.repeats):
         for c in caches:
             c.truncate(0)
         prompts = [torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(b)]  # fmt: skip
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         logits = engine.step([Seq(c, p) for c, p in zip(caches, prompts, strict=True)])
+        torch.cuda.synchronize()
+        prefill_s.append(time.perf_counter() - t)
         tokens = [int(lg[-1].argmax()) for lg in logits]
         logits = engine.step([Seq(c, [t]) for c, t in zip(caches, tokens, strict=True)])  # capture
         torch.cuda.synchronize()
@@ -59,7 +63,11 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
         dt = time.perf_counter() - t
         tps.append(b * args.decode_tokens / dt)
         step_ms.append(1e3 * dt / args.decode_tokens)
-    row: dict[str, object] = {"batch": b, "tok_s": _spread(tps), "step_ms": _spread(step_ms)}
+    row: dict[str, object] = {
+        "batch": b, "tok_s": _spread(tps), "step_ms": _spread(step_ms),
+        "prefill_s": _spread(prefill_s), "kv_vram_gib": pool.nbytes / 2**30,
+        "kv_host_gib": pool.host_nbytes / 2**30,
+    }  # fmt: skip
     if args.profile:
         row["kernels"] = _profile(engine, caches, logits)
     return row
@@ -136,7 +144,8 @@ def main() -> None:
     print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"
           f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts;"
           f" KV {'int8' if cfg.kv_int8 else 'plain'}, resident window"
-          f" {cfg.kv_resident or 'all'}")  # fmt: skip
+          f" {cfg.kv_resident or 'all'}; peak VRAM allocated"
+          f" {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")  # fmt: skip
     print("| B | tok/s (all sequences) | ms/step | ceiling (B x B=1) |")
     print("| --- | --- | --- | --- |")
     for r in rows:
@@ -151,6 +160,12 @@ def main() -> None:
         print(f"| {r['batch']} | {t['median']:,.1f} ({lo:,.1f}–{hi:,.1f}) | "
               f"{s['median']:.2f} | {ceiling} |")  # fmt: skip
     for r in rows:
+        pf = r["prefill_s"]
+        assert isinstance(pf, dict)
+        print(f"B = {r['batch']}: prefill {pf['median']:.2f} s ({r['batch']} x"
+              f" {args.prompt_len} tokens); KV pool {r['kv_vram_gib']:.2f} GiB in VRAM,"
+              f" {r['kv_host_gib']:.2f} GiB in page-locked RAM")  # fmt: skip
+    for r in rows:
         if "kernels" in r:
             print(f"\nGPU kernels of one eager step, B = {r['batch']} (ms, launches):")
             for name, ms, count in r["kernels"]:  # type: ignore[attr-defined]
@@ -160,7 +175,9 @@ def main() -> None:
         # each batch's repeats under a name of its own too, as `bench.gpu.ab_switch --metric`
         # reads a figure (tok_s_b8)
         figures = {f"tok_s_b{r['batch']}": r["tok_s"]["samples"] for r in rows}  # type: ignore[index]
-        args.json.write_text(json.dumps({"args": given, "rows": rows, **figures}, indent=1))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        args.json.write_text(json.dumps({"args": given, "rows": rows, **figures,
+                                         "peak_vram_gib": peak}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
