@@ -106,11 +106,18 @@ class Engine:
         )
         kv = self.generator.kv
         if kv.host:
+            # what one request at a full context reads over the link each decode step
+            streamed = (max_context - kv.window) * kv.block_bytes / kv.block_size
+            bw = self.store.bandwidths if self.store is not None else None
+            cost = (f", about {1e3 * streamed / bw.copy_bps:.0f} ms at the measured"
+                    f" {bw.copy_bps / 1e9:.1f} GB/s" if bw is not None and bw.copy_bps > 0
+                    else "")  # fmt: skip
             log.info("KV: each request's newest %d tokens in VRAM, %d blocks of %d tokens there"
                      " (%.2f GiB); older blocks in page-locked RAM, %d of them (%.2f GiB), read"
-                     " over PCIe by decode attention (engine.kv_resident)", kv.window,
-                     kv.n_blocks, kv.block_size, kv.nbytes / 2**30, kv.n_host_blocks,
-                     kv.host_nbytes / 2**30)  # fmt: skip
+                     " over PCIe by decode attention (engine.kv_resident): a request at the full"
+                     " context reads %.2f GiB of it a decode step%s", kv.window, kv.n_blocks,
+                     kv.block_size, kv.nbytes / 2**30, kv.n_host_blocks, kv.host_nbytes / 2**30,
+                     streamed / 2**30, cost)  # fmt: skip
         spec, on = config.speculation, self.generator.speculation
         log.info("speculative decoding: %s (speculation.drafter %s)",
                  f"{type(on.drafter).__name__}, up to {spec.max_draft} tokens a step" if on
