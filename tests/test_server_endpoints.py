@@ -171,6 +171,7 @@ def test_metrics_parse_and_the_expert_families_move(daemon: Daemon) -> None:
     )
     assert _sum(after["strata:expert_slot_moves"]) >= 0  # a CPU engine has no VRAM slots
     assert 0 < _sum(after["strata:kv_cache_usage_perc"]) <= 1
+    assert _sum(after["strata:kv_host_usage_perc"]) == 0  # no resident window on a CPU
     # the process collectors
     assert _sum(after["process_resident_memory_bytes"]) > 0
 

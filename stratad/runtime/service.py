@@ -442,6 +442,9 @@ class Engine:
         kv: list[tuple[str, str, dict[str, str], float]] = [
             ("strata:kv_cache_usage_perc", "share (0-1) of the KV pool's blocks in use",
              {}, 1.0 - pool.free_blocks / max(pool.n_blocks, 1)),
+            ("strata:kv_host_usage_perc", "share (0-1) of the KV pool's page-locked RAM"
+             " blocks in use (engine.kv_resident; 0 without)", {},
+             1.0 - pool.free_host_blocks / pool.n_host_blocks if pool.n_host_blocks else 0.0),
             ("strata:kv_cache_tokens", "tokens whose KV the working caches hold", {},
              float(held)),
             ("strata:num_preemptions_total", "requests that gave their KV blocks back to"
