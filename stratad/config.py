@@ -210,15 +210,18 @@ class EngineConfig(_Section, frozen=True):
     server.prefill_chunk): every chunk streams the experts of every layer over PCIe once, so
     a larger chunk moves fewer bytes per token; a cancelled request frees the engine within
     one chunk."""
-    kv_cache: Literal["plain", "int8"] = "plain"
+    kv_cache: Literal["plain", "int8", "q4"] = "plain"
     """How the offload and cpu engines store keys and values: `plain` in the compute dtype
     (bf16 on a GPU, halves in the cpu engine); `int8` as int8 with a float32 scale per token
     and KV head, read directly by the attention kernels: about half the KV memory, so twice the
     context or the requests in the same memory (the default model's perplexity +0.11% over 8K
-    tokens of the Python documentation, bench/results/2026-12-05-kv-ppl-cpu.md). The
-    reference engine keeps plain KV (a start with int8 on it is refused). Conversations set
-    aside in the prefix store are plain KV only: with int8 they are reused from the pool's
-    blocks alone."""
+    tokens of the Python documentation, bench/results/2026-12-05-kv-ppl-cpu.md); `q4` (the
+    offload engine alone) as 4-bit codes with a float16 scale and minimum per 32 values, 0.31
+    of bf16's bytes, which decode attention also reads directly, at a larger cost in quality
+    (about +10% perplexity on the default model; see bench/results for this form's figure).
+    The reference engine keeps plain KV (a start with int8 or q4 on it is refused).
+    Conversations set aside in the prefix store are plain KV only: with int8 or q4 they are
+    reused from the pool's blocks alone."""
     kv_resident: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Offload engine on a GPU: tokens of each request's newest keys and values kept in VRAM
     (a resident window); its older KV blocks move to page-locked RAM as it grows, and decode

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from kernels.cpu.experts import CpuExperts
+from kernels.formats.kv_q4 import unpack_codes
 from kernels.tuning.configs import INTERPRETED
 from stratad.config import Config, EngineConfig
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
-from stratad.engine.kv_format import FORMATS, PLAIN, Q4KV, Int8KV
+from stratad.engine.kv_format import FORMATS, INT8, PLAIN, Q4KV, Int8KV
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.placement import start_plan
@@ -46,12 +47,21 @@ def test_int8_reads_back_within_half_a_step() -> None:
 
 
 def test_q4_reads_back_within_half_a_step_per_group() -> None:
+    """Two codes a byte (value 2j low, 2j + 1 high), a float16 scale and minimum per 32
+    values: each value back within half a step (and the minimum's float16 rounding, which
+    the codes absorb up to the clamp)."""
     fmt, x = Q4KV(), _keys()
-    q, scale, low = fmt.quantize(x)
-    assert q.dtype == torch.uint8 and int(q.max()) == 15 and scale.shape == (5, 2, 2)
-    back = fmt.dequantize(q, scale, low)
-    step = scale.repeat_interleave(32, dim=-1)
-    assert torch.all((back - x).abs() <= step / 2 + 1e-5)
+    q, dm = fmt.quantize(x)
+    assert q.dtype == torch.uint8 and q.shape == (5, 2, 32) and dm.shape == (5, 2, 2, 2)
+    assert dm.dtype == torch.float16
+    scale, low = dm[..., 0], dm[..., 1]
+    codes = unpack_codes(q)
+    assert int(codes.max()) == 15 and torch.equal(codes[..., 1::2], q >> 4)
+    back = fmt.dequantize(q, dm)
+    step = scale.float().repeat_interleave(32, dim=-1)
+    slack = (low.float() - x.reshape(5, 2, 2, 32).amin(-1)).abs().repeat_interleave(32, dim=-1)
+    # the float16 scale may sit up to 2^-11 of itself below the exact one: the clamp at 15
+    assert torch.all((back - x).abs() <= step / 2 + slack + 15 * 2**-11 * step + 1e-6)
     assert torch.equal(back[1, 0], torch.zeros(64))
     with pytest.raises(ValueError, match="32-value groups"):
         fmt.quantize(torch.zeros(1, 1, 48))
@@ -110,7 +120,7 @@ def _int8_reference(tiny_moe: Model) -> list[list[int]]:
 
 def _int8_engine(tiny_moe: Model, device: str, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
     budget = 3 * tiny_moe.spec.n_layers * blob_layouts(tiny_moe).slot_bytes
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, kv_int8=True, **kw)
+    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, kv_format=INT8, **kw)
     return OffloadForward(tiny_moe, torch.device(device), cfg)
 
 
@@ -146,27 +156,31 @@ def test_offload_int8_kv_tokens_equal_the_reference_cpu(tiny_moe: Model, row_tok
     assert PrefixStore(1 << 30, 0).save(cache, 20)
 
 
-def test_int8_kv_in_the_start_plan(tiny_moe: Model) -> None:
+def test_quantized_kv_in_the_start_plan(tiny_moe: Model) -> None:
     """engine.kv_cache = int8 halves the offload engine's KV bytes (plus a float32 scale per
-    token and KV head) and the cpu engine's (halves there), and is refused on the reference
-    engine, which keeps plain KV."""
+    token and KV head) and the cpu engine's (halves there); q4 is half a byte a value and a
+    float16 scale and minimum per 32, the offload engine's alone; the reference engine keeps
+    plain KV."""
     spec, cpu = tiny_moe.spec, torch.device("cpu")
     kv = {}
-    for backend in ("offload", "cpu"):
-        for kind in ("plain", "int8"):
+    for backend, kinds in (("offload", ("plain", "int8", "q4")), ("cpu", ("plain", "int8"))):
+        for kind in kinds:
             engine = EngineConfig(backend=backend, kv_cache=kind)
             config = msgspec.structs.replace(Config(), engine=engine)
             plan = start_plan(config, tiny_moe, cpu, [None], 1 << 20, host_bytes=1 << 34)
             kv[backend, kind] = plan.parallel.kv_bytes  # a context's
     cells = 2 * spec.n_layers * min(Config().model.max_context, spec.context_length)
     int8 = cells * (spec.kv_dim + 4 * spec.n_kv_heads)
+    q4 = cells * (spec.kv_dim // 2 + spec.n_kv_heads * spec.head_dim // 32 * 4)
     assert kv == {("offload", "plain"): cells * spec.kv_dim * 4,  # float32 on a CPU
-                  ("offload", "int8"): int8, ("cpu", "plain"): cells * spec.kv_dim * 2,
-                  ("cpu", "int8"): int8}  # fmt: skip
-    config = msgspec.structs.replace(Config(), engine=EngineConfig(backend="reference",
-                                                                   kv_cache="int8"))  # fmt: skip
-    with pytest.raises(ModelError, match="keeps plain KV"):
-        start_plan(config, tiny_moe, cpu, [None], 1 << 20)
+                  ("offload", "int8"): int8, ("offload", "q4"): q4,
+                  ("cpu", "plain"): cells * spec.kv_dim * 2, ("cpu", "int8"): int8}  # fmt: skip
+    for backend, kind, match in (("reference", "int8", "keeps plain KV"),
+                                 ("cpu", "q4", "cannot store 4-bit KV")):  # fmt: skip
+        engine = EngineConfig(backend=backend, kv_cache=kind)
+        with pytest.raises(ModelError, match=match):
+            start_plan(msgspec.structs.replace(Config(), engine=engine), tiny_moe, cpu, [None],
+                       1 << 20)  # fmt: skip
 
 
 def test_the_cpu_engine_keeps_int8_kv(tiny_moe: Model) -> None:

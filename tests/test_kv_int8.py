@@ -6,11 +6,13 @@ bound of the float cache), in the contiguous and the paged layouts."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
+from kernels.formats.kv_q4 import quantize_kv4
 from kernels.layers.attention import AttentionConfig, decode_attention, decode_attention_ref
 from kernels.layers.attn_input import attn_input, attn_input_ref
 from kernels.layers.paged import HostPages
@@ -262,30 +264,43 @@ def test_decode_attention_int8(dtype: torch.dtype, split_s: int, block_size: int
         assert bool((err <= bound + 1e-5).all()), (err, bound)  # 1e-5: float32 roundings
 
 
+def _pooled(
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], d: int, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Three sequences of 40, 13 and 1 positions stored by `quantize`, in a pool of blocks of
+    8 in random order: q, [k codes, v codes, k scales, v scales] (NaN scales where no
+    sequence is), the block tables and the lengths."""
+    lens = [40, 13, 1]
+    q = torch.randn(3, HQ, d, generator=_gen(seed)).to(DEVICE)
+    k = _rows(3, 40, HKV, d, seed=seed + 1).to(DEVICE)
+    v = _rows(3, 40, HKV, d, seed=seed + 2).to(DEVICE)
+    (kc, ks), (vc, vs) = quantize(k), quantize(v)
+    _, table = _to_pool(kc, 0, lens, 8, seed=seed + 3)
+    pools = [_to_pool(t, fill, lens, 8, seed=seed + 3)[0]
+             for t, fill in ((kc, 0), (vc, 0), (ks, float("nan")), (vs, float("nan")))]  # fmt: skip
+    return q, pools, table, torch.tensor(lens, device=DEVICE)
+
+
+def _host_split(pools: list[torch.Tensor], first: int) -> tuple[list[torch.Tensor], HostPages]:
+    """The pools' blocks from `first` on as a host tier; the first tier's rows there garbage
+    codes and NaN scales."""
+    cut, dev = first * 8, [t.clone() for t in pools]
+    for t in dev:
+        t[cut:] = float("nan") if t.is_floating_point() else 77
+    k, v, ks, vs = (t[cut:].clone() for t in pools)
+    return dev, HostPages(k, v, ks, vs, first)
+
+
 def test_decode_attention_int8_reads_the_host_tier() -> None:
-    """An int8 pool's blocks from 3 on, ints and scales, in a second tier (the first tier's
-    scales NaN there, its ints garbage): bit for bit the one-tier call."""
-    lens, block_size, first = [40, 13, 1], 8, 3
-    q = torch.randn(3, HQ, D, generator=_gen(21)).to(DEVICE)
-    k, v = _rows(3, 40, HKV, D, seed=22).to(DEVICE), _rows(3, 40, HKV, D, seed=23).to(DEVICE)
-    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
-    k8p, table = _to_pool(k8, 0, lens, block_size, seed=24)
-    v8p, _ = _to_pool(v8, 0, lens, block_size, seed=24)
-    ksp, _ = _to_pool(ks, float("nan"), lens, block_size, seed=24)
-    vsp, _ = _to_pool(vs, float("nan"), lens, block_size, seed=24)
-    seq_lens = torch.tensor(lens, device=DEVICE)
+    """An int8 pool's blocks from 3 on, ints and scales, in a second tier: bit for bit the
+    one-tier call, and the reference agrees."""
+    q, pools, table, seq_lens = _pooled(quantize_kv, D, seed=21)
     config = AttentionConfig(block_s=8, split_s=16)
-    paged = {"block_tables": table, "block_size": block_size}
-    want = decode_attention(q, k8p, v8p, seq_lens, config=config, k_scale=ksp, v_scale=vsp,
+    paged = {"block_tables": table, "block_size": 8}
+    kp, vp, ksp, vsp = pools
+    want = decode_attention(q, kp, vp, seq_lens, config=config, k_scale=ksp, v_scale=vsp,
                             **paged)  # type: ignore[arg-type]
-    cut = first * block_size
-    tiers = [(t.clone(), t[cut:].clone()) for t in (k8p, v8p, ksp, vsp)]
-    for dev, _ in tiers[:2]:
-        dev[cut:] = 77
-    for dev, _ in tiers[2:]:
-        dev[cut:] = float("nan")
-    (kd, kh), (vd, vh), (ksd, ksh), (vsd, vsh) = tiers
-    host = HostPages(kh, vh, ksh, vsh, first)
+    (kd, vd, ksd, vsd), host = _host_split(pools, 3)
     got = decode_attention(q, kd, vd, seq_lens, config=config, k_scale=ksd, v_scale=vsd,
                            host=host, **paged)  # type: ignore[arg-type]
     assert torch.equal(got, want)
@@ -294,7 +309,7 @@ def test_decode_attention_int8_reads_the_host_tier() -> None:
     torch.testing.assert_close(ref, want, **TOL[torch.float32])
     with pytest.raises(ValueError, match="scales"):
         decode_attention(q, kd, vd, seq_lens, k_scale=ksd, v_scale=vsd,
-                         host=HostPages(kh, vh, None, None, first), **paged)  # type: ignore[arg-type]
+                         host=HostPages(host.k, host.v, None, None, 3), **paged)  # type: ignore[arg-type]
 
 
 def test_decode_attention_int8_checks() -> None:
@@ -318,3 +333,28 @@ def test_decode_attention_int8_checks() -> None:
         call(v_scale=vs[:, :4])
     with pytest.raises(ValueError, match="k_scale must be float32"):
         call(k_scale=ks.half())
+
+
+def test_decode_attention_q4_reads_the_codes_directly() -> None:
+    """A 4-bit pool (codes two a byte, a float16 scale and minimum per 32 values), paged in
+    random order: against the reference over the dequantized rows (float32: the same values
+    summed in another order), pieces merged; with part of it in a host tier, bit for bit
+    the same."""
+    q, pools, table, seq_lens = _pooled(quantize_kv4, 64, seed=31)
+    config = AttentionConfig(block_s=8, split_s=16)
+    paged = {"block_tables": table, "block_size": 8}
+    kp, vp, kdp, vdp = pools
+    got = decode_attention(q, kp, vp, seq_lens, config=config, k_scale=kdp, v_scale=vdp,
+                           **paged)  # type: ignore[arg-type]
+    want = decode_attention_ref(q, kp, vp, seq_lens, k_scale=kdp, v_scale=vdp,
+                                **paged)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    (kd, vd, ksd, vsd), host = _host_split(pools, 3)
+    split = decode_attention(q, kd, vd, seq_lens, config=config, k_scale=ksd, v_scale=vsd,
+                             host=host, **paged)  # type: ignore[arg-type]
+    assert torch.equal(split, got)
+    with pytest.raises(ValueError, match="paged pools"):
+        decode_attention(q[:1], kp[:40][None], vp[:40][None], seq_lens[:1],
+                         k_scale=kdp[:40][None], v_scale=vdp[:40][None])  # fmt: skip
+    with pytest.raises(ValueError, match="float16"):
+        decode_attention(q, kp, vp, seq_lens, k_scale=kdp.float(), v_scale=vdp, **paged)  # type: ignore[arg-type]

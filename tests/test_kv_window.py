@@ -14,7 +14,7 @@ from kernels.tuning.configs import INTERPRETED
 from stratad.config import Config, EngineConfig
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, KVPool, pool_tokens, prompt_keys, resident_split
-from stratad.engine.kv_format import PLAIN, Int8KV
+from stratad.engine.kv_format import FORMATS, KVFormat
 from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.placement import start_plan
@@ -127,10 +127,10 @@ def test_the_start_plan_counts_the_window_in_vram_and_the_rest_in_ram(
         EngineConfig(kv_resident=32)
 
 
-def _engine(model: Model, device: str, window: int, int8: bool, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
+def _engine(model: Model, device: str, window: int, fmt: KVFormat, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
     budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, max_context=256,
-                        kv_int8=int8, kv_resident=window, **kw)  # fmt: skip
+                        kv_format=fmt, kv_resident=window, **kw)  # fmt: skip
     return OffloadForward(model, torch.device(device), cfg)
 
 
@@ -142,20 +142,22 @@ def _greedy(forward, cache: KVCache, prompt: list[int], n: int) -> list[int]:  #
     return out
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["plain", "int8"])
+@pytest.mark.parametrize("name", ["plain", "int8", "q4"])
 def test_offload_tokens_with_a_window_equal_the_reference_cpu(
-    tiny_moe_model: Model, int8: bool
+    tiny_moe_model: Model, name: str
 ) -> None:
     """Blocks of 8, a window of 16: a 40-token prompt in chunks of 16, then 3 decodes. The
     first blocks go to the host tier as the cache grows (the later chunks gather them from
     there, the decodes' kernel reads them there), and the greedy tokens are the reference's
-    (over int8-rounded KV for an int8 pool), which keeps every position in one cache."""
-    ref = ReferenceForward(tiny_moe_model, kv_format=Int8KV() if int8 else PLAIN)
+    (over keys and values rounded as the pool stores them: int8, or 4-bit codes the kernel
+    dequantizes in registers), which keeps every position in one cache."""
+    fmt = FORMATS[name]
+    ref = ReferenceForward(tiny_moe_model, kv_format=fmt)
     want = _greedy(ref, ref.new_cache(64), PROMPT[:40], 4)
-    engine = _engine(tiny_moe_model, "cpu", 16, int8, kernels=INTERPRETED, graphs=False,
+    engine = _engine(tiny_moe_model, "cpu", 16, fmt, kernels=INTERPRETED, graphs=False,
                      prefill_chunk=16, row_tokens=1)  # fmt: skip
     pool = KVPool.allocate(tiny_moe_model.spec, 48, [torch.device("cpu")] * 4, torch.float32,
-                           block_size=8, int8=int8, window=16, host_tokens=32)  # fmt: skip
+                           block_size=8, fmt=fmt, window=16, host_tokens=32)  # fmt: skip
     cache = KVCache(pool, 64)
     assert _greedy(engine, cache, PROMPT[:40], 4) == want
     assert [pool.on_host(b) for b in cache.blocks] == [True] * 3 + [False] * 3
@@ -165,9 +167,9 @@ PROMPT = [(7 * i) % 200 + 3 for i in range(100)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("int8", [False, True], ids=["plain", "int8"])
+@pytest.mark.parametrize("name", ["plain", "int8", "q4"])
 def test_offload_tokens_with_a_window_equal_all_resident_gpu(
-    tiny_moe_model: Model, int8: bool
+    tiny_moe_model: Model, name: str
 ) -> None:
     """On the GPU, the engine's own pools (blocks of 32, a window of 64, chunks of 32): the
     host tier is page-locked RAM mapped for the device (the kernels and the chunks' gathers
@@ -175,7 +177,7 @@ def test_offload_tokens_with_a_window_equal_all_resident_gpu(
     block in VRAM."""
 
     def run(window: int) -> tuple[list[int], KVPool]:
-        engine = _engine(tiny_moe_model, "cuda", window, int8, prefill_chunk=32)
+        engine = _engine(tiny_moe_model, "cuda", window, FORMATS[name], prefill_chunk=32)
         pool = engine.new_pool(pool_tokens(1, 256))
         return _greedy(engine, KVCache(pool, 256), PROMPT, 4), pool
 

@@ -25,6 +25,7 @@ import torch
 from bench.gpu.e2e import top_kernels
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
+from stratad.engine.kv_format import FORMATS
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.loader import load_model
@@ -118,8 +119,8 @@ def main() -> None:
         help="the experts' Q6_K projections as GGUF blocks or split (the switch q6_k_layout,"
         " OffloadConfig.q6_k_split; the kernel table must dot Q6_K in int8)",
     )
-    p.add_argument("--kv-int8", action="store_true",
-                   help="int8 keys and values (engine.kv_cache = int8)")
+    p.add_argument("--kv-cache", choices=list(FORMATS), default="plain",
+                   help="how the pool stores keys and values (engine.kv_cache)")
     p.add_argument("--kv-resident", type=int, default=0,
                    help="tokens of each sequence's newest KV in VRAM, the rest in page-locked"
                    " RAM read over PCIe (engine.kv_resident); 0: all in VRAM")  # fmt: skip
@@ -135,7 +136,7 @@ def main() -> None:
         kernels=configs,
         dense_gguf=args.dense_gguf,
         q6_k_split=args.q6_k_layout == "split",
-        kv_int8=args.kv_int8,
+        kv_format=FORMATS[args.kv_cache],
         kv_resident=args.kv_resident,
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
@@ -143,7 +144,7 @@ def main() -> None:
     one = next((r for r in rows if r["batch"] == 1), None)
     print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"
           f" {cfg.graphs}; {args.decode_tokens} steps after {args.prompt_len}-token prompts;"
-          f" KV {'int8' if cfg.kv_int8 else 'plain'}, resident window"
+          f" KV {cfg.kv_format.name}, resident window"
           f" {cfg.kv_resident or 'all'}; peak VRAM allocated"
           f" {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")  # fmt: skip
     print("| B | tok/s (all sequences) | ms/step | ceiling (B x B=1) |")

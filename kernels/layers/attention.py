@@ -12,6 +12,9 @@ The caches may be int8 with float32 scales per (position, KV head) (`k_scale`, `
 the format of `kernels.formats.kv_int8`), read as they are: the ints widen to the dot's
 dtype (exactly: |q| <= 127), each K row's scores are multiplied by its k scale, and each V
 row's softmax weight by its v scale before the second dot. No dequantized copy is made.
+A paged pool may also be 4-bit (`kernels.formats.kv_q4`: uint8 codes [n_slots, Hkv, D / 2],
+float16 (scale, minimum) pairs per 32 values as `k_scale`/`v_scale`): each step's rows are
+dequantized in registers from their codes, then dotted as floats.
 
 A paged pool may have a second tier (`host`, `kernels.layers.paged.HostPages`): the blocks
 from `first_block` on live in other tensors, typically page-locked RAM mapped for the GPU, a
@@ -55,6 +58,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats.kv_int8 import dequantize_kv
+from kernels.formats.kv_q4 import dequantize_kv4
 from kernels.layers.paged import HostPages, check_block_tables, gather_pages
 
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
@@ -71,6 +75,34 @@ class AttentionConfig:
 
 
 @triton.jit
+def _load_tiers(base, hbase, at, hat, mask, on_host, HOST: tl.constexpr):
+    """Values at offsets `at` of the first tier, or (HOST) at `hat` of the host tier where
+    `on_host`: two loads, each masked to its tier's rows (0 where masked)."""
+    if HOST:
+        x = tl.load(base + at, mask=mask & ~on_host, other=0)
+        x += tl.load(hbase + hat, mask=mask & on_host, other=0)
+    else:
+        x = tl.load(base + at, mask=mask, other=0)
+    return x
+
+
+@triton.jit
+def _q4_rows(codes, dm_base, dm_hbase, srow, hrow, stride_dm, d, row_mask, on_host,
+             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
+    """4-bit rows [BS, BD] in float32 from their codes [BS, BD / 2] (value 2j the low
+    nibble) and each group of 32's (scale, minimum) (`kernels.formats.kv_q4`)."""
+    lo = (codes & 15).to(tl.float32)
+    hi = (codes >> 4).to(tl.float32)
+    x = tl.reshape(tl.join(lo, hi), [BLOCK_S, BLOCK_D])
+    g = (d // 32 * 2)[None, :]
+    dsc = _load_tiers(dm_base, dm_hbase, srow * stride_dm + g, hrow * stride_dm + g, row_mask,
+                      on_host, HOST).to(tl.float32)  # fmt: skip
+    dmn = _load_tiers(dm_base, dm_hbase, srow * stride_dm + g + 1, hrow * stride_dm + g + 1,
+                      row_mask, on_host, HOST).to(tl.float32)  # fmt: skip
+    return x * dsc + dmn
+
+
+@triton.jit
 def _attend(
     q,  # [BG, BD] in the dot's dtype (rows past the group are zero)
     k_base,  # K/V of one sequence and KV head at position 0 (PAGED: of the pool at slot 0)
@@ -78,7 +110,7 @@ def _attend(
     stride_ks,
     stride_vs,
     table,  # the sequence's block ids (PAGED); else unread
-    ks_base,  # k/v scales of the sequence and KV head at position 0 (QUANT); else unread
+    ks_base,  # k/v scales (QUANT 2: (scale, minimum) pairs) at position 0; else unread
     vs_base,
     stride_kss,
     stride_vss,
@@ -92,7 +124,7 @@ def _attend(
     DOT_F32: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
-    QUANT: tl.constexpr,  # int8 K/V, each row scaled by its ks/vs
+    QUANT: tl.constexpr,  # 1: int8 K/V, each row scaled by its ks/vs; 2: 4-bit (PAGED)
     hk_base,  # the host tier's K/V/scales at slot 0 of the KV head (HOST); else unread
     hv_base,
     hks_base,
@@ -103,17 +135,19 @@ def _attend(
     """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
     unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
     acc = 0 when empty. Both products are tensor-core dots with float32 accumulation
-    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16; QUANT:
-    the ints widened to q's dtype)."""
+    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16; QUANT 1:
+    the ints widened to q's dtype; QUANT 2: the rows dequantized in registers)."""
     d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of 2^(s - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
-        kv_mask = (s[:, None] < end) & (d[None, :] < D)
+        live = s < end
+        on_host = s < 0  # [BS] the rows the host tier holds (HOST); none otherwise
+        host_row = s.to(tl.int64)
         if PAGED:  # each position's row in the pool: its block's slot 0, plus its offset
-            block = tl.load(table + s // PAGE, mask=s < end, other=0)  # [BS]
+            block = tl.load(table + s // PAGE, mask=live, other=0)  # [BS]
             if HOST:  # the host tier's rows go to its own load; here they read row 0
                 on_host = block >= first_host
                 host_row = (tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE
@@ -122,42 +156,46 @@ def _attend(
             srow = block.to(tl.int64) * PAGE + s % PAGE  # [BS]
         else:
             srow = s.to(tl.int64)
-        rows = srow[:, None]
-        if HOST:
-            dev_mask = kv_mask & ~on_host[:, None]
-            host_mask = kv_mask & on_host[:, None]
-            hrows = host_row[:, None]
-            k = tl.load(k_base + rows * stride_ks + d[None, :], mask=dev_mask, other=0.0)
-            v = tl.load(v_base + rows * stride_vs + d[None, :], mask=dev_mask, other=0.0)
-            k += tl.load(hk_base + hrows * stride_ks + d[None, :], mask=host_mask, other=0.0)
-            v += tl.load(hv_base + hrows * stride_vs + d[None, :], mask=host_mask, other=0.0)
+        rows, hrows, host2 = srow[:, None], host_row[:, None], on_host[:, None]
+        if QUANT == 2:  # the codes, two a byte
+            d2 = tl.arange(0, BLOCK_D // 2)
+            c_mask = live[:, None] & (d2[None, :] < D // 2)
+            kc = _load_tiers(k_base, hk_base, rows * stride_ks + d2[None, :],
+                             hrows * stride_ks + d2[None, :], c_mask, host2, HOST)  # fmt: skip
+            vc = _load_tiers(v_base, hv_base, rows * stride_vs + d2[None, :],
+                             hrows * stride_vs + d2[None, :], c_mask, host2, HOST)  # fmt: skip
+            r_mask = live[:, None] & (d[None, :] < D)
+            k = _q4_rows(kc, ks_base, hks_base, rows, hrows, stride_kss, d, r_mask, host2,
+                         BLOCK_S, BLOCK_D, HOST).to(q.dtype)  # fmt: skip
+            v = _q4_rows(vc, vs_base, hvs_base, rows, hrows, stride_vss, d, r_mask, host2,
+                         BLOCK_S, BLOCK_D, HOST)  # fmt: skip
+            if not DOT_F32:
+                v = v.to(q.dtype)
         else:
-            k = tl.load(k_base + rows * stride_ks + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + rows * stride_vs + d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
-            if HOST:
-                dev_s, host_s = (s < end) & ~on_host, (s < end) & on_host
-                ks = tl.load(ks_base + srow * stride_kss, mask=dev_s, other=0.0)
-                vs = tl.load(vs_base + srow * stride_vss, mask=dev_s, other=0.0)
-                ks += tl.load(hks_base + host_row * stride_kss, mask=host_s, other=0.0)
-                vs += tl.load(hvs_base + host_row * stride_vss, mask=host_s, other=0.0)
-            else:
-                ks = tl.load(ks_base + srow * stride_kss, mask=s < end, other=0.0)
-                vs = tl.load(vs_base + srow * stride_vss, mask=s < end, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        elif DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            kv_mask = live[:, None] & (d[None, :] < D)
+            k = _load_tiers(k_base, hk_base, rows * stride_ks + d[None, :],
+                            hrows * stride_ks + d[None, :], kv_mask, host2, HOST)  # fmt: skip
+            v = _load_tiers(v_base, hv_base, rows * stride_vs + d[None, :],
+                            hrows * stride_vs + d[None, :], kv_mask, host2, HOST)  # fmt: skip
+            if QUANT == 1:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
+                ks = _load_tiers(ks_base, hks_base, srow * stride_kss, host_row * stride_kss,
+                                 live, on_host, HOST)  # fmt: skip
+                vs = _load_tiers(vs_base, hvs_base, srow * stride_vss, host_row * stride_vss,
+                                 live, on_host, HOST)  # fmt: skip
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            elif DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BG, BS]
-        if QUANT:
+        if QUANT == 1:
             scores = scores * ks[None, :]
         scores = tl.where(s[None, :] < end, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
         p = tl.exp2(scores - m_new[:, None])  # [BG, BS]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
+        if QUANT == 1:
             p = p * vs[None, :]  # after the sum: l counts the weights, not the scales
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
@@ -262,7 +300,7 @@ def _decode_attention_kernel(
     DOT_F32: tl.constexpr,
     PAGED: tl.constexpr,  # sequence b's K/V rows through table_ptr[b] (stride_kb is 0)
     PAGE: tl.constexpr,  # positions per block (PAGED)
-    QUANT: tl.constexpr,  # int8 K/V with per (row, KV head) scales
+    QUANT: tl.constexpr,  # 1: int8 K/V with per (row, KV head) scales; 2: 4-bit (PAGED)
     hk_ptr,  # the host tier [n_host_slots, Hkv, D] in the pool's strides (HOST); else unread
     hv_ptr,
     hks_ptr,  # its scales [n_host_slots, Hkv] in the pool's scale strides (HOST and QUANT)
@@ -345,7 +383,8 @@ def _check_inputs(
         )
     B, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
-    if (not paged and k_cache.shape[0] != B) or k_cache.shape[-1] != D:
+    packed = k_cache.dtype == torch.uint8  # 4-bit codes, two a byte
+    if (not paged and k_cache.shape[0] != B) or k_cache.shape[-1] != (D // 2 if packed else D):
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"{Hq} query heads is not a multiple of {Hkv} KV heads")
@@ -355,7 +394,9 @@ def _check_inputs(
         )
     if (k_scale is None) != (v_scale is None):
         raise ValueError("k_scale and v_scale go together (both for int8 caches, or neither)")
-    if k_scale is not None and v_scale is not None:
+    if k_scale is not None and v_scale is not None and packed:
+        _check_q4(q, k_cache, v_cache, k_scale, v_scale, paged)
+    elif k_scale is not None and v_scale is not None:
         _check_scales(q, k_cache, v_cache, k_scale, v_scale, layout)
     elif not (
         q.is_floating_point() and k_cache.dtype == v_cache.dtype and k_cache.is_floating_point()
@@ -396,6 +437,31 @@ def _check_scales(
             raise ValueError(f"{name} is on {sc.device}, the caches on {k_cache.device}")
 
 
+def _check_q4(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    paged: bool,
+) -> None:
+    """4-bit caches (`kernels.formats.kv_q4`): codes uint8 [n_slots, Hkv, D / 2] of a paged
+    pool, (scale, minimum) pairs float16 [n_slots, Hkv, D / 32, 2]."""
+    D = q.shape[-1]
+    if not paged:
+        raise ValueError("4-bit caches are read as paged pools (block_tables)")
+    if v_cache.dtype != torch.uint8 or not q.is_floating_point() or D % 32:
+        raise TypeError(f"4-bit caches: uint8 codes of a head dim in 32s and float q, got"
+                        f" {k_cache.dtype}, {v_cache.dtype}, D {D}, {q.dtype}")  # fmt: skip
+    want = (*k_cache.shape[:2], D // 32, 2)
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.dtype != torch.float16 or sc.shape != want or sc.stride()[2:] != (2, 1):
+            raise ValueError(f"{name} of 4-bit caches: float16 (scale, minimum) pairs"
+                             f" {list(want)}, got {sc.dtype} {tuple(sc.shape)}")  # fmt: skip
+        if sc.device != k_cache.device:
+            raise ValueError(f"{name} is on {sc.device}, the caches on {k_cache.device}")
+
+
 def _check_config(cfg: AttentionConfig) -> None:
     if cfg.block_s < 1 or cfg.block_s & (cfg.block_s - 1):
         raise ValueError(f"block_s {cfg.block_s} is not a power of two")
@@ -422,7 +488,8 @@ def _launch(
 ) -> None:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
-    quant = k_scale is not None and v_scale is not None
+    # 0: plain; 1: int8 and a scale per row; 2: 4-bit codes and (scale, minimum) pairs
+    quant = 0 if k_scale is None else 2 if k_cache.dtype == torch.uint8 else 1
     if block_tables is None:
         S = k_cache.shape[1]
         k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
@@ -434,8 +501,8 @@ def _launch(
     vs_strides: tuple[int, ...] = (0, 0, 0)
     if k_scale is not None and v_scale is not None:
         pool = block_tables is not None  # [n_slots, Hkv]: no sequence stride
-        ks_strides = (0, *k_scale.stride()) if pool else k_scale.stride()
-        vs_strides = (0, *v_scale.stride()) if pool else v_scale.stride()
+        ks_strides = (0, *k_scale.stride()[:2]) if pool else k_scale.stride()[:3]
+        vs_strides = (0, *v_scale.stride()[:2]) if pool else v_scale.stride()[:3]
     group = Hq // Hkv
     n_splits = min(triton.cdiv(S, cfg.split_s), cfg.max_splits)
     # Partials of every piece (none when one piece is the whole cache); those past a
@@ -559,6 +626,13 @@ def decode_attention(
     return out
 
 
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 or 4-bit rows as float32 (`kv_int8`, `kv_q4`)."""
+    if codes.dtype == torch.uint8:
+        return dequantize_kv4(codes, scales)
+    return dequantize_kv(codes, scales)
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -577,10 +651,10 @@ def decode_attention_ref(
     int8 caches with k_scale/v_scale are dequantized first (a float32 copy: the reference's
     way in)."""
     if k_scale is not None and v_scale is not None:
-        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
+        k_cache, v_cache = _dequantize(k_cache, k_scale), _dequantize(v_cache, v_scale)
         if host is not None and host.k_scale is not None and host.v_scale is not None:
-            host = HostPages(dequantize_kv(host.k, host.k_scale),
-                             dequantize_kv(host.v, host.v_scale), None, None,
+            host = HostPages(_dequantize(host.k, host.k_scale),
+                             _dequantize(host.v, host.v_scale), None, None,
                              host.first_block)  # fmt: skip
     if block_tables is not None:
         first = host.first_block if host is not None else 0

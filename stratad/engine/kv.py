@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from kernels.layers.paged import HostPages, gather_rows
+from stratad.engine.kv_format import INT8, PLAIN, KVFormat
 from stratad.engine.mapped import mapped_empty
 from stratad.host_copy import to_device
 from stratad.model.spec import ModelSpec
@@ -89,9 +90,11 @@ class KVPool:
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
         host: list[HostPages] | None = None,
         window: int = 0,
+        fmt: KVFormat | None = None,
     ) -> None:
         """`scales`: int8 k/v's float32 (k, v) scales per layer [rows, Hkv]
-        (`kernels.formats.kv_int8`); None: k/v hold the values as they are. `host`: each
+        (`kernels.formats.kv_int8`), or 4-bit codes' (scale, minimum) pairs (`fmt` Q4:
+        `kernels.formats.kv_q4`); None: k/v hold the values as they are. `host`: each
         layer's second tier (its `first_block` this pool's block count), where a cache's
         blocks before its newest `window` tokens go (see the module)."""
         rows = k[0].shape[0]
@@ -102,8 +105,12 @@ class KVPool:
         self.k, self.v, self.block_size = k, v, block_size
         self.k_scale, self.v_scale = scales if scales is not None else ([], [])
         self.quantized = scales is not None
-        if self.quantized and any(t.dtype != torch.int8 for t in (*k, *v)):
-            raise ValueError("a pool with scales holds int8 keys and values")
+        self.fmt = fmt or (INT8 if self.quantized else PLAIN)
+        if self.quantized != (self.fmt != PLAIN) or any(
+            t.dtype != self.fmt.layout(32, t.dtype).codes for t in (*k, *v)  # (any head dim)
+        ):
+            raise ValueError(f"keys and values of {k[0].dtype} (scales: {self.quantized}) are"
+                             f" not the {self.fmt.name} format's")  # fmt: skip
         self.n_blocks = rows // block_size  # the first tier's (in VRAM on a GPU)
         self.host = host or []
         self.n_host_blocks = self.host[0].k.shape[0] // block_size if self.host else 0
@@ -138,39 +145,39 @@ class KVPool:
         dtype: torch.dtype,
         zeroed: bool = False,
         block_size: int = BLOCK_SIZE,
-        int8: bool = False,
+        fmt: KVFormat = PLAIN,
         window: int = 0,
         host_tokens: int = 0,
     ) -> KVPool:
-        """A pool of at least `tokens` rows, layer i on devices[i], in `dtype` (`int8`: int8
-        with a float32 scale per token and KV head). `zeroed` False: the buffers as
+        """A pool of at least `tokens` rows, layer i on devices[i], in `dtype` or as `fmt`
+        stores it (int8 with a float32 scale per token and KV head, or 4-bit codes with a
+        scale and minimum per 32 values: `stratad.engine.kv_format`). `zeroed` False: the buffers as
         allocated (attention never reads past a cache's length). `host_tokens` > 0: a second
         tier of at least that many rows in page-locked host RAM mapped for each layer's
         device, where blocks before each cache's newest `window` tokens go."""
         n = -(-max(tokens, 1) // block_size) * block_size
-        shape = (n, spec.n_kv_heads, spec.head_dim)
+        lay, hkv = fmt.layout(spec.head_dim, dtype), spec.n_kv_heads
         new = torch.zeros if zeroed else torch.empty
-        store = torch.int8 if int8 else dtype
-        k = [new(shape, device=d, dtype=store) for d in devices]
-        v = [new(shape, device=d, dtype=store) for d in devices]
+        k = [new((n, hkv, *lay.code_shape), device=d, dtype=lay.codes) for d in devices]
+        v = [new((n, hkv, *lay.code_shape), device=d, dtype=lay.codes) for d in devices]
         scales = None
-        if int8:
-            scales = ([torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices],
-                      [torch.zeros(shape[:2], device=d, dtype=torch.float32) for d in devices])
+        if lay.scales is not None:
+            sshape = (n, hkv, *lay.scale_shape)
+            scales = ([torch.zeros(sshape, device=d, dtype=lay.scales) for d in devices],
+                      [torch.zeros(sshape, device=d, dtype=lay.scales) for d in devices])
         host = None
         if host_tokens > 0:
             h = -(-host_tokens // block_size) * block_size
-            hshape = (h, spec.n_kv_heads, spec.head_dim)
-            host = [
-                HostPages(
-                    mapped_empty(hshape, store, d), mapped_empty(hshape, store, d),
-                    mapped_empty(hshape[:2], torch.float32, d) if int8 else None,
-                    mapped_empty(hshape[:2], torch.float32, d) if int8 else None,
-                    n // block_size,
-                )
-                for d in devices
-            ]  # fmt: skip
-        return cls(k, v, block_size, scales, host, window)
+
+            def tier(d: torch.device) -> HostPages:
+                codes = [mapped_empty((h, hkv, *lay.code_shape), lay.codes, d) for _ in "kv"]
+                sc: list[torch.Tensor | None] = [None, None]
+                if lay.scales is not None:
+                    sc = [mapped_empty((h, hkv, *lay.scale_shape), lay.scales, d) for _ in "kv"]
+                return HostPages(codes[0], codes[1], sc[0], sc[1], n // block_size)
+
+            host = [tier(d) for d in devices]
+        return cls(k, v, block_size, scales, host, window, fmt)
 
     @property
     def free_blocks(self) -> int:

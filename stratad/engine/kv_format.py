@@ -5,10 +5,12 @@
   over the head's values, q = round(x / scale) (half to even) in -127..127
   (`kernels.formats.kv_int8`, whose layout the attention kernels read directly); llama.cpp's
   `-ctk q8_0` keeps a scale per 32 values instead.
-- `Q4KV`: 4 bits with a float32 scale and minimum per 32 values of a head (as llama.cpp's
-  `q4_1`): scale = (max - min) / 15, q = round((x - min) / scale) in 0..15. On the default
-  model a symmetric form (scale = max|x| / 7) cost 28% of perplexity, this one 11% over
-  2,048 tokens of the Python documentation (16 values a group: 6%).
+- `Q4KV`: 4 bits with a float16 scale and minimum per 32 values of a head (as llama.cpp's
+  `q4_1`): scale = (max - min) / 15, q = round((x - min) / scale) in 0..15
+  (`kernels.formats.kv_q4`, read directly by the offload engine's decode attention). On the
+  default model a symmetric form (scale = max|x| / 7) cost 28% of perplexity, this one
+  (with float32 scales) 11% over 2,048 tokens of the Python documentation (16 values a
+  group: 6%).
 
 `round_trip(x)` is what a reader of the stored form gets back for x [T, Hkv, D] (float32
 arithmetic): the reference engine applies it to every key and value it writes, so its
@@ -23,6 +25,31 @@ from dataclasses import dataclass
 import torch
 
 from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
+from kernels.formats.kv_q4 import GROUP, check_dim, dequantize_kv4, quantize_kv4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a pool stores one row (a token's KV head) of keys or values: its codes' dtype and
+    shape, and its scales' (None: none)."""
+
+    codes: torch.dtype
+    code_shape: tuple[int, ...]
+    scales: torch.dtype | None = None
+    scale_shape: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one row, codes and scales."""
+        n = self.codes.itemsize * _prod(self.code_shape)
+        return n + (self.scales.itemsize * _prod(self.scale_shape) if self.scales else 0)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for x in shape:
+        out *= x
+    return out
 
 
 @dataclass(frozen=True)
@@ -30,6 +57,9 @@ class PlainKV:
     """Keys and values as computed, in the pool's dtype."""
 
     name: str = "plain"
+
+    def layout(self, head_dim: int, dtype: torch.dtype) -> Layout:
+        return Layout(dtype, (head_dim,))
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -40,6 +70,9 @@ class Int8KV:
     """int8, one scale per (token, KV head)."""
 
     name: str = "int8"
+
+    def layout(self, head_dim: int, dtype: torch.dtype) -> Layout:
+        return Layout(torch.int8, (head_dim,), torch.float32, ())
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, Hkv, D] -> (int8 [T, Hkv, D], float32 scales [T, Hkv])."""
@@ -54,28 +87,22 @@ class Int8KV:
 
 @dataclass(frozen=True)
 class Q4KV:
-    """4 bits, a scale and a minimum per `group` values of a KV head."""
+    """4 bits, a float16 scale and minimum per 32 values of a KV head
+    (`kernels.formats.kv_q4`)."""
 
     name: str = "q4"
-    group: int = 32
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, Hkv, D] -> (ints 0..15 as uint8 [T, Hkv, D], float32 scales and minimums
-        [T, Hkv, D / group]) (the kernels pack two ints a byte)."""
-        t, h, d = x.shape
-        if d % self.group:
-            raise ValueError(f"head dim {d} is not a whole number of {self.group}-value groups")
-        g = x.float().reshape(t, h, d // self.group, self.group)
-        low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        scale = (high - low) / 15
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((g - low) / safe).clamp(0, 15).to(torch.uint8)
-        return q.reshape(t, h, d), scale[..., 0], low[..., 0]
+    def layout(self, head_dim: int, dtype: torch.dtype) -> Layout:
+        check_dim(head_dim)
+        return Layout(torch.uint8, (head_dim // 2,), torch.float16, (head_dim // GROUP, 2))
 
-    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-        t, h, d = q.shape
-        g = q.reshape(t, h, d // self.group, self.group).float()
-        return (g * scale[..., None] + low[..., None]).reshape(t, h, d)
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, Hkv, D] -> (codes uint8 [T, Hkv, D / 2], two a byte; float16 (scale,
+        minimum) pairs [T, Hkv, D / 32, 2])."""
+        return quantize_kv4(x)
+
+    def dequantize(self, q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+        return dequantize_kv4(q, dm)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return self.dequantize(*self.quantize(x)).to(x.dtype)
@@ -84,4 +111,5 @@ class Q4KV:
 KVFormat = PlainKV | Int8KV | Q4KV
 PLAIN = PlainKV()
 INT8 = Int8KV()
-FORMATS: dict[str, KVFormat] = {f.name: f for f in (PLAIN, INT8, Q4KV())}
+Q4 = Q4KV()
+FORMATS: dict[str, KVFormat] = {f.name: f for f in (PLAIN, INT8, Q4)}

@@ -24,6 +24,7 @@ from kernels.cpu import build as cpu_build
 from kernels.cpu.dense import CACHE_DTYPE
 from stratad.config import Config, StoreConfig
 from stratad.engine.kv import resident_split
+from stratad.engine.kv_format import FORMATS, KVFormat
 from stratad.engine.passes import FETCH_MAX_TOKENS
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.store.loader import is_pack
@@ -216,6 +217,11 @@ def start_plan(
             "engine.kv_cache = int8: the reference engine keeps plain KV (int8 KV is the"
             " offload and cpu engines')"
         )
+    if config.engine.kv_cache == "q4" and backend != "offload":
+        raise ModelError(
+            f"engine.kv_cache = q4: the {backend} engine cannot store 4-bit KV (the offload"
+            " engine's alone; int8 is the cpu engine's)"
+        )
     dtype = compute_dtype(config.engine.dtype, device)
     max_context = min(config.model.max_context, spec.context_length)
     pool = config.server.kv_cache_tokens / max_context  # whole contexts; 0: one per request
@@ -244,7 +250,7 @@ def start_plan(
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
-        per_token = kv_token_bytes(spec, size, config.engine.kv_cache == "int8")
+        per_token = kv_token_bytes(spec, size, FORMATS[config.engine.kv_cache])
         window = kv_window(config.engine.kv_resident, max_context)
         # what a request holds in VRAM: its whole context, or its resident window
         parallel = parallel_for(config.server.parallel, (window or max_context) * per_token,
@@ -276,7 +282,7 @@ def start_plan(
         dense_host = model.dense_values() * per_value
         # the working KV caches: halves (or int8 and their scales) in the cpu engine's one call
         kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
-        one = max_context * kv_token_bytes(spec, kv_bytes, config.engine.kv_cache == "int8")
+        one = max_context * kv_token_bytes(spec, kv_bytes, FORMATS[config.engine.kv_cache])
         if device.type == "cpu":
             host = host_bytes if host_bytes is not None else mem_total()[0]
             parallel = parallel_for(config.server.parallel, one, host, "RAM", pool)
@@ -305,11 +311,12 @@ def kv_window(setting: int, max_context: int) -> int:
     return setting if 0 < setting < max_context else 0
 
 
-def kv_token_bytes(spec: ModelSpec, dtype_bytes: int, int8: bool) -> int:
-    """Bytes of one token's keys and values over every layer: in the compute dtype, or int8
-    with a float32 scale per KV head (`engine.kv_cache`)."""
-    per_layer = spec.kv_dim + 4 * spec.n_kv_heads if int8 else spec.kv_dim * dtype_bytes
-    return 2 * spec.n_layers * per_layer
+def kv_token_bytes(spec: ModelSpec, dtype_bytes: int, fmt: KVFormat) -> int:
+    """Bytes of one token's keys and values over every layer, as `fmt` stores them
+    (`engine.kv_cache`): in the compute dtype of `dtype_bytes`, int8 with a float32 scale per
+    KV head, or 4-bit with a float16 scale and minimum per 32 values."""
+    dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    return 2 * spec.n_layers * spec.n_kv_heads * fmt.layout(spec.head_dim, dtype).nbytes
 
 
 def offload_vram_bytes(

@@ -11,7 +11,8 @@ torch's scaled_dot_product_attention.
 
 An int8 pool (`engine.kv_cache = "int8"`) holds int8 keys and values with a float32 scale per
 token and KV head (`kernels.formats.kv_int8`): the fused input kernel writes them, decode
-attention reads them directly, and a prefill chunk dequantizes the rows it gathers.
+attention reads them directly, and a prefill chunk dequantizes the rows it gathers. A 4-bit
+pool (`"q4"`, `kernels.formats.kv_q4`) is read the same way and written op by op.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import torch
 import torch.nn.functional as fn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.formats.kv_int8 import dequantize_kv, quantize_kv
 from kernels.layers.attention import attention_counts, decode_attention
 from kernels.layers.attn_input import attn_input
 from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, KVPool, block_tables
+from stratad.engine.kv_format import Q4, Q4KV, Int8KV
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
@@ -53,9 +54,10 @@ class OffloadAttention:
         self.style = RopeStyle.INTERLEAVED if spec.rope_interleaved else RopeStyle.NEOX
         d = spec.head_dim
         # decode's input in one kernel: per-head norms or none, full rotation, D a power of 2
+        # (a 4-bit pool is written op by op: the fused kernel writes plain and int8 rows)
         self.fused_input = (
             device.type != "cpu" and spec.qk_norm in ("head", "none")
-            and self.cos.shape[1] * 2 == d and d & (d - 1) == 0
+            and self.cos.shape[1] * 2 == d and d & (d - 1) == 0 and config.kv_format != Q4
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
         # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
@@ -157,8 +159,10 @@ class OffloadAttention:
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
         keys, values, *scales = cache.gather(i, start + t, qkv.device)
         if scales:  # a prefill chunk attends with torch: floats
-            keys = dequantize_kv(keys, scales[0]).to(q.dtype)
-            values = dequantize_kv(values, scales[1]).to(q.dtype)
+            fmt = cache.pool.fmt
+            assert isinstance(fmt, Int8KV | Q4KV)
+            keys = fmt.dequantize(keys, scales[0]).to(q.dtype)
+            values = fmt.dequantize(values, scales[1]).to(q.dtype)
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
@@ -189,8 +193,10 @@ class OffloadAttention:
             k = apply_rope(k, cos, sin, spec.rope_interleaved)
         bs, pool = cache.block_size, cache.pool
         rows = cache.table(pos.device).long()[pos // bs] * bs + pos % bs
-        if pool.quantized:  # int8 and a scale per token and KV head
-            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+        if pool.quantized:  # int8 and a scale per token and KV head, or 4-bit
+            fmt = pool.fmt
+            assert isinstance(fmt, Int8KV | Q4KV)
+            (k, k_scale), (v, v_scale) = fmt.quantize(k), fmt.quantize(v)
             pool.k_scale[i].index_copy_(0, rows, k_scale)
             pool.v_scale[i].index_copy_(0, rows, v_scale)
         cache.k[i].index_copy_(0, rows, k)

@@ -8,6 +8,7 @@ import torch
 
 from kernels.formats.quant import QType
 from kernels.tuning.configs import KernelConfigs
+from stratad.engine.kv_format import PLAIN, KVFormat
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.store.tiers.slots import SlotSettings
 
@@ -22,7 +23,7 @@ class OffloadConfig:
     # The most new tokens of one sequence a decode pass takes as rows of their own (a short
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
     row_tokens: int = FUSED_MAX_TOKENS
-    kv_int8: bool = False  # keys and values in int8 with a scale per token and KV head
+    kv_format: KVFormat = PLAIN  # keys and values as computed, int8 or 4-bit (kv_format)
     # Tokens of each sequence's newest KV kept in VRAM; older blocks go to page-locked RAM,
     # read over PCIe by decode attention (stratad.engine.kv); 0: all in VRAM.
     kv_resident: int = 0

@@ -214,7 +214,7 @@ class OffloadForward:
         cfg = self.config
         first, host = resident_split(tokens, cfg.max_context, cfg.kv_resident, cfg.prefill_chunk)
         return KVPool.allocate(self.spec, first, [self.device] * self.spec.n_layers, self.dtype,
-                               int8=cfg.kv_int8, window=cfg.kv_resident,
+                               fmt=cfg.kv_format, window=cfg.kv_resident,
                                host_tokens=host)  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

@@ -138,7 +138,7 @@ class StagedForward:
         cfg = self.config
         first, host = resident_split(tokens, cfg.max_context, cfg.kv_resident, cfg.prefill_chunk)
         return KVPool.allocate(self.spec, first, self.layer_device, cfg.dtype,
-                               int8=cfg.kv_int8, window=cfg.kv_resident,
+                               fmt=cfg.kv_format, window=cfg.kv_resident,
                                host_tokens=host)  # fmt: skip
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

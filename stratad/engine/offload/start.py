@@ -15,6 +15,7 @@ import logging
 import time
 
 from stratad.config import Config
+from stratad.engine.kv_format import FORMATS
 from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.experts import kernel_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
@@ -71,7 +72,7 @@ def open_offload(
         slots=SlotSettings(config.store.cache_policy), gpu_miss=paths.gpu_miss.value,
         kernels=found.configs, prefetch=paths.prefetching,
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
-        kv_int8=config.engine.kv_cache == "int8", q6_k_split=q6_k.value == "split",
+        kv_format=FORMATS[config.engine.kv_cache], q6_k_split=q6_k.value == "split",
         kv_resident=kv_window(config.engine.kv_resident, start.max_context),
     )  # fmt: skip
     t0 = time.monotonic()

@@ -175,7 +175,7 @@ class ReferenceForward:
         # the cpu engine stores int8 itself; the torch layers round-trip into floats
         int8 = self.stack is not None and self.kv_format == INT8
         return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, dtype,
-                               int8=int8)  # fmt: skip
+                               fmt=INT8 if int8 else PLAIN)  # fmt: skip
 
     def new_cache(self, max_len: int) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""
