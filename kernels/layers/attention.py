@@ -87,22 +87,6 @@ def _load_tiers(base, hbase, at, hat, mask, on_host, HOST: tl.constexpr):
 
 
 @triton.jit
-def _q4_rows(codes, dm_base, dm_hbase, srow, hrow, stride_dm, d, row_mask, on_host,
-             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
-    """4-bit rows [BS, BD] in float32 from their codes [BS, BD / 2] (value 2j the low
-    nibble) and each group of 32's (scale, minimum) (`kernels.formats.kv_q4`)."""
-    lo = (codes & 15).to(tl.float32)
-    hi = (codes >> 4).to(tl.float32)
-    x = tl.reshape(tl.join(lo, hi), [BLOCK_S, BLOCK_D])
-    g = (d // 32 * 2)[None, :]
-    dsc = _load_tiers(dm_base, dm_hbase, srow * stride_dm + g, hrow * stride_dm + g, row_mask,
-                      on_host, HOST).to(tl.float32)  # fmt: skip
-    dmn = _load_tiers(dm_base, dm_hbase, srow * stride_dm + g + 1, hrow * stride_dm + g + 1,
-                      row_mask, on_host, HOST).to(tl.float32)  # fmt: skip
-    return x * dsc + dmn
-
-
-@triton.jit
 def _attend(
     q,  # [BG, BD] in the dot's dtype (rows past the group are zero)
     k_base,  # K/V of one sequence and KV head at position 0 (PAGED: of the pool at slot 0)
@@ -110,7 +94,7 @@ def _attend(
     stride_ks,
     stride_vs,
     table,  # the sequence's block ids (PAGED); else unread
-    ks_base,  # k/v scales (QUANT 2: (scale, minimum) pairs) at position 0; else unread
+    ks_base,  # k/v scales of the sequence and KV head at position 0 (QUANT); else unread
     vs_base,
     stride_kss,
     stride_vss,
@@ -124,7 +108,7 @@ def _attend(
     DOT_F32: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,  # positions per block (PAGED)
-    QUANT: tl.constexpr,  # 1: int8 K/V, each row scaled by its ks/vs; 2: 4-bit (PAGED)
+    QUANT: tl.constexpr,  # 1: int8 K/V, each row scaled by its ks/vs (4-bit: `_attend_q4`)
     hk_base,  # the host tier's K/V/scales at slot 0 of the KV head (HOST); else unread
     hv_base,
     hks_base,
@@ -135,8 +119,8 @@ def _attend(
     """Online softmax of q over positions [start, end): (max m [BG], sum of 2^(s - m) l [BG],
     unnormalised weighted sum acc [BG, BD]), scores s in base-2 units; m = -inf, l = 0,
     acc = 0 when empty. Both products are tensor-core dots with float32 accumulation
-    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16; QUANT 1:
-    the ints widened to q's dtype; QUANT 2: the rows dequantized in registers)."""
+    (DOT_F32: float32 operands, for the interpreter, whose dot cannot take bfloat16; QUANT:
+    the ints widened to q's dtype)."""
     d = tl.arange(0, BLOCK_D)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)  # running max
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of 2^(s - m)
@@ -157,49 +141,132 @@ def _attend(
         else:
             srow = s.to(tl.int64)
         rows, hrows, host2 = srow[:, None], host_row[:, None], on_host[:, None]
-        if QUANT == 2:  # the codes, two a byte
-            d2 = tl.arange(0, BLOCK_D // 2)
-            c_mask = live[:, None] & (d2[None, :] < D // 2)
-            kc = _load_tiers(k_base, hk_base, rows * stride_ks + d2[None, :],
-                             hrows * stride_ks + d2[None, :], c_mask, host2, HOST)  # fmt: skip
-            vc = _load_tiers(v_base, hv_base, rows * stride_vs + d2[None, :],
-                             hrows * stride_vs + d2[None, :], c_mask, host2, HOST)  # fmt: skip
-            r_mask = live[:, None] & (d[None, :] < D)
-            k = _q4_rows(kc, ks_base, hks_base, rows, hrows, stride_kss, d, r_mask, host2,
-                         BLOCK_S, BLOCK_D, HOST).to(q.dtype)  # fmt: skip
-            v = _q4_rows(vc, vs_base, hvs_base, rows, hrows, stride_vss, d, r_mask, host2,
-                         BLOCK_S, BLOCK_D, HOST)  # fmt: skip
-            if not DOT_F32:
-                v = v.to(q.dtype)
-        else:
-            kv_mask = live[:, None] & (d[None, :] < D)
-            k = _load_tiers(k_base, hk_base, rows * stride_ks + d[None, :],
-                            hrows * stride_ks + d[None, :], kv_mask, host2, HOST)  # fmt: skip
-            v = _load_tiers(v_base, hv_base, rows * stride_vs + d[None, :],
-                            hrows * stride_vs + d[None, :], kv_mask, host2, HOST)  # fmt: skip
-            if QUANT == 1:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
-                ks = _load_tiers(ks_base, hks_base, srow * stride_kss, host_row * stride_kss,
-                                 live, on_host, HOST)  # fmt: skip
-                vs = _load_tiers(vs_base, hvs_base, srow * stride_vss, host_row * stride_vss,
-                                 live, on_host, HOST)  # fmt: skip
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            elif DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+        kv_mask = live[:, None] & (d[None, :] < D)
+        k = _load_tiers(k_base, hk_base, rows * stride_ks + d[None, :],
+                        hrows * stride_ks + d[None, :], kv_mask, host2, HOST)  # fmt: skip
+        v = _load_tiers(v_base, hv_base, rows * stride_vs + d[None, :],
+                        hrows * stride_vs + d[None, :], kv_mask, host2, HOST)  # fmt: skip
+        if QUANT == 1:  # [BS] the rows' scales (0 past end, where the weight is 0 anyway)
+            ks = _load_tiers(ks_base, hks_base, srow * stride_kss, host_row * stride_kss,
+                             live, on_host, HOST)  # fmt: skip
+            vs = _load_tiers(vs_base, hvs_base, srow * stride_vss, host_row * stride_vss,
+                             live, on_host, HOST)  # fmt: skip
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        elif DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BG, BS]
         if QUANT == 1:
             scores = scores * ks[None, :]
-        scores = tl.where(s[None, :] < end, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp2(scores - m_new[:, None])  # [BG, BS]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, scores, live)
         if QUANT == 1:
             p = p * vs[None, :]  # after the sum: l counts the weights, not the scales
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, scores, live):
+    """One step of the online softmax over scores [BG, BS] (positions not `live` masked):
+    the new max and sum, the factor that rescales what was summed under the old max, and
+    the step's weights p [BG, BS]."""
+    scores = tl.where(live[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _q4_halves(
+    base, hbase, dm_base, dm_hbase, rows, hrows, stride, stride_dm, mask, live, on_host,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HOST: tl.constexpr,
+):  # fmt: skip
+    """4-bit rows as their even and odd values, each [BS, BD / 2] float32: byte j holds
+    values 2j (low nibble) and 2j + 1 (high), both of group j // 16, whose (scale, minimum)
+    are read as [BS, BD / 32] and spread over its 16 bytes. `mask` [BS, BD / 2] the codes',
+    `live` [BS, 1] the rows'."""
+    j = tl.arange(0, BLOCK_D // 2)
+    codes = _load_tiers(base, hbase, rows * stride + j[None, :], hrows * stride + j[None, :],
+                        mask, on_host, HOST)  # fmt: skip
+    gi = tl.arange(0, BLOCK_D // 32) * 2
+    g_mask = live
+    at, hat = rows * stride_dm + gi[None, :], hrows * stride_dm + gi[None, :]
+    sc = _load_tiers(dm_base, dm_hbase, at, hat, g_mask, on_host, HOST).to(tl.float32)
+    mn = _load_tiers(dm_base, dm_hbase, at + 1, hat + 1, g_mask, on_host, HOST).to(tl.float32)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_S, BLOCK_D // 32, 16]),
+                    [BLOCK_S, BLOCK_D // 2])  # fmt: skip
+    mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BLOCK_S, BLOCK_D // 32, 16]),
+                    [BLOCK_S, BLOCK_D // 2])  # fmt: skip
+    return (codes & 15).to(tl.float32) * sc + mn, (codes >> 4).to(tl.float32) * sc + mn
+
+
+@triton.jit
+def _attend_q4(
+    q_even,  # [BG, BD / 2] q's even values, in the dot's dtype
+    q_odd,  # [BG, BD / 2] its odd values
+    k_base,  # 4-bit codes [n_slots, Hkv, D / 2] of the pool at slot 0 of the KV head
+    v_base,
+    stride_ks,
+    stride_vs,
+    table,
+    ks_base,  # (scale, minimum) pairs [n_slots, Hkv, D / 32, 2] at slot 0 of the KV head
+    vs_base,
+    stride_kss,
+    stride_vss,
+    start,
+    end,
+    scale,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PAGE: tl.constexpr,
+    hk_base,
+    hv_base,
+    hks_base,
+    hvs_base,
+    first_host,
+    HOST: tl.constexpr,
+):
+    """`_attend` over a paged 4-bit pool (`kernels.formats.kv_q4`): each step's rows are
+    dequantized in registers as their even and odd values, so each product is two dots over
+    half the head (no interleaving in the loop); the weighted sum comes back as its even
+    and odd halves [BG, BD / 2]."""
+    j = tl.arange(0, BLOCK_D // 2)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_even = tl.zeros([BLOCK_G, BLOCK_D // 2], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_G, BLOCK_D // 2], dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        live = s < end
+        block = tl.load(table + s // PAGE, mask=live, other=0)
+        on_host = s < 0
+        host_row = s.to(tl.int64)
+        if HOST:
+            on_host = block >= first_host
+            host_row = tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE + s % PAGE
+            block = tl.where(on_host, 0, block)
+        rows = (block.to(tl.int64) * PAGE + s % PAGE)[:, None]
+        hrows, host2 = host_row[:, None], on_host[:, None]
+        mask = live[:, None] & (j[None, :] < D // 2)
+        k_even, k_odd = _q4_halves(k_base, hk_base, ks_base, hks_base, rows, hrows, stride_ks,
+                                   stride_kss, mask, live[:, None], host2, BLOCK_S, BLOCK_D,
+                                   HOST)  # fmt: skip
+        scores = tl.dot(q_even, tl.trans(k_even.to(q_even.dtype)), input_precision="ieee")
+        scores += tl.dot(q_odd, tl.trans(k_odd.to(q_odd.dtype)), input_precision="ieee")
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, scores * scale, live)
+        v_even, v_odd = _q4_halves(v_base, hv_base, vs_base, hvs_base, rows, hrows, stride_vs,
+                                   stride_vss, mask, live[:, None], host2, BLOCK_S, BLOCK_D,
+                                   HOST)  # fmt: skip
+        pw = p.to(q_even.dtype)
+        acc_even = acc_even * alpha[:, None] + tl.dot(pw, v_even.to(q_even.dtype),
+                                                      input_precision="ieee")  # fmt: skip
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(pw, v_odd.to(q_even.dtype),
+                                                    input_precision="ieee")  # fmt: skip
+    return m_i, l_i, acc_even, acc_odd
 
 
 @triton.jit
@@ -324,22 +391,39 @@ def _decode_attention_kernel(
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
     q_at = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_at, mask=q_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    elif not QUANT:  # the cache's dtype; over int8 caches the dot takes q's own
-        q = q.to(k_ptr.dtype.element_ty)
     k_base = k_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_ptr + b * stride_vb + kv_head * stride_vh
     ks_base = ks_ptr + b * stride_ksb + kv_head * stride_ksh
     vs_base = vs_ptr + b * stride_vsb + kv_head * stride_vsh
-    m_i, l_i, acc = _attend(
-        q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, ks_base, vs_base,
-        stride_kss, stride_vss, start, end, scale,
-        D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE, QUANT,
-        hk_ptr + kv_head * stride_kh, hv_ptr + kv_head * stride_vh,
-        hks_ptr + kv_head * stride_ksh, hvs_ptr + kv_head * stride_vsh, first_host, HOST,
-    )  # fmt: skip
+    hk_base, hv_base = hk_ptr + kv_head * stride_kh, hv_ptr + kv_head * stride_vh
+    hks_base, hvs_base = hks_ptr + kv_head * stride_ksh, hvs_ptr + kv_head * stride_vsh
+    if QUANT == 2:  # q as its even and odd values, as the 4-bit rows are dequantized
+        j = tl.arange(0, BLOCK_D // 2)
+        half_mask = (g[:, None] < GROUP) & (j[None, :] < D // 2)
+        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh + 2 * j[None, :]
+        q_even = tl.load(q_row, mask=half_mask, other=0.0)
+        q_odd = tl.load(q_row + 1, mask=half_mask, other=0.0)
+        if DOT_F32:
+            q_even, q_odd = q_even.to(tl.float32), q_odd.to(tl.float32)
+        m_i, l_i, acc_even, acc_odd = _attend_q4(
+            q_even, q_odd, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb,
+            ks_base, vs_base, stride_kss, stride_vss, start, end, scale,
+            D, BLOCK_G, BLOCK_D, BLOCK_S, PAGE, hk_base, hv_base, hks_base, hvs_base,
+            first_host, HOST,
+        )  # fmt: skip
+        acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])  # once, at the end
+    else:
+        q = tl.load(q_at, mask=q_mask, other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        elif not QUANT:  # the cache's dtype; over int8 caches the dot takes q's own
+            q = q.to(k_ptr.dtype.element_ty)
+        m_i, l_i, acc = _attend(
+            q, k_base, v_base, stride_ks, stride_vs, table_ptr + b * stride_tb, ks_base,
+            vs_base, stride_kss, stride_vss, start, end, scale,
+            D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE, QUANT,
+            hk_base, hv_base, hks_base, hvs_base, first_host, HOST,
+        )  # fmt: skip
     if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(whole_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
