@@ -250,7 +250,7 @@ def start_plan(
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
-        per_token = kv_token_bytes(spec, size, FORMATS[config.engine.kv_cache])
+        per_token = kv_token_bytes(spec, dtype, FORMATS[config.engine.kv_cache])
         window = kv_window(config.engine.kv_resident, max_context)
         # what a request holds in VRAM: its whole context, or its resident window
         parallel = parallel_for(config.server.parallel, (window or max_context) * per_token,
@@ -281,8 +281,8 @@ def start_plan(
         per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0
         dense_host = model.dense_values() * per_value
         # the working KV caches: halves (or int8 and their scales) in the cpu engine's one call
-        kv_bytes = CACHE_DTYPE.itemsize if backend == "cpu" else dtype.itemsize
-        one = max_context * kv_token_bytes(spec, kv_bytes, FORMATS[config.engine.kv_cache])
+        kv_dtype = CACHE_DTYPE if backend == "cpu" else dtype
+        one = max_context * kv_token_bytes(spec, kv_dtype, FORMATS[config.engine.kv_cache])
         if device.type == "cpu":
             host = host_bytes if host_bytes is not None else mem_total()[0]
             parallel = parallel_for(config.server.parallel, one, host, "RAM", pool)
@@ -311,11 +311,10 @@ def kv_window(setting: int, max_context: int) -> int:
     return setting if 0 < setting < max_context else 0
 
 
-def kv_token_bytes(spec: ModelSpec, dtype_bytes: int, fmt: KVFormat) -> int:
+def kv_token_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: KVFormat) -> int:
     """Bytes of one token's keys and values over every layer, as `fmt` stores them
-    (`engine.kv_cache`): in the compute dtype of `dtype_bytes`, int8 with a float32 scale per
-    KV head, or 4-bit with a float16 scale and minimum per 32 values."""
-    dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    (`engine.kv_cache`): in `dtype`, int8 with a float32 scale per KV head, or 4-bit with a
+    float16 scale and minimum per 32 values."""
     return 2 * spec.n_layers * spec.n_kv_heads * fmt.layout(spec.head_dim, dtype).nbytes
 
 
