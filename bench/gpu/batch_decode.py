@@ -38,7 +38,7 @@ def _spread(xs: list[float]) -> dict[str, object]:
 def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[str, object]:
     spec = engine.spec
     gen = torch.Generator().manual_seed(b)
-    n = args.prompt_len + args.decode_tokens + 16
+    n = _capacity(args)
     pool = engine.new_pool(pool_tokens(b, n))  # one pool, as the daemon's: one launch a step
     caches = [KVCache(pool, n) for _ in range(b)]
     tps, step_ms, prefill_s = [], [], []
@@ -72,6 +72,12 @@ def measure(engine: OffloadForward, b: int, args: argparse.Namespace) -> dict[st
     if args.profile:
         row["kernels"] = _profile(engine, caches, logits)
     return row
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    """Each sequence's cache: what the run writes, or --cache-tokens where larger (a short
+    context in a long cache, as the daemon's caches are its max_context)."""
+    return max(args.prompt_len + args.decode_tokens + 16, args.cache_tokens)
 
 
 def _profile(engine: OffloadForward, caches: list[KVCache], logits) -> list[list[object]]:  # type: ignore[no-untyped-def]
@@ -124,13 +130,15 @@ def main() -> None:
     p.add_argument("--kv-resident", type=int, default=0,
                    help="tokens of each sequence's newest KV in VRAM, the rest in page-locked"
                    " RAM read over PCIe (engine.kv_resident); 0: all in VRAM")  # fmt: skip
+    p.add_argument("--cache-tokens", type=int, default=0,
+                   help="each sequence's cache capacity where larger than the run needs")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))
     configs = configs_for_run(args.kernel_table, model.spec)
     cfg = OffloadConfig(
         expert_vram_bytes=int(args.expert_vram_gib * 2**30),
-        max_context=args.prompt_len + args.decode_tokens + 16,
+        max_context=_capacity(args),
         prefill_chunk=4096,
         graphs=not args.no_graphs,
         kernels=configs,
