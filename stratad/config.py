@@ -215,10 +215,10 @@ class EngineConfig(_Section, frozen=True):
     (bf16 on a GPU, halves in the cpu engine); `int8` as int8 with a float32 scale per token
     and KV head, read directly by the attention kernels: about half the KV memory, so twice the
     context or the requests in the same memory (the default model's perplexity +0.11% over 8K
-    tokens of the Python documentation, bench/results/2026-12-05-kv-ppl-cpu.md); `q4` (the
-    offload engine alone) as 4-bit codes with a float16 scale and minimum per 32 values, 0.31
-    of bf16's bytes, which decode attention also reads directly, at a larger cost in quality
-    (about +10% perplexity on the default model; see bench/results for this form's figure).
+    tokens of the Python documentation, bench/results/2026-12-05-kv-ppl-cpu.md); `q4` as 4-bit
+    codes with a float16 scale and minimum per 32 values, 0.31 of bf16's bytes, which the
+    attention kernels also read directly, at a larger cost in quality (+9.9% perplexity on the
+    default model, bench/results/2026-12-07-kv-ppl-q4.json).
     The reference engine keeps plain KV (a start with int8 or q4 on it is refused).
     Conversations set aside in the prefix store are plain KV only: with int8 or q4 they are
     reused from the pool's blocks alone."""

@@ -26,7 +26,7 @@ from kernels.cpu.dense import (
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.team import PROBE_EVERY, PROBE_MAX_TOKENS, TeamSize
 from kernels.formats.quant import QType
-from stratad.engine.kv_format import Int8KV
+from stratad.engine.kv_format import Q4KV, Int8KV
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables
 from stratad.model.spec import ModelSpec
 from tests.test_cpu_experts import blocks, dense, q8
@@ -183,10 +183,12 @@ def test_the_query_heads_of_a_kv_head_in_any_parts(kernels: CpuExperts) -> None:
     assert (got[0] - want).abs().max() <= TOL[QType.Q8_0] * want.abs().max()
 
 
-def test_int8_caches_as_kv_int8_stores_them(kernels: CpuExperts) -> None:
-    # int8 keys and values with a scale per row and KV head: the new rows written as
-    # kv_int8.quantize_kv writes them, every row read as q times its scale
-    fmt = Int8KV()
+@pytest.mark.parametrize("fmt", [Int8KV(), Q4KV()], ids=lambda f: f.name)
+def test_quantized_caches_as_their_format_stores_them(kernels: CpuExperts,
+                                                      fmt: Int8KV | Q4KV) -> None:  # fmt: skip
+    # int8 keys and values with a scale per row and KV head, or 4-bit codes with a half scale
+    # and minimum per 32 values: the new rows written as the format's torch definition
+    # writes them, every row read as it gives them back
     layers, floats = _layers(QType.Q8_0, 2, bias=True)
     x, kc, vc, cos, sin = _inputs(5, 3, 2)
     k8, v8 = [fmt.quantize(c.float()) for c in kc], [fmt.quantize(c.float()) for c in vc]

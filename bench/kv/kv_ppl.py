@@ -7,8 +7,8 @@ The text is the prose of the Python documentation that ships with Python (`pydoc
 language reference's topics), tokenized whole. It is cut into windows of --context tokens;
 each window runs through the engine in chunks of --chunk tokens, and each token after the
 window's first is scored. The reference engine rounds every key and value the cache holds as
-the format stores it (`stratad.engine.kv_format`); the cpu engine (plain and int8 only)
-stores the format itself, in its compiled layers. Prints the perplexity per format and its change
+the format stores it (`stratad.engine.kv_format`); the cpu engine stores the format itself,
+in its compiled layers. Prints the perplexity per format and its change
 against plain KV, the same windows for every format.
 """
 
@@ -74,8 +74,6 @@ def main() -> None:
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
         p.error(f"--formats: {', '.join(unknown) or 'none'}: expected some of {', '.join(FORMATS)}")
-    if args.engine == "cpu" and set(names) - {"plain", "int8"}:
-        p.error("--engine cpu stores plain and int8 KV only")
     path = args.model or default_model_path()
     model = load_model(path)
     tokens = tokenizer_from_gguf(model.metadata).encode(python_docs_text(), add_special=False)

@@ -131,12 +131,17 @@ static inline __m256 hsum8x8(const __m256 *a) {
 
 /* One KV head's keys (or values) in a layer's cache: halves, or int8 with a float scale per
  * row (`kernels/formats/kv_int8.py`'s layout: q [rows, Hkv, D], scales [rows, Hkv]); element i
- * of cache row r is at r stride + i, its scale at r sstride. A value is read as the float it
- * stands for: the half, or q times its scale (dequantize_kv's one multiply). */
+ * of cache row r is at r stride + i, its scale at r sstride. Or 4-bit codes with a half
+ * (scale, minimum) pair per 32 values (`kernels/formats/kv_q4.py`: c4 [rows, Hkv, D / 2], the
+ * byte of element i at r stride + i / 2, its low nibble for even i; pairs [rows, Hkv, D / 32,
+ * 2] at r sstride + i / 32 2). A value is read as the float it stands for: the half, q times
+ * its scale (dequantize_kv's one multiply), or code times scale plus minimum (dequantize_kv4). */
 typedef struct {
     const uint16_t *h;  /* halves, or NULL */
     const int8_t *q;    /* int8, or NULL */
     const float *sc;    /* with q: the row's scale */
+    const uint8_t *c4;  /* 4-bit codes, or NULL */
+    const uint16_t *dm; /* with c4: the groups' (scale, minimum) halves */
     int64_t stride, sstride;
 } kv_view_t;
 
@@ -149,12 +154,23 @@ typedef struct {
     int64_t g;
 } queries_t;
 
-/* `quant` in the helpers below is the view's format (c->q set), passed as a constant by each
- * of attend_as's two copies so that no branch on it is left in the loops (a test of c->q
- * per eight values cost a 1,000-key attention 60% more time on the 2-core VM) */
+/* `quant` in the helpers below is the view's format (0 halves, 1 int8: c->q set, 2 4-bit:
+ * c->c4 set), passed as a constant by each of attend_as's copies so that no branch on it is
+ * left in the loops (a test of c->q per eight values cost a 1,000-key attention 60% more time
+ * on the 2-core VM) */
 #ifdef __AVX2__
 static inline __attribute__((always_inline)) __m256 kv_load8(const kv_view_t *c, int64_t row,
                                                              int64_t i, const int quant) {
+    if (quant == 2) { /* eight codes of one group (i a multiple of 8): 4 bytes, nibbles in turn */
+        int32_t w;
+        memcpy(&w, c->c4 + row * c->stride + i / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(w), m = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+        const uint16_t *pair = c->dm + row * c->sstride + i / 32 * 2;
+        return _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(half_at(pair))),
+                             _mm256_set1_ps(half_at(pair + 1)));
+    }
     if (quant) {
         __m128i b = _mm_loadl_epi64((const __m128i *)(c->q + row * c->stride + i));
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
@@ -166,6 +182,11 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const kv_view_t *c,
 
 static inline __attribute__((always_inline)) float kv_load1(const kv_view_t *c, int64_t row,
                                                             int64_t i, const int quant) {
+    if (quant == 2) {
+        const uint8_t b = c->c4[row * c->stride + i / 2];
+        const uint16_t *pair = c->dm + row * c->sstride + i / 32 * 2;
+        return (float)(i & 1 ? b >> 4 : b & 15) * half_at(pair) + half_at(pair + 1);
+    }
     return quant ? (float)c->q[row * c->stride + i] * c->sc[row * c->sstride]
                  : half_at(c->h + row * c->stride + i);
 }
@@ -199,7 +220,11 @@ static inline __attribute__((always_inline)) void kv_prefetch(
     const kv_view_t *c, const int32_t *table, int64_t block, int64_t j, int64_t col, int64_t n,
     int64_t b0, int64_t nb, int64_t rb, const int quant) {
     const int64_t row = j < b0 + nb ? rb + (j - b0) : kv_row(table, block, j);
-    if (quant) {
+    if (quant == 2) {
+        for (int64_t i = 0; i < n / 2; i += 64)
+            __builtin_prefetch(c->c4 + row * c->stride + col / 2 + i, 0, 3);
+        __builtin_prefetch(c->dm + row * c->sstride + col / 16, 0, 3);
+    } else if (quant) {
         for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c->q + row * c->stride + col + i, 0, 3);
         __builtin_prefetch(c->sc + row * c->sstride, 0, 3);
     } else {
@@ -338,10 +363,13 @@ static inline __attribute__((always_inline)) void attend_as(
     }
 }
 
-/* attend_as for the views' format: halves, or int8 where k->q is set (k and v alike) */
+/* attend_as for the views' format: halves, int8 where k->q is set, 4-bit where k->c4 is (k
+ * and v alike) */
 static void attend(const queries_t *qs, const kv_view_t *k, const kv_view_t *v,
                    const int32_t *table, int64_t block, int64_t d, float *scores) {
-    if (k->q)
+    if (k->c4)
+        attend_as(qs, k, v, table, block, d, scores, 2);
+    else if (k->q)
         attend_as(qs, k, v, table, block, d, scores, 1);
     else
         attend_as(qs, k, v, table, block, d, scores, 0);

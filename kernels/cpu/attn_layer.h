@@ -10,7 +10,9 @@
  * A call's tokens may belong to several sequences (the engine's batch: each running request's
  * next tokens): token t sits at position pos[t] of sequence seq[t], whose layer-l keys and
  * values are rows of k_cache[seq[t] L + l], v_cache[seq[t] L + l] ([rows, Hkv, D] halves, or
- * int8 with a float scale per row and KV head in k_scale[...], v_scale[...] [rows, Hkv]).
+ * int8 with a float scale per row and KV head in k_scale[...], v_scale[...] [rows, Hkv], or
+ * (dm.kv_format KV_Q4) 4-bit codes [rows, Hkv, D / 2] with a half (scale, minimum) pair per 32
+ * values in k_scale[...], v_scale[...] [rows, Hkv, D / 32, 2]: kernels/formats/kv_q4.py).
  * Position p of sequence q is row tables[q][p / block[q]] block[q] + p % block[q]: a paged
  * cache's blocks (a pool shared by the call's sequences, each its own blocks), or a contiguous
  * cache as one block {0} at least as long as the sequence. The products read each weight row
@@ -19,10 +21,13 @@
 #include "team.h"
 #include "attend.h"
 
+enum { KV_HALF, KV_INT8, KV_Q4 }; /* how the caches hold keys and values */
+
 typedef struct { /* the attention's shapes */
     int64_t hidden, n_heads, n_kv_heads, head_dim;
     int32_t rope_interleaved;
     float eps;
+    int32_t kv_format; /* KV_HALF, KV_INT8 or KV_Q4 */
 } attn_dims_t;
 
 typedef struct { /* one layer's attention weights */
@@ -54,8 +59,8 @@ typedef struct { /* a call's state, shared by the team */
     acts_t xa, aa;            /* int8 copies of h and att */
     int64_t *vec;             /* [T]: 0 .. T - 1 */
     float **outs;             /* [4 T]: each token's q, k, v, o outputs */
-    void *const *k_cache, *const *v_cache; /* halves, or int8 where k_scale is set */
-    float *const *k_scale, *const *v_scale; /* [rows, Hkv] per cache, or NULL: halves */
+    void *const *k_cache, *const *v_cache; /* halves, int8 or 4-bit codes (dm.kv_format) */
+    void *const *k_scale, *const *v_scale; /* int8's scales or 4-bit's pairs, or NULL */
     const int32_t *const *tables; /* [sequences]: each one's block ids */
     const int64_t *block;     /* [sequences]: its block size (positions a block holds) */
     const float *cos_t, *sin_t;
@@ -166,6 +171,29 @@ static inline int64_t cache_row(const attn_step_t *s, int32_t q, int64_t p) {
     return (int64_t)s->tables[q][p / b] * b + p % b;
 }
 
+/* kv_q4.quantize_kv4 of one head's D values (D a multiple of 32): per group of 32, the
+ * minimum and (max - minimum) / 15 rounded to halves, each value's code rint((x - minimum) /
+ * scale) in 0..15 (0 where the scale is 0), two a byte (value 2j low, 2j + 1 high) */
+static void quantize_q4(const float *v, int64_t D, uint8_t *codes, uint16_t *pairs) {
+    for (int64_t g0 = 0; g0 < D; g0 += 32) {
+        float lo = v[g0], hi = v[g0];
+        for (int e = 1; e < 32; e++) {
+            lo = v[g0 + e] < lo ? v[g0 + e] : lo;
+            hi = v[g0 + e] > hi ? v[g0 + e] : hi;
+        }
+        const uint16_t lo16 = to_f16(lo), sc16 = to_f16((hi - half_at(&lo16)) / 15.0f);
+        const float low = half_at(&lo16), sc = half_at(&sc16), safe = sc > 0.0f ? sc : 1.0f;
+        pairs[g0 / 16] = sc16, pairs[g0 / 16 + 1] = lo16;
+        for (int e = 0; e < 32; e += 2) {
+            float r0 = nearbyintf((v[g0 + e] - low) / safe);
+            float r1 = nearbyintf((v[g0 + e + 1] - low) / safe);
+            r0 = r0 < 0.0f ? 0.0f : r0 > 15.0f ? 15.0f : r0;
+            r1 = r1 < 0.0f ? 0.0f : r1 > 15.0f ? 15.0f : r1;
+            codes[(g0 + e) / 2] = (uint8_t)((uint8_t)r0 | (uint8_t)r1 << 4);
+        }
+    }
+}
+
 /* bias, q/k norm, RoPE of head j (q heads, then k heads, then v heads) of token t; k and v
  * into layer l's cache */
 static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, int64_t t,
@@ -187,7 +215,8 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
         const int64_t c = s->seq[t] * s->L + l;
         const int64_t at = cache_row(s, s->seq[t], s->pos[t]) * nkv + (j - nh) % nkv;
         void *dst = (which == 1 ? s->k_cache : s->v_cache)[c];
-        if (s->k_scale) { /* kv_int8.quantize_kv: max |v| / 127, v / scale to even */
+        void *scales = s->k_scale ? (which == 1 ? s->k_scale : s->v_scale)[c] : NULL;
+        if (dm->kv_format == KV_INT8) { /* kv_int8.quantize_kv: max |v| / 127, v / scale to even */
             float amax = 0.0f;
             for (int64_t e = 0; e < D; e++) amax = fabsf(v[e]) > amax ? fabsf(v[e]) : amax;
             float sc = amax / 127.0f, safe = sc > 0.0f ? sc : 1.0f;
@@ -196,7 +225,9 @@ static void head_prep(const attn_step_t *s, const attn_weights_t *w, int64_t l, 
                 float r = nearbyintf(v[e] / safe);
                 q[e] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
             }
-            (which == 1 ? s->k_scale : s->v_scale)[c][at] = sc;
+            ((float *)scales)[at] = sc;
+        } else if (dm->kv_format == KV_Q4) {
+            quantize_q4(v, D, (uint8_t *)dst + at * (D / 2), (uint16_t *)scales + at * (D / 16));
         } else {
             uint16_t *h = (uint16_t *)dst + at * D;
             for (int64_t e = 0; e < D; e++) h[e] = to_f16(v[e]);
@@ -238,10 +269,16 @@ static void attn_phases(attn_step_t *s, const attn_weights_t *w, const mat_t *m,
             qs.out[j - tk->q0] = s->att + t * QD + h * D;
             qs.n[j - tk->q0] = s->pos[t] + 1;
         }
-        kv_view_t kc = {NULL, NULL, NULL, nkv * D, nkv}, vc = kc;
-        if (s->k_scale) {
-            kc.q = (const int8_t *)s->k_cache[c] + kv * D, kc.sc = s->k_scale[c] + kv;
-            vc.q = (const int8_t *)s->v_cache[c] + kv * D, vc.sc = s->v_scale[c] + kv;
+        kv_view_t kc = {.stride = nkv * D, .sstride = nkv}, vc = kc;
+        if (dm->kv_format == KV_INT8) {
+            kc.q = (const int8_t *)s->k_cache[c] + kv * D, kc.sc = (float *)s->k_scale[c] + kv;
+            vc.q = (const int8_t *)s->v_cache[c] + kv * D, vc.sc = (float *)s->v_scale[c] + kv;
+        } else if (dm->kv_format == KV_Q4) {
+            kc.stride = vc.stride = nkv * D / 2, kc.sstride = vc.sstride = nkv * D / 16;
+            kc.c4 = (const uint8_t *)s->k_cache[c] + kv * D / 2;
+            vc.c4 = (const uint8_t *)s->v_cache[c] + kv * D / 2;
+            kc.dm = (const uint16_t *)s->k_scale[c] + kv * D / 16;
+            vc.dm = (const uint16_t *)s->v_scale[c] + kv * D / 16;
         } else {
             kc.h = (const uint16_t *)s->k_cache[c] + kv * D;
             vc.h = (const uint16_t *)s->v_cache[c] + kv * D;

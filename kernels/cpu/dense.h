@@ -33,23 +33,25 @@ typedef struct {                /* the shapes, as kernels/cpu/dense.py's _Dims m
     int64_t hidden, n_heads, n_kv_heads, head_dim, ffn;
     int32_t rope_interleaved;
     float eps;
+    int32_t kv_format;          /* KV_HALF, KV_INT8 or KV_Q4 (attn_layer.h) */
 } dense_dims_t;
 
 /* x [T, H] (the residual stream, updated in place) through n_layers layers; token t at
  * position pos[t] of sequence seq[t], whose layer l keys and values are rows of
  * k_cache[seq[t] n_layers + l], v_cache[...] ([rows, Hkv, D] halves, or int8 with float scales
- * k_scale[...], v_scale[...] [rows, Hkv] where k_scale is not NULL): position p at row
+ * k_scale[...], v_scale[...] [rows, Hkv], or 4-bit codes with their pairs, as dm->kv_format
+ * says: attn_layer.h): position p at row
  * tables[seq[t]][p / block[seq[t]]] block[seq[t]] + p % block[seq[t]] (attn_layer.h); cos/sin
  * [T, D / 2] at each token's position. Returns 0 or an error as strata_matmul. */
 int strata_dense_layers(float *x, int64_t T, const int64_t *pos, const int32_t *seq,
                         const dense_layer_t *layers, int64_t n_layers, const dense_dims_t *dm,
                         void *const *k_cache, void *const *v_cache,
-                        float *const *k_scale, float *const *v_scale,
+                        void *const *k_scale, void *const *v_scale,
                         const int32_t *const *tables, const int64_t *block, const float *cos_t,
                         const float *sin_t, int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, F = dm->ffn;
     attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
-                            dm->eps},
+                            dm->eps, dm->kv_format},
                      .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
                      .v_cache = v_cache, .k_scale = k_scale, .v_scale = v_scale,
                      .tables = tables, .block = block, .cos_t = cos_t,

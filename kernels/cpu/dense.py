@@ -45,7 +45,8 @@ class _Layer(ctypes.Structure):  # dense_layer_t
 
 class _Dims(ctypes.Structure):  # dense_dims_t
     _fields_ = [("hidden", _I64), ("n_heads", _I64), ("n_kv_heads", _I64), ("head_dim", _I64),
-                ("ffn", _I64), ("rope_interleaved", _I32), ("eps", _F)]  # fmt: skip
+                ("ffn", _I64), ("rope_interleaved", _I32), ("eps", _F),
+                ("kv_format", _I32)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class CacheSpan:
 
     Quantized (`k_scale`, `v_scale` given, for every span of the call or none): k[l], v[l] are
     int8, and k_scale[l], v_scale[l] [rows, Hkv] float32 their scales
-    (`kernels.formats.kv_int8`'s layout: a value is q times its row and head's scale)."""
+    (`kernels.formats.kv_int8`'s layout: a value is q times its row and head's scale); or k[l],
+    v[l] are 4-bit codes uint8 [rows, Hkv, D / 2] and k_scale[l], v_scale[l] float16 (scale,
+    minimum) pairs [rows, Hkv, D / 32, 2] (`kernels.formats.kv_q4`)."""
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor]
@@ -119,6 +122,7 @@ class StepArgs:
     v: np.ndarray
     k_scale: np.ndarray | None  # the same for int8 caches' scales; None: halves
     v_scale: np.ndarray | None
+    kv_format: int  # C's KV_HALF 0, KV_INT8 1, KV_Q4 2 (attn_layer.h)
     tables: np.ndarray  # [spans] uint64: the address of each span's block ids in `ids`
     block: np.ndarray  # [spans] int64: its block size
     ids: np.ndarray  # every span's block ids, int32 (a contiguous span's: one block, 0)
@@ -176,6 +180,7 @@ class DenseStack:
         s = self.shape
         a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, len(self.layers))
         pos, seq, kp, vp, ksp, vsp, tp, bp = a.pointers()
+        self._dims.kv_format = a.kv_format
         threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()
         rc = self._fn(x.data_ptr(), a.tokens, pos, seq, ctypes.addressof(self._c_layers),
@@ -212,6 +217,11 @@ def check_step(
     owner: dict[int, tuple[int, int]] = {}
     tables: list[tuple[np.ndarray, int]] = []
     quantized = spans[0].k_scale is not None
+    q4 = quantized and spans[0].k[0].dtype == torch.uint8  # else int8 (checked below)
+    code_tail = (n_kv_heads, head_dim // 2) if q4 else (n_kv_heads, head_dim)
+    code_dtype = torch.uint8 if q4 else torch.int8 if quantized else CACHE_DTYPE
+    scale_tail = (n_kv_heads, head_dim // 32, 2) if q4 else (n_kv_heads,)
+    scale_dtype = torch.float16 if q4 else torch.float32
     for i, sp in enumerate(spans):
         if sp.start < 0 or sp.length < 1:
             raise ValueError(f"a span starts at {sp.start} with {sp.length} tokens")
@@ -229,12 +239,12 @@ def check_step(
                 raise ValueError("two spans or layers of one call share a cache")
             owner[c.data_ptr()] = me
             if j >= 2 * n_layers:  # the scales of cache j - 2 n_layers
-                _check_cache(c, (n_kv_heads,), torch.float32)
+                _check_cache(c, scale_tail, scale_dtype)
                 if c.shape[0] != (*sp.k, *sp.v)[j - 2 * n_layers].shape[0]:
                     raise ValueError(f"scales of {c.shape[0]} rows for a cache layer of "
                                      f"{(*sp.k, *sp.v)[j - 2 * n_layers].shape[0]}")  # fmt: skip
             else:
-                _check_cache(c, (n_kv_heads, head_dim), torch.int8 if quantized else CACHE_DTYPE)
+                _check_cache(c, code_tail, code_dtype)
         tables.append(_block_table(sp, min((c.shape[0] for c in (*sp.k, *sp.v)), default=0)))
     _check_writes(spans, tables)
     pos = np.concatenate([np.arange(sp.start, sp.start + sp.length) for sp in spans])
@@ -251,7 +261,8 @@ def check_step(
     at = np.cumsum([0] + [len(b) for b, _ in tables[:-1]])
     table_at = (ids.ctypes.data + ids.itemsize * at).astype(np.uint64)
     block = np.array([size for _, size in tables], dtype=np.int64)
-    return StepArgs(t, pos.astype(np.int64), seq, k, v, ks, vs, table_at, block, ids)
+    return StepArgs(t, pos.astype(np.int64), seq, k, v, ks, vs, 2 if q4 else int(quantized),
+                    table_at, block, ids)
 
 
 # the cache layers (and scales) found good, by id: (the tensor, its shape after the first

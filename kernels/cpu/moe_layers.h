@@ -35,6 +35,7 @@ typedef struct {                /* the shapes, as kernels/cpu/moe_stack.py's _Di
     int64_t hidden, n_heads, n_kv_heads, head_dim, n_experts, top_k, ffn;
     int32_t rope_interleaved, norm_topk;
     float eps;
+    int32_t kv_format;          /* KV_HALF, KV_INT8 or KV_Q4 (attn_layer.h) */
 } moe_dims_t;
 
 typedef struct { /* a call's routing state, shared by the team */
@@ -203,12 +204,12 @@ static void moe_phases(attn_step_t *s, route_t *r, const mat_t *m, const uint8_t
 int strata_moe_layers(float *x, int64_t T, const int64_t *pos, const int32_t *seq,
                       const moe_layer_t *layers, int64_t n_layers, const moe_dims_t *dm,
                       void *const *k_cache, void *const *v_cache,
-                      float *const *k_scale, float *const *v_scale,
+                      void *const *k_scale, void *const *v_scale,
                       const int32_t *const *tables, const int64_t *block, const float *cos_t,
                       const float *sin_t, int32_t *ids, int threads, const uint8_t *tab) {
     const int64_t H = dm->hidden, E = dm->n_experts, F = dm->ffn, K = dm->top_k;
     attn_step_t s = {.dm = {H, dm->n_heads, dm->n_kv_heads, dm->head_dim, dm->rope_interleaved,
-                            dm->eps},
+                            dm->eps, dm->kv_format},
                      .T = T, .L = n_layers, .pos = pos, .seq = seq, .x = x, .k_cache = k_cache,
                      .v_cache = v_cache, .k_scale = k_scale, .v_scale = v_scale,
                      .tables = tables, .block = block, .cos_t = cos_t,

@@ -41,7 +41,8 @@ class _Layer(ctypes.Structure):  # moe_layer_t
 class _Dims(ctypes.Structure):  # moe_dims_t
     _fields_ = [("hidden", _I64), ("n_heads", _I64), ("n_kv_heads", _I64), ("head_dim", _I64),
                 ("n_experts", _I64), ("top_k", _I64), ("ffn", _I64),
-                ("rope_interleaved", _I32), ("norm_topk", _I32), ("eps", _F)]  # fmt: skip
+                ("rope_interleaved", _I32), ("norm_topk", _I32), ("eps", _F),
+                ("kv_format", _I32)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class MoEStack:
             raise ValueError("a layer without expert stacks needs place_experts before a call")
         a = check_step(x, spans, cos, sin, s.hidden, s.n_kv_heads, s.head_dim, n)
         pos, seq, kp, vp, ksp, vsp, tp, bp = a.pointers()
+        self._dims.kv_format = a.kv_format
         ids = torch.empty((n, a.tokens, s.top_k), dtype=torch.int32)
         threads = self.team.pick(a.tokens)
         t0 = time.perf_counter()

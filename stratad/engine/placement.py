@@ -212,15 +212,10 @@ def start_plan(
     if config.engine.kv_resident and not (backend == "offload" and device.type == "cuda"):
         log.warning("engine.kv_resident applies to the offload engine on a GPU; the %s engine"
                     " keeps every KV block where it runs", backend)  # fmt: skip
-    if config.engine.kv_cache == "int8" and backend == "reference":
+    if config.engine.kv_cache != "plain" and backend == "reference":
         raise ModelError(
-            "engine.kv_cache = int8: the reference engine keeps plain KV (int8 KV is the"
-            " offload and cpu engines')"
-        )
-    if config.engine.kv_cache == "q4" and backend != "offload":
-        raise ModelError(
-            f"engine.kv_cache = q4: the {backend} engine cannot store 4-bit KV (the offload"
-            " engine's alone; int8 is the cpu engine's)"
+            f"engine.kv_cache = {config.engine.kv_cache}: the reference engine keeps plain KV"
+            " (int8 and 4-bit KV are the offload and cpu engines')"
         )
     dtype = compute_dtype(config.engine.dtype, device)
     max_context = min(config.model.max_context, spec.context_length)

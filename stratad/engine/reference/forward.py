@@ -20,7 +20,7 @@ from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
 from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
 from stratad.engine.kv import KVCache, KVPool
-from stratad.engine.kv_format import INT8, PLAIN, KVFormat
+from stratad.engine.kv_format import PLAIN, KVFormat
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
@@ -140,9 +140,6 @@ class ReferenceForward:
         self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
         # the cpu engine's layers in one kernel call per step, where it can
         self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
-        if self.stack is not None and kv_format not in (PLAIN, INT8):
-            raise ValueError(f"the cpu engine's layers keep plain or int8 KV, not "
-                             f"{kv_format.name}")  # fmt: skip
         self.kv_format = kv_format
         embed = model.tensor("model.embed_tokens.weight")
         self.embed = self.mode.embedding(embed)
@@ -172,10 +169,10 @@ class ReferenceForward:
         never further (torch gathers, and the cpu engine's C loops): host pages commit as
         blocks are first written."""
         dtype = self.dtype if self.stack is None else CACHE_DTYPE  # halves, as llama.cpp's
-        # the cpu engine stores int8 itself; the torch layers round-trip into floats
-        int8 = self.stack is not None and self.kv_format == INT8
+        # the cpu engine stores int8 or 4-bit itself; the torch layers round-trip into floats
+        fmt = self.kv_format if self.stack is not None else PLAIN
         return KVPool.allocate(self.spec, tokens, [self.device] * self.spec.n_layers, dtype,
-                               fmt=INT8 if int8 else PLAIN)  # fmt: skip
+                               fmt=fmt)  # fmt: skip
 
     def new_cache(self, max_len: int) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""
