@@ -180,6 +180,34 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const kv_view_t *c,
 }
 #endif
 
+#ifdef __AVX2__
+/* n values of cache row `row` from column col (multiples of 8; of 32 for 4-bit) as floats
+ * into dst: kv_load8's values, a 4-bit group of 32 at once (its 16 bytes in one load, its
+ * scale and minimum converted once) */
+static inline __attribute__((always_inline)) void kv_floats(const kv_view_t *c, int64_t row,
+                                                            int64_t col, int64_t n, float *dst,
+                                                            const int quant) {
+    if (quant == 2) {
+        const __m128i m = _mm_set1_epi8(15);
+        for (int64_t i = 0; i < n; i += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(c->c4 + row * c->stride +
+                                                                 (col + i) / 2));
+            const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+            const __m128i x[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+            const uint16_t *pair = c->dm + row * c->sstride + (col + i) / 32 * 2;
+            const __m256 sc = _mm256_set1_ps(half_at(pair)), mn = _mm256_set1_ps(half_at(pair + 1));
+            for (int h = 0; h < 4; h++) {
+                const __m128i eight = h & 1 ? _mm_srli_si128(x[h / 2], 8) : x[h / 2];
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+                _mm256_storeu_ps(dst + i + 8 * h, _mm256_add_ps(_mm256_mul_ps(v, sc), mn));
+            }
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(c, row, col + i, quant));
+}
+#endif
+
 static inline __attribute__((always_inline)) float kv_load1(const kv_view_t *c, int64_t row,
                                                             int64_t i, const int quant) {
     if (quant == 2) {
@@ -266,9 +294,7 @@ static inline __attribute__((always_inline)) void attend_as(
         for (; d % 8 == 0 && s + 8 <= nb; s += 8) {
             for (int64_t j = b0 + s + KV_AHEAD; j < b0 + s + KV_AHEAD + 8 && j < n; j++)
                 kv_prefetch(k, table, block, j, 0, d, b0, nb, rb, quant);
-            for (int j = 0; j < 8; j++)
-                for (int64_t i = 0; i < d; i += 8)
-                    _mm256_store_ps(kf[j] + i, kv_load8(k, rb + s + j, i, quant));
+            for (int j = 0; j < 8; j++) kv_floats(k, rb + s + j, 0, d, kf[j], quant);
             for (int64_t h = 0; h < g; h++) {
                 if (qs->n[h] <= b0 + s) continue; /* the query's keys ended before */
                 __m256 acc[8];
@@ -316,9 +342,7 @@ static inline __attribute__((always_inline)) void attend_as(
                         if (b0 + s0 + s + KV_AHEAD < n)
                             kv_prefetch(v, table, block, b0 + s0 + s + KV_AHEAD, c, 64, b0, nb,
                                         rb, quant);
-                        for (int i = 0; i < 8; i++)
-                            _mm256_store_ps(vf[s] + 8 * i,
-                                            kv_load8(v, rb + s0 + s, c + 8 * i, quant));
+                        kv_floats(v, rb + s0 + s, c, 64, vf[s], quant);
                     }
                     for (int64_t h = 0; h < g; h++) {
                         const int64_t left = qs->n[h] - (b0 + s0), m = left < nt ? left : nt;
