@@ -20,6 +20,7 @@ perplexity of). The GPU kernels store the ints and the scales themselves.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,8 @@ class Layout:
     @property
     def nbytes(self) -> int:
         """Bytes of one row, codes and scales."""
-        n = self.codes.itemsize * _prod(self.code_shape)
-        return n + (self.scales.itemsize * _prod(self.scale_shape) if self.scales else 0)
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for x in shape:
-        out *= x
-    return out
+        n = self.codes.itemsize * math.prod(self.code_shape)
+        return n + (self.scales.itemsize * math.prod(self.scale_shape) if self.scales else 0)
 
 
 @dataclass(frozen=True)
