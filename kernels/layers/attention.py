@@ -75,6 +75,22 @@ class AttentionConfig:
 
 
 @triton.jit
+def _pool_rows(table, s, live, first_host, PAGE: tl.constexpr, HOST: tl.constexpr):
+    """Positions s [BS] of a sequence's block table as pool rows: (the first tier's row, the
+    host tier's row, whether the host tier holds it), each [BS]. A position's row is its
+    block's slot 0 plus its offset; a row the other tier holds reads row 0 of this one (its
+    load is masked off)."""
+    block = tl.load(table + s // PAGE, mask=live, other=0)
+    on_host = s < 0  # none without a host tier
+    host_row = s.to(tl.int64)
+    if HOST:
+        on_host = block >= first_host
+        host_row = tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE + s % PAGE
+        block = tl.where(on_host, 0, block)
+    return block.to(tl.int64) * PAGE + s % PAGE, host_row, on_host
+
+
+@triton.jit
 def _load_tiers(base, hbase, at, hat, mask, on_host, HOST: tl.constexpr):
     """Values at offsets `at` of the first tier, or (HOST) at `hat` of the host tier where
     `on_host`: two loads, each masked to its tier's rows (0 where masked)."""
@@ -128,18 +144,10 @@ def _attend(
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         live = s < end
-        on_host = s < 0  # [BS] the rows the host tier holds (HOST); none otherwise
-        host_row = s.to(tl.int64)
-        if PAGED:  # each position's row in the pool: its block's slot 0, plus its offset
-            block = tl.load(table + s // PAGE, mask=live, other=0)  # [BS]
-            if HOST:  # the host tier's rows go to its own load; here they read row 0
-                on_host = block >= first_host
-                host_row = (tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE
-                            + s % PAGE)  # fmt: skip
-                block = tl.where(on_host, 0, block)
-            srow = block.to(tl.int64) * PAGE + s % PAGE  # [BS]
+        if PAGED:
+            srow, host_row, on_host = _pool_rows(table, s, live, first_host, PAGE, HOST)
         else:
-            srow = s.to(tl.int64)
+            srow, host_row, on_host = s.to(tl.int64), s.to(tl.int64), s < 0
         rows, hrows, host2 = srow[:, None], host_row[:, None], on_host[:, None]
         kv_mask = live[:, None] & (d[None, :] < D)
         k = _load_tiers(k_base, hk_base, rows * stride_ks + d[None, :],
@@ -242,15 +250,8 @@ def _attend_q4(
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         live = s < end
-        block = tl.load(table + s // PAGE, mask=live, other=0)
-        on_host = s < 0
-        host_row = s.to(tl.int64)
-        if HOST:
-            on_host = block >= first_host
-            host_row = tl.where(on_host, block - first_host, 0).to(tl.int64) * PAGE + s % PAGE
-            block = tl.where(on_host, 0, block)
-        rows = (block.to(tl.int64) * PAGE + s % PAGE)[:, None]
-        hrows, host2 = host_row[:, None], on_host[:, None]
+        srow, host_row, on_host = _pool_rows(table, s, live, first_host, PAGE, HOST)
+        rows, hrows, host2 = srow[:, None], host_row[:, None], on_host[:, None]
         mask = live[:, None] & (j[None, :] < D // 2)
         k_even, k_odd = _q4_halves(k_base, hk_base, ks_base, hks_base, rows, hrows, stride_ks,
                                    stride_kss, mask, live[:, None], host2, BLOCK_S, BLOCK_D,

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.formats.quant import QType
 from kernels.tuning.configs import KernelConfigs
+from stratad.engine.kv import KVPool, resident_split
 from stratad.engine.kv_format import PLAIN, KVFormat
 from stratad.engine.passes import FUSED_MAX_TOKENS
+from stratad.model.spec import ModelSpec
 from stratad.store.tiers.slots import SlotSettings
 
 
@@ -72,3 +75,15 @@ class OffloadConfig:
 
 
 GPU_MISS_PATHS = ("copy", "in_place")
+
+
+def kv_pool(
+    spec: ModelSpec, tokens: int, devices: Sequence[torch.device], config: OffloadConfig
+) -> KVPool:
+    """The offload engine's KV pool of at least `tokens` rows, layer i on devices[i]: in the
+    config's format, and with a resident window its first tier sized for the windows
+    (`kv.resident_split`), the rest in page-locked RAM."""
+    first, host = resident_split(tokens, config.max_context, config.kv_resident,
+                                 config.prefill_chunk)  # fmt: skip
+    return KVPool.allocate(spec, first, devices, config.dtype, fmt=config.kv_format,
+                           window=config.kv_resident, host_tokens=host)  # fmt: skip

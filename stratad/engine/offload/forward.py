@@ -36,9 +36,9 @@ from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
-from stratad.engine.kv import KVCache, KVPool, resident_split
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
-from stratad.engine.offload.config import OffloadConfig
+from stratad.engine.offload.config import OffloadConfig, kv_pool
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
@@ -209,13 +209,8 @@ class OffloadForward:
         return ids.to(torch.int32)
 
     def new_pool(self, tokens: int) -> KVPool:
-        """A KV pool of at least `tokens` rows on this engine's device (int8 where the config
-        says)."""
-        cfg = self.config
-        first, host = resident_split(tokens, cfg.max_context, cfg.kv_resident, cfg.prefill_chunk)
-        return KVPool.allocate(self.spec, first, [self.device] * self.spec.n_layers, self.dtype,
-                               fmt=cfg.kv_format, window=cfg.kv_resident,
-                               host_tokens=host)  # fmt: skip
+        """A KV pool of at least `tokens` rows on this engine's device (`config.kv_pool`)."""
+        return kv_pool(self.spec, tokens, [self.device] * self.spec.n_layers, self.config)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""

@@ -15,7 +15,8 @@ from dataclasses import replace
 import torch
 
 from stratad.engine.batch import Seq, run_batch
-from stratad.engine.kv import KVCache, KVPool, resident_split
+from stratad.engine.kv import KVCache, KVPool
+from stratad.engine.offload.config import kv_pool
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.passes import Decode, Pass
 from stratad.engine.timing import StageTimer
@@ -135,11 +136,7 @@ class StagedForward:
 
     def new_pool(self, tokens: int) -> KVPool:
         """A KV pool of at least `tokens` rows, each layer's on its stage's device."""
-        cfg = self.config
-        first, host = resident_split(tokens, cfg.max_context, cfg.kv_resident, cfg.prefill_chunk)
-        return KVPool.allocate(self.spec, first, self.layer_device, cfg.dtype,
-                               fmt=cfg.kv_format, window=cfg.kv_resident,
-                               host_tokens=host)  # fmt: skip
+        return kv_pool(self.spec, tokens, self.layer_device, self.config)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """A cache of `max_len` tokens (the context) on a pool of its own."""
