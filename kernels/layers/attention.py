@@ -35,12 +35,14 @@ sequence in a long cache is still spread over the GPU and no program walks empty
 `_decode_attention_kernel` runs on (B, Hkv, P). Per step of block_s positions, the group's
 scores and the weighted sum are two tensor-core dots (the group padded to 16 rows), in
 float32 accumulation, with the softmax in base 2. Each program writes, per query head, the
-float32 running max m, sum l and unnormalised weighted sum acc [D] of its piece (a piece
-past seq_len writes m = -inf, l = 0 and nothing else), then counts itself done on a
-per-(sequence, KV head) counter. The program that counts last merges the pieces that hold
-positions, out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j with M = max_j m_j, and
-sets the counter back to zero: one launch per call, no second kernel. When P is 1 that
-piece is the whole answer and the program writes it directly. The grid and every
+float32 running max m, sum l and unnormalised weighted sum acc [D] of its piece, then counts
+itself done on a per-(sequence, KV head) counter. The program that counts last of the n
+pieces that hold positions (n = cdiv(seq_len, piece)) merges them,
+out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j with M = max_j m_j, and sets the
+counter back to zero: one launch per call, no second kernel. A piece past seq_len returns at
+once (no write, no count), so a cap of many pieces costs a short context only the launch
+of programs that exit; when n is 1 (always so when P is 1) that piece is the whole answer
+and its program writes it directly. The grid and every
 host-side value depend on shapes and the config only, never on the values of seq_lens, so
 a launch can be captured in a CUDA graph and replayed as they grow.
 
@@ -376,10 +378,10 @@ def _decode_attention_kernel(
     first_host,  # the first block id of the host tier
     HOST: tl.constexpr,
 ):
-    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). With one
-    piece it writes the output; with more it writes its partials, and the last program of
-    (b, KV head) to finish, counted on count_ptr, merges them and sets the count back to 0.
-    A piece past seq_len reads nothing and writes m = -inf, l = 0 (the merge skips it)."""
+    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). When one
+    piece holds them all it writes the output; else each live piece writes its partials, and
+    the last of them to finish, counted on count_ptr, merges them and sets the count back to
+    0. A piece past seq_len returns at once."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -387,6 +389,9 @@ def _decode_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     seq_len = tl.minimum(tl.load(len_ptr + b), S)
     piece = _piece(seq_len, N_SPLITS, BLOCK_S)
+    n_live = tl.cdiv(seq_len, piece)  # the pieces that hold positions (seq_len >= 1)
+    if split >= n_live:  # nothing to read, write or count: the merge skips it
+        return
     start = split * piece
     end = tl.minimum(start + piece, seq_len)
     heads = kv_head * GROUP + g
@@ -425,7 +430,7 @@ def _decode_attention_kernel(
             D, BLOCK_G, BLOCK_D, BLOCK_S, DOT_F32, PAGED, PAGE, QUANT,
             hk_base, hv_base, hks_base, hvs_base, first_host, HOST,
         )  # fmt: skip
-    if N_SPLITS == 1:  # (its own names: Triton types a name once across both branches)
+    if n_live == 1:  # this piece is the whole answer (always so when N_SPLITS is 1)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(whole_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         return
@@ -437,7 +442,7 @@ def _decode_attention_kernel(
     # every thread's stores, then one release-acquire count: the last program sees them all
     tl.debug_barrier()
     count_at = count_ptr + b * H_KV + kv_head
-    if tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu") == N_SPLITS - 1:
+    if tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu") == n_live - 1:
         tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         h = tl.arange(0, BLOCK_H)
         rows = h < GROUP
@@ -445,7 +450,7 @@ def _decode_attention_kernel(
         out = _merge(
             m_ptr, l_ptr, b * stride_mb + group_heads * stride_mh,
             acc_ptr + b * stride_ab + group_heads * stride_ah, stride_aj,
-            tl.cdiv(seq_len, piece), rows, D, BLOCK_H, BLOCK_D, BLOCK_N, MERGE_J,
+            n_live, rows, D, BLOCK_H, BLOCK_D, BLOCK_N, MERGE_J,
         )  # fmt: skip
         out_at = out_ptr + b * stride_ob + group_heads[:, None] * stride_oh + d[None, :]
         tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (d[None, :] < D))
