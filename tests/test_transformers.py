@@ -55,14 +55,40 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
         dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     ),
     "olmoe": (tf.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # GLM-4.5's layout: a dense first layer, sigmoid routing with a correction bias (drawn in
+    # `_build`) within the best 2 of 4 groups, scaled weights, an ungated shared expert, RoPE
+    # over half of each head, q/k/v biases and per-head q/k norms.
+    "glm4moe": (
+        tf.Glm4MoeConfig,
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=96,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "rope_type": "default"},
+        ),
+    ),
 }
 
 
 def _build(arch: str, out: Path) -> tf.PreTrainedModel:
     cls, extra = CASES[arch]
     torch.manual_seed(0)
-    config = cls(**COMMON, **extra)
+    config = cls(**(COMMON | extra))
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    for name, buffer in model.named_buffers():  # zero at init: draw it, so that it counts
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape) * 0.1)
     model.save_pretrained(out)
     return model
 

@@ -60,10 +60,15 @@ def _check_extent(reader: GGUFReader, path: Path) -> None:
             )
 
 
+def _block(name: str) -> int:
+    """The block index of a `blk.N.` tensor name; -1 for the others."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
+
+
 def _check_layers(reader: GGUFReader, n_layers: int, path: Path) -> None:
     """The block count the metadata states is the blocks the tensors hold."""
-    held = {int(t.name.split(".")[1]) for t in reader.tensors
-            if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}  # fmt: skip
+    held = {_block(t.name) for t in reader.tensors} - {-1}
     if held != set(range(n_layers)):
         raise ModelError(
             f"{path}: the metadata states {n_layers:,} layers; the tensors hold"
@@ -99,10 +104,13 @@ def load_gguf(path: Path) -> Model:
     meta = gguf_metadata(reader)
     arch = arch_for_gguf(meta, str(path))
     spec = arch.spec_from_gguf(meta, str(path))
-    _check_layers(reader, spec.n_layers, path)
+    spec = arch.from_tensors(spec, {t.name for t in reader.tensors}, str(path))
+    _check_layers(reader, spec.n_layers + arch.gguf_extra_blocks(meta), path)
     names = arch.gguf_names(spec)
     tensors: dict[str, QTensor] = {}
     for t in reader.tensors:
+        if _block(t.name) >= spec.n_layers:  # a block the forward does not run (GLM's MTP)
+            continue
         hf = names.get(t.name)
         if hf is None:
             raise ModelError(f"{path}: unexpected tensor {t.name!r} for architecture {spec.arch}")

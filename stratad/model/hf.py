@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,11 @@ def load_hf(model_dir: Path) -> Model:
     raw = _read_safetensors(model_dir)
     tensors: dict[str, QTensor] = {}
     consumed: set[str] = set()
+    past = re.compile(r"model\.layers\.(\d+)\.")  # layers the forward does not run (MTP)
+    raw = {n: t for n, t in raw.items()
+           if not ((m := past.match(n)) and int(m.group(1)) >= spec.n_layers)}  # fmt: skip
     if spec.is_moe:
-        for layer in range(spec.n_layers):
+        for layer in spec.moe_layers:
             for stacked, template in arch.hf_expert_names(spec, layer).items():
                 parts = []
                 for e in range(spec.n_experts):

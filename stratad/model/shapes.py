@@ -72,6 +72,7 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
         moe: MoEWeights = w.mlp
         e, f = spec.n_experts, spec.expert_ffn
         want(f"router {at}", moe.router, (e, h))
+        want(f"router bias {at}", moe.router_bias, (e,))
         want(f"experts' gate {at}", moe.experts.gate, (e, f, h))
         want(f"experts' up {at}", moe.experts.up, (e, f, h))
         want(f"experts' down {at}", moe.experts.down, (e, h, f))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.formats.quant import QTensor
+from stratad.model.routing import SOFTMAX, Routing, Sigmoid
 
 
 class ModelError(ValueError):
@@ -38,10 +39,26 @@ class ModelSpec:
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    routing: Routing = SOFTMAX  # how a MoE layer scores and chooses (`stratad.model.routing`)
+    expert_scale: float = 1.0  # the chosen experts' weights times this (GLM, DeepSeek)
+    dense_layers: int = 0  # a MoE model's first layers with a dense FFN of width `ffn`
+    rope_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of them
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer i routes to experts (past a MoE model's leading dense layers)."""
+        return self.is_moe and i >= self.dense_layers
+
+    @property
+    def moe_layers(self) -> range:
+        return range(self.dense_layers, self.n_layers) if self.is_moe else range(0)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
 
     @property
     def q_dim(self) -> int:
@@ -58,6 +75,19 @@ class ModelSpec:
             raise ModelError(f"top-{self.n_experts_used} routing over {self.n_experts} experts")
         if self.qk_norm not in ("none", "head", "full"):
             raise ModelError(f"unknown qk_norm {self.qk_norm!r}")
+        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ModelError(f"RoPE over {self.rope_dim} of a head's {self.head_dim} dims")
+        if self.dense_layers and not (self.is_moe and self.dense_layers < self.n_layers
+                                      and self.ffn > 0):  # fmt: skip
+            raise ModelError(f"{self.dense_layers} leading dense layers of {self.n_layers}"
+                             f" (dense FFN width {self.ffn})")  # fmt: skip
+        r = self.routing
+        if isinstance(r, Sigmoid) and self.is_moe:
+            per = self.n_experts // r.groups if self.n_experts % r.groups == 0 else 0
+            if not (per >= 2 and 1 <= r.groups_used <= r.groups
+                    and self.n_experts_used <= per * r.groups_used):  # fmt: skip
+                raise ModelError(f"top-{self.n_experts_used} routing within {r.groups_used} of"
+                                 f" {r.groups} groups of {self.n_experts} experts")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,7 +114,7 @@ class Model:
     def expert_units(self) -> list[ExpertUnit]:
         return [
             ExpertUnit(layer, expert)
-            for layer in range(self.spec.n_layers)
+            for layer in self.spec.moe_layers
             for expert in range(self.spec.n_experts)
         ]
 

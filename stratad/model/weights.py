@@ -45,6 +45,7 @@ class MoEWeights:
     experts: ExpertStack
     shared: MLPWeights | None = None
     shared_gate: QTensor | None = None  # [1, H]: sigmoid gate on the shared expert
+    router_bias: QTensor | None = None  # [E]: added to the scores that choose (not weigh)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from kernels.cpu.dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.moe_stack import MoELayer, MoEShape, MoEStack
 from kernels.formats.quant import QTensor, QType
+from stratad.model.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
 
@@ -78,8 +79,11 @@ def one_call_moe(
     kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
 ) -> bool:
     """Whether the model is a stack of MoE layers of routed experts only (q/k norms per head or
-    none) that the kernels read: what `moe_stack` runs in one call."""
+    none, softmax routing, RoPE over whole heads) that the kernels read: what `moe_stack`
+    runs in one call."""
     if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
+        return False
+    if spec.routing != SOFTMAX or spec.expert_scale != 1.0 or spec.rope_dim:
         return False
     for w in layers:
         a, m = w.attn, w.mlp

@@ -21,7 +21,7 @@ from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import PLAIN, KVFormat
-from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route
+from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route_as
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
     FloatEmbedding,
@@ -63,6 +63,7 @@ class _Layer:
     ffn_norm: torch.Tensor
     dense: _Dense | None
     router: Linear | None
+    router_bias: torch.Tensor | None  # [E] the correction added to the scores that choose
     experts: Callable[[int], _Dense] | None  # expert e of the model's stacks
     routed: Routed | None  # all of them in one call (the cpu engine)
     shared: _Dense | None
@@ -102,6 +103,7 @@ def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
         ffn_norm=mode.vector(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
         router=mode.linear(moe.router) if moe else None,
+        router_bias=opt(moe.router_bias) if moe else None,
         experts=_stacked(moe, mode) if moe and stacked else None,
         routed=mode.routed(moe) if moe and stacked else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
@@ -303,7 +305,7 @@ class ReferenceForward:
         assert w.router is not None
         spec, stage = self.spec, self.timer.stage
         with stage("router"):
-            weights, ids = route(w.router(x), spec.n_experts_used, spec.norm_topk_prob)
+            weights, ids = route_as(spec, w.router(x), w.router_bias)
             self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
         one_call = w.routed is not None or (
@@ -323,10 +325,11 @@ class ReferenceForward:
             with stage("experts"):
                 y = expert(x[rows]).float()
                 out.index_add_(0, rows, y * weights[rows, slot, None])
-        if w.shared is not None and w.shared_gate is not None:
+        if w.shared is not None:
             with stage("shared expert"):
                 s = w.shared(x).float()
-                out += torch.sigmoid(w.shared_gate(x).float()) * s
+                gate = w.shared_gate
+                out += s if gate is None else torch.sigmoid(gate(x).float()) * s
         return out.to(x.dtype)
 
     def _expert(self, i: int, w: _Layer, e: int) -> _Dense:

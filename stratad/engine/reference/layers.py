@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from stratad.model.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
 
 
@@ -16,8 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_tables(
     spec: ModelSpec, positions: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, D/2] for the given positions."""
-    d = spec.head_dim
+    """cos and sin [T, R/2] for the given positions, R the dims RoPE turns (`rotary_dim`)."""
+    d = spec.rotary_dim
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
     ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
     return ang.cos().float(), ang.sin().float()
@@ -26,7 +27,11 @@ def rope_tables(
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
-    """Rotate x [T, H, D]: pairs (2i, 2i+1) if interleaved, else halves (i, i + D/2)."""
+    """Rotate x [T, H, D]: pairs (2i, 2i+1) if interleaved, else halves (i, i + R/2) of its
+    first R = 2 * cos.shape[-1] dims (the rest pass through: partial RoPE)."""
+    r = 2 * cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin, interleaved), x[..., r:]), dim=-1)
     xf = x.float()
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
     if interleaved:
@@ -79,8 +84,18 @@ def swiglu(
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing: (weights [T, k] float32, expert ids [T, k])."""
-    probs = logits.float().softmax(-1)
-    weights, ids = probs.topk(top_k, dim=-1)
+    weights, ids = SOFTMAX.choose(logits, None, top_k)
     if normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+def route_as(
+    spec: ModelSpec, logits: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's routing (`spec.routing`, its correction `bias` [E] where it has one),
+    renormalised and scaled as the spec says: (weights [T, k] float32, expert ids [T, k])."""
+    weights, ids = spec.routing.choose(logits, bias, spec.n_experts_used)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * spec.expert_scale, ids

@@ -58,6 +58,10 @@ class Arch:
     hf_router: ClassVar[str] = "gate"
     hf_expert_proj: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: ClassVar[bool] = False
+    hf_shared: ClassVar[str] = "shared_expert"  # the shared expert's module (with `shared_expert`)
+    shared_expert_gate: ClassVar[bool] = True  # a sigmoid gate scales the shared expert's output
+    router_bias: ClassVar[bool] = False  # the router holds a per-expert correction bias
+    gguf_ffn_norm: ClassVar[str] = "ffn_norm"  # GGUF name of the norm before the FFN
 
     # -- hyper-parameters -------------------------------------------------------------
 
@@ -95,6 +99,17 @@ class Arch:
         )
         check_spec(spec, source)
         spec.validate()
+        return spec
+
+    @classmethod
+    def gguf_extra_blocks(cls, meta: Mapping[str, Any]) -> int:
+        """Blocks a GGUF file holds past the model's layers (that the forward does not run)."""
+        return 0
+
+    @classmethod
+    def from_tensors(cls, spec: ModelSpec, names: set[str], source: str) -> ModelSpec:
+        """The spec as the GGUF file's tensor names complete it (which optional weights it
+        holds, where the metadata does not say)."""
         return spec
 
     @classmethod
@@ -171,7 +186,7 @@ class Arch:
             attn = f"{hf}.self_attn"
             names |= {
                 f"{blk}.attn_norm.weight": f"{hf}.input_layernorm.weight",
-                f"{blk}.ffn_norm.weight": f"{hf}.post_attention_layernorm.weight",
+                f"{blk}.{cls.gguf_ffn_norm}.weight": f"{hf}.post_attention_layernorm.weight",
                 f"{blk}.attn_q.weight": f"{attn}.q_proj.weight",
                 f"{blk}.attn_k.weight": f"{attn}.k_proj.weight",
                 f"{blk}.attn_v.weight": f"{attn}.v_proj.weight",
@@ -183,7 +198,7 @@ class Arch:
                 f"{blk}.attn_k_norm.weight": f"{attn}.k_norm.weight",
             }
             mlp = f"{hf}.{cls.hf_mlp}"
-            if not cls.moe:
+            if not spec.moe_layer(i):
                 names |= {
                     f"{blk}.ffn_gate.weight": f"{mlp}.gate_proj.weight",
                     f"{blk}.ffn_up.weight": f"{mlp}.up_proj.weight",
@@ -191,14 +206,16 @@ class Arch:
                 }
                 continue
             g, u, d = cls.hf_expert_proj
+            shared = f"{mlp}.{cls.hf_shared}"
             names |= {
                 f"{blk}.ffn_gate_inp.weight": f"{mlp}.{cls.hf_router}.weight",
+                f"{blk}.exp_probs_b.bias": f"{mlp}.{cls.hf_router}.e_score_correction_bias",
                 f"{blk}.ffn_gate_exps.weight": f"{mlp}.experts.{g}",
                 f"{blk}.ffn_up_exps.weight": f"{mlp}.experts.{u}",
                 f"{blk}.ffn_down_exps.weight": f"{mlp}.experts.{d}",
-                f"{blk}.ffn_gate_shexp.weight": f"{mlp}.shared_expert.gate_proj.weight",
-                f"{blk}.ffn_up_shexp.weight": f"{mlp}.shared_expert.up_proj.weight",
-                f"{blk}.ffn_down_shexp.weight": f"{mlp}.shared_expert.down_proj.weight",
+                f"{blk}.ffn_gate_shexp.weight": f"{shared}.gate_proj.weight",
+                f"{blk}.ffn_up_shexp.weight": f"{shared}.up_proj.weight",
+                f"{blk}.ffn_down_shexp.weight": f"{shared}.down_proj.weight",
                 f"{blk}.ffn_gate_inp_shexp.weight": f"{mlp}.shared_expert_gate.weight",
             }
         return names
@@ -228,7 +245,7 @@ class Arch:
         )
         mlp = f"{hf}.{cls.hf_mlp}"
         block: MLPWeights | MoEWeights
-        if not spec.is_moe:
+        if not spec.moe_layer(i):
             block = MLPWeights(
                 t(f"{mlp}.gate_proj.weight"),
                 t(f"{mlp}.up_proj.weight"),
@@ -237,8 +254,9 @@ class Arch:
         else:
             g, u, d = cls.hf_expert_proj
             shared = None
+            gated = cls.shared_expert and cls.shared_expert_gate
             if cls.shared_expert:
-                s = f"{mlp}.shared_expert"
+                s = f"{mlp}.{cls.hf_shared}"
                 shared = MLPWeights(
                     t(f"{s}.gate_proj.weight"), t(f"{s}.up_proj.weight"), t(f"{s}.down_proj.weight")
                 )
@@ -248,7 +266,9 @@ class Arch:
                     t(f"{mlp}.experts.{g}"), t(f"{mlp}.experts.{u}"), t(f"{mlp}.experts.{d}")
                 ),
                 shared=shared,
-                shared_gate=t(f"{mlp}.shared_expert_gate.weight") if cls.shared_expert else None,
+                shared_gate=t(f"{mlp}.shared_expert_gate.weight") if gated else None,
+                router_bias=(t(f"{mlp}.{cls.hf_router}.e_score_correction_bias")
+                             if cls.router_bias else None),  # fmt: skip
             )
         return LayerWeights(
             attn_norm=t(f"{hf}.input_layernorm.weight"),

@@ -1,0 +1,60 @@
+"""How a MoE layer chooses its experts: each routing kind is an object the spec holds.
+
+`Softmax`: softmax over every expert's logit, the top k of the probabilities (Qwen2/3-MoE,
+Mixtral, OLMoE), optionally renormalised over the chosen. `Sigmoid`: each expert's sigmoid
+score; the choice ranks score plus a per-expert correction bias (a weight of the file,
+`e_score_correction_bias`, llama.cpp's `exp_probs_b`) within the best `groups_used` of
+`groups` expert groups (a group ranked by the sum of its two best), and the weights are the
+chosen scores, without the bias (GLM-4.5, DeepSeek-V3). Each is a tagged struct, so a pack's
+manifest (which records the spec) names the kind. Either may renormalise the chosen
+weights to sum to one (`ModelSpec.norm_topk_prob`) and scale them (`ModelSpec.expert_scale`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+
+class Softmax(msgspec.Struct, frozen=True, tag="softmax"):
+    """Softmax over all experts, then the top k."""
+
+    def choose(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, ids [T, k]) before renormalising and scaling."""
+        return logits.float().softmax(-1).topk(top_k, dim=-1)
+
+    def describe(self) -> str:
+        return "softmax"
+
+
+class Sigmoid(msgspec.Struct, frozen=True, tag="sigmoid"):
+    """Sigmoid scores, chosen by score plus correction bias within the best groups."""
+
+    groups: int = 1
+    groups_used: int = 1
+
+    def choose(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float().sigmoid()  # [T, E]
+        ranked = scores if bias is None else scores + bias.float()
+        if self.groups_used < self.groups:
+            t, e = ranked.shape
+            grouped = ranked.view(t, self.groups, e // self.groups)
+            best = grouped.topk(2, dim=-1).values.sum(-1)  # [T, groups]
+            kept = torch.zeros_like(best, dtype=torch.bool)
+            kept.scatter_(1, best.topk(self.groups_used, dim=-1).indices, True)
+            ranked = grouped.masked_fill(~kept[..., None], float("-inf")).view(t, e)
+        ids = ranked.topk(top_k, dim=-1).indices
+        return scores.gather(1, ids), ids
+
+    def describe(self) -> str:
+        if self.groups == 1:
+            return "sigmoid with correction bias"
+        return f"sigmoid with correction bias, best {self.groups_used} of {self.groups} groups"
+
+
+Routing = Softmax | Sigmoid
+SOFTMAX = Softmax()
