@@ -13,13 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
 import pytest
-import torch
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.store.loader import load_model
 from tests.gguf_export import export_f32
+from tests.llama_compare import greedy, llama_greedy, llama_logits
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -38,34 +37,6 @@ def _llama(path: Path, f32_kv: bool = False) -> llama_cpp.Llama:
     )
 
 
-def _greedy(forward: ReferenceForward, prompt: list[int], n: int) -> list[int]:
-    cache = forward.new_cache(256)
-    logits = forward(prompt, cache)[-1]
-    out = []
-    for _ in range(n):
-        token = int(logits.argmax())
-        out.append(token)
-        logits = forward([token], cache)[-1]
-    return out
-
-
-def _llama_greedy(llm: llama_cpp.Llama, prompt: list[int], n: int) -> list[int]:
-    llm.reset()
-    llm.eval(prompt)
-    out = []
-    for _ in range(n):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        out.append(token)
-        llm.eval([token])
-    return out
-
-
-def _llama_logits(llm: llama_cpp.Llama, tokens: list[int]) -> torch.Tensor:
-    llm.reset()
-    llm.eval(tokens)
-    return torch.tensor(np.array(llm.scores[: len(tokens)]))
-
-
 @pytest.fixture(scope="module")
 def f32_copy(tmp_path_factory: pytest.TempPathFactory, smollm_path: Path) -> Path:
     dst = tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf"
@@ -78,8 +49,8 @@ def test_quantized_file_logits_close(smollm_path: Path, smollm_forward: Referenc
     agree = total = 0
     for text in PROMPTS:
         tokens = llm.tokenize(text.encode(), add_bos=False, special=True)
-        tokens += _greedy(smollm_forward, tokens, 16)
-        theirs = _llama_logits(llm, tokens)
+        tokens += greedy(smollm_forward, tokens, 16)
+        theirs = llama_logits(llm, tokens)
         ours = smollm_forward(tokens, smollm_forward.new_cache(256), all_logits=True)
         diff = (ours - theirs).abs()
         assert diff.mean() < 0.35, f"{text!r}: mean |logit diff| {diff.mean():.3f}"
@@ -95,9 +66,9 @@ def test_f32_greedy_token_for_token(f32_copy: Path) -> None:
     llm = _llama(f32_copy, f32_kv=True)
     for text in PROMPTS:
         prompt = llm.tokenize(text.encode(), add_bos=False, special=True)
-        ours = _greedy(forward, prompt, N_NEW)
-        theirs = _llama_greedy(llm, prompt, N_NEW)
+        ours = greedy(forward, prompt, N_NEW)
+        theirs = llama_greedy(llm, prompt, N_NEW)
         assert ours == theirs, f"{text!r}: {llm.detokenize(ours)!r} != {llm.detokenize(theirs)!r}"
         tokens = prompt + ours
-        diff = forward(tokens, forward.new_cache(256), all_logits=True) - _llama_logits(llm, tokens)
+        diff = forward(tokens, forward.new_cache(256), all_logits=True) - llama_logits(llm, tokens)
         assert diff.abs().max() < 1e-2, f"{text!r}: max |logit diff| {diff.abs().max():.2e}"

@@ -77,8 +77,24 @@ def test_a3b_geometry_and_size() -> None:
     assert 29e9 < synth.n_params(p) < 31e9
 
 
+def test_glm_air_geometry_and_size() -> None:
+    """GLM-4.5-Air's shapes: a dense first layer, then 128 experts of 1,408 plus a shared one;
+    106B parameters with SmolLM2's vocabulary (the published file's is 151,552)."""
+    p = synth.get_preset("glm-4.5-air")
+    plan = {t.name: t for t in synth.tensor_plan(p)}
+    assert plan["blk.0.ffn_gate.weight"].shape == (10944, 4096)
+    assert "blk.0.ffn_gate_exps.weight" not in plan
+    assert plan["blk.45.ffn_gate_exps.weight"].shape == (128, 1408, 4096)
+    assert plan["blk.45.ffn_down_shexp.weight"].shape == (4096, 1408)
+    assert plan["blk.45.exp_probs_b.bias"].shape == (128,)
+    assert plan["blk.1.attn_q.bias"].shape == (96 * 128,)
+    assert plan["blk.1.post_attention_norm.weight"].shape == (4096,)
+    assert 104e9 < synth.n_params(p) < 108e9
+
+
 def test_unknown_preset_names_the_presets() -> None:
-    with pytest.raises(synth.UnknownPreset, match="tiny-moe, tiny-dense, a3b"):
+    names = "tiny-moe, tiny-dense, tiny-glm, glm-4.5-air, a3b"
+    with pytest.raises(synth.UnknownPreset, match=names):
         synth.get_preset("a30b")
 
 
@@ -135,7 +151,7 @@ def test_deterministic_and_cli(written: dict[str, tuple[Path, float]], tmp_path:
     assert not list(tmp_path.glob("*.partial"))
 
     assert _cli(["synth", "huge", "-o", str(tmp_path / "x.gguf")]) == 2
-    assert "tiny-moe, tiny-dense, a3b" in capsys.readouterr().err
+    assert "tiny-moe, tiny-dense, tiny-glm, glm-4.5-air, a3b" in capsys.readouterr().err
 
 
 def test_progress_reaches_total(tmp_path: Path) -> None:

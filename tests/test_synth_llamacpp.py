@@ -20,7 +20,6 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-import torch
 from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
@@ -29,6 +28,7 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.store.loader import load_model
 from tests.gguf_scan import scan, tensor_bytes
+from tests.llama_compare import greedy, llama_greedy, llama_logits
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -70,32 +70,6 @@ def _llama(path: Path) -> llama_cpp.Llama:
                            flash_attn=False)
 
 
-def _greedy(forward: ReferenceForward, prompt: list[int]) -> list[int]:
-    cache = forward.new_cache(256)
-    logits = forward(prompt, cache)[-1]
-    out = []
-    for _ in range(N_NEW):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out
-
-
-def _llama_greedy(llm: llama_cpp.Llama, prompt: list[int]) -> list[int]:
-    llm.reset()
-    llm.eval(prompt)
-    out = []
-    for _ in range(N_NEW):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return out
-
-
-def _llama_logits(llm: llama_cpp.Llama, tokens: list[int]) -> torch.Tensor:
-    llm.reset()
-    llm.eval(tokens)
-    return torch.tensor(np.array(llm.scores[: len(tokens)]))
-
-
 def test_reference_engine_against_llama_cpp(files: tuple[Path, Path]) -> None:
     q4km, f32 = files
     held = {t.qtype for t in scan(q4km)[1]}
@@ -105,16 +79,16 @@ def test_reference_engine_against_llama_cpp(files: tuple[Path, Path]) -> None:
     agree = total = 0
     for text in PROMPTS:
         prompt = exact.tokenize(text.encode(), add_bos=False, special=True)
-        ours = _greedy(forward, prompt)
-        theirs = _llama_greedy(exact, prompt)
+        ours = greedy(forward, prompt, N_NEW)
+        theirs = llama_greedy(exact, prompt, N_NEW)
         assert ours == theirs, f"{text!r}: {ours} != {theirs}"
         tokens = prompt + ours
         logits = forward(tokens, forward.new_cache(256), all_logits=True)
-        diff = (logits - _llama_logits(exact, tokens)).abs()
+        diff = (logits - llama_logits(exact, tokens)).abs()
         assert diff.max() < 1e-3, f"{text!r}: max |logit diff| {diff.max():.2e} on F32"
         # The quantized file in llama.cpp: measured mean 0.04, max 0.31 on logits of std 4,
         # top-1 agreement 95%.
-        diff = logits - (theirs_q := _llama_logits(quantized, tokens))
+        diff = logits - (theirs_q := llama_logits(quantized, tokens))
         assert diff.abs().mean() < 0.1, f"{text!r}: mean |logit diff| {diff.abs().mean():.3f}"
         assert diff.abs().max() < 1.0, f"{text!r}: max |logit diff| {diff.abs().max():.3f}"
         agree += int((logits.argmax(-1) == theirs_q.argmax(-1)).sum())

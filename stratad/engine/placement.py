@@ -55,6 +55,12 @@ def choose_backend(name: str, model: Model, device: torch.device) -> str:
                 "engine.backend=offload on the CPU runs its kernels in Triton's interpreter"
                 " (for tests): set TRITON_INTERPRET=1, or use a GPU"
             )
+        if name == "offload":
+            from stratad.engine.offload.experts import fast_path_refusal
+
+            why = fast_path_refusal(model)
+            if why is not None:
+                raise ModelError(f"{model.source}: the offload engine cannot run it: {why}")
         if name == "cpu" and device.type != "cpu":
             raise ModelError(f"engine.backend=cpu computes on the CPU, not {device}")
         return name

@@ -216,7 +216,7 @@ def _add_metadata(
     w.add_head_count_kv(p.n_kv_heads)
     w.add_key_length(p.head_dim)
     w.add_value_length(p.head_dim)
-    w.add_rope_dimension_count(p.head_dim)
+    w.add_rope_dimension_count(p.rope_dim or p.head_dim)
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_eps)
     if p.is_moe:
@@ -225,6 +225,15 @@ def _add_metadata(
         w.add_expert_feed_forward_length(p.ffn)
     else:
         w.add_feed_forward_length(p.ffn)
+    if p.dense_layers:
+        w.add_leading_dense_block_count(p.dense_layers)
+        w.add_feed_forward_length(p.dense_ffn)
+    if p.shared_experts:
+        w.add_expert_shared_count(p.shared_experts)
+    if p.sigmoid_routing:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(p.expert_scale)
     for key, value, vtype, sub in _tokenizer_fields(tokenizer):
         w.add_key_value(key, value, vtype, sub)
 

@@ -31,7 +31,7 @@ class SynthPreset:
     """The geometry and storage types of one synthetic model."""
 
     name: str
-    arch: str  # GGUF architecture: "qwen3moe" (MoE, per-head q/k norm) or "llama" (dense)
+    arch: str  # GGUF architecture: "qwen3moe" (MoE, per-head q/k norm), "glm4moe", "llama"
     n_layers: int
     hidden: int
     n_heads: int
@@ -53,6 +53,15 @@ class SynthPreset:
     router_row_spread: float = 0.15
     embed_std: float = 0.5  # below the layers' summed writes, so context moves the logits
     logit_gain: float = 4.0  # spread of the output logits
+    # GLM-4.5's layout (arch "glm4moe"): leading dense layers of width dense_ffn, shared
+    # experts (each an expert's width), RoPE over rope_dim of each head's dims, q/k/v biases;
+    # its routing by sigmoid with a correction bias per expert (exp_probs_b)
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    shared_experts: int = 0
+    rope_dim: int = 0  # 0: the whole head
+    attn_bias: bool = False
+    expert_scale: float = 1.0  # the chosen experts' weights times this (expert_weights_scale)
 
     @property
     def is_moe(self) -> bool:
@@ -61,6 +70,13 @@ class SynthPreset:
     @property
     def qk_norm(self) -> bool:
         return self.arch == "qwen3moe"
+
+    @property
+    def sigmoid_routing(self) -> bool:
+        return self.arch == "glm4moe"
+
+    def moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.dense_layers
 
     @property
     def q_dim(self) -> int:
@@ -111,6 +127,53 @@ PRESETS: Mapping[str, SynthPreset] = {
             rms_eps=1e-5,
             attn_qtype=QType.F32,
             ffn_qtype=QType.Q8_0,
+        ),
+        # GLM-4.5's layout in miniature, every tensor F32 (llama.cpp computes in float32 too)
+        SynthPreset(
+            "tiny-glm",
+            "glm4moe",
+            n_layers=3,
+            hidden=256,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            ffn=64,
+            n_experts=8,
+            n_experts_used=2,
+            rope_theta=10_000.0,
+            rms_eps=1e-5,
+            attn_qtype=QType.F32,
+            ffn_qtype=QType.F32,
+            embed_qtype=QType.F32,
+            dense_layers=1,
+            dense_ffn=256,
+            shared_experts=1,
+            rope_dim=32,
+            attn_bias=True,
+            expert_scale=1.5,
+        ),
+        # GLM-4.5-Air's geometry (its config.json): 46 layers (the first dense), 128 experts
+        # of 1,408 top-8 plus one shared, 96 query heads of 128 over 8 KV heads, RoPE over
+        # half of each head; without its multi-token-prediction block (llama.cpp skips it).
+        SynthPreset(
+            "glm-4.5-air",
+            "glm4moe",
+            n_layers=46,
+            hidden=4096,
+            n_heads=96,
+            n_kv_heads=8,
+            head_dim=128,
+            ffn=1408,
+            n_experts=128,
+            n_experts_used=8,
+            context_length=131072,
+            rms_eps=1e-5,
+            attn_qtype=QType.Q8_0,
+            dense_layers=1,
+            dense_ffn=10944,
+            shared_experts=1,
+            rope_dim=64,
+            attn_bias=True,
         ),
         # Qwen3-30B-A3B's geometry (its config.json), at Q4_0 experts / Q8_0 the rest.
         SynthPreset(
@@ -215,9 +278,10 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
         qtype: QType,
         std: float,
         row_spread: float = 0.0,
+        bias: bool = False,
     ) -> None:
         assert kind in known, f"{p.arch} has no {kind.name} tensor"
-        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + (".bias" if bias else ".weight")
         plan.append(SynthTensor(name, shape, qtype, std, row_spread))
 
     d, f, e = p.hidden, p.ffn, p.n_experts
@@ -227,14 +291,20 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
     for i in range(p.n_layers):
         add(T.ATTN_NORM, i, (d,), QType.F32, 0.0)
         add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
+        if p.attn_bias:
+            add(T.ATTN_Q, i, (p.q_dim,), QType.F32, 0.1, bias=True)
         add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
+        if p.attn_bias:
+            add(T.ATTN_K, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
         add(T.ATTN_V, i, (p.kv_dim, d), p.attn_qtype, fan)
+        if p.attn_bias:
+            add(T.ATTN_V, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
         add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
         if p.qk_norm:
             add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
             add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
-        add(T.FFN_NORM, i, (d,), QType.F32, 0.0)
-        if p.is_moe:
+        add(T.ATTN_POST_NORM if p.sigmoid_routing else T.FFN_NORM, i, (d,), QType.F32, 0.0)
+        if p.moe_layer(i):
             add(
                 T.FFN_GATE_INP,
                 i,
@@ -246,10 +316,18 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
             add(T.FFN_GATE_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_UP_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_DOWN_EXP, i, (e, d, f), p.ffn_qtype, res * f**-0.5)
+            if p.sigmoid_routing:  # the correction bias: a spread like the scores'
+                add(T.FFN_EXP_PROBS_B, i, (e,), QType.F32, 0.1, bias=True)
+            if p.shared_experts:
+                fs = f * p.shared_experts
+                add(T.FFN_GATE_SHEXP, i, (fs, d), p.ffn_qtype, fan)
+                add(T.FFN_UP_SHEXP, i, (fs, d), p.ffn_qtype, fan)
+                add(T.FFN_DOWN_SHEXP, i, (d, fs), p.ffn_qtype, res * fs**-0.5)
         else:
-            add(T.FFN_GATE, i, (f, d), p.ffn_qtype, fan)
-            add(T.FFN_UP, i, (f, d), p.ffn_qtype, fan)
-            add(T.FFN_DOWN, i, (d, f), p.ffn_qtype, res * f**-0.5)
+            fd = p.dense_ffn or f
+            add(T.FFN_GATE, i, (fd, d), p.ffn_qtype, fan)
+            add(T.FFN_UP, i, (fd, d), p.ffn_qtype, fan)
+            add(T.FFN_DOWN, i, (d, fd), p.ffn_qtype, res * fd**-0.5)
     add(T.OUTPUT_NORM, -1, (d,), QType.F32, 0.0)
     add(T.OUTPUT, -1, (VOCAB_SIZE, d), p.embed_qtype, p.logit_gain * fan)
     return plan

@@ -26,7 +26,8 @@ from kernels.experts.moe import (
 )
 from kernels.formats.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
-from stratad.model.spec import Model, ModelError
+from stratad.model.routing import SOFTMAX
+from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import MoEWeights
 from stratad.store.pack.manifest import ExpertLayout
 
@@ -177,10 +178,24 @@ def blob_layouts(model: Model) -> ExpertLayouts:
     return ExpertLayouts(tuple(out))
 
 
+def graph_refusal(spec: ModelSpec) -> str | None:
+    """What of a MoE model's layer graph the offload engine does not run yet (None: all)."""
+    if spec.dense_layers:
+        return f"its first {spec.dense_layers} layers are dense"
+    if spec.routing != SOFTMAX or spec.expert_scale != 1.0:
+        return f"it routes by {spec.routing.describe()}"
+    if spec.rope_dim:
+        return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
+    return None
+
+
 def fast_path_refusal(model: Model) -> str | None:
     """Why the fused kernels cannot read this model's experts (None: they can)."""
     if not model.spec.is_moe:
         return "not a mixture-of-experts model"
+    graph = graph_refusal(model.spec)
+    if graph is not None:
+        return graph
     for layer, lay in enumerate(blob_layouts(model).layers):
         for (_, _, rows, cols), qtype in zip(lay.spans(), lay.qtypes, strict=True):
             if qtype not in MOE_QTYPES:

@@ -40,6 +40,7 @@ from stratad.store.pack.manifest import (
     encoded,
     expert_layout,
 )
+from stratad.store.placement.plan import grid_refusal
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 
@@ -230,6 +231,8 @@ def write_pack(
     spec = source.spec
     if not spec.is_moe:
         raise PackError(f"{src}: a {spec.arch} model has no routed experts to pack")
+    if (why := grid_refusal(spec)) is not None:
+        raise PackError(f"{src}: the store does not place this model's experts yet ({why})")
     layouts = [expert_layout(source.expert(layer, 0)) for layer in range(spec.n_layers)]
     dense_names = source.dense_names()
     expert_total = sum(lay.stride for lay in layouts) * spec.n_experts
