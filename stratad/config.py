@@ -45,6 +45,16 @@ class ModelConfig(_Section, frozen=True):
     uses the model's (the GGUF's `tokenizer.chat_template`, or a Hugging Face directory's
     `chat_template.jinja` or `tokenizer_config.json`), else ChatML. Read at start: a file that
     cannot be read is a configuration error."""
+    rope_scaling: Literal["file", "none", "linear", "yarn"] = "file"
+    """RoPE past the trained context: "file" as the model states it (its GGUF metadata or
+    config.json); "yarn" or "linear" stretches it `rope_scale` times (llama.cpp's
+    `--rope-scaling`), e.g. a Qwen3 at 131072 with "yarn" and 4; "none" turns a stated
+    scaling off. Stretched, the model's context is `rope_scale` times the original."""
+    rope_scale: Annotated[float, msgspec.Meta(gt=1.0)] = 4.0
+    """The stretch of `rope_scaling` "yarn" or "linear" (llama.cpp's `--rope-scale`)."""
+    rope_original_context: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The context the model was trained on, for "yarn" (llama.cpp's `--yarn-orig-ctx`);
+    0: the model's stated context length."""
     draft: str = ""
     """A smaller model with this one's vocabulary (GGUF file or Hugging Face directory) whose
     greedy tokens are the drafts of `speculation.drafter = "draft_model"`, run on the cpu

@@ -9,18 +9,23 @@ on the same values: greedy continuations agree token for token and logits within
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import openai
 import pytest
 import torch
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
+from stratad.model.rope_scaling import Yarn, configured
 from stratad.model.routing import Sigmoid
 from stratad.model.spec import Model, ModelError
 from stratad.model.tokenizer_build import tokenizer_from_gguf
@@ -75,6 +80,44 @@ def test_reference_engine_against_llama_cpp(tiny_glm: Path, model: Model) -> Non
     assert forward.route_counts[0].sum() == 0  # the dense layer routes nothing
 
 
+def test_yarn_against_llama_cpp(tiny_glm: Path, tmp_path: Path) -> None:
+    """YaRN RoPE scaling (x4 of an original 64 positions) as a GGUF file states it, on
+    tiny-glm's partial RoPE (the ramp over 32 dims): llama.cpp's tokens and logits. The
+    transformers comparison of linear and YaRN scaling is in tests/test_transformers.py."""
+    path = tmp_path / "tiny-glm-yarn.gguf"
+    preset = synth.PRESETS["tiny-glm"]
+    w = GGUFWriter(path, preset.arch)
+    synth._add_metadata(w, preset, 0, synth.tokenizer_source())
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(64)
+    for t in GGUFReader(tiny_glm).tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = load_model(path)
+    assert model.spec.rope_scaling == Yarn(4.0, 64, 0.1 * math.log(4.0) + 1.0)
+    # the same scaling set by the configuration (`model.rope_scaling`) on the plain file
+    plain_spec = load_model(tiny_glm).spec
+    assert configured(plain_spec, "yarn", 4.0, 64).rope_scaling == model.spec.rope_scaling
+    assert configured(model.spec, "none", 4.0, 0).rope_scaling == plain_spec.rope_scaling
+    assert configured(model.spec, "file", 2.0, 0) is model.spec
+    forward = ReferenceForward(model)
+    llm = llama_cpp.Llama(str(path), n_gpu_layers=0, n_ctx=128, logits_all=True,
+                          verbose=False, n_threads=2, seed=0, type_k=0, type_v=0,
+                          flash_attn=False)  # fmt: skip
+    prompt = llm.tokenize(PROMPTS[0].encode(), add_bos=False)
+    ours = greedy(forward, prompt, N_NEW)
+    assert ours == llama_greedy(llm, prompt, N_NEW)
+    tokens = prompt + ours
+    logits = forward(tokens, forward.new_cache(128), all_logits=True)
+    assert (logits - llama_logits(llm, tokens)).abs().max() < 1e-3
+    plain = ReferenceForward(load_model(tiny_glm))(tokens, forward.new_cache(128), all_logits=True)
+    assert (plain - logits).abs().max() > 0.1  # the scaling moved the logits
+
+
 def test_engines_that_do_not_run_it_yet_say_why(model: Model) -> None:
     assert fast_path_refusal(model) == "its first 1 layers are dense"
     from stratad.engine.placement import choose_backend
@@ -98,12 +141,16 @@ def test_store_says_it_does_not_place_it(tiny_glm: Path, tmp_path: Path) -> None
 
 def test_daemon_serves_it(tiny_glm: Path, model: Model, tmp_path: Path) -> None:
     """The default engine on a CPU (the cpu engine, every expert read from the file's own
-    tensors: the store does not place leading dense layers yet), over HTTP: the reference's
-    greedy tokens, and the start-up log says why the store is not used."""
+    tensors: the store does not place leading dense layers yet), over HTTP, with YaRN set by
+    the configuration: the reference's greedy tokens with that scaling; the start-up log
+    says why the store is not used, and the scaling and the context it gives."""
     tok = tokenizer_from_gguf(model.metadata)
-    want = greedy(ReferenceForward(model), tok.encode("Hello there"), 6)
+    stretched = replace(model, spec=configured(model.spec, "yarn", 2.0, 0))
+    assert stretched.spec.context_length == 8192
+    want = greedy(ReferenceForward(stretched), tok.encode("Hello there"), 6)
     config = tmp_path / "stratad.toml"
-    config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
+    config.write_text('[model]\nrope_scaling = "yarn"\nrope_scale = 2.0\nmax_context = 8192\n'
+                      '[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
     log = tmp_path / "stratad.log"
     with running_daemon([str(tiny_glm), "--config", str(config)], log) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -112,4 +159,5 @@ def test_daemon_serves_it(tiny_glm: Path, model: Model, tmp_path: Path) -> None:
     assert r.choices[0].text == tok.decode(want)
     text = log.read_text()
     assert "the expert store cannot place this model's experts (its first 1 layers" in text
+    assert "context 8192, RoPE YaRN x2 of 4,096" in text
     assert " ERROR " not in text

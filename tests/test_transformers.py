@@ -6,6 +6,7 @@ safetensors), loads the directory with Strata's reader and compares logits in fp
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 import transformers as tf
 
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.model.rope_scaling import Linear, RopeScaling, Yarn
+from stratad.model.spec import Model
 from stratad.store.loader import load_model
 
 COMMON: dict[str, Any] = dict(
@@ -81,10 +84,10 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-def _build(arch: str, out: Path) -> tf.PreTrainedModel:
+def _build(arch: str, out: Path, **override: Any) -> tf.PreTrainedModel:
     cls, extra = CASES[arch]
     torch.manual_seed(0)
-    config = cls(**(COMMON | extra))
+    config = cls(**(COMMON | extra | override))
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     for name, buffer in model.named_buffers():  # zero at init: draw it, so that it counts
         if name.endswith("e_score_correction_bias"):
@@ -98,6 +101,31 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     hf = _build(arch, tmp_path)
     model = load_model(tmp_path)
     assert model.spec.arch == arch
+    _compare(hf, model, arch)
+
+
+# Linear and YaRN RoPE scaling on qwen3. YaRN over an original context of 1,024 at theta 100:
+# pairs 0 and 1 of a head's 8 keep their frequency, 2..7 are on the ramp (from 2 to 9: both
+# ends count); cos and sin x 1.139.
+SCALINGS: dict[str, tuple[dict[str, Any], RopeScaling]] = {
+    "linear": ({"rope_type": "linear", "factor": 4.0}, Linear(4.0)),
+    "yarn": (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        Yarn(4.0, 1024, 0.1 * math.log(4.0) + 1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_rope_scaling_matches_transformers(kind: str, tmp_path: Path) -> None:
+    params, want = SCALINGS[kind]
+    hf = _build("qwen3", tmp_path, rope_parameters={"rope_theta": 100.0, **params})
+    model = load_model(tmp_path)
+    assert model.spec.rope_scaling == want
+    _compare(hf, model, kind)
+
+
+def _compare(hf: tf.PreTrainedModel, model: Model, what: str) -> None:
     forward = ReferenceForward(model)
     tokens = torch.randint(
         0, COMMON["vocab_size"], (24,), generator=torch.Generator().manual_seed(1)
@@ -117,6 +145,6 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     )
     scale = expected.abs().max()
     rel = ((got - expected).abs().max() / scale).item()
-    assert rel < 1e-4, f"{arch}: max |diff| / max |logit| = {rel:.2e}"
+    assert rel < 1e-4, f"{what}: max |diff| / max |logit| = {rel:.2e}"
     if model.spec.is_moe:  # routing was exercised, and not all on one expert
         assert (forward.route_counts > 0).sum() > model.spec.n_experts_used

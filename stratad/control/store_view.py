@@ -289,13 +289,14 @@ def dry_plan(
     import torch
 
     from stratad.engine import placement
+    from stratad.engine.runner import configured_model
     from stratad.store.loader import load_model
     from stratad.store.placement.admission import mem_total
     from stratad.store.placement.plan import Unplaced, grid_refusal
     from stratad.store.startup import open_source, plan_store, slot_bytes
 
     host_total = host_total or mem_total()
-    model = load_model(model_path)
+    model = configured_model(load_model(model_path), config)
     if (why := grid_refusal(model.spec)) is not None:
         raise Unplaced(f"the expert store cannot place this model's experts ({why}): the"
                        " engine reads them from the model's own tensors")  # fmt: skip

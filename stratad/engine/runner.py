@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ from stratad.engine.reference.interleaved_ram import ram_form
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
+from stratad.model.rope_scaling import UNSCALED, configured
 from stratad.model.spec import Model
 from stratad.store.addressed import AddressedStore
 from stratad.store.loader import load_model
@@ -165,6 +166,13 @@ def weight_types(model: Model) -> str:
     return f"experts {counted(experts, 'stacks')}; the rest {rest}" if experts else rest
 
 
+def configured_model(model: Model, config: Config) -> Model:
+    """The model as the configuration adjusts it (`model.rope_scaling`)."""
+    m = config.model
+    spec = configured(model.spec, m.rope_scaling, m.rope_scale, m.rope_original_context)
+    return model if spec is model.spec else replace(model, spec=spec)
+
+
 def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Runner:
     """Load the model and start its forward as the configuration and the machine say.
 
@@ -176,7 +184,7 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
     if config.engine.threads:
         torch.set_num_threads(config.engine.threads)
     t0 = time.monotonic()
-    model = load_model(path)
+    model = configured_model(load_model(path), config)
     timer = StageTimer(enabled=config.engine.decode_timing)
     store_config = placement.store_config(config, path)
     unplaced = grid_refusal(model.spec) if model.spec.is_moe else None
@@ -204,14 +212,17 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
                                    weights=weights,
                                    kv_format=FORMATS[config.engine.kv_cache])  # fmt: skip
         log.info("weights: %s; %s, %s", weight_types(model), forward.mode.name, forward.path)
+    spec = model.spec
+    scaled = "" if spec.rope_scaling == UNSCALED else f", RoPE {spec.rope_scaling.describe()}"
     log.info(
-        "model %s loaded: arch %s, %d layers, %s on %s, context %d (%.1f s)",
+        "model %s loaded: arch %s, %d layers, %s on %s, context %d%s (%.1f s)",
         path,
-        model.spec.arch,
-        model.spec.n_layers,
+        spec.arch,
+        spec.n_layers,
         start.dtype,
         device,
         start.max_context,
+        scaled,
         time.monotonic() - t0,
     )
     log.info("serving up to %d requests at once: %s", start.parallel.count,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.formats.quant import QTensor
+from stratad.model.rope_scaling import UNSCALED, RopeScaling
 from stratad.model.routing import SOFTMAX, Routing, Sigmoid
 
 
@@ -43,6 +44,7 @@ class ModelSpec:
     expert_scale: float = 1.0  # the chosen experts' weights times this (GLM, DeepSeek)
     dense_layers: int = 0  # a MoE model's first layers with a dense FFN of width `ffn`
     rope_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of them
+    rope_scaling: RopeScaling = UNSCALED  # past the trained context (`model.rope_scaling`)
 
     @property
     def is_moe(self) -> bool:

@@ -17,11 +17,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_tables(
     spec: ModelSpec, positions: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, R/2] for the given positions, R the dims RoPE turns (`rotary_dim`)."""
-    d = spec.rotary_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
-    ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]
-    return ang.cos().float(), ang.sin().float()
+    """cos and sin [T, R/2] for the given positions, R the dims RoPE turns (`rotary_dim`), as
+    the spec's `rope_scaling` stretches them."""
+    inv, scale = spec.rope_scaling.frequencies(spec.rotary_dim, spec.rope_theta)
+    ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv.to(device)[None, :]
+    if scale == 1.0:
+        return ang.cos().float(), ang.sin().float()
+    return (ang.cos() * scale).float(), (ang.sin() * scale).float()
 
 
 def apply_rope(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from stratad.model.rope_scaling import UNSCALED, Linear, RopeScaling, Yarn, yarn_mscale
 from stratad.model.shapes import check_spec
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import (
@@ -96,6 +97,7 @@ class Arch:
             expert_ffn=cls._gguf_expert_ffn(meta, a, source) if cls.moe else 0,
             shared_expert_ffn=int(get("expert_shared_feed_forward_length", 0)),
             norm_topk_prob=cls._gguf_norm_topk(meta, a),
+            rope_scaling=_gguf_rope_scaling(meta, a, source),
         )
         check_spec(spec, source)
         spec.validate()
@@ -131,9 +133,6 @@ class Arch:
                 raise ModelError(f"{source}: config.json has no {key!r}")
             return default
 
-        scaling = config.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ModelError(f"{source}: rope_scaling {scaling!r} is not supported")
         for key in ("attention_bias", "mlp_bias"):
             if config.get(key) and not cls.attn_bias:
                 raise ModelError(f"{source}: {key}=true is not supported for {cls.name}")
@@ -156,6 +155,7 @@ class Arch:
             tie_embeddings=bool(get("tie_word_embeddings", False)),
             attn_bias=cls.attn_bias,
             qk_norm=cls.qk_norm,
+            rope_scaling=_hf_rope_scaling(config, source),
             **cls._hf_moe_fields(config, source),
         )
         check_spec(spec, source)
@@ -276,6 +276,56 @@ class Arch:
             ffn_norm=t(f"{hf}.post_attention_layernorm.weight"),
             mlp=block,
         )
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], a: str, source: str) -> RopeScaling:
+    """`{arch}.rope.scaling.*` as llama.cpp reads them: no factor (or 1) is no scaling."""
+    key = f"{a}.rope.scaling"
+    kind = str(meta.get(f"{key}.type", "linear"))
+    factor = float(meta.get(f"{key}.factor", 0.0) or 0.0)
+    if kind == "none" or factor in (0.0, 1.0):
+        return UNSCALED
+    if kind == "linear":
+        return Linear(factor)
+    if kind != "yarn":
+        raise ModelError(f"{source}: RoPE scaling {kind!r} is not supported (none, linear, yarn)")
+    log_mul = float(meta.get(f"{key}.yarn_log_multiplier", 0.0) or 0.0)
+    attn = yarn_mscale(factor) / yarn_mscale(factor, log_mul) if log_mul else yarn_mscale(factor)
+    return Yarn(
+        factor,
+        int(meta.get(f"{key}.original_context_length") or _require(meta, f"{a}.context_length",
+                                                                    source)),
+        attn * float(meta.get(f"{key}.attn_factor", 1.0) or 1.0),
+        float(meta.get(f"{key}.yarn_beta_fast", 32.0) or 32.0),
+        float(meta.get(f"{key}.yarn_beta_slow", 1.0) or 1.0),
+    )  # fmt: skip
+
+
+def _hf_rope_scaling(config: Mapping[str, Any], source: str) -> RopeScaling:
+    """config.json's `rope_scaling` (or transformers 5's `rope_parameters`), as Hugging Face's
+    `modeling_rope_utils` computes it."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind == "default":
+        return UNSCALED
+    factor = params.get("factor")
+    if kind == "linear" and factor:
+        return Linear(float(factor))
+    if kind != "yarn":
+        raise ModelError(f"{source}: rope_scaling {params!r} is not supported (default, linear,"
+                         " yarn)")  # fmt: skip
+    if params.get("truncate") is False:
+        raise ModelError(f"{source}: YaRN without truncating its ramp is not supported yet")
+    original = int(params.get("original_max_position_embeddings")
+                   or config["max_position_embeddings"])  # fmt: skip
+    factor = float(factor or config["max_position_embeddings"] / original)
+    attn = params.get("attention_factor")
+    if attn is None:
+        mscale, every = params.get("mscale"), params.get("mscale_all_dim")
+        attn = (yarn_mscale(factor, mscale) / yarn_mscale(factor, every) if mscale and every
+                else yarn_mscale(factor))  # fmt: skip
+    return Yarn(factor, original, float(attn), float(params.get("beta_fast") or 32.0),
+                float(params.get("beta_slow") or 1.0))  # fmt: skip
 
 
 def _heads(n: int, source: str) -> int:
