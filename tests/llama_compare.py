@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import llama_cpp
 import numpy as np
 import torch
@@ -37,3 +39,24 @@ def llama_logits(llm: llama_cpp.Llama, tokens: list[int]) -> torch.Tensor:
     llm.reset()
     llm.eval(tokens)
     return torch.tensor(np.array(llm.scores[: len(tokens)]))
+
+
+def f32_llama(path: Path, context: int = 128) -> llama_cpp.Llama:
+    """llama.cpp on the CPU keeping float32 end to end (F32 KV, no flash attention)."""
+    return llama_cpp.Llama(str(path), n_gpu_layers=0, n_ctx=context, logits_all=True,
+                           verbose=False, n_threads=2, seed=0, type_k=0, type_v=0,
+                           flash_attn=False)  # fmt: skip
+
+
+def assert_as_llama(forward: ReferenceForward, path: Path, prompts: list[str], n: int) -> None:
+    """On an F32 file: llama.cpp's n greedy tokens after each prompt, and the logits of the
+    prompt and them within 1e-3."""
+    llm = f32_llama(path)
+    for text in prompts:
+        prompt = llm.tokenize(text.encode(), add_bos=False)
+        ours = greedy(forward, prompt, n)
+        assert ours == llama_greedy(llm, prompt, n), text
+        tokens = prompt + ours
+        logits = forward(tokens, forward.new_cache(128), all_logits=True)
+        diff = (logits - llama_logits(llm, tokens)).abs().max()
+        assert diff < 1e-3, f"{text!r}: max |logit diff| {diff:.2e}"

@@ -15,7 +15,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import openai
 import pytest
@@ -33,7 +32,7 @@ from stratad.store.loader import load_model
 from stratad.store.pack.manifest import PackError
 from stratad.store.pack.write import write_pack
 from tests.daemon import running_daemon
-from tests.llama_compare import greedy, llama_greedy, llama_logits
+from tests.llama_compare import assert_as_llama, f32_llama, greedy, llama_greedy, llama_logits
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 N_NEW = 16
@@ -64,18 +63,7 @@ def test_spec_from_the_file(model: Model) -> None:
 
 def test_reference_engine_against_llama_cpp(tiny_glm: Path, model: Model) -> None:
     forward = ReferenceForward(model)
-    llm = llama_cpp.Llama(str(tiny_glm), n_gpu_layers=0, n_ctx=128, logits_all=True,
-                          verbose=False, n_threads=2, seed=0, type_k=0, type_v=0,
-                          flash_attn=False)  # fmt: skip
-    for text in PROMPTS:
-        prompt = llm.tokenize(text.encode(), add_bos=False)
-        ours = greedy(forward, prompt, N_NEW)
-        theirs = llama_greedy(llm, prompt, N_NEW)
-        assert ours == theirs, f"{text!r}: {ours} != {theirs}"
-        tokens = prompt + ours
-        logits = forward(tokens, forward.new_cache(128), all_logits=True)
-        diff = (logits - llama_logits(llm, tokens)).abs().max()
-        assert diff < 1e-3, f"{text!r}: max |logit diff| {diff:.2e}"
+    assert_as_llama(forward, tiny_glm, PROMPTS, N_NEW)
     assert (forward.route_counts[1:] > 0).sum() > 2 * model.spec.n_experts_used
     assert forward.route_counts[0].sum() == 0  # the dense layer routes nothing
 
@@ -105,9 +93,7 @@ def test_yarn_against_llama_cpp(tiny_glm: Path, tmp_path: Path) -> None:
     assert configured(model.spec, "none", 4.0, 0).rope_scaling == plain_spec.rope_scaling
     assert configured(model.spec, "file", 2.0, 0) is model.spec
     forward = ReferenceForward(model)
-    llm = llama_cpp.Llama(str(path), n_gpu_layers=0, n_ctx=128, logits_all=True,
-                          verbose=False, n_threads=2, seed=0, type_k=0, type_v=0,
-                          flash_attn=False)  # fmt: skip
+    llm = f32_llama(path)
     prompt = llm.tokenize(PROMPTS[0].encode(), add_bos=False)
     ours = greedy(forward, prompt, N_NEW)
     assert ours == llama_greedy(llm, prompt, N_NEW)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 
 from stratactl import synth as synth_cli
@@ -92,8 +93,24 @@ def test_glm_air_geometry_and_size() -> None:
     assert 104e9 < synth.n_params(p) < 108e9
 
 
+@pytest.mark.parametrize(("name", "layers", "experts", "billions"),
+                         [("gpt-oss-20b", 24, 32, 20.0), ("gpt-oss-120b", 36, 128, 116.0)])
+def test_gpt_oss_geometry_and_size(name: str, layers: int, experts: int, billions: float) -> None:
+    """gpt-oss's shapes, MXFP4 experts; the parameters less the published vocabulary's
+    (201,088 against SmolLM2's 49,152: 0.9B)."""
+    p = synth.get_preset(name)
+    plan = {t.name: t for t in synth.tensor_plan(p)}
+    last = layers - 1
+    assert plan[f"blk.{last}.ffn_gate_exps.weight"].shape == (experts, 2880, 2880)
+    assert plan[f"blk.{last}.ffn_gate_exps.weight"].qtype == QType.MXFP4
+    assert plan[f"blk.{last}.ffn_down_exps.bias"].shape == (experts, 2880)
+    assert plan[f"blk.{last}.attn_sinks.weight"].shape == (64,)
+    assert abs(synth.n_params(p) / 1e9 - billions) < 0.5
+
+
 def test_unknown_preset_names_the_presets() -> None:
-    names = "tiny-moe, tiny-dense, tiny-glm, glm-4.5-air, a3b"
+    names = ("tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss, gpt-oss-20b, gpt-oss-120b,"
+             " glm-4.5-air, a3b")
     with pytest.raises(synth.UnknownPreset, match=names):
         synth.get_preset("a30b")
 
@@ -151,7 +168,7 @@ def test_deterministic_and_cli(written: dict[str, tuple[Path, float]], tmp_path:
     assert not list(tmp_path.glob("*.partial"))
 
     assert _cli(["synth", "huge", "-o", str(tmp_path / "x.gguf")]) == 2
-    assert "tiny-moe, tiny-dense, tiny-glm, glm-4.5-air, a3b" in capsys.readouterr().err
+    assert "tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss" in capsys.readouterr().err
 
 
 def test_progress_reaches_total(tmp_path: Path) -> None:

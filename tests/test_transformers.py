@@ -58,6 +58,20 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
         dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     ),
     "olmoe": (tf.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # gpt-oss: sinks, a sliding window of 8 on even layers (the 24 tokens outrun it), biases
+    # everywhere, top-k softmax routing, clamped SwiGLU experts stored fused in the checkpoint
+    "gpt-oss": (
+        tf.GptOssConfig,
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            sliding_window=8,
+            swiglu_limit=0.5,  # low enough that the random activations reach it
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
     # GLM-4.5's layout: a dense first layer, sigmoid routing with a correction bias (drawn in
     # `_build`) within the best 2 of 4 groups, scaled weights, an ungated shared expert, RoPE
     # over half of each head, q/k/v biases and per-head q/k norms.
@@ -89,9 +103,12 @@ def _build(arch: str, out: Path, **override: Any) -> tf.PreTrainedModel:
     torch.manual_seed(0)
     config = cls(**(COMMON | extra | override))
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    for name, buffer in model.named_buffers():  # zero at init: draw it, so that it counts
-        if name.endswith("e_score_correction_bias"):
-            buffer.copy_(torch.randn(buffer.shape) * 0.1)
+    # zero at init: draw them, so that they count
+    zeros = [*model.named_buffers(), *model.named_parameters()]
+    with torch.no_grad():
+        for name, t in zeros:
+            if name.endswith(("bias", "sinks")) and not t.any():
+                t.copy_(torch.randn(t.shape) * 0.1)
     model.save_pretrained(out)
     return model
 

@@ -67,6 +67,7 @@ def load_hf(model_dir: Path) -> Model:
     past = re.compile(r"model\.layers\.(\d+)\.")  # layers the forward does not run (MTP)
     raw = {n: t for n, t in raw.items()
            if not ((m := past.match(n)) and int(m.group(1)) >= spec.n_layers)}  # fmt: skip
+    raw = arch.hf_tensors(raw, spec, str(model_dir))
     if spec.is_moe:
         for layer in spec.moe_layers:
             for stacked, template in arch.hf_expert_names(spec, layer).items():

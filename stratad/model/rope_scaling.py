@@ -59,14 +59,17 @@ class Yarn(msgspec.Struct, frozen=True, tag="yarn"):
     attn_factor: float  # cos and sin times this
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends floored and ceiled (llama.cpp always does)
 
     def frequencies(self, dim: int, theta: float) -> tuple[torch.Tensor, float]:
         def pair(turns: float) -> float:  # the pair index that turns `turns` times
             return dim * math.log(self.original_context / (turns * 2 * math.pi)) / (
                 2 * math.log(theta))
 
-        low = max(math.floor(pair(self.beta_fast)), 0)
-        high = min(math.ceil(pair(self.beta_slow)), dim - 1)
+        low, high = pair(self.beta_fast), pair(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low)
                 / max(high - low, 0.001)).clamp(0, 1)  # fmt: skip
         kept = 1 - ramp  # 1: the pair turns fast enough to keep its frequency

@@ -1,7 +1,8 @@
 """How a MoE layer chooses its experts: each routing kind is an object the spec holds.
 
 `Softmax`: softmax over every expert's logit, the top k of the probabilities (Qwen2/3-MoE,
-Mixtral, OLMoE), optionally renormalised over the chosen. `Sigmoid`: each expert's sigmoid
+Mixtral, OLMoE), optionally renormalised over the chosen. `TopKSoftmax`: the top k logits,
+then a softmax over those (gpt-oss). `Sigmoid`: each expert's sigmoid
 score; the choice ranks score plus a per-expert correction bias (a weight of the file,
 `e_score_correction_bias`, llama.cpp's `exp_probs_b`) within the best `groups_used` of
 `groups` expert groups (a group ranked by the sum of its two best), and the weights are the
@@ -56,5 +57,20 @@ class Sigmoid(msgspec.Struct, frozen=True, tag="sigmoid"):
         return f"sigmoid with correction bias, best {self.groups_used} of {self.groups} groups"
 
 
-Routing = Softmax | Sigmoid
+class TopKSoftmax(msgspec.Struct, frozen=True, tag="topk_softmax"):
+    """The top k of the logits (plus the router's bias), weighted by a softmax over those k
+    alone (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating)."""
+
+    def choose(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.float() if bias is None else logits.float() + bias.float()
+        top, ids = scores.topk(top_k, dim=-1)
+        return top.softmax(-1), ids
+
+    def describe(self) -> str:
+        return "softmax over the top k"
+
+
+Routing = Softmax | Sigmoid | TopKSoftmax
 SOFTMAX = Softmax()

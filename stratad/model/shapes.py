@@ -63,6 +63,8 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
         want(f"q bias {at}", a.q_bias, (q,))
         want(f"k bias {at}", a.k_bias, (kv,))
         want(f"v bias {at}", a.v_bias, (kv,))
+        want(f"o bias {at}", a.o_bias, (h,))
+        want(f"attention sinks {at}", a.sinks, (spec.n_heads,))
         per_head = spec.qk_norm == "head"
         want(f"q norm {at}", a.q_norm, (spec.head_dim,) if per_head else (q,))
         want(f"k norm {at}", a.k_norm, (spec.head_dim,) if per_head else (kv,))
@@ -76,6 +78,9 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
         want(f"experts' gate {at}", moe.experts.gate, (e, f, h))
         want(f"experts' up {at}", moe.experts.up, (e, f, h))
         want(f"experts' down {at}", moe.experts.down, (e, h, f))
+        want(f"experts' gate bias {at}", moe.experts.gate_bias, (e, f))
+        want(f"experts' up bias {at}", moe.experts.up_bias, (e, f))
+        want(f"experts' down bias {at}", moe.experts.down_bias, (e, h))
         if moe.shared is not None:
             _mlp(want, f"shared expert {at}", moe.shared, spec.shared_expert_ffn, h)
         if moe.shared_gate is not None and tuple(moe.shared_gate.shape) not in ((1, h), (h,)):

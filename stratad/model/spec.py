@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.formats.quant import QTensor
+from stratad.model.activation import SILU, Activation
 from stratad.model.rope_scaling import UNSCALED, RopeScaling
 from stratad.model.routing import SOFTMAX, Routing, Sigmoid
 
@@ -45,6 +46,10 @@ class ModelSpec:
     dense_layers: int = 0  # a MoE model's first layers with a dense FFN of width `ffn`
     rope_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of them
     rope_scaling: RopeScaling = UNSCALED  # past the trained context (`model.rope_scaling`)
+    activation: Activation = SILU  # the feed-forward blocks' gate (`stratad.model.activation`)
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax (gpt-oss)
+    sliding_window: int = 0  # the keys a sliding layer's query sees (itself and those before)
+    swa_pattern: int = 0  # layer i slides where i % swa_pattern < swa_pattern - 1 (llama.cpp's)
 
     @property
     def is_moe(self) -> bool:
@@ -57,6 +62,11 @@ class ModelSpec:
     @property
     def moe_layers(self) -> range:
         return range(self.dense_layers, self.n_layers) if self.is_moe else range(0)
+
+    def window(self, i: int) -> int:
+        """The sliding window of layer i's attention; 0: it sees the whole context."""
+        n = self.swa_pattern
+        return self.sliding_window if n and i % n < n - 1 else 0
 
     @property
     def rotary_dim(self) -> int:

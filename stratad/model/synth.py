@@ -230,6 +230,12 @@ def _add_metadata(
         w.add_feed_forward_length(p.dense_ffn)
     if p.shared_experts:
         w.add_expert_shared_count(p.shared_experts)
+    if p.sliding_window:
+        w.add_sliding_window(p.sliding_window)
+    if p.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(p.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(p.yarn[1])
     if p.sigmoid_routing:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_norm(True)

@@ -62,6 +62,10 @@ class SynthPreset:
     rope_dim: int = 0  # 0: the whole head
     attn_bias: bool = False
     expert_scale: float = 1.0  # the chosen experts' weights times this (expert_weights_scale)
+    # gpt-oss (arch "gpt-oss"): sinks, biases on every projection and expert, a sliding window
+    # on even layers
+    sliding_window: int = 0
+    yarn: tuple[float, int] | None = None  # YaRN RoPE scaling: (factor, original context)
 
     @property
     def is_moe(self) -> bool:
@@ -74,6 +78,10 @@ class SynthPreset:
     @property
     def sigmoid_routing(self) -> bool:
         return self.arch == "glm4moe"
+
+    @property
+    def gpt_oss(self) -> bool:
+        return self.arch == "gpt-oss"
 
     def moe_layer(self, i: int) -> bool:
         return self.is_moe and i >= self.dense_layers
@@ -151,6 +159,52 @@ PRESETS: Mapping[str, SynthPreset] = {
             rope_dim=32,
             attn_bias=True,
             expert_scale=1.5,
+        ),
+        # gpt-oss's layout in miniature, every tensor F32; a window of 8 that prompts outrun
+        SynthPreset(
+            "tiny-gpt-oss",
+            "gpt-oss",
+            n_layers=4,
+            hidden=256,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            ffn=64,
+            n_experts=8,
+            n_experts_used=2,
+            rope_theta=10_000.0,
+            rms_eps=1e-5,
+            attn_qtype=QType.F32,
+            ffn_qtype=QType.F32,
+            embed_qtype=QType.F32,
+            attn_bias=True,
+            sliding_window=8,
+        ),
+        # gpt-oss-20b and -120b's geometry (their config.json): MXFP4 experts as published,
+        # 64 query heads of 64 over 8 KV heads, a window of 128 on even layers, YaRN x32 of
+        # 4,096
+        *(
+            SynthPreset(
+                name,
+                "gpt-oss",
+                n_layers=layers,
+                hidden=2880,
+                n_heads=64,
+                n_kv_heads=8,
+                head_dim=64,
+                ffn=2880,
+                n_experts=experts,
+                n_experts_used=4,
+                context_length=131072,
+                rope_theta=150_000.0,
+                rms_eps=1e-5,
+                attn_qtype=QType.Q8_0,
+                ffn_qtype=QType.MXFP4,
+                attn_bias=True,
+                sliding_window=128,
+                yarn=(32.0, 4096),
+            )
+            for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))
         ),
         # GLM-4.5-Air's geometry (its config.json): 46 layers (the first dense), 128 experts
         # of 1,408 top-8 plus one shared, 96 query heads of 128 over 8 KV heads, RoPE over
@@ -300,10 +354,14 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
         if p.attn_bias:
             add(T.ATTN_V, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
         add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
+        if p.gpt_oss:
+            add(T.ATTN_OUT, i, (d,), QType.F32, 0.1, bias=True)
+            add(T.ATTN_SINKS, i, (p.n_heads,), QType.F32, 1.0)
         if p.qk_norm:
             add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
             add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
-        add(T.ATTN_POST_NORM if p.sigmoid_routing else T.FFN_NORM, i, (d,), QType.F32, 0.0)
+        post = p.sigmoid_routing or p.gpt_oss  # their converters name the FFN's norm so
+        add(T.ATTN_POST_NORM if post else T.FFN_NORM, i, (d,), QType.F32, 0.0)
         if p.moe_layer(i):
             add(
                 T.FFN_GATE_INP,
@@ -316,6 +374,11 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
             add(T.FFN_GATE_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_UP_EXP, i, (e, f, d), p.ffn_qtype, fan)
             add(T.FFN_DOWN_EXP, i, (e, d, f), p.ffn_qtype, res * f**-0.5)
+            if p.gpt_oss:
+                add(T.FFN_GATE_INP, i, (e,), QType.F32, 0.5, bias=True)
+                add(T.FFN_GATE_EXP, i, (e, f), QType.F32, 0.1, bias=True)
+                add(T.FFN_UP_EXP, i, (e, f), QType.F32, 0.1, bias=True)
+                add(T.FFN_DOWN_EXP, i, (e, d), QType.F32, 0.1 * res, bias=True)
             if p.sigmoid_routing:  # the correction bias: a spread like the scores'
                 add(T.FFN_EXP_PROBS_B, i, (e,), QType.F32, 0.1, bias=True)
             if p.shared_experts:

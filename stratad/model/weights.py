@@ -18,6 +18,8 @@ class AttentionWeights:
     v_bias: QTensor | None = None
     q_norm: QTensor | None = None  # [D] per head, or [n_heads * D] for the whole projection
     k_norm: QTensor | None = None
+    o_bias: QTensor | None = None  # [H]
+    sinks: QTensor | None = None  # [n_heads]: each head's sink logit (spec.attn_sinks)
 
 
 @dataclass(frozen=True)
@@ -34,9 +36,16 @@ class ExpertStack:
     gate: QTensor  # [E, F, H]
     up: QTensor  # [E, F, H]
     down: QTensor  # [E, H, F]
+    gate_bias: QTensor | None = None  # [E, F] (gpt-oss): expert e's biases are row e
+    up_bias: QTensor | None = None  # [E, F]
+    down_bias: QTensor | None = None  # [E, H]
 
     def expert(self, e: int) -> MLPWeights:
         return MLPWeights(self.gate[e], self.up[e], self.down[e])
+
+    @property
+    def biased(self) -> bool:
+        return self.down_bias is not None
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,7 @@ class MoEWeights:
     experts: ExpertStack
     shared: MLPWeights | None = None
     shared_gate: QTensor | None = None  # [1, H]: sigmoid gate on the shared expert
-    router_bias: QTensor | None = None  # [E]: added to the scores that choose (not weigh)
+    router_bias: QTensor | None = None  # [E]: as the spec's routing adds it (`choose`)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from kernels.experts.moe import (
     unsplit_q6_k,
 )
 from kernels.formats.quant import QTensor, QType, dequantize
+from stratad.model.activation import SILU
 from stratad.model.archs import ARCHS
 from stratad.model.routing import SOFTMAX
 from stratad.model.spec import Model, ModelError, ModelSpec
@@ -186,6 +187,10 @@ def graph_refusal(spec: ModelSpec) -> str | None:
         return f"it routes by {spec.routing.describe()}"
     if spec.rope_dim:
         return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
+    if spec.attn_sinks or spec.sliding_window:
+        return "its attention has sinks or a sliding window"
+    if spec.activation != SILU:
+        return f"its experts are {spec.activation.describe()}"
     return None
 
 

@@ -17,6 +17,7 @@ from kernels.cpu.dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.moe_stack import MoELayer, MoEShape, MoEStack
 from kernels.formats.quant import QTensor, QType
+from stratad.model.activation import SILU
 from stratad.model.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
@@ -84,6 +85,8 @@ def one_call_moe(
     if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
         return False
     if spec.routing != SOFTMAX or spec.expert_scale != 1.0 or spec.rope_dim:
+        return False
+    if spec.activation != SILU or spec.attn_sinks or spec.sliding_window:
         return False
     for w in layers:
         a, m = w.attn, w.mlp

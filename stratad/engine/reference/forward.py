@@ -32,9 +32,12 @@ from stratad.engine.reference.weights_mode import (
     WeightMode,
 )
 from stratad.engine.timing import StageTimer
+from stratad.model.activation import SILU, Activation
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
+
+_Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,16 @@ class _Dense:
     gate: Linear
     up: Linear
     down: Linear
+    act: Activation = SILU
+    # the three projections' biases (gpt-oss's experts), each added after its product
+    biases: _Biases | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate x) * up x): `layers.swiglu` with the products as linears."""
-        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        """down(act(gate x, up x)): `layers.swiglu` with the products as linears."""
+        if self.biases is None:
+            return self.down(self.act(self.gate(x), self.up(x)))
+        gb, ub, db = self.biases
+        return self.down(self.act(self.gate(x) + gb, self.up(x) + ub)) + db
 
 
 @dataclass(frozen=True)
@@ -60,32 +69,63 @@ class _Layer:
     v_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    sinks: torch.Tensor | None  # [Hq] (spec.attn_sinks)
+    window: int  # the layer's sliding window (spec.window); 0: none
     ffn_norm: torch.Tensor
     dense: _Dense | None
     router: Linear | None
-    router_bias: torch.Tensor | None  # [E] the correction added to the scores that choose
+    router_bias: torch.Tensor | None  # [E] as the spec's routing adds it
     experts: Callable[[int], _Dense] | None  # expert e of the model's stacks
+    expert_biases: Callable[[int], _Biases] | None  # expert e's (gpt-oss)
     routed: Routed | None  # all of them in one call (the cpu engine)
     shared: _Dense | None
     shared_gate: Linear | None
 
 
-def _stacked(moe: MoEWeights, mode: WeightMode) -> Callable[[int], _Dense]:
-    """Expert e of the stacks: float stacks dequantized once, or slices of the blocks."""
-    if isinstance(mode, FloatWeights):
-        gate, up, down = (mode.float(t) for t in (moe.experts.gate, moe.experts.up,
-                                                  moe.experts.down))  # fmt: skip
-        return lambda e: _Dense(FloatLinear(gate[e]), FloatLinear(up[e]), FloatLinear(down[e]))
+def _expert_biases(
+    moe: MoEWeights, mode: WeightMode
+) -> Callable[[int], _Biases] | None:
+    """Expert e's (gate, up, down) biases, rows of the stacks' (None: they have none)."""
     ex = moe.experts
-    return lambda e: _Dense(mode.linear(ex.gate[e]), mode.linear(ex.up[e]), mode.linear(ex.down[e]))
+    if ex.gate_bias is None or ex.up_bias is None or ex.down_bias is None:
+        return None
+    gb, ub, db = (mode.vector(t) for t in (ex.gate_bias, ex.up_bias, ex.down_bias))
+    return lambda e: (gb[e], ub[e], db[e])
 
 
-def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
+def _stacked(
+    moe: MoEWeights, mode: WeightMode, act: Activation,
+    biases: Callable[[int], _Biases] | None,
+) -> Callable[[int], _Dense]:  # fmt: skip
+    """Expert e of the stacks: float stacks dequantized once, or slices of the blocks."""
+    ex = moe.experts
+    if isinstance(mode, FloatWeights):
+        gate, up, down = (mode.float(t) for t in (ex.gate, ex.up, ex.down))
+        return lambda e: _Dense(FloatLinear(gate[e]), FloatLinear(up[e]), FloatLinear(down[e]),
+                                act, biases(e) if biases else None)
+    return lambda e: _Dense(mode.linear(ex.gate[e]), mode.linear(ex.up[e]),
+                            mode.linear(ex.down[e]), act,
+                            biases(e) if biases else None)
+
+
+def plain_ffn(spec: ModelSpec, layers: Sequence[LayerWeights]) -> bool:
+    """Whether every feed-forward block is silu(gate) * up without biases: what the cpu
+    engine's one-call expert kernels compute."""
+    return spec.activation == SILU and not any(
+        isinstance(w.mlp, MoEWeights) and w.mlp.experts.biased for w in layers)
+
+
+def _layer(
+    w: LayerWeights, mode: WeightMode, spec: ModelSpec, i: int, stacked: bool, plain: bool
+) -> _Layer:
     def opt(t: QTensor | None) -> torch.Tensor | None:
         return None if t is None else mode.vector(t)
 
+    act = spec.activation
+
     def mlp(m: MLPWeights) -> _Dense:
-        return _Dense(mode.linear(m.gate), mode.linear(m.up), mode.linear(m.down))
+        return _Dense(mode.linear(m.gate), mode.linear(m.up), mode.linear(m.down), act)
 
     a = w.attn
     moe = w.mlp if isinstance(w.mlp, MoEWeights) else None
@@ -100,12 +140,16 @@ def _layer(w: LayerWeights, mode: WeightMode, stacked: bool = True) -> _Layer:
         v_bias=opt(a.v_bias),
         q_norm=opt(a.q_norm),
         k_norm=opt(a.k_norm),
+        o_bias=opt(a.o_bias),
+        sinks=opt(a.sinks),
+        window=spec.window(i),
         ffn_norm=mode.vector(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
         router=mode.linear(moe.router) if moe else None,
         router_bias=opt(moe.router_bias) if moe else None,
-        experts=_stacked(moe, mode) if moe and stacked else None,
-        routed=mode.routed(moe) if moe and stacked else None,
+        experts=_stacked(moe, mode, act, _expert_biases(moe, mode)) if moe and stacked else None,
+        expert_biases=_expert_biases(moe, mode) if moe else None,
+        routed=mode.routed(moe) if moe and stacked and plain else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
     )
@@ -136,10 +180,13 @@ class ReferenceForward:
         self.dtype = self.mode.dtype
         self.experts = experts
         # the cpu engine: a step's experts from the store in one kernel call
-        self.store_experts = self.mode.store_routed(experts) if experts is not None else None
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
-        self.layers = [_layer(w, self.mode, stacked=experts is None) for w in weights_list]
+        plain = plain_ffn(model.spec, weights_list)
+        self.store_experts = (self.mode.store_routed(experts)
+                              if experts is not None and plain else None)  # fmt: skip
+        self.layers = [_layer(w, self.mode, model.spec, i, experts is None, plain)
+                       for i, w in enumerate(weights_list)]  # fmt: skip
         # the cpu engine's layers in one kernel call per step, where it can
         self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
         self.kv_format = kv_format
@@ -298,8 +345,9 @@ class ReferenceForward:
         rows = cache.rows(0, start + t, self.device)
         cache.k[i].index_copy_(0, rows[start:], k.to(cache.k[i].dtype))
         cache.v[i].index_copy_(0, rows[start:], v.to(cache.v[i].dtype))
-        out = self.mode.attention(q, cache.k[i][rows], cache.v[i][rows], start)
-        return w.o(out.reshape(t, spec.q_dim))
+        out = self.mode.attention(q, cache.k[i][rows], cache.v[i][rows], start, w.sinks, w.window)
+        out = w.o(out.reshape(t, spec.q_dim))
+        return out if w.o_bias is None else out + w.o_bias
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:
         assert w.router is not None
@@ -337,7 +385,9 @@ class ReferenceForward:
             assert w.experts is not None
             return w.experts(e)
         m = self.experts.get(i, e)  # float weights: dequantized per use
-        return _Dense(self.mode.linear(m.gate), self.mode.linear(m.up), self.mode.linear(m.down))
+        biases = w.expert_biases(e) if w.expert_biases else None
+        return _Dense(self.mode.linear(m.gate), self.mode.linear(m.up), self.mode.linear(m.down),
+                      self.spec.activation, biases)
 
 
 def _scales(pool: KVPool) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:

@@ -46,10 +46,19 @@ def apply_rope(
     return out.to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
     """Causal GQA attention of queries at positions start.. over keys 0..start+T-1.
 
-    q [T, Hq, D], k/v [S, Hkv, D] with S = start + T  ->  [T, Hq, D]
+    q [T, Hq, D], k/v [S, Hkv, D] with S = start + T  ->  [T, Hq, D]. `sinks` [Hq]: a logit
+    per head that joins each softmax and weighs nothing (gpt-oss); `window`: each query sees
+    only itself and the window - 1 keys before it (0: all of them).
     """
     t, hq, d = q.shape
     s, hkv, _ = k.shape
@@ -60,20 +69,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> 
     scores = qq @ kk.transpose(1, 2) / (d**0.5)  # [Hq, T, S]
     qpos = torch.arange(start, start + t, device=q.device)[:, None]
     kpos = torch.arange(s, device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    out = scores.softmax(-1) @ vv  # [Hq, T, D]
+    hidden = (kpos > qpos) | (kpos <= qpos - window) if window else kpos > qpos
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        out = scores.softmax(-1) @ vv  # [Hq, T, D]
+    else:  # the sink's column joins the softmax, then is dropped
+        sink = sinks.float()[:, None, None].expand(hq, t, 1)
+        out = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1] @ vv
     return out.transpose(0, 1).to(q.dtype)
 
 
 def attention_by_row(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`attention` one query at a time, each exactly as a decode step computes it: a token's
     result does not depend on how its prompt was split into chunks (the cpu engine rounds
     activations to 8 bits, which turns the last-bit differences of a batched product into
     different tokens)."""
-    rows = [attention(q[i : i + 1], k[: start + i + 1], v[: start + i + 1], start + i)
-            for i in range(q.shape[0])]  # fmt: skip
+    rows = [attention(q[i : i + 1], k[: start + i + 1], v[: start + i + 1], start + i,
+                      sinks, window) for i in range(q.shape[0])]  # fmt: skip
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 

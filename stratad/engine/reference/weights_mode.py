@@ -32,7 +32,10 @@ from stratad.model.weights import LayerWeights, MoEWeights
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Routed = PreparedMoE  # (x, ids, weights, out): out += the routed experts' weighted sum
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (q, k, v, start, sinks, window) -> out: `layers.attention`
+Attention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None, int], torch.Tensor
+]
 # (x, k, v, start, cos, sin): every layer, x in place
 LayerStack = DenseStack | MoEStack | StoreStack
 

@@ -1,6 +1,16 @@
 """Supported architectures: importing this package fills the `ARCHS` table."""
 
-from stratad.model.archs import glm4moe, llama, mixtral, olmoe, qwen2, qwen2moe, qwen3, qwen3moe
+from stratad.model.archs import (
+    glm4moe,
+    gptoss,
+    llama,
+    mixtral,
+    olmoe,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from stratad.model.archs.base import ARCHS, Arch, arch_for_gguf, arch_for_hf
 
 __all__ = [
@@ -9,6 +19,7 @@ __all__ = [
     "arch_for_gguf",
     "arch_for_hf",
     "glm4moe",
+    "gptoss",
     "llama",
     "mixtral",
     "olmoe",

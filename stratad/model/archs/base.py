@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
+
 from stratad.model.rope_scaling import UNSCALED, Linear, RopeScaling, Yarn, yarn_mscale
 from stratad.model.shapes import check_spec
 from stratad.model.spec import Model, ModelError, ModelSpec
@@ -61,7 +63,9 @@ class Arch:
     shared_expert: ClassVar[bool] = False
     hf_shared: ClassVar[str] = "shared_expert"  # the shared expert's module (with `shared_expert`)
     shared_expert_gate: ClassVar[bool] = True  # a sigmoid gate scales the shared expert's output
-    router_bias: ClassVar[bool] = False  # the router holds a per-expert correction bias
+    hf_router_bias: ClassVar[str] = ""  # the router's bias [E] (its routing adds it), if any
+    o_bias: ClassVar[bool] = False  # the attention output projection has a bias
+    expert_bias: ClassVar[bool] = False  # each expert's three projections have biases
     gguf_ffn_norm: ClassVar[str] = "ffn_norm"  # GGUF name of the norm before the FFN
 
     # -- hyper-parameters -------------------------------------------------------------
@@ -196,6 +200,8 @@ class Arch:
                 f"{blk}.attn_v.bias": f"{attn}.v_proj.bias",
                 f"{blk}.attn_q_norm.weight": f"{attn}.q_norm.weight",
                 f"{blk}.attn_k_norm.weight": f"{attn}.k_norm.weight",
+                f"{blk}.attn_output.bias": f"{attn}.o_proj.bias",
+                f"{blk}.attn_sinks.weight": f"{attn}.sinks",
             }
             mlp = f"{hf}.{cls.hf_mlp}"
             if not spec.moe_layer(i):
@@ -210,6 +216,10 @@ class Arch:
             names |= {
                 f"{blk}.ffn_gate_inp.weight": f"{mlp}.{cls.hf_router}.weight",
                 f"{blk}.exp_probs_b.bias": f"{mlp}.{cls.hf_router}.e_score_correction_bias",
+                f"{blk}.ffn_gate_inp.bias": f"{mlp}.{cls.hf_router}.bias",
+                f"{blk}.ffn_gate_exps.bias": f"{mlp}.experts.{g}_bias",
+                f"{blk}.ffn_up_exps.bias": f"{mlp}.experts.{u}_bias",
+                f"{blk}.ffn_down_exps.bias": f"{mlp}.experts.{d}_bias",
                 f"{blk}.ffn_gate_exps.weight": f"{mlp}.experts.{g}",
                 f"{blk}.ffn_up_exps.weight": f"{mlp}.experts.{u}",
                 f"{blk}.ffn_down_exps.weight": f"{mlp}.experts.{d}",
@@ -219,6 +229,15 @@ class Arch:
                 f"{blk}.ffn_gate_inp_shexp.weight": f"{mlp}.shared_expert_gate.weight",
             }
         return names
+
+    @classmethod
+    def hf_tensors(
+        cls, raw: dict[str, torch.Tensor], spec: ModelSpec, source: str
+    ) -> dict[str, torch.Tensor]:
+        """A Hugging Face checkpoint's tensors under the names `layer` reads, before routed
+        experts are stacked (`hf_expert_names`): as they are, unless the checkpoint stores
+        them in another form."""
+        return raw
 
     @classmethod
     def hf_expert_names(cls, spec: ModelSpec, layer: int) -> dict[str, str]:
@@ -242,6 +261,8 @@ class Arch:
             v_bias=t(f"{attn}.v_proj.bias") if spec.attn_bias else None,
             q_norm=t(f"{attn}.q_norm.weight") if spec.qk_norm != "none" else None,
             k_norm=t(f"{attn}.k_norm.weight") if spec.qk_norm != "none" else None,
+            o_bias=t(f"{attn}.o_proj.bias") if cls.o_bias else None,
+            sinks=t(f"{attn}.sinks") if spec.attn_sinks else None,
         )
         mlp = f"{hf}.{cls.hf_mlp}"
         block: MLPWeights | MoEWeights
@@ -260,15 +281,16 @@ class Arch:
                 shared = MLPWeights(
                     t(f"{s}.gate_proj.weight"), t(f"{s}.up_proj.weight"), t(f"{s}.down_proj.weight")
                 )
+            ex = f"{mlp}.experts"
+            biases = (t(f"{ex}.{g}_bias"), t(f"{ex}.{u}_bias"), t(f"{ex}.{d}_bias")
+                      ) if cls.expert_bias else (None, None, None)  # fmt: skip
             block = MoEWeights(
                 router=t(f"{mlp}.{cls.hf_router}.weight"),
-                experts=ExpertStack(
-                    t(f"{mlp}.experts.{g}"), t(f"{mlp}.experts.{u}"), t(f"{mlp}.experts.{d}")
-                ),
+                experts=ExpertStack(t(f"{ex}.{g}"), t(f"{ex}.{u}"), t(f"{ex}.{d}"), *biases),
                 shared=shared,
                 shared_gate=t(f"{mlp}.shared_expert_gate.weight") if gated else None,
-                router_bias=(t(f"{mlp}.{cls.hf_router}.e_score_correction_bias")
-                             if cls.router_bias else None),  # fmt: skip
+                router_bias=(t(f"{mlp}.{cls.hf_router}.{cls.hf_router_bias}")
+                             if cls.hf_router_bias else None),  # fmt: skip
             )
         return LayerWeights(
             attn_norm=t(f"{hf}.input_layernorm.weight"),
@@ -314,8 +336,6 @@ def _hf_rope_scaling(config: Mapping[str, Any], source: str) -> RopeScaling:
     if kind != "yarn":
         raise ModelError(f"{source}: rope_scaling {params!r} is not supported (default, linear,"
                          " yarn)")  # fmt: skip
-    if params.get("truncate") is False:
-        raise ModelError(f"{source}: YaRN without truncating its ramp is not supported yet")
     original = int(params.get("original_max_position_embeddings")
                    or config["max_position_embeddings"])  # fmt: skip
     factor = float(factor or config["max_position_embeddings"] / original)
@@ -325,7 +345,8 @@ def _hf_rope_scaling(config: Mapping[str, Any], source: str) -> RopeScaling:
         attn = (yarn_mscale(factor, mscale) / yarn_mscale(factor, every) if mscale and every
                 else yarn_mscale(factor))  # fmt: skip
     return Yarn(factor, original, float(attn), float(params.get("beta_fast") or 32.0),
-                float(params.get("beta_slow") or 1.0))  # fmt: skip
+                float(params.get("beta_slow") or 1.0),
+                truncate=params.get("truncate", True) is not False)  # fmt: skip
 
 
 def _heads(n: int, source: str) -> int:

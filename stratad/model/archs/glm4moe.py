@@ -23,7 +23,7 @@ class Glm4Moe(Arch):
     shared_expert = True
     hf_shared = "shared_experts"
     shared_expert_gate = False
-    router_bias = True
+    hf_router_bias = "e_score_correction_bias"
     gguf_ffn_norm = "post_attention_norm"
 
     @classmethod
