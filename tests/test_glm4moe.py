@@ -104,6 +104,38 @@ def test_yarn_against_llama_cpp(tiny_glm: Path, tmp_path: Path) -> None:
     assert (plain - logits).abs().max() > 0.1  # the scaling moved the logits
 
 
+def test_mtp_block_is_skipped(tiny_glm: Path, model: Model, tmp_path: Path) -> None:
+    """Published GLM GGUFs carry a multi-token-prediction block past the layers
+    (`nextn_predict_layers`, block_count one more): it is not loaded, and the model computes
+    as without it."""
+    path = tmp_path / "tiny-glm-mtp.gguf"
+    preset = synth.PRESETS["tiny-glm"]
+    w = GGUFWriter(path, preset.arch)
+    synth._add_metadata(w, preset, 0, synth.tokenizer_source())
+    w.add_block_count(preset.n_layers + 1)  # GGUFWriter keeps the last value of a key
+    w.add_nextn_predict_layers(1)
+    tensors = GGUFReader(tiny_glm).tensors
+    for t in tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    last = f"blk.{preset.n_layers - 1}."
+    for t in tensors:  # the MTP block: the last layer's tensors again, and its own
+        if t.name.startswith(last):
+            w.add_tensor(t.name.replace(last, f"blk.{preset.n_layers}."), np.asarray(t.data))
+    w.add_tensor(f"blk.{preset.n_layers}.nextn.eh_proj.weight",
+                 np.zeros((preset.hidden, 2 * preset.hidden), np.float32))  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mtp = load_model(path)
+    assert mtp.spec == model.spec
+    assert not any(n.startswith(f"model.layers.{preset.n_layers}.") for n in mtp.tensors)
+    tokens = [1, 2, 3, 4, 5]
+    ours = ReferenceForward(mtp)(tokens, ReferenceForward(mtp).new_cache(16), all_logits=True)
+    plain = ReferenceForward(model)
+    assert torch.equal(ours, plain(tokens, plain.new_cache(16), all_logits=True))
+
+
 def test_engines_that_do_not_run_it_yet_say_why(model: Model) -> None:
     assert fast_path_refusal(model) == "its first 1 layers are dense"
     from stratad.engine.placement import choose_backend
