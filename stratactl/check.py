@@ -171,12 +171,9 @@ def check_plan(config: Config, info: ModelInfo, root: Path) -> tuple[Any, Result
     if not info.moe:
         return None, Result("plan", "ok", "dense model: every weight is loaded, no residency plan")
     from stratad.control.store_view import dry_plan  # imports torch (store planning code)
-    from stratad.store.placement.plan import Unplaced
 
     try:
         dry = dry_plan(config, info.path, vram_free_all(config, root))
-    except Unplaced as e:
-        return None, Result("plan", "warn", f"no residency plan: {e}")
     except Exception as e:
         return None, Result("plan", "fail", f"cannot compute the residency plan: {e}")
     p, c = dry.plan, dry.coverage

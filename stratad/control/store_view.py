@@ -292,14 +292,10 @@ def dry_plan(
     from stratad.engine.runner import configured_model
     from stratad.store.loader import load_model
     from stratad.store.placement.admission import mem_total
-    from stratad.store.placement.plan import Unplaced, grid_refusal
     from stratad.store.startup import open_source, plan_store, slot_bytes
 
     host_total = host_total or mem_total()
     model = configured_model(load_model(model_path), config)
-    if (why := grid_refusal(model.spec)) is not None:
-        raise Unplaced(f"the expert store cannot place this model's experts ({why}): the"
-                       " engine reads them from the model's own tensors")  # fmt: skip
     on_gpu = config.engine.device != "cpu" and any(f is not None for f in free_vram)
     device = torch.device("cuda" if on_gpu else "cpu")
     store = placement.store_config(config, model_path)

@@ -276,7 +276,9 @@ def start_plan(
             stages.append(Stage(range(lo, hi), slots))
         dense_host = 0
     else:
-        stages.append(Stage(range(n), slot_count(cache, frees[0], reserve, source_slot_bytes)))
+        # the store's layers: the MoE layers, past any leading dense ones
+        stages.append(Stage(range(n - spec.dense_layers),
+                            slot_count(cache, frees[0], reserve, source_slot_bytes)))  # fmt: skip
         # the reference holds float32 copies; the cpu engine reads the file's blocks (about a
         # byte per value or less, memory-mapped)
         per_value = {"reference": 4, "cpu": 1}.get(backend, 0) if device.type == "cpu" else 0

@@ -36,7 +36,6 @@ from stratad.model.rope_scaling import UNSCALED, configured
 from stratad.model.spec import Model
 from stratad.store.addressed import AddressedStore
 from stratad.store.loader import load_model
-from stratad.store.placement.plan import grid_refusal
 from stratad.store.startup import open_source, open_store, slot_bytes
 from stratad.store.store import ExpertStore
 from stratad.store.tiers.pinning import ProgressFn
@@ -187,11 +186,7 @@ def open_runner(config: Config, on_pin_progress: ProgressFn | None = None) -> Ru
     model = configured_model(load_model(path), config)
     timer = StageTimer(enabled=config.engine.decode_timing)
     store_config = placement.store_config(config, path)
-    unplaced = grid_refusal(model.spec) if model.spec.is_moe else None
-    if unplaced is not None:
-        log.warning("the expert store cannot place this model's experts (%s): the forward"
-                    " reads every expert from the model's own tensors", unplaced)  # fmt: skip
-    source = open_source(store_config, model) if model.spec.is_moe and not unplaced else None
+    source = open_source(store_config, model) if model.spec.is_moe else None
     start = placement.start_plan(config, model, device, free_vram(config, device),
                                  slot_bytes(source) if source else 0)  # fmt: skip
     forward: ReferenceForward | OffloadForward | StagedForward

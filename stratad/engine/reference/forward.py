@@ -199,8 +199,10 @@ class ReferenceForward:
             head = embed if model.spec.tie_embeddings else model.tensor("lm_head.weight")
             self.lm_head = self.mode.linear(head)
         # Routing counts per (layer, expert): the expert profile the store plans from.
+        # Rows: the MoE layers (the store's grid, past any leading dense layers).
+        self.first_moe = self.spec.dense_layers
         self.route_counts = torch.zeros(
-            (self.spec.n_layers, max(self.spec.n_experts, 1)), dtype=torch.int64
+            (self.spec.n_layers - self.first_moe, max(self.spec.n_experts, 1)), dtype=torch.int64
         )
 
     @property
@@ -354,10 +356,11 @@ class ReferenceForward:
         spec, stage = self.spec, self.timer.stage
         with stage("router"):
             weights, ids = route_as(spec, w.router(x), w.router_bias)
-            self.route_counts[i] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
+            row = i - self.first_moe  # the store's layer
+            self.route_counts[row] += torch.bincount(ids.flatten().cpu(), minlength=spec.n_experts)
         out = torch.zeros_like(x, dtype=torch.float32)
         one_call = w.routed is not None or (
-            self.store_experts is not None and self.store_experts.reads(i)
+            self.store_experts is not None and self.store_experts.reads(row)
         )
         if one_call:
             with stage("experts"):  # the store's fetches included
@@ -365,7 +368,7 @@ class ReferenceForward:
                     w.routed(x.float().contiguous(), ids, weights, out)
                 else:
                     assert self.store_experts is not None
-                    self.store_experts(i, x.float().contiguous(), ids, weights, out)
+                    self.store_experts(row, x.float().contiguous(), ids, weights, out)
         for e in () if one_call else ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             with stage("expert fetch"):  # from the store's tiers
@@ -384,7 +387,7 @@ class ReferenceForward:
         if self.experts is None:
             assert w.experts is not None
             return w.experts(e)
-        m = self.experts.get(i, e)  # float weights: dequantized per use
+        m = self.experts.get(i - self.first_moe, e)  # float weights: dequantized per use
         biases = w.expert_biases(e) if w.expert_biases else None
         return _Dense(self.mode.linear(m.gate), self.mode.linear(m.up), self.mode.linear(m.down),
                       self.spec.activation, biases)

@@ -40,7 +40,6 @@ from stratad.store.pack.manifest import (
     encoded,
     expert_layout,
 )
-from stratad.store.placement.plan import grid_refusal
 
 ProgressFn = Callable[[int, int], None]  # (bytes written, total bytes)
 
@@ -231,8 +230,9 @@ def write_pack(
     spec = source.spec
     if not spec.is_moe:
         raise PackError(f"{src}: a {spec.arch} model has no routed experts to pack")
-    if (why := grid_refusal(spec)) is not None:
-        raise PackError(f"{src}: the store does not place this model's experts yet ({why})")
+    if spec.dense_layers:  # a pack's manifest and readers count every layer's experts
+        raise PackError(f"{src}: a pack of a model whose first {spec.dense_layers} layers are"
+                        " dense is not written yet: serve the model file itself")  # fmt: skip
     layouts = [expert_layout(source.expert(layer, 0)) for layer in range(spec.n_layers)]
     dense_names = source.dense_names()
     expert_total = sum(lay.stride for lay in layouts) * spec.n_experts

@@ -24,22 +24,10 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
 
-from stratad.model.spec import ExpertUnit, ModelSpec
+from stratad.model.spec import ExpertUnit
 from stratad.store.sizes import GiB
 
 Tier = Literal["vram", "ram", "file"]
-
-
-class Unplaced(ValueError):
-    """A MoE model whose experts the store does not place (`grid_refusal` says why)."""
-
-
-def grid_refusal(spec: ModelSpec) -> str | None:
-    """Why the store cannot place a MoE model's experts (None: it can): a plan, a pack and a
-    profile are a grid of every layer's experts, layer-major."""
-    if spec.dense_layers:
-        return f"its first {spec.dense_layers} layers are dense"
-    return None
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class ReadStats:
 class ExpertSource(Protocol):
     label: str  # for messages: the file experts are read from
     kind: str  # what that file is, for messages: "pack file" or "model file"
-    n_layers: int
+    n_layers: int  # the model's MoE layers (past any leading dense ones): the grid's rows
     n_experts: int
     layouts: tuple[ExpertLayout, ...]  # per layer
     stats: ReadStats
@@ -165,15 +165,16 @@ class PackExperts:
 
 
 class ModelExperts:
-    """The experts of a loaded model, read from its stacked tensors (a GGUF read in place)."""
+    """The experts of a loaded model, read from its stacked tensors (a GGUF read in place).
+    Its layers are the model's MoE layers, from 0 (past a model's leading dense layers)."""
 
     def __init__(self, model: Model) -> None:
         spec = model.spec
         arch = ARCHS[spec.arch]
         self.label = str(model.source)
         self.kind = "model file"  # a GGUF read in place, or a Hugging Face directory's files
-        self.n_layers, self.n_experts = spec.n_layers, spec.n_experts
-        self._stacks = [arch.layer(model, i).mlp.experts for i in range(spec.n_layers)]  # type: ignore[union-attr]
+        self.n_layers, self.n_experts = len(spec.moe_layers), spec.n_experts
+        self._stacks = [arch.layer(model, i).mlp.experts for i in spec.moe_layers]  # type: ignore[union-attr]
         self.layouts = tuple(expert_layout(s.expert(0)) for s in self._stacks)
         self.stats = ReadStats()
 
