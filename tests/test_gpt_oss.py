@@ -10,6 +10,7 @@ tests/test_transformers.py.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -59,18 +60,27 @@ def test_reference_engine_against_llama_cpp(tiny_oss: Path, model: Model) -> Non
 
 def test_daemon_serves_it_through_the_store(tiny_oss: Path, model: Model, tmp_path: Path) -> None:
     """The cpu engine with the experts in the store's tiers (every layer routes, so the
-    store places them; their biases stay with the layer's dense weights), over HTTP: the
-    reference's greedy tokens past the sliding window."""
+    store places them; their biases stay with the layer's dense weights), over HTTP, three
+    requests at once (one runtime step serves them together): each the reference's greedy
+    tokens of its prompt alone, past the sliding window."""
     tok = tokenizer_from_gguf(model.metadata)
-    prompt = "Hello there, this prompt is longer than the window"
-    want = greedy(ReferenceForward(model), tok.encode(prompt), 6)
+    prompts = ["Hello there, this prompt is longer than the window", "def fibonacci(n):",
+               "One two three four five six seven eight nine ten"]  # fmt: skip
+    reference = ReferenceForward(model)
+    want = [tok.decode(greedy(reference, tok.encode(p), 6)) for p in prompts]
     config = tmp_path / "stratad.toml"
     config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
     log = tmp_path / "stratad.log"
     with running_daemon([str(tiny_oss), "--config", str(config)], log) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        r = client.completions.create(model=tiny_oss.name, prompt=prompt, max_tokens=6,
-                                      temperature=0)  # fmt: skip
-    assert r.choices[0].text == tok.decode(want)
+
+        def ask(prompt: str) -> str:
+            r = client.completions.create(model=tiny_oss.name, prompt=prompt, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(ask, prompts))
+    assert got == want
     text = log.read_text()
     assert "residency plan" in text and " ERROR " not in text, text
