@@ -129,6 +129,7 @@ def _layer(
 
     a = w.attn
     moe = w.mlp if isinstance(w.mlp, MoEWeights) else None
+    biases = _expert_biases(moe, mode) if moe else None
     return _Layer(
         attn_norm=mode.vector(w.attn_norm),
         q=mode.linear(a.q),
@@ -147,8 +148,8 @@ def _layer(
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
         router=mode.linear(moe.router) if moe else None,
         router_bias=opt(moe.router_bias) if moe else None,
-        experts=_stacked(moe, mode, act, _expert_biases(moe, mode)) if moe and stacked else None,
-        expert_biases=_expert_biases(moe, mode) if moe else None,
+        experts=_stacked(moe, mode, act, biases) if moe and stacked else None,
+        expert_biases=biases,
         routed=mode.routed(moe) if moe and stacked and plain else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
@@ -179,10 +180,10 @@ class ReferenceForward:
         self.mode = weights or FloatWeights(self.device, dtype)
         self.dtype = self.mode.dtype
         self.experts = experts
-        # the cpu engine: a step's experts from the store in one kernel call
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
         plain = plain_ffn(model.spec, weights_list)
+        # the cpu engine: a step's experts from the store in one kernel call
         self.store_experts = (self.mode.store_routed(experts)
                               if experts is not None and plain else None)  # fmt: skip
         self.layers = [_layer(w, self.mode, model.spec, i, experts is None, plain)
