@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +12,23 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from stratad.__main__ import EXIT_BAD_MODEL
+from stratad.model.rope_scaling import Yarn
 from stratad.model.spec import ModelError
 from stratad.store.loader import load_model
 
 H, F, V = 64, 96, 32
 
 
-def _write_llama(path: Path, arch: str = "llama", skip: str = "", odd: str = "") -> None:
+def _write_llama(
+    path: Path, arch: str = "llama", skip: str = "", odd: str = "", scaling: str = ""
+) -> None:
     """A one-layer llama GGUF; `skip` leaves a tensor out, `odd` stores one as NVFP4 (a type
-    Strata does not read; zero blocks, which gguf cannot quantize into)."""
+    Strata does not read; zero blocks, which gguf cannot quantize into), `scaling` states
+    a RoPE scaling of 4."""
     w = GGUFWriter(str(path), arch)
+    if scaling:
+        w.add_string(f"{arch}.rope.scaling.type", scaling)
+        w.add_rope_scaling_factor(4.0)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(H)
@@ -64,6 +72,8 @@ def test_good_file_loads(tmp_path: Path) -> None:
     path = tmp_path / "ok.gguf"
     _write_llama(path)
     assert load_model(path).spec.n_layers == 1
+    _write_llama(yarn := tmp_path / "yarn.gguf", scaling="yarn")  # over the stated context
+    assert load_model(yarn).spec.rope_scaling == Yarn(4.0, 128, 0.1 * math.log(4.0) + 1)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +82,7 @@ def test_good_file_loads(tmp_path: Path) -> None:
         ("unknown-arch", "unknown architecture 'gpt-foo'"),
         ("missing-tensor", "missing tensor 'model.layers.0.self_attn.k_proj.weight'"),
         ("unsupported-type", "tensor 'blk.0.ffn_up.weight' has type NVFP4"),
+        ("unsupported-rope", "RoPE scaling 'longrope' is not supported (none, linear, yarn)"),
         ("truncated-data", "truncated: tensor data ends early"),
         ("truncated-header", "not a readable GGUF file"),
         ("absent", "no such model file"),
@@ -85,6 +96,8 @@ def test_bad_file_is_named(tmp_path: Path, case: str, expected: str) -> None:
         _write_llama(path, skip="blk.0.attn_k.weight")
     elif case == "unsupported-type":
         _write_llama(path, odd="blk.0.ffn_up.weight")
+    elif case == "unsupported-rope":
+        _write_llama(path, scaling="longrope")
     elif case.startswith("truncated"):
         _write_llama(tmp_path / "full.gguf")
         data = (tmp_path / "full.gguf").read_bytes()

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
+from safetensors.torch import load_file, save_file
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.rope_scaling import Linear, RopeScaling, Yarn
-from stratad.model.spec import Model
+from stratad.model.spec import Model, ModelError
 from stratad.store.loader import load_model
 
 COMMON: dict[str, Any] = dict(
@@ -119,6 +120,18 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     model = load_model(tmp_path)
     assert model.spec.arch == arch
     _compare(hf, model, arch)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused(tmp_path: Path) -> None:
+    """The published gpt-oss checkpoints hold their experts as MXFP4 blocks and scales:
+    refused in one line naming the tensor (the GGUF is read)."""
+    _build("gpt-oss", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(8, 4, dtype=torch.uint8)
+    save_file(tensors, path)
+    with pytest.raises(ModelError, match="gate_up_proj_blocks: MXFP4 safetensors are not read"):
+        load_model(tmp_path)
 
 
 # Linear and YaRN RoPE scaling on qwen3. YaRN over an original context of 1,024 at theta 100:
