@@ -31,7 +31,7 @@ class SynthPreset:
     """The geometry and storage types of one synthetic model."""
 
     name: str
-    arch: str  # GGUF architecture: "qwen3moe" (MoE, per-head q/k norm), "glm4moe", "llama"
+    arch: str  # GGUF architecture: "qwen3moe" (per-head q/k norm), "glm4moe", "gpt-oss", "llama"
     n_layers: int
     hidden: int
     n_heads: int
