@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import gguf
 import numpy as np
@@ -107,6 +108,14 @@ class SynthPreset:
         )
 
 
+# The tiny MoE presets of the newer layouts, every tensor F32 (their llama.cpp tests compare
+# in float32): tiny-moe's shapes, the biases each layout has
+_TINY_F32: dict[str, Any] = dict(
+    hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=64, n_experts=8, n_experts_used=2,
+    rope_theta=10_000.0, rms_eps=1e-5, attn_qtype=QType.F32, ffn_qtype=QType.F32,
+    embed_qtype=QType.F32, attn_bias=True,
+)  # fmt: skip
+
 PRESETS: Mapping[str, SynthPreset] = {
     p.name: p
     for p in (
@@ -136,50 +145,11 @@ PRESETS: Mapping[str, SynthPreset] = {
             attn_qtype=QType.F32,
             ffn_qtype=QType.Q8_0,
         ),
-        # GLM-4.5's layout in miniature, every tensor F32 (llama.cpp computes in float32 too)
-        SynthPreset(
-            "tiny-glm",
-            "glm4moe",
-            n_layers=3,
-            hidden=256,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            ffn=64,
-            n_experts=8,
-            n_experts_used=2,
-            rope_theta=10_000.0,
-            rms_eps=1e-5,
-            attn_qtype=QType.F32,
-            ffn_qtype=QType.F32,
-            embed_qtype=QType.F32,
-            dense_layers=1,
-            dense_ffn=256,
-            shared_experts=1,
-            rope_dim=32,
-            attn_bias=True,
-            expert_scale=1.5,
-        ),
-        # gpt-oss's layout in miniature, every tensor F32; a window of 8 that prompts outrun
-        SynthPreset(
-            "tiny-gpt-oss",
-            "gpt-oss",
-            n_layers=4,
-            hidden=256,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            ffn=64,
-            n_experts=8,
-            n_experts_used=2,
-            rope_theta=10_000.0,
-            rms_eps=1e-5,
-            attn_qtype=QType.F32,
-            ffn_qtype=QType.F32,
-            embed_qtype=QType.F32,
-            attn_bias=True,
-            sliding_window=8,
-        ),
+        # GLM-4.5's layout in miniature (llama.cpp computes in float32 on its F32 tensors too)
+        SynthPreset("tiny-glm", "glm4moe", n_layers=3, **_TINY_F32, dense_layers=1,
+                    dense_ffn=256, shared_experts=1, rope_dim=32, expert_scale=1.5),  # fmt: skip
+        # gpt-oss's layout in miniature: a window of 8 that prompts outrun
+        SynthPreset("tiny-gpt-oss", "gpt-oss", n_layers=4, **_TINY_F32, sliding_window=8),
         # gpt-oss-20b and -120b's geometry (their config.json): MXFP4 experts as published,
         # 64 query heads of 64 over 8 KV heads, a window of 128 on even layers, YaRN x32 of
         # 4,096
