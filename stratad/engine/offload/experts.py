@@ -25,10 +25,9 @@ from kernels.experts.moe import (
     unsplit_q6_k,
 )
 from kernels.formats.quant import QTensor, QType, dequantize
-from stratad.model.activation import SILU
 from stratad.model.archs import ARCHS
-from stratad.model.routing import SOFTMAX
-from stratad.model.spec import Model, ModelError, ModelSpec
+from stratad.model.graph import graph_departure
+from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
 from stratad.store.pack.manifest import ExpertLayout
 
@@ -179,26 +178,21 @@ def blob_layouts(model: Model) -> ExpertLayouts:
     return ExpertLayouts(tuple(out))
 
 
-def graph_refusal(spec: ModelSpec) -> str | None:
-    """What of a MoE model's layer graph the offload engine does not run yet (None: all)."""
+def graph_refusal(model: Model) -> str | None:
+    """What of a MoE model's layer graph the offload engine does not run yet (None: all):
+    leading dense layers, and any departure from the plain graph (`stratad.model.graph`)."""
+    spec = model.spec
     if spec.dense_layers:
         return f"its first {spec.dense_layers} layers are dense"
-    if spec.routing != SOFTMAX or spec.expert_scale != 1.0:
-        return f"it routes by {spec.routing.describe()}"
-    if spec.rope_dim:
-        return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
-    if spec.attn_sinks or spec.sliding_window:
-        return "its attention has sinks or a sliding window"
-    if spec.activation != SILU:
-        return f"its experts are {spec.activation.describe()}"
-    return None
+    arch = ARCHS[spec.arch]
+    return graph_departure(spec, [arch.layer(model, i) for i in range(spec.n_layers)])
 
 
 def fast_path_refusal(model: Model) -> str | None:
     """Why the fused kernels cannot read this model's experts (None: they can)."""
     if not model.spec.is_moe:
         return "not a mixture-of-experts model"
-    graph = graph_refusal(model.spec)
+    graph = graph_refusal(model)
     if graph is not None:
         return graph
     for layer, lay in enumerate(blob_layouts(model).layers):

@@ -17,8 +17,7 @@ from kernels.cpu.dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.moe_stack import MoELayer, MoEShape, MoEStack
 from kernels.formats.quant import QTensor, QType
-from stratad.model.activation import SILU
-from stratad.model.routing import SOFTMAX
+from stratad.model.graph import graph_departure
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
 
@@ -41,8 +40,8 @@ def dense_stack(
     kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
 ) -> DenseStack | None:
     """Every layer in one call where the model is a stack of dense layers the kernels read (no
-    q/k norms); else None."""
-    if spec.qk_norm != "none" or not layers:
+    q/k norms, the plain graph: `stratad.model.graph`); else None."""
+    if spec.qk_norm != "none" or not layers or graph_departure(spec, layers) is not None:
         return None
     dense = []
     for w in layers:
@@ -80,13 +79,11 @@ def one_call_moe(
     kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
 ) -> bool:
     """Whether the model is a stack of MoE layers of routed experts only (q/k norms per head or
-    none, softmax routing, RoPE over whole heads) that the kernels read: what `moe_stack`
+    none, the plain graph: `stratad.model.graph`) that the kernels read: what `moe_stack`
     runs in one call."""
     if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
         return False
-    if spec.routing != SOFTMAX or spec.expert_scale != 1.0 or spec.rope_dim:
-        return False
-    if spec.activation != SILU or spec.attn_sinks or spec.sliding_window:
+    if graph_departure(spec, layers) is not None:
         return False
     for w in layers:
         a, m = w.attn, w.mlp

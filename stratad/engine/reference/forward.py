@@ -34,6 +34,7 @@ from stratad.engine.reference.weights_mode import (
 from stratad.engine.timing import StageTimer
 from stratad.model.activation import SILU, Activation
 from stratad.model.archs import ARCHS
+from stratad.model.graph import ffn_departure
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
 
@@ -109,13 +110,6 @@ def _stacked(
                             biases(e) if biases else None)
 
 
-def plain_ffn(spec: ModelSpec, layers: Sequence[LayerWeights]) -> bool:
-    """Whether every feed-forward block is silu(gate) * up without biases: what the cpu
-    engine's one-call expert kernels compute."""
-    return spec.activation == SILU and not any(
-        isinstance(w.mlp, MoEWeights) and w.mlp.experts.biased for w in layers)
-
-
 def _layer(
     w: LayerWeights, mode: WeightMode, spec: ModelSpec, i: int, stacked: bool, plain: bool
 ) -> _Layer:
@@ -182,7 +176,7 @@ class ReferenceForward:
         self.experts = experts
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
-        plain = plain_ffn(model.spec, weights_list)
+        plain = ffn_departure(model.spec, weights_list) is None  # the compiled experts' FFN
         # the cpu engine: a step's experts from the store in one kernel call
         self.store_experts = (self.mode.store_routed(experts)
                               if experts is not None and plain else None)  # fmt: skip
