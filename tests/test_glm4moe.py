@@ -33,6 +33,7 @@ from stratad.store.pack.manifest import PackError
 from stratad.store.pack.write import write_pack
 from tests.daemon import running_daemon
 from tests.llama_compare import assert_as_llama, f32_llama, greedy, llama_greedy, llama_logits
+from tests.synth_rewrite import rewrite
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 N_NEW = 16
@@ -73,19 +74,13 @@ def test_yarn_against_llama_cpp(tiny_glm: Path, tmp_path: Path) -> None:
     """YaRN RoPE scaling (x4 of an original 64 positions) as a GGUF file states it, on
     tiny-glm's partial RoPE (the ramp over 32 dims): llama.cpp's tokens and logits. The
     transformers comparison of linear and YaRN scaling is in tests/test_transformers.py."""
-    path = tmp_path / "tiny-glm-yarn.gguf"
-    preset = synth.PRESETS["tiny-glm"]
-    w = GGUFWriter(path, preset.arch)
-    synth._add_metadata(w, preset, 0, synth.tokenizer_source())
-    w.add_rope_scaling_type(RopeScalingType.YARN)
-    w.add_rope_scaling_factor(4.0)
-    w.add_rope_scaling_orig_ctx_len(64)
-    for t in GGUFReader(tiny_glm).tensors:
-        w.add_tensor(t.name, np.asarray(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def yarn(w: GGUFWriter) -> None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(64)
+
+    tensors = [(t.name, np.asarray(t.data)) for t in GGUFReader(tiny_glm).tensors]
+    path = rewrite(synth.PRESETS["tiny-glm"], tmp_path / "tiny-glm-yarn.gguf", tensors, yarn)
     model = load_model(path)
     assert model.spec.rope_scaling == Yarn(4.0, 64, 0.1 * math.log(4.0) + 1.0)
     # the same scaling set by the configuration (`model.rope_scaling`) on the plain file
@@ -109,26 +104,19 @@ def test_mtp_block_is_skipped(tiny_glm: Path, model: Model, tmp_path: Path) -> N
     """Published GLM GGUFs carry a multi-token-prediction block past the layers
     (`nextn_predict_layers`, block_count one more): it is not loaded, and the model computes
     as without it."""
-    path = tmp_path / "tiny-glm-mtp.gguf"
     preset = synth.PRESETS["tiny-glm"]
-    w = GGUFWriter(path, preset.arch)
-    synth._add_metadata(w, preset, 0, synth.tokenizer_source())
-    w.add_block_count(preset.n_layers + 1)  # GGUFWriter keeps the last value of a key
-    w.add_nextn_predict_layers(1)
-    tensors = GGUFReader(tiny_glm).tensors
-    for t in tensors:
-        w.add_tensor(t.name, np.asarray(t.data))
-    last = f"blk.{preset.n_layers - 1}."
-    for t in tensors:  # the MTP block: the last layer's tensors again, and its own
-        if t.name.startswith(last):
-            w.add_tensor(t.name.replace(last, f"blk.{preset.n_layers}."), np.asarray(t.data))
-    w.add_tensor(f"blk.{preset.n_layers}.nextn.eh_proj.weight",
-                 np.zeros((preset.hidden, 2 * preset.hidden), np.float32))  # fmt: skip
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    mtp = load_model(path)
+
+    def mtp_keys(w: GGUFWriter) -> None:
+        w.add_block_count(preset.n_layers + 1)
+        w.add_nextn_predict_layers(1)
+
+    tensors = [(t.name, np.asarray(t.data)) for t in GGUFReader(tiny_glm).tensors]
+    last, extra = f"blk.{preset.n_layers - 1}.", f"blk.{preset.n_layers}."
+    # the MTP block: the last layer's tensors again, and its own
+    block = [(n.replace(last, extra), v) for n, v in tensors if n.startswith(last)]
+    block.append((f"{extra}nextn.eh_proj.weight",
+                  np.zeros((preset.hidden, 2 * preset.hidden), np.float32)))  # fmt: skip
+    mtp = load_model(rewrite(preset, tmp_path / "tiny-glm-mtp.gguf", tensors + block, mtp_keys))
     assert mtp.spec == model.spec
     assert not any(n.startswith(f"model.layers.{preset.n_layers}.") for n in mtp.tensors)
     tokens = [1, 2, 3, 4, 5]

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
-from gguf import GGUFWriter
 from gguf import quants as gguf_quants
 
 from kernels.formats.quant import SUPPORTED_QTYPES
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.store.loader import load_model
-from tests.gguf_scan import scan, tensor_bytes
-from tests.llama_compare import greedy, llama_greedy, llama_logits
+from tests.gguf_scan import ScannedTensor, scan, tensor_bytes
+from tests.llama_compare import f32_llama, greedy, llama_greedy, llama_logits
+from tests.synth_rewrite import rewrite
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -42,16 +41,13 @@ PRESET = synth.PRESETS["tiny-moe"]
 
 def _f32_copy_by_gguf_py(src: Path, dst: Path) -> None:
     """`src` with every tensor dequantized to F32 by gguf-py, not by Strata's kernels."""
-    w = GGUFWriter(dst, PRESET.arch)
-    synth._add_metadata(w, PRESET, 0, synth.tokenizer_source())
-    for t in scan(src)[1]:
+
+    def f32(t: ScannedTensor) -> np.ndarray:
         raw = np.asarray(tensor_bytes(src, t))
         values = gguf_quants.dequantize(raw.reshape(int(np.prod(t.shape[:-1])), -1), t.qtype)
-        w.add_tensor(t.name, values.reshape(t.shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        return values.reshape(t.shape).astype(np.float32)
+
+    rewrite(PRESET, dst, ((t.name, f32(t)) for t in scan(src)[1]))
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +59,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return q4km, f32
 
 
-def _llama(path: Path) -> llama_cpp.Llama:
-    # F32 KV cache and no flash attention: llama.cpp keeps float32 end to end on F32 weights.
-    return llama_cpp.Llama(str(path), n_gpu_layers=0, n_ctx=256, logits_all=True,
-                           verbose=False, n_threads=2, seed=0, type_k=0, type_v=0,
-                           flash_attn=False)
-
-
 def test_reference_engine_against_llama_cpp(files: tuple[Path, Path]) -> None:
     q4km, f32 = files
     held = {t.qtype for t in scan(q4km)[1]}
     assert held <= SUPPORTED_QTYPES, held - SUPPORTED_QTYPES
     forward = ReferenceForward(load_model(q4km))
-    exact, quantized = _llama(f32), _llama(q4km)
+    # F32 KV cache and no flash attention: llama.cpp keeps float32 end to end on F32 weights
+    exact, quantized = f32_llama(f32, 256), f32_llama(q4km, 256)
     agree = total = 0
     for text in PROMPTS:
         prompt = exact.tokenize(text.encode(), add_bos=False, special=True)
