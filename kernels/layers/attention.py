@@ -201,10 +201,9 @@ def _q4_halves(
     codes = _load_tiers(base, hbase, rows * stride + j[None, :], hrows * stride + j[None, :],
                         mask, on_host, HOST)  # fmt: skip
     gi = tl.arange(0, BLOCK_D // 32) * 2
-    g_mask = live
     at, hat = rows * stride_dm + gi[None, :], hrows * stride_dm + gi[None, :]
-    sc = _load_tiers(dm_base, dm_hbase, at, hat, g_mask, on_host, HOST).to(tl.float32)
-    mn = _load_tiers(dm_base, dm_hbase, at + 1, hat + 1, g_mask, on_host, HOST).to(tl.float32)
+    sc = _load_tiers(dm_base, dm_hbase, at, hat, live, on_host, HOST).to(tl.float32)
+    mn = _load_tiers(dm_base, dm_hbase, at + 1, hat + 1, live, on_host, HOST).to(tl.float32)
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_S, BLOCK_D // 32, 16]),
                     [BLOCK_S, BLOCK_D // 2])  # fmt: skip
     mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BLOCK_S, BLOCK_D // 32, 16]),
