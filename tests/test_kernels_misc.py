@@ -228,6 +228,40 @@ def test_decode_attention_split(
         torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize(("window", "sinks"), [(0, True), (9, False), (24, True)],
+                         ids=["sinks", "window", "window-sinks"])  # fmt: skip
+@pytest.mark.parametrize("split_s", [8, 512], ids=["split", "single"])
+def test_decode_attention_sinks_and_window(window: int, sinks: bool, split_s: int) -> None:
+    """gpt-oss's attention: a sink logit per query head in each softmax, a sliding window
+    (lengths inside it, across it, and past it by many pieces): against the reference, and
+    the reference against the model's own attention for the last position."""
+    from stratad.engine.reference.layers import attention as model_attention
+
+    lens = [70, 5, 24, 33]
+    q, k, v, _ = attention_inputs(len(lens), 8, 2, 16, 70, torch.float32, seed=window + 3)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(1)).to(DEVICE) if sinks else None
+    expected = decode_attention_ref(q, k, v, seq_lens, sinks=sink, window=window)
+    config = AttentionConfig(block_s=8, split_s=split_s, max_splits=64)
+    out = decode_attention(q, k, v, seq_lens, config=config, sinks=sink, window=window)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    for b, n in enumerate(lens):
+        alone = model_attention(q[b][None].cpu(), k[b, :n].cpu(), v[b, :n].cpu(), n - 1,
+                                None if sink is None else sink.cpu(), window)  # fmt: skip
+        torch.testing.assert_close(expected[b].cpu(), alone[0], **TOL[torch.float32])
+    plain = decode_attention_ref(q, k, v, seq_lens)
+    assert (plain - expected).abs().max() > 1e-2  # the sinks and the window count
+
+
+def test_decode_attention_sinks_checked() -> None:
+    q, k, v, _ = attention_inputs(1, 4, 2, 16, 8, torch.float32, seed=2)
+    lens = torch.tensor([8], device=DEVICE)
+    with pytest.raises(ValueError, match="sinks must be"):
+        decode_attention(q, k, v, lens, sinks=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="negative"):
+        decode_attention(q, k, v, lens, window=-1)
+
+
 @pytest.mark.parametrize("split_s", [16, 128], ids=["split", "single"])
 def test_decode_attention_seq_lens_changed_in_place(split_s: int) -> None:
     """As in a CUDA graph replay: the same tensors, seq_lens changed in place between the

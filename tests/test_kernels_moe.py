@@ -9,6 +9,7 @@ from gguf import quants as gguf_quants
 
 from kernels.experts.moe import (
     ExpertFormat,
+    GluClamp,
     MoeConfig,
     expert_table,
     fused_moe,
@@ -198,6 +199,54 @@ def test_fused_moe_mixed_types(mix: tuple[QType, QType, QType], aligned: bool) -
     got = fused_moe(x, ids, weights, table, f, aligned=aligned, fmt=ExpertFormat(*mix))
     ref = fused_moe_ref(x, ids, weights, experts)
     assert (got - ref).norm() / ref.norm() < 1e-5
+
+
+def _biases(e: int, h: int, f: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randn(e, 2, f, generator=gen).to(device),
+            torch.randn(e, h, generator=gen).to(device))  # fmt: skip
+
+
+@pytest.mark.parametrize(("mix", "t", "config"), [
+    ((QType.MXFP4,) * 3, 1, MoeConfig()),  # gpt-oss's experts, one token
+    ((QType.MXFP4,) * 3, 3, MoeConfig(group_pairs=True)),  # several, grouped by expert
+    ((QType.Q8_0,) * 3, 2, MoeConfig(int8_dots=True, group_pairs=False)),  # the int8 dots
+], ids=["mxfp4-1", "mxfp4-grouped", "q8_0-int8"])  # fmt: skip
+def test_biases_and_clamped_swiglu(
+    mix: tuple[QType, QType, QType], t: int, config: MoeConfig
+) -> None:
+    """gpt-oss's experts: biases on every projection, the clamped SwiGLU (a limit the random
+    values cross); two tokens share an expert where grouped."""
+    x, ids, weights, table, experts = _mixed_case(mix, t, 2, 3, 256, 64, "cpu")
+    x = x * 8  # gate and up past the limit of 7 somewhere
+    biases, clamp = _biases(3, 256, 64, "cpu"), GluClamp(alpha=1.702, limit=7.0)
+    got = fused_moe(x, ids, weights, table, 64, config, aligned=True, fmt=ExpertFormat(*mix),
+                    biases=biases, clamp=clamp)  # fmt: skip
+    int8 = (config.int8_dots,) * 3
+    ref = fused_moe_ref(x, ids, weights, experts, int8, biases, clamp)
+    assert (got - ref).norm() / ref.norm() < 1e-5
+    plain = fused_moe_ref(x, ids, weights, experts, int8)
+    assert (plain - ref).norm() / ref.norm() > 0.1  # the biases and the clamp count
+
+
+def test_expert_biases_must_match_the_table() -> None:
+    x, ids, weights, table, _ = _mixed_case((QType.Q8_0,) * 3, 1, 2, 3, 256, 64, "cpu")
+    gate_up, down = _biases(3, 256, 64, "cpu")
+    with pytest.raises(ValueError, match="float32"):
+        fused_moe(x, ids, weights, table, 64, fmt=ExpertFormat(*(QType.Q8_0,) * 3),
+                  biases=(gate_up[:, 0], down))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_biases_and_clamped_swiglu_gpu() -> None:
+    """gpt-oss-20b's expert shapes (hidden and ffn 2880, MXFP4, top 4 of 32), bfloat16."""
+    mix = (QType.MXFP4,) * 3
+    x, ids, weights, table, experts = _mixed_case(mix, 8, 4, 32, 2880, 2880, "cuda")
+    biases, clamp = _biases(32, 2880, 2880, "cuda"), GluClamp()
+    ref = fused_moe_ref(x.bfloat16(), ids, weights, experts, biases=biases, clamp=clamp)
+    got = fused_moe(x.cuda().bfloat16(), ids.cuda(), weights.cuda(), table, 2880,
+                    aligned=True, fmt=ExpertFormat(*mix), biases=biases, clamp=clamp)  # fmt: skip
+    assert (got.float().cpu() - ref.float()).norm() / ref.float().norm() < 1e-2
 
 
 @pytest.mark.gpu

@@ -18,6 +18,8 @@ gate/up are [F, H], down is [H, F]. Two launches per layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
      (the offload engine sums the parts into the residual stream: `kernels.layers.norm.add_rmsnorm`)
+Experts may carry biases (gpt-oss: gate and up [E, 2, F], down [E, H], float32 in VRAM, found
+by expert id as the table is) and gpt-oss's clamped SwiGLU (`GluClamp`) in place of silu.
 The slots are summed in a fixed order: the result is deterministic.
 
 Several tokens (a decode batch, a short prompt, a drafted window) may share experts. The grid
@@ -65,6 +67,15 @@ Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 # the types the fused kernels read: Q4_0 split, the rest as GGUF blocks
 MOE_QTYPES: frozenset[QType] = GEMV_QTYPES
+
+
+@dataclass(frozen=True)
+class GluClamp:
+    """gpt-oss's clamped SwiGLU in place of silu(gate) * up: the gate clamped from above and
+    the up from both sides at `limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -249,8 +260,10 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
                   Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
                   SBS: tl.constexpr, x8_ptr, X8_ROW, X8_GATE: tl.constexpr,
-                  X8_UP: tl.constexpr, ASM: tl.constexpr, Q6_SPLIT: tl.constexpr):  # fmt: skip
-    """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows`."""
+                  X8_UP: tl.constexpr, ASM: tl.constexpr, Q6_SPLIT: tl.constexpr, e, bias_ptr,
+                  BIAS: tl.constexpr, CLAMP: tl.constexpr, alpha, limit):  # fmt: skip
+    """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows` (BIAS: expert e's gate and up biases
+    added first; CLAMP: gpt-oss's clamped SwiGLU, `GluClamp`)."""
     x = x_ptr + t.to(tl.int64) * H
     x8 = x8_ptr + t.to(tl.int64) * X8_ROW
     if X8_GATE and X8_UP and Q_GATE == Q_UP and (Q_GATE == Q4_K or Q_GATE == Q5_K):  # noqa: SIM109
@@ -262,7 +275,15 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
                       BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM, Q6_SPLIT)  # fmt: skip
         u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
                       BLOCK_K, ALIGNED, SBS, x8, X8_UP, ASM, Q6_SPLIT)  # fmt: skip
-    act = g / (1.0 + tl.exp(-g)) * u
+    if BIAS:  # [E, 2, F]: expert e's gate row, then its up row
+        g += tl.load(bias_ptr + e * 2 * F + rows, mask=rmask, other=0.0)
+        u += tl.load(bias_ptr + e * 2 * F + F + rows, mask=rmask, other=0.0)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
+        act = g / (1.0 + tl.exp(-alpha * g)) * u
+    else:
+        act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + s.to(tl.int64) * F + rows, act, mask=rmask)
 
 
@@ -271,13 +292,16 @@ def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_
                Q_DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr, act8_ptr,
                A8_ROW, X8_DOWN: tl.constexpr, ASM: tl.constexpr,
-               Q6_SPLIT: tl.constexpr):  # fmt: skip
-    """part[s] = weight[s] * (down @ act[s]) on `rows`."""
+               Q6_SPLIT: tl.constexpr, e, bias_ptr, BIAS: tl.constexpr):  # fmt: skip
+    """part[s] = weight[s] * (down @ act[s] (+ expert e's down bias: BIAS)) on `rows`."""
     w = tl.load(weights_ptr + s)
     act = act_ptr + s.to(tl.int64) * F
     act8 = act8_ptr + s.to(tl.int64) * A8_ROW
-    y = w * _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
-                      BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
+    y = _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
+                  BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
+    if BIAS:  # [E, H]
+        y += tl.load(bias_ptr + e * H + rows, mask=rmask, other=0.0)
+    y = w * y
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
 
@@ -308,6 +332,11 @@ def _gate_up_kernel(
     X8_UP: tl.constexpr,
     ASM: tl.constexpr,  # dp4a as inline PTX (else its emulation)
     Q6_SPLIT: tl.constexpr,  # Q6_K projections in the split layout (split_q6_k)
+    bias_ptr,  # [E, 2, F] float32: each expert's gate and up biases (BIAS); else unread
+    BIAS: tl.constexpr,
+    CLAMP: tl.constexpr,  # gpt-oss's clamped SwiGLU (GluClamp: alpha, limit)
+    alpha,
+    limit,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair
@@ -321,7 +350,7 @@ def _gate_up_kernel(
             _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
                           ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM,
-                          Q6_SPLIT)  # fmt: skip
+                          Q6_SPLIT, e, bias_ptr, BIAS, CLAMP, alpha, limit)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if (e >= 0) & first:
@@ -332,7 +361,8 @@ def _gate_up_kernel(
                 _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
                               GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
                               BLOCK_K, ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP,
-                              ASM, Q6_SPLIT)  # fmt: skip
+                              ASM, Q6_SPLIT, e, bias_ptr, BIAS, CLAMP, alpha,
+                              limit)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -360,6 +390,8 @@ def _down_kernel(
     X8_DOWN: tl.constexpr,
     ASM: tl.constexpr,
     Q6_SPLIT: tl.constexpr,
+    bias_ptr,  # [E, H] float32: each expert's down bias (BIAS); else unread
+    BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)  # (token, slot) pair: one program per slot keeps the grid wide
@@ -373,7 +405,7 @@ def _down_kernel(
         down = _matrix_at(table_ptr, e, 2, X8_DOWN)
         _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
                    tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
-                   X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
+                   X8_DOWN, ASM, Q6_SPLIT, e, bias_ptr, BIAS)  # fmt: skip
     else:
         first, members = _group(ids_ptr, s, e, N_PAIRS, PAIRS)
         if first:
@@ -382,7 +414,8 @@ def _down_kernel(
             for _ in range(tl.sum(members.to(tl.int32))):
                 _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
                            DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
-                           ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
+                           ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM, Q6_SPLIT, e,
+                           bias_ptr, BIAS)  # fmt: skip
                 j = _next_member(members, j, PAIRS)
 
 
@@ -407,6 +440,16 @@ def _check(x: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> None:
         raise ValueError("x, ids and table must be on one device")
 
 
+def _check_bias(bias: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+    if bias is None:
+        return
+    if bias.dtype != torch.float32 or bias.shape != shape or not bias.is_contiguous():
+        raise ValueError(f"expert biases must be contiguous float32 {list(shape)}, got"
+                         f" {bias.dtype} {tuple(bias.shape)}")  # fmt: skip
+    if bias.device != device:
+        raise ValueError(f"expert biases are on {bias.device}, the activations on {device}")
+
+
 def moe_gate_up(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -415,11 +458,15 @@ def moe_gate_up(
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
     fmt: ExpertFormat = ExpertFormat(),
+    bias: torch.Tensor | None = None,
+    clamp: GluClamp | None = None,
 ) -> torch.Tensor:
     """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32. `aligned`: the caller
     vouches that every address in `table` is 16-byte aligned (see `fused_moe`); `fmt`: the
-    projections' types."""
+    projections' types; `bias` [E, 2, F] float32: each expert's gate and up biases (gpt-oss);
+    `clamp`: gpt-oss's clamped SwiGLU in place of silu(gate) * up."""
     _check(x, ids, table)
+    _check_bias(bias, (table.shape[0], 2, ffn), x.device)
     fmt.check_split(config, aligned)
     t, h = x.shape
     # raises for a row length the types' blocks do not divide
@@ -436,7 +483,10 @@ def moe_gate_up(
         BLOCK_B=config.block_b, BLOCK_K=config.block_k,
         ALIGNED=aligned and fmt.aligned(h, ffn), SBS=config.super_blocks,
         PAIRS=_grouped(t, pairs, config), X8_GATE=x8_gate, X8_UP=x8_up, ASM=dp4a_in_asm(x.device),
-        Q6_SPLIT=fmt.q6_k_split, num_warps=config.num_warps, num_stages=config.num_stages,
+        Q6_SPLIT=fmt.q6_k_split, bias_ptr=bias if bias is not None else x,
+        BIAS=bias is not None, CLAMP=clamp is not None, alpha=clamp.alpha if clamp else 1.0,
+        limit=clamp.limit if clamp else 0.0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return act
 
@@ -450,13 +500,16 @@ def moe_down(
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
     fmt: ExpertFormat = ExpertFormat(),
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act [T * k, F], ids/weights [T, k], table [E, 3] -> parts [T, k, H] float32: each
     (token, slot)'s weighted contribution (no atomics: the caller sums the slots in a fixed
-    order, so the result does not depend on scheduling)."""
+    order, so the result does not depend on scheduling). `bias` [E, H] float32: each
+    expert's down bias, added before the weight (gpt-oss)."""
     t, k = ids.shape
     if act.shape[0] != t * k or weights.shape != ids.shape or weights.dtype != torch.float32:
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
+    _check_bias(bias, (table.shape[0], hidden), act.device)
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
     ffn = act.shape[1]
@@ -469,8 +522,9 @@ def moe_down(
         Q_DOWN=int(fmt.down), BLOCK_N=config.block_n, BLOCK_B=config.block_b,
         BLOCK_K=config.block_k, ALIGNED=aligned and fmt.aligned(hidden, ffn),
         SBS=config.super_blocks, PAIRS=_grouped(t, t * k, config), X8_DOWN=x8_down,
-        ASM=dp4a_in_asm(act.device), Q6_SPLIT=fmt.q6_k_split, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        ASM=dp4a_in_asm(act.device), Q6_SPLIT=fmt.q6_k_split,
+        bias_ptr=bias if bias is not None else act, BIAS=bias is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return part.view(t, k, hidden)
 
@@ -484,14 +538,18 @@ def fused_moe(
     config: MoeConfig = MoeConfig(),
     aligned: bool = False,
     fmt: ExpertFormat = ExpertFormat(),
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    clamp: GluClamp | None = None,
 ) -> torch.Tensor:
     """The routed-expert output [T, H] of one layer, experts found through `table`. Slots
     whose id is negative are skipped (they contribute zero: computed elsewhere). `aligned`:
     the caller vouches that every address in `table` is 16-byte aligned; where the shapes
     keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time.
-    `fmt`: each projection's type."""
-    act = moe_gate_up(x, ids, table, ffn, config, aligned, fmt)
-    parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned, fmt)
+    `fmt`: each projection's type; `biases`: (gate and up [E, 2, F], down [E, H]) float32;
+    `clamp`: the clamped SwiGLU."""
+    gate_up_bias, down_bias = biases if biases is not None else (None, None)
+    act = moe_gate_up(x, ids, table, ffn, config, aligned, fmt, gate_up_bias, clamp)
+    parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned, fmt, down_bias)
     return parts.sum(1).to(x.dtype)
 
 
@@ -554,10 +612,12 @@ def fused_moe_ref(
     weights: torch.Tensor,
     experts: list[tuple[QTensor, QTensor, QTensor]],
     int8: tuple[bool, bool, bool] = (False, False, False),
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    clamp: GluClamp | None = None,
 ) -> torch.Tensor:
     """Dequantize each routed expert (standard GGUF blocks) and compute in float32; `int8`:
     which of gate, up, down take their input as its Q8 row stands for it (`kernels
-    .moe_dots_q8`, as the kernels' int8 dots do)."""
+    .moe_dots_q8`, as the kernels' int8 dots do); `biases` and `clamp` as `fused_moe`'s."""
 
     def q8(v: torch.Tensor, on: bool) -> torch.Tensor:
         return dequantize_q8_ref(quantize_q8_ref(v[None]), v.numel())[0] if on else v
@@ -566,7 +626,18 @@ def fused_moe_ref(
     xf = x.float().cpu()
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
-            gate, up, down = (w.dequantize() for w in experts[int(ids[t, s])])
-            h = torch.nn.functional.silu(gate @ q8(xf[t], int8[0])) * (up @ q8(xf[t], int8[1]))
-            out[t] += float(weights[t, s]) * (down @ q8(h, int8[2]))
+            e = int(ids[t, s])
+            gate, up, down = (w.dequantize() for w in experts[e])
+            g, u = gate @ q8(xf[t], int8[0]), up @ q8(xf[t], int8[1])
+            if biases is not None:
+                g, u = g + biases[0][e, 0].cpu(), u + biases[0][e, 1].cpu()
+            if clamp is None:
+                h = torch.nn.functional.silu(g) * u
+            else:
+                g = g.clamp(max=clamp.limit)
+                h = g * torch.sigmoid(clamp.alpha * g) * (u.clamp(-clamp.limit, clamp.limit) + 1)
+            y = down @ q8(h, int8[2])
+            if biases is not None:
+                y = y + biases[1][e].cpu()
+            out[t] += float(weights[t, s]) * y
     return out.to(x.dtype)

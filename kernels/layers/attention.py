@@ -46,6 +46,12 @@ and its program writes it directly. The grid and every
 host-side value depend on shapes and the config only, never on the values of seq_lens, so
 a launch can be captured in a CUDA graph and replayed as they grow.
 
+gpt-oss's layers add two things. A sliding-window layer (`window`) attends to each
+sequence's last `window` positions: the pieces share those alone, so positions before them
+are never read. Attention sinks (`sinks`, a logit per query head) join the softmax's sum
+and weigh no value: the merge (or a piece that is the whole answer) adds 2^(sink - M) to the
+sum after taking the sink into the common max M.
+
 Three tiers: the Triton kernel above, `decode_attention()` (launcher), and the torch
 reference `decode_attention_ref()`.
 """
@@ -286,6 +292,7 @@ def _merge(
     stride_aj,
     n_live,
     rows,  # [BH] heads of the group
+    sink,  # [BH] the heads' sink logits in base-2 units (-inf: none)
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -293,8 +300,9 @@ def _merge(
     MERGE_J: tl.constexpr,
 ):
     """The group's output [BH, BD] from its live pieces' partials, rescaled to their common
-    max: sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j with M = max_j m_j. The loads
-    bypass L1 (.cg): other programs wrote these partials during this launch."""
+    max: sum_j 2^(m_j - M) acc_j / (sum_j 2^(m_j - M) l_j + 2^(sink - M)) with
+    M = max(max_j m_j, sink). The loads bypass L1 (.cg): other programs wrote these partials
+    during this launch."""
     d = tl.arange(0, BLOCK_D)
     jn = tl.arange(0, BLOCK_N)
     live = rows[:, None] & (jn[None, :] < n_live)  # every live piece has a position
@@ -302,8 +310,8 @@ def _merge(
                     cache_modifier=".cg")  # fmt: skip
     l_all = tl.load(l_ptr + ml_base[:, None] + jn[None, :], mask=live, other=0.0,
                     cache_modifier=".cg")  # fmt: skip
-    m_max = tl.where(rows, tl.max(m_all, axis=1), 0.0)  # [BH]
-    l_sum = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1)
+    m_max = tl.where(rows, tl.maximum(tl.max(m_all, axis=1), sink), 0.0)  # [BH]
+    l_sum = tl.sum(tl.exp2(m_all - m_max[:, None]) * l_all, axis=1) + tl.exp2(sink - m_max)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for j0 in range(0, n_live, MERGE_J):
         j = j0 + tl.arange(0, MERGE_J)
@@ -376,22 +384,27 @@ def _decode_attention_kernel(
     hvs_ptr,
     first_host,  # the first block id of the host tier
     HOST: tl.constexpr,
+    sink_ptr,  # [Hq] float32: each query head's sink logit (SINKS); else unread
+    SINKS: tl.constexpr,
+    window,  # each query sees its last `window` positions (0: all of them)
 ):
-    """Program (b, KV head, j) over piece j of sequence b's positions (`_piece`). When one
-    piece holds them all it writes the output; else each live piece writes its partials, and
-    the last of them to finish, counted on count_ptr, merges them and sets the count back to
-    0. A piece past seq_len returns at once."""
+    """Program (b, KV head, j) over piece j of sequence b's visible positions (`_piece`):
+    the last `window` of its seq_len, or all. When one piece holds them all it writes the
+    output; else each live piece writes its partials, and the last of them to finish,
+    counted on count_ptr, merges them and sets the count back to 0. A piece past seq_len
+    returns at once."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     seq_len = tl.minimum(tl.load(len_ptr + b), S)
-    piece = _piece(seq_len, N_SPLITS, BLOCK_S)
-    n_live = tl.cdiv(seq_len, piece)  # the pieces that hold positions (seq_len >= 1)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first visible
+    piece = _piece(seq_len - first, N_SPLITS, BLOCK_S)
+    n_live = tl.cdiv(seq_len - first, piece)  # the pieces that hold positions (seq_len >= 1)
     if split >= n_live:  # nothing to read, write or count: the merge skips it
         return
-    start = split * piece
+    start = first + split * piece
     end = tl.minimum(start + piece, seq_len)
     heads = kv_head * GROUP + g
     q_mask = (g[:, None] < GROUP) & (d[None, :] < D)
@@ -430,6 +443,11 @@ def _decode_attention_kernel(
             hk_base, hv_base, hks_base, hvs_base, first_host, HOST,
         )  # fmt: skip
     if n_live == 1:  # this piece is the whole answer (always so when N_SPLITS is 1)
+        if SINKS:  # the sink joins the softmax's sum: rescaled to the larger max
+            sink = tl.load(sink_ptr + heads, mask=g < GROUP, other=0.0) * _LOG2E
+            m_all = tl.maximum(m_i, sink)
+            acc = acc * tl.exp2(m_i - m_all)[:, None]
+            l_i = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
         whole_at = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(whole_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
         return
@@ -446,10 +464,14 @@ def _decode_attention_kernel(
         h = tl.arange(0, BLOCK_H)
         rows = h < GROUP
         group_heads = kv_head * GROUP + h
+        if SINKS:
+            sink = tl.load(sink_ptr + group_heads, mask=rows, other=0.0) * _LOG2E
+        else:
+            sink = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         out = _merge(
             m_ptr, l_ptr, b * stride_mb + group_heads * stride_mh,
             acc_ptr + b * stride_ab + group_heads * stride_ah, stride_aj,
-            n_live, rows, D, BLOCK_H, BLOCK_D, BLOCK_N, MERGE_J,
+            n_live, rows, sink, D, BLOCK_H, BLOCK_D, BLOCK_N, MERGE_J,
         )  # fmt: skip
         out_at = out_ptr + b * stride_ob + group_heads[:, None] * stride_oh + d[None, :]
         tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (d[None, :] < D))
@@ -574,6 +596,8 @@ def _launch(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     host: HostPages | None,
+    sinks: torch.Tensor | None,
+    window: int,
 ) -> None:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
@@ -624,7 +648,8 @@ def _launch(
         PAGED=block_tables is not None, PAGE=block_size if block_tables is not None else 1,
         QUANT=quant, hk_ptr=hk, hv_ptr=hv, hks_ptr=hks, hvs_ptr=hvs,
         first_host=host.first_block if host is not None else 0, HOST=host is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        sink_ptr=sinks if sinks is not None else unread, SINKS=sinks is not None,
+        window=window, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
@@ -649,6 +674,8 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     host: HostPages | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] over k/v [B, S, Hkv, D] -> [B, Hq, D] in q's dtype.
 
@@ -675,8 +702,13 @@ def decode_attention(
 
     `host` (paged only): the pool's second tier, blocks `host.first_block` and above read
     from its tensors (`kernels.layers.paged.HostPages`); the pool then holds those below.
+
+    `sinks` [Hq] float32: a logit per query head that joins each softmax and weighs no value
+    (gpt-oss's attention sinks). `window`: each sequence attends to its last `window`
+    positions only (a sliding-window layer; 0: all of them).
     """
     paged = block_tables is not None
+    _check_sinks(sinks, q, window)
     if block_tables is not None:
         if k_cache.dim() != 3:
             raise ValueError(
@@ -710,9 +742,21 @@ def decode_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     _launch(
         q, k_cache, v_cache, seq_lens.contiguous(), out, scale, cfg, counts, block_tables,
-        block_size, k_scale, v_scale, host,
+        block_size, k_scale, v_scale, host, sinks, window,
     )  # fmt: skip
     return out
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor, window: int) -> None:
+    if window < 0:
+        raise ValueError(f"window {window} is negative (0: no window)")
+    if sinks is None:
+        return
+    if sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be contiguous float32 [Hq={q.shape[1]}], got"
+                         f" {sinks.dtype} {tuple(sinks.shape)}")  # fmt: skip
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -734,11 +778,14 @@ def decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     host: HostPages | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`decode_attention` in torch: over caches [B, S, Hkv, D], or (block_tables, block_size)
     over pools [n_slots, Hkv, D] (and a `host` tier), each sequence's blocks gathered first;
     int8 caches with k_scale/v_scale are dequantized first (a float32 copy: the reference's
-    way in)."""
+    way in); `sinks` join each softmax as a column, `window` hides all but the last
+    positions."""
     if k_scale is not None and v_scale is not None:
         k_cache, v_cache = _dequantize(k_cache, k_scale), _dequantize(v_cache, v_scale)
         if host is not None and host.k_scale is not None and host.v_scale is not None:
@@ -754,11 +801,19 @@ def decode_attention_ref(
     B, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    valid = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    at = torch.arange(S, device=q.device)[None, :]
+    valid = at < seq_lens[:, None]  # [B, S]
+    if window:
+        valid &= at >= seq_lens[:, None] - window
     k = k_cache.float().repeat_interleave(Hq // Hkv, dim=2)  # [B, S, Hq, D]
     # what lies past a sequence's length is never read (a pool's free slots may hold NaN)
     v = v_cache.float().masked_fill(~valid[:, :, None, None], 0.0)
     v = v.repeat_interleave(Hq // Hkv, dim=2)
     scores = torch.einsum("bhd,bshd->bhs", q.float() * scale, k)  # [B, Hq, S]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+    if sinks is not None:  # a column that joins the softmax, then is dropped
+        column = sinks.float()[None, :, None].expand(B, Hq, 1)
+        probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.einsum("bhs,bshd->bhd", probs, v).to(q.dtype)
