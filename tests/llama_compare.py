@@ -10,17 +10,7 @@ import numpy as np
 import torch
 
 from stratad.engine.reference.forward import ReferenceForward
-
-
-def greedy(forward: ReferenceForward, prompt: list[int], n: int, context: int = 256) -> list[int]:
-    """The reference engine's n greedy tokens after `prompt`."""
-    cache = forward.new_cache(context)
-    logits = forward(prompt, cache)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out
+from tests.greedy import greedy
 
 
 def llama_greedy(llm: llama_cpp.Llama, prompt: list[int], n: int) -> list[int]:

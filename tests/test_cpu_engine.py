@@ -14,6 +14,7 @@ from stratad.engine.placement import choose_backend
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import FloatLinear, QuantLinear, QuantWeights
 from stratad.model.spec import Model, ModelError
+from tests.greedy import greedy_logits
 
 # The kernels round activations to 8 bits per block of 32, as llama.cpp does, so this engine
 # is held to llama.cpp, teacher-forced on llama.cpp's own greedy continuation: at every
@@ -23,16 +24,6 @@ from stratad.model.spec import Model, ModelError
 # float reference, llama.cpp and this engine each went their own way on some prompts.)
 MARGIN = 0.5  # logits; llama.cpp and the float reference differed by up to 0.52 here
 LOGIT_TOL = 1.5  # largest difference from llama.cpp (0.96 seen; the float reference's 1.6)
-
-
-def _greedy(forward: ReferenceForward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    cache = forward.new_cache(len(prompt) + n + 1)
-    logits = forward(prompt, cache)[-1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out, logits
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +96,8 @@ def test_moe_experts_from_the_stacks(tiny_moe: Model, kernels: CpuExperts) -> No
     ref = ReferenceForward(tiny_moe)
     fast = ReferenceForward(tiny_moe, weights=QuantWeights(kernels))
     prompt = list(range(3, 19))
-    want, ref_logits = _greedy(ref, prompt, 8)
-    got, logits = _greedy(fast, prompt, 8)
+    want, ref_logits = greedy_logits(ref, prompt, 8)
+    got, logits = greedy_logits(fast, prompt, 8)
     assert got == want
     assert (logits - ref_logits).abs().max() < LOGIT_TOL
     assert torch.equal(fast.route_counts.sum(), ref.route_counts.sum())

@@ -32,7 +32,8 @@ from stratad.store.loader import load_model
 from stratad.store.pack.manifest import PackError
 from stratad.store.pack.write import write_pack
 from tests.daemon import running_daemon
-from tests.llama_compare import assert_as_llama, f32_llama, greedy, llama_greedy, llama_logits
+from tests.greedy import greedy
+from tests.llama_compare import assert_as_llama, f32_llama, llama_greedy, llama_logits
 from tests.synth_rewrite import rewrite
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]

@@ -18,7 +18,8 @@ import pytest
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.store.loader import load_model
 from tests.gguf_export import export_f32
-from tests.llama_compare import greedy, llama_greedy, llama_logits
+from tests.greedy import greedy
+from tests.llama_compare import llama_greedy, llama_logits
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",

@@ -16,6 +16,7 @@ from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
 from stratad.store.tiers.slots import SlotPolicy, SlotSettings, initial_residents
+from tests.greedy import greedy_logits
 
 # a chunk of FUSED_MAX_TOKENS + 1 tokens (the staged grouped GEMMs), then 2 (the fused kernels
 # with T > 1); prompts short enough to ride as rows of a decode step are tests/test_batch.py's
@@ -34,16 +35,6 @@ def tiny_moe(tiny_moe_model: Model) -> Model:
 LOGIT_TOL = {True: 0.15, False: 1e-3}
 
 
-def _greedy(forward, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-    cache = forward.new_cache(128)
-    logits = forward(prompt, cache)[-1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out, logits
-
-
 def _offload(model: Model, slots_per_layer: int, device: str, ram=None, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
     from stratad.engine.offload.experts import blob_layouts
 
@@ -56,9 +47,9 @@ def _offload(model: Model, slots_per_layer: int, device: str, ram=None, **kw) ->
 @pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("slots", [0, 3, 8])  # every expert from RAM, a mix, all in VRAM
 def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int, gpu_miss: str) -> None:
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 6)
     off = _offload(tiny_moe, slots, "cpu", graphs=False, gpu_miss=gpu_miss)
-    tokens, logits = _greedy(off, PROMPT, 6)
+    tokens, logits = greedy_logits(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
     # the copy path staged the last step's misses; in place stages nothing
@@ -74,10 +65,10 @@ def test_tokens_match_reference_cpu(tiny_moe: Model, slots: int, gpu_miss: str) 
 def test_prefetch_keeps_tokens_and_fills_its_buffers(tiny_moe: Model, slots: int) -> None:
     """Guessing each layer's experts one layer early changes where blobs come from, never the
     result; the guessed misses land in the prefetch buffers."""
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 6)
     off = _offload(tiny_moe, slots, "cpu", graphs=False, prefetch=True)
     assert off.prefetch.enabled
-    tokens, logits = _greedy(off, PROMPT, 6)
+    tokens, logits = greedy_logits(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
     assert off.prefetch.buf.any()  # guesses that missed VRAM were copied ahead
@@ -100,11 +91,11 @@ def test_file_tier_same_tokens(
     the file, the slots never take them in, and the tokens stay the reference's."""
     spec = tiny_moe.spec
     ram = [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 6)
     off = _offload(tiny_moe, slots, "cpu", ram=ram, graphs=False, gpu_miss=gpu_miss,
                    pcie_frac=pcie_frac, prefetch=True)  # fmt: skip
     assert off.experts.reads_file and not off.prefetch.enabled  # no address to guess from
-    tokens, logits = _greedy(off, PROMPT, 6)
+    tokens, logits = greedy_logits(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < LOGIT_TOL[pcie_frac < 1.0]
     reads = off.ram.file_reads
@@ -127,8 +118,8 @@ def test_prefetch_is_off_without_the_copy_path(tiny_moe: Model) -> None:
 
 def test_cache_adapts_without_changing_tokens(tiny_moe: Model) -> None:
     off = _offload(tiny_moe, 2, "cpu", graphs=False, slots=SlotSettings(moves_per_step=4))
-    ref_tokens, _ = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
-    tokens, _ = _greedy(off, PROMPT, 6)
+    ref_tokens, _ = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 6)
+    tokens, _ = greedy_logits(off, PROMPT, 6)
     assert tokens == ref_tokens
     # pending: a copy in flight
     held = sum(len(s) for s in off.experts.slot_of) + len(off.experts.pending)
@@ -164,9 +155,9 @@ def test_slot_policy_admits_at_most_the_budget() -> None:
 @pytest.mark.parametrize("gpu_miss", ["copy", "in_place"])
 @pytest.mark.parametrize("slots", [0, 3, 8])
 def test_tokens_match_reference_gpu(tiny_moe: Model, slots: int, gpu_miss: str) -> None:
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 16)
     off = _offload(tiny_moe, slots, "cuda", gpu_miss=gpu_miss)
-    tokens, logits = _greedy(off, PROMPT, 16)
+    tokens, logits = greedy_logits(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
 
@@ -177,9 +168,9 @@ def test_file_tier_tokens_match_reference_gpu(tiny_moe: Model, gpu_miss: str) ->
     """Odd experts only in the file, read into page-locked rows the kernels read in place."""
     spec = tiny_moe.spec
     ram = [[x for x in range(spec.n_experts) if x % 2 == 0] for _ in range(spec.n_layers)]
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 16)
     off = _offload(tiny_moe, 3, "cuda", ram=ram, gpu_miss=gpu_miss, prefetch=True)
-    tokens, logits = _greedy(off, PROMPT, 16)
+    tokens, logits = greedy_logits(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
     assert off.ram.file_reads > 0
@@ -192,9 +183,9 @@ def test_split_step_tokens_match_reference_gpu(
 ) -> None:
     """A CPU share of the misses: the step captured in two pieces per layer (or run eagerly),
     the host computing its share between them."""
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 16)
     off = _offload(tiny_moe, 3, "cuda", graphs=graphs, pcie_frac=pcie_frac)
-    tokens, logits = _greedy(off, PROMPT, 16)
+    tokens, logits = greedy_logits(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < LOGIT_TOL[True]
     assert off.cpu.experts > 0 and off.split.captured == int(graphs)
@@ -204,9 +195,9 @@ def test_split_step_tokens_match_reference_gpu(
 @pytest.mark.parametrize("graphs", [True, False])
 def test_prefetch_tokens_match_reference_gpu(tiny_moe: Model, graphs: bool) -> None:
     """The prefetch stream inside the captured decode graph (and eagerly)."""
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 16)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 16)
     off = _offload(tiny_moe, 3, "cuda", graphs=graphs, prefetch=True)
-    tokens, logits = _greedy(off, PROMPT, 16)
+    tokens, logits = greedy_logits(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
 
@@ -260,11 +251,11 @@ def test_cpu_miss_path_same_tokens(
     tiny_moe: Model, pcie_frac: float, gpu_miss: str, compiled: bool
 ) -> None:
     """Misses fetched or read in place by the GPU, computed on the CPU, or split between."""
-    ref_tokens, ref_logits = _greedy(ReferenceForward(tiny_moe), PROMPT, 6)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(tiny_moe), PROMPT, 6)
     off = _offload(tiny_moe, 3, "cpu", graphs=False, pcie_frac=pcie_frac, gpu_miss=gpu_miss,
                    cpu_kernels=compiled)  # fmt: skip
     assert off.cpu.math.name.startswith("compiled" if compiled else "torch")
-    tokens, logits = _greedy(off, PROMPT, 6)
+    tokens, logits = greedy_logits(off, PROMPT, 6)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < LOGIT_TOL[compiled]
     misses = off.experts.lookups.total - off.experts.lookups.vram

@@ -37,6 +37,7 @@ from stratad.store.tiers.rows import PinnedRows
 from stratad.store.tiers.sources import ModelExperts
 from stratad.tuning.bench_weights import random_blocks
 from tests.gguf_export import export_retyped
+from tests.greedy import greedy_logits
 
 # a staged chunk (every expert of a layer dequantized, then grouped GEMMs), then 2 tokens
 # through the fused kernels
@@ -64,16 +65,6 @@ def mixed_moe(tmp_path_factory: pytest.TempPathFactory, tiny_moe_file: Path) -> 
     }
     export_retyped(tiny_moe_file, root / "mixed.gguf", types)
     return load_model(root / "mixed.gguf")
-
-
-def _greedy(forward, n: int = 5) -> tuple[list[int], torch.Tensor]:  # type: ignore[no-untyped-def]
-    cache = forward.new_cache(128)
-    logits = forward(PROMPT, cache)[-1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out, logits
 
 
 def test_layouts_follow_each_layer(mixed_moe: Model) -> None:
@@ -125,8 +116,8 @@ def test_tokens_match_reference(
                         kernels=INTERPRETED, graphs=False, gpu_miss=gpu_miss,
                         pcie_frac=pcie_frac)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cpu"), cfg, ram=ram)
-    ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe))
-    tokens, logits = _greedy(off)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(mixed_moe), PROMPT, 5)
+    tokens, logits = greedy_logits(off, PROMPT, 5)
     assert tokens == ref_tokens
     # the compiled CPU kernels round activations to 8 bits per block of 32, as llama.cpp does
     assert (logits - ref_logits).abs().max() < (0.15 if pcie_frac < 1.0 else 1e-3)
@@ -157,15 +148,16 @@ def test_split_q6_k_experts_give_the_tokens_of_the_blocks(mixed_moe: Model, devi
     assert split.layouts[1].is_split(QType.Q6_K) and split.layouts[1].fmt.q6_k_split
     gate = split.layouts[1].views(split.ram.blob(1, 4))[0]
     assert torch.equal(gate.data, moe_layers(mixed_moe)[1].experts.expert(4).gate.data)
-    tokens, logits = _greedy(split)
-    blocks_tokens, blocks_logits = _greedy(engine(False))
+    tokens, logits = greedy_logits(split, PROMPT, 5)
+    blocks_tokens, blocks_logits = greedy_logits(engine(False), PROMPT, 5)
     assert tokens == blocks_tokens and torch.equal(logits, blocks_logits)
     assert split.ram.file_reads > 0
     # every miss on the CPU: the C kernels read layer 1's split Q6_K (read as blocks, its
     # bytes give NaN here) with the blocks' arithmetic
     shared = engine(True, pcie_frac=0.0)
     assert not split.layouts[0].q6_k_split  # only a layer holding Q6_K says split
-    got, want = _greedy(shared, 2)[1], _greedy(engine(False, pcie_frac=0.0), 2)[1]
+    got = greedy_logits(shared, PROMPT, 2)[1]
+    want = greedy_logits(engine(False, pcie_frac=0.0), PROMPT, 2)[1]
     assert shared.cpu.experts > 0 and torch.equal(got, want)
     with pytest.raises(ValueError, match="int8 dots alone"):
         OffloadConfig(expert_vram_bytes=0, kernels=INTERPRETED, q6_k_split=True)
@@ -213,8 +205,8 @@ def test_tokens_match_reference_gpu(mixed_moe: Model, gpu_miss: str, file_tier: 
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         gpu_miss=gpu_miss, prefetch=True)  # fmt: skip
     off = OffloadForward(mixed_moe, torch.device("cuda"), cfg, ram=ram)
-    ref_tokens, ref_logits = _greedy(ReferenceForward(mixed_moe), 16)
-    tokens, logits = _greedy(off, 16)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(mixed_moe), PROMPT, 16)
+    tokens, logits = greedy_logits(off, PROMPT, 16)
     assert tokens == ref_tokens
     assert (logits.cpu() - ref_logits).abs().max() < 1e-2
 
@@ -236,8 +228,8 @@ def test_llama_cpp_presets_match_reference(
     cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, prefill_chunk=CHUNK,
                         kernels=INTERPRETED, graphs=False)  # fmt: skip
     off = OffloadForward(model, torch.device("cpu"), cfg)
-    ref_tokens, ref_logits = _greedy(ReferenceForward(model), 3)
-    tokens, logits = _greedy(off, 3)
+    ref_tokens, ref_logits = greedy_logits(ReferenceForward(model), PROMPT, 3)
+    tokens, logits = greedy_logits(off, PROMPT, 3)
     assert tokens == ref_tokens
     assert (logits - ref_logits).abs().max() < 1e-3
 
@@ -269,7 +261,7 @@ def test_dense_gguf_decode_reads_the_blocks(quantized_attention: Model) -> None:
     assert qkv is not None and gguf.layers[0].o_gguf is not None and gguf.lm_head_gguf is not None
     assert [q for _, q in qkv.parts] == [QType.Q4_K, QType.Q6_K]  # q and k share a run
     assert plain.layers[0].qkv_gguf is None and plain.lm_head_gguf is None
-    want_tokens, want = _greedy(plain, 2)
-    tokens, got = _greedy(gguf, 2)
+    want_tokens, want = greedy_logits(plain, PROMPT, 2)
+    tokens, got = greedy_logits(gguf, PROMPT, 2)
     assert tokens == want_tokens
     assert (got - want).norm() / want.norm() < 3e-2 and not torch.equal(got, want)

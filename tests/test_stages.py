@@ -13,20 +13,11 @@ from stratad.engine.offload.stages import StagedForward, balanced_split, parse_s
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
+from tests.greedy import greedy
 
 # a staged chunk (every expert of a layer, grouped GEMMs), then 2 through the fused kernels
 CHUNK = FUSED_MAX_TOKENS + 1
 PROMPT = list(range(100, 100 + CHUNK + 2))
-
-
-def _greedy(forward, n: int) -> list[int]:  # type: ignore[no-untyped-def]
-    cache = forward.new_cache(128)
-    logits = forward(PROMPT, cache)[-1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = forward([out[-1]], cache)[-1]
-    return out
 
 
 def test_two_stages_same_tokens_as_one(tiny_moe_model: Model) -> None:
@@ -36,7 +27,8 @@ def test_two_stages_same_tokens_as_one(tiny_moe_model: Model) -> None:
     cpu = torch.device("cpu")
     staged = StagedForward(tiny_moe_model, [cpu, cpu], [0, 1, 4], cfg)
     assert [s.layer_ids for s in staged.stages] == [range(0, 1), range(1, 4)]
-    assert _greedy(staged, 6) == _greedy(ReferenceForward(tiny_moe_model), 6)
+    want = greedy(ReferenceForward(tiny_moe_model), PROMPT, 6, 128)
+    assert greedy(staged, PROMPT, 6, 128) == want
     # each stage keeps slots and counts for its own layers only
     assert all(not staged.stages[0].experts.slot_of[i] for i in range(1, 4))
     assert staged.stages[1].route_counts[0].sum() == 0 < staged.stages[1].route_counts[1].sum()

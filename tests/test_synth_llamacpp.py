@@ -26,7 +26,8 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.store.loader import load_model
 from tests.gguf_scan import ScannedTensor, scan, tensor_bytes
-from tests.llama_compare import f32_llama, greedy, llama_greedy, llama_logits
+from tests.greedy import greedy
+from tests.llama_compare import f32_llama, llama_greedy, llama_logits
 from tests.synth_rewrite import rewrite
 
 PROMPTS = [

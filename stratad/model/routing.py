@@ -26,6 +26,11 @@ class Softmax(msgspec.Struct, frozen=True, tag="softmax"):
         """(weights [T, k] float32, ids [T, k]) before renormalising and scaling."""
         return logits.float().softmax(-1).topk(top_k, dim=-1)
 
+    def as_softmax(self, normalize: bool) -> bool | None:
+        """Whether a softmax-then-top-k kernel computes this routing over the logits (plus the
+        router's bias, where the file has one), renormalising the chosen (None: it cannot)."""
+        return normalize
+
     def describe(self) -> str:
         return "softmax"
 
@@ -51,6 +56,9 @@ class Sigmoid(msgspec.Struct, frozen=True, tag="sigmoid"):
         ids = ranked.topk(top_k, dim=-1).indices
         return scores.gather(1, ids), ids
 
+    def as_softmax(self, normalize: bool) -> bool | None:
+        return None  # sigmoid scores: no softmax computes them
+
     def describe(self) -> str:
         if self.groups == 1:
             return "sigmoid with correction bias"
@@ -67,6 +75,9 @@ class TopKSoftmax(msgspec.Struct, frozen=True, tag="topk_softmax"):
         scores = logits.float() if bias is None else logits.float() + bias.float()
         top, ids = scores.topk(top_k, dim=-1)
         return top.softmax(-1), ids
+
+    def as_softmax(self, normalize: bool) -> bool | None:
+        return True  # a softmax over the top k logits is every logit's, renormalised
 
     def describe(self) -> str:
         return "softmax over the top k"

@@ -192,6 +192,7 @@ _FILE_TYPE = {
     QType.F16: LlamaFileType.MOSTLY_F16,
     QType.Q8_0: LlamaFileType.MOSTLY_Q8_0,
     QType.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    QType.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,  # gpt-oss's presets: MXFP4 experts
 }
 
 

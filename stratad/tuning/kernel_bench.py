@@ -39,7 +39,7 @@ from kernels.layers.norm import add_rmsnorm, rmsnorm
 from kernels.layers.rope import RopeStyle, rope_table
 from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from kernels.tuning.roofline import Row, time_us
-from stratad.engine.offload.grouped import grouped_swiglu
+from stratad.engine.offload.grouped import grouped_glu
 from stratad.model.spec import Model, ModelSpec
 from stratad.tuning.bench_weights import ExpertLayer, Mix, expert_layers
 
@@ -330,8 +330,8 @@ def _prefill_experts(
     xs = torch.randn(t * k, h, device=device, dtype=dtype)
     counts = torch.bincount(torch.arange(t * k, device=device) % n, minlength=n)
     # launched one by one: where torch has no grouped GEMM its loop reads the counts on the host
-    yield Case("grouped", "prefill", "grouped_swiglu (GEMMs)", f"{t * k} rows x {n} experts",
-               lambda: grouped_swiglu(xs, counts, gate, up, down),
+    yield Case("grouped", "prefill", "grouped_glu (GEMMs)", f"{t * k} rows x {n} experts",
+               lambda: grouped_glu(xs, counts, gate, up, down),
                3 * n * f * h * e + 2 * t * k * h * e, 6 * t * k * f * h, dtype=dn,
                graph=False)  # fmt: skip
 

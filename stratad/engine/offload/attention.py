@@ -9,6 +9,10 @@ blocks found through its row of the tables [B, max_blocks] (gathered on the devi
 step). A prefill chunk gathers its sequence's keys and values up to its end and attends with
 torch's scaled_dot_product_attention.
 
+gpt-oss's attention sinks and sliding-window layers are read by the same decode kernel (its
+`sinks` and `window`); a prefill chunk of such a layer attends in pieces of query rows in
+torch, the sink a column of each softmax.
+
 An int8 pool (`engine.kv_cache = "int8"`) holds int8 keys and values with a float32 scale per
 token and KV head (`kernels.formats.kv_int8`): the fused input kernel writes them, decode
 attention reads them directly, and a prefill chunk dequantizes the rows it gathers. A 4-bit
@@ -31,7 +35,7 @@ from stratad.engine.kv_format import Q4, Q4KV, Int8KV
 from stratad.engine.offload.config import OffloadConfig
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
-from stratad.engine.reference.layers import apply_rope, rope_tables
+from stratad.engine.reference.layers import apply_rope, attention, rope_tables
 from stratad.model.spec import ModelSpec
 
 # x, the bf16 weight, its bias, its GGUF blocks (decode reads them where given)
@@ -103,7 +107,7 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, None, w.o_gguf)
+        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, w.o_bias, w.o_gguf)
 
     def _batch(
         self,
@@ -128,7 +132,8 @@ class OffloadAttention:
                            for b, cache in enumerate(caches)])  # fmt: skip
         return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
                                 block_tables=tables, block_size=bs, k_scale=ks,
-                                v_scale=vs, host=pool.host_pages(i))  # fmt: skip
+                                v_scale=vs, host=pool.host_pages(i), sinks=w.sinks,
+                                window=spec.window(i))  # fmt: skip
 
     def _one(
         self,
@@ -154,8 +159,8 @@ class OffloadAttention:
             lens = self.lens[b : b + 1]
             return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
                                     counts=self.counts, block_tables=table, block_size=bs,
-                                    k_scale=ks, v_scale=vs,
-                                    host=cache.pool.host_pages(i))  # fmt: skip
+                                    k_scale=ks, v_scale=vs, host=cache.pool.host_pages(i),
+                                    sinks=w.sinks, window=spec.window(i))  # fmt: skip
         t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
         keys, values, *scales = cache.gather(i, start + t, qkv.device)
         if scales:  # a prefill chunk attends with torch: floats
@@ -163,6 +168,9 @@ class OffloadAttention:
             assert isinstance(fmt, Int8KV | Q4KV)
             keys = fmt.dequantize(keys, scales[0]).to(q.dtype)
             values = fmt.dequantize(values, scales[1]).to(q.dtype)
+        window = spec.window(i)
+        if w.sinks is not None or window:  # gpt-oss: in pieces of rows, each a softmax of its own
+            return _attend_rows(q, keys, values, start, w.sinks, window)
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
@@ -202,6 +210,27 @@ class OffloadAttention:
         cache.k[i].index_copy_(0, rows, k)
         cache.v[i].index_copy_(0, rows, v)
         return q
+
+
+# query rows per piece of a prefill chunk with sinks or a window: [Hq, rows, keys] float32
+# scores at a time (64 heads over 32K keys: 1 GiB)
+_ROWS = 128
+
+
+def _attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+    sinks: torch.Tensor | None, window: int,
+) -> torch.Tensor:  # fmt: skip
+    """A prefill chunk's attention [T, Hq, D] for queries q [T, Hq, D] at positions start..,
+    over keys/values [start + T, Hkv, D], with gpt-oss's sinks [Hq] and `window` (0: none):
+    the reference's product over pieces of _ROWS queries, each reading the keys it can see."""
+    outs = []
+    for r0 in range(0, q.shape[0], _ROWS):
+        r1 = min(r0 + _ROWS, q.shape[0])
+        first = max(0, start + r0 - window + 1) if window else 0  # the piece's oldest key
+        outs.append(attention(q[r0:r1], keys[first : start + r1], values[first : start + r1],
+                              start + r0 - first, sinks, window))  # fmt: skip
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _scales(pool: KVPool, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

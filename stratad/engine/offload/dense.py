@@ -60,6 +60,13 @@ class DenseLayer:
     # qkv and o as GGUF blocks for decode (`gguf_matrix`; None: bf16 only)
     qkv_gguf: GgufMatrix | None = None
     o_gguf: GgufMatrix | None = None
+    # gpt-oss: the output projection's bias, each query head's sink logit (float32 [Hq]), the
+    # router's bias, and the routed experts' biases, float32 (gate and up [E, 2, F], down
+    # [E, H]) as the fused kernels read them
+    o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
+    expert_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def dense_layers(
@@ -74,6 +81,9 @@ def dense_layers(
     def opt(t: QTensor | None) -> torch.Tensor | None:
         return None if t is None else f(t)
 
+    def f32(t: QTensor | None) -> torch.Tensor | None:
+        return None if t is None else t.dequantize().to(device=device, dtype=torch.float32)
+
     arch = ARCHS[model.spec.arch]
     out = {}
     for i in layers:
@@ -83,7 +93,15 @@ def dense_layers(
             raise ModelError(f"{model.source}: layer {i} has no routed experts")
         biases = (a.q_bias, a.k_bias, a.v_bias)
         bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
-        shared = moe.shared
+        shared, experts = moe.shared, moe.experts
+        expert_bias = None
+        if experts.gate_bias is not None and experts.up_bias is not None:
+            gate_up = torch.stack([experts.gate_bias.dequantize(), experts.up_bias.dequantize()], 1)
+            down = f32(experts.down_bias)
+            if down is None:
+                raise ModelError(f"{model.source}: layer {i}'s experts have gate and up biases"
+                                 " but no down bias")  # fmt: skip
+            expert_bias = (gate_up.to(device=device, dtype=torch.float32).contiguous(), down)
         out[i] = DenseLayer(
             attn_norm=f(w.attn_norm),
             qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
@@ -97,5 +115,9 @@ def dense_layers(
             shared_gate=opt(moe.shared_gate),
             qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf else None,
             o_gguf=gguf_matrix([a.o], device) if gguf else None,
+            o_bias=opt(a.o_bias),
+            sinks=f32(a.sinks),
+            router_bias=f32(moe.router_bias),
+            expert_bias=expert_bias,
         )
     return out

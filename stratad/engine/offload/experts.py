@@ -26,7 +26,6 @@ from kernels.experts.moe import (
 )
 from kernels.formats.quant import QTensor, QType, dequantize
 from stratad.model.archs import ARCHS
-from stratad.model.graph import graph_departure
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
 from stratad.store.pack.manifest import ExpertLayout
@@ -180,12 +179,15 @@ def blob_layouts(model: Model) -> ExpertLayouts:
 
 def graph_refusal(model: Model) -> str | None:
     """What of a MoE model's layer graph the offload engine does not run yet (None: all):
-    leading dense layers, and any departure from the plain graph (`stratad.model.graph`)."""
+    leading dense layers and RoPE over part of each head (GLM-4.5). It runs every other
+    departure from the plain graph (`stratad.model.graph`): any routing kind, gpt-oss's
+    sinks, sliding windows, biases and clamped SwiGLU."""
     spec = model.spec
     if spec.dense_layers:
         return f"its first {spec.dense_layers} layers are dense"
-    arch = ARCHS[spec.arch]
-    return graph_departure(spec, [arch.layer(model, i) for i in range(spec.n_layers)])
+    if spec.rope_dim:
+        return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
+    return None
 
 
 def fast_path_refusal(model: Model) -> str | None:

@@ -31,7 +31,7 @@ import torch.nn.functional as fn
 
 from kernels.experts.expert_fetch import fetch_experts
 from kernels.experts.link_pace import pace_link
-from kernels.experts.moe import moe_down, moe_gate_up
+from kernels.experts.moe import GluClamp, moe_down, moe_gate_up, pair_biases
 from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
@@ -48,9 +48,12 @@ from stratad.engine.offload.prefetch import ExpertPrefetch
 from stratad.engine.offload.split_step import SplitParts, SplitStep
 from stratad.engine.offload.staging import ExpertStaging
 from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pass
-from stratad.engine.reference.layers import rms_norm, route, swiglu
+from stratad.engine.reference.layers import rms_norm, route, route_as, swiglu
 from stratad.engine.timing import StageTimer
 from stratad.host_copy import to_device
+from stratad.model.activation import ClampedSwiGlu
+from stratad.model.archs import ARCHS
+from stratad.model.graph import ffn_departure
 from stratad.model.spec import Model, ModelError
 from stratad.store.addressed import AddressedStore
 from stratad.store.tiers.address_table import AddressTable
@@ -101,8 +104,19 @@ class OffloadForward:
                              " read (OffloadConfig.q6_k_split)")  # fmt: skip
         # one Triton kernel per norm on a GPU (the torch reference is six launches)
         self.norm_fn = rmsnorm if device.type != "cpu" else rms_norm
-        # softmax, top-k and renormalisation in one kernel (torch: six launches per layer)
+        # softmax, top-k and renormalisation in one kernel (torch: six launches per layer),
+        # where the model routes so (`Routing.as_softmax`; else torch, `route_as`)
         self.route_fn = route_topk if device.type != "cpu" else route
+        self.softmax_norm = spec.routing.as_softmax(spec.norm_topk_prob)
+        act = spec.activation  # gpt-oss's clamped SwiGLU, as the fused kernels compute it
+        self.clamp = GluClamp(act.alpha, act.limit) if isinstance(act, ClampedSwiGlu) else None
+        # the CPU's share of misses computes plain SiLU-gated experts (kernels.cpu.experts)
+        arch = ARCHS[spec.arch]
+        self.cpu_refusal = ffn_departure(spec, [arch.layer(model, i) for i in self.layer_ids])
+        if self.cpu_refusal is not None and config.pcie_frac < 1.0:
+            raise ModelError(f"{model.source}: the CPU's share of the misses computes plain"
+                             f" experts, and {self.cpu_refusal}: keep engine.pcie_frac at"
+                             " 1")  # fmt: skip
         # decode's projections read their weights near HBM's rate in a GEMV kernel (cuBLAS's
         # M = 1 path reached about a third of it on an H200); prefill's chunks stay GEMMs
         self.gemv = device.type != "cpu" and self.dtype in (torch.float16, torch.bfloat16)
@@ -134,7 +148,7 @@ class OffloadForward:
         self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
         self.timer = StageTimer(enabled=False)
         self.staging = ExpertStaging(self.experts, self.layouts, self.dtype,
-                                     config.kernels.dequant)  # fmt: skip
+                                     config.kernels.dequant, spec.activation)  # fmt: skip
         self.cpu = CpuMisses(self.experts, self.layouts, spec.hidden,
                              expert_math(config.cpu_kernels, config.cpu_threads))  # fmt: skip
         # guesses need the copy path's staging (none when every expert is in VRAM: nothing to
@@ -203,10 +217,8 @@ class OffloadForward:
     def _guess_route(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The experts [1, k] int32 that `layer`'s router picks for the hidden state x [1, H]
         as it stands (the prefetch's guess)."""
-        spec, w = self.spec, self.layers[layer]
-        h = self.norm_fn(x, w.ffn_norm, spec.rms_eps)
-        _, ids = self.route_fn(self.linear(h, w.router), spec.n_experts_used, spec.norm_topk_prob)
-        return ids.to(torch.int32)
+        w = self.layers[layer]
+        return self._route(w, self.norm_fn(x, w.ffn_norm, self.spec.rms_eps))[1]
 
     def new_pool(self, tokens: int) -> KVPool:
         """A KV pool of at least `tokens` rows on this engine's device (`config.kv_pool`)."""
@@ -238,9 +250,15 @@ class OffloadForward:
         return fn.linear(x, weight, bias)
 
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k] float32, expert ids [T, k] int32) of the normed h [T, H]."""
         spec = self.spec
-        logits = self.linear(h, w.router)
-        weights, ids = self.route_fn(logits, spec.n_experts_used, spec.norm_topk_prob)
+        if self.softmax_norm is None:  # e.g. sigmoid scores with a correction bias
+            weights, ids = route_as(spec, self.linear(h, w.router), w.router_bias)
+            return weights, ids.to(torch.int32)
+        logits = self.linear(h, w.router, w.router_bias)
+        weights, ids = self.route_fn(logits, spec.n_experts_used, self.softmax_norm)
+        if spec.expert_scale != 1.0:
+            weights = weights * spec.expert_scale
         return weights, ids.to(torch.int32)  # the kernels read int32 ids
 
     def _shared(self, w: DenseLayer, h: torch.Tensor) -> torch.Tensor | None:
@@ -287,7 +305,7 @@ class OffloadForward:
             parts = self.gpu_experts(i, h, ids, weights)
         else:
             with stage("experts (staged)"):
-                parts = self.staging.moe(i, h, ids, weights)[:, None]
+                parts = self.staging.moe(i, h, ids, weights, self.layers[i].expert_bias)[:, None]
         return x, self._with_shared(i, h, parts), ids
 
     def _attend_route(
@@ -329,6 +347,8 @@ class OffloadForward:
         weighted output, [T, k, H] float32 (the next `_add_norm` sums them)."""
         stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
+        bias = self.layers[i].expert_bias  # by expert id: gathered before ids become pairs
+        gate_up_bias, down_bias = pair_biases(bias, ids) if bias is not None else (None, None)
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
                 span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
@@ -341,8 +361,9 @@ class OffloadForward:
             gate_up = kernels.moe_for("moe", fmt.gate, fmt.held_split(fmt.gate))
             down = kernels.moe_for("moe_down", fmt.down, fmt.held_split(fmt.down))
             act = moe_gate_up(h.contiguous(), ids, table, self.spec.expert_ffn, gate_up, aligned,
-                              fmt)  # fmt: skip
-            return moe_down(act, ids, weights, table, self.spec.hidden, down, aligned, fmt)
+                              fmt, gate_up_bias, self.clamp)  # fmt: skip
+            return moe_down(act, ids, weights, table, self.spec.hidden, down, aligned, fmt,
+                            down_bias)  # fmt: skip
 
     @property
     def tables(self) -> list[AddressTable]:
@@ -354,6 +375,10 @@ class OffloadForward:
         return self.experts.route_counts
 
     def set_pcie_frac(self, frac: float) -> None:
+        if frac < 1.0 and self.cpu_refusal is not None:
+            log.warning("engine.pcie_frac stays 1: the CPU's share of the misses computes plain"
+                        " experts, and %s", self.cpu_refusal)  # fmt: skip
+            return
         self.config = replace(self.config, pcie_frac=frac)
 
     def measure_cpu_expert_bps(self) -> float:

@@ -19,19 +19,21 @@ from kernels.formats.dequant import DEQUANT_DTYPES, DequantConfig, dequant_q4_0_
 from kernels.formats.dequant_blocks import dequant_blocks
 from kernels.formats.quant import QType
 from stratad.engine.offload.experts import ExpertLayouts, dequant_blobs
-from stratad.engine.offload.grouped import grouped_swiglu
+from stratad.engine.offload.grouped import grouped_glu
+from stratad.model.activation import SILU, Activation
 from stratad.store.tiers.address_table import AddressTable
 
 
 class ExpertStaging:
     def __init__(
         self, experts: AddressTable, layouts: ExpertLayouts, dtype: torch.dtype,
-        dequant: DequantConfig,
+        dequant: DequantConfig, glu: Activation = SILU,
     ) -> None:  # fmt: skip
         """`experts`: where each blob is (VRAM slot, RAM copy, the file) and the side stream
         the copies run on; `layouts`: the blobs'; `dtype`: the compute dtype the blobs are
-        dequantized to."""
+        dequantized to; `glu`: the experts' gated activation (the model's)."""
         self.experts, self.layouts, self.dtype, self.dequant = experts, layouts, dtype, dequant
+        self.glu = glu
         self.n_experts = experts.table.shape[1]
         self._buf: torch.Tensor | None = None  # [2, E, blob bytes], allocated on first use
         self._ready: dict[int, torch.cuda.Event | None] = {}  # layer -> its copy is done
@@ -150,10 +152,12 @@ class ExpertStaging:
         return out
 
     def moe(
-        self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
+        self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The layer's routed-expert output [T, H] for a chunk: its rows grouped by expert,
-        one grouped GEMM per projection over the staged experts."""
+        one grouped GEMM per projection over the staged experts (`bias`: the experts' gate
+        and up [E, 2, F], down [E, H], added to each row by its expert)."""
         e = self.experts
         t, k = ids.shape
         flat = ids.reshape(-1).long()
@@ -162,7 +166,11 @@ class ExpertStaging:
         gate, up, down = self.take(layer)
         tokens = order // k
         xs = h[tokens]  # [T*k, H], grouped by expert
-        rows = grouped_swiglu(xs, counts, gate, up, down)
+        rows_bias = None
+        if bias is not None:  # each row's expert's
+            expert = flat[order]
+            rows_bias = (bias[0][expert, 0], bias[0][expert, 1], bias[1][expert])
+        rows = grouped_glu(xs, counts, gate, up, down, self.glu, rows_bias)
         scaled = rows.float() * weights.reshape(-1)[order, None]
         out = torch.zeros((t, self.layouts.hidden), dtype=torch.float32, device=e.device)
         out.index_add_(0, tokens, scaled)
