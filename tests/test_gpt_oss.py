@@ -16,14 +16,10 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from kernels.formats.quant import QType
-from kernels.tuning.configs import INTERPRETED, KernelConfigs
 from stratad.engine.offload import attention as offload_attention
-from stratad.engine.offload.experts import blob_layouts, fast_path_refusal
-from stratad.engine.offload.forward import OffloadConfig, OffloadForward
-from stratad.engine.passes import FUSED_MAX_TOKENS
+from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.model.activation import ClampedSwiGlu
@@ -32,8 +28,9 @@ from stratad.model.spec import Model, ModelError
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
 from tests.daemon import running_daemon
-from tests.greedy import greedy, greedy_logits
+from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
+from tests.offload_engine import assert_as_reference, tiny_offload
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "def fibonacci(n):"]
 N_NEW = 16
@@ -75,20 +72,6 @@ def mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return load_model(path)
 
 
-# a staged chunk (the grouped GEMMs) past the window of 8, then 2 tokens (the fused kernels
-# with T > 1), then decode steps through the sinks and the window
-OFFLOAD_PROMPT = list(range(100, 100 + FUSED_MAX_TOKENS + 3))
-
-
-def _offload(model: Model, device: str, **kw) -> OffloadForward:  # type: ignore[no-untyped-def]
-    """3 of each layer's 8 experts in "VRAM", the rest read from RAM; float32."""
-    budget = 3 * model.spec.n_layers * blob_layouts(model).slot_bytes
-    kernels = INTERPRETED if device == "cpu" else KernelConfigs()
-    cfg = OffloadConfig(expert_vram_bytes=budget, dtype=torch.float32, kernels=kernels,
-                        prefill_chunk=FUSED_MAX_TOKENS + 1, **kw)  # fmt: skip
-    return OffloadForward(model, torch.device(device), cfg)
-
-
 @pytest.mark.parametrize(("gpu_miss", "rows"), [("copy", 128), ("in_place", 16)])
 def test_gpu_engine_against_the_reference_cpu(
     mxfp4: Model, gpu_miss: str, rows: int, monkeypatch: pytest.MonkeyPatch
@@ -100,18 +83,14 @@ def test_gpu_engine_against_the_reference_cpu(
     projection's bias."""
     monkeypatch.setattr(offload_attention, "_ROWS", rows)
     assert fast_path_refusal(mxfp4) is None
-    want, want_logits = greedy_logits(ReferenceForward(mxfp4), OFFLOAD_PROMPT, 6)
-    off = _offload(mxfp4, "cpu", graphs=False, gpu_miss=gpu_miss)
-    got, logits = greedy_logits(off, OFFLOAD_PROMPT, 6)
-    assert got == want
-    assert (logits - want_logits).abs().max() < 1e-3
+    assert_as_reference(mxfp4, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss)
 
 
 def test_gpu_engine_keeps_the_cpu_share_off(mxfp4: Model) -> None:
     """The CPU's share of the misses computes plain experts: asked for, refused, said why."""
     with pytest.raises(ModelError, match="clamped SwiGLU.*pcie_frac at 1"):
-        _offload(mxfp4, "cpu", graphs=False, pcie_frac=0.5)
-    off = _offload(mxfp4, "cpu", graphs=False)
+        tiny_offload(mxfp4, "cpu", graphs=False, pcie_frac=0.5)
+    off = tiny_offload(mxfp4, "cpu", graphs=False)
     off.set_pcie_frac(0.5)  # the daemon's "balanced" after measuring the link
     assert off.config.pcie_frac == 1.0
 
@@ -119,11 +98,7 @@ def test_gpu_engine_keeps_the_cpu_share_off(mxfp4: Model) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_gpu_engine_against_the_reference_gpu(mxfp4: Model, graphs: bool) -> None:
-    want, want_logits = greedy_logits(ReferenceForward(mxfp4), OFFLOAD_PROMPT, 16)
-    off = _offload(mxfp4, "cuda", graphs=graphs, prefetch=True)
-    got, logits = greedy_logits(off, OFFLOAD_PROMPT, 16)
-    assert got == want
-    assert (logits.cpu() - want_logits).abs().max() < 1e-2
+    assert_as_reference(mxfp4, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
 
 
 def test_daemon_serves_it_through_the_store(tiny_oss: Path, model: Model, tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """How far a model's layer graph departs from the plain llama-style decoder: softmax-routed
 (or dense) SiLU-gated feed-forward blocks without biases, RoPE over whole heads, attention
-without sinks, window or output bias. The fast paths compute that graph (the cpu engine's
-one-call layer stacks, the GPU engine); the reference computes every departure."""
+without sinks, window or output bias. The cpu engine's one-call layer stacks compute that
+graph, and the compiled CPU experts (the cpu engine's one-call experts, the GPU engine's CPU
+share of the misses) its feed-forward part; the reference and the GPU engine compute every
+departure."""
 
 from __future__ import annotations
 

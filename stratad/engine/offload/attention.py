@@ -3,7 +3,8 @@ tables, the KV write, and attention itself, over the paged KV pool (`stratad.eng
 
 Decode attends split-K through the caches' block tables, the lengths read on the device (so
 one captured graph serves every position); where the model allows, the norms, the rotation and
-the KV write are one kernel (`kernels.layers.attn_input`). A decode step of several sequences
+the KV write are one kernel (`kernels.layers.attn_input`); RoPE over part of each head
+(GLM-4.5) is written op by op. A decode step of several sequences
 of one pool runs attention (and the fused input) once for the whole batch, each sequence's
 blocks found through its row of the tables [B, max_blocks] (gathered on the device once per
 step). A prefill chunk gathers its sequence's keys and values up to its end and attends with
@@ -178,6 +179,15 @@ class OffloadAttention:
         out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
         return out[0].transpose(0, 1)
 
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated at positions pos [T] by the tables: its first 2 * half dims
+        (all of them, or GLM-4.5's partial RoPE), the rest as they are."""
+        r = 2 * self.cos.shape[1]
+        if r == x.shape[-1]:
+            return rope_table(x, pos, self.cos, self.sin, self.style)
+        turned = rope_table(x[..., :r].contiguous(), pos, self.cos, self.sin, self.style)
+        return torch.cat((turned, x[..., r:]), dim=-1)
+
     def _input(
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
@@ -193,8 +203,7 @@ class OffloadAttention:
         if spec.qk_norm == "head":
             q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
         if self.device.type != "cpu":  # one kernel each, reading the tables by position
-            q = rope_table(q, pos, self.cos, self.sin, self.style)
-            k = rope_table(k, pos, self.cos, self.sin, self.style)
+            q, k = self._rotate(q, pos), self._rotate(k, pos)
         else:
             cos, sin = self.cos[pos], self.sin[pos]
             q = apply_rope(q, cos, sin, spec.rope_interleaved)

@@ -5,7 +5,7 @@ which a decode pass dots in int8 (`kernels.layers.qlinear`): a third of bf16's b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,7 +54,7 @@ class DenseLayer:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     ffn_norm: torch.Tensor
-    router: torch.Tensor  # [E, H]
+    router: torch.Tensor | None  # [E, H]; None: a dense feed-forward layer (`ffn`)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     shared_gate: torch.Tensor | None
     # qkv and o as GGUF blocks for decode (`gguf_matrix`; None: bf16 only)
@@ -67,13 +67,16 @@ class DenseLayer:
     sinks: torch.Tensor | None = None
     router_bias: torch.Tensor | None = None
     expert_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a leading dense layer's feed-forward block (GLM-4.5's first): gate, up [F, H], down
+    ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def dense_layers(
     model: Model, device: torch.device, dtype: torch.dtype, layers: range, gguf: bool = False
 ) -> dict[int, DenseLayer]:
-    """Everything but the routed experts of these layers, dequantized once into the compute
-    dtype; `gguf`: also qkv and o as their GGUF blocks where the int8 readers take them."""
+    """Everything but the routed experts of these layers (a leading dense layer's
+    feed-forward block whole), dequantized once into the compute dtype; `gguf`: also qkv and o
+    as their GGUF blocks where the int8 readers take them."""
 
     def f(t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=device, dtype=dtype)
@@ -89,10 +92,21 @@ def dense_layers(
     for i in layers:
         w = arch.layer(model, i)
         moe, a = w.mlp, w.attn
-        if not isinstance(moe, MoEWeights):
-            raise ModelError(f"{model.source}: layer {i} has no routed experts")
         biases = (a.q_bias, a.k_bias, a.v_bias)
         bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
+        layer = DenseLayer(
+            attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.q), f(a.k), f(a.v)]), qkv_bias=bias,
+            q_norm=opt(a.q_norm), k_norm=opt(a.k_norm), o=f(a.o), ffn_norm=f(w.ffn_norm),
+            router=None, shared=None, shared_gate=None,
+            qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf else None,
+            o_gguf=gguf_matrix([a.o], device) if gguf else None, o_bias=opt(a.o_bias),
+            sinks=f32(a.sinks),
+        )  # fmt: skip
+        if not isinstance(moe, MoEWeights):
+            if model.spec.moe_layer(i):
+                raise ModelError(f"{model.source}: layer {i} has no routed experts")
+            out[i] = replace(layer, ffn=(f(moe.gate), f(moe.up), f(moe.down)))
+            continue
         shared, experts = moe.shared, moe.experts
         expert_bias = None
         if experts.gate_bias is not None and experts.up_bias is not None:
@@ -102,21 +116,11 @@ def dense_layers(
                 raise ModelError(f"{model.source}: layer {i}'s experts have gate and up biases"
                                  " but no down bias")  # fmt: skip
             expert_bias = (gate_up.to(device=device, dtype=torch.float32).contiguous(), down)
-        out[i] = DenseLayer(
-            attn_norm=f(w.attn_norm),
-            qkv=torch.cat([f(a.q), f(a.k), f(a.v)]),
-            qkv_bias=bias,
-            q_norm=opt(a.q_norm),
-            k_norm=opt(a.k_norm),
-            o=f(a.o),
-            ffn_norm=f(w.ffn_norm),
+        out[i] = replace(
+            layer,
             router=f(moe.router),
             shared=(f(shared.gate), f(shared.up), f(shared.down)) if shared else None,
             shared_gate=opt(moe.shared_gate),
-            qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf else None,
-            o_gguf=gguf_matrix([a.o], device) if gguf else None,
-            o_bias=opt(a.o_bias),
-            sinks=f32(a.sinks),
             router_bias=f32(moe.router_bias),
             expert_bias=expert_bias,
         )

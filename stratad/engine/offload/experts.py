@@ -152,9 +152,11 @@ class ExpertLayouts:
 
 
 def moe_layers(model: Model) -> list[MoEWeights]:
+    """The routed layers' weights, in order (the store's grid: leading dense layers are not
+    in it)."""
     arch = ARCHS[model.spec.arch]
-    layers = [arch.layer(model, i).mlp for i in range(model.spec.n_layers)]
-    if not all(isinstance(m, MoEWeights) for m in layers):
+    layers = [arch.layer(model, i).mlp for i in model.spec.moe_layers]
+    if not layers or not all(isinstance(m, MoEWeights) for m in layers):
         raise ModelError(f"{model.source}: not a mixture-of-experts model")
     return layers  # type: ignore[return-value]
 
@@ -177,30 +179,15 @@ def blob_layouts(model: Model) -> ExpertLayouts:
     return ExpertLayouts(tuple(out))
 
 
-def graph_refusal(model: Model) -> str | None:
-    """What of a MoE model's layer graph the offload engine does not run yet (None: all):
-    leading dense layers and RoPE over part of each head (GLM-4.5). It runs every other
-    departure from the plain graph (`stratad.model.graph`): any routing kind, gpt-oss's
-    sinks, sliding windows, biases and clamped SwiGLU."""
-    spec = model.spec
-    if spec.dense_layers:
-        return f"its first {spec.dense_layers} layers are dense"
-    if spec.rope_dim:
-        return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
-    return None
-
-
 def fast_path_refusal(model: Model) -> str | None:
     """Why the fused kernels cannot read this model's experts (None: they can)."""
     if not model.spec.is_moe:
         return "not a mixture-of-experts model"
-    graph = graph_refusal(model)
-    if graph is not None:
-        return graph
-    for layer, lay in enumerate(blob_layouts(model).layers):
+    first = model.spec.dense_layers
+    for row, lay in enumerate(blob_layouts(model).layers):
         for (_, _, rows, cols), qtype in zip(lay.spans(), lay.qtypes, strict=True):
             if qtype not in MOE_QTYPES:
-                return f"layer {layer} holds {qtype.name} experts"
+                return f"layer {first + row} holds {qtype.name} experts"
             if qtype == QType.Q4_0 and not split_q4_0_ok(rows, cols):
                 return f"Q4_0 experts of {rows} x {cols} (the kernels read aligned words)"
     return None

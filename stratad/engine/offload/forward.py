@@ -89,6 +89,13 @@ class OffloadForward:
         self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
+        # the store's grid is the routed layers: model layer i is its row i - first_moe (a
+        # leading dense layer has none)
+        self.first_moe = d = spec.dense_layers
+        self.rows = range(max(self.layer_ids.start - d, 0), max(self.layer_ids.stop - d, 0))
+        if not self.rows:
+            raise ModelError(f"{model.source}: layers {self.layer_ids.start}.."
+                             f"{self.layer_ids.stop - 1} route to no experts")  # fmt: skip
         self.layouts = kernel_layouts(model, config.q6_k_split)
         self.device, self.config, self.dtype = device, config, config.dtype
         # the RAM tier pins on its own thread while the dense weights load
@@ -112,7 +119,10 @@ class OffloadForward:
         self.clamp = GluClamp(act.alpha, act.limit) if isinstance(act, ClampedSwiGlu) else None
         # the CPU's share of misses computes plain SiLU-gated experts (kernels.cpu.experts)
         arch = ARCHS[spec.arch]
-        self.cpu_refusal = ffn_departure(spec, [arch.layer(model, i) for i in self.layer_ids])
+        self.cpu_refusal = (  # (the split step walks routed layers alone)
+            f"its first {d} layers are dense" if d
+            else ffn_departure(spec, [arch.layer(model, i) for i in self.layer_ids])
+        )  # fmt: skip
         if self.cpu_refusal is not None and config.pcie_frac < 1.0:
             raise ModelError(f"{model.source}: the CPU's share of the misses computes plain"
                              f" experts, and {self.cpu_refusal}: keep engine.pcie_frac at"
@@ -169,10 +179,10 @@ class OffloadForward:
         """The VRAM slots and the address table (the store's); each of this engine's layers
         owns the slots its initial residents fill (the plan's choice, or an even share of the
         budget by expert index)."""
-        spec, nbytes, own = self.spec, self.layouts.slot_bytes, self.layer_ids
+        spec, nbytes, own = self.spec, self.layouts.slot_bytes, self.rows
         if residents is None:
             per_layer = min(spec.n_experts, self.config.expert_vram_bytes // nbytes // len(own))
-            residents = initial_residents(spec.n_layers, spec.n_experts, per_layer)
+            residents = initial_residents(len(spec.moe_layers), spec.n_experts, per_layer)
         # the file tier: this engine's experts with neither a RAM copy nor a slot held for good
         # (a resident without a RAM copy is never evicted)
         file_only = any(
@@ -214,10 +224,10 @@ class OffloadForward:
             cpu_compute=self.cpu.compute, stage=lambda name: self.timer.stage(name),
         )  # fmt: skip
 
-    def _guess_route(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The experts [1, k] int32 that `layer`'s router picks for the hidden state x [1, H]
-        as it stands (the prefetch's guess)."""
-        w = self.layers[layer]
+    def _guess_route(self, row: int, x: torch.Tensor) -> torch.Tensor:
+        """The experts [1, k] int32 that the router of the store's `row` picks for the hidden
+        state x [1, H] as it stands (the prefetch's guess)."""
+        w = self.layers[row + self.first_moe]
         return self._route(w, self.norm_fn(x, w.ffn_norm, self.spec.rms_eps))[1]
 
     def new_pool(self, tokens: int) -> KVPool:
@@ -252,6 +262,7 @@ class OffloadForward:
     def _route(self, w: DenseLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [T, k] float32, expert ids [T, k] int32) of the normed h [T, H]."""
         spec = self.spec
+        assert w.router is not None, "a dense layer routes to no experts"
         if self.softmax_norm is None:  # e.g. sigmoid scores with a correction bias
             weights, ids = route_as(spec, self.linear(h, w.router), w.router_bias)
             return weights, ids.to(torch.int32)
@@ -290,23 +301,45 @@ class OffloadForward:
         pos: torch.Tensor,
         caches: Sequence[KVCache],
         step: Pass,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Layer i on the stream x [T, H] once the previous layer's `parts` are added to it:
-        (the stream after attention, this layer's expert parts [T, P, H] still to add, ids).
-        Each residual add is fused with the norm that follows it."""
-        stage = self.timer.stage
+        (the stream after attention, this layer's parts [T, P, H] still to add, its routed
+        ids: None for a leading dense layer). Each residual add is fused with the norm that
+        follows it."""
+        stage, w = self.timer.stage, self.layers[i]
+        if w.ffn is not None:  # a leading dense layer: its feed-forward block in VRAM
+            x, h = self._attend(i, x, parts, pos, caches, step)
+            with stage("dense feed-forward"):
+                return x, swiglu(h, *w.ffn)[:, None], None
         x, h, weights, ids = self._attend_route(i, x, parts, pos, caches, step)
+        row = i - self.first_moe
         if step.fused:
-            self.experts.read_file_misses(i, ids)
+            self.experts.read_file_misses(row, ids)
         if step.fused and self.config.pcie_frac < 1.0:
-            parts = self.cpu.run(i, h, ids, weights, self.config.pcie_frac, self.gpu_experts,
+            parts = self.cpu.run(row, h, ids, weights, self.config.pcie_frac, self.gpu_experts,
                                  self.timer)  # fmt: skip
         elif step.fused:
-            parts = self.gpu_experts(i, h, ids, weights)
+            parts = self.gpu_experts(row, h, ids, weights)
         else:
             with stage("experts (staged)"):
-                parts = self.staging.moe(i, h, ids, weights, self.layers[i].expert_bias)[:, None]
+                parts = self.staging.moe(row, h, ids, weights, w.expert_bias)[:, None]
         return x, self._with_shared(i, h, parts), ids
+
+    def _attend(
+        self,
+        i: int,
+        x: torch.Tensor,
+        parts: torch.Tensor | None,
+        pos: torch.Tensor,
+        caches: Sequence[KVCache],
+        step: Pass,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention block: (the stream after it, its feed-forward norm h)."""
+        w, stage = self.layers[i], self.timer.stage
+        with stage("attention"):
+            x, h = self._add_norm(x, parts, w.attn_norm)
+            attn = self.attention(w, i, h, pos, caches, step)
+        return self._add_norm(x, attn[:, None], w.ffn_norm)
 
     def _attend_route(
         self,
@@ -319,16 +352,12 @@ class OffloadForward:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i up to its routing: (the stream after attention, its norm h, the routing
         weights and ids [T, k])."""
-        w, stage = self.layers[i], self.timer.stage
-        with stage("attention"):
-            x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self.attention(w, i, h, pos, caches, step)
-        with stage("router"):
-            x, h = self._add_norm(x, attn[:, None], w.ffn_norm)
-            weights, ids = self._route(w, h)
+        x, h = self._attend(i, x, parts, pos, caches, step)
+        with self.timer.stage("router"):
+            weights, ids = self._route(self.layers[i], h)
         if step.tokens == 1:
-            with stage("expert prefetch"):
-                self.prefetch.after_route(i, x, ids, self.config.pcie_frac)  # guess layer i+1
+            with self.timer.stage("expert prefetch"):  # guess the next row's
+                self.prefetch.after_route(i - self.first_moe, x, ids, self.config.pcie_frac)
         return x, h, weights, ids
 
     def _with_shared(self, i: int, h: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
@@ -342,12 +371,12 @@ class OffloadForward:
     def gpu_experts(
         self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """Layer i's routed experts on the GPU for a few tokens (slots with a negative id are
-        skipped): hits from their VRAM slots, misses by the configured path. Each slot's
-        weighted output, [T, k, H] float32 (the next `_add_norm` sums them)."""
+        """The routed experts of the store's row i on the GPU for a few tokens (slots with a
+        negative id are skipped): hits from their VRAM slots, misses by the configured path.
+        Each slot's weighted output, [T, k, H] float32 (the next `_add_norm` sums them)."""
         stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
-        bias = self.layers[i].expert_bias  # by expert id: gathered before ids become pairs
+        bias = self.layers[i + self.first_moe].expert_bias  # gathered before ids become pairs
         gate_up_bias, down_bias = pair_biases(bias, ids) if bias is not None else (None, None)
         if ids.numel() <= self._fetch_buf.shape[0]:
             with stage("experts (PCIe fetch)"):
@@ -425,19 +454,21 @@ class OffloadForward:
         step: Pass,
         kv_tables: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This engine's layers on hidden states x [T, H]: (x, routed ids [layers, T, k]).
+        """This engine's layers on hidden states x [T, H]: (x, routed ids [rows, T, k]).
         A staged pass streams each layer's experts while the previous layer computes."""
         all_ids = []
         if step.staged:
-            self.staging.begin(self.layer_ids.start)
+            self.staging.begin(self.rows.start)
         if step.decode:
             self.attention.begin_decode(pos, caches, kv_tables)
         parts = None
         for i in self.layer_ids:
-            if step.staged and i + 1 < self.layer_ids.stop:
-                self.staging.prefetch(i + 1)
+            nxt = i + 1 - self.first_moe  # the next layer's row, staged while this one runs
+            if step.staged and self.rows.start < nxt < self.rows.stop:
+                self.staging.prefetch(nxt)
             x, parts, ids = self._layer(i, x, parts, pos, caches, step)
-            all_ids.append(ids)
+            if ids is not None:
+                all_ids.append(ids)
         self.prefetch.finish()
         assert parts is not None
         x = add_parts(x, parts)  # the last layer's experts
