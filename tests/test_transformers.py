@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.rope_scaling import Linear, RopeScaling, Yarn
+from stratad.model.routing import Softmax
 from stratad.model.spec import Model, ModelError
 from stratad.store.loader import load_model
 
@@ -96,6 +97,31 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
                              "rope_type": "default"},
         ),
     ),
+    # DeepSeek-V3's layout: multi-head latent attention with queries through a latent and
+    # values narrower than keys, a dense first layer, sigmoid routing with a correction bias
+    # within the best 2 of 4 groups, scaled weights, an ungated shared expert
+    "deepseek2": (
+        tf.DeepseekV3Config,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        ),
+    ),
 }
 
 
@@ -153,6 +179,29 @@ def test_rope_scaling_matches_transformers(kind: str, tmp_path: Path) -> None:
     model = load_model(tmp_path)
     assert model.spec.rope_scaling == want
     _compare(hf, model, kind)
+
+
+def test_deepseek_v2_lite_layout_matches_transformers(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite's form of the layout: queries projected directly, softmax routing
+    without groups, unscaled, and its YaRN whose mscale_all_dim scales the attention scores
+    (mscale 0.707 of both kinds, as the published config: the tables' factor is 1)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
+            "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
+    cls, extra = CASES["deepseek2"]
+    v2 = {k: v for k, v in extra.items() if k not in ("n_group", "topk_group")}
+    torch.manual_seed(0)
+    config = tf.DeepseekV2Config(**(COMMON | v2 | dict(
+        q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0, n_shared_experts=2,
+        rope_parameters=yarn)))  # fmt: skip
+    hf = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    s = model.spec
+    assert s.mla is not None and s.mla.q_lora_rank == 0 and s.routing == Softmax()
+    assert isinstance(s.rope_scaling, Yarn) and s.rope_scaling.attn_factor == pytest.approx(1.0)
+    assert s.attn_scale == pytest.approx((0.1 * 0.707 * math.log(4.0) + 1.0) ** 2)
+    _compare(hf, model, "deepseek-v2-lite")
 
 
 def _compare(hf: tf.PreTrainedModel, model: Model, what: str) -> None:

@@ -157,23 +157,26 @@ class KVPool:
         device, where blocks before each cache's newest `window` tokens go."""
         n = -(-max(tokens, 1) // block_size) * block_size
         lay, hkv = fmt.layout(spec.head_dim, dtype), spec.n_kv_heads
+        vlay = fmt.layout(spec.value_dim, dtype)  # a value head's (MLA's are narrower)
         new = torch.zeros if zeroed else torch.empty
         k = [new((n, hkv, *lay.code_shape), device=d, dtype=lay.codes) for d in devices]
-        v = [new((n, hkv, *lay.code_shape), device=d, dtype=lay.codes) for d in devices]
+        v = [new((n, hkv, *vlay.code_shape), device=d, dtype=vlay.codes) for d in devices]
         scales = None
-        if lay.scales is not None:
-            sshape = (n, hkv, *lay.scale_shape)
-            scales = ([torch.zeros(sshape, device=d, dtype=lay.scales) for d in devices],
-                      [torch.zeros(sshape, device=d, dtype=lay.scales) for d in devices])
+        if lay.scales is not None and vlay.scales is not None:
+            scales = ([torch.zeros((n, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
+                       for d in devices],
+                      [torch.zeros((n, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
+                       for d in devices])  # fmt: skip
         host = None
         if host_tokens > 0:
             h = -(-host_tokens // block_size) * block_size
 
             def tier(d: torch.device) -> HostPages:
-                codes = [mapped_empty((h, hkv, *lay.code_shape), lay.codes, d) for _ in "kv"]
+                codes = [mapped_empty((h, hkv, *x.code_shape), x.codes, d) for x in (lay, vlay)]
                 sc: list[torch.Tensor | None] = [None, None]
-                if lay.scales is not None:
-                    sc = [mapped_empty((h, hkv, *lay.scale_shape), lay.scales, d) for _ in "kv"]
+                if lay.scales is not None and vlay.scales is not None:
+                    sc = [mapped_empty((h, hkv, *x.scale_shape), x.scales, d)  # type: ignore[arg-type]
+                          for x in (lay, vlay)]  # fmt: skip
                 return HostPages(codes[0], codes[1], sc[0], sc[1], n // block_size)
 
             host = [tier(d) for d in devices]
@@ -192,7 +195,7 @@ class KVPool:
     def block_bytes(self) -> int:
         """Bytes of one block over every layer, keys and values (and their scales)."""
         scales = sum(t[: self.block_size].nbytes for t in (*self.k_scale, *self.v_scale))
-        return 2 * sum(t[: self.block_size].nbytes for t in self.k) + scales
+        return sum(t[: self.block_size].nbytes for t in (*self.k, *self.v)) + scales
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from stratad.model.activation import SILU
 from stratad.model.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
-from stratad.model.weights import LayerWeights, MoEWeights
+from stratad.model.weights import AttentionWeights, LayerWeights, MoEWeights
 
 
 def ffn_departure(spec: ModelSpec, layers: Sequence[LayerWeights]) -> str | None:
@@ -30,8 +30,10 @@ def graph_departure(spec: ModelSpec, layers: Sequence[LayerWeights]) -> str | No
         return f"it routes by {spec.routing.describe()}"
     if spec.rope_dim:
         return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
+    if spec.mla is not None:
+        return f"it attends by {spec.mla.describe()}"
     if spec.attn_sinks or spec.sliding_window:
         return "its attention has sinks or a sliding window"
-    if any(w.attn.o_bias is not None for w in layers):
+    if any(isinstance(w.attn, AttentionWeights) and w.attn.o_bias is not None for w in layers):
         return "its attention output has a bias"
     return ffn_departure(spec, layers)

@@ -8,9 +8,19 @@ spec before anything reads through them, naming the first tensor at fault.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kernels.formats.quant import QTensor
 from stratad.model.spec import Model, ModelError, ModelSpec
-from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
+from stratad.model.weights import (
+    AttentionWeights,
+    LayerWeights,
+    MlaWeights,
+    MLPWeights,
+    MoEWeights,
+)
+
+Want = Callable[[str, QTensor | None, tuple[int, ...]], None]
 
 MAX_LAYERS = 4096
 MAX_EXPERTS = 4096
@@ -47,7 +57,7 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
                 f" it {list(shape)}"
             )
 
-    h, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
+    h = spec.hidden
     want("embed_tokens", model.tensors.get("model.embed_tokens.weight"), (spec.vocab_size, h))
     want("lm_head", model.tensors.get("lm_head.weight"), (spec.vocab_size, h))
     want("norm", model.tensors.get("model.norm.weight"), (h,))
@@ -56,18 +66,10 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
         want(f"attn_norm {at}", w.attn_norm, (h,))
         want(f"ffn_norm {at}", w.ffn_norm, (h,))
         a = w.attn
-        want(f"q {at}", a.q, (q, h))
-        want(f"k {at}", a.k, (kv, h))
-        want(f"v {at}", a.v, (kv, h))
-        want(f"o {at}", a.o, (h, q))
-        want(f"q bias {at}", a.q_bias, (q,))
-        want(f"k bias {at}", a.k_bias, (kv,))
-        want(f"v bias {at}", a.v_bias, (kv,))
-        want(f"o bias {at}", a.o_bias, (h,))
-        want(f"attention sinks {at}", a.sinks, (spec.n_heads,))
-        per_head = spec.qk_norm == "head"
-        want(f"q norm {at}", a.q_norm, (spec.head_dim,) if per_head else (q,))
-        want(f"k norm {at}", a.k_norm, (spec.head_dim,) if per_head else (kv,))
+        if isinstance(a, MlaWeights):
+            _mla(want, at, a, spec)
+        else:
+            _gqa(want, at, a, spec)
         if isinstance(w.mlp, MLPWeights):
             _mlp(want, f"mlp {at}", w.mlp, spec.ffn, h)
             continue
@@ -91,3 +93,33 @@ def _mlp(want, what: str, m: MLPWeights, ffn: int, h: int) -> None:  # type: ign
     want(f"{what} gate", m.gate, (ffn, h))
     want(f"{what} up", m.up, (ffn, h))
     want(f"{what} down", m.down, (h, ffn))
+
+
+def _gqa(want: Want, at: str, a: AttentionWeights, spec: ModelSpec) -> None:
+    h, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
+    want(f"q {at}", a.q, (q, h))
+    want(f"k {at}", a.k, (kv, h))
+    want(f"v {at}", a.v, (kv, h))
+    want(f"o {at}", a.o, (h, q))
+    want(f"q bias {at}", a.q_bias, (q,))
+    want(f"k bias {at}", a.k_bias, (kv,))
+    want(f"v bias {at}", a.v_bias, (kv,))
+    want(f"o bias {at}", a.o_bias, (h,))
+    want(f"attention sinks {at}", a.sinks, (spec.n_heads,))
+    per_head = spec.qk_norm == "head"
+    want(f"q norm {at}", a.q_norm, (spec.head_dim,) if per_head else (q,))
+    want(f"k norm {at}", a.k_norm, (spec.head_dim,) if per_head else (kv,))
+
+
+def _mla(want: Want, at: str, a: MlaWeights, spec: ModelSpec) -> None:
+    """Multi-head latent attention's projections (`stratad.model.mla`)."""
+    assert spec.mla is not None
+    h, heads, rank, rot = spec.hidden, spec.n_heads, spec.mla.kv_lora_rank, spec.mla.rope_dim
+    q_in = spec.mla.q_lora_rank or h
+    want(f"q {at}", a.q, (spec.q_dim, q_in))
+    want(f"q_a {at}", a.q_a, (q_in, h))
+    want(f"q_a norm {at}", a.q_a_norm, (q_in,))
+    want(f"kv_a {at}", a.kv_a, (rank + rot, h))
+    want(f"kv_a norm {at}", a.kv_a_norm, (rank,))
+    want(f"kv_b {at}", a.kv_b, (heads * (spec.head_dim - rot + spec.value_dim), rank))
+    want(f"o {at}", a.o, (h, heads * spec.value_dim))

@@ -9,6 +9,7 @@ from typing import Any
 
 from kernels.formats.quant import QTensor
 from stratad.model.activation import SILU, Activation
+from stratad.model.mla import Mla
 from stratad.model.rope_scaling import UNSCALED, RopeScaling
 from stratad.model.routing import SOFTMAX, Routing, Sigmoid
 
@@ -50,6 +51,9 @@ class ModelSpec:
     attn_sinks: bool = False  # a learned logit per query head joins each softmax (gpt-oss)
     sliding_window: int = 0  # the keys a sliding layer's query sees (itself and those before)
     swa_pattern: int = 0  # layer i slides where i % swa_pattern < swa_pattern - 1 (llama.cpp's)
+    mla: Mla | None = None  # multi-head latent attention (DeepSeek; `stratad.model.mla`)
+    v_head_dim: int = 0  # a value head's dims where they differ from a key's (0: head_dim)
+    attn_scale: float = 1.0  # the attention scores' scale times this (DeepSeek's YaRN)
 
     @property
     def is_moe(self) -> bool:
@@ -70,6 +74,9 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
+        """The dims RoPE turns in each head (MLA: the rotated part of each query and key)."""
+        if self.mla is not None:
+            return self.mla.rope_dim
         return self.rope_dim or self.head_dim
 
     @property
@@ -80,6 +87,11 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def value_dim(self) -> int:
+        """A value head's dims (a key's unless the spec says otherwise)."""
+        return self.v_head_dim or self.head_dim
+
     def validate(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"{self.n_heads} query heads is not a multiple of {self.n_kv_heads}")
@@ -87,6 +99,9 @@ class ModelSpec:
             raise ModelError(f"top-{self.n_experts_used} routing over {self.n_experts} experts")
         if self.qk_norm not in ("none", "head", "full"):
             raise ModelError(f"unknown qk_norm {self.qk_norm!r}")
+        if self.mla is not None and not (0 < self.mla.rope_dim < self.head_dim
+                                         and self.mla.rope_dim % 2 == 0):  # fmt: skip
+            raise ModelError(f"MLA rotates {self.mla.rope_dim} of a key's {self.head_dim} dims")
         if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ModelError(f"RoPE over {self.rope_dim} of a head's {self.head_dim} dims")
         if self.dense_layers and not (self.is_moe and self.dense_layers < self.n_layers

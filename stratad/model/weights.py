@@ -23,6 +23,19 @@ class AttentionWeights:
 
 
 @dataclass(frozen=True)
+class MlaWeights:
+    """Multi-head latent attention's projections (`stratad.model.mla`)."""
+
+    q: QTensor  # [n_heads * D, H], or q_b [n_heads * D, q_lora_rank] after q_a and its norm
+    kv_a: QTensor  # [kv_lora_rank + rope_dim, H]: the latent, then the shared rotated key
+    kv_a_norm: QTensor  # [kv_lora_rank]
+    kv_b: QTensor  # [n_heads * (D - rope_dim + value_dim), kv_lora_rank]: per head k, then v
+    o: QTensor  # [H, n_heads * value_dim]
+    q_a: QTensor | None = None  # [q_lora_rank, H]
+    q_a_norm: QTensor | None = None  # [q_lora_rank]
+
+
+@dataclass(frozen=True)
 class MLPWeights:
     gate: QTensor  # [F, H]
     up: QTensor  # [F, H]
@@ -60,6 +73,14 @@ class MoEWeights:
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: QTensor
-    attn: AttentionWeights
+    attn: AttentionWeights | MlaWeights
     ffn_norm: QTensor
     mlp: MLPWeights | MoEWeights
+
+    @property
+    def gqa(self) -> AttentionWeights:
+        """The attention's q/k/v projections, for the paths that compute only that form (the
+        fast paths refuse multi-head latent attention before reaching them)."""
+        if not isinstance(self.attn, AttentionWeights):
+            raise TypeError("multi-head latent attention has no q/k/v projections")
+        return self.attn

@@ -80,7 +80,7 @@ class CpuShapes:
         mixes: list[Mix] = []
         for i in range(spec.n_layers):
             w = ARCHS[spec.arch].layer(model, i)
-            a, m = w.attn, w.mlp
+            a, m = w.gqa, w.mlp
             named += [(n, t.shape, t.qtype) for n, t in (("q", a.q), ("k", a.k), ("v", a.v),
                                                            ("o", a.o))]  # fmt: skip
             dense = m if isinstance(m, MLPWeights) else None

@@ -91,7 +91,7 @@ def dense_layers(
     out = {}
     for i in layers:
         w = arch.layer(model, i)
-        moe, a = w.mlp, w.attn
+        moe, a = w.mlp, w.gqa
         biases = (a.q_bias, a.k_bias, a.v_bias)
         bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
         layer = DenseLayer(

@@ -45,7 +45,7 @@ def dense_stack(
         return None
     dense = []
     for w in layers:
-        a, m = w.attn, w.mlp
+        a, m = w.gqa, w.mlp
         if not isinstance(m, MLPWeights) or m.gate.shape[0] != spec.ffn:
             return None
         projections = (a.q, a.k, a.v, a.o, m.gate, m.up, m.down)
@@ -86,7 +86,7 @@ def one_call_moe(
     if graph_departure(spec, layers) is not None:
         return False
     for w in layers:
-        a, m = w.attn, w.mlp
+        a, m = w.gqa, w.mlp
         if not isinstance(m, MoEWeights) or not _moe_reads(kernels, reads, spec, m):
             return False
         if not all(reads(t) for t in (a.q, a.k, a.v, a.o)):
@@ -110,7 +110,7 @@ def moe_stack(
         return None
     out = []
     for w in layers:
-        a, m = w.attn, w.mlp
+        a, m = w.gqa, w.mlp
         assert isinstance(m, MoEWeights)  # one_call_moe's
         head_norms = spec.qk_norm == "head"
         ex, b = m.experts, _biases(a)

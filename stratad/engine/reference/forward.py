@@ -36,7 +36,7 @@ from stratad.model.activation import SILU, Activation
 from stratad.model.archs import ARCHS
 from stratad.model.graph import ffn_departure
 from stratad.model.spec import Model, ModelSpec
-from stratad.model.weights import LayerWeights, MLPWeights, MoEWeights
+from stratad.model.weights import AttentionWeights, LayerWeights, MlaWeights, MLPWeights, MoEWeights
 
 _Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -59,11 +59,23 @@ class _Dense:
 
 
 @dataclass(frozen=True)
+class _Mla:
+    """Multi-head latent attention's products (`stratad.model.mla`)."""
+
+    q: Linear  # or q_b, after q_a and its norm
+    kv_a: Linear
+    kv_a_norm: torch.Tensor
+    kv_b: Linear
+    q_a: Linear | None
+    q_a_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class _Layer:
     attn_norm: torch.Tensor
-    q: Linear
-    k: Linear
-    v: Linear
+    q: Linear | None  # None, with k and v: multi-head latent attention (`mla`)
+    k: Linear | None
+    v: Linear | None
     o: Linear
     q_bias: torch.Tensor | None
     k_bias: torch.Tensor | None
@@ -82,6 +94,7 @@ class _Layer:
     routed: Routed | None  # all of them in one call (the cpu engine)
     shared: _Dense | None
     shared_gate: Linear | None
+    mla: _Mla | None = None
 
 
 def _expert_biases(
@@ -124,19 +137,26 @@ def _layer(
     a = w.attn
     moe = w.mlp if isinstance(w.mlp, MoEWeights) else None
     biases = _expert_biases(moe, mode) if moe else None
+    gqa = a if isinstance(a, AttentionWeights) else None
+    mla = None
+    if isinstance(a, MlaWeights):
+        mla = _Mla(mode.linear(a.q), mode.linear(a.kv_a), mode.vector(a.kv_a_norm),
+                   mode.linear(a.kv_b), mode.linear(a.q_a) if a.q_a else None,
+                   opt(a.q_a_norm))  # fmt: skip
     return _Layer(
         attn_norm=mode.vector(w.attn_norm),
-        q=mode.linear(a.q),
-        k=mode.linear(a.k),
-        v=mode.linear(a.v),
+        q=mode.linear(gqa.q) if gqa else None,
+        k=mode.linear(gqa.k) if gqa else None,
+        v=mode.linear(gqa.v) if gqa else None,
         o=mode.linear(a.o),
-        q_bias=opt(a.q_bias),
-        k_bias=opt(a.k_bias),
-        v_bias=opt(a.v_bias),
-        q_norm=opt(a.q_norm),
-        k_norm=opt(a.k_norm),
-        o_bias=opt(a.o_bias),
-        sinks=opt(a.sinks),
+        q_bias=opt(gqa.q_bias) if gqa else None,
+        k_bias=opt(gqa.k_bias) if gqa else None,
+        v_bias=opt(gqa.v_bias) if gqa else None,
+        q_norm=opt(gqa.q_norm) if gqa else None,
+        k_norm=opt(gqa.k_norm) if gqa else None,
+        o_bias=opt(gqa.o_bias) if gqa else None,
+        sinks=opt(gqa.sinks) if gqa else None,
+        mla=mla,
         window=spec.window(i),
         ffn_norm=mode.vector(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
@@ -148,6 +168,28 @@ def _layer(
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
     )
+
+
+def _latent_qkv(
+    spec: ModelSpec, m: _Mla, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-head latent attention's q, k [T, H, D] and v [T, H, value dims] for x [T, H]:
+    each head's unrotated part then the rotated one (the key's shared by every head), the
+    latent expanded (`stratad.model.mla`); q carries the spec's score scale."""
+    assert spec.mla is not None
+    t, heads, rot, eps = x.shape[0], spec.n_heads, spec.mla.rope_dim, spec.rms_eps
+    nope = spec.head_dim - rot
+    q_in = x if m.q_a is None or m.q_a_norm is None else rms_norm(m.q_a(x), m.q_a_norm, eps)
+    q = m.q(q_in).view(t, heads, spec.head_dim)
+    latent, k_rot = m.kv_a(x).split([spec.mla.kv_lora_rank, rot], dim=-1)
+    kv = m.kv_b(rms_norm(latent, m.kv_a_norm, eps)).view(t, heads, nope + spec.value_dim)
+    k_nope, v = kv.split([nope, spec.value_dim], dim=-1)
+    q_rot = apply_rope(q[..., nope:], cos, sin, spec.rope_interleaved)
+    k_rot = apply_rope(k_rot.reshape(t, 1, rot), cos, sin, spec.rope_interleaved)
+    q = torch.cat((q[..., :nope], q_rot), dim=-1)
+    if spec.attn_scale != 1.0:
+        q = q * spec.attn_scale
+    return q, torch.cat((k_nope, k_rot.expand(t, heads, rot)), dim=-1), v
 
 
 class ReferenceForward:
@@ -325,7 +367,11 @@ class ReferenceForward:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        spec, t, start = self.spec, x.shape[0], cache.length
+        spec, t = self.spec, x.shape[0]
+        if w.mla is not None:
+            q, k, v = _latent_qkv(spec, w.mla, x, cos, sin)
+            return self._attend(i, w, q, k, v, cache)
+        assert w.q is not None and w.k is not None and w.v is not None
         q, k, v = w.q(x), w.k(x), w.v(x)  # [T, Hq*D] [T, Hkv*D] [T, Hkv*D]
         if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
             q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
@@ -338,12 +384,21 @@ class ReferenceForward:
             q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
         q = apply_rope(q, cos, sin, spec.rope_interleaved)
         k = apply_rope(k, cos, sin, spec.rope_interleaved)
+        return self._attend(i, w, q, k, v, cache)
+
+    def _attend(
+        self, i: int, w: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer i's output projection of q [T, Hq, D]'s attention over the cache, k and v
+        [T, Hkv, D or the value dims] written at its end first."""
+        t, start = q.shape[0], cache.length
         k, v = self.kv_format.round_trip(k), self.kv_format.round_trip(v)
         rows = cache.rows(0, start + t, self.device)
         cache.k[i].index_copy_(0, rows[start:], k.to(cache.k[i].dtype))
         cache.v[i].index_copy_(0, rows[start:], v.to(cache.v[i].dtype))
         out = self.mode.attention(q, cache.k[i][rows], cache.v[i][rows], start, w.sinks, w.window)
-        out = w.o(out.reshape(t, spec.q_dim))
+        out = w.o(out.reshape(t, -1))
         return out if w.o_bias is None else out + w.o_bias
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Supported architectures: importing this package fills the `ARCHS` table."""
 
 from stratad.model.archs import (
+    deepseek2,
     glm4moe,
     gptoss,
     llama,
@@ -18,6 +19,7 @@ __all__ = [
     "Arch",
     "arch_for_gguf",
     "arch_for_hf",
+    "deepseek2",
     "glm4moe",
     "gptoss",
     "llama",

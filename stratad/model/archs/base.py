@@ -19,6 +19,7 @@ from stratad.model.weights import (
     AttentionWeights,
     ExpertStack,
     LayerWeights,
+    MlaWeights,
     MLPWeights,
     MoEWeights,
 )
@@ -247,11 +248,19 @@ class Arch:
 
     @classmethod
     def layer(cls, model: Model, i: int) -> LayerWeights:
-        spec, t = model.spec, model.tensor
         hf = f"model.layers.{i}"
-        attn = f"{hf}.self_attn"
+        return LayerWeights(
+            attn_norm=model.tensor(f"{hf}.input_layernorm.weight"),
+            attn=cls.attention(model, i),
+            ffn_norm=model.tensor(f"{hf}.post_attention_layernorm.weight"),
+            mlp=cls.feed_forward(model, i),
+        )
 
-        attention = AttentionWeights(
+    @classmethod
+    def attention(cls, model: Model, i: int) -> AttentionWeights | MlaWeights:
+        spec, t = model.spec, model.tensor
+        attn = f"model.layers.{i}.self_attn"
+        return AttentionWeights(
             q=t(f"{attn}.q_proj.weight"),
             k=t(f"{attn}.k_proj.weight"),
             v=t(f"{attn}.v_proj.weight"),
@@ -264,7 +273,11 @@ class Arch:
             o_bias=t(f"{attn}.o_proj.bias") if cls.o_bias else None,
             sinks=t(f"{attn}.sinks") if spec.attn_sinks else None,
         )
-        mlp = f"{hf}.{cls.hf_mlp}"
+
+    @classmethod
+    def feed_forward(cls, model: Model, i: int) -> MLPWeights | MoEWeights:
+        spec, t = model.spec, model.tensor
+        mlp = f"model.layers.{i}.{cls.hf_mlp}"
         block: MLPWeights | MoEWeights
         if not spec.moe_layer(i):
             block = MLPWeights(
@@ -289,15 +302,15 @@ class Arch:
                 experts=ExpertStack(t(f"{ex}.{g}"), t(f"{ex}.{u}"), t(f"{ex}.{d}"), *biases),
                 shared=shared,
                 shared_gate=t(f"{mlp}.shared_expert_gate.weight") if gated else None,
-                router_bias=(t(f"{mlp}.{cls.hf_router}.{cls.hf_router_bias}")
-                             if cls.hf_router_bias else None),  # fmt: skip
+                router_bias=(t(f"{mlp}.{cls.hf_router}.{cls.router_bias_name(spec)}")
+                             if cls.router_bias_name(spec) else None),  # fmt: skip
             )
-        return LayerWeights(
-            attn_norm=t(f"{hf}.input_layernorm.weight"),
-            attn=attention,
-            ffn_norm=t(f"{hf}.post_attention_layernorm.weight"),
-            mlp=block,
-        )
+        return block
+
+    @classmethod
+    def router_bias_name(cls, spec: ModelSpec) -> str:
+        """The router's bias [E] under the router's module, if the model has one."""
+        return cls.hf_router_bias
 
 
 def _gguf_rope_scaling(meta: Mapping[str, Any], a: str, source: str) -> RopeScaling:
