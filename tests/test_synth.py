@@ -108,9 +108,26 @@ def test_gpt_oss_geometry_and_size(name: str, layers: int, experts: int, billion
     assert abs(synth.n_params(p) / 1e9 - billions) < 0.5
 
 
+def test_deepseek_v2_lite_geometry_and_size() -> None:
+    """DeepSeek-V2-Lite's shapes as llama.cpp's converter writes them (the expansion split
+    into k_b and v_b); 15.7B parameters less the published vocabulary's (102,400: 0.2B)."""
+    p = synth.get_preset("deepseek-v2-lite")
+    plan = {t.name: t for t in synth.tensor_plan(p)}
+    assert plan["blk.1.attn_q.weight"].shape == (16 * 192, 2048)
+    assert plan["blk.1.attn_kv_a_mqa.weight"].shape == (512 + 64, 2048)
+    assert plan["blk.1.attn_k_b.weight"].shape == (16, 512, 128)
+    assert plan["blk.1.attn_v_b.weight"].shape == (16, 128, 512)
+    assert plan["blk.1.attn_output.weight"].shape == (2048, 16 * 128)
+    assert plan["blk.0.ffn_gate.weight"].shape == (10944, 2048)
+    assert plan["blk.26.ffn_gate_exps.weight"].shape == (64, 1408, 2048)
+    assert plan["blk.26.ffn_down_shexp.weight"].shape == (2048, 2 * 1408)
+    assert "blk.26.exp_probs_b.bias" not in plan  # softmax routing: no correction bias
+    assert abs(synth.n_params(p) / 1e9 - 15.5) < 0.1
+
+
 def test_unknown_preset_names_the_presets() -> None:
-    names = ("tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss, gpt-oss-20b, gpt-oss-120b,"
-             " glm-4.5-air, a3b")
+    names = ("tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss, tiny-deepseek, gpt-oss-20b,"
+             " gpt-oss-120b, glm-4.5-air, deepseek-v2-lite, a3b")
     with pytest.raises(synth.UnknownPreset, match=names):
         synth.get_preset("a30b")
 

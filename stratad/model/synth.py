@@ -214,9 +214,18 @@ def _add_metadata(
     w.add_embedding_length(p.hidden)
     w.add_block_count(p.n_layers)
     w.add_head_count(p.n_heads)
-    w.add_head_count_kv(p.n_kv_heads)
-    w.add_key_length(p.head_dim)
-    w.add_value_length(p.head_dim)
+    if p.mla:  # llama.cpp caches the latent: one "KV head" of the latent and rotated key
+        w.add_head_count_kv(1)
+        w.add_key_length(p.kv_lora_rank + p.rope_dim)
+        w.add_value_length(p.kv_lora_rank)
+        w.add_key_length_mla(p.head_dim)
+        w.add_value_length_mla(p.v_head_dim)
+        w.add_q_lora_rank(p.q_lora_rank)
+        w.add_kv_lora_rank(p.kv_lora_rank)
+    else:
+        w.add_head_count_kv(p.n_kv_heads)
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
     w.add_rope_dimension_count(p.rope_dim or p.head_dim)
     w.add_rope_freq_base(p.rope_theta)
     w.add_layer_norm_rms_eps(p.rms_eps)
@@ -237,9 +246,14 @@ def _add_metadata(
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(p.yarn[0])
         w.add_rope_scaling_orig_ctx_len(p.yarn[1])
+        if p.yarn_log_mul:
+            w.add_rope_scaling_yarn_log_mul(p.yarn_log_mul)
     if p.sigmoid_routing:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(p.expert_scale)
+    elif p.mla:  # DeepSeek-V2's softmax, its weights scaled and not renormalised
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_expert_weights_scale(p.expert_scale)
     for key, value, vtype, sub in _tokenizer_fields(tokenizer):
         w.add_key_value(key, value, vtype, sub)

@@ -7,7 +7,7 @@ the plan takes instead the types llama-quantize would choose (`stratad.model.fty
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,6 +67,15 @@ class SynthPreset:
     # on even layers
     sliding_window: int = 0
     yarn: tuple[float, int] | None = None  # YaRN RoPE scaling: (factor, original context)
+    yarn_log_mul: float = 0.0  # DeepSeek's: 0.1 * mscale_all_dim, as its converter writes it
+    # DeepSeek-V2/V3 (arch "deepseek2"): multi-head latent attention of these ranks (no query
+    # latent at 0), head_dim the key's unrotated part plus rope_dim, values of v_head_dim;
+    # written as llama.cpp's converter does (the expansion as k_b and v_b). sigmoid: V3's
+    # routing (with the correction bias), else V2's softmax.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
+    sigmoid: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -78,7 +87,11 @@ class SynthPreset:
 
     @property
     def sigmoid_routing(self) -> bool:
-        return self.arch == "glm4moe"
+        return self.arch == "glm4moe" or self.sigmoid
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def gpt_oss(self) -> bool:
@@ -150,6 +163,14 @@ PRESETS: Mapping[str, SynthPreset] = {
                     dense_ffn=256, shared_experts=1, rope_dim=32, expert_scale=1.5),  # fmt: skip
         # gpt-oss's layout in miniature: a window of 8 that prompts outrun
         SynthPreset("tiny-gpt-oss", "gpt-oss", n_layers=4, **_TINY_F32, sliding_window=8),
+        # DeepSeek-V3's layout in miniature: latent attention with queries through a latent
+        # (keys of 32 + 16 rotated dims, values of 24), a dense first layer, an ungated
+        # shared expert, sigmoid routing with the correction bias, scaled weights
+        SynthPreset("tiny-deepseek", "deepseek2", n_layers=3,
+                    **(_TINY_F32 | dict(n_kv_heads=4, head_dim=48, attn_bias=False)),
+                    dense_layers=1, dense_ffn=256, shared_experts=1, rope_dim=16,
+                    kv_lora_rank=32, q_lora_rank=48, v_head_dim=24, sigmoid=True,
+                    expert_scale=1.5),  # fmt: skip
         # gpt-oss-20b and -120b's geometry (their config.json): MXFP4 experts as published,
         # 64 query heads of 64 over 8 KV heads, a window of 128 on even layers, YaRN x32 of
         # 4,096
@@ -198,6 +219,32 @@ PRESETS: Mapping[str, SynthPreset] = {
             shared_experts=1,
             rope_dim=64,
             attn_bias=True,
+        ),
+        # DeepSeek-V2-Lite's geometry (its config.json): latent attention of rank 512 with
+        # queries projected directly, 64 experts of 1,408 top-6 by softmax plus two shared, a
+        # dense first layer of 10,944, YaRN x40 of 4,096 scaling the scores too
+        SynthPreset(
+            "deepseek-v2-lite",
+            "deepseek2",
+            n_layers=27,
+            hidden=2048,
+            n_heads=16,
+            n_kv_heads=16,
+            head_dim=192,
+            ffn=1408,
+            n_experts=64,
+            n_experts_used=6,
+            context_length=163840,
+            rope_theta=10000.0,
+            attn_qtype=QType.Q8_0,
+            dense_layers=1,
+            dense_ffn=10944,
+            shared_experts=2,
+            rope_dim=64,
+            kv_lora_rank=512,
+            v_head_dim=128,
+            yarn=(40.0, 4096),
+            yarn_log_mul=0.0707,
         ),
         # Qwen3-30B-A3B's geometry (its config.json), at Q4_0 experts / Q8_0 the rest.
         SynthPreset(
@@ -314,23 +361,11 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
     add(T.TOKEN_EMBD, -1, (VOCAB_SIZE, d), p.embed_qtype, p.embed_std)
     for i in range(p.n_layers):
         add(T.ATTN_NORM, i, (d,), QType.F32, 0.0)
-        add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
-        if p.attn_bias:
-            add(T.ATTN_Q, i, (p.q_dim,), QType.F32, 0.1, bias=True)
-        add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
-        if p.attn_bias:
-            add(T.ATTN_K, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
-        add(T.ATTN_V, i, (p.kv_dim, d), p.attn_qtype, fan)
-        if p.attn_bias:
-            add(T.ATTN_V, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
-        add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
-        if p.gpt_oss:
-            add(T.ATTN_OUT, i, (d,), QType.F32, 0.1, bias=True)
-            add(T.ATTN_SINKS, i, (p.n_heads,), QType.F32, 1.0)
-        if p.qk_norm:
-            add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
-            add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
-        post = p.sigmoid_routing or p.gpt_oss  # their converters name the FFN's norm so
+        if p.mla:
+            _mla_plan(p, i, add)
+        else:
+            _attention_plan(p, i, add)
+        post = p.arch == "glm4moe" or p.gpt_oss  # their converters name the FFN's norm so
         add(T.ATTN_POST_NORM if post else T.FFN_NORM, i, (d,), QType.F32, 0.0)
         if p.moe_layer(i):
             add(
@@ -364,6 +399,50 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
     add(T.OUTPUT_NORM, -1, (d,), QType.F32, 0.0)
     add(T.OUTPUT, -1, (VOCAB_SIZE, d), p.embed_qtype, p.logit_gain * fan)
     return plan
+
+
+Add = Callable[..., None]
+
+
+def _attention_plan(p: SynthPreset, i: int, add: Add) -> None:
+    """Layer i's q/k/v attention (with the biases and sinks its layout has)."""
+    T, d = gguf.MODEL_TENSOR, p.hidden
+    fan, res = d**-0.5, p.residual_scale
+    add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
+    if p.attn_bias:
+        add(T.ATTN_Q, i, (p.q_dim,), QType.F32, 0.1, bias=True)
+    add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
+    if p.attn_bias:
+        add(T.ATTN_K, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
+    add(T.ATTN_V, i, (p.kv_dim, d), p.attn_qtype, fan)
+    if p.attn_bias:
+        add(T.ATTN_V, i, (p.kv_dim,), QType.F32, 0.1, bias=True)
+    add(T.ATTN_OUT, i, (d, p.q_dim), p.attn_qtype, res * p.q_dim**-0.5)
+    if p.gpt_oss:
+        add(T.ATTN_OUT, i, (d,), QType.F32, 0.1, bias=True)
+        add(T.ATTN_SINKS, i, (p.n_heads,), QType.F32, 1.0)
+    if p.qk_norm:
+        add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
+        add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
+
+
+def _mla_plan(p: SynthPreset, i: int, add: Add) -> None:
+    """Layer i's multi-head latent attention as llama.cpp's converter writes it: the query
+    (through its latent where q_lora_rank is set), the key/value latent with the shared
+    rotated key, the expansion split into k_b [H, rank, nope] and v_b [H, v, rank]."""
+    T, d, h, rank = gguf.MODEL_TENSOR, p.hidden, p.n_heads, p.kv_lora_rank
+    fan, res, nope = d**-0.5, p.residual_scale, p.head_dim - p.rope_dim
+    if p.q_lora_rank:
+        add(T.ATTN_Q_A, i, (p.q_lora_rank, d), p.attn_qtype, fan)
+        add(T.ATTN_Q_A_NORM, i, (p.q_lora_rank,), QType.F32, 0.0)
+        add(T.ATTN_Q_B, i, (p.q_dim, p.q_lora_rank), p.attn_qtype, p.q_lora_rank**-0.5)
+    else:
+        add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
+    add(T.ATTN_KV_A_MQA, i, (rank + p.rope_dim, d), p.attn_qtype, fan)
+    add(T.ATTN_KV_A_NORM, i, (rank,), QType.F32, 0.0)
+    add(T.ATTN_K_B, i, (h, rank, nope), QType.F32, rank**-0.5)
+    add(T.ATTN_V_B, i, (h, p.v_head_dim, rank), QType.F32, rank**-0.5)
+    add(T.ATTN_OUT, i, (d, h * p.v_head_dim), p.attn_qtype, res * (h * p.v_head_dim) ** -0.5)
 
 
 def data_nbytes(p: SynthPreset, ftype: Ftype | None = None) -> int:

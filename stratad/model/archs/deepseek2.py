@@ -8,6 +8,8 @@ llama.cpp's files hold the key and value expansion as two tensors per layer (`at
 [H, rank, nope], `attn_v_b` [H, v, rank]: its cache holds the latent); older ones as one
 (`attn_kv_b`). Either becomes the one `kv_b` the engines read. Their metadata states the
 latent cache's head (`key_length` = rank + rope) and MLA's own in `key_length_mla`.
+DeepSeek's YaRN scales the attention scores as well as the tables, in each format's own way
+(`_gguf_yarn`; from config.json, mscale_all_dim as transformers does).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 import torch
 
 from kernels.formats.quant import QTensor, QType
@@ -46,9 +49,6 @@ class DeepSeek2(Arch):
         def get(key: str, default: Any) -> Any:
             return meta.get(f"{a}.{key}", default)
 
-        if str(get("rope.scaling.type", "none")) == "yarn":
-            raise ModelError(f"{source}: DeepSeek's YaRN in GGUF metadata (its scores' mscale)"
-                             " is not read yet: serve the Hugging Face checkpoint")  # fmt: skip
         gating = int(get("expert_gating_func", 1) or 1)  # 1 softmax, 2 sigmoid (llama.cpp's)
         if gating not in (1, 2):
             raise ModelError(f"{source}: {a}.expert_gating_func {gating} (1 softmax, 2 sigmoid)")
@@ -69,6 +69,8 @@ class DeepSeek2(Arch):
             routing=_routing(gating == 2, groups, used, source),
             expert_scale=float(get("expert_weights_scale", 1.0) or 1.0),
         )
+        if isinstance(spec.rope_scaling, Yarn):
+            spec = _gguf_yarn(spec, spec.rope_scaling, meta)
         spec.validate()
         return spec
 
@@ -173,6 +175,20 @@ def _kv_b(model: Model, attn: str) -> QTensor:
     both = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, rank]
     rows = both.reshape(-1, both.shape[-1]).contiguous()
     return QTensor(rows, QType.F32, tuple(rows.shape))
+
+
+def _gguf_yarn(spec: ModelSpec, yarn: Yarn, meta: Mapping[str, Any]) -> ModelSpec:
+    """DeepSeek's YaRN as llama.cpp computes it from a GGUF file: the file's attn_factor a
+    on the tables (times YaRN's own mscale where the file has no log multiplier), and the
+    scores times (a * mscale(factor, m))^2, m the mscale_all_dim that the converter stores as
+    yarn_log_multiplier / 0.1."""
+    key = "deepseek2.rope.scaling"
+    a = float(meta.get(f"{key}.attn_factor", 1.0) or 1.0)
+    m = float(meta.get(f"{key}.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+    tables = a if m else a * yarn_mscale(yarn.factor)
+    scores = a * yarn_mscale(yarn.factor, m if m else 1.0)
+    return replace(spec, rope_scaling=msgspec.structs.replace(yarn, attn_factor=tables),
+                   attn_scale=scores**2)  # fmt: skip
 
 
 def _routing(sigmoid: bool, groups: int, used: int, source: str) -> Routing:

@@ -1,0 +1,119 @@
+"""DeepSeek-V3's layout (`deepseek2`) against llama.cpp and through the daemon.
+
+tiny-deepseek (`stratactl synth tiny-deepseek`) has every part of the layout: multi-head
+latent attention with queries through a latent and values narrower than keys (written as
+llama.cpp's converter writes it: the expansion split into k_b and v_b), a dense first layer,
+an ungated shared expert, sigmoid routing with a correction bias, scaled weights. Every
+tensor is F32, so llama.cpp computes in float32 on the same values (its cache holds the
+latent, absorbing k_b into the queries: the same arithmetic in another order): greedy
+continuations agree token for token and logits within 1e-3. The transformers comparison
+(V3's and V2-Lite's forms) is in tests/test_transformers.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
+
+from stratad.engine.kv_format import PLAIN
+from stratad.engine.offload.experts import fast_path_refusal
+from stratad.engine.placement import kv_token_bytes
+from stratad.engine.reference.forward import ReferenceForward
+from stratad.model import synth
+from stratad.model.mla import Mla
+from stratad.model.routing import Sigmoid
+from stratad.model.spec import Model, ModelError
+from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.store.loader import load_model
+from tests.daemon import running_daemon
+from tests.greedy import greedy
+from tests.llama_compare import assert_as_llama
+from tests.synth_rewrite import rewrite
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("deepseek") / "tiny-deepseek.gguf"
+    synth.write_synth(synth.PRESETS["tiny-deepseek"], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tiny: Path) -> Model:
+    return load_model(tiny)
+
+
+def test_spec_from_the_file(model: Model) -> None:
+    """The latent cache's metadata (one KV head of rank + rope) read as MLA's own."""
+    s = model.spec
+    assert (s.arch, s.n_layers, s.dense_layers, s.n_heads, s.n_kv_heads) == ("deepseek2", 3, 1,
+                                                                          4, 4)  # fmt: skip
+    assert (s.head_dim, s.value_dim, s.mla) == (48, 24, Mla(48, 32, 16))
+    assert s.routing == Sigmoid(1, 1) and s.norm_topk_prob and s.expert_scale == 1.5
+    assert s.rope_interleaved and s.rotary_dim == 16
+    # the expansion read back from k_b and v_b: per head 32 key dims, then 24 value dims
+    assert model.tensors["model.layers.0.self_attn.k_b_proj.weight"].shape == (4, 32, 32)
+    # keys and values of their own sizes: 4 heads x (48 + 24) x 2 bytes x 3 layers
+    assert kv_token_bytes(s, torch.float16, PLAIN) == 4 * (48 + 24) * 2 * 3
+
+
+def test_reference_engine_against_llama_cpp(tiny: Path, model: Model) -> None:
+    forward = ReferenceForward(model)
+    assert_as_llama(forward, tiny, PROMPTS, 16)
+    assert forward.route_counts.shape == (2, 8)  # the MoE layers (the store's grid)
+
+
+@pytest.mark.parametrize("log_mul", [0.0707, 0.0], ids=["mscale-all-dim", "no-multiplier"])
+def test_yarn_against_llama_cpp(tiny: Path, tmp_path: Path, log_mul: float) -> None:
+    """DeepSeek's YaRN (x4 of an original 16 positions) as its converter writes it: with
+    V2-Lite's yarn_log_multiplier (0.1 * mscale_all_dim 0.707), and without one; llama.cpp's
+    tokens and logits past the original context."""
+    def yarn(w: GGUFWriter) -> None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(16)
+        if log_mul:
+            w.add_rope_scaling_yarn_log_mul(log_mul)
+
+    tensors = [(t.name, np.asarray(t.data)) for t in GGUFReader(tiny).tensors]
+    path = rewrite(synth.PRESETS["tiny-deepseek"], tmp_path / "yarn.gguf", tensors, yarn)
+    spec = load_model(path).spec
+    mscale = 0.1 * (log_mul / 0.1 if log_mul else 1.0) * math.log(4.0) + 1.0
+    assert spec.attn_scale == pytest.approx(mscale**2)
+    assert_as_llama(ReferenceForward(load_model(path)), path, [PROMPTS[0] * 3], 8)
+
+
+def test_the_gpu_engine_says_why_not(model: Model) -> None:
+    assert fast_path_refusal(model) == (
+        "it attends by multi-head latent attention (rank 32, 16 rotated dims), queries"
+        " through a rank-48 latent")
+    from stratad.engine.placement import choose_backend
+
+    with pytest.raises(ModelError, match="offload engine cannot run it: it attends by"):
+        choose_backend("offload", model, torch.device("cpu"))
+
+
+def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:
+    """The default engine on a CPU (layer by layer, the MoE layers' experts in the store's
+    tiers), over HTTP: the reference's greedy tokens."""
+    tok = tokenizer_from_gguf(model.metadata)
+    want = greedy(ReferenceForward(model), tok.encode("Hello there"), 6)
+    config = tmp_path / "stratad.toml"
+    config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
+    log = tmp_path / "stratad.log"
+    with running_daemon([str(tiny), "--config", str(config)], log) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=tiny.name, prompt="Hello there", max_tokens=6,
+                                      temperature=0)  # fmt: skip
+    assert r.choices[0].text == tok.decode(want)
+    text = log.read_text()
+    assert "16 keep a copy in RAM" in text, text
+    assert " ERROR " not in text
