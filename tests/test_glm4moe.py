@@ -21,7 +21,6 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
-from kernels.formats.quant import QType
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
@@ -35,7 +34,6 @@ from stratad.store.pack.write import write_pack
 from tests.daemon import running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama, f32_llama, llama_greedy, llama_logits
-from tests.offload_engine import assert_as_reference, tiny_offload
 from tests.synth_rewrite import rewrite
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
@@ -136,36 +134,6 @@ def test_the_gpu_engine_says_what_it_cannot_read(model: Model) -> None:
 
     with pytest.raises(ModelError, match="offload engine cannot run it: layer 1 holds F32"):
         choose_backend("offload", model, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def q8(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """tiny-glm with Q8_0 experts and dense feed-forward (the fused kernels read no F32)."""
-    path = tmp_path_factory.mktemp("glm-q8") / "tiny-glm-q8_0.gguf"
-    synth.write_synth(replace(synth.PRESETS["tiny-glm"], ffn_qtype=QType.Q8_0), path)
-    return load_model(path)
-
-
-@pytest.mark.parametrize(("gpu_miss", "prefetch"), [("copy", True), ("in_place", False)])
-def test_gpu_engine_against_the_reference_cpu(q8: Model, gpu_miss: str, prefetch: bool) -> None:
-    """The GPU engine (its Triton kernels in the interpreter) runs every part of the layout:
-    the dense first layer in its layer loop (the store's rows, slots, staging and the
-    prefetch's guesses are the routed layers'), sigmoid routing with the correction bias and
-    scaled weights, the ungated shared expert, RoPE over half of each head op by op, q/k/v
-    biases."""
-    assert fast_path_refusal(q8) is None
-    off = assert_as_reference(q8, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss,
-                              prefetch=prefetch)  # fmt: skip
-    assert off.rows == range(2) and off.route_counts.shape == (2, 8)
-    assert off.experts.lookups.total > 0
-    with pytest.raises(ModelError, match="first 1 layers are dense: keep engine.pcie_frac"):
-        tiny_offload(q8, "cpu", graphs=False, pcie_frac=0.5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_gpu_engine_against_the_reference_gpu(q8: Model, graphs: bool) -> None:
-    assert_as_reference(q8, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
 
 
 def test_store_plans_its_moe_layers(tiny_glm: Path, tmp_path: Path) -> None:

@@ -11,26 +11,22 @@ tests/test_transformers.py.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import openai
 import pytest
 
-from kernels.formats.quant import QType
-from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model import synth
 from stratad.model.activation import ClampedSwiGlu
 from stratad.model.routing import TopKSoftmax
-from stratad.model.spec import Model, ModelError
+from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
 from tests.daemon import running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
-from tests.offload_engine import assert_as_reference, tiny_offload
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "def fibonacci(n):"]
 N_NEW = 16
@@ -62,43 +58,6 @@ def test_reference_engine_against_llama_cpp(tiny_oss: Path, model: Model) -> Non
     assert_as_llama(ReferenceForward(model), tiny_oss, PROMPTS, N_NEW)
     # the cpu engine's one-call paths compute the plain graph; the GPU engine reads no F32
     assert fast_path_refusal(model) == "layer 0 holds F32 experts"
-
-
-@pytest.fixture(scope="module")
-def mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """tiny-gpt-oss with MXFP4 experts, as gpt-oss's files hold them."""
-    path = tmp_path_factory.mktemp("oss-mxfp4") / "tiny-gpt-oss-mxfp4.gguf"
-    synth.write_synth(replace(synth.PRESETS["tiny-gpt-oss"], ffn_qtype=QType.MXFP4), path)
-    return load_model(path)
-
-
-@pytest.mark.parametrize(("gpu_miss", "rows"), [("copy", 128), ("in_place", 16)])
-def test_gpu_engine_against_the_reference_cpu(
-    mxfp4: Model, gpu_miss: str, rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU engine (its Triton kernels in the interpreter) computes every part of the
-    layout: the router's bias and softmax over the top k, the experts' biases and clamped
-    SwiGLU in the fused launches and the staged GEMMs, sinks and the window in decode
-    attention and in prefill's pieces of query rows (one, or five of 16), the output
-    projection's bias."""
-    monkeypatch.setattr(offload_attention, "_ROWS", rows)
-    assert fast_path_refusal(mxfp4) is None
-    assert_as_reference(mxfp4, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss)
-
-
-def test_gpu_engine_keeps_the_cpu_share_off(mxfp4: Model) -> None:
-    """The CPU's share of the misses computes plain experts: asked for, refused, said why."""
-    with pytest.raises(ModelError, match="clamped SwiGLU.*pcie_frac at 1"):
-        tiny_offload(mxfp4, "cpu", graphs=False, pcie_frac=0.5)
-    off = tiny_offload(mxfp4, "cpu", graphs=False)
-    off.set_pcie_frac(0.5)  # the daemon's "balanced" after measuring the link
-    assert off.config.pcie_frac == 1.0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_gpu_engine_against_the_reference_gpu(mxfp4: Model, graphs: bool) -> None:
-    assert_as_reference(mxfp4, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
 
 
 def test_daemon_serves_it_through_the_store(tiny_oss: Path, model: Model, tmp_path: Path) -> None:

@@ -266,7 +266,9 @@ class OffloadForward:
         if self.softmax_norm is None:  # e.g. sigmoid scores with a correction bias
             weights, ids = route_as(spec, self.linear(h, w.router), w.router_bias)
             return weights, ids.to(torch.int32)
-        logits = self.linear(h, w.router, w.router_bias)
+        logits = self.linear(h, w.router)
+        if w.router_bias is not None:  # float32, as the routing adds it (gpt-oss)
+            logits = logits.float() + w.router_bias
         weights, ids = self.route_fn(logits, spec.n_experts_used, self.softmax_norm)
         if spec.expert_scale != 1.0:
             weights = weights * spec.expert_scale

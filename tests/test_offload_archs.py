@@ -1,0 +1,85 @@
+"""The GPU engine on the newer layouts against the reference engine, on tiny synthetic files
+in the types the fused kernels read (their presets are F32, for the llama.cpp comparisons in
+tests/test_glm4moe.py and tests/test_gpt_oss.py; this file imports no llama.cpp, so it runs
+on a GPU host as it is).
+
+On the CPU the Triton kernels run in the interpreter; the GPU variants replay graphs and
+guess the next layer's experts as the daemon does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kernels.formats.quant import QType
+from stratad.engine.offload import attention as offload_attention
+from stratad.engine.offload.experts import fast_path_refusal
+from stratad.model import synth
+from stratad.model.spec import Model, ModelError
+from stratad.store.loader import load_model
+from tests.offload_engine import assert_as_reference, tiny_offload
+
+
+def _retyped(tmp: pytest.TempPathFactory, preset: str, qtype: QType) -> Model:
+    path = tmp.mktemp(preset) / f"{preset}-{qtype.name.lower()}.gguf"
+    synth.write_synth(replace(synth.PRESETS[preset], ffn_qtype=qtype), path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """tiny-glm with Q8_0 experts and dense feed-forward."""
+    return _retyped(tmp_path_factory, "tiny-glm", QType.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """tiny-gpt-oss with MXFP4 experts, as gpt-oss's files hold them."""
+    return _retyped(tmp_path_factory, "tiny-gpt-oss", QType.MXFP4)
+
+
+@pytest.mark.parametrize(("gpu_miss", "prefetch"), [("copy", True), ("in_place", False)])
+def test_glm(glm: Model, gpu_miss: str, prefetch: bool) -> None:
+    """GLM-4.5's layout: the dense first layer in the engine's layer loop (the store's rows,
+    slots, staging and the prefetch's guesses are the routed layers'), sigmoid routing with
+    the correction bias and scaled weights, the ungated shared expert, RoPE over half of each
+    head op by op, q/k/v biases."""
+    assert fast_path_refusal(glm) is None
+    off = assert_as_reference(glm, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss,
+                              prefetch=prefetch)  # fmt: skip
+    assert off.rows == range(2) and off.route_counts.shape == (2, 8)
+    assert off.experts.lookups.total > 0
+    with pytest.raises(ModelError, match="first 1 layers are dense: keep engine.pcie_frac"):
+        tiny_offload(glm, "cpu", graphs=False, pcie_frac=0.5)
+
+
+@pytest.mark.parametrize(("gpu_miss", "rows"), [("copy", 128), ("in_place", 16)])
+def test_gpt_oss(
+    oss: Model, gpu_miss: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's layout: the router's bias and softmax over the top k, the experts' biases
+    and clamped SwiGLU in the fused launches and the staged GEMMs, sinks and the window in
+    decode attention and in prefill's pieces of query rows (one, or five of 16), the output
+    projection's bias."""
+    monkeypatch.setattr(offload_attention, "_ROWS", rows)
+    assert fast_path_refusal(oss) is None
+    assert_as_reference(oss, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss)
+
+
+def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:
+    """The CPU's share of the misses computes plain experts: asked for, refused, said why."""
+    with pytest.raises(ModelError, match="clamped SwiGLU.*pcie_frac at 1"):
+        tiny_offload(oss, "cpu", graphs=False, pcie_frac=0.5)
+    off = tiny_offload(oss, "cpu", graphs=False)
+    off.set_pcie_frac(0.5)  # the daemon's "balanced" after measuring the link
+    assert off.config.pcie_frac == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("arch", ["glm", "oss"])
+def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> None:
+    model = request.getfixturevalue(arch)
+    assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
