@@ -35,20 +35,12 @@ from tests.daemon import running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
 from tests.synth_rewrite import rewrite
+from tests.tiny_presets import preset_fixtures
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("deepseek") / "tiny-deepseek.gguf"
-    synth.write_synth(synth.PRESETS["tiny-deepseek"], path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(tiny: Path) -> Model:
-    return load_model(tiny)
+_tiny_file, _model = preset_fixtures("tiny-deepseek", "tiny")
 
 
 def test_spec_from_the_file(model: Model) -> None:

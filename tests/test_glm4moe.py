@@ -35,21 +35,13 @@ from tests.daemon import running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama, f32_llama, llama_greedy, llama_logits
 from tests.synth_rewrite import rewrite
+from tests.tiny_presets import preset_fixtures
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 N_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_glm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("glm") / "tiny-glm.gguf"
-    synth.write_synth(synth.PRESETS["tiny-glm"], path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(tiny_glm: Path) -> Model:
-    return load_model(tiny_glm)
+_tiny_glm_file, _model = preset_fixtures("tiny-glm", "tiny_glm")
 
 
 def test_spec_from_the_file(model: Model) -> None:

@@ -14,34 +14,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-import pytest
 
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model import synth
 from stratad.model.activation import ClampedSwiGlu
 from stratad.model.routing import TopKSoftmax
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
-from stratad.store.loader import load_model
 from tests.daemon import running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
+from tests.tiny_presets import preset_fixtures
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "def fibonacci(n):"]
 N_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("oss") / "tiny-gpt-oss.gguf"
-    synth.write_synth(synth.PRESETS["tiny-gpt-oss"], path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def model(tiny_oss: Path) -> Model:
-    return load_model(tiny_oss)
+_tiny_oss_file, _model = preset_fixtures("tiny-gpt-oss", "tiny_oss")
 
 
 def test_spec_from_the_file(model: Model) -> None:

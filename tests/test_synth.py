@@ -125,9 +125,28 @@ def test_deepseek_v2_lite_geometry_and_size() -> None:
     assert abs(synth.n_params(p) / 1e9 - 15.5) < 0.1
 
 
+def test_qwen3_next_geometry_and_size() -> None:
+    """Qwen3-Next-80B-A3B's shapes as llama.cpp's converter writes them: DeltaNet layers with
+    q, k, v in one projection and the gate apart, every fourth layer gated full attention;
+    80B parameters less the published vocabulary's (151,936: 0.4B)."""
+    p = synth.get_preset("qwen3-next-80b-a3b")
+    plan = {t.name: t for t in synth.tensor_plan(p)}
+    assert plan["blk.0.attn_qkv.weight"].shape == (2 * 16 * 128 + 32 * 128, 2048)
+    assert plan["blk.0.attn_gate.weight"].shape == (32 * 128, 2048)
+    assert plan["blk.0.ssm_ba.weight"].shape == (64, 2048)
+    assert plan["blk.0.ssm_conv1d.weight"].shape == (8192, 4)
+    assert plan["blk.0.ssm_a"].shape == (32,)
+    assert "blk.0.attn_q.weight" not in plan
+    assert plan["blk.3.attn_q.weight"].shape == (2 * 16 * 256, 2048)  # each head's q and gate
+    assert plan["blk.47.ffn_gate_exps.weight"].shape == (512, 512, 2048)
+    assert plan["blk.47.ffn_gate_inp_shexp.weight"].shape == (1, 2048)
+    assert abs(synth.n_params(p) / 1e9 - 79.3) < 0.5
+
+
 def test_unknown_preset_names_the_presets() -> None:
-    names = ("tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss, tiny-deepseek, gpt-oss-20b,"
-             " gpt-oss-120b, glm-4.5-air, deepseek-v2-lite, a3b")
+    names = ("tiny-moe, tiny-dense, tiny-glm, tiny-gpt-oss, tiny-qwen3-next, tiny-deepseek,"
+             " gpt-oss-20b, gpt-oss-120b, glm-4.5-air, qwen3-next-80b-a3b, deepseek-v2-lite,"
+             " a3b")
     with pytest.raises(synth.UnknownPreset, match=names):
         synth.get_preset("a30b")
 

@@ -122,6 +122,28 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
             rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         ),
     ),
+    # Qwen3-Next's layout: Gated DeltaNet in three of every four layers (2 key heads serving
+    # 4 value heads, a conv of 4), gated full attention in the fourth with RoPE over a quarter
+    # of each head, 8 experts top-2 and a gated shared expert; norms that scale by 1 + w
+    # (drawn in `_build`, as the layers' biases are)
+    "qwen3next": (
+        tf.Qwen3NextConfig,
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "rope_type": "default"},
+        ),
+    ),
 }
 
 
@@ -134,7 +156,7 @@ def _build(arch: str, out: Path, **override: Any) -> tf.PreTrainedModel:
     zeros = [*model.named_buffers(), *model.named_parameters()]
     with torch.no_grad():
         for name, t in zeros:
-            if name.endswith(("bias", "sinks")) and not t.any():
+            if name.endswith(("bias", "sinks", "norm.weight")) and not t.any():
                 t.copy_(torch.randn(t.shape) * 0.1)
     model.save_pretrained(out)
     return model

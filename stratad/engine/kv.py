@@ -46,6 +46,7 @@ import torch
 from kernels.layers.paged import HostPages, gather_rows
 from stratad.engine.kv_format import INT8, PLAIN, KVFormat
 from stratad.engine.mapped import mapped_empty
+from stratad.engine.recurrent import RecurrentState
 from stratad.host_copy import to_device
 from stratad.model.spec import ModelSpec
 
@@ -332,6 +333,8 @@ class KVCache:
     # per device: the block ids, [max_blocks] int32 padded with 0 (written in place)
     tables: dict[torch.device, torch.Tensor] = field(init=False, repr=False)
     keys: list[Hashable] = field(default_factory=list)  # the registered keys of its first blocks
+    # the linear-attention layers' state for its tokens (a recurrent model's: Qwen3-Next)
+    recurrent: RecurrentState | None = None
 
     def __post_init__(self) -> None:
         n = self.pool.blocks_for(self.capacity)
@@ -440,6 +443,7 @@ class KVCache:
         self.blocks, self.keys = list(blocks), list(keys)
         self._write_table(0, self.blocks)
         self.length, self.tokens = len(tokens), list(tokens)
+        self.recurrent = None  # no recurrent state stands for shared blocks
 
     def seal(self, scope: str) -> None:
         """Register the full blocks not yet registered, under `scope` (after a step)."""
@@ -451,7 +455,10 @@ class KVCache:
             self.keys.append(key)
 
     def truncate(self, length: int) -> None:
-        """Forget everything after `length` tokens; the blocks past it go back to the pool."""
+        """Forget everything after `length` tokens; the blocks past it go back to the pool
+        (a recurrent state, which cannot be cut back, with them)."""
+        if self.recurrent is not None and self.recurrent.length != min(self.length, length):
+            self.recurrent = None
         self.length = min(self.length, length)
         del self.tokens[self.length :]
         del self.keys[self.length // self.block_size :]

@@ -32,6 +32,10 @@ def graph_departure(spec: ModelSpec, layers: Sequence[LayerWeights]) -> str | No
         return f"RoPE turns {spec.rope_dim} of each head's {spec.head_dim} dims"
     if spec.mla is not None:
         return f"it attends by {spec.mla.describe()}"
+    if spec.deltanet is not None:
+        return f"it mixes tokens by {spec.deltanet.describe()}"
+    if spec.attn_gate:
+        return "its attention heads' outputs are gated"
     if spec.attn_sinks or spec.sliding_window:
         return "its attention has sinks or a sliding window"
     if any(isinstance(w.attn, AttentionWeights) and w.attn.o_bias is not None for w in layers):

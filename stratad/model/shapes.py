@@ -14,6 +14,7 @@ from kernels.formats.quant import QTensor
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import (
     AttentionWeights,
+    DeltaNetWeights,
     LayerWeights,
     MlaWeights,
     MLPWeights,
@@ -68,6 +69,8 @@ def check_model(model: Model, layers: list[LayerWeights]) -> None:
         a = w.attn
         if isinstance(a, MlaWeights):
             _mla(want, at, a, spec)
+        elif isinstance(a, DeltaNetWeights):
+            _deltanet(want, at, a, spec)
         else:
             _gqa(want, at, a, spec)
         if isinstance(w.mlp, MLPWeights):
@@ -97,7 +100,7 @@ def _mlp(want, what: str, m: MLPWeights, ffn: int, h: int) -> None:  # type: ign
 
 def _gqa(want: Want, at: str, a: AttentionWeights, spec: ModelSpec) -> None:
     h, q, kv = spec.hidden, spec.q_dim, spec.kv_dim
-    want(f"q {at}", a.q, (q, h))
+    want(f"q {at}", a.q, (2 * q if spec.attn_gate else q, h))  # gated: each head's q and gate
     want(f"k {at}", a.k, (kv, h))
     want(f"v {at}", a.v, (kv, h))
     want(f"o {at}", a.o, (h, q))
@@ -123,3 +126,18 @@ def _mla(want: Want, at: str, a: MlaWeights, spec: ModelSpec) -> None:
     want(f"kv_a norm {at}", a.kv_a_norm, (rank,))
     want(f"kv_b {at}", a.kv_b, (heads * (spec.head_dim - rot + spec.value_dim), rank))
     want(f"o {at}", a.o, (h, heads * spec.value_dim))
+
+
+def _deltanet(want: Want, at: str, a: DeltaNetWeights, spec: ModelSpec) -> None:
+    """Gated DeltaNet's weights (`stratad.model.deltanet`)."""
+    net = spec.deltanet
+    assert net is not None
+    h, vh = spec.hidden, net.v_heads
+    want(f"qkv {at}", a.qkv, (net.conv_dim, h))
+    want(f"z {at}", a.z, (net.value_dim, h))
+    want(f"ba {at}", a.ba, (2 * vh, h))
+    want(f"conv {at}", a.conv, (net.conv_dim, net.conv_kernel))
+    want(f"dt_bias {at}", a.dt_bias, (vh,))
+    want(f"a {at}", a.a, (vh,))
+    want(f"norm {at}", a.norm, (net.v_dim,))
+    want(f"out {at}", a.out, (h, net.value_dim))

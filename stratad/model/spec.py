@@ -9,6 +9,7 @@ from typing import Any
 
 from kernels.formats.quant import QTensor
 from stratad.model.activation import SILU, Activation
+from stratad.model.deltanet import GatedDeltaNet
 from stratad.model.mla import Mla
 from stratad.model.rope_scaling import UNSCALED, RopeScaling
 from stratad.model.routing import SOFTMAX, Routing, Sigmoid
@@ -54,6 +55,8 @@ class ModelSpec:
     mla: Mla | None = None  # multi-head latent attention (DeepSeek; `stratad.model.mla`)
     v_head_dim: int = 0  # a value head's dims where they differ from a key's (0: head_dim)
     attn_scale: float = 1.0  # the attention scores' scale times this (DeepSeek's YaRN)
+    deltanet: GatedDeltaNet | None = None  # linear-attention layers (Qwen3-Next)
+    attn_gate: bool = False  # q's projection also gives a sigmoid gate on each head's output
 
     @property
     def is_moe(self) -> bool:
@@ -66,6 +69,10 @@ class ModelSpec:
     @property
     def moe_layers(self) -> range:
         return range(self.dense_layers, self.n_layers) if self.is_moe else range(0)
+
+    def linear_layer(self, i: int) -> bool:
+        """Whether layer i mixes tokens by Gated DeltaNet (no KV: a recurrent state)."""
+        return self.deltanet is not None and self.deltanet.linear(i)
 
     def window(self, i: int) -> int:
         """The sliding window of layer i's attention; 0: it sees the whole context."""

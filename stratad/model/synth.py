@@ -89,7 +89,7 @@ def _draw(t: SynthTensor, seed: int, index: int, rows: int) -> np.ndarray:
     w = torch.randn(rows, t.cols, generator=g).mul_(t.std)  # [rows, cols]
     if t.row_spread:
         w.mul_(torch.randn(rows, 1, generator=g).mul_(t.row_spread).exp_())
-    return w.numpy()
+    return w.add_(t.offset).numpy()
 
 
 def _encode(values: np.ndarray, qtype: QType) -> np.ndarray:
@@ -248,6 +248,15 @@ def _add_metadata(
         w.add_rope_scaling_orig_ctx_len(p.yarn[1])
         if p.yarn_log_mul:
             w.add_rope_scaling_yarn_log_mul(p.yarn_log_mul)
+    if p.deltanet:
+        kh, vh, dk, dv = p.deltanet
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(dk)
+        w.add_ssm_group_count(kh)
+        w.add_ssm_time_step_rank(vh)
+        w.add_ssm_inner_size(vh * dv)
+        w.add_full_attention_interval(4)
+        w.add_expert_shared_feed_forward_length(p.ffn * p.shared_experts)
     if p.sigmoid_routing:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_norm(True)

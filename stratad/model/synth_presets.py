@@ -76,6 +76,10 @@ class SynthPreset:
     q_lora_rank: int = 0
     v_head_dim: int = 0
     sigmoid: bool = False
+    # Qwen3-Next (arch "qwen3next"): Gated DeltaNet layers of these heads and dims (key heads,
+    # value heads, key dim, value dim; a conv of 4), full attention every 4th layer with gated
+    # heads; the experts' shared expert behind a sigmoid gate
+    deltanet: tuple[int, int, int, int] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -83,7 +87,7 @@ class SynthPreset:
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3moe"
+        return self.arch in ("qwen3moe", "qwen3next")
 
     @property
     def sigmoid_routing(self) -> bool:
@@ -163,6 +167,12 @@ PRESETS: Mapping[str, SynthPreset] = {
                     dense_ffn=256, shared_experts=1, rope_dim=32, expert_scale=1.5),  # fmt: skip
         # gpt-oss's layout in miniature: a window of 8 that prompts outrun
         SynthPreset("tiny-gpt-oss", "gpt-oss", n_layers=4, **_TINY_F32, sliding_window=8),
+        # Qwen3-Next's layout in miniature: DeltaNet in layers 0-2 (2 key heads of 32 serving
+        # 4 value heads of 32: llama.cpp takes the dims equal), gated full attention with q/k
+        # norms and RoPE over a quarter of each head in layer 3, a gated shared expert
+        SynthPreset("tiny-qwen3-next", "qwen3next", n_layers=4,
+                    **(_TINY_F32 | dict(attn_bias=False)), shared_experts=1, rope_dim=16,
+                    deltanet=(2, 4, 32, 32)),  # fmt: skip
         # DeepSeek-V3's layout in miniature: latent attention with queries through a latent
         # (keys of 32 + 16 rotated dims, values of 24), a dense first layer, an ungated
         # shared expert, sigmoid routing with the correction bias, scaled weights
@@ -219,6 +229,28 @@ PRESETS: Mapping[str, SynthPreset] = {
             shared_experts=1,
             rope_dim=64,
             attn_bias=True,
+        ),
+        # Qwen3-Next-80B-A3B's geometry (its config.json): Gated DeltaNet in three of every
+        # four layers (16 key heads of 128 serving 32 value heads), gated full attention of
+        # 16 query heads of 256 over 2 KV heads with RoPE over 64 dims, 512 experts of 512
+        # top-10 plus a gated shared expert
+        SynthPreset(
+            "qwen3-next-80b-a3b",
+            "qwen3next",
+            n_layers=48,
+            hidden=2048,
+            n_heads=16,
+            n_kv_heads=2,
+            head_dim=256,
+            ffn=512,
+            n_experts=512,
+            n_experts_used=10,
+            context_length=262144,
+            rope_theta=10_000_000.0,
+            attn_qtype=QType.Q8_0,
+            shared_experts=1,
+            rope_dim=64,
+            deltanet=(16, 32, 128, 128),
         ),
         # DeepSeek-V2-Lite's geometry (its config.json): latent attention of rank 512 with
         # queries projected directly, 64 experts of 1,408 top-6 by softmax plus two shared, a
@@ -283,6 +315,7 @@ class SynthTensor:
     qtype: QType
     std: float  # values ~ N(0, std^2); 0 means the constant 1 (norm weights)
     row_spread: float = 0.0  # each row times exp(row_spread * N(0, 1))
+    offset: float = 0.0  # added to the drawn values (a DeltaNet's decay rates: negative)
     # Written as random valid blocks of spread `std` (`synth_blocks`) instead of drawn and
     # quantized: the --ftype files' quantized tensors.
     random_blocks: bool = False
@@ -350,10 +383,12 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
         std: float,
         row_spread: float = 0.0,
         bias: bool = False,
+        suffix: str = ".weight",
+        offset: float = 0.0,
     ) -> None:
         assert kind in known, f"{p.arch} has no {kind.name} tensor"
-        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + (".bias" if bias else ".weight")
-        plan.append(SynthTensor(name, shape, qtype, std, row_spread))
+        name = gguf.TENSOR_NAMES[kind].format(bid=layer) + (".bias" if bias else suffix)
+        plan.append(SynthTensor(name, shape, qtype, std, row_spread, offset))
 
     d, f, e = p.hidden, p.ffn, p.n_experts
     fan = d**-0.5  # unit-variance outputs from a unit-RMS input
@@ -363,9 +398,11 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
         add(T.ATTN_NORM, i, (d,), QType.F32, 0.0)
         if p.mla:
             _mla_plan(p, i, add)
+        elif p.deltanet and i % 4 != 3:
+            _deltanet_plan(p, i, add)
         else:
             _attention_plan(p, i, add)
-        post = p.arch == "glm4moe" or p.gpt_oss  # their converters name the FFN's norm so
+        post = p.arch in ("glm4moe", "qwen3next") or p.gpt_oss  # their FFN norms' GGUF name
         add(T.ATTN_POST_NORM if post else T.FFN_NORM, i, (d,), QType.F32, 0.0)
         if p.moe_layer(i):
             add(
@@ -391,6 +428,8 @@ def _preset_plan(p: SynthPreset) -> list[SynthTensor]:
                 add(T.FFN_GATE_SHEXP, i, (fs, d), p.ffn_qtype, fan)
                 add(T.FFN_UP_SHEXP, i, (fs, d), p.ffn_qtype, fan)
                 add(T.FFN_DOWN_SHEXP, i, (d, fs), p.ffn_qtype, res * fs**-0.5)
+            if p.deltanet:  # Qwen3-Next's shared expert sits behind a sigmoid gate
+                add(T.FFN_GATE_INP_SHEXP, i, (1, d), QType.F32, fan)  # as [1, H] in files
         else:
             fd = p.dense_ffn or f
             add(T.FFN_GATE, i, (fd, d), p.ffn_qtype, fan)
@@ -408,7 +447,8 @@ def _attention_plan(p: SynthPreset, i: int, add: Add) -> None:
     """Layer i's q/k/v attention (with the biases and sinks its layout has)."""
     T, d = gguf.MODEL_TENSOR, p.hidden
     fan, res = d**-0.5, p.residual_scale
-    add(T.ATTN_Q, i, (p.q_dim, d), p.attn_qtype, fan)
+    # Qwen3-Next's heads: each head's query, then its output's gate
+    add(T.ATTN_Q, i, (2 * p.q_dim if p.deltanet else p.q_dim, d), p.attn_qtype, fan)
     if p.attn_bias:
         add(T.ATTN_Q, i, (p.q_dim,), QType.F32, 0.1, bias=True)
     add(T.ATTN_K, i, (p.kv_dim, d), p.attn_qtype, fan)
@@ -424,6 +464,23 @@ def _attention_plan(p: SynthPreset, i: int, add: Add) -> None:
     if p.qk_norm:
         add(T.ATTN_Q_NORM, i, (p.head_dim,), QType.F32, 0.0)
         add(T.ATTN_K_NORM, i, (p.head_dim,), QType.F32, 0.0)
+
+
+def _deltanet_plan(p: SynthPreset, i: int, add: Add) -> None:
+    """Layer i's Gated DeltaNet as llama.cpp's converter writes it: every head's q, k, v in
+    one projection, the gate z apart, the conv [C, 4], the decay rates a < 0 (-exp(A_log))."""
+    assert p.deltanet is not None
+    T, d = gguf.MODEL_TENSOR, p.hidden
+    kh, vh, dk, dv = p.deltanet
+    conv, value = 2 * kh * dk + vh * dv, vh * dv
+    add(T.ATTN_QKV, i, (conv, d), p.attn_qtype, d**-0.5)
+    add(T.ATTN_GATE, i, (value, d), p.attn_qtype, d**-0.5)
+    add(T.SSM_BETA_ALPHA, i, (2 * vh, d), p.attn_qtype, d**-0.5)
+    add(T.SSM_CONV1D, i, (conv, 4), QType.F32, 0.5)
+    add(T.SSM_DT, i, (vh,), QType.F32, 0.5, bias=True)
+    add(T.SSM_A, i, (vh,), QType.F32, 0.3, suffix="", offset=-1.5)
+    add(T.SSM_NORM, i, (dv,), QType.F32, 0.0)
+    add(T.SSM_OUT, i, (d, value), p.attn_qtype, p.residual_scale * value**-0.5)
 
 
 def _mla_plan(p: SynthPreset, i: int, add: Add) -> None:

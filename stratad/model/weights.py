@@ -36,6 +36,24 @@ class MlaWeights:
 
 
 @dataclass(frozen=True)
+class DeltaNetWeights:
+    """A Gated DeltaNet layer's weights (`stratad.model.deltanet`), in llama.cpp's layout."""
+
+    qkv: QTensor  # [2 key_dim + value_dim, H]: every head's q, then k, then v
+    z: QTensor  # [value_dim, H]: the output gate
+    ba: QTensor  # [2 v_heads, H]: per key head, its value heads' beta logits, then alphas
+    conv: QTensor  # [conv_dim, conv_kernel]: depthwise, causal
+    dt_bias: QTensor  # [v_heads]
+    a: QTensor  # [v_heads]: -exp(A_log), the decay's rate (negative)
+    norm: QTensor  # [v_dim]
+    out: QTensor  # [H, value_dim]
+
+
+# how a layer mixes tokens: attention, latent attention, or linear attention
+Mixer = AttentionWeights | MlaWeights | DeltaNetWeights
+
+
+@dataclass(frozen=True)
 class MLPWeights:
     gate: QTensor  # [F, H]
     up: QTensor  # [F, H]
@@ -73,7 +91,7 @@ class MoEWeights:
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: QTensor
-    attn: AttentionWeights | MlaWeights
+    attn: Mixer
     ffn_norm: QTensor
     mlp: MLPWeights | MoEWeights
 
@@ -82,5 +100,5 @@ class LayerWeights:
         """The attention's q/k/v projections, for the paths that compute only that form (the
         fast paths refuse multi-head latent attention before reaching them)."""
         if not isinstance(self.attn, AttentionWeights):
-            raise TypeError("multi-head latent attention has no q/k/v projections")
+            raise TypeError(f"{type(self.attn).__name__} has no q/k/v projections")
         return self.attn

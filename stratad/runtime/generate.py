@@ -58,6 +58,7 @@ class Generator:
         speculation: Speculation | None = None,
         prompt_rows: tuple[int, int] = (0, 0),
         ahead: AheadPass | None = None,
+        reuse: bool = True,
     ) -> None:
         """`step_tokens`: a step's tokens at most (`StepBudget.auto`: 0 is one prompt chunk
         beside a token of every running request); `kv_tokens`: the KV pool's tokens (0: the
@@ -66,10 +67,13 @@ class Generator:
         `prompt_rows`: the rows of the forward's decode pass and the most tokens of a prompt
         it takes there (`Runner.prompt_rows`; short prompts wait for room there); `ahead`:
         the forward's decode step from tokens on the device (`Runner.ahead`: decode steps
-        of plain draws queue the next one before the host reads their tokens)."""
+        of plain draws queue the next one before the host reads their tokens); `reuse`
+        False: every request computes its whole prompt on an emptied cache (a recurrent
+        model's state cannot be cut back to a shared prefix)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
+        self.reuse = reuse
         self.speculation = speculation
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -143,6 +147,9 @@ class Generator:
         At least the last prompt token is left to compute: its logits pick the first token.
         """
         cache = self.caches[i]
+        if not self.reuse:
+            cache.release()
+            return 0
         live = cache.common_prefix(prompt) if scope == self._scopes[i] else 0
         snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)

@@ -78,7 +78,15 @@ class Engine:
             conversation_bytes=server.conversation_cache_mib << 20,
             pinned_bytes=server.pinned_prefix_mib << 20,
         )
-        ahead = runner.ahead(config.engine.step_ahead)
+        # a recurrent model's state stands for its cache's tokens alone (stratad/engine/
+        # recurrent.py): no cache is cut back, shared or preempted, no step runs ahead
+        net = self.model.spec.deltanet
+        recurrent = net is not None
+        if net is not None:
+            log.info("%s: each request's recurrent state lives in its working cache, computed"
+                     " from its first token: no prefix reuse, conversation cache, steps queued"
+                     " ahead, speculation or preemption", net.describe())  # fmt: skip
+        ahead = None if recurrent else runner.ahead(config.engine.step_ahead)
         if ahead is not None:
             log.info(
                 "decode steps queue the next one on the GPU while every request draws with"
@@ -96,13 +104,14 @@ class Engine:
             prefix_store=self.prefixes,
             parallel=runner.start.parallel.count,
             step_tokens=server.step_tokens,
-            kv_tokens=runner.start.parallel.pool_tokens(max_context),
+            kv_tokens=0 if recurrent else runner.start.parallel.pool_tokens(max_context),
             prompt_rows=runner.prompt_rows,
             ahead=ahead,
-            speculation=Speculation.from_config(
+            speculation=None if recurrent else Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
                 config.speculation.token_cost, self.backend,
                 self._draft_model(config, max_context)),  # fmt: skip
+            reuse=not recurrent,
         )
         kv = self.generator.kv
         if kv.host:

@@ -21,6 +21,8 @@ from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import PLAIN, KVFormat
+from stratad.engine.recurrent import RecurrentState, state_for
+from stratad.engine.reference.deltanet import deltanet
 from stratad.engine.reference.layers import apply_rope, rms_norm, rope_tables, route_as
 from stratad.engine.reference.store_moe import ExpertProvider
 from stratad.engine.reference.weights_mode import (
@@ -36,7 +38,14 @@ from stratad.model.activation import SILU, Activation
 from stratad.model.archs import ARCHS
 from stratad.model.graph import ffn_departure
 from stratad.model.spec import Model, ModelSpec
-from stratad.model.weights import AttentionWeights, LayerWeights, MlaWeights, MLPWeights, MoEWeights
+from stratad.model.weights import (
+    AttentionWeights,
+    DeltaNetWeights,
+    LayerWeights,
+    MlaWeights,
+    MLPWeights,
+    MoEWeights,
+)
 
 _Biases = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -71,6 +80,16 @@ class _Mla:
 
 
 @dataclass(frozen=True)
+class _DeltaNet:
+    """A Gated DeltaNet layer's products and weights (`stratad.model.deltanet`)."""
+
+    qkv: Linear
+    z: Linear
+    ba: Linear
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # conv, dt_bias, a, norm
+
+
+@dataclass(frozen=True)
 class _Layer:
     attn_norm: torch.Tensor
     q: Linear | None  # None, with k and v: multi-head latent attention (`mla`)
@@ -95,6 +114,7 @@ class _Layer:
     shared: _Dense | None
     shared_gate: Linear | None
     mla: _Mla | None = None
+    deltanet: _DeltaNet | None = None  # a linear-attention layer (o: its out projection)
 
 
 def _expert_biases(
@@ -138,17 +158,21 @@ def _layer(
     moe = w.mlp if isinstance(w.mlp, MoEWeights) else None
     biases = _expert_biases(moe, mode) if moe else None
     gqa = a if isinstance(a, AttentionWeights) else None
-    mla = None
+    mla = net = None
     if isinstance(a, MlaWeights):
         mla = _Mla(mode.linear(a.q), mode.linear(a.kv_a), mode.vector(a.kv_a_norm),
                    mode.linear(a.kv_b), mode.linear(a.q_a) if a.q_a else None,
                    opt(a.q_a_norm))  # fmt: skip
+    if isinstance(a, DeltaNetWeights):
+        net = _DeltaNet(mode.linear(a.qkv), mode.linear(a.z), mode.linear(a.ba),
+                        (mode.vector(a.conv), mode.vector(a.dt_bias), mode.vector(a.a),
+                         mode.vector(a.norm)))  # fmt: skip
     return _Layer(
         attn_norm=mode.vector(w.attn_norm),
         q=mode.linear(gqa.q) if gqa else None,
         k=mode.linear(gqa.k) if gqa else None,
         v=mode.linear(gqa.v) if gqa else None,
-        o=mode.linear(a.o),
+        o=mode.linear(a.out if isinstance(a, DeltaNetWeights) else a.o),
         q_bias=opt(gqa.q_bias) if gqa else None,
         k_bias=opt(gqa.k_bias) if gqa else None,
         v_bias=opt(gqa.v_bias) if gqa else None,
@@ -157,6 +181,7 @@ def _layer(
         o_bias=opt(gqa.o_bias) if gqa else None,
         sinks=opt(gqa.sinks) if gqa else None,
         mla=mla,
+        deltanet=net,
         window=spec.window(i),
         ffn_norm=mode.vector(w.ffn_norm),
         dense=mlp(w.mlp) if isinstance(w.mlp, MLPWeights) else None,
@@ -339,11 +364,14 @@ class ReferenceForward:
         x = self.embed(ids).to(self.dtype)  # [T, H]
         cos, sin = rope_tables(spec, torch.arange(start, start + t), self.device)
         stage = self.timer.stage
+        held = state_for(cache.recurrent, start) if spec.deltanet else None
         for i, layer in enumerate(self.layers):
             with stage("attention"):
-                x = x + self._attention(
-                    i, layer, rms_norm(x, layer.attn_norm, spec.rms_eps), cache, cos, sin
-                )
+                h = rms_norm(x, layer.attn_norm, spec.rms_eps)
+                if layer.deltanet is not None and held is not None:
+                    x = x + self._linear_attention(i, layer, layer.deltanet, h, held)
+                else:
+                    x = x + self._attention(i, layer, h, cache, cos, sin)
             h = rms_norm(x, layer.ffn_norm, spec.rms_eps)
             if layer.dense is not None:
                 with stage("mlp"):
@@ -352,6 +380,8 @@ class ReferenceForward:
                 x = x + self._moe(i, layer, h)
         cache.length = start + t
         cache.tokens.extend(tokens)
+        if held is not None:
+            held.length, cache.recurrent = cache.length, held
         if out is Output.NEXT:
             x = x[-1:]
         with stage("head"):
@@ -373,6 +403,10 @@ class ReferenceForward:
             return self._attend(i, w, q, k, v, cache)
         assert w.q is not None and w.k is not None and w.v is not None
         q, k, v = w.q(x), w.k(x), w.v(x)  # [T, Hq*D] [T, Hkv*D] [T, Hkv*D]
+        gate = None
+        if spec.attn_gate:  # per head: its query, then its output's gate (Qwen3-Next)
+            both = q.view(t, spec.n_heads, 2, spec.head_dim)
+            q, gate = both[:, :, 0].reshape(t, -1), both[:, :, 1].reshape(t, -1)
         if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
             q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
         if spec.qk_norm == "full" and w.q_norm is not None and w.k_norm is not None:
@@ -384,21 +418,32 @@ class ReferenceForward:
             q, k = rms_norm(q, w.q_norm, spec.rms_eps), rms_norm(k, w.k_norm, spec.rms_eps)
         q = apply_rope(q, cos, sin, spec.rope_interleaved)
         k = apply_rope(k, cos, sin, spec.rope_interleaved)
-        return self._attend(i, w, q, k, v, cache)
+        return self._attend(i, w, q, k, v, cache, gate)
+
+    def _linear_attention(
+        self, i: int, w: _Layer, net: _DeltaNet, x: torch.Tensor, held: RecurrentState
+    ) -> torch.Tensor:
+        """Layer i's Gated DeltaNet output for x [T, H], continuing the sequence's state."""
+        assert self.spec.deltanet is not None
+        mixed = deltanet(self.spec.deltanet, i, net.qkv(x), net.z(x), net.ba(x), net.weights,
+                         self.spec.rms_eps, held)  # fmt: skip
+        return w.o(mixed)
 
     def _attend(
         self, i: int, w: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache, gate: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Layer i's output projection of q [T, Hq, D]'s attention over the cache, k and v
-        [T, Hkv, D or the value dims] written at its end first."""
+        [T, Hkv, D or the value dims] written at its end first (times sigmoid(gate) [T, Hq D]
+        where the heads are gated)."""
         t, start = q.shape[0], cache.length
         k, v = self.kv_format.round_trip(k), self.kv_format.round_trip(v)
         rows = cache.rows(0, start + t, self.device)
         cache.k[i].index_copy_(0, rows[start:], k.to(cache.k[i].dtype))
         cache.v[i].index_copy_(0, rows[start:], v.to(cache.v[i].dtype))
         out = self.mode.attention(q, cache.k[i][rows], cache.v[i][rows], start, w.sinks, w.window)
-        out = w.o(out.reshape(t, -1))
+        out = out.reshape(t, -1)
+        out = w.o(out if gate is None else out * torch.sigmoid(gate))
         return out if w.o_bias is None else out + w.o_bias
 
     def _moe(self, i: int, w: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from stratad.model.archs import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
 )
 from stratad.model.archs.base import ARCHS, Arch, arch_for_gguf, arch_for_hf
 
@@ -29,4 +30,5 @@ __all__ = [
     "qwen2moe",
     "qwen3",
     "qwen3moe",
+    "qwen3next",
 ]

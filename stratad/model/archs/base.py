@@ -19,7 +19,7 @@ from stratad.model.weights import (
     AttentionWeights,
     ExpertStack,
     LayerWeights,
-    MlaWeights,
+    Mixer,
     MLPWeights,
     MoEWeights,
 )
@@ -257,7 +257,7 @@ class Arch:
         )
 
     @classmethod
-    def attention(cls, model: Model, i: int) -> AttentionWeights | MlaWeights:
+    def attention(cls, model: Model, i: int) -> Mixer:
         spec, t = model.spec, model.tensor
         attn = f"model.layers.{i}.self_attn"
         return AttentionWeights(

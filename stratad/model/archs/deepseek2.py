@@ -27,7 +27,7 @@ from stratad.model.mla import Mla
 from stratad.model.rope_scaling import Yarn, yarn_mscale
 from stratad.model.routing import Routing, Sigmoid, Softmax
 from stratad.model.spec import Model, ModelError, ModelSpec
-from stratad.model.weights import AttentionWeights, MlaWeights
+from stratad.model.weights import Mixer, MlaWeights
 
 
 @register
@@ -142,7 +142,7 @@ class DeepSeek2(Arch):
         return names
 
     @classmethod
-    def attention(cls, model: Model, i: int) -> AttentionWeights | MlaWeights:
+    def attention(cls, model: Model, i: int) -> Mixer:
         spec, t = model.spec, model.tensor
         assert spec.mla is not None
         attn = f"model.layers.{i}.self_attn"

@@ -1,0 +1,36 @@
+"""A sequence's recurrent state for the layers that keep one instead of KV (Gated DeltaNet:
+`stratad.model.deltanet`), beside its KV cache (`KVCache.recurrent`).
+
+The state stands for exactly the cache's first `length` tokens: unlike KV blocks it cannot be
+cut back to fewer tokens or shared as a prefix, so `KVCache.truncate` and `adopt` drop it,
+and a pass over a non-empty cache without it fails rather than compute from a wrong state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StaleState(RuntimeError):
+    """A recurrent model's cache holds tokens its recurrent state does not stand for."""
+
+
+@dataclass
+class RecurrentState:
+    length: int = 0  # the tokens folded in
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [C, K - 1] inputs
+    state: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv]
+
+
+def state_for(current: RecurrentState | None, length: int) -> RecurrentState:
+    """The state a pass over a cache of `length` tokens continues from: a new one for an
+    empty cache, else `current` if it stands for those tokens."""
+    if length == 0:
+        return RecurrentState()
+    if current is None or current.length != length:
+        held = "none" if current is None else f"one of {current.length}"
+        raise StaleState(f"the cache holds {length} tokens and its recurrent state is {held}:"
+                         " a recurrent model's cache is not cut back or shared")  # fmt: skip
+    return current
