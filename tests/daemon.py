@@ -10,7 +10,10 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import openai
 
 
 def free_port() -> int:
@@ -65,3 +68,16 @@ def stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def greedy_completions(url: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion, all requested at once (one client thread each)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    def ask(prompt: str) -> str:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0)  # fmt: skip
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(ask, prompts))

@@ -10,10 +10,7 @@ tests/test_transformers.py.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import openai
 
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
@@ -21,7 +18,7 @@ from stratad.model.activation import ClampedSwiGlu
 from stratad.model.routing import TopKSoftmax
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
-from tests.daemon import running_daemon
+from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
 from tests.tiny_presets import preset_fixtures
@@ -63,15 +60,7 @@ def test_daemon_serves_it_through_the_store(tiny_oss: Path, model: Model, tmp_pa
     config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
     log = tmp_path / "stratad.log"
     with running_daemon([str(tiny_oss), "--config", str(config)], log) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-        def ask(prompt: str) -> str:
-            r = client.completions.create(model=tiny_oss.name, prompt=prompt, max_tokens=6,
-                                          temperature=0)  # fmt: skip
-            return r.choices[0].text
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(ask, prompts))
+        got = greedy_completions(url, tiny_oss.name, prompts, 6)
     assert got == want
     text = log.read_text()
     assert "residency plan" in text and " ERROR " not in text, text

@@ -12,10 +12,8 @@ tests/test_transformers.py.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
@@ -25,7 +23,7 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.deltanet import GatedDeltaNet
 from stratad.model.spec import Model
 from stratad.model.tokenizer_build import tokenizer_from_gguf
-from tests.daemon import running_daemon
+from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
 from tests.tiny_presets import preset_fixtures
@@ -87,16 +85,8 @@ def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:
     config.write_text('[engine]\ndevice = "cpu"\nthreads = 1\n[control]\nsocket = ""\n')
     log = tmp_path / "stratad.log"
     with running_daemon([str(tiny), "--config", str(config)], log) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-        def ask(prompt: str) -> str:
-            r = client.completions.create(model=tiny.name, prompt=prompt, max_tokens=6,
-                                          temperature=0)  # fmt: skip
-            return r.choices[0].text
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(ask, prompts))
-        again = ask(prompts[0] + want[0])
+        got = greedy_completions(url, tiny.name, prompts, 6)
+        again = greedy_completions(url, tiny.name, [prompts[0] + want[0]], 6)[0]
     assert got == want
     longer = tok.encode(prompts[0] + want[0])
     assert again == tok.decode(greedy(reference, longer, 6))
