@@ -3,12 +3,12 @@ tables, the KV write, and attention itself, over the paged KV pool (`stratad.eng
 
 Decode attends split-K through the caches' block tables, the lengths read on the device (so
 one captured graph serves every position); where the model allows, the norms, the rotation and
-the KV write are one kernel (`kernels.layers.attn_input`); RoPE over part of each head
-(GLM-4.5) is written op by op. A decode step of several sequences
-of one pool runs attention (and the fused input) once for the whole batch, each sequence's
-blocks found through its row of the tables [B, max_blocks] (gathered on the device once per
-step). A prefill chunk gathers its sequence's keys and values up to its end and attends with
-torch's scaled_dot_product_attention.
+the KV write are one kernel (`kernels.layers.attn_input`; RoPE over part of each head, GLM-4.5's,
+is written op by op). A decode step of several sequences of one pool runs attention (and the
+fused input) once for the whole batch, each sequence's blocks found through its row of the
+tables [B, max_blocks] (gathered on the device once per step). A prefill chunk gathers its
+sequence's keys and values up to its end and attends with torch's
+scaled_dot_product_attention.
 
 gpt-oss's attention sinks and sliding-window layers are read by the same decode kernel (its
 `sinks` and `window`); a prefill chunk of such a layer attends in pieces of query rows in
