@@ -40,6 +40,7 @@ from kernels.layers.rope import (
     rope_table,
 )
 from tests.kernel_cases import DEVICE, FLOATS, TOL, randn
+from tests.sm90_compile import compile_case
 
 # --- RoPE -----------------------------------------------------------------------------------
 
@@ -251,6 +252,13 @@ def test_decode_attention_sinks_and_window(window: int, sinks: bool, split_s: in
         torch.testing.assert_close(expected[b].cpu(), alone[0], **TOL[torch.float32])
     plain = decode_attention_ref(q, k, v, seq_lens)
     assert (plain - expected).abs().max() > 1e-2  # the sinks and the window count
+
+
+def test_decode_attention_sinks_and_window_compile_for_sm90() -> None:
+    """The branches sinks and a window add compile for an sm90 GPU (the interpreter runs
+    what the compiler refuses: a global read in the kernel that was no constexpr did so)."""
+    out = compile_case("attention")
+    assert out.count("_decode_attention_kernel: ") == 2, out
 
 
 def test_decode_attention_sinks_checked() -> None:

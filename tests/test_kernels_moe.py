@@ -20,6 +20,7 @@ from kernels.experts.moe import (
     unsplit_q4_0,
 )
 from kernels.formats.quant import QTensor, QType, block_geometry, quantize
+from tests.sm90_compile import compile_case
 
 
 def _q4_0(rows: int, cols: int, gen: torch.Generator, device: str) -> QTensor:
@@ -227,6 +228,11 @@ def test_biases_and_clamped_swiglu(
     assert (got - ref).norm() / ref.norm() < 1e-5
     plain = fused_moe_ref(x, ids, weights, experts, int8)
     assert (plain - ref).norm() / ref.norm() > 0.1  # the biases and the clamp count
+
+
+def test_biases_and_clamped_swiglu_compile_for_sm90() -> None:
+    out = compile_case("moe")
+    assert "_gate_up_kernel: " in out and "_down_kernel: " in out, out
 
 
 def test_expert_biases_must_match_the_table() -> None:

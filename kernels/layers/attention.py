@@ -70,6 +70,7 @@ from kernels.formats.kv_q4 import dequantize_kv4
 from kernels.layers.paged import HostPages, check_block_tables, gather_pages
 
 _LOG2E = 1.4426950408889634  # scores in base 2: exp2 is one instruction
+LOG2E: tl.constexpr = tl.constexpr(_LOG2E)  # the same inside the kernels (a global they read)
 _MERGE_J = 8  # pieces merged per step
 
 
@@ -444,7 +445,7 @@ def _decode_attention_kernel(
         )  # fmt: skip
     if n_live == 1:  # this piece is the whole answer (always so when N_SPLITS is 1)
         if SINKS:  # the sink joins the softmax's sum: rescaled to the larger max
-            sink = tl.load(sink_ptr + heads, mask=g < GROUP, other=0.0) * _LOG2E
+            sink = tl.load(sink_ptr + heads, mask=g < GROUP, other=0.0) * LOG2E
             m_all = tl.maximum(m_i, sink)
             acc = acc * tl.exp2(m_i - m_all)[:, None]
             l_i = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
@@ -465,7 +466,7 @@ def _decode_attention_kernel(
         rows = h < GROUP
         group_heads = kv_head * GROUP + h
         if SINKS:
-            sink = tl.load(sink_ptr + group_heads, mask=rows, other=0.0) * _LOG2E
+            sink = tl.load(sink_ptr + group_heads, mask=rows, other=0.0) * LOG2E
         else:
             sink = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         out = _merge(

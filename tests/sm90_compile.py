@@ -1,0 +1,120 @@
+"""Compile Triton launches for an NVIDIA sm90 GPU on a machine without one (to cubin, with
+Triton's bundled tools), so that what only the compiler refuses (a global a kernel reads that
+is no constexpr, a dot too small for the tensor cores) fails in CI, not on the GPU host.
+
+Run as `python -m tests.sm90_compile CASE` without TRITON_INTERPRET (the interpreter's kernels
+do not compile; `compile_case` starts it so): each launch of the case is made with tensors on
+the `meta` device (launched as on a GPU, nothing allocated), recorded instead of run, then
+compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]  # (kernel, args, kwargs)
+
+
+def _recorded(module: Any, name: str, call: Callable[[], object]) -> list[Launch]:
+    """The launches of `module.name` that `call` makes, recorded (the kernel not run)."""
+    kernel, launches = getattr(module, name), []
+
+    class Recorder:
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
+
+    setattr(module, name, Recorder())
+    try:
+        call()
+    finally:
+        setattr(module, name, kernel)
+    return launches
+
+
+def _compile(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+
+    bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+    signature, constexprs = {}, {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", bound[p.name]
+        else:
+            signature[p.name] = mangle_type(bound[p.name])
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return dict(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm)
+
+
+def _attention() -> list[Launch]:
+    """Decode attention with gpt-oss's sinks and a window: merged, and one piece."""
+    import torch
+
+    from kernels.layers import attention
+
+    meta = torch.device("meta")
+    q = torch.empty(2, 8, 64, dtype=torch.bfloat16, device=meta)
+    k, v = (torch.empty(2, 70, 2, 64, dtype=torch.bfloat16, device=meta) for _ in "kv")
+    lens = torch.empty(2, dtype=torch.int64, device=meta)
+    sinks = torch.empty(8, device=meta)
+    return [
+        launch
+        for split_s in (64, 512)
+        for launch in _recorded(attention, "_decode_attention_kernel", lambda s=split_s: (
+            attention.decode_attention(q, k, v, lens, sinks=sinks, window=9,
+                                       config=attention.AttentionConfig(split_s=s))))
+    ]  # fmt: skip
+
+
+def _moe() -> list[Launch]:
+    """The fused MoE launches with gpt-oss's biases and clamped SwiGLU (MXFP4 experts)."""
+    import torch
+
+    from kernels.experts import moe
+    from kernels.formats.quant import QType
+
+    meta = torch.device("meta")
+    fmt = moe.ExpertFormat(QType.MXFP4, QType.MXFP4, QType.MXFP4)
+    x = torch.empty(2, 256, dtype=torch.bfloat16, device=meta)
+    ids = torch.empty(2, 2, dtype=torch.int32, device=meta)
+    table = torch.empty(4, 3, dtype=torch.int64, device=meta)
+    act = torch.empty(4, 64, device=meta)
+    weights = torch.empty(2, 2, device=meta)
+    up = torch.empty(4, 2, 64, device=meta)
+    down = torch.empty(4, 256, device=meta)
+    return [
+        *_recorded(moe, "_gate_up_kernel", lambda: moe.moe_gate_up(
+            x, ids, table, 64, fmt=fmt, bias=up, clamp=moe.GluClamp())),
+        *_recorded(moe, "_down_kernel", lambda: moe.moe_down(
+            act, ids, weights, table, 256, fmt=fmt, bias=down)),
+    ]  # fmt: skip
+
+
+CASES = {"attention": _attention, "moe": _moe}
+
+
+def compile_case(case: str) -> str:
+    """Run `python -m tests.sm90_compile case` without the interpreter: its output (it
+    raises CalledProcessError, with the compiler's message, if a launch does not compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.sm90_compile", case], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    if done.returncode:
+        raise AssertionError(f"{case}: a launch does not compile for sm90:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main(case: str) -> None:
+    for kernel, args, kwargs in CASES[case]():
+        asm = _compile(kernel, args, kwargs)
+        print(f"{kernel.__name__}: {len(asm['cubin'])} bytes of cubin")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
