@@ -168,7 +168,10 @@ def test_props_and_slots(http: httpx.Client, daemon: Daemon) -> None:
     assert [s["id"] for s in slots] == [0] and slots[0]["is_processing"] is False
     # while a request runs its place says so: how far it is, never its prompt
     secret = "a prompt no other client may read"
-    ask = {"prompt": secret, "n_predict": 400, "stream": True, "stop": ["zzz-stop"],
+    # long enough that a client slowed by a loaded machine still finds it running (400
+    # tokens took tiny-moe under a second, and a CI run once read the stream's first line
+    # after the last); leaving the stream cancels the rest
+    ask = {"prompt": secret, "n_predict": 3000, "stream": True, "stop": ["zzz-stop"],
            "ignore_eos": True}  # an early end of sequence would free the place too soon
     with http.stream("POST", "/completion", json=ask) as r:
         next(line for line in r.iter_lines() if line.startswith("data: "))
@@ -177,7 +180,7 @@ def test_props_and_slots(http: httpx.Client, daemon: Daemon) -> None:
     slot = busy.json()[0]
     assert slot["is_processing"] is True and slot["next_token"]["n_decoded"] >= 1
     assert secret not in busy.text and "zzz-stop" not in busy.text
-    assert slot["params"]["n_predict"] == 400
+    assert slot["params"]["n_predict"] == 3000
 
 
 def test_the_llama_routes_take_the_api_key(daemon: Daemon) -> None:
