@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from stratad.engine.kv_format import PLAIN
 from stratad.engine.offload.experts import fast_path_refusal
+from stratad.engine.placement import kv_token_bytes
 from stratad.engine.recurrent import StaleState
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.deltanet import GatedDeltaNet
@@ -40,6 +42,10 @@ def test_spec_from_the_file(model: Model) -> None:
     assert [s.linear_layer(i) for i in range(4)] == [True, True, True, False]
     assert s.attn_gate and s.qk_norm == "head" and s.rope_dim == 16 and s.norm_topk_prob
     assert model.tensors["model.layers.0.linear_attn.a"].dequantize().max() < 0
+    # KV for the attention layer alone: 1 of 4 (2 heads x (64 + 64) x 2 bytes a token)
+    assert s.kv_layers == 1 and kv_token_bytes(s, torch.float16, PLAIN) == 2 * 128 * 2
+    pool = ReferenceForward(model).new_pool(64)
+    assert [t.shape[0] for t in pool.k] == [0, 0, 0, 64] and pool.n_blocks * pool.block_size == 64
 
 
 def test_reference_engine_against_llama_cpp(tiny: Path, model: Model) -> None:

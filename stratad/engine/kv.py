@@ -3,9 +3,10 @@ cache as a list of the pool's blocks (as vLLM's and nano-vllm's block managers d
 
 A pool holds, per layer, keys and values [n_blocks * block_size, n_kv_heads, D] on that
 layer's device (a layer split puts layers on several devices; a block id names the same rows
-in every layer). A sequence's `KVCache` takes blocks as it grows and gives them back when it
-is truncated or released, so running sequences share the pool's memory by what they hold,
-not by their context limit. Position p of a cache lives at pool row
+in every layer; a linear-attention layer, which keeps a recurrent state instead, holds
+none). A sequence's `KVCache` takes blocks as it grows and gives them back when it is
+truncated or released, so running sequences share the pool's memory by what they hold, not
+by their context limit. Position p of a cache lives at pool row
 `blocks[p // block_size] * block_size + p % block_size` (`kernels.layers.paged`): the
 attention kernels read and write through each cache's block table, which lives on every
 device of the pool (`KVCache.table`, one [max_blocks] int32 tensor per device, kept at one
@@ -98,11 +99,13 @@ class KVPool:
         `kernels.formats.kv_q4`); None: k/v hold the values as they are. `host`: each
         layer's second tier (its `first_block` this pool's block count), where a cache's
         blocks before its newest `window` tokens go (see the module)."""
-        rows = k[0].shape[0]
+        rows = max(t.shape[0] for t in k)  # a layer without KV (linear attention) has none
         if block_size < 8 or block_size & (block_size - 1) or rows % block_size:
             raise ValueError(
                 f"{rows} rows are not whole blocks of {block_size} (a power of 2, >= 8)"
             )
+        if any(t.shape[0] not in (0, rows) for t in (*k, *v)):
+            raise ValueError(f"every layer's keys and values hold {rows} rows, or none")
         self.k, self.v, self.block_size = k, v, block_size
         self.k_scale, self.v_scale = scales if scales is not None else ([], [])
         self.quantized = scales is not None
@@ -160,14 +163,18 @@ class KVPool:
         lay, hkv = fmt.layout(spec.head_dim, dtype), spec.n_kv_heads
         vlay = fmt.layout(spec.value_dim, dtype)  # a value head's (MLA's are narrower)
         new = torch.zeros if zeroed else torch.empty
-        k = [new((n, hkv, *lay.code_shape), device=d, dtype=lay.codes) for d in devices]
-        v = [new((n, hkv, *vlay.code_shape), device=d, dtype=vlay.codes) for d in devices]
+        # a linear-attention layer keeps no KV: its rows are none (Qwen3-Next's 3 of 4)
+        rows = [0 if spec.linear_layer(i) else n for i in range(len(devices))]
+        k = [new((r, hkv, *lay.code_shape), device=d, dtype=lay.codes)
+             for r, d in zip(rows, devices, strict=True)]  # fmt: skip
+        v = [new((r, hkv, *vlay.code_shape), device=d, dtype=vlay.codes)
+             for r, d in zip(rows, devices, strict=True)]  # fmt: skip
         scales = None
         if lay.scales is not None and vlay.scales is not None:
-            scales = ([torch.zeros((n, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
-                       for d in devices],
-                      [torch.zeros((n, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
-                       for d in devices])  # fmt: skip
+            scales = ([torch.zeros((r, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
+                       for r, d in zip(rows, devices, strict=True)],
+                      [torch.zeros((r, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
+                       for r, d in zip(rows, devices, strict=True)])  # fmt: skip
         host = None
         if host_tokens > 0:
             h = -(-host_tokens // block_size) * block_size

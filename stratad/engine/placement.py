@@ -319,7 +319,7 @@ def kv_token_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: KVFormat) -> int:
     (`engine.kv_cache`): in `dtype`, int8 with a float32 scale per KV head, or 4-bit with a
     float16 scale and minimum per 32 values."""
     per_head = fmt.layout(spec.head_dim, dtype).nbytes + fmt.layout(spec.value_dim, dtype).nbytes
-    return spec.n_layers * spec.n_kv_heads * per_head
+    return spec.kv_layers * spec.n_kv_heads * per_head
 
 
 def offload_vram_bytes(

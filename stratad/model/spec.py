@@ -74,6 +74,11 @@ class ModelSpec:
         """Whether layer i mixes tokens by Gated DeltaNet (no KV: a recurrent state)."""
         return self.deltanet is not None and self.deltanet.linear(i)
 
+    @property
+    def kv_layers(self) -> int:
+        """The layers that cache keys and values (every one but a linear-attention layer)."""
+        return sum(1 for i in range(self.n_layers) if not self.linear_layer(i))
+
     def window(self, i: int) -> int:
         """The sliding window of layer i's attention; 0: it sees the whole context."""
         n = self.swa_pattern
