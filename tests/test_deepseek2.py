@@ -83,6 +83,43 @@ def test_yarn_against_llama_cpp(tiny: Path, tmp_path: Path, log_mul: float) -> N
     assert_as_llama(ReferenceForward(load_model(path)), path, [PROMPTS[0] * 3], 8)
 
 
+def test_older_files_hold_the_expansion_whole(tiny: Path, model: Model, tmp_path: Path) -> None:
+    """Files converted before llama.cpp cached the latent hold the expansion as one tensor,
+    `attn_kv_b` [H (nope + v), rank], and state a KV head per head with MLA's own key and
+    value lengths: the same model."""
+    p = synth.PRESETS["tiny-deepseek"]
+
+    def whole_head(w: GGUFWriter) -> None:  # the older metadata's head counts and lengths
+        w.add_head_count_kv(p.n_heads)
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.v_head_dim)
+
+    tensors = []
+    reader = GGUFReader(tiny)
+    for t in reader.tensors:
+        if t.name.endswith("attn_v_b.weight"):
+            continue
+        if t.name.endswith("attn_k_b.weight"):  # [H, rank, nope] and [H, v, rank] as one
+            k_b = np.asarray(t.data)
+            v_b = np.asarray(reader.get_tensor(_index(reader, t.name.replace("k_b", "v_b"))).data)
+            both = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+            tensors.append((t.name.replace("attn_k_b", "attn_kv_b"),
+                            both.reshape(-1, both.shape[-1]).copy()))  # fmt: skip
+            continue
+        tensors.append((t.name, np.asarray(t.data)))
+    old = load_model(rewrite(p, tmp_path / "kv_b.gguf", tensors, whole_head))
+    assert old.spec == model.spec
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in old.tensors
+    tokens = list(range(300, 320))
+    a, b = ReferenceForward(old), ReferenceForward(model)
+    assert torch.allclose(a(tokens, a.new_cache(32), all_logits=True),
+                          b(tokens, b.new_cache(32), all_logits=True), atol=1e-5)  # fmt: skip
+
+
+def _index(reader: GGUFReader, name: str) -> int:
+    return next(i for i, t in enumerate(reader.tensors) if t.name == name)
+
+
 def test_the_gpu_engine_says_why_not(model: Model) -> None:
     assert fast_path_refusal(model) == (
         "it attends by multi-head latent attention (rank 32, 16 rotated dims), queries"
