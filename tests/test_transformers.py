@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.rope_scaling import Linear, RopeScaling, Yarn
-from stratad.model.routing import Softmax
+from stratad.model.routing import GroupedSoftmax, Softmax
 from stratad.model.spec import Model, ModelError
 from stratad.store.loader import load_model
 
@@ -224,6 +224,21 @@ def test_deepseek_v2_lite_layout_matches_transformers(tmp_path: Path) -> None:
     assert isinstance(s.rope_scaling, Yarn) and s.rope_scaling.attn_factor == pytest.approx(1.0)
     assert s.attn_scale == pytest.approx((0.1 * 0.707 * math.log(4.0) + 1.0) ** 2)
     _compare(hf, model, "deepseek-v2-lite")
+
+
+def test_deepseek_v2_group_limited_routing_matches_transformers(tmp_path: Path) -> None:
+    """DeepSeek-V2's routing within groups: the softmax's top 2 within the best 2 of 4 groups
+    of experts, a group ranked by its best probability, the weights scaled."""
+    cls, extra = CASES["deepseek2"]
+    torch.manual_seed(0)
+    config = tf.DeepseekV2Config(**(COMMON | extra | dict(
+        q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})))  # fmt: skip
+    hf = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.spec.routing == GroupedSoftmax(4, 2) and model.spec.expert_scale == 1.5
+    _compare(hf, model, "deepseek-v2 grouped")
 
 
 def _compare(hf: tf.PreTrainedModel, model: Model, what: str) -> None:

@@ -2,7 +2,8 @@
 
 `Softmax`: softmax over every expert's logit, the top k of the probabilities (Qwen2/3-MoE,
 Mixtral, OLMoE), optionally renormalised over the chosen. `TopKSoftmax`: the top k logits,
-then a softmax over those (gpt-oss). `Sigmoid`: each expert's sigmoid
+then a softmax over those (gpt-oss). `GroupedSoftmax`: the softmax's top k within the best
+expert groups (DeepSeek-V2). `Sigmoid`: each expert's sigmoid
 score; the choice ranks score plus a per-expert correction bias (a weight of the file,
 `e_score_correction_bias`, llama.cpp's `exp_probs_b`) within the best `groups_used` of
 `groups` expert groups (a group ranked by the sum of its two best), and the weights are the
@@ -83,5 +84,31 @@ class TopKSoftmax(msgspec.Struct, frozen=True, tag="topk_softmax"):
         return "softmax over the top k"
 
 
-Routing = Softmax | Sigmoid | TopKSoftmax
+class GroupedSoftmax(msgspec.Struct, frozen=True, tag="grouped_softmax"):
+    """Softmax over all experts, the top k within the best `groups_used` of `groups` expert
+    groups, a group ranked by its best probability (DeepSeek-V2's group_limited_greedy, as
+    DeepSeek's and transformers' code rank them; llama.cpp ranks any kind's groups by the sum
+    of their best two)."""
+
+    groups: int
+    groups_used: int
+
+    def choose(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = logits.float().softmax(-1)  # [T, E]
+        t, e = probs.shape
+        grouped = probs.view(t, self.groups, e // self.groups)
+        kept = torch.zeros((t, self.groups), dtype=torch.bool, device=probs.device)
+        kept.scatter_(1, grouped.max(-1).values.topk(self.groups_used, dim=-1).indices, True)
+        return grouped.masked_fill(~kept[..., None], 0.0).view(t, e).topk(top_k, dim=-1)
+
+    def as_softmax(self, normalize: bool) -> bool | None:
+        return None  # the groups' mask comes between the softmax and the top k
+
+    def describe(self) -> str:
+        return f"softmax within the best {self.groups_used} of {self.groups} expert groups"
+
+
+Routing = Softmax | Sigmoid | TopKSoftmax | GroupedSoftmax
 SOFTMAX = Softmax()

@@ -12,7 +12,7 @@ from stratad.model.activation import SILU, Activation
 from stratad.model.deltanet import GatedDeltaNet
 from stratad.model.mla import Mla
 from stratad.model.rope_scaling import UNSCALED, RopeScaling
-from stratad.model.routing import SOFTMAX, Routing, Sigmoid
+from stratad.model.routing import SOFTMAX, GroupedSoftmax, Routing, Sigmoid
 
 
 class ModelError(ValueError):
@@ -121,9 +121,10 @@ class ModelSpec:
             raise ModelError(f"{self.dense_layers} leading dense layers of {self.n_layers}"
                              f" (dense FFN width {self.ffn})")  # fmt: skip
         r = self.routing
-        if isinstance(r, Sigmoid) and self.is_moe:
+        if isinstance(r, Sigmoid | GroupedSoftmax) and self.is_moe:
             per = self.n_experts // r.groups if self.n_experts % r.groups == 0 else 0
-            if not (per >= 2 and 1 <= r.groups_used <= r.groups
+            least = 2 if isinstance(r, Sigmoid) else 1  # a sigmoid group ranks by its best two
+            if not (per >= least and 1 <= r.groups_used <= r.groups
                     and self.n_experts_used <= per * r.groups_used):  # fmt: skip
                 raise ModelError(f"top-{self.n_experts_used} routing within {r.groups_used} of"
                                  f" {r.groups} groups of {self.n_experts} experts")  # fmt: skip

@@ -25,7 +25,7 @@ from kernels.formats.quant import QTensor, QType
 from stratad.model.archs.base import Arch, register
 from stratad.model.mla import Mla
 from stratad.model.rope_scaling import Yarn, yarn_mscale
-from stratad.model.routing import Routing, Sigmoid, Softmax
+from stratad.model.routing import GroupedSoftmax, Routing, Sigmoid, Softmax
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import Mixer, MlaWeights
 
@@ -66,7 +66,7 @@ class DeepSeek2(Arch):
             ffn=int(get("feed_forward_length", 0)),
             dense_layers=int(get("leading_dense_block_count", 0)),
             shared_expert_ffn=spec.expert_ffn * int(get("expert_shared_count", 0)),
-            routing=_routing(gating == 2, groups, used, source),
+            routing=_routing(gating == 2, groups, used),
             expert_scale=float(get("expert_weights_scale", 1.0) or 1.0),
         )
         if isinstance(spec.rope_scaling, Yarn):
@@ -116,7 +116,7 @@ class DeepSeek2(Arch):
             "shared_expert_ffn": expert_ffn * int(config.get("n_shared_experts") or 0),
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
             "routing": _routing(sigmoid, 1 if method == "greedy" else groups,
-                                int(config.get("topk_group") or groups), source),  # fmt: skip
+                                int(config.get("topk_group") or groups)),  # fmt: skip
             "expert_scale": float(config.get("routed_scaling_factor", 1.0)),
         }
 
@@ -191,13 +191,10 @@ def _gguf_yarn(spec: ModelSpec, yarn: Yarn, meta: Mapping[str, Any]) -> ModelSpe
                    attn_scale=scores**2)  # fmt: skip
 
 
-def _routing(sigmoid: bool, groups: int, used: int, source: str) -> Routing:
+def _routing(sigmoid: bool, groups: int, used: int) -> Routing:
     if sigmoid:
         return Sigmoid(groups, used)
-    if groups > 1:
-        raise ModelError(f"{source}: softmax routing within {used} of {groups} expert groups"
-                         " (DeepSeek-V2's group_limited_greedy) is not supported yet")  # fmt: skip
-    return Softmax()
+    return GroupedSoftmax(groups, used) if used < groups else Softmax()
 
 
 def _missing(a: str, source: str) -> int:
