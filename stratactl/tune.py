@@ -113,7 +113,7 @@ def _shapes(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if not spec.is_moe:
             raise ValueError(f"{args.model}: not a mixture-of-experts model: nothing to tune")
         return Shapes.of(spec)
-    from stratad.model.synth_presets import get_preset
+    from stratad.model.synthetic.presets import get_preset
 
     p = get_preset(args.preset)
     if not p.is_moe:

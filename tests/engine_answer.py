@@ -15,7 +15,7 @@ def _engine() -> Any:
     from stratad.engine.reference.forward import ReferenceForward
     from stratad.engine.reference.weights_mode import QuantWeights
     from stratad.model.default import default_model_path
-    from stratad.model.tokenizer_build import load_tokenizer
+    from stratad.model.text.tokenizer_build import load_tokenizer
     from stratad.store.loader import load_model
 
     model = load_model(default_model_path())

@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from kernels.formats.quant import QType, dequantize, quantize
-from stratad.model.gguf import open_gguf
+from stratad.model.formats.gguf import open_gguf
 
 
 def export_f32(src: Path, dst: Path) -> None:

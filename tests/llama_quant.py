@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFWriter
 
-from stratad.model import synth
+from stratad.model.synthetic import writer as synth
 
 _LINE = re.compile(
     r"\[\s*\d+/\s*\d+\]\s+(?P<name>\S+)\s+- \[.*\], type =\s+(?P<src>\w+),"

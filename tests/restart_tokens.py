@@ -26,7 +26,7 @@ from kernels.cpu.dense import DenseStack  # noqa: E402
 from stratad.config import parse_config  # noqa: E402
 from stratad.engine.batch import Seq  # noqa: E402
 from stratad.engine.runner import open_runner  # noqa: E402
-from stratad.model.tokenizer_build import load_tokenizer  # noqa: E402
+from stratad.model.text.tokenizer_build import load_tokenizer  # noqa: E402
 
 PROMPTS = (
     "The capital of France is",

@@ -111,7 +111,7 @@ def tiny_moe_path() -> Path:
         timeout=300,
     )
     if proc.returncode != 0 or not path.is_file():  # the CLI is young: fall back to the writer
-        from stratad.model.synth import PRESETS, write_synth
+        from stratad.model.synthetic.writer import PRESETS, write_synth
 
         write_synth(PRESETS["tiny-moe"], path, overwrite=True)
     return path

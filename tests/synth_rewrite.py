@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
-from stratad.model import synth
-from stratad.model.synth_presets import SynthPreset
+from stratad.model.synthetic import writer as synth
+from stratad.model.synthetic.presets import SynthPreset
 
 
 def rewrite(

@@ -16,7 +16,7 @@ import pytest
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from tests.daemon import running_daemon
 
 ENV = {"TRITON_INTERPRET": "1"}

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from stratad.__main__ import EXIT_BAD_MODEL
-from stratad.model.rope_scaling import Yarn
+from stratad.model.graph.rope_scaling import Yarn
 from stratad.model.spec import ModelError
 from stratad.store.loader import load_model
 

@@ -107,7 +107,7 @@ def test_a_cpu_row_is_held_to_the_read_rate() -> None:
 
 
 def test_the_cpu_products_of_a_dense_preset() -> None:
-    from stratad.model.synth_presets import PRESETS
+    from stratad.model.synthetic.presets import PRESETS
     from stratad.tuning.cpu_kernel_bench import CpuShapes
 
     s = CpuShapes.of_preset(PRESETS["tiny-dense"])
@@ -122,8 +122,8 @@ def test_the_cpu_products_of_a_dense_preset() -> None:
 def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-moe in llama-quantize's Q4_K_M types: q, o and the head each their own type, the
     experts' down in Q5_0 on some layers and Q8_0 on others."""
-    from stratad.model.ftype_rules import get_ftype
-    from stratad.model.synth import get_preset, write_synth
+    from stratad.model.synthetic.ftype_rules import get_ftype
+    from stratad.model.synthetic.writer import get_preset, write_synth
 
     path = tmp_path_factory.mktemp("cpu-bench") / "tiny-moe-q4_k_m.gguf"
     write_synth(get_preset("tiny-moe"), path, ftype=get_ftype("q4_k_m"))

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from stratad.model.tokenizer import Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer import Tokenizer
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ OVERRIDE = (
 
 
 def test_the_override_replaces_the_models_template(tmp_path: Path) -> None:
-    from stratad.model.tokenizer_build import load_tokenizer
+    from stratad.model.text.tokenizer_build import load_tokenizer
     from stratad.store.loader import load_model
 
     template = tmp_path / "override.jinja"

@@ -24,7 +24,7 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.layers import rope_tables
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.model.synth import PRESETS, write_synth
+from stratad.model.synthetic.writer import PRESETS, write_synth
 from stratad.store.loader import load_model
 from tests.test_cpu_dense import paged, pool_rows
 

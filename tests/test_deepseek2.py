@@ -25,11 +25,11 @@ from stratad.engine.kv_format import PLAIN
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model import synth
-from stratad.model.mla import Mla
-from stratad.model.routing import Sigmoid
+from stratad.model.graph.mla import Mla
+from stratad.model.graph.routing import Sigmoid
 from stratad.model.spec import Model, ModelError
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.synthetic import writer as synth
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
 from tests.daemon import running_daemon
 from tests.greedy import greedy

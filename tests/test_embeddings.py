@@ -19,7 +19,7 @@ import pytest
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import load_tokenizer
+from stratad.model.text.tokenizer_build import load_tokenizer
 from stratad.runtime.generate import Generator
 from stratad.runtime.pooling import PooledEvent, PoolingRequest
 from stratad.runtime.sampling import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest

@@ -23,11 +23,11 @@ from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model import synth
-from stratad.model.rope_scaling import Yarn, configured
-from stratad.model.routing import Sigmoid
+from stratad.model.graph.rope_scaling import Yarn, configured
+from stratad.model.graph.routing import Sigmoid
 from stratad.model.spec import Model, ModelError
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.synthetic import writer as synth
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
 from stratad.store.pack.manifest import PackError
 from stratad.store.pack.write import write_pack

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.activation import ClampedSwiGlu
-from stratad.model.routing import TopKSoftmax
+from stratad.model.graph.activation import ClampedSwiGlu
+from stratad.model.graph.routing import TopKSoftmax
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama

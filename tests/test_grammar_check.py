@@ -13,8 +13,8 @@ import time
 import pytest
 
 from stratad.grammars import far_bound
-from stratad.model.tokenizer import Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer import Tokenizer
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime import grammar
 from stratad.runtime.grammar_check import GrammarChecker, Vocabulary
 from stratad.server.openai.requests import RequestError

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from stratad.model.fim import find_fim, gguf_declared
-from stratad.model.gguf import GGUFReader, gguf_metadata
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.formats.gguf import GGUFReader, gguf_metadata
+from stratad.model.text.fim import find_fim, gguf_declared
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.server.llama.infill import infill_prompt
 from stratad.server.llama.requests import InfillChunk, InfillRequest
 from tests.server_helpers import API_KEY, Daemon, shared_daemon, tiny_moe_path

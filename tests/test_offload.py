@@ -281,7 +281,7 @@ def test_short_prompts_wait_for_room_in_the_pass_with_the_tokens_of_each_alone(
     prompts arriving together run one a step (the second waits for room, never for a
     separate prefill pass) and each gets the tokens it gets alone."""
     from stratad.engine.runner import prompt_rows
-    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.model.text.tokenizer_build import tokenizer_from_gguf
     from stratad.runtime.generate import Generator
     from stratad.runtime.sampling import SamplingParams
     from stratad.runtime.sequence import GenerationRequest
@@ -323,7 +323,7 @@ def test_steps_queued_ahead_give_the_tokens_of_each_alone(
 
     # a top-p cut past the 2 likeliest tokens (a random model's distribution is flat)
     monkeypatch.setattr(sampling, "TOP_P_WIDTH", 2)
-    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.model.text.tokenizer_build import tokenizer_from_gguf
     from stratad.runtime.generate import Generator
     from stratad.runtime.sampling import SamplingParams
     from stratad.runtime.sequence import GenerationRequest
@@ -392,7 +392,7 @@ def test_a_step_queued_ahead_never_waits_for_the_device(
     a copy from pageable memory, an index list, a read of a device value), so the host
     prepares step n + 1 while step n runs. Greedy and sampled rows, in steps of 1 to 3
     sequences; the second run of the same requests, once every graph has been captured."""
-    from stratad.model.tokenizer_build import tokenizer_from_gguf
+    from stratad.model.text.tokenizer_build import tokenizer_from_gguf
     from stratad.runtime import step as step_module
     from stratad.runtime.generate import Generator
     from stratad.runtime.sampling import SamplingParams

@@ -16,8 +16,8 @@ import pytest
 from kernels.formats.quant import QType
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
-from stratad.model import synth
 from stratad.model.spec import Model, ModelError
+from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
 from tests.offload_engine import assert_as_reference, tiny_offload
 

@@ -31,7 +31,7 @@ from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
-from stratad.model.synth import get_preset, write_synth
+from stratad.model.synthetic.writer import get_preset, write_synth
 from stratad.store.loader import load_model
 from stratad.store.tiers.rows import PinnedRows
 from stratad.store.tiers.sources import ModelExperts
@@ -218,7 +218,7 @@ def test_llama_cpp_presets_match_reference(
     """tiny-moe in the types llama-quantize gives each preset (its fallbacks included: an
     expert ffn of 128 takes no 256-value block): the offload engine serves it, with the
     reference's tokens."""
-    from stratad.model.ftype_rules import get_ftype
+    from stratad.model.synthetic.ftype_rules import get_ftype
 
     path = tmp_path_factory.mktemp(ftype) / f"tiny-moe-{ftype}.gguf"
     write_synth(get_preset("tiny-moe"), path, ftype=get_ftype(ftype))

@@ -23,7 +23,7 @@ from stratad.engine.placement import start_plan
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.protocol import StatusReply, StatusRequest
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Delta, Job, JobError, PreparedJob

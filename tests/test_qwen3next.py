@@ -22,9 +22,9 @@ from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.recurrent import StaleState
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.deltanet import GatedDeltaNet
+from stratad.model.graph.deltanet import GatedDeltaNet
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama

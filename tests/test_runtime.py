@@ -12,8 +12,8 @@ from stratad.engine.offload.experts import blob_layouts
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.tokenizer import Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer import Tokenizer
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.jobs import Job, PreparedJob
 from stratad.runtime.prefix import PrefixStore, common_prefix

@@ -12,7 +12,7 @@ from stratad.config import ConfigError, EngineConfig, parse_config
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest

@@ -69,7 +69,7 @@ class FakeSource:
 
 def tiny_moe_gguf(factory: pytest.TempPathFactory) -> Path:
     """The synth `tiny-moe` preset (qwen3moe, 4 layers x 8 experts, Q4_0 experts)."""
-    from stratad.model import synth
+    from stratad.model.synthetic import writer as synth
 
     path = factory.getbasetemp() / "store-tiny-moe.gguf"
     if not path.exists():

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 
 from stratactl import synth as synth_cli
-from stratad.model import synth
-from stratad.model.gguf_meta import gguf_metadata
+from stratad.model.formats.gguf_meta import gguf_metadata
+from stratad.model.synthetic import writer as synth
 
 TEXT = (
     "The history of the city begins with a small fishing village on the river, where traders"
@@ -259,7 +259,7 @@ def test_llama_cpp_runs_it(written: dict[str, tuple[Path, float]], name: str) ->
 
 
 def test_parallel_writer_is_byte_identical(tmp_path: Path) -> None:
-    from stratad.model.synth import get_preset, write_synth
+    from stratad.model.synthetic.writer import get_preset, write_synth
 
     one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
     write_synth(get_preset("tiny-moe"), one, workers=1)

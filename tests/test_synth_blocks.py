@@ -1,4 +1,5 @@
-"""Random valid GGUF blocks (`stratad.model.synth_blocks`), read back by gguf-py's dequantizers."""
+"""Random valid GGUF blocks (`stratad.model.synthetic.blocks`), read back by gguf-py's
+dequantizers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
-from stratad.model.synth_blocks import BLOCK_TYPES, random_blocks
+from stratad.model.synthetic.blocks import BLOCK_TYPES, random_blocks
 
 N_VALUES = 1 << 18  # 1024 super-blocks, 8192 32-value blocks
 

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants as gguf_quants
 
 from stratactl import synth as synth_cli
-from stratad.model import synth
-from stratad.model.ftype_rules import FTYPES, ModelShape, get_ftype, tensor_type
+from stratad.model.synthetic import writer as synth
+from stratad.model.synthetic.ftype_rules import FTYPES, ModelShape, get_ftype, tensor_type
 from tests.gguf_scan import scan, tensor_bytes
 from tests.llama_quant import llama_cpp_types, write_unquantized
 

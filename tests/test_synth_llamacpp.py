@@ -23,7 +23,7 @@ from gguf import quants as gguf_quants
 
 from kernels.formats.quant import SUPPORTED_QTYPES
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model import synth
+from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
 from tests.gguf_scan import ScannedTensor, scan, tensor_bytes
 from tests.greedy import greedy

@@ -14,10 +14,10 @@ import llama_cpp
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from stratad.model.chat_template import CHATML_TEMPLATE, render_chat
-from stratad.model.gguf_meta import gguf_metadata
-from stratad.model.tokenizer import StreamDecoder, Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
+from stratad.model.formats.gguf_meta import gguf_metadata
+from stratad.model.text.chat_template import CHATML_TEMPLATE, render_chat
+from stratad.model.text.tokenizer import StreamDecoder, Tokenizer
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf, tokenizer_from_hf
 
 TEXTS = [
     "Hello world",

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 from gguf import GGUFReader
 
-from stratad.model import tool_prompt
-from stratad.model.gguf_meta import gguf_metadata
-from stratad.model.tokenizer import Tokenizer
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.formats.gguf_meta import gguf_metadata
+from stratad.model.text import tool_prompt
+from stratad.model.text.tokenizer import Tokenizer
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.server.openai.requests import ChatCompletionRequest, RequestError
 from stratad.server.tools import calls as tool_calls
 from stratad.server.tools import types as tt

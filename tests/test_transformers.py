@@ -16,8 +16,8 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 
 from stratad.engine.reference.forward import ReferenceForward
-from stratad.model.rope_scaling import Linear, RopeScaling, Yarn
-from stratad.model.routing import GroupedSoftmax, Softmax
+from stratad.model.graph.rope_scaling import Linear, RopeScaling, Yarn
+from stratad.model.graph.routing import GroupedSoftmax, Softmax
 from stratad.model.spec import Model, ModelError
 from stratad.store.loader import load_model
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from stratad.model import synth
 from stratad.model.spec import Model
+from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
 
 

@@ -102,7 +102,7 @@ def _rate(base: str, prompt: str, max_tokens: int) -> dict[str, float]:
 
 def _lookup(binary: Path, model: Path, prompt: str, max_tokens: int, work: Path) -> float:
     """llama-lookup's decode rate (tokens/s) on the chat-templated `prompt`."""
-    from stratad.model.chat_template import render_chat
+    from stratad.model.text.chat_template import render_chat
     from stratad.store.loader import load_model
 
     template = load_model(model).metadata.get("tokenizer.chat_template")

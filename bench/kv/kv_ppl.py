@@ -28,7 +28,7 @@ from stratad.engine.kv_format import FORMATS, KVFormat
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.model.spec import Model
-from stratad.model.tokenizer_build import tokenizer_from_gguf
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
 
 

@@ -1,5 +1,5 @@
 """A sequence's recurrent state for the layers that keep one instead of KV (Gated DeltaNet:
-`stratad.model.deltanet`), beside its KV cache (`KVCache.recurrent`).
+`stratad.model.graph.deltanet`), beside its KV cache (`KVCache.recurrent`).
 
 The state stands for exactly the cache's first `length` tokens: unlike KV blocks it cannot be
 cut back to fewer tokens or shared as a prefix, so `KVCache.truncate` and `adopt` drop it,

@@ -32,7 +32,7 @@ from stratad.engine.reference.interleaved_ram import ram_form
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.engine.timing import StageTimer
 from stratad.model.default import default_model_path
-from stratad.model.rope_scaling import UNSCALED, configured
+from stratad.model.graph.rope_scaling import UNSCALED, configured
 from stratad.model.spec import Model
 from stratad.store.addressed import AddressedStore
 from stratad.store.loader import load_model

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from kernels.formats.quant import QTensor
-from stratad.model.activation import SILU, Activation
-from stratad.model.deltanet import GatedDeltaNet
-from stratad.model.mla import Mla
-from stratad.model.rope_scaling import UNSCALED, RopeScaling
-from stratad.model.routing import SOFTMAX, GroupedSoftmax, Routing, Sigmoid
+from stratad.model.graph.activation import SILU, Activation
+from stratad.model.graph.deltanet import GatedDeltaNet
+from stratad.model.graph.mla import Mla
+from stratad.model.graph.rope_scaling import UNSCALED, RopeScaling
+from stratad.model.graph.routing import SOFTMAX, GroupedSoftmax, Routing, Sigmoid
 
 
 class ModelError(ValueError):
@@ -43,16 +43,16 @@ class ModelSpec:
     expert_ffn: int = 0
     shared_expert_ffn: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
-    routing: Routing = SOFTMAX  # how a MoE layer scores and chooses (`stratad.model.routing`)
+    routing: Routing = SOFTMAX  # how a MoE layer scores and chooses (`stratad.model.graph.routing`)
     expert_scale: float = 1.0  # the chosen experts' weights times this (GLM, DeepSeek)
     dense_layers: int = 0  # a MoE model's first layers with a dense FFN of width `ffn`
     rope_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of them
     rope_scaling: RopeScaling = UNSCALED  # past the trained context (`model.rope_scaling`)
-    activation: Activation = SILU  # the feed-forward blocks' gate (`stratad.model.activation`)
+    activation: Activation = SILU  # the feed-forward blocks' gate (`model.graph.activation`)
     attn_sinks: bool = False  # a learned logit per query head joins each softmax (gpt-oss)
     sliding_window: int = 0  # the keys a sliding layer's query sees (itself and those before)
     swa_pattern: int = 0  # layer i slides where i % swa_pattern < swa_pattern - 1 (llama.cpp's)
-    mla: Mla | None = None  # multi-head latent attention (DeepSeek; `stratad.model.mla`)
+    mla: Mla | None = None  # multi-head latent attention (DeepSeek; `stratad.model.graph.mla`)
     v_head_dim: int = 0  # a value head's dims where they differ from a key's (0: head_dim)
     attn_scale: float = 1.0  # the attention scores' scale times this (DeepSeek's YaRN)
     deltanet: GatedDeltaNet | None = None  # linear-attention layers (Qwen3-Next)

@@ -24,7 +24,7 @@ class AttentionWeights:
 
 @dataclass(frozen=True)
 class MlaWeights:
-    """Multi-head latent attention's projections (`stratad.model.mla`)."""
+    """Multi-head latent attention's projections (`stratad.model.graph.mla`)."""
 
     q: QTensor  # [n_heads * D, H], or q_b [n_heads * D, q_lora_rank] after q_a and its norm
     kv_a: QTensor  # [kv_lora_rank + rope_dim, H]: the latent, then the shared rotated key
@@ -37,7 +37,7 @@ class MlaWeights:
 
 @dataclass(frozen=True)
 class DeltaNetWeights:
-    """A Gated DeltaNet layer's weights (`stratad.model.deltanet`), in llama.cpp's layout."""
+    """A Gated DeltaNet layer's weights (`stratad.model.graph.deltanet`), in llama.cpp's layout."""
 
     qkv: QTensor  # [2 key_dim + value_dim, H]: every head's q, then k, then v
     z: QTensor  # [value_dim, H]: the output gate

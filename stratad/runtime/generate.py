@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from stratad.engine.kv import KVCache, KVPoolFull, pool_tokens, prompt_keys
 from stratad.engine.timing import StageTimer
-from stratad.model.tokenizer import Tokenizer
+from stratad.model.text.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence

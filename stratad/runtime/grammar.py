@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from stratad.grammars import LIMITS, matcher_error, probe
-from stratad.model.tokenizer import Tokenizer
+from stratad.model.text.tokenizer import Tokenizer
 
 _LOCK = threading.Lock()
 _BRIDGES: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = (

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from stratad.grammars import probe
-from stratad.model.tokenizer import Tokenizer
+from stratad.model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("stratad.engine")
 

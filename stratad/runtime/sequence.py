@@ -17,7 +17,7 @@ import torch
 
 from stratad.engine.batch import Output
 from stratad.engine.kv import KVCache
-from stratad.model.tokenizer import StreamDecoder, Tokenizer
+from stratad.model.text.tokenizer import StreamDecoder, Tokenizer
 from stratad.runtime.grammar import Constraint
 from stratad.runtime.sampling import Sample, Sampler, SamplingParams
 from stratad.runtime.speculation.drafter import Drafts

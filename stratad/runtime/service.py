@@ -15,7 +15,7 @@ import torch
 from stratad.config import Config
 from stratad.engine.runner import open_runner
 from stratad.engine.timing import stages_text, tier_shares
-from stratad.model.tokenizer_build import load_tokenizer
+from stratad.model.text.tokenizer_build import load_tokenizer
 from stratad.runtime.generate import Generator
 from stratad.runtime.grammar_check import GrammarChecker, Vocabulary
 from stratad.runtime.jobs import (

@@ -31,7 +31,8 @@ TOKENIZER_THREADS = 2
 
 
 class TextCodec(Protocol):
-    """What these routes need of the engine's tokenizer (`stratad.model.tokenizer.Tokenizer`)."""
+    """What these routes need of the engine's tokenizer
+    (`stratad.model.text.tokenizer.Tokenizer`)."""
 
     @property
     def vocab_size(self) -> int: ...

@@ -16,12 +16,12 @@ def load_model(path: Path) -> Model:
 
         return load_pack(path)[0]
     if path.is_dir():
-        from stratad.model.hf import load_hf
+        from stratad.model.formats.hf import load_hf
 
         return load_hf(path)
     if not path.exists():
         raise ModelError(f"{path}: no such model file or directory")
-    from stratad.model.gguf import load_gguf
+    from stratad.model.formats.gguf import load_gguf
 
     return load_gguf(path)
 

@@ -33,7 +33,7 @@ from kernels.cpu.experts import CpuExperts, PreparedMatmul
 from kernels.formats.quant import QType, row_bytes
 from kernels.tuning.roofline import Ceilings, Judged, Row, matmul_tflops, summary
 from stratad.model.spec import Model
-from stratad.model.synth_presets import VOCAB_SIZE, SynthPreset
+from stratad.model.synthetic.presets import VOCAB_SIZE, SynthPreset
 from stratad.store.placement.hostmem import read_bps
 from stratad.tuning.bench_weights import Mix, mix_name, random_blocks
 
@@ -106,7 +106,7 @@ class CpuShapes:
 
     @classmethod
     def of_preset(cls, p: SynthPreset, prefill: int = 128) -> CpuShapes:
-        """A synth preset's products in its own types (`stratad.model.synth_presets`)."""
+        """A synth preset's products in its own types (`stratad.model.synthetic.presets`)."""
         h, f, a = p.hidden, p.ffn, p.attn_qtype
         named: list[tuple[str, tuple[int, ...], QType]] = [
             ("q", (p.q_dim, h), a), ("k", (p.kv_dim, h), a), ("v", (p.kv_dim, h), a),

@@ -51,9 +51,9 @@ from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pa
 from stratad.engine.reference.layers import rms_norm, route, route_as, swiglu
 from stratad.engine.timing import StageTimer
 from stratad.host_copy import to_device
-from stratad.model.activation import ClampedSwiGlu
 from stratad.model.archs import ARCHS
-from stratad.model.graph import ffn_departure
+from stratad.model.graph.activation import ClampedSwiGlu
+from stratad.model.graph.departure import ffn_departure
 from stratad.model.spec import Model, ModelError
 from stratad.store.addressed import AddressedStore
 from stratad.store.tiers.address_table import AddressTable

@@ -1,5 +1,5 @@
 """Grouped gated experts for prefill: rows already sorted by expert, one GEMM per
-projection; the model's activation (`stratad.model.activation`) between them, and biases per
+projection; the model's activation (`stratad.model.graph.activation`) between them, and biases per
 row where the experts have them (gpt-oss)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from stratad.model.activation import SILU, Activation
+from stratad.model.graph.activation import SILU, Activation
 
 log = logging.getLogger("stratad.engine")
 

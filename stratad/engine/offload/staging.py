@@ -20,7 +20,7 @@ from kernels.formats.dequant_blocks import dequant_blocks
 from kernels.formats.quant import QType
 from stratad.engine.offload.experts import ExpertLayouts, dequant_blobs
 from stratad.engine.offload.grouped import grouped_glu
-from stratad.model.activation import SILU, Activation
+from stratad.model.graph.activation import SILU, Activation
 from stratad.store.tiers.address_table import AddressTable
 
 

@@ -17,7 +17,7 @@ from kernels.cpu.dense import DenseLayer, DenseShape, DenseStack
 from kernels.cpu.experts import CpuExperts
 from kernels.cpu.moe_stack import MoELayer, MoEShape, MoEStack
 from kernels.formats.quant import QTensor, QType
-from stratad.model.graph import graph_departure
+from stratad.model.graph.departure import graph_departure
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights
 
@@ -40,7 +40,7 @@ def dense_stack(
     kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
 ) -> DenseStack | None:
     """Every layer in one call where the model is a stack of dense layers the kernels read (no
-    q/k norms, the plain graph: `stratad.model.graph`); else None."""
+    q/k norms, the plain graph: `stratad.model.graph.departure`); else None."""
     if spec.qk_norm != "none" or not layers or graph_departure(spec, layers) is not None:
         return None
     dense = []
@@ -79,7 +79,7 @@ def one_call_moe(
     kernels: CpuExperts, reads: Reads, spec: ModelSpec, layers: list[LayerWeights]
 ) -> bool:
     """Whether the model is a stack of MoE layers of routed experts only (q/k norms per head or
-    none, the plain graph: `stratad.model.graph`) that the kernels read: what `moe_stack`
+    none, the plain graph: `stratad.model.graph.departure`) that the kernels read: what `moe_stack`
     runs in one call."""
     if spec.qk_norm not in ("none", "head") or not layers or spec.n_experts_used < 1:
         return False

@@ -1,4 +1,4 @@
-"""Gated DeltaNet linear attention in torch (`stratad.model.deltanet`): the reference for one
+"""Gated DeltaNet linear attention in torch (`stratad.model.graph.deltanet`): the reference for one
 sequence's new tokens, continuing its recurrent state token by token, in float32."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as fn
 
 from stratad.engine.recurrent import RecurrentState
-from stratad.model.deltanet import GatedDeltaNet
+from stratad.model.graph.deltanet import GatedDeltaNet
 
 
 def causal_conv(

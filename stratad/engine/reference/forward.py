@@ -34,9 +34,9 @@ from stratad.engine.reference.weights_mode import (
     WeightMode,
 )
 from stratad.engine.timing import StageTimer
-from stratad.model.activation import SILU, Activation
 from stratad.model.archs import ARCHS
-from stratad.model.graph import ffn_departure
+from stratad.model.graph.activation import SILU, Activation
+from stratad.model.graph.departure import ffn_departure
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import (
     AttentionWeights,
@@ -69,7 +69,7 @@ class _Dense:
 
 @dataclass(frozen=True)
 class _Mla:
-    """Multi-head latent attention's products (`stratad.model.mla`)."""
+    """Multi-head latent attention's products (`stratad.model.graph.mla`)."""
 
     q: Linear  # or q_b, after q_a and its norm
     kv_a: Linear
@@ -81,7 +81,7 @@ class _Mla:
 
 @dataclass(frozen=True)
 class _DeltaNet:
-    """A Gated DeltaNet layer's products and weights (`stratad.model.deltanet`)."""
+    """A Gated DeltaNet layer's products and weights (`stratad.model.graph.deltanet`)."""
 
     qkv: Linear
     z: Linear
@@ -200,7 +200,7 @@ def _latent_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-head latent attention's q, k [T, H, D] and v [T, H, value dims] for x [T, H]:
     each head's unrotated part then the rotated one (the key's shared by every head), the
-    latent expanded (`stratad.model.mla`); q carries the spec's score scale."""
+    latent expanded (`stratad.model.graph.mla`); q carries the spec's score scale."""
     assert spec.mla is not None
     t, heads, rot, eps = x.shape[0], spec.n_heads, spec.mla.rope_dim, spec.rms_eps
     nope = spec.head_dim - rot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stratad.model.routing import SOFTMAX
+from stratad.model.graph.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
 
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from stratad.model.rope_scaling import UNSCALED, Linear, RopeScaling, Yarn, yarn_mscale
-from stratad.model.shapes import check_spec
+from stratad.model.formats.shapes import check_spec
+from stratad.model.graph.rope_scaling import UNSCALED, Linear, RopeScaling, Yarn, yarn_mscale
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import (
     AttentionWeights,

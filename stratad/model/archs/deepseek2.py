@@ -1,5 +1,5 @@
 """DeepSeek-V2 / V3 and Kimi K2 (`deepseek2` in GGUF; `DeepseekV2ForCausalLM`,
-`DeepseekV3ForCausalLM`): multi-head latent attention (`stratad.model.mla`), shared experts
+`DeepseekV3ForCausalLM`): multi-head latent attention (`stratad.model.graph.mla`), shared experts
 without a gate, leading dense layers, routing by a softmax (V2) or by sigmoid scores with a
 correction bias within groups (V3, Kimi), the chosen weights scaled. RoPE turns pairs
 (2i, 2i + 1) of each head's rotated part, in the files of both formats.
@@ -23,9 +23,9 @@ import torch
 
 from kernels.formats.quant import QTensor, QType
 from stratad.model.archs.base import Arch, register
-from stratad.model.mla import Mla
-from stratad.model.rope_scaling import Yarn, yarn_mscale
-from stratad.model.routing import GroupedSoftmax, Routing, Sigmoid, Softmax
+from stratad.model.graph.mla import Mla
+from stratad.model.graph.rope_scaling import Yarn, yarn_mscale
+from stratad.model.graph.routing import GroupedSoftmax, Routing, Sigmoid, Softmax
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import Mixer, MlaWeights
 

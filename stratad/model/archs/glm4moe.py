@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from stratad.model.archs.base import Arch, register
-from stratad.model.routing import Sigmoid
+from stratad.model.graph.routing import Sigmoid
 from stratad.model.spec import ModelError, ModelSpec
 
 

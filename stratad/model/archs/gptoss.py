@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from stratad.model.activation import ClampedSwiGlu
 from stratad.model.archs.base import Arch, register
-from stratad.model.routing import TopKSoftmax
+from stratad.model.graph.activation import ClampedSwiGlu
+from stratad.model.graph.routing import TopKSoftmax
 from stratad.model.spec import ModelError, ModelSpec
 
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")

@@ -1,5 +1,5 @@
 """Qwen3-Next (`qwen3next` in GGUF; `Qwen3NextForCausalLM`): Gated DeltaNet linear attention
-in three of every four layers (`stratad.model.deltanet`), full attention in the fourth with a
+in three of every four layers (`stratad.model.graph.deltanet`), full attention in the fourth with a
 sigmoid gate on each head's output (q's projection gives both, per head) and RoPE over a
 quarter of each head; routed experts plus a shared expert behind a sigmoid gate.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from stratad.model.archs.base import Arch, hf_key, register
-from stratad.model.deltanet import GatedDeltaNet
+from stratad.model.graph.deltanet import GatedDeltaNet
 from stratad.model.spec import Model, ModelError, ModelSpec
 from stratad.model.weights import DeltaNetWeights, Mixer
 

@@ -26,7 +26,7 @@ from stratad.engine.kv import KVCache, KVPoolFull
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.weights_mode import cpu_weights
 from stratad.model.spec import ModelError
-from stratad.model.tokenizer_build import load_tokenizer
+from stratad.model.text.tokenizer_build import load_tokenizer
 from stratad.store.loader import load_model
 
 log = logging.getLogger("stratad.engine")

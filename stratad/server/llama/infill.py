@@ -1,5 +1,5 @@
 """The fill-in-the-middle prompt of llama-server's `/infill`, built from the model's FIM tokens
-(`stratad.model.fim`) as llama-server's `format_prompt_infill` builds it:
+(`stratad.model.text.fim`) as llama-server's `format_prompt_infill` builds it:
 
     [FIM_REP]myproject\\n [FIM_SEP]{filename}\\n{text} ...  [FIM_SEP]filename\\n
     [BOS][FIM_PRE]{input_prefix}{prompt}[FIM_SUF]{input_suffix}[FIM_MID]

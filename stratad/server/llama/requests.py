@@ -15,7 +15,7 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
-from stratad.model.fim import FimTokens
+from stratad.model.text.fim import FimTokens
 from stratad.runtime.jobs import Job
 from stratad.server import fields, structured
 from stratad.server.openai import requests as oa
@@ -45,7 +45,8 @@ IGNORED = frozenset({
 
 
 class LlamaCodec(TextCodec, Protocol):
-    """What llama-server's routes need of the tokenizer (`stratad.model.tokenizer.Tokenizer`)."""
+    """What llama-server's routes need of the tokenizer
+    (`stratad.model.text.tokenizer.Tokenizer`)."""
 
     add_bos: bool
     bos_id: int | None

@@ -79,7 +79,7 @@ class GGUFPackSource:
     source_format = "gguf"
 
     def __init__(self, path: Path) -> None:
-        from stratad.model.gguf import load_gguf
+        from stratad.model.formats.gguf import load_gguf
 
         self.model = load_gguf(path)
         self.spec = self.model.spec
@@ -113,7 +113,7 @@ class SafetensorsPackSource:
         from safetensors import safe_open
 
         from stratad.model.archs import arch_for_hf
-        from stratad.model.hf import read_config
+        from stratad.model.formats.hf import read_config
 
         self.dir = Path(model_dir)
         self.metadata = read_config(self.dir)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stratad.model.activation import SILU
-from stratad.model.routing import SOFTMAX
+from stratad.model.graph.activation import SILU
+from stratad.model.graph.routing import SOFTMAX
 from stratad.model.spec import ModelSpec
 from stratad.model.weights import AttentionWeights, LayerWeights, MoEWeights
 

@@ -37,10 +37,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf import quants as gguf_quants
 
-from stratad.model import synth_blocks
 from stratad.model.default import default_model_path
-from stratad.model.ftype_rules import FTYPES, Ftype, UnknownFtype, get_ftype
-from stratad.model.synth_presets import (  # re-exported: the presets are part of this API
+from stratad.model.synthetic import blocks as synth_blocks
+from stratad.model.synthetic.ftype_rules import FTYPES, Ftype, UnknownFtype, get_ftype
+from stratad.model.synthetic.presets import (  # re-exported: the presets are part of this API
     PRESETS,
     VOCAB_SIZE,
     SynthPreset,

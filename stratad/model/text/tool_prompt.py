@@ -19,7 +19,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from stratad.model.chat_template import render_chat
+from stratad.model.text.chat_template import render_chat
 
 TOOLS_BLOCK = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -115,7 +115,7 @@ def _gqa(want: Want, at: str, a: AttentionWeights, spec: ModelSpec) -> None:
 
 
 def _mla(want: Want, at: str, a: MlaWeights, spec: ModelSpec) -> None:
-    """Multi-head latent attention's projections (`stratad.model.mla`)."""
+    """Multi-head latent attention's projections (`stratad.model.graph.mla`)."""
     assert spec.mla is not None
     h, heads, rank, rot = spec.hidden, spec.n_heads, spec.mla.kv_lora_rank, spec.mla.rope_dim
     q_in = spec.mla.q_lora_rank or h
@@ -129,7 +129,7 @@ def _mla(want: Want, at: str, a: MlaWeights, spec: ModelSpec) -> None:
 
 
 def _deltanet(want: Want, at: str, a: DeltaNetWeights, spec: ModelSpec) -> None:
-    """Gated DeltaNet's weights (`stratad.model.deltanet`)."""
+    """Gated DeltaNet's weights (`stratad.model.graph.deltanet`)."""
     net = spec.deltanet
     assert net is not None
     h, vh = spec.hidden, net.v_heads

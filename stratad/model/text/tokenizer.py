@@ -7,7 +7,7 @@ a conversation's message content (`encode_chat`): a `<|im_end|>` a user types is
 user could end their turn and write a system turn of their own.
 Decoding skips the HF decoder: every id maps to the exact bytes it stands for (`token_bytes`),
 so `Tokenizer.decode` and the incremental `StreamDecoder` agree byte for byte. The builders
-(`tokenizer_from_gguf`, `tokenizer_from_hf`) are in `stratad.model.tokenizer_build`.
+(`tokenizer_from_gguf`, `tokenizer_from_hf`) are in `stratad.model.text.tokenizer_build`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import tokenizers
 
-from stratad.model import tool_prompt
-from stratad.model.chat_template import CHATML_TEMPLATE, render_chat
-from stratad.model.fim import FimTokens
+from stratad.model.text import tool_prompt
+from stratad.model.text.chat_template import CHATML_TEMPLATE, render_chat
+from stratad.model.text.fim import FimTokens
 
 # Around each message's content while the template renders, to tell its text from the
 # template's markup (private-use code points: removed from the content first).
@@ -62,7 +62,7 @@ class Tokenizer:
         # sentencepiece's "add dummy prefix": encode writes a space before the text, decode drops it
         self.strip_leading_space = strip_leading_space
         self.chat_template = chat_template
-        self.fim = fim or FimTokens()  # fill-in-the-middle tokens (`stratad.model.fim`)
+        self.fim = fim or FimTokens()  # fill-in-the-middle tokens (`stratad.model.text.fim`)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

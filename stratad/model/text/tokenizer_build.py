@@ -15,10 +15,10 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from stratad.model.chat_template import end_of_turn_markers
-from stratad.model.fim import find_fim, gguf_declared
 from stratad.model.spec import Model
-from stratad.model.tokenizer import Tokenizer
+from stratad.model.text.chat_template import end_of_turn_markers
+from stratad.model.text.fim import find_fim, gguf_declared
+from stratad.model.text.tokenizer import Tokenizer
 
 # GGUF token types (llama.cpp's `llama_token_type`)
 _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 2, 3, 4, 5, 6

@@ -12,8 +12,8 @@ from gguf import GGUFReader
 
 from kernels.formats.quant import SUPPORTED_QTYPES, QTensor, QType, row_bytes
 from stratad.model.archs import arch_for_gguf
-from stratad.model.gguf_meta import gguf_metadata
-from stratad.model.shapes import check_model
+from stratad.model.formats.gguf_meta import gguf_metadata
+from stratad.model.formats.shapes import check_model
 from stratad.model.spec import Model, ModelError
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kernels.formats.quant import QTensor, QType
 from stratad.model.archs import arch_for_hf
-from stratad.model.shapes import check_model
+from stratad.model.formats.shapes import check_model
 from stratad.model.spec import Model, ModelError
 
 _DTYPES = {torch.float32: QType.F32, torch.float16: QType.F16, torch.bfloat16: QType.BF16}

@@ -1,8 +1,9 @@
 """The synthetic models' geometry: presets (a real model's shapes) and the tensors each has.
 
-Pure description, nothing written: `stratad.model.synth` turns a preset into a GGUF file.
+Pure description, nothing written: `stratad.model.synthetic.writer` turns a preset into a GGUF file.
 A preset stores its tensors in its own fixed types; given a llama.cpp file type (`q4_k_m`)
-the plan takes instead the types llama-quantize would choose (`stratad.model.ftype_rules`).
+the plan takes instead the types llama-quantize would choose
+(`stratad.model.synthetic.ftype_rules`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as QType
 
-from stratad.model.ftype_rules import Ftype, ModelShape, tensor_type
-from stratad.model.synth_blocks import BLOCK_TYPES
+from stratad.model.synthetic.blocks import BLOCK_TYPES
+from stratad.model.synthetic.ftype_rules import Ftype, ModelShape, tensor_type
 
 SLICE_VALUES = 1 << 21
 VOCAB_SIZE = 49152  # SmolLM2's, whose tokenizer every preset borrows
