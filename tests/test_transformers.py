@@ -147,10 +147,14 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-def _build(arch: str, out: Path, **override: Any) -> tf.PreTrainedModel:
+def _build(
+    arch: str, out: Path, config_cls: type | None = None, **override: Any
+) -> tf.PreTrainedModel:
+    """A random checkpoint of CASES[arch] in `out` (`config_cls`: another form of the layout,
+    e.g. DeepSeek-V2's config for the deepseek2 case; `override`: config keys)."""
     cls, extra = CASES[arch]
     torch.manual_seed(0)
-    config = cls(**(COMMON | extra | override))
+    config = (config_cls or cls)(**(COMMON | extra | override))
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     # zero at init: draw them, so that they count
     zeros = [*model.named_buffers(), *model.named_parameters()]
@@ -210,14 +214,9 @@ def test_deepseek_v2_lite_layout_matches_transformers(tmp_path: Path) -> None:
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
             "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
             "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
-    cls, extra = CASES["deepseek2"]
-    v2 = {k: v for k, v in extra.items() if k not in ("n_group", "topk_group")}
-    torch.manual_seed(0)
-    config = tf.DeepseekV2Config(**(COMMON | v2 | dict(
-        q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0, n_shared_experts=2,
-        rope_parameters=yarn)))  # fmt: skip
-    hf = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path)
+    hf = _build("deepseek2", tmp_path, tf.DeepseekV2Config, q_lora_rank=None, n_group=1,
+                topk_group=1, topk_method="greedy", routed_scaling_factor=1.0,
+                n_shared_experts=2, rope_parameters=yarn)  # fmt: skip
     model = load_model(tmp_path)
     s = model.spec
     assert s.mla is not None and s.mla.q_lora_rank == 0 and s.routing == Softmax()
@@ -229,13 +228,8 @@ def test_deepseek_v2_lite_layout_matches_transformers(tmp_path: Path) -> None:
 def test_deepseek_v2_group_limited_routing_matches_transformers(tmp_path: Path) -> None:
     """DeepSeek-V2's routing within groups: the softmax's top 2 within the best 2 of 4 groups
     of experts, a group ranked by its best probability, the weights scaled."""
-    cls, extra = CASES["deepseek2"]
-    torch.manual_seed(0)
-    config = tf.DeepseekV2Config(**(COMMON | extra | dict(
-        q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})))  # fmt: skip
-    hf = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    hf.save_pretrained(tmp_path)
+    hf = _build("deepseek2", tmp_path, tf.DeepseekV2Config, q_lora_rank=None,
+                topk_method="group_limited_greedy", n_group=4, topk_group=2)  # fmt: skip
     model = load_model(tmp_path)
     assert model.spec.routing == GroupedSoftmax(4, 2) and model.spec.expert_scale == 1.5
     _compare(hf, model, "deepseek-v2 grouped")
