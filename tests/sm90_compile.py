@@ -96,7 +96,23 @@ def _moe() -> list[Launch]:
     ]  # fmt: skip
 
 
-CASES = {"attention": _attention, "moe": _moe}
+def _delta_rule() -> list[Launch]:
+    """The gated delta rule over bf16 projections (Qwen3-Next's shapes: 128 dims a head)."""
+    import torch
+
+    from kernels.layers import delta_rule
+
+    meta = torch.device("meta")
+    mixed = torch.empty(3, 2 * 2 * 128 + 4 * 128, device=meta)
+    q, k, v = mixed.split([256, 256, 512], dim=-1)
+    ba = torch.empty(3, 8, dtype=torch.bfloat16, device=meta)
+    gates = (torch.empty(4, device=meta) for _ in "da")
+    state = torch.empty(4, 128, 128, device=meta)
+    return _recorded(delta_rule, "_delta_rule_kernel", lambda: delta_rule.gated_delta_rule(
+        q.view(3, 2, 128), k.view(3, 2, 128), v.view(3, 4, 128), ba, *gates, state))  # fmt: skip
+
+
+CASES = {"attention": _attention, "moe": _moe, "delta_rule": _delta_rule}
 
 
 def compile_case(case: str) -> str:
