@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kernels.formats.quant import QType
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
+from stratad.engine.offload.forward import OffloadForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
@@ -38,6 +40,12 @@ def glm(tmp_path_factory: pytest.TempPathFactory) -> Model:
 def oss(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """tiny-gpt-oss with MXFP4 experts, as gpt-oss's files hold them."""
     return _retyped(tmp_path_factory, "tiny-gpt-oss", QType.MXFP4)
+
+
+@pytest.fixture(scope="module")
+def next80(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """tiny-qwen3-next with Q8_0 experts."""
+    return _retyped(tmp_path_factory, "tiny-qwen3-next", QType.Q8_0)
 
 
 @pytest.mark.parametrize(("gpu_miss", "prefetch"), [("copy", True), ("in_place", False)])
@@ -77,9 +85,22 @@ def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:
     assert off.config.pcie_frac == 1.0
 
 
+def test_qwen3_next(next80: Model) -> None:
+    """Qwen3-Next's layout: Gated DeltaNet layers (the in-projection as one product, the
+    convolution, the delta rule's kernel continuing each sequence's state over a staged chunk,
+    a fused one and the decode steps), the gated heads of its attention layers with RoPE over
+    a quarter of each head, the shared expert behind its sigmoid gate."""
+    assert fast_path_refusal(next80) is None
+    off = assert_as_reference(next80, "cpu", 6, 1e-3, gpu_miss="copy", prefetch=True)
+    assert off.row_tokens == 1 and not off.replays_decode  # the states are per sequence
+    with pytest.raises(ModelError, match="recurrent model's layers run on one GPU"):
+        OffloadForward(next80, torch.device("cpu"), tiny_offload(next80, "cpu").config,
+                       layers=range(2))  # a pipeline stage  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("arch", ["glm", "oss"])
+@pytest.mark.parametrize("arch", ["glm", "oss", "next80"])
 def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(arch)
     assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from stratad.engine.kv_format import PLAIN
-from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.recurrent import StaleState
 from stratad.engine.reference.forward import ReferenceForward
@@ -70,12 +69,6 @@ def test_state_continues_across_passes_and_is_never_stale(model: Model) -> None:
         forward(tokens[20:], cache)
     cache.release()
     assert torch.equal(forward(tokens, cache, all_logits=True), whole)
-
-
-def test_the_gpu_engine_says_why_not(model: Model) -> None:
-    assert fast_path_refusal(model) == (
-        "it mixes tokens by Gated DeltaNet linear attention (2 key and 4 value heads), full"
-        " attention every 4 layers")
 
 
 def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:

@@ -10,6 +10,10 @@ tables [B, max_blocks] (gathered on the device once per step). A prefill chunk g
 sequence's keys and values up to its end and attends with torch's
 scaled_dot_product_attention.
 
+Qwen3-Next's gated heads: the q projection's rows also give each head's output gate (its
+queries, keys and values first, then the gates), times whose sigmoid the head's output goes
+into the output projection.
+
 gpt-oss's attention sinks and sliding-window layers are read by the same decode kernel (its
 `sinks` and `window`); a prefill chunk of such a layer attends in pieces of query rows in
 torch, the sink a column of each softmax.
@@ -100,6 +104,9 @@ class OffloadAttention:
         batch of one pool: in one launch)."""
         spec = self.spec
         qkv = self.linear(h, w.qkv, w.qkv_bias, w.qkv_gguf)
+        gates = None
+        if spec.attn_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
+            qkv, gates = qkv[:, : -spec.q_dim].contiguous(), qkv[:, -spec.q_dim :]
         if step.decode and self.kv_tables is not None:
             out = self._batch(w, i, qkv, pos, caches, self.kv_tables)
         else:
@@ -108,7 +115,10 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.linear(out.reshape(h.shape[0], spec.q_dim), w.o, w.o_bias, w.o_gguf)
+        out = out.reshape(h.shape[0], spec.q_dim)
+        if gates is not None:
+            out = out * torch.sigmoid(gates)
+        return self.linear(out, w.o, w.o_bias, w.o_gguf)
 
     def _batch(
         self,

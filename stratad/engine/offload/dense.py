@@ -14,7 +14,7 @@ from kernels.formats.quant import QTensor, QType
 from kernels.layers.qlinear import QLinearConfig, qlinear
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
-from stratad.model.weights import MoEWeights
+from stratad.model.weights import DeltaNetWeights, MoEWeights
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,21 @@ def gguf_matrix(tensors: Sequence[QTensor], device: torch.device) -> GgufMatrix 
     return GgufMatrix(tuple((torch.cat(r).to(device).contiguous(), q) for r, q in runs))
 
 
+@dataclass(frozen=True)
+class DeltaNetLayer:
+    """A Gated DeltaNet layer's own weights, float32 (`stratad.model.graph.deltanet`); its
+    projections are the layer's `qkv` (q, k, v, then z and ba) and `o`."""
+
+    conv: torch.Tensor  # [conv_dim, conv_kernel]
+    dt_bias: torch.Tensor  # [Hv]
+    a: torch.Tensor  # [Hv]
+    norm: torch.Tensor  # [Dv]
+
+
 @dataclass
 class DenseLayer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_dim + 2 kv_dim, H]
+    qkv: torch.Tensor  # [q_dim + 2 kv_dim (+ q_dim of gates: Qwen3-Next's), H]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -69,6 +80,8 @@ class DenseLayer:
     expert_bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # a leading dense layer's feed-forward block (GLM-4.5's first): gate, up [F, H], down
     ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # a linear-attention layer's (Qwen3-Next's): then qkv is its in-projection, o its out
+    deltanet: DeltaNetLayer | None = None
 
 
 def dense_layers(
@@ -87,21 +100,34 @@ def dense_layers(
     def f32(t: QTensor | None) -> torch.Tensor | None:
         return None if t is None else t.dequantize().to(device=device, dtype=torch.float32)
 
-    arch = ARCHS[model.spec.arch]
+    arch, spec = ARCHS[model.spec.arch], model.spec
     out = {}
     for i in layers:
         w = arch.layer(model, i)
-        moe, a = w.mlp, w.gqa
-        biases = (a.q_bias, a.k_bias, a.v_bias)
-        bias = torch.cat([f(b) for b in biases if b is not None]) if a.q_bias is not None else None
-        layer = DenseLayer(
-            attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.q), f(a.k), f(a.v)]), qkv_bias=bias,
-            q_norm=opt(a.q_norm), k_norm=opt(a.k_norm), o=f(a.o), ffn_norm=f(w.ffn_norm),
-            router=None, shared=None, shared_gate=None,
-            qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf else None,
-            o_gguf=gguf_matrix([a.o], device) if gguf else None, o_bias=opt(a.o_bias),
-            sinks=f32(a.sinks),
-        )  # fmt: skip
+        moe, a = w.mlp, w.attn
+        if isinstance(a, DeltaNetWeights):
+            layer = DenseLayer(
+                attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.qkv), f(a.z), f(a.ba)]),
+                qkv_bias=None, q_norm=None, k_norm=None, o=f(a.out), ffn_norm=f(w.ffn_norm),
+                router=None, shared=None, shared_gate=None,
+                deltanet=DeltaNetLayer(*(t.dequantize().float().to(device)
+                                         for t in (a.conv, a.dt_bias, a.a, a.norm))),
+            )  # fmt: skip
+        else:
+            a = w.gqa
+            biases = (a.q_bias, a.k_bias, a.v_bias)
+            bias = (torch.cat([f(b) for b in biases if b is not None])
+                    if a.q_bias is not None else None)  # fmt: skip
+            q, gates = _split_gates(f(a.q), spec.n_heads) if spec.attn_gate else (f(a.q), None)
+            layer = DenseLayer(
+                attn_norm=f(w.attn_norm),
+                qkv=torch.cat([q, f(a.k), f(a.v), *([gates] if gates is not None else [])]),
+                qkv_bias=bias, q_norm=opt(a.q_norm), k_norm=opt(a.k_norm), o=f(a.o),
+                ffn_norm=f(w.ffn_norm), router=None, shared=None, shared_gate=None,
+                qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf and gates is None else None,
+                o_gguf=gguf_matrix([a.o], device) if gguf else None, o_bias=opt(a.o_bias),
+                sinks=f32(a.sinks),
+            )  # fmt: skip
         if not isinstance(moe, MoEWeights):
             if model.spec.moe_layer(i):
                 raise ModelError(f"{model.source}: layer {i} has no routed experts")
@@ -125,3 +151,10 @@ def dense_layers(
             expert_bias=expert_bias,
         )
     return out
+
+
+def _split_gates(q: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated attention's q projection [heads * 2 D, H] (per head its query rows, then its
+    output gate's: Qwen3-Next) as (the queries [heads D, H], the gates [heads D, H])."""
+    per = q.view(heads, 2, -1, q.shape[-1])
+    return per[:, 0].reshape(-1, q.shape[-1]), per[:, 1].reshape(-1, q.shape[-1])

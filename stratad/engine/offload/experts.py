@@ -186,8 +186,6 @@ def fast_path_refusal(model: Model) -> str | None:
     spec = model.spec
     if spec.mla is not None:  # its attention reads keys and values of one head size
         return f"it attends by {spec.mla.describe()}"
-    if spec.deltanet is not None:  # no linear-attention kernels, no recurrent state yet
-        return f"it mixes tokens by {spec.deltanet.describe()}"
     first = model.spec.dense_layers
     for row, lay in enumerate(blob_layouts(model).layers):
         for (_, _, rows, cols), qtype in zip(lay.spans(), lay.qtypes, strict=True):

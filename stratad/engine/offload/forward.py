@@ -44,6 +44,7 @@ from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
 from stratad.engine.offload.experts import kernel_layouts
 from stratad.engine.offload.kernel_form import KernelForm
+from stratad.engine.offload.linear_attention import OffloadDeltaNet
 from stratad.engine.offload.prefetch import ExpertPrefetch
 from stratad.engine.offload.split_step import SplitParts, SplitStep
 from stratad.engine.offload.staging import ExpertStaging
@@ -89,6 +90,9 @@ class OffloadForward:
         self.layer_ids = layers if layers is not None else range(spec.n_layers)
         if not spec.is_moe:
             raise ModelError(f"{model.source}: the offload engine serves MoE models")
+        if spec.deltanet is not None and self.layer_ids != range(spec.n_layers):
+            raise ModelError(f"{model.source}: a recurrent model's layers run on one GPU (its"
+                             " state is handed over whole at the end of a pass)")  # fmt: skip
         # the store's grid is the routed layers: model layer i is its row i - first_moe (a
         # leading dense layer has none)
         self.first_moe = d = spec.dense_layers
@@ -156,6 +160,10 @@ class OffloadForward:
         self.side = self.experts.side
         self._init_fetch()
         self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
+        self.deltanet = (  # Qwen3-Next's linear-attention layers
+            OffloadDeltaNet(spec.deltanet, spec.rms_eps, self.linear, self.norm_fn)
+            if spec.deltanet is not None else None
+        )  # fmt: skip
         self.timer = StageTimer(enabled=False)
         self.staging = ExpertStaging(self.experts, self.layouts, self.dtype,
                                      config.kernels.dequant, spec.activation)  # fmt: skip
@@ -340,7 +348,10 @@ class OffloadForward:
         w, stage = self.layers[i], self.timer.stage
         with stage("attention"):
             x, h = self._add_norm(x, parts, w.attn_norm)
-            attn = self.attention(w, i, h, pos, caches, step)
+            if w.deltanet is not None and self.deltanet is not None:
+                attn = self.deltanet(w, i, h, step)
+            else:
+                attn = self.attention(w, i, h, pos, caches, step)
         return self._add_norm(x, attn[:, None], w.ffn_norm)
 
     def _attend_route(
@@ -463,6 +474,8 @@ class OffloadForward:
             self.staging.begin(self.rows.start)
         if step.decode:
             self.attention.begin_decode(pos, caches, kv_tables)
+        if self.deltanet is not None:
+            self.deltanet.begin(caches)
         parts = None
         for i in self.layer_ids:
             nxt = i + 1 - self.first_moe  # the next layer's row, staged while this one runs
@@ -472,6 +485,8 @@ class OffloadForward:
             if ids is not None:
                 all_ids.append(ids)
         self.prefetch.finish()
+        if self.deltanet is not None:
+            self.deltanet.finish(caches, step)
         assert parts is not None
         x = add_parts(x, parts)  # the last layer's experts
         return x, torch.stack(all_ids)
@@ -491,6 +506,8 @@ class OffloadForward:
         padded row count) unless a CPU share of the misses splits the step into pieces
         captured per set of caches: a short prompt would capture anew each time."""
         split = self.config.pcie_frac < 1.0 and not self.experts.reads_file
+        if self.deltanet is not None:  # a sequence's state is one row's (`linear_attention`)
+            return 1
         return 1 if split and self._graphs else self.config.row_tokens
 
     @torch.inference_mode()
@@ -507,7 +524,9 @@ class OffloadForward:
 
     @property
     def _graphs(self) -> bool:
-        return self.config.graphs and self.device.type == "cuda"
+        """Whether decode steps are captured (not for recurrent states: they are kept per
+        sequence, not in the tables a captured step reads)."""
+        return self.config.graphs and self.device.type == "cuda" and self.deltanet is None
 
     @property
     def replays_decode(self) -> bool:
