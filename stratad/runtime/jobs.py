@@ -108,6 +108,9 @@ class PreparedJob(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     pin: int = 0
     """Leading prompt tokens to keep as a pinned prefix snapshot (0: none)."""
+    channels: bool = False
+    """The chat template asked for the reply in harmony's channels (gpt-oss): the server reads
+    its reasoning, answer and calls apart (`stratad.server.harmony`)."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

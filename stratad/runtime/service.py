@@ -15,6 +15,7 @@ import torch
 from stratad.config import Config
 from stratad.engine.runner import open_runner
 from stratad.engine.timing import stages_text, tier_shares
+from stratad.model.text.chat_template import writes_channels
 from stratad.model.text.tokenizer_build import load_tokenizer
 from stratad.runtime.generate import Generator
 from stratad.runtime.grammar_check import GrammarChecker, Vocabulary
@@ -257,6 +258,7 @@ class Engine:
             prompt=tuple(prompt),
             max_tokens=room if job.max_tokens is None else min(job.max_tokens, room),
             pin=min(pin, len(prompt) - 1),
+            channels=job.messages is not None and writes_channels(self.tokenizer.chat_template),
         )
 
     def _prepare_embedding(self, job: Job, embed: Embed, prompt: list[int]) -> PreparedJob:

@@ -38,9 +38,17 @@ END_OF_TURN_MARKERS = (
 )  # fmt: skip
 
 
+def writes_channels(template: str | None) -> bool:
+    """Whether `template` asks for replies in OpenAI's harmony channels (gpt-oss's)."""
+    return template is not None and "<|channel|>" in template and "<|message|>" in template
+
+
 def end_of_turn_markers(template: str | None) -> list[str]:
-    """The known end-of-turn markers `template` writes (ChatML's when there is no template)."""
-    return [m for m in END_OF_TURN_MARKERS if m in (template or CHATML_TEMPLATE)]
+    """The known end-of-turn markers `template` writes (ChatML's when there is no template).
+    In harmony's format `<|end|>` closes a message, not the turn (the reasoning's message
+    comes before the answer's): `<|return|>` and `<|call|>` end it."""
+    markers = [m for m in END_OF_TURN_MARKERS if m in (template or CHATML_TEMPLATE)]
+    return [m for m in markers if m != "<|end|>"] if writes_channels(template) else markers
 
 
 class _TemplateRaised(Exception):

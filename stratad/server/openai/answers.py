@@ -1,15 +1,20 @@
 """The answer of a completion request from its tickets: every choice collected into one
 response, or streamed as server-sent events choice after choice, with usage summed over the
-choices and tool calls parsed out of the text. `stratad.server.completions` serves the routes.
+choices and tool calls (and, from a harmony reply, its reasoning) parsed out of the text.
+`stratad.server.completions` serves the routes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
 from stratad.runtime.jobs import Delta, JobError, TokenLogprob
 from stratad.runtime.scheduler import EngineFailed, Ticket
+from stratad.server import harmony
 from stratad.server.finished import CANCELLED, Unfinished, deltas_of
 from stratad.server.http.sse import ClientGone, EventStream
 from stratad.server.llama.timings import Timings, timings_of
@@ -25,6 +30,30 @@ class Header(msgspec.Struct, frozen=True):
     n: int = 1  # choices per prompt
     tools: bool = False  # the replies are read for tool calls
     timings: bool = False  # llama-server's `timings` on the answer and each chunk
+
+
+class Reader(Protocol):
+    """A reply read as it streams (`tool_calls.CallReader`, `harmony.ChannelReader`)."""
+
+    calls: int
+
+    def feed(self, text: str) -> Sequence[harmony.Part]: ...
+
+    def finish(self) -> Sequence[harmony.Part]: ...
+
+
+def _reader(ticket: Ticket, h: Header) -> Reader | None:
+    """How a chat choice's reply is read: by channels (a harmony template), for calls (tools
+    offered), or passed on as it comes (None)."""
+    if ticket.prepared.channels:
+        return harmony.ChannelReader(h.tools)
+    return tool_calls.CallReader() if h.tools else None
+
+
+def _message(ticket: Ticket, text: str, h: Header) -> rs.AssistantMessage:
+    if ticket.prepared.channels:
+        return harmony.channel_message(text, h.tools)
+    return tool_calls.reply_message(text, h.tools)
 
 
 class _Choice:
@@ -75,11 +104,11 @@ async def collect_answer(tickets: list[Ticket], h: Header, chat: bool) -> web.Re
             choices=[
                 rs.ChatChoice(
                     index=i,
-                    message=(m := tool_calls.reply_message("".join(c.parts), h.tools)),
+                    message=(m := _message(ticket, "".join(c.parts), h)),
                     finish_reason=tool_calls.finish_reason(last.finish_reason, bool(m.tool_calls)),
                     logprobs=rs.chat_logprobs(c.logprobs) if asked else None,
                 )
-                for i, (c, last) in enumerate(zip(choices, lasts, strict=True))
+                for i, (c, last, ticket) in enumerate(zip(choices, lasts, tickets, strict=True))
             ],
             usage=usage,
             timings=timings,
@@ -116,10 +145,12 @@ def _chunk(
     index: int = 0,
     calls: list[tt.ToolCallDelta] | None = None,
     timings: Timings | None = None,
+    reasoning: str | None = None,
 ) -> msgspec.Struct:
     """One streamed event; `offset`: where `logprobs`' token starts in the completion text."""
     if chat:
-        delta = rs.ChunkDelta(role="assistant" if role else None, content=text, tool_calls=calls)
+        delta = rs.ChunkDelta(role="assistant" if role else None, content=text, tool_calls=calls,
+                              reasoning_content=reasoning)  # fmt: skip
         lp = rs.chat_logprobs([logprobs]) if logprobs is not None else None
         return rs.ChatCompletionChunk(
             id=h.id,
@@ -192,7 +223,7 @@ async def _stream_choice(
         await stream.send(_chunk(h, chat, "", None, role=True, index=index))
     last: Delta | None = None
     offset = 0
-    reader = tool_calls.CallReader() if chat and h.tools else None
+    reader = _reader(ticket, h) if chat else None
     try:
         async for d in ticket.stream():
             last = d
@@ -228,23 +259,26 @@ async def _stream_choice(
 
 async def _send_read(
     stream: EventStream,
-    reader: tool_calls.CallReader,
+    reader: Reader,
     d: Delta,
     h: Header,
     index: int,
     timings: Timings | None = None,
 ) -> None:
-    """A delta of a reply read for tool calls, in order: its text once known not to be a call,
-    each call made; the token's logprobs, if asked, with the first chunk (alone if the text is
-    held)."""
+    """A delta of a reply read for tool calls or channels, in order: its text once known not
+    to be a call or a header, its reasoning, each call made; the token's logprobs, if asked,
+    with the first chunk (alone if the text is held)."""
     k = reader.calls  # the index of the next call
-    parts = reader.feed(d.text) + (reader.finish() if d.finish_reason else [])
+    parts = [*reader.feed(d.text), *(reader.finish() if d.finish_reason else ())]
     logprobs = d.logprobs
     for part in parts:
         if isinstance(part, str):
             await stream.send(
                 _chunk(h, True, part, None, logprobs=logprobs, index=index, timings=timings)
             )
+        elif isinstance(part, harmony.Reasoning):
+            await stream.send(_chunk(h, True, None, None, logprobs=logprobs, index=index,
+                                     timings=timings, reasoning=part.text))  # fmt: skip
         else:
             call = tt.ToolCallDelta(index=k, id=part.id, type="function", function=part.function)
             await stream.send(_chunk(h, True, None, None, logprobs=logprobs, index=index,

@@ -43,6 +43,8 @@ class AssistantMessage(_Struct, frozen=True, omit_defaults=True):
     content: str | None
     """null when the reply is tool calls only"""
     tool_calls: list[tt.ToolCall] | None = None
+    reasoning_content: str | None = None
+    """the reply's reasoning, where the model writes it apart (gpt-oss's analysis channel)"""
 
 
 class TopLogprob(_Struct, frozen=True):
@@ -126,6 +128,7 @@ class ChunkDelta(_Struct, frozen=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[tt.ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(_Struct, frozen=True):
