@@ -20,6 +20,10 @@ PROGRESS_MIN_BYTES = 256 << 20
 FTYPE_NAMES = ("q4_0", "q8_0", "q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
                "iq3_s", "iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "mxfp4_moe")
 PRESET_TYPES = "preset"
+# `stratad.model.synthetic.presets.PRESETS`, likewise named here (a test keeps them the same)
+PRESET_NAMES = ("tiny-moe", "tiny-dense", "tiny-glm", "tiny-gpt-oss", "tiny-qwen3-next",
+                "tiny-deepseek", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air",
+                "qwen3-next-80b-a3b", "deepseek-v2-lite", "a3b")  # fmt: skip
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,11 +33,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Write a GGUF model with random weights, a real architecture's geometry and"
             " SmolLM2's tokenizer; llama.cpp and stratad load it. Same preset and seed give"
-            " the same bytes. Presets: tiny-moe and tiny-dense (a few tens of MB, for tests),"
-            " a3b (Qwen3-30B-A3B's geometry, about 17.5 GB, a few minutes)."
+            " the same bytes. Presets: the tiny-* ones (a few tens of MB, for tests: each"
+            " architecture's layout), and real geometries: a3b (Qwen3-30B-A3B's, about 17.5 GB,"
+            " a few minutes), gpt-oss-20b, gpt-oss-120b, glm-4.5-air, qwen3-next-80b-a3b,"
+            " deepseek-v2-lite (written in --ftype's types, as their published GGUFs are)."
         ),
     )
-    p.add_argument("preset", metavar="PRESET", help="tiny-moe, tiny-dense or a3b")
+    p.add_argument("preset", metavar="PRESET", help=", ".join(PRESET_NAMES))
     p.add_argument("-o", "--output", type=Path, required=True, help="the .gguf file to write")
     p.add_argument(
         "--ftype", default=PRESET_TYPES, type=str.lower, choices=(PRESET_TYPES, *FTYPE_NAMES),

@@ -266,6 +266,7 @@ def _cli(argv: list[str]) -> int:
 def test_cli_ftype(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                    written: dict[str, tuple[Path, float]]) -> None:
     assert tuple(FTYPES) == synth_cli.FTYPE_NAMES
+    assert tuple(synth.PRESETS) == synth_cli.PRESET_NAMES
     out = tmp_path / "m.gguf"
     # --workers changes nothing in the bytes (and starts no pool: see synth._slices).
     assert _cli(["synth", "tiny-moe", "-o", str(out), "--ftype", "Q4_K_M", "--workers", "2"]) == 0
