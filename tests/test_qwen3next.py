@@ -24,6 +24,9 @@ from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.graph.deltanet import GatedDeltaNet
 from stratad.model.spec import Model
 from stratad.model.text.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
+from stratad.runtime.sampling import SamplingParams
+from stratad.runtime.sequence import GenerationRequest
 from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
 from tests.llama_compare import assert_as_llama
@@ -69,6 +72,33 @@ def test_state_continues_across_passes_and_is_never_stale(model: Model) -> None:
         forward(tokens[20:], cache)
     cache.release()
     assert torch.equal(forward(tokens, cache, all_logits=True), whole)
+
+
+def test_a_conversation_continues_its_working_cache(model: Model) -> None:
+    """A request whose prompt starts with all of a working cache's conversation continues it
+    (the state stands for exactly those tokens): the same tokens as computed afresh. A prompt
+    that leaves the conversation earlier, or another scope's, is computed from its first
+    token (the state cannot be cut back, nor shown to another client)."""
+    forward = ReferenceForward(model)
+    gen = Generator(forward, tokenizer_from_gguf(model.metadata), max_context=128, reuse=False)
+    greedy_params = SamplingParams(temperature=0.0)
+
+    def run(prompt: list[int], scope: str = "") -> list[int]:
+        req = GenerationRequest(prompt, max_tokens=5, sampling=greedy_params, ignore_eos=True,
+                                scope=scope)  # fmt: skip
+        return [e.token for e in gen.run(req)]
+
+    first = list(range(300, 320))
+    run(first)
+    held = list(gen.cache.tokens)
+    assert held[:20] == first and gen.cache.recurrent is not None
+    turn = held + [400, 401, 402]
+    assert run(turn) == greedy(forward, turn, 5) and gen.cached_tokens == len(held)
+    left = turn[:10] + [7, 8, 9]
+    assert run(left) == greedy(forward, left, 5) and gen.cached_tokens == 0
+    again = list(gen.cache.tokens) + [5]
+    assert run(again, scope="another key") == greedy(forward, again, 5)
+    assert gen.cached_tokens == 0
 
 
 def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:

@@ -68,8 +68,10 @@ class Generator:
         it takes there (`Runner.prompt_rows`; short prompts wait for room there); `ahead`:
         the forward's decode step from tokens on the device (`Runner.ahead`: decode steps
         of plain draws queue the next one before the host reads their tokens); `reuse`
-        False: every request computes its whole prompt on an emptied cache (a recurrent
-        model's state cannot be cut back to a shared prefix)."""
+        False (a recurrent model, whose state cannot be cut back to a shared prefix): no
+        prefix store or shared blocks; a request continues its working cache's conversation
+        only where all of it starts the prompt (`_continue`), else computes its whole
+        prompt on an emptied cache."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
@@ -147,10 +149,9 @@ class Generator:
         At least the last prompt token is left to compute: its logits pick the first token.
         """
         cache = self.caches[i]
-        if not self.reuse:
-            cache.release()
-            return 0
         live = cache.common_prefix(prompt) if scope == self._scopes[i] else 0
+        if not self.reuse:
+            return self._continue(i, live, len(prompt), scope)
         snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)
         # full blocks of the pool that hold this prompt's start (this cache's or another's)
@@ -180,6 +181,19 @@ class Generator:
         else:
             cache.truncate(keep)
         return keep
+
+    def _continue(self, i: int, live: int, prompt: int, scope: str) -> int:
+        """A recurrent model's prefix in cache i: the cache's whole conversation where it
+        starts the prompt (of `prompt` tokens) and leaves a token to compute, its recurrent
+        state standing for exactly those tokens (a conversation's next turn); else none, the
+        cache emptied (a state is not cut back to a shorter prefix)."""
+        cache = self.caches[i]
+        state = cache.recurrent
+        whole = 0 < live == cache.length < prompt and state is not None and state.length == live
+        if not whole:
+            cache.release()
+        self._scopes[i] = scope
+        return live if whole else 0
 
     def start(self, req: GenerationRequest) -> Sequence:
         """Admit `req` on a free working cache; its `Sequence` (`cached_tokens`: the prompt

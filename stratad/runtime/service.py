@@ -84,8 +84,9 @@ class Engine:
         net = self.model.spec.deltanet
         recurrent = net is not None
         if net is not None:
-            log.info("%s: each request's recurrent state lives in its working cache, computed"
-                     " from its first token: no prefix reuse, conversation cache, steps queued"
+            log.info("%s: each request's recurrent state lives in its working cache, which a"
+                     " conversation's next turn continues; else a request computes from its"
+                     " first token: no shared prefixes, conversation cache, steps queued"
                      " ahead, speculation or preemption", net.describe())  # fmt: skip
         ahead = None if recurrent else runner.ahead(config.engine.step_ahead)
         if ahead is not None:
