@@ -15,13 +15,16 @@ import pytest
 import torch
 
 from kernels.formats.quant import QType
+from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
+from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
-from tests.offload_engine import assert_as_reference, tiny_offload
+from tests.greedy import greedy
+from tests.offload_engine import PROMPT, assert_as_reference, tiny_offload
 
 
 def _retyped(tmp: pytest.TempPathFactory, preset: str, qtype: QType) -> Model:
@@ -96,6 +99,24 @@ def test_qwen3_next(next80: Model) -> None:
     with pytest.raises(ModelError, match="recurrent model's layers run on one GPU"):
         OffloadForward(next80, torch.device("cpu"), tiny_offload(next80, "cpu").config,
                        layers=range(2))  # a pipeline stage  # fmt: skip
+
+
+def test_qwen3_next_with_a_resident_window(next80: Model) -> None:
+    """A resident window's host tier holds rows for the attention layer alone (the DeltaNet
+    layers keep no KV in either tier): blocks of 8, a window of 16, a 40-token prompt in chunks
+    of 16 and 3 decodes, the reference's greedy tokens."""
+    want = greedy(ReferenceForward(next80), PROMPT[:40], 4)
+    cfg = replace(tiny_offload(next80, "cpu").config, prefill_chunk=16, kv_resident=16)
+    engine = OffloadForward(next80, torch.device("cpu"), cfg)
+    pool = KVPool.allocate(next80.spec, 48, [torch.device("cpu")] * 4, torch.float32,
+                           block_size=8, window=16, host_tokens=32)  # fmt: skip
+    assert [t.k.shape[0] for t in pool.host] == [0, 0, 0, 32]
+    cache = KVCache(pool, 64)
+    got = [int(engine(PROMPT[:40], cache)[-1].argmax())]
+    for _ in range(3):
+        got.append(int(engine([got[-1]], cache)[-1].argmax()))
+    assert got == want
+    assert [pool.on_host(b) for b in cache.blocks] == [True] * 3 + [False] * 3
 
 
 @pytest.mark.gpu

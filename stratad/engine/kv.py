@@ -117,12 +117,14 @@ class KVPool:
                              f" not the {self.fmt.name} format's")  # fmt: skip
         self.n_blocks = rows // block_size  # the first tier's (in VRAM on a GPU)
         self.host = host or []
-        self.n_host_blocks = self.host[0].k.shape[0] // block_size if self.host else 0
+        host_rows = max((tier.k.shape[0] for tier in self.host), default=0)
+        self.n_host_blocks = host_rows // block_size
         for i, tier in enumerate(self.host):
             tier.check(k[i], self.k_scale[i] if self.quantized else None)
-            if tier.first_block != self.n_blocks or tier.k.shape[0] != self.host[0].k.shape[0]:
+            held = host_rows if k[i].shape[0] else 0  # none for a layer without KV
+            if tier.first_block != self.n_blocks or tier.k.shape[0] != held:
                 raise ValueError("every layer's host tier starts at the pool's block count"
-                                 " and holds as many blocks")  # fmt: skip
+                                 " and holds as many blocks (a layer without KV none)")  # fmt: skip
         if self.host and len(self.host) != len(k):
             raise ValueError(f"{len(self.host)} host tiers for {len(k)} layers")
         if self.host and window < 2 * block_size:
@@ -179,15 +181,16 @@ class KVPool:
         if host_tokens > 0:
             h = -(-host_tokens // block_size) * block_size
 
-            def tier(d: torch.device) -> HostPages:
-                codes = [mapped_empty((h, hkv, *x.code_shape), x.codes, d) for x in (lay, vlay)]
+            def tier(d: torch.device, r: int) -> HostPages:
+                codes = [mapped_empty((r, hkv, *x.code_shape), x.codes, d) for x in (lay, vlay)]
                 sc: list[torch.Tensor | None] = [None, None]
                 if lay.scales is not None and vlay.scales is not None:
-                    sc = [mapped_empty((h, hkv, *x.scale_shape), x.scales, d)  # type: ignore[arg-type]
+                    sc = [mapped_empty((r, hkv, *x.scale_shape), x.scales, d)  # type: ignore[arg-type]
                           for x in (lay, vlay)]  # fmt: skip
                 return HostPages(codes[0], codes[1], sc[0], sc[1], n // block_size)
 
-            host = [tier(d) for d in devices]
+            # (a layer without KV: no host rows either)
+            host = [tier(d, h if r else 0) for d, r in zip(devices, rows, strict=True)]
         return cls(k, v, block_size, scales, host, window, fmt)
 
     @property

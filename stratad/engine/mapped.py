@@ -39,8 +39,8 @@ class _Registered:
 def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor on `device` backed by page-locked host RAM (on a CPU device:
     an ordinary host tensor, which is the same thing there)."""
-    if device.type == "cpu":
-        return torch.empty(shape, dtype=dtype)
+    if device.type == "cpu" or 0 in shape:  # (nothing to register for an empty one)
+        return torch.empty(shape, dtype=dtype, device=device)
     host = torch.empty(shape, dtype=dtype)
     with torch.cuda.device(device):
         flat = torch.as_tensor(_Registered(host, CudaHostLocker()), device=device)
