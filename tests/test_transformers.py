@@ -20,6 +20,8 @@ from stratad.model.graph.rope_scaling import Linear, RopeScaling, Yarn
 from stratad.model.graph.routing import GroupedSoftmax, Softmax
 from stratad.model.spec import Model, ModelError
 from stratad.store.loader import load_model
+from stratad.store.pack.manifest import PackError
+from stratad.store.pack.write import write_pack
 
 COMMON: dict[str, Any] = dict(
     vocab_size=128,
@@ -174,15 +176,50 @@ def test_logits_match_transformers(arch: str, tmp_path: Path) -> None:
     _compare(hf, model, arch)
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused(tmp_path: Path) -> None:
-    """The published gpt-oss checkpoints hold their experts as MXFP4 blocks and scales:
-    refused in one line naming the tensor (the GGUF is read)."""
-    _build("gpt-oss", tmp_path)
+# E2M1's magnitudes, index = a nibble's low 3 bits (the top bit is the sign)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, C] (R the output rows) as OpenAI's checkpoints pack MXFP4: blocks [E, R, C/32,
+    16] (byte j: value 2j low nibble, 2j + 1 high) and E8M0 scales [E, R, C/32], each group's
+    exponent the least that keeps its largest value within 6."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1).clamp_min(1e-30)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    x = g / torch.exp2(e)[..., None]
+    nearest = (x.abs()[..., None] - _E2M1).abs().argmin(-1)
+    idx = (nearest | torch.where(x < 0, 8, 0)).to(torch.uint8)
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks, (e + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path: Path) -> None:
+    """The published gpt-oss checkpoints hold their experts as MXFP4 blocks and scales: read
+    into GGUF's MXFP4 blocks, the logits are transformers' over the values transformers' own
+    dequantizer gives them (`convert_moe_packed_tensors`)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = _build("gpt-oss", tmp_path)
     path = tmp_path / "model.safetensors"
     tensors = load_file(path)
-    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(8, 4, dtype=torch.uint8)
+    for i, layer in enumerate(hf.model.layers):
+        ex = f"model.layers.{i}.mlp.experts"
+        for proj in ("gate_up_proj", "down_proj"):
+            blocks, scales = _mxfp4_packed(tensors.pop(f"{ex}.{proj}").transpose(1, 2))
+            tensors[f"{ex}.{proj}_blocks"], tensors[f"{ex}.{proj}_scales"] = blocks, scales
+            with torch.no_grad():  # transformers' model on the values the checkpoint now holds
+                getattr(layer.mlp.experts, proj).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
     save_file(tensors, path)
-    with pytest.raises(ModelError, match="gate_up_proj_blocks: MXFP4 safetensors are not read"):
+    model = load_model(tmp_path)
+    assert model.tensors["model.layers.0.mlp.experts.gate_proj"].qtype.name == "MXFP4"
+    _compare(hf, model, "gpt-oss mxfp4")
+    with pytest.raises(PackError, match="stores a layer's experts in one tensor"):
+        write_pack(tmp_path, tmp_path / "pack")  # said, not a crash
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, path)
+    with pytest.raises(ModelError, match="down_proj_blocks has no down_proj_scales beside it"):
         load_model(tmp_path)
 
 

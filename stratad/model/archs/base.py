@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kernels.formats.quant import QTensor
 from stratad.model.formats.shapes import check_spec
 from stratad.model.graph.rope_scaling import UNSCALED, Linear, RopeScaling, Yarn, yarn_mscale
 from stratad.model.spec import Model, ModelError, ModelSpec
@@ -234,10 +235,10 @@ class Arch:
     @classmethod
     def hf_tensors(
         cls, raw: dict[str, torch.Tensor], spec: ModelSpec, source: str
-    ) -> dict[str, torch.Tensor]:
+    ) -> Mapping[str, torch.Tensor | QTensor]:
         """A Hugging Face checkpoint's tensors under the names `layer` reads, before routed
         experts are stacked (`hf_expert_names`): as they are, unless the checkpoint stores
-        them in another form."""
+        them in another form (quantized ones as their GGUF encoding: gpt-oss's MXFP4)."""
         return raw
 
     @classmethod

@@ -1,4 +1,5 @@
-"""Reading a Hugging Face model directory: config.json plus *.safetensors (fp32/fp16/bf16)."""
+"""Reading a Hugging Face model directory: config.json plus *.safetensors (fp32/fp16/bf16, and
+the packed forms an architecture reads: gpt-oss's MXFP4 experts)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _qtensor(name: str, t: torch.Tensor, source: Path) -> QTensor:
+def _qtensor(name: str, t: torch.Tensor | QTensor, source: Path) -> QTensor:
+    if isinstance(t, QTensor):  # read from its packed form (`Arch.hf_tensors`)
+        return t
     qtype = _DTYPES.get(t.dtype)
     if qtype is None:
         raise ModelError(f"{source}: tensor {name!r} has dtype {t.dtype}, expected fp32/fp16/bf16")
@@ -67,19 +70,23 @@ def load_hf(model_dir: Path) -> Model:
     past = re.compile(r"model\.layers\.(\d+)\.")  # layers the forward does not run (MTP)
     raw = {n: t for n, t in raw.items()
            if not ((m := past.match(n)) and int(m.group(1)) >= spec.n_layers)}  # fmt: skip
-    raw = arch.hf_tensors(raw, spec, str(model_dir))
+    read = arch.hf_tensors(raw, spec, str(model_dir))
     if spec.is_moe:
         for layer in spec.moe_layers:
             for stacked, template in arch.hf_expert_names(spec, layer).items():
                 parts = []
                 for e in range(spec.n_experts):
                     name = template.format(e=e)
-                    if name not in raw:
+                    if name not in read:
                         raise ModelError(f"{model_dir}: missing tensor {name!r}")
-                    parts.append(raw[name])
+                    part = read[name]
+                    if isinstance(part, QTensor):
+                        raise ModelError(f"{model_dir}: {name!r} is quantized: stacked experts"
+                                         " are read as floats")  # fmt: skip
+                    parts.append(part)
                     consumed.add(name)
                 tensors[stacked] = _qtensor(stacked, torch.stack(parts), model_dir)
-    for name, t in raw.items():
+    for name, t in read.items():
         if name not in consumed:
             tensors[name] = _qtensor(name, t, model_dir)
     if spec.tie_embeddings:

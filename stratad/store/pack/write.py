@@ -128,6 +128,11 @@ class SafetensorsPackSource:
             list(self.arch.hf_expert_names(self.spec, i).values())
             for i in range(self.spec.n_layers)
         ]
+        if self.spec.is_moe and not all(self._templates[i] for i in self.spec.moe_layers):
+            # (gpt-oss: each layer's experts fused, or packed as MXFP4, in one tensor)
+            raise PackError(f"{self.dir}: a pack of a {self.spec.arch} checkpoint, which stores"
+                            " a layer's experts in one tensor, is not written yet: pack its"
+                            " GGUF, or serve the directory itself")  # fmt: skip
 
     def _get(self, name: str) -> QTensor:
         handle = self._where.get(name)
