@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
-from stratad.model.text.chat_template import end_of_turn_markers, writes_channels
+from stratad.model.text.chat_template import end_of_turn_markers, render_chat, writes_channels
+from stratad.runtime.template_form import template_message
 from stratad.server.harmony import ChannelReader, Part, Reasoning, channel_message
+from stratad.server.openai.requests import ChatCompletionRequest, chat_job
 from stratad.server.tools import types as tt
 
 THINK_ANSWER = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
@@ -116,3 +119,23 @@ def test_end_markers_of_a_template_with_channels() -> None:
     assert "<|end|>" in end_of_turn_markers(HARMONY)
     assert "<|end|>" not in end_of_turn_markers(HARMONY + "<|channel|>final<|return|>")
     assert "<|return|>" in end_of_turn_markers(HARMONY + "<|channel|>final<|return|>")
+
+
+def test_earlier_reasoning_reaches_the_template() -> None:
+    """An assistant message's `reasoning_content` (as the answer gave it) is written back by a
+    template that reads it, under gpt-oss's name `thinking`."""
+    body = {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+        {"role": "user", "content": "Bye"},
+    ]}  # fmt: skip
+    req = msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
+    job = chat_job(req, None)
+    assert job.messages is not None
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}"
+                "{% if m.get('thinking') %}<|channel|>analysis<|message|>{{ m['thinking'] }}"
+                "<|end|><|start|>assistant{% endif %}<|message|>{{ m['content'] }}<|end|>"
+                "{% endfor %}")  # fmt: skip
+    text = render_chat(template, [template_message(m) for m in job.messages])
+    assert "<|channel|>analysis<|message|>Greet back.<|end|>" in text
+    assert text.count("analysis") == 1

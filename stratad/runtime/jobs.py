@@ -28,6 +28,8 @@ class ChatMessage(msgspec.Struct, frozen=True):
     """an assistant's calls"""
     tool_call_id: str | None = None
     """a `tool` message: the call it answers"""
+    reasoning: str = ""
+    """an assistant's earlier reasoning (`reasoning_content`), for templates that write it"""
 
 
 class Tool(msgspec.Struct, frozen=True):

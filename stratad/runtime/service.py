@@ -205,7 +205,8 @@ class Engine:
         if job.messages is None:
             text = job.prompt or ""
         else:
-            text = "".join(m.content + "".join(c.name + c.arguments for c in m.tool_calls)
+            text = "".join(m.content + m.reasoning
+                           + "".join(c.name + c.arguments for c in m.tool_calls)
                            for m in job.messages)  # fmt: skip
             text += "".join(t.name + str(t.parameters or "") + (t.description or "")
                             for t in job.tools)  # fmt: skip

@@ -18,6 +18,8 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
         ]  # fmt: skip
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning:  # under the names templates read it by (gpt-oss's: `thinking`)
+        out["reasoning_content"] = out["thinking"] = m.reasoning
     return out
 
 

@@ -68,6 +68,9 @@ class Message(_Struct, frozen=True):
     tool_calls: list[tt.ToolCall] | None = None
     """an assistant's calls (its content may then be null)"""
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    """an assistant's earlier reasoning, as the answer gave it: a template that writes it back
+    reads it (gpt-oss's, as `thinking`)"""
     """a `tool` message: the id of the call it answers"""
 
 
@@ -212,7 +215,8 @@ def chat_message(m: Message, i: int) -> ChatMessage:
         for c in m.tool_calls or ()
     )
     role = "system" if m.role == "developer" else m.role
-    return ChatMessage(role, _content(m), tool_calls=calls, tool_call_id=m.tool_call_id)
+    return ChatMessage(role, _content(m), tool_calls=calls, tool_call_id=m.tool_call_id,
+                       reasoning=m.reasoning_content or "")  # fmt: skip
 
 
 def chat_job(req: ChatCompletionRequest, default_max_tokens: int | None) -> Job:
