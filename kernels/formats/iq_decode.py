@@ -1,4 +1,4 @@
-"""The i-quants (and MXFP4, decoded through a table as IQ4_NL) in Triton, two ways:
+"""The i-quants (and MXFP4: levels from its E2M1 bits, scales from E8M0 bytes) in Triton, two ways:
 
 - `dequant_iq`, value by value: the tile decoder's share (`kernels.layers.gemv._dequant_tile`) for
   IQ4_NL, MXFP4, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S, which the GEMV kernel,
@@ -35,7 +35,6 @@ IQ2_S: tl.constexpr = tl.constexpr(int(QType.IQ2_S))
 IQ1_S: tl.constexpr = tl.constexpr(int(QType.IQ1_S))
 IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 IQ4_VALUES: tl.constexpr = tl.constexpr(iq_tables.IQ4_VALUES)
-MXFP4_VALUES: tl.constexpr = tl.constexpr(iq_tables.MXFP4_VALUES)
 IQ3_XXS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_XXS_GRID)
 IQ2_XXS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ2_XXS_GRID)
 IQ2_XS_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ2_XS_GRID)
@@ -68,10 +67,20 @@ def grid_block_bytes(qtype: int) -> int:
 
 @triton.jit
 def _level(tab_ptr, q, mask, TABLE: tl.constexpr):
-    """The level (float32) of 4-bit codes q in the 16-entry int8 table at TABLE (IQ4_VALUES,
-    MXFP4_VALUES)."""
+    """The level (float32) of 4-bit codes q in the 16-entry int8 table at TABLE (IQ4_VALUES)."""
     level = tl.load(tab_ptr + TABLE + q, mask=mask, other=0).to(tl.int8, bitcast=True)
     return level.to(tl.float32)
+
+
+@triton.jit
+def _e2m1_doubled(q):
+    """MXFP4's level (float32) of 4-bit E2M1 codes q, doubled as llama.cpp's kvalues_mxfp4:
+    from the bits (exponent e = bits 1-2, mantissa m = bit 0, sign bit 3), 0, 1, 2, 3, 4, 6,
+    8, 12 for codes 0..7 and their negatives for 8..15: no table load on the weights' path."""
+    e = (q >> 1) & 3
+    m = q & 1
+    mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+    return tl.where(q >= 8, -mag, mag).to(tl.float32)  # (code 8, E2M1's -0, is +0 as there)
 
 
 @triton.jit
@@ -122,7 +131,7 @@ def dequant_iq(row_ptr, ks, mask, tab_ptr, QTYPE: tl.constexpr):
         blk = row_ptr + (ks // 32) * 17
         j = ks % 32
         q = (_load_u8(blk + 1 + j % 16, mask) >> ((j // 16) * 4)) & 0xF
-        w = _load_e8m0_half(blk, mask) * _level(tab_ptr, q, mask, MXFP4_VALUES)
+        w = _load_e8m0_half(blk, mask) * _e2m1_doubled(q)
     elif QTYPE == IQ4_XS:  # d | scales_h u16 | scales_l 4 | codes 128 (16 per 32 values)
         blk = row_ptr + (ks // 256) * 136
         i = ks % 256
