@@ -20,6 +20,7 @@ from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.layers import attention
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
 from stratad.store.loader import load_model
@@ -77,6 +78,20 @@ def test_gpt_oss(
     monkeypatch.setattr(offload_attention, "_ROWS", rows)
     assert fast_path_refusal(oss) is None
     assert_as_reference(oss, "cpu", 6, 1e-3, graphs=False, gpu_miss=gpu_miss)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sink_attention_is_the_references(dtype: torch.dtype, tol: float) -> None:
+    """The fused attention with the sink as one more key: the reference's product (a chunk of
+    5 queries after 7 cached keys, 4 query heads on 2 KV heads, sinks from -3 to 6)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 4, 16, generator=g).to(dtype)
+    k, v = (torch.randn(12, 2, 16, generator=g).to(dtype) for _ in "kv")
+    sinks = torch.tensor([-3.0, 0.5, 2.0, 6.0])
+    want = attention(q, k, v, 7, sinks)
+    got = offload_attention.sink_attention(q, k, v, 7, sinks)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:

@@ -15,8 +15,10 @@ queries, keys and values first, then the gates), times whose sigmoid the head's 
 into the output projection.
 
 gpt-oss's attention sinks and sliding-window layers are read by the same decode kernel (its
-`sinks` and `window`); a prefill chunk of such a layer attends in pieces of query rows in
-torch, the sink a column of each softmax.
+`sinks` and `window`); a prefill chunk of a sliding layer attends in pieces of query rows in
+torch (each reading its window of keys), the sink a column of each softmax; a chunk of a full
+layer attends through torch's fused attention, the sink riding as one more key
+(`sink_attention`).
 
 An int8 pool (`engine.kv_cache = "int8"`) holds int8 keys and values with a float32 scale per
 token and KV head (`kernels.formats.kv_int8`): the fused input kernel writes them, decode
@@ -180,8 +182,10 @@ class OffloadAttention:
             keys = fmt.dequantize(keys, scales[0]).to(q.dtype)
             values = fmt.dequantize(values, scales[1]).to(q.dtype)
         window = spec.window(i)
-        if w.sinks is not None or window:  # gpt-oss: in pieces of rows, each a softmax of its own
+        if window:  # gpt-oss's sliding layers: in pieces of rows, each reading its window
             return _attend_rows(q, keys, values, start, w.sinks, window)
+        if w.sinks is not None:  # its full layers: the sink as one more key of torch's SDPA
+            return sink_attention(q, keys, values, start, w.sinks)
         qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
@@ -250,6 +254,34 @@ def _attend_rows(
         outs.append(attention(q[r0:r1], keys[first : start + r1], values[first : start + r1],
                               start + r0 - first, sinks, window))  # fmt: skip
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, sinks: torch.Tensor
+) -> torch.Tensor:
+    """A prefill chunk's causal attention [T, Hq, D] for queries q [T, Hq, D] at positions
+    start.. over keys/values [start + T, Hkv, D], each head's sink logit (float32 [Hq]) joining
+    its softmax, through torch's fused attention: the sink is one more key whose score is the
+    sink for every query. The heads widen by two dims (the queries' 1s, the sink key's sink /
+    the scale split into a high part and the rest, so that half precision keeps it to 2^-16;
+    every other key's 0s), padded to a multiple of 8; the sink's value is zero."""
+    t, hq, d = q.shape
+    s, hkv = keys.shape[0], keys.shape[1]
+    wide, scale = -(-(d + 2) // 8) * 8, d**-0.5
+    qh = q.new_zeros(1, hq, t, wide)
+    qh[0, :, :, :d] = q.transpose(0, 1)
+    qh[0, :, :, d : d + 2] = 1.0
+    kh = keys.new_zeros(1, hq, s + 1, wide)
+    kh[0, :, :s, :d] = keys.transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    logit = sinks.float() / scale
+    high = logit.to(keys.dtype)
+    kh[0, :, s, d], kh[0, :, s, d + 1] = high, (logit - high.float()).to(keys.dtype)
+    vh = values.new_zeros(1, hq, s + 1, d)
+    vh[0, :, :s] = values.transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    seen = torch.ones(t, s + 1, dtype=torch.bool, device=q.device)
+    seen[:, :s] = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(start)  # causal
+    out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=seen, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _scales(pool: KVPool, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
