@@ -1,13 +1,13 @@
 """Gated DeltaNet linear attention in torch (`stratad.model.graph.deltanet`): the reference for one
 sequence's new tokens, continuing its recurrent state token by token, in float32 (the rule
-itself: `kernels.layers.delta_rule.gated_delta_rule_ref`)."""
+itself: `kernels.layers.delta_rule_ref`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as fn
 
-from kernels.layers.delta_rule import gated_delta_rule_ref
+from kernels.layers.delta_rule_ref import gated_delta_rule_ref
 from stratad.engine.recurrent import RecurrentState
 from stratad.model.graph.deltanet import GatedDeltaNet
 
