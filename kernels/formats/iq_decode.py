@@ -77,6 +77,7 @@ def _e2m1_doubled(q):
     """MXFP4's level (float32) of 4-bit E2M1 codes q, doubled as llama.cpp's kvalues_mxfp4:
     from the bits (exponent e = bits 1-2, mantissa m = bit 0, sign bit 3), 0, 1, 2, 3, 4, 6,
     8, 12 for codes 0..7 and their negatives for 8..15: no table load on the weights' path."""
+    q = q.to(tl.int32)  # (negated below: not in an unsigned type)
     e = (q >> 1) & 3
     m = q & 1
     mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
