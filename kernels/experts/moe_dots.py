@@ -200,14 +200,19 @@ def _q6_k_rows_dot(
 
 
 @triton.jit
+def _eight_blocks(w_ptr, rows, row_mask, ROW_BYTES):
+    """A row dot of eight 32-value blocks a step: (the blocks' index [1, 8, 1] and [1, 8], the
+    rows' mask [BN, 1, 1], their byte addresses [BN, 1, 1] and [BN, 1])."""
+    at = rows.to(tl.int64)
+    return (tl.arange(0, 8)[None, :, None], tl.arange(0, 8)[None, :], row_mask[:, None, None],
+            w_ptr + at[:, None, None] * ROW_BYTES, w_ptr + at[:, None] * ROW_BYTES)  # fmt: skip
+
+
+@triton.jit
 def _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
     """Q8_0 (34 bytes: d | 32 int8), eight blocks a step: [BN, 8, 32] quants, [BN, 8] scales."""
-    blk = tl.arange(0, 8)[None, :, None]
-    blk2 = tl.arange(0, 8)[None, :]
+    blk, blk2, mask3, row, row2 = _eight_blocks(w_ptr, rows, row_mask, ROW_BYTES)
     j = tl.arange(0, 32)[None, None, :]
-    mask3 = row_mask[:, None, None]
-    row = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES  # [BN, 1, 1]
-    row2 = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     nb = K // 32
     for b0 in range(0, nb, 8):
@@ -227,12 +232,8 @@ def _mxfp4_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.cons
     """MXFP4 (17 bytes: E8M0 e | 16 bytes of 4-bit E2M1 codes, value j low, j + 16 high),
     eight blocks a step: [BN, 8, 16] code bytes (each load serves two values), the levels from
     the codes' bits, one exponent per block applied to its dot."""
-    blk = tl.arange(0, 8)[None, :, None]
-    blk2 = tl.arange(0, 8)[None, :]
+    blk, blk2, mask3, row, row2 = _eight_blocks(w_ptr, rows, row_mask, ROW_BYTES)
     j = tl.arange(0, 16)[None, None, :]
-    mask3 = row_mask[:, None, None]
-    row = w_ptr + rows.to(tl.int64)[:, None, None] * ROW_BYTES  # [BN, 1, 1]
-    row2 = w_ptr + rows.to(tl.int64)[:, None] * ROW_BYTES  # [BN, 1]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     nb = K // 32
     for b0 in range(0, nb, 8):
