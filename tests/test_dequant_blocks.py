@@ -82,6 +82,14 @@ def test_random_blocks_gpu(qtype: QType) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the inf is meant
+def test_mxfp4_columns_past_a_whole_tile() -> None:
+    """MXFP4 decoded eight blocks a program: 10 blocks a row (gpt-oss's 2,880 columns are 90)
+    leave the second program two, the rest masked; bit for bit in bfloat16."""
+    raw = _random_blocks(QType.MXFP4, 2, 3, 320)
+    got = dequant_blocks(raw, QType.MXFP4, 3, 320, torch.bfloat16, BlocksConfig(block_r=2))
+    assert torch.equal(got, dequant_blocks_ref(raw, QType.MXFP4, 3, 320).to(torch.bfloat16))
+
+
 def test_mxfp4_every_exponent() -> None:
     """MXFP4 blocks with each of the 256 E8M0 exponents (0 and 1 scale by subnormals, the top
     ones overflow the larger levels to inf), bit for bit in float32."""

@@ -4,7 +4,7 @@ types the engine keeps as blocks (everything but Q4_0, which it keeps split:
 
 `sections` [n, bytes] holds one matrix [rows, cols] of GGUF blocks per row (which may be a
 column slice of a wider buffer, e.g. one projection of every expert blob); the result is
-[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0, IQ3_S and the low-bit
+[n, rows, cols] in float32, bfloat16 or float16. Q4_K, Q6_K, Q8_0, MXFP4, IQ3_S and the low-bit
 grid i-quants (IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S: `kernels.formats.iq_decode.grid_block`) are
 decoded a block at a time (each scale loaded once per sub-block, the tile stored in the
 blocks' own shape); the other types value by value by the GEMV kernel's tile decoder
@@ -27,11 +27,12 @@ import triton
 import triton.language as tl
 
 from kernels.formats import iq_tables
-from kernels.formats.byte_loads import _load_f16, _load_u8
+from kernels.formats.byte_loads import _load_e8m0_half, _load_f16, _load_u8
 from kernels.formats.dequant import DEQUANT_DTYPES, _to_bf16
 from kernels.formats.iq_decode import (
     GRID_BITS,
     GRID_QTYPES,
+    _e2m1_doubled,
     grid_block,
     grid_block_bytes,
     grid_width,
@@ -43,10 +44,11 @@ from kernels.layers.gemv import GEMV_QTYPES, _dequant_tile, _k_scale_min
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
+MXFP4: tl.constexpr = tl.constexpr(int(QType.MXFP4))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
 IQ3_S_GRID: tl.constexpr = tl.constexpr(iq_tables.IQ3_S_GRID)
 # the types decoded a block at a time, 256 columns per program
-TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.IQ3_S}) | GRID_QTYPES
+TILED = frozenset({QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ3_S}) | GRID_QTYPES
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,16 @@ def _blocks_kernel(
         q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
         w = q.to(tl.float32) * _load_f16(blk, mask)
         dst = out + r3.to(tl.int64) * cols + c0 + b * 32 + j
+    elif QTYPE == MXFP4:  # [BR, block 8, half 2, 16]: value 32 b + 16 h + j, one exponent a block
+        r4 = r[:, None, None, None]
+        b = tl.arange(0, 8)[None, :, None, None]
+        h = tl.arange(0, 2)[None, None, :, None]
+        j = tl.arange(0, 16)[None, None, None, :]
+        mask = (r4 < rows) & (c0 + b * 32 < cols)
+        blk = src + r4.to(tl.int64) * row_bytes + (c0 // 32 + b) * 17
+        q = (_load_u8(blk + 1 + j, mask) >> (4 * h)) & 0xF
+        w = _load_e8m0_half(blk, mask) * _e2m1_doubled(q)
+        dst = out + r4.to(tl.int64) * cols + c0 + 32 * b + 16 * h + j
     elif QTYPE == IQ3_S:  # [BR, block 8, grid point 8, 4]: one code and sign byte per point
         r4 = r[:, None, None, None]
         b = tl.arange(0, 8)[None, :, None, None]
