@@ -83,15 +83,17 @@ def test_gpt_oss(
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_sink_attention_is_the_references(dtype: torch.dtype, tol: float) -> None:
     """The fused attention with the sink as one more key: the reference's product (a chunk of
-    5 queries after 7 cached keys, 4 query heads on 2 KV heads, sinks from -3 to 6)."""
+    5 queries after 7 cached keys, 4 query heads on 2 KV heads, sinks from -3 to 6; all keys
+    seen, and a window of 3)."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(5, 4, 16, generator=g).to(dtype)
     k, v = (torch.randn(12, 2, 16, generator=g).to(dtype) for _ in "kv")
     sinks = torch.tensor([-3.0, 0.5, 2.0, 6.0])
-    want = attention(q, k, v, 7, sinks)
-    got = offload_attention.sink_attention(q, k, v, 7, sinks)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for window in (0, 3):
+        want = attention(q, k, v, 7, sinks, window)
+        got = offload_attention.sink_attention(q, k, v, 7, sinks, window)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:
