@@ -22,12 +22,11 @@ import torch
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
 from stratad.engine.kv_format import PLAIN
-from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.graph.mla import Mla
 from stratad.model.graph.routing import Sigmoid
-from stratad.model.spec import Model, ModelError
+from stratad.model.spec import Model
 from stratad.model.synthetic import writer as synth
 from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.store.loader import load_model
@@ -118,16 +117,6 @@ def test_older_files_hold_the_expansion_whole(tiny: Path, model: Model, tmp_path
 
 def _index(reader: GGUFReader, name: str) -> int:
     return next(i for i, t in enumerate(reader.tensors) if t.name == name)
-
-
-def test_the_gpu_engine_says_why_not(model: Model) -> None:
-    assert fast_path_refusal(model) == (
-        "it attends by multi-head latent attention (rank 32, 16 rotated dims), queries"
-        " through a rank-48 latent")
-    from stratad.engine.placement import choose_backend
-
-    with pytest.raises(ModelError, match="offload engine cannot run it: it attends by"):
-        choose_backend("offload", model, torch.device("cpu"))
 
 
 def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ def oss(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 
 @pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """tiny-deepseek with Q8_0 experts."""
+    return _retyped(tmp_path_factory, "tiny-deepseek", QType.Q8_0)
+
+
+@pytest.fixture(scope="module")
 def next80(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """tiny-qwen3-next with Q8_0 experts."""
     return _retyped(tmp_path_factory, "tiny-qwen3-next", QType.Q8_0)
@@ -105,6 +111,18 @@ def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:
     assert off.config.pcie_frac == 1.0
 
 
+def test_deepseek(deepseek: Model) -> None:
+    """DeepSeek's layout: multi-head latent attention (queries through their latent, keys and
+    values expanded from the kv latent, the shared rotated key, YaRN's score scale; values
+    widened to the keys' width in the cache and cut back after attention) in the decode kernel
+    and in prefill's chunks; the dense first layer, grouped sigmoid routing, the shared
+    expert."""
+    assert fast_path_refusal(deepseek) is None
+    off = assert_as_reference(deepseek, "cpu", 6, 1e-3, graphs=False)
+    pool = off.new_pool(64)
+    assert pool.v[1].shape[-1] == pool.k[1].shape[-1] == deepseek.spec.head_dim
+
+
 def test_qwen3_next(next80: Model) -> None:
     """Qwen3-Next's layout: Gated DeltaNet layers (the in-projection as one product, the
     convolution, the delta rule's kernel continuing each sequence's state over a staged chunk,
@@ -138,7 +156,7 @@ def test_qwen3_next_with_a_resident_window(next80: Model) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("arch", ["glm", "oss", "next80"])
+@pytest.mark.parametrize("arch", ["glm", "oss", "next80", "deepseek"])
 def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue(arch)
     assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)

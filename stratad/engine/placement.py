@@ -242,6 +242,7 @@ def start_plan(
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
     stages, found, kv_host, kv_label = [], None, 0, "KV caches (server.parallel)"
     if backend == "offload":
+        from stratad.engine.offload.config import pool_spec
         from stratad.engine.offload.experts import blob_layouts
         from stratad.engine.offload.kernel_table import model_shapes, tuned
         from stratad.engine.offload.switches import miss_paths
@@ -251,7 +252,7 @@ def start_plan(
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         known = [f for f in frees if f is not None]
-        per_token = kv_token_bytes(spec, dtype, FORMATS[config.engine.kv_cache])
+        per_token = kv_token_bytes(pool_spec(spec), dtype, FORMATS[config.engine.kv_cache])
         window = kv_window(config.engine.kv_resident, max_context)
         # what a request holds in VRAM: its whole context, or its resident window
         parallel = parallel_for(config.server.parallel, (window or max_context) * per_token,

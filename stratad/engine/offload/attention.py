@@ -69,6 +69,7 @@ class OffloadAttention:
         self.fused_input = (
             device.type != "cpu" and spec.qk_norm in ("head", "none")
             and self.cos.shape[1] * 2 == d and d & (d - 1) == 0 and config.kv_format != Q4
+            and spec.mla is None
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
         # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
@@ -117,7 +118,9 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        out = out.reshape(h.shape[0], spec.q_dim)
+        if spec.mla is not None:  # each value head's own width (widened with zeros for the cache)
+            out = out[..., : spec.value_dim]
+        out = out.reshape(h.shape[0], -1)
         if gates is not None:
             out = out * torch.sigmoid(gates)
         return self.linear(out, w.o, w.o_bias, w.o_gguf)
@@ -195,7 +198,10 @@ class OffloadAttention:
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated at positions pos [T] by the tables: its first 2 * half dims
-        (all of them, or GLM-4.5's partial RoPE), the rest as they are."""
+        (all of them, or GLM-4.5's partial RoPE), the rest as they are (on a CPU in torch)."""
+        if self.device.type == "cpu":
+            cos, sin = self.cos[pos], self.sin[pos]
+            return apply_rope(x, cos, sin, self.spec.rope_interleaved)
         r = 2 * self.cos.shape[1]
         if r == x.shape[-1]:
             return rope_table(x, pos, self.cos, self.sin, self.style)
@@ -206,22 +212,7 @@ class OffloadAttention:
         self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """Rotated q [T, Hq, D]; k and v written into the cache's rows at pos (op by op)."""
-        spec, t = self.spec, qkv.shape[0]
-        q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
-        norm = self.norm
-        if spec.qk_norm == "full":
-            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        q = q.reshape(t, spec.n_heads, spec.head_dim)
-        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
-        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
-        if spec.qk_norm == "head":
-            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
-        if self.device.type != "cpu":  # one kernel each, reading the tables by position
-            q, k = self._rotate(q, pos), self._rotate(k, pos)
-        else:
-            cos, sin = self.cos[pos], self.sin[pos]
-            q = apply_rope(q, cos, sin, spec.rope_interleaved)
-            k = apply_rope(k, cos, sin, spec.rope_interleaved)
+        q, k, v = self._latent(w, qkv, pos) if w.mla is not None else self._heads(w, qkv, pos)
         bs, pool = cache.block_size, cache.pool
         rows = cache.table(pos.device).long()[pos // bs] * bs + pos % bs
         if pool.quantized:  # int8 and a scale per token and KV head, or 4-bit
@@ -233,6 +224,48 @@ class OffloadAttention:
         cache.k[i].index_copy_(0, rows, k)
         cache.v[i].index_copy_(0, rows, v)
         return q
+
+    def _latent(
+        self, w: DenseLayer, qkv: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-head latent attention's rotated q, its k and its v [T, H, D] (each value
+        head widened with zeros to the key's D: the decode kernel reads heads of one width)
+        from qkv [T, q's input + kv_a] (`stratad.model.graph.mla`, as the reference's
+        `_latent_qkv`)."""
+        spec, m, t = self.spec, w.mla, qkv.shape[0]
+        assert m is not None and spec.mla is not None
+        heads, d, rot, eps = spec.n_heads, spec.head_dim, spec.mla.rope_dim, spec.rms_eps
+        nope, vd = d - rot, spec.value_dim
+        q_in, kv_a = qkv.split([m.q_in, qkv.shape[1] - m.q_in], dim=-1)
+        if m.q_b is not None and m.q_a_norm is not None:
+            q_in = self.linear(self.norm(q_in.contiguous(), m.q_a_norm, eps), m.q_b, None, None)
+        q = q_in.reshape(t, heads, d)
+        latent, k_rot = kv_a.split([spec.mla.kv_lora_rank, rot], dim=-1)
+        kv = self.linear(self.norm(latent.contiguous(), m.kv_a_norm, eps), m.kv_b, None, None)
+        k_nope, v = kv.view(t, heads, nope + vd).split([nope, vd], dim=-1)
+        q_rot = self._rotate(q[..., nope:].contiguous(), pos)
+        k_rot = self._rotate(k_rot.reshape(t, 1, rot).contiguous(), pos)
+        q = torch.cat((q[..., :nope], q_rot), dim=-1)
+        if spec.attn_scale != 1.0:
+            q = q * spec.attn_scale
+        k = torch.cat((k_nope, k_rot.expand(t, heads, rot)), dim=-1)
+        return q, k, fn.pad(v, (0, d - vd))
+
+    def _heads(
+        self, w: DenseLayer, qkv: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rotated q [T, Hq, D], k and v [T, Hkv, D] of qkv [T, q + k + v] (its norms)."""
+        spec, t = self.spec, qkv.shape[0]
+        q, k, v = qkv.split([spec.q_dim, spec.kv_dim, spec.kv_dim], dim=-1)
+        norm = self.norm
+        if spec.qk_norm == "full":
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        q = q.reshape(t, spec.n_heads, spec.head_dim)
+        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
+        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
+        return self._rotate(q, pos), self._rotate(k, pos), v
 
 
 # query rows per piece of a sliding layer's prefill chunk: each piece reads its rows' window

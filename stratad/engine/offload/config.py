@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -77,6 +77,12 @@ class OffloadConfig:
 GPU_MISS_PATHS = ("copy", "in_place")
 
 
+def pool_spec(spec: ModelSpec) -> ModelSpec:
+    """The geometry the offload engine's KV pool holds: latent attention's value heads widened
+    to its keys' (the decode kernel reads heads of one width), else the spec's."""
+    return replace(spec, v_head_dim=0) if spec.mla is not None else spec
+
+
 def kv_pool(
     spec: ModelSpec, tokens: int, devices: Sequence[torch.device], config: OffloadConfig
 ) -> KVPool:
@@ -85,5 +91,5 @@ def kv_pool(
     (`kv.resident_split`), the rest in page-locked RAM."""
     first, host = resident_split(tokens, config.max_context, config.kv_resident,
                                  config.prefill_chunk)  # fmt: skip
-    return KVPool.allocate(spec, first, devices, config.dtype, fmt=config.kv_format,
+    return KVPool.allocate(pool_spec(spec), first, devices, config.dtype, fmt=config.kv_format,
                            window=config.kv_resident, host_tokens=host)  # fmt: skip

@@ -14,7 +14,7 @@ from kernels.formats.quant import QTensor, QType
 from kernels.layers.qlinear import QLinearConfig, qlinear
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
-from stratad.model.weights import DeltaNetWeights, MoEWeights
+from stratad.model.weights import DeltaNetWeights, MlaWeights, MoEWeights
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,18 @@ class DeltaNetLayer:
     norm: torch.Tensor  # [Dv]
 
 
+@dataclass(frozen=True)
+class MlaLayer:
+    """Multi-head latent attention's weights past its first products (`stratad.model.graph.mla`;
+    the layer's `qkv` is q's input projection, q_a or q itself, then kv_a)."""
+
+    q_in: int  # rows of qkv that are q's (q_lora_rank, or every head's query)
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [n_heads * (D - rope_dim + value_dim), kv_lora_rank]
+    q_a_norm: torch.Tensor | None = None  # with q_b: queries through a latent
+    q_b: torch.Tensor | None = None  # [n_heads * D, q_lora_rank]
+
+
 @dataclass
 class DenseLayer:
     attn_norm: torch.Tensor
@@ -82,6 +94,8 @@ class DenseLayer:
     ffn: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # a linear-attention layer's (Qwen3-Next's): then qkv is its in-projection, o its out
     deltanet: DeltaNetLayer | None = None
+    # multi-head latent attention's (DeepSeek's): then qkv is q's input and kv_a
+    mla: MlaLayer | None = None
 
 
 def dense_layers(
@@ -112,6 +126,15 @@ def dense_layers(
                 router=None, shared=None, shared_gate=None,
                 deltanet=DeltaNetLayer(*(t.dequantize().float().to(device)
                                          for t in (a.conv, a.dt_bias, a.a, a.norm))),
+            )  # fmt: skip
+        elif isinstance(a, MlaWeights):
+            q_in = a.q_a if a.q_a is not None else a.q
+            layer = DenseLayer(
+                attn_norm=f(w.attn_norm), qkv=torch.cat([f(q_in), f(a.kv_a)]), qkv_bias=None,
+                q_norm=None, k_norm=None, o=f(a.o), ffn_norm=f(w.ffn_norm), router=None,
+                shared=None, shared_gate=None,
+                mla=MlaLayer(q_in.shape[0], f(a.kv_a_norm), f(a.kv_b), opt(a.q_a_norm),
+                             f(a.q) if a.q_a is not None else None),
             )  # fmt: skip
         else:
             a = w.gqa

@@ -183,9 +183,6 @@ def fast_path_refusal(model: Model) -> str | None:
     """Why the fused kernels cannot read this model's experts (None: they can)."""
     if not model.spec.is_moe:
         return "not a mixture-of-experts model"
-    spec = model.spec
-    if spec.mla is not None:  # its attention reads keys and values of one head size
-        return f"it attends by {spec.mla.describe()}"
     first = model.spec.dense_layers
     for row, lay in enumerate(blob_layouts(model).layers):
         for (_, _, rows, cols), qtype in zip(lay.spans(), lay.qtypes, strict=True):
