@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernels.formats.quant import QType
+from stratad.engine.batch import decode_inputs
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
@@ -130,10 +131,45 @@ def test_qwen3_next(next80: Model) -> None:
     a quarter of each head, the shared expert behind its sigmoid gate."""
     assert fast_path_refusal(next80) is None
     off = assert_as_reference(next80, "cpu", 6, 1e-3, gpu_miss="copy", prefetch=True)
-    assert off.row_tokens == 1 and not off.replays_decode  # the states are per sequence
+    assert off.row_tokens == 1  # a sequence's state is one row's
     with pytest.raises(ModelError, match="recurrent model's layers run on one GPU"):
         OffloadForward(next80, torch.device("cpu"), tiny_offload(next80, "cpu").config,
                        layers=range(2))  # a pipeline stage  # fmt: skip
+
+
+def test_qwen3_next_states_are_each_caches_own(next80: Model) -> None:
+    """What a captured decode step needs of the recurrent states, on the CPU: a step padded
+    as a graph pads it (the cache's row twice: the second leaves the state alone), after a
+    capture's warm-up steps (`preserved` puts the states back), gives the reference's logits
+    and leaves the state one token on; a new sequence on the cache reuses its state tensors,
+    zeroed."""
+    ref, off = ReferenceForward(next80), tiny_offload(next80, "cpu")
+    cache, prompt = off.new_cache(128), PROMPT[:20]
+    token = int(off(prompt, cache)[-1].argmax())
+    held = cache.recurrent
+    assert held is not None
+    own = [id(t) for t in (*held.conv.values(), *held.state.values())]
+    padded, net = decode_inputs([token] * 2, [20, 20], off.device), off.deltanet
+    assert net is not None
+    with torch.inference_mode():  # as `decode` runs a replay: the states taken off around it
+        net.begin([cache])
+        cache.reserve(21)
+        with net.preserved():  # a capture's two warm-up steps
+            for _ in range(2):
+                off._decode_pass(*padded, [cache] * 2)
+        logits, _ = off._decode_pass(*padded, [cache] * 2)
+        net.finish([cache], [1])
+    cache.length, cache.tokens = 21, [*cache.tokens, token]
+    want = ref(prompt + [token], ref.new_cache(64), all_logits=True)
+    assert (logits[0] - want[-1]).abs().max() < 1e-3
+    nxt = int(want[-1].argmax())
+    after = ref(prompt + [token, nxt], ref.new_cache(64))[-1]
+    assert (off([nxt], cache)[-1] - after).abs().max() < 1e-3
+    cache.release()
+    other = PROMPT[30:45]
+    assert (off(other, cache)[-1] - ref(other, ref.new_cache(64))[-1]).abs().max() < 1e-3
+    assert cache.recurrent is held and own == [id(t) for t in (*held.conv.values(),
+                                                                *held.state.values())]  # fmt: skip
 
 
 def test_qwen3_next_with_a_resident_window(next80: Model) -> None:

@@ -12,6 +12,8 @@ which writes the same key and value to the same place and whose outputs are drop
 prompts of every short length share a dozen captures. Caches of several pools (or a pass
 that writes a cache through its own table) are captured per set of caches, as the graph then
 holds their tables. The last few captures are kept (each holds its own intermediate buffers).
+A recurrent model's states change with every step, not only at the step's own positions: a
+capture's warm-up steps run inside the engine's `preserve` block, which puts them back.
 
 A capture that fails runs that step eagerly instead, with one WARNING: a request never fails
 for a graph. The same key is not captured again.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +60,16 @@ class _Capture:
 
 class DecodeGraph:
     def __init__(
-        self, step: Step, device: torch.device, by_table: Callable[[Sequence[KVCache]], bool]
-    ) -> None:
+        self, step: Step, device: torch.device, by_table: Callable[[Sequence[KVCache]], bool],
+        preserve: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:  # fmt: skip
         """`step(tokens, positions, caches, tables)` -> (logits [B, V], ids): the eager pass
         the graph records. `by_table(caches)`: whether, given their block tables, the pass
         reads and writes those caches through them only (a capture then serves any caches of
-        its size and pool)."""
-        self.step, self.device, self.by_table = step, device, by_table
+        its size and pool). `preserve()`: a block around a capture's warm-up steps that puts
+        back what they change beyond rewriting the step's own keys and values (a recurrent
+        model's states)."""
+        self.step, self.device, self.by_table, self.preserve = step, device, by_table, preserve
         self._captures: OrderedDict[Hashable, _Capture] = OrderedDict()
         self._failed: set[Hashable] = set()  # keys whose capture failed: run eagerly
         self.captured = 0  # captures made so far
@@ -176,14 +182,15 @@ class DecodeGraph:
         pos = torch.tensor(at, dtype=torch.long, device=device)
         tables = block_tables(caches, pos.device) if by_size else None
         stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
-            for _ in range(2):
-                self.step(tok, pos, caches, tables)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits, ids = self.step(tok, pos, caches, tables)
+        with self.preserve():  # (its copies queued before the warm-up's stream waits)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
+                for _ in range(2):
+                    self.step(tok, pos, caches, tables)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits, ids = self.step(tok, pos, caches, tables)
         self.captured += 1
         held = () if by_size else caches  # a per-size capture holds no cache alive
         return _Capture(held, caches[0].pool, graph, tok, pos, tables, logits, ids)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -161,7 +162,8 @@ class OffloadForward:
         self._init_fetch()
         self.attention = OffloadAttention(spec, device, config, self.linear, self.norm_fn)
         self.deltanet = (  # Qwen3-Next's linear-attention layers
-            OffloadDeltaNet(spec.deltanet, spec.rms_eps, self.linear, self.norm_fn)
+            OffloadDeltaNet(spec.deltanet, [i for i in self.layer_ids if spec.linear_layer(i)],
+                            spec.rms_eps, self.linear, self.norm_fn, device)
             if spec.deltanet is not None else None
         )  # fmt: skip
         self.timer = StageTimer(enabled=False)
@@ -176,9 +178,12 @@ class OffloadForward:
                                        spec.n_experts_used, config.kernels.prefetch,
                                        self._host_span, guess)  # fmt: skip
         # with the fused input kernel a batched step reads and writes every cache through the
-        # block tables: one capture per batch size serves every set of caches of the pool
-        by_table = self.attention.batched if self.attention.fused_input else lambda _: False
-        self.graph = DecodeGraph(self._decode_pass, device, by_table)
+        # block tables: one capture per batch size serves every set of caches of the pool (not
+        # a recurrent model's: its states are each cache's own, captured per set of caches)
+        tabled = self.attention.fused_input and self.deltanet is None
+        by_table = self.attention.batched if tabled else lambda _: False
+        preserve = self.deltanet.preserved if self.deltanet is not None else nullcontext
+        self.graph = DecodeGraph(self._decode_pass, device, by_table, preserve)
         self.split = SplitStep(self._split_parts(), device, config.graphs)
 
     # -- placement -----------------------------------------------------------------------
@@ -349,7 +354,7 @@ class OffloadForward:
         with stage("attention"):
             x, h = self._add_norm(x, parts, w.attn_norm)
             if w.deltanet is not None and self.deltanet is not None:
-                attn = self.deltanet(w, i, h, step)
+                attn = self.deltanet(w, i, h, step, caches)
             else:
                 attn = self.attention(w, i, h, pos, caches, step)
         return self._add_norm(x, attn[:, None], w.ffn_norm)
@@ -442,9 +447,22 @@ class OffloadForward:
     ) -> torch.Tensor:
         """Hidden states [T, H] of a pass after this engine's layers (see `batch.Layers`)."""
         device = self.device
-        x = self.embed[to_device(tokens, torch.long, device)]
-        x, _ = self.run_layers(x, to_device(pos, torch.long, device), caches, step)
+        with self._recurrent(caches, [r.stop - r.start for r in step.rows()]):
+            x = self.embed[to_device(tokens, torch.long, device)]
+            x, _ = self.run_layers(x, to_device(pos, torch.long, device), caches, step)
         return x
+
+    @contextmanager
+    def _recurrent(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> Iterator[None]:
+        """A pass over `caches` (their `tokens` new ones each): a recurrent model's states
+        taken off them for it and given back after it (`linear_attention`), outside any
+        captured step; a pass that raises leaves them off."""
+        if self.deltanet is None:
+            yield
+            return
+        self.deltanet.begin(caches)
+        yield
+        self.deltanet.finish(caches, tokens)
 
     def _decode_pass(
         self,
@@ -474,8 +492,6 @@ class OffloadForward:
             self.staging.begin(self.rows.start)
         if step.decode:
             self.attention.begin_decode(pos, caches, kv_tables)
-        if self.deltanet is not None:
-            self.deltanet.begin(caches)
         parts = None
         for i in self.layer_ids:
             nxt = i + 1 - self.first_moe  # the next layer's row, staged while this one runs
@@ -485,8 +501,6 @@ class OffloadForward:
             if ids is not None:
                 all_ids.append(ids)
         self.prefetch.finish()
-        if self.deltanet is not None:
-            self.deltanet.finish(caches, step)
         assert parts is not None
         x = add_parts(x, parts)  # the last layer's experts
         return x, torch.stack(all_ids)
@@ -517,6 +531,8 @@ class OffloadForward:
         graphs."""
         if not (self._graphs and self.config.pcie_frac == 1.0 and not self.experts.reads_file):
             return
+        if self.deltanet is not None:  # captured per set of caches, as each is first stepped
+            return
         t = time.perf_counter()
         n = self.graph.prepare(cache)
         log.info("decode graphs: every row count captured (%s rows; %d new in %.1f s)",
@@ -524,9 +540,9 @@ class OffloadForward:
 
     @property
     def _graphs(self) -> bool:
-        """Whether decode steps are captured (not for recurrent states: they are kept per
-        sequence, not in the tables a captured step reads)."""
-        return self.config.graphs and self.device.type == "cuda" and self.deltanet is None
+        """Whether decode steps are captured (a recurrent model's too: its states are each
+        cache's own tensors, captured per set of caches)."""
+        return self.config.graphs and self.device.type == "cuda"
 
     @property
     def replays_decode(self) -> bool:
@@ -542,13 +558,14 @@ class OffloadForward:
         graph = self.config.pcie_frac == 1.0 and not self.experts.reads_file
         # a CPU share of the misses: the step in pieces, the host's turn between them
         split = self.config.pcie_frac < 1.0 and not self.experts.reads_file
-        if split and Decode(len(caches)).fused:
-            ids_of = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-            logits, ids = self.split(ids_of, pos, caches)
-        elif self._graphs and graph:
-            logits, ids = self.graph.replay(tokens, pos, caches)
-        else:
-            logits, ids = self._decode_pass(*decode_inputs(tokens, pos, self.device), caches)
+        with self._recurrent(caches, [1] * len(caches)):
+            if split and Decode(len(caches)).fused:
+                ids_of = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+                logits, ids = self.split(ids_of, pos, caches)
+            elif self._graphs and graph:
+                logits, ids = self.graph.replay(tokens, pos, caches)
+            else:
+                logits, ids = self._decode_pass(*decode_inputs(tokens, pos, self.device), caches)
         self.experts.step(ids)
         return logits
 

@@ -4,16 +4,23 @@ gates' logits ba as one product, the causal convolution, the gated delta rule in
 per sequence (`kernels.layers.delta_rule`, its state in place), the per-head norm times
 silu(z), and the projection back.
 
-Each sequence's recurrent state (`stratad.engine.recurrent`) rides on its cache. A pass takes
+Each sequence's recurrent state (`stratad.engine.recurrent`) rides on its cache. Its tensors
+are the cache's for good (`held`: kept here per cache, zeroed for a new sequence, updated in
+place), so a decode step captured as a CUDA graph replays on the same memory. A pass takes
 every cache's state off it at `begin` and gives it back, standing for the pass's tokens too,
 at `finish`: a pass that fails midway leaves its caches with none, so the next pass over them
-fails as stale instead of continuing a half-updated state. The states are one row per
-sequence: a pass never holds two rows of one sequence (`OffloadForward.row_tokens` is 1).
+fails as stale instead of continuing a half-updated state. A pass holds one row (or span) per
+sequence (`OffloadForward.row_tokens` is 1); a row that repeats an earlier row's cache is a
+captured step's padding (`decode_graph`: a copy of the last row): it gets that row's output
+(so its keys and values, written to the same place, are the same) and leaves the state alone.
+A capture's warm-up steps run eagerly: `preserved` puts the states back after them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as fn
@@ -32,42 +39,92 @@ Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 class OffloadDeltaNet:
     def __init__(
-        self, net: GatedDeltaNet, eps: float, linear: Linear, norm: Norm,
-        config: DeltaRuleConfig | None = None,
+        self, net: GatedDeltaNet, layers: Sequence[int], eps: float, linear: Linear,
+        norm: Norm, device: torch.device, config: DeltaRuleConfig | None = None,
     ) -> None:  # fmt: skip
-        """`linear(x, weight)` and `norm(x, weight, eps)`: the engine's projections (GEMV for
-        a few tokens) and RMS norm."""
-        self.net, self.eps, self.linear, self.norm = net, eps, linear, norm
+        """`layers`: the model's linear-attention layers; `linear(x, weight)` and `norm(x,
+        weight, eps)`: the engine's projections (GEMV for a few tokens) and RMS norm."""
+        self.net, self.layers, self.eps, self.device = net, tuple(layers), eps, device
+        self.linear, self.norm = linear, norm
         self.config = config or DeltaRuleConfig()
-        self.held: list[RecurrentState] = []  # each sequence's state during a pass
+        # each cache's state tensors, for good (a captured step holds their addresses)
+        self._own: weakref.WeakKeyDictionary[KVCache, RecurrentState] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.held: dict[int, RecurrentState] = {}  # id(cache) -> its state, during a pass
 
     def begin(self, caches: Sequence[KVCache]) -> None:
         """A pass over `caches` (one row or span each, in order): their states, taken off."""
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a pass of a recurrent model takes one row or span per sequence")
-        self.held = [state_for(c.recurrent, c.length) for c in caches]
+        self.held = {id(c): self._state(c) for c in caches}
         for c in caches:
             c.recurrent = None
 
-    def finish(self, caches: Sequence[KVCache], step: Pass) -> None:
-        """The pass is done: each cache's state back on it, standing for its new tokens too
-        (before the caller counts them into the cache's length)."""
-        for c, held, rows in zip(caches, self.held, step.rows(), strict=True):
-            held.length = c.length + rows.stop - rows.start
+    def finish(self, caches: Sequence[KVCache], tokens: Sequence[int]) -> None:
+        """The pass is done: each cache's state back on it, standing for its `tokens` new
+        ones too (before the caller counts them into the cache's length)."""
+        for c, n in zip(caches, tokens, strict=True):
+            held = self.held[id(c)]
+            held.length = c.length + n
             c.recurrent = held
-        self.held = []
+        self.held = {}
 
-    def __call__(self, w: DenseLayer, i: int, h: torch.Tensor, step: Pass) -> torch.Tensor:
+    @contextmanager
+    def preserved(self) -> Iterator[None]:
+        """The held states as they are now, put back when the block ends (a capture's warm-up
+        steps run the pass eagerly)."""
+        saved = [(t, t.clone()) for s in self.held.values()
+                 for t in (*s.conv.values(), *s.state.values())]  # fmt: skip
+        try:
+            yield
+        finally:
+            for t, was in saved:
+                t.copy_(was)
+
+    def _state(self, cache: KVCache) -> RecurrentState:
+        """The state a pass over `cache` continues: its own tensors, zeroed for a new
+        sequence; the one its cache holds (`state_for`: none is stale) past its start."""
+        own = self._own.get(cache)
+        if cache.length:
+            held = state_for(cache.recurrent, cache.length)
+            if own is None:  # (computed elsewhere: its tensors become this cache's own)
+                own = self._own[cache] = held
+            elif held is not own:
+                for mine, theirs in ((own.conv, held.conv), (own.state, held.state)):
+                    for i, t in theirs.items():
+                        mine[i].copy_(t)
+                own.length = held.length
+            return own
+        if own is None:
+            net = self.net
+            own = self._own[cache] = RecurrentState()
+            for i in self.layers:
+                own.conv[i] = torch.zeros(net.conv_dim, net.conv_kernel - 1, device=self.device)
+                own.state[i] = torch.zeros(net.v_heads, net.k_dim, net.v_dim,
+                                           device=self.device)  # fmt: skip
+        for t in (*own.conv.values(), *own.state.values()):
+            t.zero_()
+        own.length = 0
+        return own
+
+    def __call__(
+        self, w: DenseLayer, i: int, h: torch.Tensor, step: Pass, caches: Sequence[KVCache]
+    ) -> torch.Tensor:
         """Layer i's output [T, H] for its normed input h [T, H], each sequence's rows
-        continuing its state."""
+        continuing its state (a row repeating an earlier row's cache: padding, its output)."""
         net, dn = self.net, w.deltanet
         assert dn is not None, f"layer {i} is not a linear-attention layer"
         t = h.shape[0]
         mixed, z, ba = self.linear(h, w.qkv).split(
             [net.conv_dim, net.value_dim, 2 * net.v_heads], dim=-1
         )
-        outs = [self._rule(dn, i, mixed[rows], ba[rows], held)
-                for rows, held in zip(step.rows(), self.held, strict=True)]  # fmt: skip
+        outs: list[torch.Tensor] = []
+        done: dict[int, torch.Tensor] = {}  # id(cache) -> its row's output
+        for rows, cache in zip(step.rows(), caches, strict=True):
+            if id(cache) not in done:
+                done[id(cache)] = self._rule(dn, i, mixed[rows], ba[rows], self.held[id(cache)])
+            outs.append(done[id(cache)])  # (padding repeats its row: the same output)
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hv, Dv] float32
         o = self.norm(o, dn.norm, self.eps) * fn.silu(z.float().view(t, net.v_heads, net.v_dim))
         return self.linear(o.reshape(t, net.value_dim).to(h.dtype), w.o)
@@ -77,16 +134,12 @@ class OffloadDeltaNet:
         held: RecurrentState,
     ) -> torch.Tensor:  # fmt: skip
         """One sequence's rows: the convolution after its held inputs, then the rule from its
-        state (updated in place): [T, Hv, Dv] float32."""
+        state, both updated in place: [T, Hv, Dv] float32."""
         net, t = self.net, mixed.shape[0]
-        out, held.conv[i] = causal_conv(mixed.float(), dn.conv, held.conv.get(i))
+        out, last = causal_conv(mixed.float(), dn.conv, held.conv[i])
+        held.conv[i].copy_(last)
         q, k, v = out.split([net.key_dim, net.key_dim, net.value_dim], dim=-1)
-        state = held.state.get(i)
-        if state is None:
-            state = held.state[i] = mixed.new_zeros(
-                (net.v_heads, net.k_dim, net.v_dim), dtype=torch.float32
-            )
         return gated_delta_rule(
             q.view(t, net.k_heads, net.k_dim), k.view(t, net.k_heads, net.k_dim),
-            v.view(t, net.v_heads, net.v_dim), ba, dn.dt_bias, dn.a, state, self.config,
+            v.view(t, net.v_heads, net.v_dim), ba, dn.dt_bias, dn.a, held.state[i], self.config,
         )  # fmt: skip
