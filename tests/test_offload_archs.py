@@ -194,5 +194,10 @@ def test_qwen3_next_with_a_resident_window(next80: Model) -> None:
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("arch", ["glm", "oss", "next80", "deepseek"])
 def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> None:
+    """Each layout on a GPU against the reference, decode steps captured or eager (Qwen3-Next's
+    captured steps asked for: `OffloadConfig.recurrent_graphs`, off by default until this has
+    passed on a GPU)."""
     model = request.getfixturevalue(arch)
-    assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
+    off = assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True,
+                              recurrent_graphs=graphs)  # fmt: skip
+    assert off.replays_decode == graphs
