@@ -103,6 +103,16 @@ def test_sink_attention_is_the_references(dtype: torch.dtype, tol: float) -> Non
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_every_expert_resident_stages_by_one_gather(oss: Model) -> None:
+    """Every expert in a VRAM slot: a prefill chunk stages each layer's blobs by one gather
+    from the slots; the reference's tokens."""
+    want = greedy(ReferenceForward(oss), PROMPT, 3)
+    cfg = replace(tiny_offload(oss, "cpu").config, expert_vram_bytes=1 << 30)
+    off = OffloadForward(oss, torch.device("cpu"), cfg)
+    assert all(len(s) == oss.spec.n_experts for s in off.experts.slot_of)
+    assert greedy(off, PROMPT, 3) == want
+
+
 def test_gpt_oss_keeps_the_cpu_share_off(oss: Model) -> None:
     """The CPU's share of the misses computes plain experts: asked for, refused, said why."""
     with pytest.raises(ModelError, match="clamped SwiGLU.*pcie_frac at 1"):

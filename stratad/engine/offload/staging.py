@@ -3,12 +3,12 @@ current layer computes.
 
 A prefill chunk of more than a few tokens routes to nearly every expert, so each layer's blobs
 (from their VRAM slot, or page-locked RAM) are copied whole into one of two staging buffers on
-a side stream; the layer waits for its buffer, dequantizes it to the compute dtype and frees it
-for the layer after next, and `moe` runs the chunk through them as grouped GEMMs. On a GPU
-the dequantization is one Triton launch per projection: split Q4_0 (`kernels.formats.dequant`) into
-three output buffers reused by every layer (the layer's grouped GEMMs read them on the same
-stream before the next layer's launches overwrite them), the other types
-(`kernels.formats.dequant_blocks`) into fresh ones.
+a side stream (a layer whose experts are all in slots in one gather); the layer waits for its
+buffer, dequantizes it to the compute dtype and frees it for the layer after next, and `moe`
+runs the chunk through them as grouped GEMMs. On a GPU the dequantization is one Triton launch
+per projection: split Q4_0 (`kernels.formats.dequant`) into three output buffers reused by
+every layer (the layer's grouped GEMMs read them on the same stream before the next layer's
+launches overwrite them), the other types (`kernels.formats.dequant_blocks`) into fresh ones.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kernels.formats.dequant_blocks import dequant_blocks
 from kernels.formats.quant import QType
 from stratad.engine.offload.experts import ExpertLayouts, dequant_blobs
 from stratad.engine.offload.grouped import grouped_glu
+from stratad.host_copy import to_device
 from stratad.model.graph.activation import SILU, Activation
 from stratad.store.tiers.address_table import AddressTable
 
@@ -85,16 +86,16 @@ class ExpertStaging:
             else host.blob(layer, x)
             for x in range(len(buf))
         ]  # fmt: skip
+        # every expert in a VRAM slot (all resident): one gather, not a copy per blob
+        gathered = len(slot_of) == len(buf)
         if e.side is None:
-            for dst, src in zip(buf, sources, strict=True):
-                dst[: src.numel()].copy_(src)
+            _stage(buf, sources, e.slots, slot_of, gathered)
             self._ready[layer] = None
             return
         with torch.cuda.stream(e.side):
             if after is not None:
                 e.side.wait_event(after)
-            for dst, src in zip(buf, sources, strict=True):
-                dst[: src.numel()].copy_(src, non_blocking=True)
+            _stage(buf, sources, e.slots, slot_of, gathered)
             done = torch.cuda.Event()
             done.record()
         self._ready[layer] = done
@@ -175,3 +176,17 @@ class ExpertStaging:
         out = torch.zeros((t, self.layouts.hidden), dtype=torch.float32, device=e.device)
         out.index_add_(0, tokens, scaled)
         return out.to(self.dtype)
+
+
+def _stage(
+    buf: torch.Tensor, sources: list[torch.Tensor], slots: torch.Tensor,
+    slot_of: dict[int, int], gathered: bool,
+) -> None:  # fmt: skip
+    """A layer's blobs into its staging buffer [E, slot bytes], on the current stream: with
+    every expert in a slot (`gathered`) one gather from the slots, else a copy per blob."""
+    if gathered:
+        ids = to_device([slot_of[x] for x in range(len(buf))], torch.long, buf.device)
+        torch.index_select(slots, 0, ids, out=buf)
+        return
+    for dst, src in zip(buf, sources, strict=True):
+        dst[: src.numel()].copy_(src, non_blocking=True)
