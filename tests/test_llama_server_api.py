@@ -156,6 +156,20 @@ def test_samplers_strata_lacks_are_refused_unless_neutral(http: httpx.Client) ->
     assert _complete(http, prompt="Hi", n_predict=1, **neutral)["tokens_predicted"] == 1
 
 
+def _probe_while_running(http: httpx.Client, ask: dict[str, Any]) -> httpx.Response | None:
+    """`ask` streamed and, at its first token, /slots read, then /slots?fail_on_no_slot=1:
+    the first while the request ran (it answered 503), else None: the request had ended by
+    then (3,000 tokens of tiny-moe take a second or two, and a client starved on a loaded
+    machine has once read the first line and asked after the last). Leaving the stream
+    cancels the rest."""
+    with http.stream("POST", "/completion", json=ask) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        busy = http.get("/slots")
+        if http.get("/slots?fail_on_no_slot=1").status_code == 503:
+            return busy
+    return None
+
+
 def test_props_and_slots(http: httpx.Client, daemon: Daemon) -> None:
     props = http.get("/props").json()
     assert props["total_slots"] == 1  # the tiny daemon runs one request at a time
@@ -168,15 +182,10 @@ def test_props_and_slots(http: httpx.Client, daemon: Daemon) -> None:
     assert [s["id"] for s in slots] == [0] and slots[0]["is_processing"] is False
     # while a request runs its place says so: how far it is, never its prompt
     secret = "a prompt no other client may read"
-    # long enough that a client slowed by a loaded machine still finds it running (400
-    # tokens took tiny-moe under a second, and a CI run once read the stream's first line
-    # after the last); leaving the stream cancels the rest
     ask = {"prompt": secret, "n_predict": 3000, "stream": True, "stop": ["zzz-stop"],
            "ignore_eos": True}  # an early end of sequence would free the place too soon
-    with http.stream("POST", "/completion", json=ask) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
-        busy = http.get("/slots")
-        assert http.get("/slots?fail_on_no_slot=1").status_code == 503
+    busy = next(filter(None, (_probe_while_running(http, ask) for _ in range(5))), None)
+    assert busy is not None, "five requests ran, and /slots never found one of them running"
     slot = busy.json()[0]
     assert slot["is_processing"] is True and slot["next_token"]["n_decoded"] >= 1
     assert secret not in busy.text and "zzz-stop" not in busy.text
