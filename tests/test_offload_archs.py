@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from kernels.formats.quant import QType
-from stratad.engine.batch import decode_inputs
-from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
@@ -51,12 +49,6 @@ def oss(tmp_path_factory: pytest.TempPathFactory) -> Model:
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """tiny-deepseek with Q8_0 experts."""
     return _retyped(tmp_path_factory, "tiny-deepseek", QType.Q8_0)
-
-
-@pytest.fixture(scope="module")
-def next80(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """tiny-qwen3-next with Q8_0 experts."""
-    return _retyped(tmp_path_factory, "tiny-qwen3-next", QType.Q8_0)
 
 
 @pytest.mark.parametrize(("gpu_miss", "prefetch"), [("copy", True), ("in_place", False)])
@@ -134,80 +126,11 @@ def test_deepseek(deepseek: Model) -> None:
     assert pool.v[1].shape[-1] == pool.k[1].shape[-1] == deepseek.spec.head_dim
 
 
-def test_qwen3_next(next80: Model) -> None:
-    """Qwen3-Next's layout: Gated DeltaNet layers (the in-projection as one product, the
-    convolution, the delta rule's kernel continuing each sequence's state over a staged chunk,
-    a fused one and the decode steps), the gated heads of its attention layers with RoPE over
-    a quarter of each head, the shared expert behind its sigmoid gate."""
-    assert fast_path_refusal(next80) is None
-    off = assert_as_reference(next80, "cpu", 6, 1e-3, gpu_miss="copy", prefetch=True)
-    assert off.row_tokens == 1  # a sequence's state is one row's
-    with pytest.raises(ModelError, match="recurrent model's layers run on one GPU"):
-        OffloadForward(next80, torch.device("cpu"), tiny_offload(next80, "cpu").config,
-                       layers=range(2))  # a pipeline stage  # fmt: skip
-
-
-def test_qwen3_next_states_are_each_caches_own(next80: Model) -> None:
-    """What a captured decode step needs of the recurrent states, on the CPU: a step padded
-    as a graph pads it (the cache's row twice: the second leaves the state alone), after a
-    capture's warm-up steps (`preserved` puts the states back), gives the reference's logits
-    and leaves the state one token on; a new sequence on the cache reuses its state tensors,
-    zeroed."""
-    ref, off = ReferenceForward(next80), tiny_offload(next80, "cpu")
-    cache, prompt = off.new_cache(128), PROMPT[:20]
-    token = int(off(prompt, cache)[-1].argmax())
-    held = cache.recurrent
-    assert held is not None
-    own = [id(t) for t in (*held.conv.values(), *held.state.values())]
-    padded, net = decode_inputs([token] * 2, [20, 20], off.device), off.deltanet
-    assert net is not None
-    with torch.inference_mode():  # as `decode` runs a replay: the states taken off around it
-        net.begin([cache])
-        cache.reserve(21)
-        with net.preserved():  # a capture's two warm-up steps
-            for _ in range(2):
-                off._decode_pass(*padded, [cache] * 2)
-        logits, _ = off._decode_pass(*padded, [cache] * 2)
-        net.finish([cache], [1])
-    cache.length, cache.tokens = 21, [*cache.tokens, token]
-    want = ref(prompt + [token], ref.new_cache(64), all_logits=True)
-    assert (logits[0] - want[-1]).abs().max() < 1e-3
-    nxt = int(want[-1].argmax())
-    after = ref(prompt + [token, nxt], ref.new_cache(64))[-1]
-    assert (off([nxt], cache)[-1] - after).abs().max() < 1e-3
-    cache.release()
-    other = PROMPT[30:45]
-    assert (off(other, cache)[-1] - ref(other, ref.new_cache(64))[-1]).abs().max() < 1e-3
-    assert cache.recurrent is held and own == [id(t) for t in (*held.conv.values(),
-                                                                *held.state.values())]  # fmt: skip
-
-
-def test_qwen3_next_with_a_resident_window(next80: Model) -> None:
-    """A resident window's host tier holds rows for the attention layer alone (the DeltaNet
-    layers keep no KV in either tier): blocks of 8, a window of 16, a 40-token prompt in chunks
-    of 16 and 3 decodes, the reference's greedy tokens."""
-    want = greedy(ReferenceForward(next80), PROMPT[:40], 4)
-    cfg = replace(tiny_offload(next80, "cpu").config, prefill_chunk=16, kv_resident=16)
-    engine = OffloadForward(next80, torch.device("cpu"), cfg)
-    pool = KVPool.allocate(next80.spec, 48, [torch.device("cpu")] * 4, torch.float32,
-                           block_size=8, window=16, host_tokens=32)  # fmt: skip
-    assert [t.k.shape[0] for t in pool.host] == [0, 0, 0, 32]
-    cache = KVCache(pool, 64)
-    got = [int(engine(PROMPT[:40], cache)[-1].argmax())]
-    for _ in range(3):
-        got.append(int(engine([got[-1]], cache)[-1].argmax()))
-    assert got == want
-    assert [pool.on_host(b) for b in cache.blocks] == [True] * 3 + [False] * 3
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("arch", ["glm", "oss", "next80", "deepseek"])
+@pytest.mark.parametrize("arch", ["glm", "oss", "deepseek"])
 def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> None:
-    """Each layout on a GPU against the reference, decode steps captured or eager (Qwen3-Next's
-    captured steps asked for: `OffloadConfig.recurrent_graphs`, off by default until this has
-    passed on a GPU)."""
+    """Each layout on a GPU against the reference, decode steps captured or eager."""
     model = request.getfixturevalue(arch)
-    off = assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True,
-                              recurrent_graphs=graphs)  # fmt: skip
+    off = assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
     assert off.replays_decode == graphs

@@ -24,7 +24,7 @@ class OffloadConfig:
     dtype: torch.dtype = torch.bfloat16
     graphs: bool = True  # capture the decode step as a CUDA graph
     # ... a recurrent model's too (Qwen3-Next: its states each cache's own tensors). Off until
-    # tests/test_offload_archs.py::test_on_the_gpu[graphs-next80] has passed on a GPU: the
+    # tests/test_offload_recurrent.py::test_on_the_gpu[True] has passed on a GPU: the
     # capture is checked on the CPU only as a padded step after warm-up steps.
     recurrent_graphs: bool = False
     # The most new tokens of one sequence a decode pass takes as rows of their own (a short
