@@ -27,6 +27,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from stratad.server.markers import held_back
 from stratad.server.openai import responses as rs
 from stratad.server.tools import types as tt
 
@@ -60,15 +61,6 @@ class _Header:
             words = text.split(CHANNEL, 1)[1].replace(CONSTRAIN, " ").split()
             channel = words[0] if words else ""
         return cls(channel, recipient.group(1) if recipient else None)
-
-
-def _held(text: str) -> int:
-    """How many of `text`'s last characters may begin a marker."""
-    for n in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
-        tail = text[-n:]
-        if any(m.startswith(tail) for m in MARKERS):
-            return n
-    return 0
 
 
 class ChannelReader:
@@ -112,7 +104,7 @@ class ChannelReader:
             return True
         ends = [(i, m) for m in (START, CHANNEL, *ENDS) if (i := self._buf.find(m)) >= 0]
         if not ends:
-            keep = _held(self._buf)
+            keep = held_back(self._buf, MARKERS)
             self._emit(self._buf[: len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep :]
             return False

@@ -16,6 +16,7 @@ from typing import Any
 
 import llguidance
 
+from stratad.server.markers import held_back
 from stratad.server.openai import responses as rs
 from stratad.server.openai.requests import ChatCompletionRequest, RequestError
 from stratad.server.tools import types as tt
@@ -56,14 +57,6 @@ def _call(body: str) -> tt.ToolCall | None:
     )
 
 
-def _held(text: str) -> int:
-    """How many of `text`'s last characters may be the start of `<tool_call>`."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class CallReader:
     """A reply's text, fed as it comes, split into content and calls.
 
@@ -95,7 +88,7 @@ class CallReader:
                 continue
             start = self._buf.find(OPEN)
             if start < 0:
-                keep = _held(self._buf)
+                keep = held_back(self._buf, (OPEN,))
                 self._text(self._buf[: len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep :]
                 return out
