@@ -35,7 +35,9 @@ def write_unquantized(p: synth.SynthPreset, path: Path) -> None:
     synth._add_metadata(w, p, 0, synth.tokenizer_source())
     size = 0
     for t in synth.tensor_plan(p):
-        f32 = len(t.shape) == 1 or "ffn_gate_inp" in t.name  # norms and the router
+        # norms, biases, the router and a short convolution (the converter keeps them F32)
+        f32 = len(t.shape) == 1 or t.name.endswith(".bias") or any(
+            part in t.name for part in ("ffn_gate_inp", "ssm_conv1d"))
         nbytes = t.rows * t.cols * (4 if f32 else 2)
         dtype = QType.F32 if f32 else QType.F16
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=dtype)

@@ -15,7 +15,13 @@ from gguf import quants as gguf_quants
 
 from stratactl import synth as synth_cli
 from stratad.model.synthetic import writer as synth
-from stratad.model.synthetic.ftype_rules import FTYPES, ModelShape, get_ftype, tensor_type
+from stratad.model.synthetic.ftype_rules import (
+    FTYPES,
+    ModelShape,
+    fallback,
+    get_ftype,
+    tensor_type,
+)
 from tests.gguf_scan import scan, tensor_bytes
 from tests.llama_quant import llama_cpp_types, write_unquantized
 
@@ -144,7 +150,8 @@ def test_rules_on_a3b_layers() -> None:
         assert _a3b(ftype, "ffn_gate_exps", 7) == default
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "a3b"])
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "a3b", "tiny-qwen3-next",
+                                    "tiny-gpt-oss", "tiny-glm", "tiny-deepseek"])  # fmt: skip
 def test_rules_match_llama_cpp(preset: str, tmp_path: Path) -> None:
     """The installed llama.cpp, asked by a dry-run quantization, picks the same types."""
     p = synth.PRESETS[preset]
@@ -165,8 +172,13 @@ def test_row_length_fallbacks() -> None:
     assert tensor_type("blk.0.ffn_gate.weight", (64, 96), q4_k_m, model) == Q5_0
     assert tensor_type("blk.0.ffn_gate.weight", (64, 80), q4_k_m, model) == QType.F16
     assert tensor_type("output.weight", (64, 96), q4_k_m, model) == Q8_0
-    with pytest.raises(ValueError, match="no tensor type fallback is defined for Q8_0"):
-        tensor_type("blk.0.ffn_gate.weight", (64, 80), get_ftype("q8_0"), model)
+    # a 32-value type has no smaller block: F16 (llama-cpp-python 0.3.36's llama.cpp; the
+    # DeepSeek preset's 48-column attn_q_b checks it against that llama.cpp's own choice)
+    assert tensor_type("blk.0.ffn_gate.weight", (64, 80), get_ftype("q8_0"), model) == QType.F16
+    with pytest.raises(ValueError, match="no tensor type fallback is defined for Q8_K"):
+        fallback("blk.0.ffn_gate.weight", 80, QType.Q8_K)
+    # a [1, H] gate (the shared expert's) is one-dimensional to ggml: kept as written
+    assert tensor_type("blk.0.ffn_gate_inp_shexp.weight", (1, 256), q4_k_m, model) is None
     with pytest.raises(ValueError, match="q4_0, q8_0, q2_k"):
         get_ftype("q4_k_xl")
 

@@ -5,8 +5,10 @@ A port of the part of llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp: 
 `tensor_get_category` and `llama_ftype_get_default_type`) that decides the types of the
 synthetic presets' tensors (llama and qwen3moe) for the file types in `FTYPES`, so that a
 synthetic `q4_k_m` file holds the same mix of types `llama-quantize` would write for that
-geometry. Read at llama.cpp commit 007dbbf; `tests/test_synth_ftype.py` checks it against the
-installed llama.cpp's own choice (a dry-run quantization) on every preset.
+geometry. Read at llama.cpp commit 007dbbf, and from the llama.cpp that llama-cpp-python 0.3.36
+vendors for what changed since (a 32-value type that does not fit a row falls back to F16, a
+DeltaNet's ssm_conv1d stays F32); `tests/test_synth_ftype.py` checks it against the installed
+llama.cpp's own choice (a dry-run quantization) on every tiny preset and a3b.
 
 Not ported (the synthetic presets never meet them): the IQ1_M, IQ2_M, IQ3_XS/M, Q2_K_S,
 Q3_K_S/L and IQ4 mixes, Falcon's rules, imatrix-dependent choices (no imatrix is
@@ -272,20 +274,31 @@ def fallback(name: str, cols: int, qtype: QType) -> QType:
     if cols % _block(qtype) == 0:
         return qtype
     if qtype not in FALLBACK:
+        if _block(qtype) <= 32:  # a 32-value type has no smaller block to demote to
+            return QType.F16
         raise ValueError(f"{name}: no tensor type fallback is defined for {qtype.name}")
     replacement = FALLBACK[qtype]
     # "the fallback return type is still not compatible": llama.cpp stores F16.
     return replacement if cols % _block(replacement) == 0 else QType.F16
 
 
+def _n_dims(shape: tuple[int, ...]) -> int:
+    """`ggml_n_dims`: the dimensions up to the last of more than one value in ggml's order
+    (torch's leading ones dropped: a [1, 256] gate is one-dimensional there)."""
+    ones = next((i for i, n in enumerate(shape) if n > 1), len(shape) - 1)
+    return len(shape) - ones
+
+
 def quantizable(name: str, n_dims: int) -> bool:
     """`tensor_allows_quantization` for the presets' tensors: 2-D and 3-D weights, except
-    norms and the MoE router (ffn_gate_inp), which keep the converter's type (F32)."""
+    norms, the MoE router (ffn_gate_inp) and a DeltaNet's short convolution (ssm_conv1d,
+    which llama.cpp's conv op reads as F32 only), which keep the converter's type (F32)."""
     return (
         n_dims >= 2
         and name.endswith("weight")
         and "_norm.weight" not in name
         and "ffn_gate_inp.weight" not in name
+        and "ssm_conv1d" not in name
     )
 
 
@@ -304,7 +317,7 @@ def _output_type(ftype: Ftype, cols: int) -> QType:
 def tensor_type(name: str, shape: tuple[int, ...], ftype: Ftype, model: ModelShape) -> QType | None:
     """The type llama-quantize gives tensor `name` of torch-order `shape` ([..., cols]) in
     `ftype`, or None where it keeps the tensor's own type (norms, the router)."""
-    if not quantizable(name, len(shape)):
+    if not quantizable(name, _n_dims(shape)):
         return None
     cols = shape[-1]
     if ftype.experts is not None and len(shape) == 3 and shape[0] > 1:
