@@ -97,19 +97,27 @@ def _moe() -> list[Launch]:
 
 
 def _delta_rule() -> list[Launch]:
-    """The gated delta rule over bf16 projections (Qwen3-Next's shapes: 128 dims a head)."""
+    """The gated delta rule over bf16 projections (Qwen3-Next's shapes: 128 dims a head), token
+    by token (3 tokens) and chunked (64: the solve, then the chunks)."""
     import torch
 
     from kernels.layers import delta_rule
 
     meta = torch.device("meta")
-    mixed = torch.empty(3, 2 * 2 * 128 + 4 * 128, device=meta)
-    q, k, v = mixed.split([256, 256, 512], dim=-1)
-    ba = torch.empty(3, 8, dtype=torch.bfloat16, device=meta)
-    gates = (torch.empty(4, device=meta) for _ in "da")
-    state = torch.empty(4, 128, 128, device=meta)
-    return _recorded(delta_rule, "_delta_rule_kernel", lambda: delta_rule.gated_delta_rule(
-        q.view(3, 2, 128), k.view(3, 2, 128), v.view(3, 4, 128), ba, *gates, state))  # fmt: skip
+
+    def rule(t: int) -> None:
+        mixed = torch.empty(t, 2 * 2 * 128 + 4 * 128, device=meta)
+        q, k, v = mixed.split([256, 256, 512], dim=-1)
+        ba = torch.empty(t, 8, dtype=torch.bfloat16, device=meta)
+        gates = (torch.empty(4, device=meta) for _ in "da")
+        state = torch.empty(4, 128, 128, device=meta)
+        delta_rule.gated_delta_rule(q.view(t, 2, 128), k.view(t, 2, 128), v.view(t, 4, 128), ba,
+                                    *gates, state)  # fmt: skip
+
+    chunks: list[Launch] = []
+    solve = _recorded(delta_rule, "_delta_rule_solve_kernel", lambda: chunks.extend(
+        _recorded(delta_rule, "_delta_rule_chunk_kernel", lambda: rule(64))))  # fmt: skip
+    return [*_recorded(delta_rule, "_delta_rule_kernel", lambda: rule(3)), *solve, *chunks]
 
 
 CASES = {"attention": _attention, "moe": _moe, "delta_rule": _delta_rule}

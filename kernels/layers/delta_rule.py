@@ -7,16 +7,27 @@ where q and k are the head's key head's, L2-normed (q also scaled by 1 / sqrt(Dk
 sigmoid(b) and g = a * softplus(alpha + dt_bias), b and alpha read from the projection `ba`
 (per key head: its r value heads' b, then their alphas).
 
-The kernel takes the raw projections as the convolution leaves them: one program per value
+The kernels take the raw projections as the convolution leaves them: one program per value
 head and block of value dims holds its [Dk, BLOCK_V] slice of the state in registers over the
 tokens (the state is read and written once per launch), normalising q and k and computing the
-gates on the way; no repeated, normed or gated copy of the inputs is made. Tokens run in order
-inside a program (a decode step is one; a prefill chunk loops), heads and value blocks in
-parallel.
+gates on the way; no repeated, normed or gated copy of the inputs is made. Heads and value
+blocks run in parallel. Two forms of the same rule:
+- `_delta_rule_kernel`, token by token: a decode step (one token) or a short span.
+- the chunked form, C tokens at a time in matrix products (as in Yang et al.'s DeltaNet and
+  Gated DeltaNet papers): with G the cumulative log decay in the chunk, gamma = exp(G),
+  Gam[t, i] = exp(G_t - G_i) for i <= t and S0 the state before the chunk, the deltas
+  d_t = beta_t (v_t - gamma_t S0^T k_t - sum_{i<t} Gam[t, i] (k_t . k_i) d_i) solve
+  (I + A) D = beta (V - gamma K S0), A = beta Gam (K K^T) strictly below the diagonal; then
+  O = gamma Q S0 + (Gam (Q K^T)) D and S = gamma_C S0 + (K exp(G_C - G))^T D. (I + A)^-1
+  depends on the keys and gates alone: `_delta_rule_solve_kernel` finds it for every chunk
+  and head at once (forward substitution, a row at a time: a power series of A, shorter in
+  steps, loses every digit where a chunk repeats a key), and `_delta_rule_chunk_kernel` runs
+  the chunks in order, six products each.
+The launcher takes the chunked form for spans of at least `DeltaRuleConfig.chunk_from` tokens.
 
-Three tiers: `_delta_rule_kernel` (Triton), `gated_delta_rule()` (launcher) and the torch
-reference `gated_delta_rule_ref()`, token by token in float32 (in `delta_rule_ref`, which
-imports no Triton: the cpu engine's reference layers run without it).
+Three tiers: the Triton kernels, `gated_delta_rule()` (launcher) and the torch reference
+`gated_delta_rule_ref()`, token by token in float32 (in `delta_rule_ref`, which imports no
+Triton: the cpu engine's reference layers run without it).
 """
 
 from __future__ import annotations
@@ -38,6 +49,14 @@ class DeltaRuleConfig:
 
     block_v: int = 32
     num_warps: int = 4
+    # the chunked form: spans of at least `chunk_from` tokens, `chunk` tokens (a power of two,
+    # at least 16) a step, [Dk, chunk_block_v] of the state per program; its products in
+    # float32 ("ieee"), or the hardware's faster forms ("tf32x3" on NVIDIA)
+    chunk_from: int = 64
+    chunk: int = 64
+    chunk_block_v: int = 64
+    chunk_warps: int = 8
+    precision: str = "ieee"
 
 
 @triton.jit
@@ -91,6 +110,134 @@ def _delta_rule_kernel(
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
+@triton.jit
+def _chunk_keys_gates(k_ptr, ba_ptr, rows, mt, ks, mk, stride_qk, stride_ba, hk, j, dt_bias,
+                      rate, eps, R: tl.constexpr, DK: tl.constexpr):  # fmt: skip
+    """A chunk's keys [C, BK] (L2-normed), beta [C], g [C] and its cumulative sum (rows past T:
+    zero keys and gates, which leave the state alone)."""
+    at = rows[:, None] * stride_qk + hk * DK + ks[None, :]
+    k = tl.load(k_ptr + at, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    k = k / tl.sqrt(tl.sum(k * k, axis=1) + eps)[:, None]
+    row = ba_ptr + rows * stride_ba + hk * 2 * R
+    beta = tl.where(mt, tl.sigmoid(tl.load(row + j, mask=mt, other=0.0).to(tl.float32)), 0.0)
+    x = tl.load(row + R + j, mask=mt, other=0.0).to(tl.float32) + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = tl.where(mt, rate * softplus, 0.0)  # log decays (<= 0)
+    return k, beta, g, tl.cumsum(g, axis=0)
+
+
+@triton.jit
+def _decays(big_g, ts):
+    """Gam [C, C]: exp(G_t - G_i) for i <= t, else 0."""
+    upto = ts[:, None] >= ts[None, :]
+    return tl.where(upto, tl.exp(tl.where(upto, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _delta_rule_solve_kernel(
+    k_ptr,  # as _delta_rule_kernel's
+    ba_ptr,
+    dt_bias_ptr,
+    a_ptr,
+    inv_ptr,  # [chunks, Hv, C, C] float32: each chunk's (I + A)^-1
+    T,
+    stride_qk,
+    stride_ba,
+    eps,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (value head, chunk), all in parallel: (I + A)^-1 of the chunk by forward
+    substitution, a row after the rows above it (as stable as the token-by-token rule)."""
+    h, c = tl.program_id(0), tl.program_id(1)
+    hk, j = h // R, h % R
+    ks = tl.arange(0, BLOCK_K)
+    ts = tl.arange(0, C)
+    rows = c * C + ts
+    k, beta, g, big_g = _chunk_keys_gates(
+        k_ptr, ba_ptr, rows, rows < T, ks, ks < DK, stride_qk, stride_ba, hk, j,
+        tl.load(dt_bias_ptr + h).to(tl.float32), tl.load(a_ptr + h).to(tl.float32), eps, R, DK,
+    )  # fmt: skip
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # [C, C]
+    below = ts[:, None] > ts[None, :]
+    minus_a = tl.where(below, -(beta[:, None] * _decays(big_g, ts) * kk), 0.0)
+    eye = tl.where(ts[:, None] == ts[None, :], 1.0, 0.0)
+    inv = eye
+    for r in range(1, C):
+        sel = ts[:, None] == r
+        a_row = tl.sum(tl.where(sel, minus_a, 0.0), axis=0)  # -A[r, :], zero from column r on
+        inv = tl.where(sel, eye + tl.sum(a_row[:, None] * inv, axis=0)[None, :], inv)
+    tl.store(inv_ptr + ((c * tl.num_programs(0) + h) * C + ts[:, None]) * C + ts[None, :], inv)
+
+
+@triton.jit
+def _delta_rule_chunk_kernel(
+    q_ptr,  # as _delta_rule_kernel's
+    k_ptr,
+    v_ptr,
+    ba_ptr,
+    dt_bias_ptr,
+    a_ptr,
+    state_ptr,
+    out_ptr,
+    inv_ptr,  # [chunks, Hv, C, C]: `_delta_rule_solve_kernel`'s
+    T,
+    DV,
+    stride_qk,
+    stride_v,
+    stride_ba,
+    scale,
+    eps,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One program per (value head, block of value dims), the chunks in order: the deltas, the
+    outputs and the state after each chunk in matrix products."""
+    h = tl.program_id(0)
+    hk, j = h // R, h % R
+    n_heads = tl.num_programs(0)
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = ks < DK, vs < DV
+    s_ptrs = state_ptr + h * DK * DV + ks[:, None] * DV + vs[None, :]
+    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    rate = tl.load(a_ptr + h).to(tl.float32)
+    ts = tl.arange(0, C)
+    for c0 in range(0, T, C):
+        rows = c0 + ts
+        mt = rows < T
+        k, beta, g, big_g = _chunk_keys_gates(
+            k_ptr, ba_ptr, rows, mt, ks, mk, stride_qk, stride_ba, hk, j, dt_bias, rate, eps, R, DK
+        )
+        q = tl.load(q_ptr + rows[:, None] * stride_qk + hk * DK + ks[None, :],
+                    mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        q = q / tl.sqrt(tl.sum(q * q, axis=1) + eps)[:, None] * scale
+        m2v = mt[:, None] & mv[None, :]
+        v = tl.load(v_ptr + rows[:, None] * stride_v + h * DV + vs[None, :], mask=m2v,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        inv = tl.load(inv_ptr + (((c0 // C) * n_heads + h) * C + ts[:, None]) * C + ts[None, :])
+        gamma = tl.exp(big_g)
+        u = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)  # [C, BV]
+        w = tl.dot(inv, (beta * gamma)[:, None] * k, input_precision=PRECISION)  # [C, BK]
+        d = u - tl.dot(w, s, input_precision=PRECISION)  # the deltas [C, BV]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [C, C]
+        o = gamma[:, None] * tl.dot(q, s, input_precision=PRECISION)
+        o += tl.dot(_decays(big_g, ts) * qk, d, input_precision=PRECISION)
+        tl.store(out_ptr + (rows[:, None] * n_heads + h) * DV + vs[None, :], o, mask=m2v)
+        last = tl.sum(g, axis=0)
+        kd = k * tl.exp(last - big_g)[:, None]  # [C, BK]
+        s = tl.exp(last) * s + tl.dot(tl.trans(kd), d, input_precision=PRECISION)
+    tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
+
+
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor,
     dt_bias: torch.Tensor, a: torch.Tensor, state: torch.Tensor,
@@ -116,12 +263,27 @@ def gated_delta_rule(
         raise ValueError("q, k, v and ba: heads packed inside each row")
     cfg = config or DeltaRuleConfig()
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=v.device)
-    if t:
+    args = (q, k, v, ba, dt_bias.contiguous(), a.contiguous(), state, out, t, dv, q.stride(0),
+            v.stride(0), ba.stride(0), dk**-0.5, L2_EPS)  # fmt: skip
+    block_k = max(16, triton.next_power_of_2(dk))
+    if t >= cfg.chunk_from:
+        if cfg.chunk < 16 or cfg.chunk & (cfg.chunk - 1):
+            raise ValueError(f"chunk {cfg.chunk}: not a power of two of at least 16")
+        chunks, c = triton.cdiv(t, cfg.chunk), cfg.chunk
+        inv = torch.empty((chunks, hv, c, c), dtype=torch.float32, device=v.device)
+        _delta_rule_solve_kernel[(hv, chunks)](
+            k, ba, args[4], args[5], inv, t, q.stride(0), ba.stride(0), L2_EPS, R=hv // hk,
+            DK=dk, BLOCK_K=block_k, C=c, PRECISION=cfg.precision, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        block_v = max(16, min(cfg.chunk_block_v, triton.next_power_of_2(dv)))
+        _delta_rule_chunk_kernel[(hv, triton.cdiv(dv, block_v))](
+            *args[:8], inv, *args[8:], R=hv // hk, DK=dk, BLOCK_K=block_k, BLOCK_V=block_v,
+            C=c, PRECISION=cfg.precision, num_warps=cfg.chunk_warps,
+        )  # fmt: skip
+    elif t:
         block_v = min(cfg.block_v, triton.next_power_of_2(dv))
         _delta_rule_kernel[(hv, triton.cdiv(dv, block_v))](
-            q, k, v, ba, dt_bias.contiguous(), a.contiguous(), state, out, t, dv,
-            q.stride(0), v.stride(0), ba.stride(0), dk**-0.5, L2_EPS,
-            R=hv // hk, DK=dk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+            *args, R=hv // hk, DK=dk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
             num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
