@@ -1,6 +1,7 @@
 """Compile Triton launches for an NVIDIA sm90 GPU on a machine without one (to cubin, with
 Triton's bundled tools), so that what only the compiler refuses (a global a kernel reads that
-is no constexpr, a dot too small for the tensor cores) fails in CI, not on the GPU host.
+is no constexpr, a dot too small for the tensor cores), or more shared memory than the GPU
+has, fails in CI, not on the GPU host.
 
 Run as `python -m tests.sm90_compile CASE` without TRITON_INTERPRET (the interpreter's kernels
 do not compile; `compile_case` starts it so): each launch of the case is made with tensors on
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]  # (kernel, args, kwargs)
+SM90_SHARED = 232448  # the most shared memory a block of an H100 or H200 may ask for
 
 
 def _recorded(module: Any, name: str, call: Callable[[], object]) -> list[Launch]:
@@ -49,7 +51,11 @@ def _compile(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
             signature[p.name] = mangle_type(bound[p.name])
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return dict(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    if compiled.metadata.shared > SM90_SHARED:  # (the launch would raise OutOfResources)
+        raise RuntimeError(f"{kernel.__name__}: {compiled.metadata.shared} bytes of shared memory,"
+                           f" more than sm90's {SM90_SHARED}")  # fmt: skip
+    return dict(compiled.asm)
 
 
 def _attention() -> list[Launch]:
@@ -112,7 +118,9 @@ def _delta_rule() -> list[Launch]:
         gates = (torch.empty(4, device=meta) for _ in "da")
         state = torch.empty(4, 128, 128, device=meta)
         delta_rule.gated_delta_rule(q.view(t, 2, 128), k.view(t, 2, 128), v.view(t, 4, 128), ba,
-                                    *gates, state)  # fmt: skip
+                                    *gates, state, cfg)  # fmt: skip
+
+    cfg = delta_rule.DeltaRuleConfig(precision="tf32x3")  # (what a CUDA build of torch picks)
 
     chunks: list[Launch] = []
     solve = _recorded(delta_rule, "_delta_rule_solve_kernel", lambda: chunks.extend(

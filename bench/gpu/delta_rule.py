@@ -38,7 +38,7 @@ def run(tokens: int, repeats: int, forms: list[str]) -> dict[str, dict[str, obje
     base = DeltaRuleConfig()
     configs = {
         "token": replace(base, chunk_from=tokens + 1),
-        "chunked-ieee": replace(base, chunk_from=1),
+        "chunked-ieee": replace(base, chunk_from=1, precision="ieee"),
         "chunked-tf32x3": replace(base, chunk_from=1, precision="tf32x3"),
     }
     out: dict[str, dict[str, object]] = {}
