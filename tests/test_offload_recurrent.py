@@ -2,7 +2,7 @@
 reference engine, on the tiny synthetic file with Q8_0 experts: its Gated DeltaNet layers, each
 cache's recurrent state (what a captured decode step needs of it), a resident window beside it.
 On the CPU the Triton kernels run in the interpreter; the GPU variant asks for captured steps
-(`OffloadConfig.recurrent_graphs`, off by default until it has passed on a GPU).
+(each set of caches' own capture) and eager ones.
 """
 
 from __future__ import annotations
@@ -103,6 +103,5 @@ def test_qwen3_next_with_a_resident_window(next80: Model) -> None:
 @pytest.mark.parametrize("graphs", [True, False])
 def test_on_the_gpu(next80: Model, graphs: bool) -> None:
     """On a GPU against the reference, decode steps captured (asked for) or eager."""
-    off = assert_as_reference(next80, "cuda", 16, 1e-2, graphs=graphs, prefetch=True,
-                              recurrent_graphs=graphs)  # fmt: skip
+    off = assert_as_reference(next80, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
     assert off.replays_decode == graphs

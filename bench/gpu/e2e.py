@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         max_context=context_needed(args),
         prefill_chunk=args.prefill_chunk,
         graphs=not args.no_graphs,
-        recurrent_graphs=args.recurrent_graphs,
         pcie_frac=1.0,  # set once the rates are measured
         cpu_threads=args.cpu_threads,
         gpu_miss=args.gpu_miss,
@@ -309,11 +308,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-graphs", action="store_true")
-    p.add_argument(
-        "--recurrent-graphs",
-        action="store_true",
-        help="capture a recurrent model's decode steps too (OffloadConfig.recurrent_graphs)",
-    )
     p.add_argument(
         "--timing",
         action="store_true",

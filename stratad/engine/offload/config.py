@@ -22,11 +22,9 @@ class OffloadConfig:
     max_context: int = 4096
     prefill_chunk: int = 4096
     dtype: torch.dtype = torch.bfloat16
-    graphs: bool = True  # capture the decode step as a CUDA graph
-    # ... a recurrent model's too (Qwen3-Next: its states each cache's own tensors). Off until
-    # tests/test_offload_recurrent.py::test_on_the_gpu[True] has passed on a GPU: the
-    # capture is checked on the CPU only as a padded step after warm-up steps.
-    recurrent_graphs: bool = False
+    # capture the decode step as a CUDA graph (a recurrent model's too: Qwen3-Next's states
+    # are each cache's own tensors, its steps captured per set of caches)
+    graphs: bool = True
     # The most new tokens of one sequence a decode pass takes as rows of their own (a short
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.
     row_tokens: int = FUSED_MAX_TOKENS

@@ -540,10 +540,9 @@ class OffloadForward:
 
     @property
     def _graphs(self) -> bool:
-        """Whether decode steps are captured (a recurrent model's where `recurrent_graphs`
-        says so: its states are each cache's own tensors, captured per set of caches)."""
-        recurrent = self.deltanet is not None and not self.config.recurrent_graphs
-        return self.config.graphs and self.device.type == "cuda" and not recurrent
+        """Whether decode steps are captured (a recurrent model's too: its states are each
+        cache's own tensors, captured per set of caches)."""
+        return self.config.graphs and self.device.type == "cuda"
 
     @property
     def replays_decode(self) -> bool:

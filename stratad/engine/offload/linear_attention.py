@@ -13,9 +13,7 @@ fails as stale instead of continuing a half-updated state. A pass holds one row 
 sequence (`OffloadForward.row_tokens` is 1); a row that repeats an earlier row's cache is a
 captured step's padding (`decode_graph`: a copy of the last row): it gets that row's output
 (so its keys and values, written to the same place, are the same) and leaves the state alone.
-A capture's warm-up steps run eagerly: `preserved` puts the states back after them. (The
-engine captures these steps only with `OffloadConfig.recurrent_graphs`, until that has been
-checked on a GPU.)
+A capture's warm-up steps run eagerly: `preserved` puts the states back after them.
 """
 
 from __future__ import annotations
