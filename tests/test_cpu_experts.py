@@ -25,7 +25,7 @@ from kernels.cpu.experts import (
     CpuExpertFormat,
     CpuExperts,
 )
-from kernels.experts.moe import split_q4_0, split_q6_k
+from kernels.experts.moe import split_mxfp4, split_q4_0, split_q6_k
 from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
 
 ALL = sorted(CPU_EXPERT_QTYPES, key=lambda t: t.name)
@@ -215,6 +215,8 @@ def _blob(fmt: CpuExpertFormat, seed: int) -> tuple[torch.Tensor, list[torch.Ten
             parts.append(split_q4_0(raw))
         elif fmt.q6_k_split and qtype == QType.Q6_K:
             parts.append(split_q6_k(raw))
+        elif fmt.mxfp4_split and qtype == QType.MXFP4:
+            parts.append(split_mxfp4(raw))
         else:
             parts.append(raw.reshape(-1))
     parts.append(torch.zeros(3, dtype=torch.uint8))
@@ -249,9 +251,9 @@ MIXES = [
 ]
 
 
-# the split layouts change only Q4_0 and Q6_K projections
+# the split layouts change only Q4_0, Q6_K and MXFP4 projections
 CASES = [(m, False) for m in MIXES] + [
-    (m, True) for m in MIXES if QType.Q4_0 in m or QType.Q6_K in m
+    (m, True) for m in MIXES if {QType.Q4_0, QType.Q6_K, QType.MXFP4} & set(m)
 ]
 
 
@@ -262,7 +264,19 @@ CASES = [(m, False) for m in MIXES] + [
 )
 def test_moe_matches_torch(cpu: CpuExperts, qtypes: tuple[QType, QType, QType],
                            split: bool) -> None:  # fmt: skip
-    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=256, q4_0_split=split, q6_k_split=split)
+    _check_moe(cpu, qtypes, split)
+
+
+@pytest.mark.parametrize("qtypes", [MIXES[0], MIXES[10]], ids=["Q4_0", "MXFP4"])
+def test_split_layouts_portable(qtypes: tuple[QType, QType, QType]) -> None:
+    """The portable build (no AVX2: the decode-then-dot path, not the fused dots) reads the
+    split layouts too."""
+    _check_moe(CpuExperts(2, native=False), qtypes, True)
+
+
+def _check_moe(cpu: CpuExperts, qtypes: tuple[QType, QType, QType], split: bool) -> None:
+    fmt = CpuExpertFormat.packed(qtypes, hidden=256, ffn=256, q4_0_split=split, q6_k_split=split,
+                                 mxfp4_split=split)  # fmt: skip
     made = [_blob(fmt, seed) for seed in range(3)]
     # the blobs at odd byte offsets in one tensor
     store = torch.cat([torch.zeros(1, dtype=torch.uint8)] + [b for b, _ in made])

@@ -14,9 +14,11 @@ from kernels.experts.moe import (
     expert_table,
     fused_moe,
     fused_moe_ref,
+    split_mxfp4,
     split_q4_0,
     split_q4_0_ok,
     split_q6_k,
+    unsplit_mxfp4,
     unsplit_q4_0,
 )
 from kernels.formats.quant import QTensor, QType, block_geometry, quantize
@@ -69,6 +71,19 @@ def test_mixed_tiers_same_result() -> None:
     b = [tuple(t.clone() for t in triple) for triple in a]
     mixed = expert_table([b[i] if i % 2 else a[i] for i in range(len(a))])  # type: ignore[misc]
     assert torch.equal(fused_moe(x, ids, weights, table, 64), fused_moe(x, ids, weights, mixed, 64))
+
+
+def test_split_mxfp4_round_trip() -> None:
+    """MXFP4's split layout: the codes first (on 16 bytes where the matrix is), then the
+    exponents; the blocks come back bit for bit."""
+    w = _blocks(QType.MXFP4, 6, 96, torch.Generator().manual_seed(3))
+    split = split_mxfp4(w.data)
+    assert split.numel() == w.data.numel()
+    blocks = w.data.view(6, 3, 17)
+    assert torch.equal(split[: 6 * 3 * 16].view(6, 3, 16), blocks[:, :, 1:])
+    assert torch.equal(split[6 * 3 * 16 :].view(6, 3), blocks[:, :, 0])
+    assert torch.equal(unsplit_mxfp4(split, 6, 96), w.data)
+    assert torch.equal(unsplit_mxfp4(torch.stack([split, split]), 6, 96)[1], w.data)
 
 
 def test_split_layout_round_trip() -> None:
@@ -147,7 +162,7 @@ MIXES = [
 
 
 # the types whose dot reads differently when the blobs are aligned (words, 16-byte loads)
-WORDS = {QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.IQ4_XS, QType.Q2_K}
+WORDS = {QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.IQ4_XS, QType.Q2_K, QType.MXFP4}
 CASES = [
     (mix, aligned)
     for mix in MIXES
@@ -159,6 +174,8 @@ def _held(w: QTensor, q6_k_split: bool) -> torch.Tensor:
     """A matrix's bytes as the engine holds them."""
     if w.qtype == QType.Q4_0:
         return split_q4_0(w.data)
+    if w.qtype == QType.MXFP4:
+        return split_mxfp4(w.data)
     if w.qtype == QType.Q6_K and q6_k_split:
         return split_q6_k(w.data)
     return w.data.reshape(-1)

@@ -173,6 +173,19 @@ static void dec_mxfp4(DECODE_ARGS) {
     }
 }
 
+/* split MXFP4: row holds the exponent bytes, aux the 16 code bytes of each block */
+static void dec_mxfp4_split(DECODE_ARGS) {
+    const int8_t *kv = (const int8_t *)(tab + MXFP4_VALUES);
+    const uint8_t *e = row + c * 8, *qs = aux + c * 8 * 16;
+    for (int j = 0; j < n32; j++) {
+        scale32(fs, j, e8m0_half(e[j]));
+        for (int i = 0; i < 16; i++) {
+            q[32 * j + i] = kv[qs[16 * j + i] & 15];
+            q[32 * j + i + 16] = kv[qs[16 * j + i] >> 4];
+        }
+    }
+}
+
 /* --- 256-value super-blocks: chunk c is super-block c ---------------------------------- */
 
 static void dec_q2_k(DECODE_ARGS) {

@@ -98,7 +98,7 @@ static decode_fn decoder(int qtype, int split) {
     case T_Q4_0: return split ? dec_q4_0_split : dec_q4_0;
     case T_Q4_1: return dec_q4_1;
     case T_IQ4_NL: return dec_iq4_nl;
-    case T_MXFP4: return dec_mxfp4;
+    case T_MXFP4: return split ? dec_mxfp4_split : dec_mxfp4;
     case T_IQ4_XS: return dec_iq4_xs;
     case T_Q4_K: return dec_q4_k;
     case T_Q5_K: return dec_q5_k;
@@ -127,9 +127,11 @@ static int mat_init(mat_t *m, const uint8_t *base, int qtype, int split, int64_t
     if (strata_block(qtype, &bv, &bb)) return -1;
     if (cols % 32 || cols % bv) return -2; /* activations are rounded per 32 values */
     m->base = base, m->rows = rows, m->cols = cols, m->row_bytes = cols / bv * bb;
-    /* split: bit 0 Q4_0 in its split layout, bit 1 Q6_K in its (kernels.experts.moe) */
+    /* split: bit 0 Q4_0 in its split layout, bit 1 Q6_K in its, bit 2 MXFP4 in its
+     * (kernels.experts.moe) */
     m->qtype = qtype, m->x8 = 0;
-    m->split = ((split & 1) && qtype == T_Q4_0) || ((split & 2) && qtype == T_Q6_K);
+    m->split = ((split & 1) && qtype == T_Q4_0) || ((split & 2) && qtype == T_Q6_K) ||
+               ((split & 4) && qtype == T_MXFP4);
     m->is_float = qtype == T_F32 || qtype == T_F16 || qtype == T_BF16;
     m->has_min = qtype == T_Q4_1 || qtype == T_Q5_1 || qtype == T_Q2_K || qtype == T_Q4_K ||
                  qtype == T_Q5_K;
@@ -219,6 +221,10 @@ static void rows_dot(const mat_t *m, int64_t r0, int64_t r1, const acts_t *a,
             if (m->split && m->qtype == T_Q4_0) { /* scales, then nibbles */
                 row = m->base + r * nb * 2;
                 aux = bulk = m->base + m->rows * nb * 2 + r * nb * 16;
+                bulk_bytes = nb * 16;
+            } else if (m->split && m->qtype == T_MXFP4) { /* codes, then exponents */
+                aux = bulk = m->base + r * nb * 16;
+                row = m->base + m->rows * nb * 16 + r * nb;
                 bulk_bytes = nb * 16;
             } else if (m->split) { /* Q6_K: 208-byte block bodies, then every block's d */
                 int64_t nsb = m->cols / 256;

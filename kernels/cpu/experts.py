@@ -57,7 +57,8 @@ class CpuExpertFormat:
 
     gate/up are [ffn, hidden] and down is [hidden, ffn] in their GGUF blocks; q4_0_split: the
     Q4_0 projections are in `kernels.experts.moe.split_q4_0`'s layout, q6_k_split: the Q6_K
-    ones in `split_q6_k`'s (each the same size)."""
+    ones in `split_q6_k`'s, mxfp4_split: the MXFP4 ones in `split_mxfp4`'s (each the same
+    size)."""
 
     qtypes: tuple[QType, QType, QType]  # gate, up, down
     hidden: int
@@ -66,21 +67,22 @@ class CpuExpertFormat:
     down_offset: int
     q4_0_split: bool
     q6_k_split: bool = False
+    mxfp4_split: bool = False
 
     @classmethod
     def packed(
         cls, qtypes: tuple[QType, QType, QType], hidden: int, ffn: int, q4_0_split: bool = False,
-        q6_k_split: bool = False,
+        q6_k_split: bool = False, mxfp4_split: bool = False,
     ) -> CpuExpertFormat:  # fmt: skip
         """The format of a blob with the three matrices back to back."""
         gate = ffn * row_bytes(qtypes[0], hidden)
         up = ffn * row_bytes(qtypes[1], hidden)
-        return cls(qtypes, hidden, ffn, gate, gate + up, q4_0_split, q6_k_split)
+        return cls(qtypes, hidden, ffn, gate, gate + up, q4_0_split, q6_k_split, mxfp4_split)
 
     @property
     def split_bits(self) -> int:
-        """The C kernels' `split`: bit 0 Q4_0 split, bit 1 Q6_K split."""
-        return int(self.q4_0_split) | int(self.q6_k_split) << 1
+        """The C kernels' `split`: bit 0 Q4_0 split, bit 1 Q6_K split, bit 2 MXFP4 split."""
+        return int(self.q4_0_split) | int(self.q6_k_split) << 1 | int(self.mxfp4_split) << 2
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-/* AVX2 row dots for the common types (Q4_0 plain and split, Q8_0, IQ4_NL, MXFP4, Q4_1, Q5_0,
+/* AVX2 row dots for the common types (Q4_0 and MXFP4 plain and split, Q8_0, IQ4_NL, Q4_1, Q5_0,
  * Q5_1, Q4_K, Q5_K, IQ4_XS, IQ3_S here; Q6_K, Q2_K, Q3_K in fused_k16_avx2.h; IQ3_XXS, IQ2_XXS
  * in fused_iq_low_avx2.h), included by experts.c when __AVX2__: a block is decoded into a
  * register and dotted at once with every activation that uses the row, with no trip through the
@@ -38,17 +38,19 @@ static inline __m256i udot32(__m256i u, const int8_t *x) {
 }
 
 /* The 32-value block types, by kind: 0 Q4_0, 1 Q4_0 split, 2 Q8_0, 3 IQ4_NL, 4 Q4_1, 5 Q5_0,
- * 6 Q5_1, 7 MXFP4. Value = d q + o per block, with codes q kept unsigned where they are (maddubs
- * takes them as they are) and the offset o (Q4_0 -8 d, Q5_0 -16 d, Q4_1/Q5_1 the stored m)
- * applied through the activation's block sums: sum (d q + o) x = d sum q x + o sum x. MXFP4's d
- * is its exponent byte's 2^(e - 128) (e8m0_half), its q the levels of its table. */
-static const int BYTES_32[8] = {18, 2, 34, 18, 20, 22, 24, 17};
+ * 6 Q5_1, 7 MXFP4, 8 MXFP4 split. Value = d q + o per block, with codes q kept unsigned where
+ * they are (maddubs takes them as they are) and the offset o (Q4_0 -8 d, Q5_0 -16 d, Q4_1/Q5_1
+ * the stored m) applied through the activation's block sums: sum (d q + o) x = d sum q x + o
+ * sum x. MXFP4's d is its exponent byte's 2^(e - 128) (e8m0_half), its q the levels of its
+ * table. The split kinds' row holds the scales (exponents), aux the codes, 16 bytes a block. */
+static const int BYTES_32[9] = {18, 2, 34, 18, 20, 22, 24, 17, 1};
 
-static inline int signed_32(int kind) { return kind == 2 || kind == 3 || kind == 7; }
+static inline int signed_32(int kind) { return kind == 2 || kind == 3 || kind >= 7; }
 
-/* the exponents of 8 MXFP4 blocks (the first at p) as e8m0_half does one */
-static inline __m256 e8m0_half8(const uint8_t *p) {
-    __m256i e = _mm256_setr_epi32(p[0], p[17], p[34], p[51], p[68], p[85], p[102], p[119]);
+/* the exponents of 8 MXFP4 blocks (the first at p, `stride` bytes apart) as e8m0_half does one */
+static inline __m256 e8m0_half8(const uint8_t *p, int stride) {
+    __m256i e = _mm256_setr_epi32(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride],
+                                  p[5 * stride], p[6 * stride], p[7 * stride]);
     __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e); /* e < 2 */
     __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
     __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
@@ -67,7 +69,8 @@ static inline __attribute__((always_inline)) __m256i codes_32(
     case 4: return nib32(p + 4);
     case 5: return five32(p + 2, p + 6);
     case 6: return five32(p + 4, p + 8);
-    default: return _mm256_shuffle_epi8(kv, nib32(p + 1));
+    case 7: return _mm256_shuffle_epi8(kv, nib32(p + 1));
+    default: return _mm256_shuffle_epi8(kv, nib32(aux + 16 * b));
     }
 }
 
@@ -85,8 +88,8 @@ static inline __m256i dot_32(int kind, __m256i w, const int8_t *x) {
 static inline __attribute__((always_inline)) void block_32(
     const uint8_t *row, const uint8_t *aux, int64_t b, const acts_t *a, const int64_t *vec,
     int64_t nt, __m256 *acc, int kind, __m256i kv) {
-    const uint8_t *p = kind == 1 ? row + 2 * b : row + BYTES_32[kind] * b;
-    float dw = kind == 7 ? e8m0_half(p[0]) : f16(p), o = offset_32(kind, dw, p);
+    const uint8_t *p = row + BYTES_32[kind] * b;
+    float dw = kind >= 7 ? e8m0_half(p[0]) : f16(p), o = offset_32(kind, dw, p);
     __m256i w = codes_32(kind, row, aux, b, kv);
     for (int64_t j = 0; j < nt; j++) {
         int64_t ib = vec[j] * (a->k / 32) + b;
@@ -108,7 +111,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
         acc[0][j] = acc[1][j] = corr[j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128((const __m128i *)(a->tab + (kind == 7 ? MXFP4_VALUES : IQ4_VALUES))));
+        _mm_loadu_si128((const __m128i *)(a->tab + (kind >= 7 ? MXFP4_VALUES : IQ4_VALUES))));
     const int64_t stride = BYTES_32[kind];
     int64_t b = 0;
     for (; b + 8 <= nb; b += 8) {
@@ -116,7 +119,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
         const uint8_t *p = row + stride * b;
         if (kind == 1) {
             h = _mm_loadu_si128((const __m128i *)(row + 2 * b));
-        } else if (kind != 7) {
+        } else if (kind < 7) {
 #define H(i, at) (short)(p[stride * (i) + (at)] | p[stride * (i) + (at) + 1] << 8)
             h = _mm_setr_epi16(H(0, 0), H(1, 0), H(2, 0), H(3, 0), H(4, 0), H(5, 0), H(6, 0),
                                H(7, 0));
@@ -125,7 +128,7 @@ static inline __attribute__((always_inline)) void rowdot_32(
                                     H(7, 2));
 #undef H
         }
-        __m256 dw = kind == 7 ? e8m0_half8(p) : _mm256_cvtph_ps(h);
+        __m256 dw = kind >= 7 ? e8m0_half8(p, (int)stride) : _mm256_cvtph_ps(h);
         __m256 o = kind == 4 || kind == 6 ? _mm256_cvtph_ps(hm)
                                           : _mm256_mul_ps(dw, _mm256_set1_ps(kind == 5 ? -16.0f
                                                                                       : -8.0f));
@@ -188,6 +191,7 @@ ROWDOT_32(rowdot_q4_1, 4)
 ROWDOT_32(rowdot_q5_0, 5)
 ROWDOT_32(rowdot_q5_1, 6)
 ROWDOT_32(rowdot_mxfp4, 7)
+ROWDOT_32(rowdot_mxfp4_split, 8)
 
 /* Q4_K's 8 6-bit scales and mins (llama.cpp's utmp shuffle), times d and dmin */
 static inline void q4_k_scales(const uint8_t *b, __m256 *sc, __m256 *mn) {
@@ -388,7 +392,7 @@ static rowdot_fn fused_rowdot(int qtype, int split) {
     case T_Q4_0: return split ? rowdot_q4_0_split : rowdot_q4_0;
     case T_Q8_0: return rowdot_q8_0;
     case T_IQ4_NL: return rowdot_iq4_nl;
-    case T_MXFP4: return rowdot_mxfp4;
+    case T_MXFP4: return split ? rowdot_mxfp4_split : rowdot_mxfp4;
     case T_Q4_1: return rowdot_q4_1;
     case T_Q5_0: return rowdot_q5_0;
     case T_Q5_1: return rowdot_q5_1;

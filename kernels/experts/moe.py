@@ -9,7 +9,8 @@ decode step needs no synchronisation and can be captured in a graph.
 Each projection has its own GGUF type (`ExpertFormat`: a Q4_K_M file mixes Q4_K gate/up
 with Q6_K or Q5_0 down). Q4_0 is read in a split layout (`split_q4_0`): a GGUF block is 18
 bytes, a stride that allows only byte loads, so each matrix keeps its fp16 scales first and
-its nibbles after, read as 32-bit words; Q6_K may be held split too (`split_q6_k`,
+its nibbles after, read as 32-bit words; MXFP4 (17-byte blocks) likewise (`split_mxfp4`: its
+codes first, 16 bytes a block, then its exponent bytes); Q6_K may be held split too (`split_q6_k`,
 `ExpertFormat.q6_k_split`: its 210-byte blocks leave the words 2-byte aligned), which the
 int8 dots alone read. The other types (`MOE_QTYPES`) are read as GGUF blocks
 (`kernels.experts.moe_dots`: Q4_K, Q6_K and Q8_0 a block at a time, the rest value by value
@@ -57,16 +58,19 @@ from kernels.experts.moe_dots_q8 import (
     quantize_q8,
     quantize_q8_ref,
 )
+from kernels.formats.byte_loads import _load_e8m0_half
+from kernels.formats.iq_decode import _e2m1_doubled
 from kernels.formats.iq_tables import iq_tables
 from kernels.formats.quant import QTensor, QType, row_bytes
 from kernels.layers.gemv import GEMV_QTYPES
 
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18
 Q4_0: tl.constexpr = tl.constexpr(int(QType.Q4_0))
+MXFP4: tl.constexpr = tl.constexpr(int(QType.MXFP4))
 Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
-# the types the fused kernels read: Q4_0 split, the rest as GGUF blocks
+# the types the fused kernels read: Q4_0 and MXFP4 split, the rest as GGUF blocks
 MOE_QTYPES: frozenset[QType] = GEMV_QTYPES
 
 
@@ -149,7 +153,7 @@ class MoeConfig:
 
 
 @triton.jit
-def _q4_0_rows_dot(
+def _nibble_rows_dot(
     w_ptr,
     rows,
     row_mask,
@@ -159,13 +163,21 @@ def _q4_0_rows_dot(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     ALIGNED: tl.constexpr,
+    MX: tl.constexpr,
 ):
-    """[BLOCK_N] float32: rows `rows` of a split-Q4_0 matrix [N, K] at byte address w_ptr,
-    dot x [K]. Nibbles are read as 32-bit words, four per block (see `split_q4_0`); ALIGNED:
-    they start on 16 bytes, so a block's four words are one 16-byte load."""
+    """[BLOCK_N] float32: rows `rows` of a split matrix [N, K] at byte address w_ptr, dot
+    x [K]: Q4_0 (`split_q4_0`: every block's fp16 scale, then its nibbles, d (q - 8)) or, with
+    MX, MXFP4 (`split_mxfp4`: every block's codes, then its exponent byte, 2^(e - 128) times the
+    doubled E2M1 level, computed from the code's bits). A block's 16 nibble bytes are read as
+    four 32-bit words; ALIGNED: they start on 16 bytes, so a block's words are one 16-byte
+    load. Each block's scale is applied once to its dot."""
     nb = K // 32
-    scales = w_ptr.to(tl.pointer_type(tl.float16))
-    words = (w_ptr + N * nb * 2).to(tl.pointer_type(tl.int32))
+    if MX:
+        words = w_ptr.to(tl.pointer_type(tl.int32))
+        scales = w_ptr + N * nb * 16
+    else:
+        words = (w_ptr + N * nb * 2).to(tl.pointer_type(tl.int32))
+        scales = w_ptr.to(tl.pointer_type(tl.float16))
     if ALIGNED:
         words = tl.multiple_of(words, 16)
     rows64 = rows.to(tl.int64)
@@ -174,7 +186,11 @@ def _q4_0_rows_dot(
     for b0 in range(0, nb, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)  # [BB]
         bmask = row_mask[:, None] & (blk[None, :] < nb)  # [BN, BB]
-        d = tl.load(scales + rows64[:, None] * nb + blk[None, :], mask=bmask, other=0.0)
+        at = rows64[:, None] * nb + blk[None, :]
+        if MX:
+            d = _load_e8m0_half(scales + at, bmask)
+        else:
+            d = tl.load(scales + at, mask=bmask, other=0.0).to(tl.float32)
         wptr = words + rows64[:, None, None] * (nb * 4) + blk[None, :, None] * 4 + ww[None, None, :]
         q = tl.load(wptr, mask=bmask[:, :, None], other=0)  # [BN, BB, 4] int32
         xb = x_ptr + blk[:, None] * 32 + ww[None, :] * 4  # [BB, 4]: value 4w (+i, +16)
@@ -183,10 +199,14 @@ def _q4_0_rows_dot(
         for i in tl.static_range(4):  # byte i of each word: values 4w+i (low), 4w+i+16 (high)
             x_lo = tl.load(xb + i, mask=xmask, other=0.0).to(tl.float32)
             x_hi = tl.load(xb + 16 + i, mask=xmask, other=0.0).to(tl.float32)
-            lo = ((q >> (8 * i)) & 0xF) - 8
-            hi = ((q >> (8 * i + 4)) & 0xF) - 8
-            part += lo.to(tl.float32) * x_lo[None, :, :] + hi.to(tl.float32) * x_hi[None, :, :]
-        acc += tl.sum(tl.sum(part, axis=2) * d.to(tl.float32), axis=1)
+            lo = (q >> (8 * i)) & 0xF
+            hi = (q >> (8 * i + 4)) & 0xF
+            if MX:
+                lo, hi = _e2m1_doubled(lo), _e2m1_doubled(hi)
+            else:
+                lo, hi = (lo - 8).to(tl.float32), (hi - 8).to(tl.float32)
+            part += lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
+        acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
     return acc
 
 
@@ -211,15 +231,17 @@ def _rows_dot(
     ASM: tl.constexpr,
     Q6_SPLIT: tl.constexpr,
 ):
-    """Rows of a projection of type QTYPE (Q4_0: the split layout; Q6_K with Q6_SPLIT too)
+    """Rows of a projection of type QTYPE (Q4_0 and MXFP4: their split layouts; Q6_K with
+    Q6_SPLIT too)
     dot x [K] (X8: dot x's Q8 row at x8_ptr in int8, `kernels.experts.moe_dots_q8`)."""
     if X8 and Q6_SPLIT and QTYPE == Q6_K:
         acc = q6_k_split_rows_dot(w_ptr, rows, row_mask, x8_ptr, K, N, BLOCK_N, SBS, ASM)
     elif X8:
         row_at = w_ptr + rows.to(tl.int64) * ROW_BYTES
         acc = q8_rows_dot(row_at, row_mask, x8_ptr, K, QTYPE, BLOCK_N, SBS, ASM)
-    elif QTYPE == Q4_0:
-        acc = _q4_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED)
+    elif QTYPE == Q4_0 or QTYPE == MXFP4:  # noqa: SIM109
+        acc = _nibble_rows_dot(w_ptr, rows, row_mask, x_ptr, K, N, BLOCK_N, BLOCK_B, ALIGNED,
+                               QTYPE == MXFP4)  # fmt: skip
     else:
         acc = blocks_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, QTYPE,
                               BLOCK_N, BLOCK_K, ALIGNED, SBS)  # fmt: skip
@@ -583,6 +605,26 @@ def unsplit_q4_0(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     scales = data[..., : rows * nb * 2].reshape(*lead, rows, nb, 2)
     nibbles = data[..., rows * nb * 2 :].reshape(*lead, rows, nb, 16)
     return torch.cat([scales, nibbles], dim=-1).reshape(*lead, rows, nb * Q4_0_BYTES)
+
+
+MXFP4_BYTES = 17  # a block of 32: its E8M0 exponent, then 16 bytes of codes
+
+
+def split_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [N, K/32 * 17] -> the kernels' layout, flat bytes of the same size: every
+    block's 16 code bytes [N, K/32, 16] (on 16 bytes where the matrix is), then every block's
+    exponent byte [N, K/32]."""
+    b = blocks.reshape(blocks.shape[0], -1, MXFP4_BYTES)
+    return torch.cat([b[:, :, 1:].reshape(-1), b[:, :, 0].reshape(-1)])
+
+
+def unsplit_mxfp4(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `split_mxfp4`: data [..., bytes] (one split matrix per leading index) ->
+    MXFP4 blocks [..., rows, cols/32 * 17]."""
+    lead, nb = data.shape[:-1], cols // 32
+    codes = data[..., : rows * nb * 16].reshape(*lead, rows, nb, 16)
+    exps = data[..., rows * nb * 16 : rows * nb * MXFP4_BYTES].reshape(*lead, rows, nb, 1)
+    return torch.cat([exps, codes], dim=-1).reshape(*lead, rows, nb * MXFP4_BYTES)
 
 
 Q6_K_BLOCK_BYTES, Q6_K_BODY_BYTES = 210, 208  # a block; its ql, qh and scales

@@ -1,5 +1,5 @@
 """Row dots of the fused MoE kernels for the GGUF types kept as blocks (`kernels.experts.moe` keeps
-Q4_0 in its split layout and dots it there).
+Q4_0 and MXFP4 in their split layouts and dots them there).
 
 Each takes rows of one projection at byte address `w_ptr` (ROW_BYTES per row) and an
 activation x [K], and returns [BLOCK_N] float32. Decoding value by value (the GEMV kernel's
@@ -10,8 +10,7 @@ its dot:
   of 5th bits) as 32-bit words, `super_blocks` super-blocks per step.
 - Q6_K: a super-block as [half, 16-value group pair, 16], 3 byte loads per 4 weights,
   `super_blocks` super-blocks per step.
-- Q8_0: blocks of 32 int8 with one scale each; MXFP4: blocks of 16 code bytes (two values
-  each, their levels from the E2M1 bits) with one exponent each.
+- Q8_0: blocks of 32 int8 with one scale each.
 - Q2_K (aligned: codes as words) and Q3_K (one code byte per 4 weights, one high-bit byte
   per 8): each 16-value sub-block's scale once.
 - the i-quants IQ4_XS (aligned), IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S: their
@@ -26,8 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels.experts.moe_dots_iq import _grid_rows_dot, _iq3_s_rows_dot, _iq4_xs_rows_dot
-from kernels.formats.byte_loads import _load_e8m0_half, _load_f16
-from kernels.formats.iq_decode import GRID_BITS, _e2m1_doubled
+from kernels.formats.byte_loads import _load_f16
+from kernels.formats.iq_decode import GRID_BITS
 from kernels.formats.quant import QType
 from kernels.layers.gemv import _dequant_tile, _k_scale_min
 
@@ -37,7 +36,6 @@ Q4_K: tl.constexpr = tl.constexpr(int(QType.Q4_K))
 Q5_K: tl.constexpr = tl.constexpr(int(QType.Q5_K))
 Q6_K: tl.constexpr = tl.constexpr(int(QType.Q6_K))
 Q8_0: tl.constexpr = tl.constexpr(int(QType.Q8_0))
-MXFP4: tl.constexpr = tl.constexpr(int(QType.MXFP4))
 IQ4_XS: tl.constexpr = tl.constexpr(int(QType.IQ4_XS))
 IQ3_S: tl.constexpr = tl.constexpr(int(QType.IQ3_S))
 
@@ -228,28 +226,6 @@ def _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.const
 
 
 @triton.jit
-def _mxfp4_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
-    """MXFP4 (17 bytes: E8M0 e | 16 bytes of 4-bit E2M1 codes, value j low, j + 16 high),
-    eight blocks a step: [BN, 8, 16] code bytes (each load serves two values), the levels from
-    the codes' bits, one exponent per block applied to its dot."""
-    blk, blk2, mask3, row, row2 = _eight_blocks(w_ptr, rows, row_mask, ROW_BYTES)
-    j = tl.arange(0, 16)[None, None, :]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    nb = K // 32
-    for b0 in range(0, nb, 8):
-        bmask = (b0 + blk) < nb  # [1, 8, 1]
-        q = tl.load(row + (b0 + blk) * 17 + 1 + j, mask=mask3 & bmask, other=0)  # [BN, 8, 16]
-        x = x_ptr + (b0 + blk) * 32 + j  # [1, 8, 16]
-        x_lo = tl.load(x, mask=bmask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x + 16, mask=bmask, other=0.0).to(tl.float32)
-        lo, hi = _e2m1_doubled(q & 0xF), _e2m1_doubled(q >> 4)
-        dot = tl.sum(lo * x_lo + hi * x_hi, axis=2)  # [BN, 8]
-        dmask = row_mask[:, None] & ((b0 + blk2) < nb)  # [BN, 8]
-        acc += tl.sum(_load_e8m0_half(row2 + (b0 + blk2) * 17, dmask) * dot, axis=1)
-    return acc
-
-
-@triton.jit
 def _q2_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N: tl.constexpr):
     """Q2_K (84 bytes: scales 16 | qs 64 | d | dmin), rows and blocks 4-byte aligned: the
     codes as 32-bit words [half n, group h, word w]: bits 2j of byte b hold value
@@ -353,8 +329,6 @@ def blocks_rows_dot(
         acc = _q6_k_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N, SBS)
     elif QTYPE == Q8_0:
         acc = _q8_0_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
-    elif QTYPE == MXFP4:
-        acc = _mxfp4_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, BLOCK_N)
     elif QTYPE == IQ3_S:
         acc = _iq3_s_rows_dot(w_ptr, rows, row_mask, x_ptr, K, ROW_BYTES, tab_ptr, BLOCK_N)
     elif (GRID_BITS >> QTYPE) & 1:  # QTYPE in GRID_QTYPES

@@ -60,7 +60,7 @@ class CompiledMath:
         if fmt is None:
             fmt = self._formats[layout] = CpuExpertFormat(
                 layout.qtypes, layout.hidden, layout.ffn, layout.up_offset, layout.down_offset,
-                layout.split, layout.q6_k_split)  # fmt: skip
+                layout.split, layout.q6_k_split, mxfp4_split=layout.split)  # fmt: skip
         self.kernels.moe(x, blobs, tokens, weights, fmt, out)
 
 

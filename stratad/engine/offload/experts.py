@@ -2,8 +2,9 @@
 
 This is the unit every tier holds: a VRAM slot, the resident RAM copy and the pack file all
 store the same bytes, so moving an expert is one copy and a kernel finds its three
-matrices at fixed offsets from one address. Each projection keeps its GGUF type (Q4_0 in the
-kernels' split layout, Q6_K too where the tuning table says it pays: `kernel_layouts`); the
+matrices at fixed offsets from one address. Each projection keeps its GGUF type (Q4_0 and
+MXFP4 in the kernels' split layouts, Q6_K too where the tuning table says it pays:
+`kernel_layouts`); the
 types, and so the offsets, may change from layer to layer, and every tier gives a blob the
 same row (`ExpertLayouts.slot_bytes`).
 """
@@ -18,9 +19,11 @@ import torch
 from kernels.experts.moe import (
     MOE_QTYPES,
     ExpertFormat,
+    split_mxfp4,
     split_q4_0,
     split_q4_0_ok,
     split_q6_k,
+    unsplit_mxfp4,
     unsplit_q4_0,
     unsplit_q6_k,
 )
@@ -29,6 +32,9 @@ from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
 from stratad.model.weights import MoEWeights
 from stratad.store.pack.manifest import ExpertLayout
+
+# the types a layout with `split` holds in their split layouts
+SPLIT_QTYPES = frozenset({QType.Q4_0, QType.MXFP4})
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class BlobLayout:
     gate_bytes: int  # [F, H] blocks
     up_bytes: int  # [F, H]
     down_bytes: int  # [H, F]
-    # Q4_0 projections in the kernels' split layout (kernels.experts.moe.split_q4_0)
+    # Q4_0 and MXFP4 projections in the kernels' split layouts (kernels.experts.moe.split_q4_0,
+    # split_mxfp4)
     split: bool = False
     # Q6_K projections in theirs (kernels.experts.moe.split_q6_k: the int8 dots alone read
     # it); set only where the layer holds Q6_K
@@ -76,20 +83,22 @@ class BlobLayout:
 
     def is_split(self, qtype: QType) -> bool:
         """Whether projections of `qtype` are held in a split layout, not as GGUF blocks."""
-        return (self.split and qtype == QType.Q4_0) or (self.q6_k_split and qtype == QType.Q6_K)
+        return (self.split and qtype in SPLIT_QTYPES) or (
+            self.q6_k_split and qtype == QType.Q6_K
+        )
 
     def held(self, qtype: QType, blocks: torch.Tensor) -> torch.Tensor:
         """A projection's GGUF blocks [rows, row bytes] as the blob holds them (flat)."""
         if not self.is_split(qtype):
             return blocks.reshape(-1)
-        return split_q4_0(blocks) if qtype == QType.Q4_0 else split_q6_k(blocks)
+        return {QType.Q4_0: split_q4_0, QType.MXFP4: split_mxfp4}.get(qtype, split_q6_k)(blocks)
 
     def blocks(self, qtype: QType, part: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         """The GGUF blocks [..., rows, row bytes] of a projection held as `part` [..., bytes]
         (one per leading index; a copy where it is held split)."""
         if not self.is_split(qtype):
             return part.reshape(*part.shape[:-1], rows, -1)
-        unsplit = unsplit_q4_0 if qtype == QType.Q4_0 else unsplit_q6_k
+        unsplit = {QType.Q4_0: unsplit_q4_0, QType.MXFP4: unsplit_mxfp4}.get(qtype, unsplit_q6_k)
         return unsplit(part, rows, cols)
 
     def views(self, blob: torch.Tensor) -> tuple[QTensor, QTensor, QTensor]:
@@ -194,9 +203,9 @@ def fast_path_refusal(model: Model) -> str | None:
 
 
 def kernel_layouts(model: Model, q6_k_split: bool = False) -> ExpertLayouts:
-    """The blob layouts the fast engine's kernels read: Q4_0 projections in the split layout,
-    Q6_K ones too with `q6_k_split` (its int8 dots read them in 16-byte words: the tuning
-    table's switch `q6_k_layout`), the other types as GGUF blocks."""
+    """The blob layouts the fast engine's kernels read: Q4_0 and MXFP4 projections in their
+    split layouts, Q6_K ones too with `q6_k_split` (its int8 dots read them in 16-byte words:
+    the tuning table's switch `q6_k_layout`), the other types as GGUF blocks."""
     why = fast_path_refusal(model)
     if why is not None:
         raise ModelError(f"{model.source}: the offload engine cannot read it: {why}")
