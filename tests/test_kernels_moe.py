@@ -15,6 +15,7 @@ from kernels.experts.moe import (
     fused_moe,
     fused_moe_ref,
     split_mxfp4,
+    split_mxfp4_ok,
     split_q4_0,
     split_q4_0_ok,
     split_q6_k,
@@ -84,6 +85,8 @@ def test_split_mxfp4_round_trip() -> None:
     assert torch.equal(split[6 * 3 * 16 :].view(6, 3), blocks[:, :, 0])
     assert torch.equal(unsplit_mxfp4(split, 6, 96), w.data)
     assert torch.equal(unsplit_mxfp4(torch.stack([split, split]), 6, 96)[1], w.data)
+    # 18 blocks of 17 bytes end off a 16-byte word; gpt-oss's 2880 x 2880 end on one
+    assert not split_mxfp4_ok(6, 96) and split_mxfp4_ok(2880, 2880)
 
 
 def test_split_layout_round_trip() -> None:

@@ -618,6 +618,13 @@ def split_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([b[:, :, 1:].reshape(-1), b[:, :, 0].reshape(-1)])
 
 
+def split_mxfp4_ok(rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] MXFP4 matrix is whole 16-byte words (17 bytes a block): then
+    the matrices after it in a blob start on 16 bytes as it does, so every code word the
+    kernels load is aligned."""
+    return cols % 32 == 0 and (rows * (cols // 32)) % 16 == 0
+
+
 def unsplit_mxfp4(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The inverse of `split_mxfp4`: data [..., bytes] (one split matrix per leading index) ->
     MXFP4 blocks [..., rows, cols/32 * 17]."""

@@ -20,6 +20,7 @@ from kernels.experts.moe import (
     MOE_QTYPES,
     ExpertFormat,
     split_mxfp4,
+    split_mxfp4_ok,
     split_q4_0,
     split_q4_0_ok,
     split_q6_k,
@@ -199,6 +200,8 @@ def fast_path_refusal(model: Model) -> str | None:
                 return f"layer {first + row} holds {qtype.name} experts"
             if qtype == QType.Q4_0 and not split_q4_0_ok(rows, cols):
                 return f"Q4_0 experts of {rows} x {cols} (the kernels read aligned words)"
+            if qtype == QType.MXFP4 and not split_mxfp4_ok(rows, cols):
+                return f"MXFP4 experts of {rows} x {cols} (the kernels read aligned words)"
     return None
 
 
