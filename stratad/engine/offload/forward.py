@@ -184,7 +184,7 @@ class OffloadForward:
         by_table = self.attention.batched if tabled else lambda _: False
         preserve = self.deltanet.preserved if self.deltanet is not None else nullcontext
         self.graph = DecodeGraph(self._decode_pass, device, by_table, preserve)
-        self.split = SplitStep(self._split_parts(), device, config.graphs)
+        self.split = SplitStep(self._split_parts(), device, config.graphs, preserve)
 
     # -- placement -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -88,8 +88,14 @@ class _Capture:
 
 
 class SplitStep:
-    def __init__(self, parts: SplitParts, device: torch.device, graphs: bool) -> None:
-        self.p, self.device = parts, device
+    def __init__(
+        self, parts: SplitParts, device: torch.device, graphs: bool,
+        preserve: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:  # fmt: skip
+        """`preserve()`: a block around a capture's warm-up passes that puts back what they
+        change beyond rewriting the step's own keys and values (a recurrent model's states,
+        as `DecodeGraph`'s)."""
+        self.p, self.device, self.preserve = parts, device, preserve
         self.graphs = graphs and device.type == "cuda"
         self._captures: OrderedDict[tuple[int, ...], _Capture] = OrderedDict()
         self.captured = 0
@@ -207,17 +213,18 @@ class SplitStep:
             return eager
         bufs.pos.copy_(torch.tensor(pos))
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(eager)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         replays: list[Callable[[], None]] = []
-        for piece in eager.pieces:  # in order: each captures the tensors the last produced
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                piece()
-            replays.append(graph.replay)
+        with self.preserve():  # (its copies queued before the warm-up's stream waits)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run(eager)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            for piece in eager.pieces:  # in order: each captures the tensors the last produced
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    piece()
+                replays.append(graph.replay)
         self.captured += 1
         return _Capture(caches, bufs, replays)
