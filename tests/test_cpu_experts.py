@@ -24,6 +24,7 @@ from kernels.cpu.experts import (
     X8,
     CpuExpertFormat,
     CpuExperts,
+    ExpertExtras,
 )
 from kernels.experts.moe import split_mxfp4, split_q4_0, split_q6_k
 from kernels.formats.quant import FLOAT_QTYPES, QUANTIZE_QTYPES, QType, block_geometry, dequantize
@@ -272,6 +273,35 @@ def test_split_layouts_portable(qtypes: tuple[QType, QType, QType]) -> None:
     """The portable build (no AVX2: the decode-then-dot path, not the fused dots) reads the
     split layouts too."""
     _check_moe(CpuExperts(2, native=False), qtypes, True)
+
+
+def test_moe_with_biases_and_the_clamp(cpu: CpuExperts) -> None:
+    """gpt-oss's experts (split MXFP4): each item's gate, up and down biases and the clamped
+    SwiGLU, against float64 on the same int8 activations; a limit the products pass clamps."""
+    fmt = CpuExpertFormat.packed((QType.MXFP4,) * 3, hidden=256, ffn=256, mxfp4_split=True)
+    made = [_blob(fmt, seed) for seed in range(2)]
+    gen = torch.Generator().manual_seed(8)
+    items, tokens, weights = [0, 1, 0], [0, 0, 1], [0.5, -1.5, 2.0]
+    x = torch.randn(2, 256, generator=gen)
+    extras = ExpertExtras(torch.randn(3, 2, 256, generator=gen), torch.randn(3, 256, generator=gen),
+                          (1.702, 0.5))  # fmt: skip
+    out = torch.zeros(2, 256)
+    cpu.moe(x, [made[e][0] for e in items], tokens, weights, fmt, out, extras)
+    ref, scale = torch.zeros(2, 256, dtype=torch.float64), torch.zeros(2, 256, dtype=torch.float64)
+    clamped = 0
+    for i, (e, t, w) in enumerate(zip(items, tokens, weights, strict=True)):
+        g, u, d = made[e][1]
+        xa = _act(x[t], QType.MXFP4).double()
+        bias = extras.gate_up_bias[i].double()  # type: ignore[index]
+        gate, up = (g @ xa + bias[0]).clamp(max=0.5), (u @ xa + bias[1]).clamp(-0.5, 0.5)
+        clamped += int((g @ xa + bias[0] > 0.5).sum())
+        ha = _act((gate * torch.sigmoid(1.702 * gate) * (up + 1)).float(), QType.MXFP4).double()
+        ref[t] += w * (d @ ha + extras.down_bias[i].double())  # type: ignore[index]
+        scale[t] += abs(w) * (d.abs() @ ha.abs() + extras.down_bias[i].abs().double())  # type: ignore[index]
+    assert clamped > 0
+    _close(out, ref, scale, ulps=256)
+    with pytest.raises(ValueError, match="down_bias"):
+        cpu.moe(x, [made[0][0]], [0], [1.0], fmt, out, ExpertExtras(down_bias=torch.zeros(2, 256)))
 
 
 def _check_moe(cpu: CpuExperts, qtypes: tuple[QType, QType, QType], split: bool) -> None:

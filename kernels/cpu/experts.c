@@ -311,14 +311,27 @@ int strata_matmul(const float *x, int64_t T, const uint8_t *w, int qtype, int sp
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* gpt-oss's clamped SwiGLU: the gate clamped from above and the up from both sides at limit,
+ * then g sigmoid(alpha g) (u + 1) */
+static inline float clamped_swiglu(float g, float u, float alpha, float limit) {
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : u > limit ? limit : u;
+    return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+}
+
 /* out[tokens[i]] += weights[i] * down_i(silu(gate_i x) * up_i x) for every item i, where item
  * i's expert's matrices start at gates[i], ups[i], downs[i] (a model's expert stacks). Items
- * with the same gate pointer read their weights once. Returns 0 or an error as strata_matmul. */
+ * with the same gate pointer read their weights once. gu_bias (or NULL): item i's gate and up
+ * biases at gu_bias + i * 2 ffn (gate, then up), added to the products; down_bias (or NULL):
+ * its down bias at down_bias + i * hidden, added before the weight; limit > 0: gpt-oss's
+ * clamped SwiGLU (alpha, limit) in place of silu(gate) * up. Returns 0 or an error as
+ * strata_matmul. */
 int strata_moe_parts(const float *x, int64_t T, int64_t hidden, int64_t ffn,
                      const uint8_t *const *gates, const uint8_t *const *ups,
                      const uint8_t *const *downs, int64_t n, const int64_t *tokens,
                      const float *weights, const int32_t *qtypes, int split, float *out,
-                     int threads, const uint8_t *tab) {
+                     int threads, const uint8_t *tab, const float *gu_bias,
+                     const float *down_bias, float alpha, float limit) {
     mat_t mg, mu, md;
     int err = mat_init(&mg, NULL, qtypes[0], split, ffn, hidden);
     if (!err) err = mat_init(&mu, NULL, qtypes[1], split, ffn, hidden);
@@ -376,7 +389,13 @@ int strata_moe_parts(const float *x, int64_t T, int64_t hidden, int64_t ffn,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             float *h = gu + i * 2 * ffn; /* h overwrites gate in place */
-            for (int64_t f = 0; f < ffn; f++) h[f] = silu(h[f]) * h[ffn + f];
+            if (gu_bias)
+                for (int64_t f = 0; f < 2 * ffn; f++) h[f] += gu_bias[i * 2 * ffn + f];
+            if (limit > 0.0f)
+                for (int64_t f = 0; f < ffn; f++)
+                    h[f] = clamped_swiglu(h[f], h[ffn + f], alpha, limit);
+            else
+                for (int64_t f = 0; f < ffn; f++) h[f] = silu(h[f]) * h[ffn + f];
             if (!md.is_float) quantize_act(&ha, i, h);
         }
 #pragma omp for schedule(guided)
@@ -392,9 +411,11 @@ int strata_moe_parts(const float *x, int64_t T, int64_t hidden, int64_t ffn,
         for (int64_t task = 0; task < out_tasks; task++) {
             int64_t r0 = task * ROWS_PER_TASK;
             int64_t r1 = r0 + ROWS_PER_TASK < hidden ? r0 + ROWS_PER_TASK : hidden;
-            for (int64_t i = 0; i < n; i++) /* fixed order: deterministic */
+            for (int64_t i = 0; i < n; i++) { /* fixed order: deterministic */
+                const float *d = dn + i * hidden, *b = down_bias ? down_bias + i * hidden : NULL;
                 for (int64_t r = r0; r < r1; r++)
-                    out[tokens[i] * hidden + r] += weights[i] * dn[i * hidden + r];
+                    out[tokens[i] * hidden + r] += weights[i] * (b ? d[r] + b[r] : d[r]);
+            }
         }
     }
 done:
@@ -408,7 +429,8 @@ done:
 int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
                const uint8_t *const *blobs, int64_t n, const int64_t *tokens,
                const float *weights, const int32_t *qtypes, int64_t up_off, int64_t down_off,
-               int split, float *out, int threads, const uint8_t *tab) {
+               int split, float *out, int threads, const uint8_t *tab, const float *gu_bias,
+               const float *down_bias, float alpha, float limit) {
     const uint8_t **parts = malloc(sizeof(uint8_t *) * 2 * (size_t)(n + 1));
     if (!parts) return -3;
     for (int64_t i = 0; i < n; i++) {
@@ -416,7 +438,7 @@ int strata_moe(const float *x, int64_t T, int64_t hidden, int64_t ffn,
         parts[n + i] = blobs[i] + down_off;
     }
     int err = strata_moe_parts(x, T, hidden, ffn, blobs, parts, parts + n, n, tokens, weights,
-                               qtypes, split, out, threads, tab);
+                               qtypes, split, out, threads, tab, gu_bias, down_bias, alpha, limit);
     free(parts);
     return err;
 }

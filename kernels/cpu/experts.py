@@ -90,6 +90,38 @@ class CpuExpertFormat:
         return self.down_offset + self.hidden * row_bytes(self.qtypes[2], self.ffn)
 
 
+@dataclass(frozen=True)
+class ExpertExtras:
+    """What a layer's experts add to silu(gate x) * up x (gpt-oss): each item's gate and up
+    biases [n, 2, ffn] and down bias [n, hidden] (float32 CPU tensors, row i for item i, or
+    None), and the clamped SwiGLU's (alpha, limit) in place of SiLU (None: SiLU)."""
+
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    clamp: tuple[float, float] | None = None
+
+    def args(self, n: int, hidden: int, ffn: int) -> tuple[int | None, int | None, float, float]:
+        """The C kernels' (gu_bias, down_bias, alpha, limit) for n items, checked."""
+        for t, shape, name in ((self.gate_up_bias, (n, 2, ffn), "gate_up_bias"),
+                               (self.down_bias, (n, hidden), "down_bias")):  # fmt: skip
+            if t is not None:
+                _check(t, name, torch.float32)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{name} {tuple(t.shape)}: not {list(shape)}")
+        alpha, limit = self.clamp or (1.0, 0.0)
+        if self.clamp is not None and not limit > 0:
+            raise ValueError(f"the clamp's limit must be positive, got {limit}")
+        return (
+            None if self.gate_up_bias is None else self.gate_up_bias.data_ptr(),
+            None if self.down_bias is None else self.down_bias.data_ptr(),
+            alpha,
+            limit,
+        )
+
+
+PLAIN = ExpertExtras()
+
+
 def physical_cores() -> int:
     """The default team size: the physical cores this process may run on."""
     usable = len(os.sched_getaffinity(0))
@@ -136,10 +168,10 @@ class CpuExperts:
         self._matmul.argtypes = [_P, _I64, _P, _I32, _I32, _I64, _I64, _P, _I32, _P]
         self._moe = lib.strata_moe
         self._moe.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _P,
-                              _I32, _P]  # fmt: skip
+                              _I32, _P, _P, _P, _F, _F]  # fmt: skip
         self._moe_parts = lib.strata_moe_parts
         self._moe_parts.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _P,
-                                    _I32, _P]  # fmt: skip
+                                    _I32, _P, _P, _P, _F, _F]  # fmt: skip
         self._dense = lib.strata_dense_layers  # kernels/cpu/dense.py
         self._dense.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P,
                                 _I32, _P]  # fmt: skip
@@ -297,10 +329,12 @@ class CpuExperts:
         weights: Sequence[float],
         fmt: CpuExpertFormat,
         out: torch.Tensor,
+        extras: ExpertExtras = PLAIN,
     ) -> None:
         """out[tokens[i]] += weights[i] * down_i(silu(gate_i x) * up_i x), x [T, hidden] and
         out [T, hidden] float32; blobs[i] is item i's expert (uint8, >= fmt.nbytes, any
-        alignment). Items sharing a blob (the same tensor storage) read it once."""
+        alignment). Items sharing a blob (the same tensor storage) read it once. `extras`:
+        the items' biases and gpt-oss's clamped SwiGLU."""
         for qtype, name in zip(fmt.qtypes, ("gate", "up", "down"), strict=True):
             self._qtype(qtype, name)
         if fmt.hidden % 32 or fmt.ffn % 32:
@@ -333,6 +367,7 @@ class CpuExperts:
             x.data_ptr(), n_tokens, fmt.hidden, fmt.ffn, ptrs.ctypes.data, n, tok.ctypes.data,
             wts.ctypes.data, qts.ctypes.data, fmt.up_offset, fmt.down_offset, fmt.split_bits,
             out.data_ptr(), self.threads, self._tables.data_ptr(),
+            *extras.args(n, fmt.hidden, fmt.ffn),
         )  # fmt: skip
         self._raise(rc, "moe")
 
@@ -379,7 +414,7 @@ class CpuExperts:
         rc = self._moe_parts(x.data_ptr(), x.shape[0], hidden, ffn, ptrs[0].ctypes.data,
                              ptrs[1].ctypes.data, ptrs[2].ctypes.data, n, tok.ctypes.data,
                              wts.ctypes.data, qts.ctypes.data, 0, out.data_ptr(), self.threads,
-                             self._tables.data_ptr())  # fmt: skip
+                             self._tables.data_ptr(), *PLAIN.args(n, hidden, ffn))  # fmt: skip
         self._raise(rc, "moe")
 
 
@@ -460,5 +495,6 @@ class PreparedMoE:
         rc = self._fn(x.data_ptr(), t, self.hidden, self.ffn, gates.ctypes.data, ups.ctypes.data,
                       downs.ctypes.data, e.size, tokens.ctypes.data, wts.ctypes.data,
                       self._qtypes.ctypes.data, 0, out.data_ptr(), self._threads,
-                      self._tables.data_ptr())  # fmt: skip
+                      self._tables.data_ptr(),
+                      *PLAIN.args(e.size, self.hidden, self.ffn))  # fmt: skip
         CpuExperts._raise(rc, "moe")

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from kernels.cpu.build import CpuKernelsUnavailable
-from kernels.cpu.experts import CpuExpertFormat, CpuExperts
+from kernels.cpu.experts import PLAIN, CpuExpertFormat, CpuExperts, ExpertExtras
 from stratad.engine.offload.experts import BlobLayout, ExpertLayouts
-from stratad.engine.reference.layers import swiglu
 from stratad.engine.timing import StageTimer
+from stratad.model.graph.activation import SILU, Activation, ClampedSwiGlu
 from stratad.store.tiers.address_table import AddressTable
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,34 @@ log = logging.getLogger(__name__)
 GpuExperts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ExpertFfn:
+    """How a model's experts compute beyond their three products (gpt-oss): by routed layer
+    (the store's row), every expert's biases on the host (gate and up [E, 2, F], down [E, H]
+    float32; a layer missing: none), and the activation of gate and up."""
+
+    biases: Mapping[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    activation: Activation = SILU
+
+    def extras(self, layer: int, experts: Sequence[int]) -> ExpertExtras:
+        """The compiled kernels' extras for items of `experts` of routed layer `layer`."""
+        bias = self.biases.get(layer)
+        act = self.activation
+        clamp = (act.alpha, act.limit) if isinstance(act, ClampedSwiGlu) else None
+        if bias is None:
+            return PLAIN if clamp is None else ExpertExtras(clamp=clamp)
+        at = torch.tensor(list(experts), dtype=torch.long)
+        return ExpertExtras(bias[0].index_select(0, at), bias[1].index_select(0, at), clamp)
+
+
 class ExpertMath(Protocol):
     name: str
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
-            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
-        """out[tokens[i]] += weights[i] * expert_i(x[tokens[i]]), float32 on the CPU."""
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor,
+            extras: ExpertExtras = PLAIN) -> None:  # fmt: skip
+        """out[tokens[i]] += weights[i] * expert_i(x[tokens[i]]), float32 on the CPU; `extras`:
+        the items' biases and clamped SwiGLU."""
 
 
 class CompiledMath:
@@ -52,16 +75,17 @@ class CompiledMath:
         self._formats: dict[BlobLayout, CpuExpertFormat] = {}
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
-            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor,
+            extras: ExpertExtras = PLAIN) -> None:  # fmt: skip
         if not set(layout.qtypes) <= self.kernels.supported:
-            TorchMath().moe(x, blobs, tokens, weights, layout, out)
+            TorchMath().moe(x, blobs, tokens, weights, layout, out, extras)
             return
         fmt = self._formats.get(layout)
         if fmt is None:
             fmt = self._formats[layout] = CpuExpertFormat(
                 layout.qtypes, layout.hidden, layout.ffn, layout.up_offset, layout.down_offset,
                 layout.split, layout.q6_k_split, mxfp4_split=layout.split)  # fmt: skip
-        self.kernels.moe(x, blobs, tokens, weights, fmt, out)
+        self.kernels.moe(x, blobs, tokens, weights, fmt, out, extras)
 
 
 class TorchMath:
@@ -70,10 +94,16 @@ class TorchMath:
     name = "torch, dequantized per use"
 
     def moe(self, x: torch.Tensor, blobs: Sequence[torch.Tensor], tokens: Sequence[int],
-            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor) -> None:
-        for blob, t, w in zip(blobs, tokens, weights, strict=True):
-            g, u, d = layout.views(blob)
-            out[t] += w * swiglu(x[t], g.dequantize(), u.dequantize(), d.dequantize())
+            weights: Sequence[float], layout: BlobLayout, out: torch.Tensor,
+            extras: ExpertExtras = PLAIN) -> None:  # fmt: skip
+        act = SILU if extras.clamp is None else ClampedSwiGlu(*extras.clamp)
+        for i, (blob, t, w) in enumerate(zip(blobs, tokens, weights, strict=True)):
+            g, u, d = (m.dequantize() for m in layout.views(blob))
+            gate, up = g @ x[t], u @ x[t]
+            if extras.gate_up_bias is not None:
+                gate, up = gate + extras.gate_up_bias[i, 0], up + extras.gate_up_bias[i, 1]
+            y = d @ act(gate, up)
+            out[t] += w * (y if extras.down_bias is None else y + extras.down_bias[i])
 
 
 def expert_math(compiled: bool, threads: int | None = None) -> ExpertMath:
@@ -97,9 +127,11 @@ def balanced_frac(cpu_bps: float, gpu_bps: float) -> float:
 
 class CpuMisses:
     def __init__(
-        self, experts: AddressTable, layouts: ExpertLayouts, hidden: int, math: ExpertMath
-    ) -> None:
+        self, experts: AddressTable, layouts: ExpertLayouts, hidden: int, math: ExpertMath,
+        ffn: ExpertFfn = ExpertFfn(),
+    ) -> None:  # fmt: skip
         self.table, self.layouts, self.hidden, self.math = experts, layouts, hidden, math
+        self.ffn = ffn
         self.experts = 0  # expert computations done on the CPU so far
         # blobs only the file holds are read into these, on the host (one per CPU slot)
         self._scratch: list[torch.Tensor] = []
@@ -152,9 +184,10 @@ class CpuMisses:
     ) -> None:
         """out[t] += weights[t][k] * expert(x[t]) for each (token t, slot k) of `slots`, on
         the CPU (x and out [T, H] float32 on the host)."""
-        blobs = [self._blob(layer, host_ids[t][k], n) for n, (t, k) in enumerate(slots)]
+        experts = [host_ids[t][k] for t, k in slots]
+        blobs = [self._blob(layer, e, n) for n, e in enumerate(experts)]
         self.math.moe(x, blobs, [t for t, _ in slots], [weights[t][k] for t, k in slots],
-                      self.layouts[layer], out)  # fmt: skip
+                      self.layouts[layer], out, self.ffn.extras(layer, experts))  # fmt: skip
         self.experts += len(slots)
 
     def _blob(self, layer: int, expert: int, i: int) -> torch.Tensor:

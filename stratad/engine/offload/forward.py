@@ -40,7 +40,7 @@ from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig, kv_pool
-from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
+from stratad.engine.offload.cpu_misses import CpuMisses, ExpertFfn, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
 from stratad.engine.offload.experts import kernel_layouts
@@ -53,9 +53,7 @@ from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pa
 from stratad.engine.reference.layers import rms_norm, route, route_as, swiglu
 from stratad.engine.timing import StageTimer
 from stratad.host_copy import to_device
-from stratad.model.archs import ARCHS
 from stratad.model.graph.activation import ClampedSwiGlu
-from stratad.model.graph.departure import ffn_departure
 from stratad.model.spec import Model, ModelError
 from stratad.store.addressed import AddressedStore
 from stratad.store.tiers.address_table import AddressTable
@@ -122,15 +120,13 @@ class OffloadForward:
         self.softmax_norm = spec.routing.as_softmax(spec.norm_topk_prob)
         act = spec.activation  # gpt-oss's clamped SwiGLU, as the fused kernels compute it
         self.clamp = GluClamp(act.alpha, act.limit) if isinstance(act, ClampedSwiGlu) else None
-        # the CPU's share of misses computes plain SiLU-gated experts (kernels.cpu.experts)
-        arch = ARCHS[spec.arch]
-        self.cpu_refusal = (  # (the split step walks routed layers alone)
-            f"its first {d} layers are dense" if d
-            else ffn_departure(spec, [arch.layer(model, i) for i in self.layer_ids])
-        )  # fmt: skip
+        # the CPU's share of misses computes routed layers' experts (kernels.cpu.experts:
+        # SiLU or the clamped SwiGLU, with the experts' biases); the split step walks routed
+        # layers alone
+        self.cpu_refusal = f"its first {d} layers are dense" if d else None
         if self.cpu_refusal is not None and config.pcie_frac < 1.0:
-            raise ModelError(f"{model.source}: the CPU's share of the misses computes plain"
-                             f" experts, and {self.cpu_refusal}: keep engine.pcie_frac at"
+            raise ModelError(f"{model.source}: the CPU's share of the misses walks routed layers"
+                             f" alone, and {self.cpu_refusal}: keep engine.pcie_frac at"
                              " 1")  # fmt: skip
         # decode's projections read their weights near HBM's rate in a GEMV kernel (cuBLAS's
         # M = 1 path reached about a third of it on an H200); prefill's chunks stay GEMMs
@@ -169,8 +165,11 @@ class OffloadForward:
         self.timer = StageTimer(enabled=False)
         self.staging = ExpertStaging(self.experts, self.layouts, self.dtype,
                                      config.kernels.dequant, spec.activation)  # fmt: skip
+        biases = {i - d: (b[0].cpu(), b[1].cpu()) for i, w in self.layers.items()
+                  if (b := w.expert_bias) is not None}  # by the store's row  # fmt: skip
+        ffn = ExpertFfn(biases, spec.activation)
         self.cpu = CpuMisses(self.experts, self.layouts, spec.hidden,
-                             expert_math(config.cpu_kernels, config.cpu_threads))  # fmt: skip
+                             expert_math(config.cpu_kernels, config.cpu_threads), ffn)  # fmt: skip
         # guesses need the copy path's staging (none when every expert is in VRAM: nothing to
         # guess) and no file tier (its experts have no address to copy from before the step)
         guess = config.prefetch and self._fetch_buf.shape[0] > 0 and not self.experts.reads_file
@@ -423,8 +422,8 @@ class OffloadForward:
 
     def set_pcie_frac(self, frac: float) -> None:
         if frac < 1.0 and self.cpu_refusal is not None:
-            log.warning("engine.pcie_frac stays 1: the CPU's share of the misses computes plain"
-                        " experts, and %s", self.cpu_refusal)  # fmt: skip
+            log.warning("engine.pcie_frac stays 1: the CPU's share of the misses walks routed"
+                        " layers alone, and %s", self.cpu_refusal)  # fmt: skip
             return
         self.config = replace(self.config, pcie_frac=frac)
 
