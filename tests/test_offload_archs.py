@@ -138,3 +138,10 @@ def test_on_the_gpu(arch: str, graphs: bool, request: pytest.FixtureRequest) -> 
     model = request.getfixturevalue(arch)
     off = assert_as_reference(model, "cuda", 16, 1e-2, graphs=graphs, prefetch=True)
     assert off.replays_decode == graphs
+
+
+@pytest.mark.gpu
+def test_gpt_oss_cpu_share_on_the_gpu(oss: Model) -> None:
+    """gpt-oss's CPU share of the misses beside the GPU's (the step in captured pieces)."""
+    off = assert_as_reference(oss, "cuda", 16, 0.15, pcie_frac=0.5)
+    assert off.cpu.experts > 0 and off.split.captured == 1
