@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kernels.cpu.experts import CpuExperts
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.reference.forward import ReferenceForward
+from stratad.engine.reference.weights_mode import QuantWeights
 from stratad.model.graph.activation import ClampedSwiGlu
 from stratad.model.graph.routing import TopKSoftmax
 from stratad.model.spec import Model
@@ -44,6 +46,17 @@ def test_reference_engine_against_llama_cpp(tiny_oss: Path, model: Model) -> Non
     assert_as_llama(ReferenceForward(model), tiny_oss, PROMPTS, N_NEW)
     # the cpu engine's one-call paths compute the plain graph; the GPU engine reads no F32
     assert fast_path_refusal(model) == "layer 0 holds F32 experts"
+
+
+def test_cpu_engine_computes_its_experts_in_one_call(model: Model) -> None:
+    """The cpu engine hands each layer's routed experts to the compiled kernels in one call,
+    with their biases and the clamped SwiGLU (`stratad.engine.expert_ffn`): the reference's
+    greedy tokens."""
+    cpu = ReferenceForward(model, weights=QuantWeights(CpuExperts(2)))
+    assert all(w.routed is not None for w in cpu.layers) and cpu.ffn.biases
+    assert "routed experts in one kernel call" in cpu.path
+    prompt = list(range(100, 120))  # past the sliding window of 8
+    assert greedy(cpu, prompt, 6) == greedy(ReferenceForward(model), prompt, 6)
 
 
 def test_daemon_serves_it_through_the_store(tiny_oss: Path, model: Model, tmp_path: Path) -> None:

@@ -380,6 +380,7 @@ class CpuExperts:
         qtypes: tuple[QType, QType, QType],
         ffn: int,
         out: torch.Tensor,
+        extras: ExpertExtras = PLAIN,
     ) -> None:
         """`moe` where item i's expert is three tensors of GGUF bytes (gate [ffn, hidden], up
         [ffn, hidden], down [hidden, ffn], anywhere: a blob's slices, or a mapped file's
@@ -414,7 +415,7 @@ class CpuExperts:
         rc = self._moe_parts(x.data_ptr(), x.shape[0], hidden, ffn, ptrs[0].ctypes.data,
                              ptrs[1].ctypes.data, ptrs[2].ctypes.data, n, tok.ctypes.data,
                              wts.ctypes.data, qts.ctypes.data, 0, out.data_ptr(), self.threads,
-                             self._tables.data_ptr(), *PLAIN.args(n, hidden, ffn))  # fmt: skip
+                             self._tables.data_ptr(), *extras.args(n, hidden, ffn))  # fmt: skip
         self._raise(rc, "moe")
 
 
@@ -477,8 +478,9 @@ class PreparedMoE:
         self._fn, self._tables, self._threads = kernels._moe_parts, kernels._tables, kernels.threads
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 out: torch.Tensor) -> None:  # fmt: skip
-        """x, out [T, hidden] float32; ids [T, k] expert ids, weights [T, k] float32."""
+                 out: torch.Tensor, extras: ExpertExtras = PLAIN) -> None:  # fmt: skip
+        """x, out [T, hidden] float32; ids [T, k] expert ids, weights [T, k] float32; `extras`:
+        the items' (ids in row order) biases and clamped SwiGLU."""
         _check(x, "x", torch.float32, 2)
         _check(out, "out", torch.float32, 2)
         t = x.shape[0]
@@ -496,5 +498,5 @@ class PreparedMoE:
                       downs.ctypes.data, e.size, tokens.ctypes.data, wts.ctypes.data,
                       self._qtypes.ctypes.data, 0, out.data_ptr(), self._threads,
                       self._tables.data_ptr(),
-                      *PLAIN.args(e.size, self.hidden, self.ffn))  # fmt: skip
+                      *extras.args(e.size, self.hidden, self.ffn))  # fmt: skip
         CpuExperts._raise(rc, "moe")

@@ -16,42 +16,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from kernels.cpu.build import CpuKernelsUnavailable
 from kernels.cpu.experts import PLAIN, CpuExpertFormat, CpuExperts, ExpertExtras
+from stratad.engine.expert_ffn import PLAIN_FFN, ExpertFfn
 from stratad.engine.offload.experts import BlobLayout, ExpertLayouts
 from stratad.engine.timing import StageTimer
-from stratad.model.graph.activation import SILU, Activation, ClampedSwiGlu
+from stratad.model.graph.activation import SILU, ClampedSwiGlu
 from stratad.store.tiers.address_table import AddressTable
 
 log = logging.getLogger(__name__)
 
 GpuExperts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ExpertFfn:
-    """How a model's experts compute beyond their three products (gpt-oss): by routed layer
-    (the store's row), every expert's biases on the host (gate and up [E, 2, F], down [E, H]
-    float32; a layer missing: none), and the activation of gate and up."""
-
-    biases: Mapping[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    activation: Activation = SILU
-
-    def extras(self, layer: int, experts: Sequence[int]) -> ExpertExtras:
-        """The compiled kernels' extras for items of `experts` of routed layer `layer`."""
-        bias = self.biases.get(layer)
-        act = self.activation
-        clamp = (act.alpha, act.limit) if isinstance(act, ClampedSwiGlu) else None
-        if bias is None:
-            return PLAIN if clamp is None else ExpertExtras(clamp=clamp)
-        at = torch.tensor(list(experts), dtype=torch.long)
-        return ExpertExtras(bias[0].index_select(0, at), bias[1].index_select(0, at), clamp)
 
 
 class ExpertMath(Protocol):
@@ -128,7 +108,7 @@ def balanced_frac(cpu_bps: float, gpu_bps: float) -> float:
 class CpuMisses:
     def __init__(
         self, experts: AddressTable, layouts: ExpertLayouts, hidden: int, math: ExpertMath,
-        ffn: ExpertFfn = ExpertFfn(),
+        ffn: ExpertFfn = PLAIN_FFN,
     ) -> None:  # fmt: skip
         self.table, self.layouts, self.hidden, self.math = experts, layouts, hidden, math
         self.ffn = ffn

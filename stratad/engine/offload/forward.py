@@ -37,10 +37,11 @@ from kernels.experts.router import route_topk
 from kernels.layers.linear import MAX_TOKENS, decode_linear
 from kernels.layers.norm import MAX_FUSED_D, add_parts, add_rmsnorm, rmsnorm
 from stratad.engine.batch import Seq, decode_inputs, run_ahead, run_batch
+from stratad.engine.expert_ffn import ExpertFfn
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig, kv_pool
-from stratad.engine.offload.cpu_misses import CpuMisses, ExpertFfn, expert_math
+from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
 from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
 from stratad.engine.offload.experts import kernel_layouts

@@ -19,6 +19,7 @@ import torch
 from kernels.cpu.dense import CACHE_DTYPE, CacheSpan
 from kernels.formats.quant import QTensor
 from stratad.engine.batch import Output, Seq, check_batch, reserve
+from stratad.engine.expert_ffn import ExpertFfn, host_biases
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.kv_format import PLAIN, KVFormat
 from stratad.engine.recurrent import RecurrentState, state_for
@@ -36,7 +37,6 @@ from stratad.engine.reference.weights_mode import (
 from stratad.engine.timing import StageTimer
 from stratad.model.archs import ARCHS
 from stratad.model.graph.activation import SILU, Activation
-from stratad.model.graph.departure import ffn_departure
 from stratad.model.spec import Model, ModelSpec
 from stratad.model.weights import (
     AttentionWeights,
@@ -143,9 +143,7 @@ def _stacked(
                             biases(e) if biases else None)
 
 
-def _layer(
-    w: LayerWeights, mode: WeightMode, spec: ModelSpec, i: int, stacked: bool, plain: bool
-) -> _Layer:
+def _layer(w: LayerWeights, mode: WeightMode, spec: ModelSpec, i: int, stacked: bool) -> _Layer:
     def opt(t: QTensor | None) -> torch.Tensor | None:
         return None if t is None else mode.vector(t)
 
@@ -189,7 +187,7 @@ def _layer(
         router_bias=opt(moe.router_bias) if moe else None,
         experts=_stacked(moe, mode, act, biases) if moe and stacked else None,
         expert_biases=biases,
-        routed=mode.routed(moe) if moe and stacked and plain else None,
+        routed=mode.routed(moe) if moe and stacked else None,
         shared=mlp(moe.shared) if moe and moe.shared else None,
         shared_gate=mode.linear(moe.shared_gate) if moe and moe.shared_gate else None,
     )
@@ -243,11 +241,15 @@ class ReferenceForward:
         self.experts = experts
         arch = ARCHS[model.spec.arch]
         weights_list = [arch.layer(model, i) for i in range(model.spec.n_layers)]
-        plain = ffn_departure(model.spec, weights_list) is None  # the compiled experts' FFN
-        # the cpu engine: a step's experts from the store in one kernel call
-        self.store_experts = (self.mode.store_routed(experts)
-                              if experts is not None and plain else None)  # fmt: skip
-        self.layers = [_layer(w, self.mode, model.spec, i, experts is None, plain)
+        # the cpu engine: a step's experts from the store in one kernel call, their biases and
+        # activation (gpt-oss's) handed to the kernels by the store's row
+        self.store_experts = self.mode.store_routed(experts) if experts is not None else None
+        first = model.spec.dense_layers
+        moes = {i - first: w.mlp for i, w in enumerate(weights_list)
+                if isinstance(w.mlp, MoEWeights)}  # fmt: skip
+        biases = {row: b for row, moe in moes.items() if (b := host_biases(moe)) is not None}
+        self.ffn = ExpertFfn(biases, model.spec.activation)
+        self.layers = [_layer(w, self.mode, model.spec, i, experts is None)
                        for i, w in enumerate(weights_list)]  # fmt: skip
         # the cpu engine's layers in one kernel call per step, where it can
         self.stack = self.mode.layer_stack(self.spec, weights_list, experts)
@@ -459,11 +461,12 @@ class ReferenceForward:
         )
         if one_call:
             with stage("experts"):  # the store's fetches included
+                extras = self.ffn.extras(row, ids)
                 if w.routed is not None:
-                    w.routed(x.float().contiguous(), ids, weights, out)
+                    w.routed(x.float().contiguous(), ids, weights, out, extras)
                 else:
                     assert self.store_experts is not None
-                    self.store_experts(row, x.float().contiguous(), ids, weights, out)
+                    self.store_experts(row, x.float().contiguous(), ids, weights, out, extras)
         for e in () if one_call else ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
             with stage("expert fetch"):  # from the store's tiers

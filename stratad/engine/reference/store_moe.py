@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.cpu.experts import CpuExperts
+from kernels.cpu.experts import PLAIN, CpuExperts, ExpertExtras
 from kernels.formats.quant import QType
 from stratad.model.weights import MLPWeights
 from stratad.store.pack.manifest import ExpertBytes, ExpertLayout
@@ -67,8 +67,9 @@ class StoreExperts:
         return self.qtypes[layer] is not None
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 out: torch.Tensor) -> None:  # fmt: skip
-        """x, out [T, hidden] float32 on the CPU; ids [T, k] expert ids, weights [T, k]."""
+                 out: torch.Tensor, extras: ExpertExtras = PLAIN) -> None:  # fmt: skip
+        """x, out [T, hidden] float32 on the CPU; ids [T, k] expert ids, weights [T, k];
+        `extras`: the items' (ids in row order) biases and clamped SwiGLU."""
         qtypes = self.qtypes[layer]
         if qtypes is None:
             raise ValueError(f"layer {layer}: the CPU kernels do not read its experts' types")
@@ -81,6 +82,7 @@ class StoreExperts:
 
         def use(parts: list[ExpertBytes]) -> None:
             chosen = [parts[i] for _, i, _ in items]
-            self.kernels.moe_parts(x, chosen, tokens, item_weights, qtypes, self.ffn[layer], out)
+            self.kernels.moe_parts(x, chosen, tokens, item_weights, qtypes, self.ffn[layer], out,
+                                   extras)  # fmt: skip
 
         self.store.use_experts(layer, experts, use)
