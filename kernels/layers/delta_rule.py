@@ -61,6 +61,24 @@ class DeltaRuleConfig:
 
 
 @triton.jit
+def _program_slice(state_ptr, dt_bias_ptr, a_ptr, DV, R: tl.constexpr, DK: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """A program's value head h (program 0), its key head hk and place j among that key
+    head's value heads, its key and value dims with their masks, its [BK, BV] slice of the
+    state (pointers and values) and the head's dt_bias and decay rate a."""
+    h = tl.program_id(0)
+    hk, j = h // R, h % R
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = ks < DK, vs < DV
+    s_ptrs = state_ptr + h * DK * DV + ks[:, None] * DV + vs[None, :]
+    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    rate = tl.load(a_ptr + h).to(tl.float32)
+    return h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr,  # [T, Hk, DK], rows `stride_qk` apart (q and k are views of one buffer)
     k_ptr,
@@ -82,16 +100,10 @@ def _delta_rule_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    h = tl.program_id(0)  # the value head
-    hk, j = h // R, h % R  # its key head, and its place among the key head's value heads
+    h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate = _program_slice(
+        state_ptr, dt_bias_ptr, a_ptr, DV, R, DK, BLOCK_K, BLOCK_V
+    )
     n_heads = tl.num_programs(0)
-    ks = tl.arange(0, BLOCK_K)
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk, mv = ks < DK, vs < DV
-    s_ptrs = state_ptr + h * DK * DV + ks[:, None] * DV + vs[None, :]
-    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    rate = tl.load(a_ptr + h).to(tl.float32)
     for t in range(T):
         q = tl.load(q_ptr + t * stride_qk + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_qk + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
@@ -201,16 +213,10 @@ def _delta_rule_chunk_kernel(
 ):
     """One program per (value head, block of value dims), the chunks in order: the deltas, the
     outputs and the state after each chunk in matrix products."""
-    h = tl.program_id(0)
-    hk, j = h // R, h % R
+    h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate = _program_slice(
+        state_ptr, dt_bias_ptr, a_ptr, DV, R, DK, BLOCK_K, BLOCK_V
+    )
     n_heads = tl.num_programs(0)
-    ks = tl.arange(0, BLOCK_K)
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk, mv = ks < DK, vs < DV
-    s_ptrs = state_ptr + h * DK * DV + ks[:, None] * DV + vs[None, :]
-    s = tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)  # [BK, BV]
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    rate = tl.load(a_ptr + h).to(tl.float32)
     ts = tl.arange(0, C)
     for c0 in range(0, T, C):
         rows = c0 + ts
