@@ -128,7 +128,31 @@ def _delta_rule() -> list[Launch]:
     return [*_recorded(delta_rule, "_delta_rule_kernel", lambda: rule(3)), *solve, *chunks]
 
 
-CASES = {"attention": _attention, "moe": _moe, "delta_rule": _delta_rule}
+def _qlinear() -> list[Launch]:
+    """The int8 dense GEMV over each GGUF type it reads, 3 tokens, dp4a as PTX (as on a CUDA
+    GPU; the meta device would pick its emulation)."""
+    import torch
+
+    from kernels.experts import moe_dots_q8
+    from kernels.formats.quant import row_bytes
+    from kernels.layers import qlinear
+
+    meta = torch.device("meta")
+    x = torch.empty(3, 512, dtype=torch.bfloat16, device=meta)
+    launches: list[Launch] = []
+    for qtype in sorted(moe_dots_q8.Q8_DOT_QTYPES):
+        blocks = torch.empty(8, row_bytes(qtype, 512), dtype=torch.uint8, device=meta)
+        _recorded(moe_dots_q8, "_quantize_q8_kernel", lambda b=blocks, q=qtype: launches.extend(
+            _recorded(qlinear, "_qlinear_kernel", lambda: qlinear.qlinear(x, b, q))))  # fmt: skip
+    return [(kernel, args, kwargs | {"ASM": True}) for kernel, args, kwargs in launches]
+
+
+CASES = {
+    "attention": _attention,
+    "moe": _moe,
+    "delta_rule": _delta_rule,
+    "qlinear": _qlinear,
+}
 
 
 def compile_case(case: str) -> str:

@@ -7,6 +7,7 @@ import torch
 
 from kernels.formats.quant import QTensor, QType, quantize
 from kernels.layers.qlinear import QLinearConfig, qlinear, qlinear_ref
+from tests.sm90_compile import compile_case
 
 TYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0]
 
@@ -33,6 +34,12 @@ def test_qlinear_matches_reference(qtype: QType) -> None:
     for i in range(3):
         assert torch.equal(qlinear(x[i : i + 1], w.data, qtype, cfg), got[i : i + 1])
     assert torch.equal(qlinear(x, w.data, qtype, QLinearConfig(block_n=32, super_blocks=2)), got)
+
+
+def test_qlinear_compiles_for_sm90() -> None:
+    """Every type's launch, the token loop and dp4a as PTX, compiles for an sm90 GPU."""
+    out = compile_case("qlinear")
+    assert out.count("_qlinear_kernel: ") == len(TYPES), out
 
 
 def test_qlinear_refuses_what_it_cannot_read() -> None:

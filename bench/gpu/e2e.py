@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         prefetch=args.prefetch == "on" and args.gpu_miss == "copy"
         and not args.link_gbs,
         q6_k_split=args.q6_k_layout == "split",
+        dense_gguf=args.dense_gguf,
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
@@ -385,6 +386,9 @@ def parser() -> argparse.ArgumentParser:
         help="RAM holds this share of the expert blobs (as the daemon's plan places them);"
         " the rest are read from the model file on use",
     )
+    p.add_argument("--dense-gguf", action="store_true",
+                   help="decode reads the attention projections and the head as their GGUF"
+                   " blocks (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     return p
 

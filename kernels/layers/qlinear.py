@@ -6,9 +6,10 @@ memory's rate. A Q4_K_M file holds them in 4.5 to 6.6 bits: read as stored, a to
 bytes shrink about threefold. This launcher runs the MoE kernels' int8 row dots
 (`kernels.experts.moe_dots_q8`: Q4_K, Q5_K, Q6_K and Q8_0) over one matrix: the activation is
 quantized to 8 bits per 32 values once (`quantize_q8`), and each program dots `block_n` rows
-with one token's Q8 row. The row dots' arithmetic per row is that of the MoE kernels: a row's
-result does not depend on the batch or on the rows a program holds (the super-blocks a
-reduction step takes set the order of its sums).
+with every token's Q8 row in turn, so a step of T tokens reads the weights from memory once
+(the rows' later passes hit the cache) instead of T times. The row dots' arithmetic per row
+is that of the MoE kernels: a row's result does not depend on the batch or on the rows a
+program holds (the super-blocks a reduction step takes set the order of its sums).
 
 Three tiers: `_qlinear_kernel` (Triton), `qlinear()` (launcher: checks, grid) and the torch
 reference `qlinear_ref()` (the activation rounded to its Q8 row, then float32).
@@ -58,6 +59,7 @@ def _qlinear_kernel(
     x8_ptr,  # [T, X8_ROW] uint8: x's Q8 rows
     w_ptr,  # [N, ROW_BYTES] uint8 GGUF blocks
     out_ptr,  # [T, N]
+    T,
     N,
     K,
     ROW_BYTES,
@@ -70,10 +72,13 @@ def _qlinear_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    t = tl.program_id(1).to(tl.int64)
     row_at = w_ptr + rows.to(tl.int64) * ROW_BYTES
-    acc = q8_rows_dot(row_at, rmask, x8_ptr + t * X8_ROW, K, QTYPE, BLOCK_N, SBS, ASM)
-    tl.store(out_ptr + t * stride_ot + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+    x8_at, out_at = x8_ptr, out_ptr + rows  # token t's, advanced a row each pass
+    for _ in range(T):
+        acc = q8_rows_dot(row_at, rmask, x8_at, K, QTYPE, BLOCK_N, SBS, ASM)
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+        x8_at += X8_ROW
+        out_at += stride_ot
 
 
 def qlinear(
@@ -103,8 +108,8 @@ def qlinear(
     if t == 0 or n == 0:
         return out
     x8 = quantize_q8(x.contiguous())
-    _qlinear_kernel[(triton.cdiv(n, config.block_n), t)](
-        x8, blocks, out, n, k, blocks.shape[1], x8.shape[1], out.stride(0),
+    _qlinear_kernel[(triton.cdiv(n, config.block_n),)](
+        x8, blocks, out, t, n, k, blocks.shape[1], x8.shape[1], out.stride(0),
         QTYPE=int(qtype), BLOCK_N=config.block_n, SBS=config.super_blocks,
         ASM=dp4a_in_asm(x.device), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
