@@ -18,6 +18,7 @@ from kernels.cpu.experts import CpuExperts
 from kernels.formats.quant import QType, row_bytes
 from kernels.tuning.configs import INTERPRETED
 from stratad.engine.offload.cpu_misses import CompiledMath, TorchMath
+from stratad.engine.offload.dense import blocks_saving
 from stratad.engine.offload.experts import (
     BlobLayout,
     blob_layouts,
@@ -27,6 +28,7 @@ from stratad.engine.offload.experts import (
 )
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_form import KernelForm
+from stratad.engine.offload.projection import GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS
 from stratad.engine.placement import offload_supported
 from stratad.engine.reference.forward import ReferenceForward
@@ -247,9 +249,10 @@ def quantized_attention(tmp_path_factory: pytest.TempPathFactory, tiny_moe_file:
 
 
 def test_dense_gguf_decode_reads_the_blocks(quantized_attention: Model) -> None:
-    """`dense_gguf`: a decode pass reads qkv, o and the head as their GGUF blocks, dotted in
-    int8 (prefill keeps the dequantized copy): the plain engine's greedy tokens, and logits
-    within the activations' 8-bit rounding, but not equal to them (the blocks were read)."""
+    """`dense_gguf`: qkv, o and the head are held as their GGUF blocks alone; a decode pass
+    dots them in int8, prefill runs GEMMs over slices dequantized as it goes: the plain
+    engine's greedy tokens, and logits within the activations' 8-bit rounding, but not equal
+    to them (the blocks were read)."""
 
     def engine(gguf: bool) -> OffloadForward:
         cfg = OffloadConfig(expert_vram_bytes=0, dtype=torch.float32, prefill_chunk=CHUNK,
@@ -257,10 +260,18 @@ def test_dense_gguf_decode_reads_the_blocks(quantized_attention: Model) -> None:
         return OffloadForward(quantized_attention, torch.device("cpu"), cfg)
 
     plain, gguf = engine(False), engine(True)
-    qkv = gguf.layers[0].qkv_gguf
-    assert qkv is not None and gguf.layers[0].o_gguf is not None and gguf.lm_head_gguf is not None
+    qkv, o, head = gguf.layers[0].qkv, gguf.layers[0].o, gguf.lm_head
+    assert isinstance(qkv, GgufMatrix) and isinstance(o, GgufMatrix)
+    assert isinstance(head, GgufMatrix)
     assert [q for _, q in qkv.parts] == [QType.Q4_K, QType.Q6_K]  # q and k share a run
-    assert plain.layers[0].qkv_gguf is None and plain.lm_head_gguf is None
+    assert isinstance(plain.layers[0].qkv, torch.Tensor) and isinstance(plain.lm_head, torch.Tensor)
+    # what the plan subtracts: the dequantized copies' bytes less the blocks the engine holds
+    pairs = list(zip(gguf.layers.values(), plain.layers.values(), strict=True))
+    held = [(gguf.lm_head, plain.lm_head), *((w.qkv, p.qkv) for w, p in pairs)]
+    held += [(w.o, p.o) for w, p in pairs]
+    saved = sum(p.numel() * 4 - g.nbytes for g, p in held)  # type: ignore[union-attr]
+    n = quantized_attention.spec.n_layers
+    assert blocks_saving(quantized_attention, range(n), 4) == saved > 0
     want_tokens, want = greedy_logits(plain, PROMPT, 2)
     tokens, got = greedy_logits(gguf, PROMPT, 2)
     assert tokens == want_tokens

@@ -12,7 +12,7 @@ from kernels.tuning import ab, tables
 from kernels.tuning.configs import KernelConfigs
 from stratad.config import EngineConfig, parse_config
 from stratad.engine.offload.kernel_table import lookup
-from stratad.engine.offload.switches import miss_paths, q6_k_layout
+from stratad.engine.offload.switches import dense_form, miss_paths, q6_k_layout
 
 TABLE = "sm90-cuda-13.0"
 
@@ -46,6 +46,12 @@ def test_the_q6_k_layout_is_the_tables_where_its_int8_dots_run() -> None:
     half = replace(int8, moe_down=MoeConfig())
     kept = q6_k_layout({"q6_k_layout": "split"}, half, TABLE)
     assert kept.value == "blocks" and "int8 dots are off" in kept.source
+
+
+def test_the_dense_form_is_the_tables() -> None:
+    assert str(dense_form({})) == "bf16 (default)"
+    assert str(dense_form({"dense_form": "gguf"}, TABLE)) == f"gguf (table {TABLE} (A/B/A))"
+    assert dense_form({"dense_form": "fp8"}, TABLE).value == "bf16"
 
 
 def test_the_configuration_wins_over_the_table() -> None:

@@ -115,8 +115,8 @@ def main() -> None:
     p.add_argument(
         "--dense-gguf",
         action="store_true",
-        help="decode reads the attention projections and the head as their GGUF blocks"
-        " (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)",
+        help="the attention projections and the head held as their GGUF blocks alone (the"
+        " switch dense_form gguf): decode dots them in int8, prefill dequantizes slices",
     )
     p.add_argument(
         "--q6-k-layout",

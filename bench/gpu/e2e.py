@@ -387,8 +387,9 @@ def parser() -> argparse.ArgumentParser:
         " the rest are read from the model file on use",
     )
     p.add_argument("--dense-gguf", action="store_true",
-                   help="decode reads the attention projections and the head as their GGUF"
-                   " blocks (int8 dots) from a second copy in VRAM (OffloadConfig.dense_gguf)")
+                   help="the attention projections and the head held as their GGUF blocks alone"
+                   " (the switch dense_form gguf): decode dots them in int8, prefill dequantizes"
+                   " slices")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     return p
 

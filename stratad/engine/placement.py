@@ -243,14 +243,16 @@ def start_plan(
     stages, found, kv_host, kv_label = [], None, 0, "KV caches (server.parallel)"
     if backend == "offload":
         from stratad.engine.offload.config import pool_spec
+        from stratad.engine.offload.dense import blocks_saving
         from stratad.engine.offload.experts import blob_layouts
         from stratad.engine.offload.kernel_table import model_shapes, tuned
-        from stratad.engine.offload.switches import miss_paths
+        from stratad.engine.offload.switches import dense_form, miss_paths
 
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
         found = tuned(device.type, model_shapes(spec))
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
+        blocks = dense_form(found.switches, found.table).value == "gguf"
         known = [f for f in frees if f is not None]
         per_token = kv_token_bytes(pool_spec(spec), dtype, FORMATS[config.engine.kv_cache])
         window = kv_window(config.engine.kv_resident, max_context)
@@ -265,9 +267,10 @@ def start_plan(
         kv_host = in_ram * per_token
         kv_label = "KV blocks beyond the resident window (engine.kv_resident), page-locked"
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
+            saved = blocks_saving(model, range(lo, hi), size) if blocks else 0
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size,
                                         first * per_token, prefetch,
-                                        (hi - lo) / n)  # fmt: skip
+                                        (hi - lo) / n, saved)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (
                 cache * hi // n - cache * lo // n
@@ -331,6 +334,7 @@ def offload_vram_bytes(
     kv_bytes: int,
     prefetch: bool,
     layer_share: float = 1.0,
+    dense_saved: int = 0,
 ) -> int:
     """What the offload engine allocates in VRAM besides its expert slots, for the share of
     the layers one device runs: dense weights, the KV caches (`kv_bytes`: the pool's over
@@ -338,8 +342,9 @@ def offload_vram_bytes(
     prefill staging buffers
     (two layers of blobs in flight, one dequantized for the grouped GEMMs) and the decode
     fetch staging (top-k blobs for each of a fused pass's first FETCH_MAX_TOKENS tokens, and
-    two layers' guesses when prefetching)."""
-    dense = layer_share * dense_values * dtype_bytes
+    two layers' guesses when prefetching). `dense_saved`: what holding the dense projections
+    as GGUF blocks saves on these layers (`dense.blocks_saving`)."""
+    dense = layer_share * dense_values * dtype_bytes - dense_saved
     kv = layer_share * kv_bytes
     fetched = (FETCH_MAX_TOKENS + (2 if prefetch else 0)) * spec.n_experts_used * blob_bytes
     dequantized = 3 * spec.n_experts * spec.hidden * spec.expert_ffn * dtype_bytes

@@ -40,15 +40,14 @@ from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, KVPool, block_tables
 from stratad.engine.kv_format import Q4, Q4KV, Int8KV
 from stratad.engine.offload.config import OffloadConfig
-from stratad.engine.offload.dense import DenseLayer, GgufMatrix
+from stratad.engine.offload.dense import DenseLayer
+from stratad.engine.offload.projection import GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.reference.layers import apply_rope, attention, rope_tables
 from stratad.model.spec import ModelSpec
 
-# x, the bf16 weight, its bias, its GGUF blocks (decode reads them where given)
-Linear = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, GgufMatrix | None], torch.Tensor
-]
+# x, the weight (dequantized or as GGUF blocks), its bias
+Linear = Callable[[torch.Tensor, torch.Tensor | GgufMatrix, torch.Tensor | None], torch.Tensor]
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -106,7 +105,7 @@ class OffloadAttention:
         output projections over every row of the pass, attention per sequence (a decode
         batch of one pool: in one launch)."""
         spec = self.spec
-        qkv = self.linear(h, w.qkv, w.qkv_bias, w.qkv_gguf)
+        qkv = self.linear(h, w.qkv, w.qkv_bias)
         gates = None
         if spec.attn_gate:  # Qwen3-Next: each head's output times the sigmoid of its gate
             qkv, gates = qkv[:, : -spec.q_dim].contiguous(), qkv[:, -spec.q_dim :]
@@ -123,7 +122,7 @@ class OffloadAttention:
         out = out.reshape(h.shape[0], -1)
         if gates is not None:
             out = out * torch.sigmoid(gates)
-        return self.linear(out, w.o, w.o_bias, w.o_gguf)
+        return self.linear(out, w.o, w.o_bias)
 
     def _batch(
         self,
@@ -238,10 +237,10 @@ class OffloadAttention:
         nope, vd = d - rot, spec.value_dim
         q_in, kv_a = qkv.split([m.q_in, qkv.shape[1] - m.q_in], dim=-1)
         if m.q_b is not None and m.q_a_norm is not None:
-            q_in = self.linear(self.norm(q_in.contiguous(), m.q_a_norm, eps), m.q_b, None, None)
+            q_in = self.linear(self.norm(q_in.contiguous(), m.q_a_norm, eps), m.q_b, None)
         q = q_in.reshape(t, heads, d)
         latent, k_rot = kv_a.split([spec.mla.kv_lora_rank, rot], dim=-1)
-        kv = self.linear(self.norm(latent.contiguous(), m.kv_a_norm, eps), m.kv_b, None, None)
+        kv = self.linear(self.norm(latent.contiguous(), m.kv_a_norm, eps), m.kv_b, None)
         k_nope, v = kv.view(t, heads, nope + vd).split([nope, vd], dim=-1)
         q_rot = self._rotate(q[..., nope:].contiguous(), pos)
         k_rot = self._rotate(k_rot.reshape(t, 1, rot).contiguous(), pos)

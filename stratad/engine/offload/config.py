@@ -52,9 +52,10 @@ class OffloadConfig:
     # Benchmarks only: each blob a decode step's miss copy moves also waits this long on the
     # GPU (kernels.experts.link_pace), as over a slower link; needs gpu_miss "copy" and no prefetch.
     link_wait_ns_per_blob: int = 0
-    # Benchmarks only for now: a decode pass reads the attention projections and the output
-    # head as their GGUF blocks, dotted in int8 (`dense.GgufMatrix`), from a second copy in
-    # VRAM that no plan counts yet; prefill keeps the bf16 copy.
+    # The attention's (and linear attention's) in and out projections and the output head held
+    # as their GGUF blocks alone where the int8 dots read their types (`projection.GgufMatrix`):
+    # decode dots them in int8, prefill runs GEMMs over slices dequantized as it goes. The
+    # tuning table's switch `dense_form` (`gguf`); the plan counts the blocks' bytes.
     dense_gguf: bool = False
     # Q6_K experts held in the split layout (kernels.experts.moe.split_q6_k: aligned words,
     # which the int8 dots alone read) rather than as GGUF blocks: the tuning table's switch

@@ -1,48 +1,33 @@
-"""The dense (non-expert) weights of MoE layers, dequantized once into the compute dtype, and
-(benchmarks only for now) a second copy of the attention projections as their GGUF blocks,
-which a decode pass dots in int8 (`kernels.layers.qlinear`): a third of bf16's bytes."""
+"""The dense (non-expert) weights of MoE layers, dequantized once into the compute dtype; with
+`gguf`, the attention's (and linear attention's) in and out projections are held as their GGUF
+blocks instead (`stratad.engine.offload.projection`): decode dots them in int8, a third of
+bf16's bytes for a Q4_K_M file's types."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.experts.moe_dots_q8 import Q8_DOT_QTYPES
-from kernels.formats.quant import QTensor, QType
-from kernels.layers.qlinear import QLinearConfig, qlinear
+from kernels.formats.quant import QTensor
+from stratad.engine.offload.projection import (
+    GgufMatrix,
+    RowGroup,
+    gguf_matrix,
+    gguf_rows,
+    split_gate_rows,
+)
 from stratad.model.archs import ARCHS
 from stratad.model.spec import Model, ModelError
-from stratad.model.weights import DeltaNetWeights, MlaWeights, MoEWeights
-
-
-@dataclass(frozen=True)
-class GgufMatrix:
-    """A dense projection as GGUF blocks: runs of rows of one type each ([rows, row bytes] on
-    the device), stacked as the bf16 matrix stacks them."""
-
-    parts: tuple[tuple[torch.Tensor, QType], ...]
-
-    def __call__(self, x: torch.Tensor, config: QLinearConfig) -> torch.Tensor:
-        """x [T, K] @ the matrix^T -> [T, N], x's rows dotted as their Q8 rows."""
-        outs = [qlinear(x, blocks, qtype, config) for blocks, qtype in self.parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def gguf_matrix(tensors: Sequence[QTensor], device: torch.device) -> GgufMatrix | None:
-    """The tensors' rows stacked in order (consecutive tensors of one type share a run), or
-    None where a type has no int8 reader."""
-    if any(t.qtype not in Q8_DOT_QTYPES or len(t.shape) != 2 for t in tensors):
-        return None
-    runs: list[tuple[list[torch.Tensor], QType]] = []
-    for t in tensors:
-        rows = t.data.reshape(t.shape[0], -1)
-        if runs and runs[-1][1] == t.qtype:
-            runs[-1][0].append(rows)
-        else:
-            runs.append(([rows], t.qtype))
-    return GgufMatrix(tuple((torch.cat(r).to(device).contiguous(), q) for r, q in runs))
+from stratad.model.weights import (
+    AttentionWeights,
+    DeltaNetWeights,
+    LayerWeights,
+    MlaWeights,
+    MoEWeights,
+)
 
 
 @dataclass(frozen=True)
@@ -71,18 +56,16 @@ class MlaLayer:
 @dataclass
 class DenseLayer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_dim + 2 kv_dim (+ q_dim of gates: Qwen3-Next's), H]
+    # [q_dim + 2 kv_dim (+ q_dim of gates: Qwen3-Next's), H], dequantized or as GGUF blocks
+    qkv: torch.Tensor | GgufMatrix
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | GgufMatrix
     ffn_norm: torch.Tensor
     router: torch.Tensor | None  # [E, H]; None: a dense feed-forward layer (`ffn`)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     shared_gate: torch.Tensor | None
-    # qkv and o as GGUF blocks for decode (`gguf_matrix`; None: bf16 only)
-    qkv_gguf: GgufMatrix | None = None
-    o_gguf: GgufMatrix | None = None
     # gpt-oss: the output projection's bias, each query head's sink logit (float32 [Hq]), the
     # router's bias, and the routed experts' biases, float32 (gate and up [E, 2, F], down
     # [E, H]) as the fused kernels read them
@@ -102,8 +85,9 @@ def dense_layers(
     model: Model, device: torch.device, dtype: torch.dtype, layers: range, gguf: bool = False
 ) -> dict[int, DenseLayer]:
     """Everything but the routed experts of these layers (a leading dense layer's
-    feed-forward block whole), dequantized once into the compute dtype; `gguf`: also qkv and o
-    as their GGUF blocks where the int8 readers take them."""
+    feed-forward block whole), dequantized once into the compute dtype; `gguf`: the attention's
+    qkv and o (a linear-attention layer's in and out projections) as their GGUF blocks alone,
+    where the int8 dots read every part's type (`projection.gguf_matrix`)."""
 
     def f(t: QTensor) -> torch.Tensor:
         return t.dequantize().to(device=device, dtype=dtype)
@@ -114,15 +98,28 @@ def dense_layers(
     def f32(t: QTensor | None) -> torch.Tensor | None:
         return None if t is None else t.dequantize().to(device=device, dtype=torch.float32)
 
+    def held(
+        tensors: Sequence[QTensor], groups: Sequence[RowGroup | None] | None = None,
+        stacked: Callable[[], torch.Tensor] | None = None,
+    ) -> torch.Tensor | GgufMatrix:  # fmt: skip
+        """The projection whose rows are the tensors' (or `groups`), as GGUF blocks where
+        `gguf` and every part is readable, else dequantized (`stacked`, else the tensors'
+        rows concatenated)."""
+        blocks = gguf_matrix(groups or [gguf_rows(t) for t in tensors], device) if gguf else None
+        if blocks is not None:
+            return blocks
+        return stacked() if stacked is not None else torch.cat([f(t) for t in tensors])
+
     arch, spec = ARCHS[model.spec.arch], model.spec
     out = {}
     for i in layers:
         w = arch.layer(model, i)
         moe, a = w.mlp, w.attn
         if isinstance(a, DeltaNetWeights):
+            qkv_ts, o_ts = projections(w)
             layer = DenseLayer(
-                attn_norm=f(w.attn_norm), qkv=torch.cat([f(a.qkv), f(a.z), f(a.ba)]),
-                qkv_bias=None, q_norm=None, k_norm=None, o=f(a.out), ffn_norm=f(w.ffn_norm),
+                attn_norm=f(w.attn_norm), qkv=held(qkv_ts), qkv_bias=None,
+                q_norm=None, k_norm=None, o=held(o_ts), ffn_norm=f(w.ffn_norm),
                 router=None, shared=None, shared_gate=None,
                 deltanet=DeltaNetLayer(*(t.dequantize().float().to(device)
                                          for t in (a.conv, a.dt_bias, a.a, a.norm))),
@@ -141,15 +138,23 @@ def dense_layers(
             biases = (a.q_bias, a.k_bias, a.v_bias)
             bias = (torch.cat([f(b) for b in biases if b is not None])
                     if a.q_bias is not None else None)  # fmt: skip
-            q, gates = _split_gates(f(a.q), spec.n_heads) if spec.attn_gate else (f(a.q), None)
+            kv_rows = [gguf_rows(a.k), gguf_rows(a.v)]
+            groups: list[RowGroup | None] = [gguf_rows(a.q), *kv_rows]
+            if spec.attn_gate:  # the rows as the queries, k, v, then the gates
+                q_rows = groups[0]
+                groups = [None] if q_rows is None else [
+                    (split := split_gate_rows(q_rows, spec.n_heads))[0], *kv_rows, split[1]]
+
+            def stacked(a: AttentionWeights = a) -> torch.Tensor:
+                q, gates = _split_gates(f(a.q), spec.n_heads) if spec.attn_gate else (f(a.q), None)
+                return torch.cat([q, f(a.k), f(a.v), *([gates] if gates is not None else [])])
+
+            qkv_ts, o_ts = projections(w)
             layer = DenseLayer(
-                attn_norm=f(w.attn_norm),
-                qkv=torch.cat([q, f(a.k), f(a.v), *([gates] if gates is not None else [])]),
-                qkv_bias=bias, q_norm=opt(a.q_norm), k_norm=opt(a.k_norm), o=f(a.o),
+                attn_norm=f(w.attn_norm), qkv=held(qkv_ts, groups, stacked),
+                qkv_bias=bias, q_norm=opt(a.q_norm), k_norm=opt(a.k_norm), o=held(o_ts),
                 ffn_norm=f(w.ffn_norm), router=None, shared=None, shared_gate=None,
-                qkv_gguf=gguf_matrix([a.q, a.k, a.v], device) if gguf and gates is None else None,
-                o_gguf=gguf_matrix([a.o], device) if gguf else None, o_bias=opt(a.o_bias),
-                sinks=f32(a.sinks),
+                o_bias=opt(a.o_bias), sinks=f32(a.sinks),
             )  # fmt: skip
         if not isinstance(moe, MoEWeights):
             if model.spec.moe_layer(i):
@@ -174,6 +179,34 @@ def dense_layers(
             expert_bias=expert_bias,
         )
     return out
+
+
+def projections(w: LayerWeights) -> tuple[list[QTensor], list[QTensor]]:
+    """The tensors of a layer's in and out projections that `dense_layers(gguf=True)` holds as
+    GGUF blocks where the int8 dots read them all (none for latent attention)."""
+    a = w.attn
+    if isinstance(a, DeltaNetWeights):
+        return [a.qkv, a.z, a.ba], [a.out]
+    if isinstance(a, MlaWeights):
+        return [], []
+    return [w.gqa.q, w.gqa.k, w.gqa.v], [w.gqa.o]
+
+
+def blocks_saving(model: Model, layers: range, dtype_bytes: int) -> int:
+    """VRAM that `dense_layers(gguf=True)` over these layers (and the output head as blocks,
+    on the stage that computes the logits) saves against the dequantized copies; a tied head's
+    blocks beside the embedding that one stage keeps cost their bytes."""
+    arch, saved = ARCHS[model.spec.arch], 0
+    for i in layers:
+        for ts in projections(arch.layer(model, i)):
+            if ts and all(gguf_rows(t) is not None for t in ts):
+                saved += sum(math.prod(t.shape) * dtype_bytes - t.data.numel() for t in ts)
+    head_name = "model.embed_tokens.weight" if model.spec.tie_embeddings else "lm_head.weight"
+    head = model.tensor(head_name)
+    if layers.stop == model.spec.n_layers and gguf_rows(head) is not None:
+        shared = model.spec.tie_embeddings and layers.start == 0  # the embedding stays
+        saved += (0 if shared else math.prod(head.shape) * dtype_bytes) - head.data.numel()
+    return saved
 
 
 def _split_gates(q: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,11 +43,12 @@ from stratad.engine.offload.attention import OffloadAttention
 from stratad.engine.offload.config import OffloadConfig, kv_pool
 from stratad.engine.offload.cpu_misses import CpuMisses, expert_math
 from stratad.engine.offload.decode_graph import SIZES, DecodeGraph
-from stratad.engine.offload.dense import DenseLayer, GgufMatrix, dense_layers, gguf_matrix
+from stratad.engine.offload.dense import DenseLayer, dense_layers
 from stratad.engine.offload.experts import kernel_layouts
 from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.offload.linear_attention import OffloadDeltaNet
 from stratad.engine.offload.prefetch import ExpertPrefetch
+from stratad.engine.offload.projection import GgufMatrix, gguf_matrix, gguf_rows
 from stratad.engine.offload.split_step import SplitParts, SplitStep
 from stratad.engine.offload.staging import ExpertStaging
 from stratad.engine.passes import FETCH_MAX_TOKENS, FUSED_MAX_TOKENS, Decode, Pass
@@ -142,12 +143,13 @@ class OffloadForward:
         self.embed = weight("model.embed_tokens.weight") if first else empty
         self.norm = weight("model.norm.weight") if last else empty
         head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
-        self.lm_head = (
-            (self.embed if first and spec.tie_embeddings else weight(head)) if last else empty
-        )
-        self.lm_head_gguf = (
-            gguf_matrix([model.tensor(head)], device) if last and config.dense_gguf else None
-        )
+        blocks = (gguf_matrix([gguf_rows(model.tensor(head))], device)
+                  if last and config.dense_gguf else None)  # fmt: skip
+        self.lm_head: torch.Tensor | GgufMatrix = (
+            blocks if blocks is not None
+            else (self.embed if first and spec.tie_embeddings else weight(head)) if last
+            else empty
+        )  # fmt: skip
         self.ram.wait()
         if device.type == "cuda" and not self.ram.gpu_registered:
             raise ValueError(
@@ -255,17 +257,16 @@ class OffloadForward:
     # -- one layer ------------------------------------------------------------------------
 
     def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        gguf: GgufMatrix | None = None,
+        self, x: torch.Tensor, weight: torch.Tensor | GgufMatrix, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens (over the GGUF
-        blocks where `gguf` holds them), else torch."""
+        """x [T, K] @ weight^T (+ bias): the decode GEMV for a few tokens (int8 dots over GGUF
+        blocks where the weight is held so), else torch (GEMMs over dequantized slices)."""
         kernels, rows = self.config.kernels, x.shape[0]
-        if gguf is not None and rows <= min(kernels.qlinear.max_tokens, MAX_TOKENS):
-            out = gguf(x, kernels.qlinear)
+        if isinstance(weight, GgufMatrix):
+            if rows <= min(kernels.qlinear.max_tokens, MAX_TOKENS):
+                out = weight(x, kernels.qlinear)
+            else:
+                out = weight.dequantized(x)
             return out if bias is None else out + bias
         gemv = self.gemv and weight.stride(1) == 1
         if gemv and rows <= min(kernels.linear.max_tokens, MAX_TOKENS):
@@ -508,7 +509,7 @@ class OffloadForward:
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] float32 of the hidden rows x [R, H]."""
         h = rms_norm(x, self.norm, self.spec.rms_eps)
-        return self.linear(h, self.lm_head, None, self.lm_head_gguf).float()
+        return self.linear(h, self.lm_head).float()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm's output [R, H] float32 of the hidden rows x [R, H]."""

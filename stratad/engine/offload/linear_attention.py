@@ -28,12 +28,13 @@ import torch.nn.functional as fn
 from kernels.layers.delta_rule import DeltaRuleConfig, gated_delta_rule
 from stratad.engine.kv import KVCache
 from stratad.engine.offload.dense import DeltaNetLayer, DenseLayer
+from stratad.engine.offload.projection import GgufMatrix
 from stratad.engine.passes import Pass
 from stratad.engine.recurrent import RecurrentState, state_for
 from stratad.engine.reference.deltanet import causal_conv
 from stratad.model.graph.deltanet import GatedDeltaNet
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Linear = Callable[[torch.Tensor, torch.Tensor | GgufMatrix], torch.Tensor]
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 

@@ -22,7 +22,7 @@ from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_form import KernelForm
 from stratad.engine.offload.kernel_table import model_shapes, tuned
 from stratad.engine.offload.stages import StagedForward
-from stratad.engine.offload.switches import Chosen, miss_paths, q6_k_layout
+from stratad.engine.offload.switches import Chosen, dense_form, miss_paths, q6_k_layout
 from stratad.engine.placement import StartPlan, kv_window
 from stratad.engine.timing import StageTimer
 from stratad.model.spec import Model
@@ -58,7 +58,8 @@ def open_offload(
     log.log(found.level, "%s", found.message)
     paths = miss_paths(config.engine, found.switches, found.table)
     q6_k = q6_k_layout(found.switches, found.configs, found.table)
-    log.info("%s, q6_k_layout %s", paths.line(), q6_k)
+    dense = dense_form(found.switches, found.table)
+    log.info("%s, q6_k_layout %s, dense_form %s", paths.line(), q6_k, dense)
     layouts = kernel_layouts(model, q6_k.value == "split")
     log.info(
         "experts hold %s: the fused kernels read them (Q4_0 split, Q6_K %s, the rest as GGUF"
@@ -74,6 +75,7 @@ def open_offload(
         cpu_threads=config.engine.cpu_expert_threads or config.engine.threads or None,
         kv_format=FORMATS[config.engine.kv_cache], q6_k_split=q6_k.value == "split",
         kv_resident=kv_window(config.engine.kv_resident, start.max_context),
+        dense_gguf=dense.value == "gguf",
     )  # fmt: skip
     t0 = time.monotonic()
     forward: OffloadForward | StagedForward

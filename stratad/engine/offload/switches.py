@@ -12,6 +12,10 @@ built-in default. Pure functions of the engine section and the table's `switches
 - `q6_k_layout`: the experts' Q6_K projections held as GGUF blocks (`blocks`, 2-byte aligned
   words read as halves) or in the split layout (`split`: 16-byte words, which the GPU's int8
   dots alone read; the compiled CPU kernels read either).
+- `dense_form`: the attention's (and linear attention's) in and out projections and the output
+  head dequantized once (`bf16`: the compute dtype) or held as their GGUF blocks alone (`gguf`:
+  decode dots them in int8, prefill dequantizes slices as it goes), where the int8 dots read
+  their types.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ GPU_MISS = ("copy", "in_place")
 ON_OFF = ("on", "off")
 CPU_SPLIT = ("off", "balanced")
 Q6_K_LAYOUT = ("blocks", "split")
+DENSE_FORM = ("bf16", "gguf")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,12 @@ def q6_k_layout(switches: TableSwitches, configs: KernelConfigs, table: str = ""
     if chosen.value == "split" and not configs.moe_int8(QType.Q6_K, split=True):
         return Chosen("blocks", f"{chosen.source} asks split, but Q6_K's int8 dots are off")
     return chosen
+
+
+def dense_form(switches: TableSwitches, table: str = "") -> Chosen:
+    """How the dense projections are held (`DENSE_FORM`): the table's recorded choice, else
+    `bf16`."""
+    return _pick(switches, table, "dense_form", DENSE_FORM, "bf16")
 
 
 def miss_paths(engine: EngineConfig, switches: TableSwitches, table: str = "") -> MissPaths:
