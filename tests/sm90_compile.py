@@ -104,10 +104,11 @@ def _moe() -> list[Launch]:
 
 def _delta_rule() -> list[Launch]:
     """The gated delta rule over bf16 projections (Qwen3-Next's shapes: 128 dims a head), token
-    by token (3 tokens) and chunked (64: the solve, then the chunks)."""
+    by token (3 tokens) and chunked (64: the solve, then the chunks); a decode step of 3
+    sequences (the convolution, then the rule, each row's state at its own address)."""
     import torch
 
-    from kernels.layers import delta_rule
+    from kernels.layers import conv_rows, delta_rule
 
     meta = torch.device("meta")
 
@@ -120,12 +121,26 @@ def _delta_rule() -> list[Launch]:
         delta_rule.gated_delta_rule(q.view(t, 2, 128), k.view(t, 2, 128), v.view(t, 4, 128), ba,
                                     *gates, state, cfg)  # fmt: skip
 
+    def rows() -> None:  # a decode step of 3 sequences: the convolution, then the rule
+        x = torch.empty(3, 2 * 2 * 128 + 4 * 128, dtype=torch.bfloat16, device=meta)
+        table = torch.empty(3, dtype=torch.int64, device=meta)
+        out = conv_rows.causal_conv_rows(x, torch.empty(x.shape[1], 4, device=meta), table)
+        q, k, v = out.split([256, 256, 512], dim=-1)
+        ba = torch.empty(3, 8, dtype=torch.bfloat16, device=meta)
+        gates = (torch.empty(4, device=meta) for _ in "da")
+        delta_rule.gated_delta_rule_rows(q.view(3, 2, 128), k.view(3, 2, 128), v.view(3, 4, 128),
+                                         ba, *gates, table)  # fmt: skip
+
     cfg = delta_rule.DeltaRuleConfig(precision="tf32x3")  # (what a CUDA build of torch picks)
 
     chunks: list[Launch] = []
     solve = _recorded(delta_rule, "_delta_rule_solve_kernel", lambda: chunks.extend(
         _recorded(delta_rule, "_delta_rule_chunk_kernel", lambda: rule(64))))  # fmt: skip
-    return [*_recorded(delta_rule, "_delta_rule_kernel", lambda: rule(3)), *solve, *chunks]
+    batched: list[Launch] = []
+    convs = _recorded(conv_rows, "_conv_rows_kernel", lambda: batched.extend(
+        _recorded(delta_rule, "_delta_rule_rows_kernel", rows)))  # fmt: skip
+    return [*_recorded(delta_rule, "_delta_rule_kernel", lambda: rule(3)), *solve, *chunks,
+            *convs, *batched]  # fmt: skip
 
 
 def _qlinear() -> list[Launch]:

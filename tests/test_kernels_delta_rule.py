@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from kernels.layers.delta_rule import DeltaRuleConfig, gated_delta_rule, gated_delta_rule_ref
+from kernels.layers.conv_rows import causal_conv_rows, causal_conv_rows_ref
+from kernels.layers.delta_rule import (
+    DeltaRuleConfig,
+    gated_delta_rule,
+    gated_delta_rule_ref,
+    gated_delta_rule_rows,
+)
+from stratad.engine.reference.deltanet import causal_conv
 from tests.kernel_cases import randn
 from tests.sm90_compile import compile_case
 
@@ -114,8 +121,47 @@ def test_chunked_then_token_by_token() -> None:
         gated_delta_rule(q, k, v, ba, dt_bias, a, state, DeltaRuleConfig(chunk_from=1, chunk=24))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_sequences_in_one_launch(dtype: torch.dtype) -> None:
+    """A decode step of 3 sequences (`gated_delta_rule_rows`: each row's state at its own
+    address): each row bit for bit the one-token launch over its state alone."""
+    q, k, v, ba, dt_bias, a, _ = _inputs(3, dtype, seed=11)
+    states = [randn(HV, DK, DV, seed=20 + b) * 0.1 for b in range(3)]
+    alone = [s.clone() for s in states]
+    want = torch.cat([gated_delta_rule(q[b : b + 1], k[b : b + 1], v[b : b + 1], ba[b : b + 1],
+                                       dt_bias, a, alone[b], DeltaRuleConfig(block_v=16))
+                      for b in range(3)])  # fmt: skip
+    table = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64, device=v.device)
+    got = gated_delta_rule_rows(q, k, v, ba, dt_bias, a, table, DeltaRuleConfig(block_v=16))
+    assert torch.equal(got, want)
+    assert all(torch.equal(s, w) for s, w in zip(states, alone, strict=True))
+    with pytest.raises(ValueError, match="states: int64"):
+        gated_delta_rule_rows(q, k, v, ba, dt_bias, a, table[:2])
+
+
+def test_conv_rows_against_reference() -> None:
+    """The batched step's convolution (`causal_conv_rows`, C = 40 over blocks of 16, K = 4):
+    its reference's outputs and held inputs, and the reference the engine's
+    `causal_conv` of one token."""
+    c, kk = 40, 4
+    x = randn(3, c, dtype=torch.bfloat16, seed=1)
+    w = randn(c, kk, seed=2)
+    held = [randn(c, kk - 1, seed=3 + b) for b in range(3)]
+    ref_held = [h.clone() for h in held]
+    table = torch.tensor([h.data_ptr() for h in held], dtype=torch.int64, device=x.device)
+    got = causal_conv_rows(x, w, table, block_c=16)
+    want = causal_conv_rows_ref(x, w, ref_held)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(h, r) for h, r in zip(held, ref_held, strict=True))
+    one, last = causal_conv(x[:1].float(), w, (start := randn(c, kk - 1, seed=3)))
+    torch.testing.assert_close(want[:1], one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_held[0], last)
+    assert not torch.equal(start, last)
+
+
 def test_compiles_for_sm90() -> None:
     """The kernels compile for an sm90 GPU (what the interpreter runs, the compiler may not)."""
     out = compile_case("delta_rule")
-    for kernel in ("_delta_rule_kernel", "_delta_rule_solve_kernel", "_delta_rule_chunk_kernel"):
+    for kernel in ("_delta_rule_kernel", "_delta_rule_solve_kernel", "_delta_rule_chunk_kernel",
+                   "_delta_rule_rows_kernel", "_conv_rows_kernel"):  # fmt: skip
         assert f"{kernel}: " in out

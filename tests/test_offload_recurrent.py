@@ -14,7 +14,7 @@ import torch
 
 from kernels.experts.moe_dots_q8 import dequantize_q8_ref, quantize_q8_ref
 from kernels.formats.quant import QType
-from stratad.engine.batch import decode_inputs
+from stratad.engine.batch import Seq, decode_inputs
 from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
@@ -81,6 +81,26 @@ def test_qwen3_next_states_are_each_caches_own(next80: Model) -> None:
     assert (off(other, cache)[-1] - ref(other, ref.new_cache(64))[-1]).abs().max() < 1e-3
     assert cache.recurrent is held and own == [id(t) for t in (*held.conv.values(),
                                                                 *held.state.values())]  # fmt: skip
+
+
+def test_qwen3_next_sequences_decode_together(next80: Model) -> None:
+    """Decode steps of 3 sequences, then of 2 of them (the address table refilled), in one
+    launch of the convolution and of the rule per layer: each sequence's logits are those
+    of the reference continuing it alone."""
+    ref, off = ReferenceForward(next80), tiny_offload(next80, "cpu")
+    prompts = [PROMPT[:5], PROMPT[10:19], PROMPT[30:37]]
+    caches = [off.new_cache(64) for _ in prompts]
+    refs = [ref.new_cache(64) for _ in prompts]
+    nxt = [int(off(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+    for p, c in zip(prompts, refs, strict=True):
+        ref(p, c)
+    for live in ([0, 1, 2], [0, 1, 2], [0, 2]):
+        got = off.step([Seq.logits(caches[b], [nxt[b]], False) for b in live])
+        assert off.deltanet is not None and off.deltanet.rows == len(live)
+        for b, logits in zip(live, got, strict=True):
+            want = ref([nxt[b]], refs[b])[-1]
+            assert (logits[-1] - want).abs().max() < 1e-3, f"sequence {b}"
+            nxt[b] = int(want.argmax())
 
 
 def test_qwen3_next_with_a_resident_window(next80: Model) -> None:

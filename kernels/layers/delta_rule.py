@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.layers.delta_rule_ref import L2_EPS, gated_delta_rule_ref
 
-__all__ = ["DeltaRuleConfig", "gated_delta_rule", "gated_delta_rule_ref"]
+__all__ = ["DeltaRuleConfig", "gated_delta_rule", "gated_delta_rule_ref", "gated_delta_rule_rows"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,27 @@ def _program_slice(state_ptr, dt_bias_ptr, a_ptr, DV, R: tl.constexpr, DK: tl.co
 
 
 @triton.jit
+def _token_step(q_row, k_row, v_row, ba_row, s, h, hk, j, ks, vs, mk, mv, dt_bias, rate, DV,
+                scale, eps, R: tl.constexpr, DK: tl.constexpr):  # fmt: skip
+    """One token's step of value head h's state slice s [BLOCK_K, BLOCK_V] from its token's
+    rows of q, k, v and ba: (the new slice, its output [BLOCK_V])."""
+    q = tl.load(q_row + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_row + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_row + h * DV + vs, mask=mv, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+    row = ba_row + hk * 2 * R
+    beta = tl.sigmoid(tl.load(row + j).to(tl.float32))
+    x = tl.load(row + R + j).to(tl.float32) + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    s = s * tl.exp(rate * softplus)
+    remembered = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
+    delta = (v - remembered) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], axis=0)
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr,  # [T, Hk, DK], rows `stride_qk` apart (q and k are views of one buffer)
     k_ptr,
@@ -105,21 +126,43 @@ def _delta_rule_kernel(
     )
     n_heads = tl.num_programs(0)
     for t in range(T):
-        q = tl.load(q_ptr + t * stride_qk + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_qk + hk * DK + ks, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + t * stride_v + h * DV + vs, mask=mv, other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-        row = ba_ptr + t * stride_ba + hk * 2 * R
-        beta = tl.sigmoid(tl.load(row + j).to(tl.float32))
-        x = tl.load(row + R + j).to(tl.float32) + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        s = s * tl.exp(rate * softplus)
-        remembered = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
-        delta = (v - remembered) * beta
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
+        s, o = _token_step(q_ptr + t * stride_qk, k_ptr + t * stride_qk, v_ptr + t * stride_v,
+                           ba_ptr + t * stride_ba, s, h, hk, j, ks, vs, mk, mv, dt_bias, rate,
+                           DV, scale, eps, R, DK)  # fmt: skip
         tl.store(out_ptr + (t * n_heads + h) * DV + vs, o, mask=mv)
+    tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
+
+
+@triton.jit
+def _delta_rule_rows_kernel(
+    q_ptr,  # [B, Hk, DK], rows `stride_qk` apart: each row one token of its own sequence
+    k_ptr,
+    v_ptr,  # [B, Hv, DV]
+    ba_ptr,  # [B, Hk, 2R]
+    dt_bias_ptr,
+    a_ptr,
+    table_ptr,  # [B] int64: row b's state [Hv, DK, DV] float32 (its address), distinct
+    out_ptr,  # [B, Hv, DV] float32
+    DV,
+    stride_qk,
+    stride_v,
+    stride_ba,
+    scale,
+    eps,
+    R: tl.constexpr,
+    DK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(2).to(tl.int64)
+    state_ptr = tl.load(table_ptr + b).to(tl.pointer_type(tl.float32))
+    h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate = _program_slice(
+        state_ptr, dt_bias_ptr, a_ptr, DV, R, DK, BLOCK_K, BLOCK_V
+    )
+    s, o = _token_step(q_ptr + b * stride_qk, k_ptr + b * stride_qk, v_ptr + b * stride_v,
+                       ba_ptr + b * stride_ba, s, h, hk, j, ks, vs, mk, mv, dt_bias, rate, DV,
+                       scale, eps, R, DK)  # fmt: skip
+    tl.store(out_ptr + (b * tl.num_programs(0) + h) * DV + vs, o, mask=mv)
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
@@ -296,5 +339,40 @@ def gated_delta_rule(
         _delta_rule_kernel[(hv, triton.cdiv(dv, block_v))](
             *args, R=hv // hk, DK=dk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
             num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return out
+
+
+def gated_delta_rule_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor,
+    dt_bias: torch.Tensor, a: torch.Tensor, states: torch.Tensor,
+    config: DeltaRuleConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step of B sequences in one launch: row b (one token) continues the state at
+    address `states[b]` (int64 [B] on the device: a float32 [Hv, Dk, Dv] contiguous tensor's
+    `data_ptr()`, each row's its own, updated in place; the caller vouches for them); out
+    [B, Hv, Dv] float32, row b `gated_delta_rule` of row b alone. Shapes as there, T = B."""
+    b, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or k.stride() != q.stride() or hv % hk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} for {hv} value heads")
+    if states.shape != (b,) or states.dtype != torch.int64 or states.device != v.device:
+        raise ValueError(f"states: int64 [{b}] on {v.device}, got {states.dtype}"
+                         f" {tuple(states.shape)} on {states.device}")  # fmt: skip
+    if ba.shape != (b, 2 * hv) or dt_bias.shape != (hv,) or a.shape != (hv,):
+        raise ValueError(f"ba {tuple(ba.shape)}, dt_bias {tuple(dt_bias.shape)}, a"
+                         f" {tuple(a.shape)} for {b} rows of {hv} value heads")  # fmt: skip
+    if q.stride(1) != dk or q.stride(2) != 1 or v.stride(1) != dv or v.stride(2) != 1 or (
+        ba.stride(1) != 1
+    ):
+        raise ValueError("q, k, v and ba: heads packed inside each row")
+    cfg = config or DeltaRuleConfig()
+    out = torch.empty((b, hv, dv), dtype=torch.float32, device=v.device)
+    if b:
+        block_v = min(cfg.block_v, triton.next_power_of_2(dv))
+        _delta_rule_rows_kernel[(hv, triton.cdiv(dv, block_v), b)](
+            q, k, v, ba, dt_bias.contiguous(), a.contiguous(), states, out, dv, q.stride(0),
+            v.stride(0), ba.stride(0), dk**-0.5, L2_EPS, R=hv // hk, DK=dk,
+            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=cfg.num_warps,
         )  # fmt: skip
     return out

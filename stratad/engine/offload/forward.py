@@ -180,12 +180,16 @@ class OffloadForward:
                                        spec.n_experts_used, config.kernels.prefetch,
                                        self._host_span, guess)  # fmt: skip
         # with the fused input kernel a batched step reads and writes every cache through the
-        # block tables: one capture per batch size serves every set of caches of the pool (not
-        # a recurrent model's: its states are each cache's own, captured per set of caches)
-        tabled = self.attention.fused_input and self.deltanet is None
-        by_table = self.attention.batched if tabled else lambda _: False
+        # block tables (a recurrent model's states through the address table its `begin`
+        # fills): one capture per batch size serves every set of caches of the pool
+        net = self.deltanet
+
+        def by_table(caches: Sequence[KVCache]) -> bool:
+            return self.attention.batched(caches) and (net is None or net.rows > 0)
+
+        tabled = by_table if self.attention.fused_input else lambda _: False
         preserve = self.deltanet.preserved if self.deltanet is not None else nullcontext
-        self.graph = DecodeGraph(self._decode_pass, device, by_table, preserve)
+        self.graph = DecodeGraph(self._decode_pass, device, tabled, preserve)
         self.split = SplitStep(self._split_parts(), device, config.graphs, preserve)
 
     # -- placement -----------------------------------------------------------------------
