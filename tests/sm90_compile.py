@@ -138,7 +138,7 @@ def _delta_rule() -> list[Launch]:
         _recorded(delta_rule, "_delta_rule_chunk_kernel", lambda: rule(64))))  # fmt: skip
     batched: list[Launch] = []
     convs = _recorded(conv_rows, "_conv_rows_kernel", lambda: batched.extend(
-        _recorded(delta_rule, "_delta_rule_rows_kernel", rows)))  # fmt: skip
+        _recorded(delta_rule, "_delta_rule_kernel", rows)))  # fmt: skip
     return [*_recorded(delta_rule, "_delta_rule_kernel", lambda: rule(3)), *solve, *chunks,
             *convs, *batched]  # fmt: skip
 

@@ -12,7 +12,9 @@ head and block of value dims holds its [Dk, BLOCK_V] slice of the state in regis
 tokens (the state is read and written once per launch), normalising q and k and computing the
 gates on the way; no repeated, normed or gated copy of the inputs is made. Heads and value
 blocks run in parallel. Two forms of the same rule:
-- `_delta_rule_kernel`, token by token: a decode step (one token) or a short span.
+- `_delta_rule_kernel`, token by token: a decode step (one token) or a short span; with ROWS,
+  a decode step of B sequences in one launch, row b's state at the address a table holds
+  (`gated_delta_rule_rows`).
 - the chunked form, C tokens at a time in matrix products (as in Yang et al.'s DeltaNet and
   Gated DeltaNet papers): with G the cumulative log decay in the chunk, gamma = exp(G),
   Gam[t, i] = exp(G_t - G_i) for i <= t and S0 the state before the chunk, the deltas
@@ -107,7 +109,7 @@ def _delta_rule_kernel(
     ba_ptr,  # [T, Hk, 2R], rows `stride_ba` apart
     dt_bias_ptr,  # [Hv]
     a_ptr,  # [Hv]
-    state_ptr,  # [Hv, DK, DV] float32, read and written in place
+    state_ptr,  # [Hv, DK, DV] float32, read and written in place; ROWS: [T] int64 addresses
     out_ptr,  # [T, Hv, DV] float32
     T,
     DV,
@@ -120,49 +122,24 @@ def _delta_rule_kernel(
     DK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    ROWS: tl.constexpr,  # each row one token of its own sequence (program 2), its state's
+    # address in the table at state_ptr; else one sequence's T tokens
 ):
+    if ROWS:
+        first = tl.program_id(2).to(tl.int64)
+        state_ptr = tl.load(state_ptr + first).to(tl.pointer_type(tl.float32))
+        end = first + 1
+    else:
+        first, end = 0, T
     h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate = _program_slice(
         state_ptr, dt_bias_ptr, a_ptr, DV, R, DK, BLOCK_K, BLOCK_V
     )
     n_heads = tl.num_programs(0)
-    for t in range(T):
+    for t in range(first, end):
         s, o = _token_step(q_ptr + t * stride_qk, k_ptr + t * stride_qk, v_ptr + t * stride_v,
                            ba_ptr + t * stride_ba, s, h, hk, j, ks, vs, mk, mv, dt_bias, rate,
                            DV, scale, eps, R, DK)  # fmt: skip
         tl.store(out_ptr + (t * n_heads + h) * DV + vs, o, mask=mv)
-    tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
-
-
-@triton.jit
-def _delta_rule_rows_kernel(
-    q_ptr,  # [B, Hk, DK], rows `stride_qk` apart: each row one token of its own sequence
-    k_ptr,
-    v_ptr,  # [B, Hv, DV]
-    ba_ptr,  # [B, Hk, 2R]
-    dt_bias_ptr,
-    a_ptr,
-    table_ptr,  # [B] int64: row b's state [Hv, DK, DV] float32 (its address), distinct
-    out_ptr,  # [B, Hv, DV] float32
-    DV,
-    stride_qk,
-    stride_v,
-    stride_ba,
-    scale,
-    eps,
-    R: tl.constexpr,
-    DK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    b = tl.program_id(2).to(tl.int64)
-    state_ptr = tl.load(table_ptr + b).to(tl.pointer_type(tl.float32))
-    h, hk, j, ks, vs, mk, mv, s_ptrs, s, dt_bias, rate = _program_slice(
-        state_ptr, dt_bias_ptr, a_ptr, DV, R, DK, BLOCK_K, BLOCK_V
-    )
-    s, o = _token_step(q_ptr + b * stride_qk, k_ptr + b * stride_qk, v_ptr + b * stride_v,
-                       ba_ptr + b * stride_ba, s, h, hk, j, ks, vs, mk, mv, dt_bias, rate, DV,
-                       scale, eps, R, DK)  # fmt: skip
-    tl.store(out_ptr + (b * tl.num_programs(0) + h) * DV + vs, o, mask=mv)
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
@@ -338,7 +315,7 @@ def gated_delta_rule(
         block_v = min(cfg.block_v, triton.next_power_of_2(dv))
         _delta_rule_kernel[(hv, triton.cdiv(dv, block_v))](
             *args, R=hv // hk, DK=dk, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
-            num_warps=cfg.num_warps,
+            ROWS=False, num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
 
@@ -370,9 +347,10 @@ def gated_delta_rule_rows(
     out = torch.empty((b, hv, dv), dtype=torch.float32, device=v.device)
     if b:
         block_v = min(cfg.block_v, triton.next_power_of_2(dv))
-        _delta_rule_rows_kernel[(hv, triton.cdiv(dv, block_v), b)](
-            q, k, v, ba, dt_bias.contiguous(), a.contiguous(), states, out, dv, q.stride(0),
+        _delta_rule_kernel[(hv, triton.cdiv(dv, block_v), b)](
+            q, k, v, ba, dt_bias.contiguous(), a.contiguous(), states, out, b, dv, q.stride(0),
             v.stride(0), ba.stride(0), dk**-0.5, L2_EPS, R=hv // hk, DK=dk,
-            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=cfg.num_warps,
+            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, ROWS=True,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
     return out
