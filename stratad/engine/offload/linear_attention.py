@@ -22,9 +22,10 @@ The address table (`_rows`, one buffer for good, [2 layers + 1, ROWS_MAX] int64 
 device) is filled at `begin`, on the host before every pass (copied where it changed): per
 layer the rows' held convolution inputs and states, the rows past the pass's sequences (a
 captured step's padding) pointing at one scratch state, and the row each output row takes
-(padding: the last sequence's). A decode
-step reads the table on the device, so one capture per row count serves every set of caches,
-as the block tables do for the KV caches.
+(padding: the last sequence's). A decode step reads the table on the device, so one capture
+per row count could serve every set of caches, as the block tables do for the KV caches
+(Qwen3-Next's attention input, a quarter of each head rotated, still runs per cache, so its
+steps are captured per set of caches).
 """
 
 from __future__ import annotations
