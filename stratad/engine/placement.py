@@ -246,6 +246,7 @@ def start_plan(
         from stratad.engine.offload.dense import blocks_saving
         from stratad.engine.offload.experts import blob_layouts
         from stratad.engine.offload.kernel_table import model_shapes, tuned
+        from stratad.engine.offload.projection import SCRATCH_BYTES
         from stratad.engine.offload.switches import dense_form, miss_paths
 
         blob = blob_layouts(model).slot_bytes
@@ -267,7 +268,8 @@ def start_plan(
         kv_host = in_ram * per_token
         kv_label = "KV blocks beyond the resident window (engine.kv_resident), page-locked"
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
-            saved = blocks_saving(model, range(lo, hi), size) if blocks else 0
+            # (less the scratch a prefill step dequantizes a projection's slices into)
+            saved = blocks_saving(model, range(lo, hi), size) - SCRATCH_BYTES if blocks else 0
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size,
                                         first * per_token, prefetch,
                                         (hi - lo) / n, saved)  # fmt: skip
