@@ -19,6 +19,7 @@ from stratad.engine.kv import KVCache, KVPool
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.offload.projection import GgufMatrix
+from stratad.engine.recurrent import state_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
@@ -60,6 +61,9 @@ def test_qwen3_next_states_are_each_caches_own(next80: Model) -> None:
     held = cache.recurrent
     assert held is not None
     own = [id(t) for t in (*held.conv.values(), *held.state.values())]
+    # what the start plan counts a request's state at
+    assert sum(t.nbytes for t in (*held.conv.values(), *held.state.values())) == state_bytes(
+        next80.spec)  # fmt: skip
     padded, net = decode_inputs([token] * 2, [10, 10], off.device), off.deltanet
     assert net is not None
     with torch.inference_mode():  # as `decode` runs a replay: the states taken off around it

@@ -248,6 +248,7 @@ def start_plan(
         from stratad.engine.offload.kernel_table import model_shapes, tuned
         from stratad.engine.offload.projection import SCRATCH_BYTES
         from stratad.engine.offload.switches import dense_form, miss_paths
+        from stratad.engine.recurrent import state_bytes
 
         blob = blob_layouts(model).slot_bytes
         size = torch.finfo(dtype).bits // 8
@@ -267,11 +268,14 @@ def start_plan(
                                        window, config.engine.offload_prefill_chunk)  # fmt: skip
         kv_host = in_ram * per_token
         kv_label = "KV blocks beyond the resident window (engine.kv_resident), page-locked"
+        # a recurrent model's states: one a request served at once, and the decode step's
+        # scratch for its padding rows (`linear_attention`)
+        states = (parallel.count + 1) * state_bytes(spec)
         for lo, hi, free in zip(bounds[:-1], bounds[1:], frees, strict=True):
             # (less the scratch a prefill step dequantizes a projection's slices into)
             saved = blocks_saving(model, range(lo, hi), size) - SCRATCH_BYTES if blocks else 0
             engine = offload_vram_bytes(spec, model.dense_values(), blob, size,
-                                        first * per_token, prefetch,
+                                        first * per_token + states, prefetch,
                                         (hi - lo) / n, saved)  # fmt: skip
             # a configured count is the total, shared by the stages as their layers
             slots = (

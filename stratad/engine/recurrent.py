@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stratad.model.spec import ModelSpec
+
 
 class StaleState(RuntimeError):
     """A recurrent model's cache holds tokens its recurrent state does not stand for."""
@@ -22,6 +24,16 @@ class RecurrentState:
     length: int = 0  # the tokens folded in
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [C, K - 1] inputs
     state: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv]
+
+
+def state_bytes(spec: ModelSpec) -> int:
+    """One sequence's recurrent state on the device (float32): every linear-attention layer's
+    held convolution inputs [C, K - 1] and state [Hv, Dk, Dv]; 0 for a model without one."""
+    net = spec.deltanet
+    if net is None:
+        return 0
+    per_layer = net.conv_dim * (net.conv_kernel - 1) + net.v_heads * net.k_dim * net.v_dim
+    return 4 * per_layer * sum(net.linear(i) for i in range(spec.n_layers))
 
 
 def state_for(current: RecurrentState | None, length: int) -> RecurrentState:
