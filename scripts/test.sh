@@ -15,4 +15,4 @@ export TRITON_INTERPRET=1
 # module fixtures (models, daemons) are made once; `scripts/test.sh -n 0` runs in one process.
 workers=$(nproc)
 ((workers > 4)) && workers=4
-exec python -m pytest -m "not gpu" -q -n "$workers" --dist loadfile "$@"
+exec python -m pytest -m "not gpu" -q -n "$workers" --dist loadfile --durations=25 "$@"

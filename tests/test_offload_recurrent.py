@@ -36,6 +36,15 @@ def next80(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return load_model(path)
 
 
+@pytest.fixture(scope="module")
+def next80_q8(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """tiny-qwen3-next with every projection in Q8_0 (the dense ones too)."""
+    path = tmp_path_factory.mktemp("next80q8") / "tiny-qwen3-next-all-q8_0.gguf"
+    preset = replace(synth.PRESETS["tiny-qwen3-next"], ffn_qtype=QType.Q8_0, attn_qtype=QType.Q8_0)
+    synth.write_synth(preset, path)
+    return load_model(path)
+
+
 def test_qwen3_next(next80: Model) -> None:
     """Qwen3-Next's layout: Gated DeltaNet layers (the in-projection as one product, the
     convolution, the delta rule's kernel continuing each sequence's state over a staged chunk,
@@ -98,7 +107,7 @@ def test_qwen3_next_sequences_decode_together(next80: Model) -> None:
     nxt = [int(off(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
     for p, c in zip(prompts, refs, strict=True):
         ref(p, c)
-    for live in ([0, 1, 2], [0, 1, 2], [0, 2]):
+    for live in ([0, 1, 2], [0, 2]):
         got = off.step([Seq.logits(caches[b], [nxt[b]], False) for b in live])
         assert off.deltanet is not None and off.deltanet.rows == len(live)
         for b, logits in zip(live, got, strict=True):
@@ -133,15 +142,6 @@ def test_qwen3_next_with_a_cpu_share_of_the_misses(next80: Model) -> None:
     assert off.cpu.experts > 0
 
 
-@pytest.fixture(scope="module")
-def next80_q8(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """tiny-qwen3-next with every projection in Q8_0 (the dense ones too)."""
-    path = tmp_path_factory.mktemp("next80q8") / "tiny-qwen3-next-all-q8_0.gguf"
-    preset = replace(synth.PRESETS["tiny-qwen3-next"], ffn_qtype=QType.Q8_0, attn_qtype=QType.Q8_0)
-    synth.write_synth(preset, path)
-    return load_model(path)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_qwen3_next_dense_projections_as_blocks(
     next80_q8: Model, device: str, monkeypatch: pytest.MonkeyPatch
@@ -158,7 +158,7 @@ def test_qwen3_next_dense_projections_as_blocks(
     kinds = {(w.deltanet is not None, isinstance(w.qkv, GgufMatrix), isinstance(w.o, GgufMatrix))
              for w in off.layers.values()}  # fmt: skip
     assert kinds == {(True, True, True), (False, True, True)}
-    prompt, tokens = PROMPT[:12], [7, 901]
+    prompt, tokens = PROMPT[:12], [7]
 
     def run(engine: object) -> list[torch.Tensor]:
         cache = engine.new_cache(64)  # type: ignore[attr-defined]
