@@ -113,10 +113,12 @@ def main() -> None:
         " built-in ones; default: the table the daemon picks for this model on this stack",
     )
     p.add_argument(
-        "--dense-gguf",
-        action="store_true",
-        help="the attention projections and the head held as their GGUF blocks alone (the"
-        " switch dense_form gguf): decode dots them in int8, prefill dequantizes slices",
+        "--dense-form",
+        choices=["bf16", "gguf"],
+        default="bf16",
+        help="the attention projections and the head dequantized (bf16) or held as their GGUF"
+        " blocks alone (gguf: decode dots them in int8, prefill dequantizes slices; the switch"
+        " dense_form, OffloadConfig.dense_gguf)",
     )
     p.add_argument(
         "--q6-k-layout",
@@ -142,7 +144,7 @@ def main() -> None:
         prefill_chunk=4096,
         graphs=not args.no_graphs,
         kernels=configs,
-        dense_gguf=args.dense_gguf,
+        dense_gguf=args.dense_form == "gguf",
         q6_k_split=args.q6_k_layout == "split",
         kv_format=FORMATS[args.kv_cache],
         kv_resident=args.kv_resident,

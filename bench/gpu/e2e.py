@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         prefetch=args.prefetch == "on" and args.gpu_miss == "copy"
         and not args.link_gbs,
         q6_k_split=args.q6_k_layout == "split",
-        dense_gguf=args.dense_gguf,
+        dense_gguf=args.dense_form == "gguf",
     )
     ram, warning = ram_tier(model, cfg, args.ram_frac)
     t0 = time.monotonic()
@@ -386,10 +386,10 @@ def parser() -> argparse.ArgumentParser:
         help="RAM holds this share of the expert blobs (as the daemon's plan places them);"
         " the rest are read from the model file on use",
     )
-    p.add_argument("--dense-gguf", action="store_true",
-                   help="the attention projections and the head held as their GGUF blocks alone"
-                   " (the switch dense_form gguf): decode dots them in int8, prefill dequantizes"
-                   " slices")
+    p.add_argument("--dense-form", choices=["bf16", "gguf"], default="bf16",
+                   help="the attention projections and the head dequantized (bf16) or held as"
+                   " their GGUF blocks alone (gguf: decode dots them in int8, prefill"
+                   " dequantizes slices; the switch dense_form)")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     return p
 
