@@ -265,6 +265,26 @@ def _delta_rule_chunk_kernel(
     tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
 
+def _checked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor,
+    dt_bias: torch.Tensor, a: torch.Tensor,
+) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """(T, Hk, Dk, Hv, Dv) of the rule's inputs, which it checks: q and k [T, Hk, Dk] views
+    sharing their row stride, v [T, Hv, Dv], ba [T, 2 Hv], heads packed inside each row."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or k.stride() != q.stride() or hv % hk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} for {hv} value heads")
+    if ba.shape != (t, 2 * hv) or dt_bias.shape != (hv,) or a.shape != (hv,):
+        raise ValueError(f"ba {tuple(ba.shape)}, dt_bias {tuple(dt_bias.shape)}, a"
+                         f" {tuple(a.shape)} for {t} tokens of {hv} value heads")  # fmt: skip
+    if q.stride(1) != dk or q.stride(2) != 1 or v.stride(1) != dv or v.stride(2) != 1 or (
+        ba.stride(1) != 1
+    ):
+        raise ValueError("q, k, v and ba: heads packed inside each row")
+    return t, hk, dk, hv, dv
+
+
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor,
     dt_bias: torch.Tensor, a: torch.Tensor, state: torch.Tensor,
@@ -274,20 +294,10 @@ def gated_delta_rule(
     Dk, Dv] (float32, contiguous) is updated in place. q and k are [T, Hk, Dk] views sharing
     their row stride (the convolution's output), v [T, Hv, Dv] and ba [T, 2 Hv] with unit
     stride inside a row."""
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or k.stride() != q.stride() or hv % hk:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} for {hv} value heads")
+    t, hk, dk, hv, dv = _checked(q, k, v, ba, dt_bias, a)
     if state.shape != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state {tuple(state.shape)} {state.dtype}: not [{hv}, {dk}, {dv}]"
                          " contiguous float32")  # fmt: skip
-    if ba.shape != (t, 2 * hv) or dt_bias.shape != (hv,) or a.shape != (hv,):
-        raise ValueError(f"ba {tuple(ba.shape)}, dt_bias {tuple(dt_bias.shape)}, a"
-                         f" {tuple(a.shape)} for {t} tokens of {hv} value heads")  # fmt: skip
-    if q.stride(1) != dk or q.stride(2) != 1 or v.stride(1) != dv or v.stride(2) != 1 or (
-        ba.stride(1) != 1
-    ):
-        raise ValueError("q, k, v and ba: heads packed inside each row")
     cfg = config or DeltaRuleConfig()
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=v.device)
     args = (q, k, v, ba, dt_bias.contiguous(), a.contiguous(), state, out, t, dv, q.stride(0),
@@ -329,20 +339,10 @@ def gated_delta_rule_rows(
     address `states[b]` (int64 [B] on the device: a float32 [Hv, Dk, Dv] contiguous tensor's
     `data_ptr()`, each row's its own, updated in place; the caller vouches for them); out
     [B, Hv, Dv] float32, row b `gated_delta_rule` of row b alone. Shapes as there, T = B."""
-    b, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or k.stride() != q.stride() or hv % hk:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} for {hv} value heads")
+    b, hk, dk, hv, dv = _checked(q, k, v, ba, dt_bias, a)
     if states.shape != (b,) or states.dtype != torch.int64 or states.device != v.device:
         raise ValueError(f"states: int64 [{b}] on {v.device}, got {states.dtype}"
                          f" {tuple(states.shape)} on {states.device}")  # fmt: skip
-    if ba.shape != (b, 2 * hv) or dt_bias.shape != (hv,) or a.shape != (hv,):
-        raise ValueError(f"ba {tuple(ba.shape)}, dt_bias {tuple(dt_bias.shape)}, a"
-                         f" {tuple(a.shape)} for {b} rows of {hv} value heads")  # fmt: skip
-    if q.stride(1) != dk or q.stride(2) != 1 or v.stride(1) != dv or v.stride(2) != 1 or (
-        ba.stride(1) != 1
-    ):
-        raise ValueError("q, k, v and ba: heads packed inside each row")
     cfg = config or DeltaRuleConfig()
     out = torch.empty((b, hv, dv), dtype=torch.float32, device=v.device)
     if b:

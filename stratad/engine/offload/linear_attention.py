@@ -73,7 +73,7 @@ class OffloadDeltaNet:
         n = len(self.layers)
         self._at = {layer: j for j, layer in enumerate(self.layers)}
         self._rows = torch.zeros(2 * n + 1, ROWS_MAX, dtype=torch.int64, device=device)
-        self._filled: list[list[int]] = []  # what the table holds (the host's copy)
+        self._filled: list[list[int]] = []  # the sequences' addresses the table holds
         self._scratch: RecurrentState | None = None  # padding rows' state (written, unread)
         self.rows = 0  # sequences the table holds for this pass (0: none, per sequence)
 
@@ -89,19 +89,24 @@ class OffloadDeltaNet:
 
     def _fill(self, states: Sequence[RecurrentState]) -> None:
         """The address table for rows of `states` in order, every later row (a captured
-        step's padding) the scratch state's, taking the last sequence's output."""
+        step's padding) the scratch state's, taking the last sequence's output. Each pass
+        reads the sequences' own addresses alone (one per layer and tensor: the host's work a
+        step); the table is copied where they changed."""
         n = len(states)
         tensors = [t for s in states for t in (*s.conv.values(), *s.state.values())]
         if not 0 < n <= ROWS_MAX or not all(t.is_contiguous() for t in tensors):
             self.rows = 0
             return
-        rows = [*states, *[self._scratch_state()] * (ROWS_MAX - n)]
-        table = [[s.conv[i].data_ptr() for s in rows] for i in self.layers]
-        table += [[s.state[i].data_ptr() for s in rows] for i in self.layers]
-        table.append([*range(n), *[n - 1] * (ROWS_MAX - n)])
-        if table != self._filled:
+        own = [[s.conv[i].data_ptr() for s in states] for i in self.layers]
+        own += [[s.state[i].data_ptr() for s in states] for i in self.layers]
+        if own != self._filled:
+            pad, scratch = ROWS_MAX - n, self._scratch_state()
+            spare = [scratch.conv[i].data_ptr() for i in self.layers]
+            spare += [scratch.state[i].data_ptr() for i in self.layers]
+            table = [row + [at] * pad for row, at in zip(own, spare, strict=True)]
+            table.append([*range(n), *[n - 1] * pad])
             self._rows.copy_(to_device(table, torch.int64, self.device))
-            self._filled = table
+            self._filled = own
         self.rows = n
 
     def _scratch_state(self) -> RecurrentState:
