@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.experts.moe_dots_q8 import quantize_q8
 from kernels.formats.quant import QTensor, QType, quantize
 from kernels.layers.qlinear import QLinearConfig, qlinear, qlinear_ref
 from tests.sm90_compile import compile_case
@@ -34,6 +35,8 @@ def test_qlinear_matches_reference(qtype: QType) -> None:
     for i in range(3):
         assert torch.equal(qlinear(x[i : i + 1], w.data, qtype, cfg), got[i : i + 1])
     assert torch.equal(qlinear(x, w.data, qtype, QLinearConfig(block_n=32, super_blocks=2)), got)
+    x8 = quantize_q8(x)  # made once for several matrices: the same dots
+    assert torch.equal(qlinear(x, w.data, qtype, cfg, x8), got)
 
 
 def test_qlinear_compiles_for_sm90() -> None:
@@ -56,6 +59,8 @@ def test_qlinear_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="power of two"):
         QLinearConfig(block_n=3)
     assert qlinear(x[:0], w.data, QType.Q4_K).shape == (0, 4)
+    with pytest.raises(ValueError, match="Q8 rows"):
+        qlinear(x, w.data, QType.Q4_K, x8=torch.zeros(1, 8, dtype=torch.uint8))
 
 
 @pytest.mark.gpu

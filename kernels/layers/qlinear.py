@@ -27,6 +27,7 @@ from kernels.experts.moe_dots_q8 import (
     Q8_DOT_QTYPES,
     dequantize_q8_ref,
     dp4a_in_asm,
+    q8_row_bytes,
     q8_rows_dot,
     quantize_q8,
     quantize_q8_ref,
@@ -82,11 +83,13 @@ def _qlinear_kernel(
 
 
 def qlinear(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: QType, config: QLinearConfig = QLinearConfig()
-) -> torch.Tensor:
+    x: torch.Tensor, blocks: torch.Tensor, qtype: QType, config: QLinearConfig = QLinearConfig(),
+    x8: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [T, K] (float) @ dequant(blocks [N, row_bytes])^T -> [T, N] in x's dtype, the
-    activation dotted as its Q8 rows. `blocks`: contiguous GGUF blocks of `qtype` (one of
-    Q4_K, Q5_K, Q6_K, Q8_0), starting 4-byte aligned."""
+    activation dotted as its Q8 rows (`x8`: `quantize_q8(x)` made already, for several
+    matrices). `blocks`: contiguous GGUF blocks of `qtype` (one of Q4_K, Q5_K, Q6_K, Q8_0),
+    starting 4-byte aligned."""
     if qtype not in Q8_DOT_QTYPES:
         names = ", ".join(sorted(q.name for q in Q8_DOT_QTYPES))
         raise ValueError(f"qlinear reads {names}, not {qtype.name}")
@@ -107,7 +110,10 @@ def qlinear(
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t == 0 or n == 0:
         return out
-    x8 = quantize_q8(x.contiguous())
+    if x8 is None:
+        x8 = quantize_q8(x.contiguous())
+    elif x8.shape != (t, q8_row_bytes(k)) or x8.dtype != torch.uint8 or x8.device != x.device:
+        raise ValueError(f"x8 must be x's Q8 rows, uint8 [{t}, {q8_row_bytes(k)}]")
     _qlinear_kernel[(triton.cdiv(n, config.block_n),)](
         x8, blocks, out, t, n, k, blocks.shape[1], x8.shape[1], out.stride(0),
         QTYPE=int(qtype), BLOCK_N=config.block_n, SBS=config.super_blocks,

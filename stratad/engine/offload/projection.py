@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as fn
 
-from kernels.experts.moe_dots_q8 import Q8_DOT_QTYPES
+from kernels.experts.moe_dots_q8 import Q8_DOT_QTYPES, quantize_q8
 from kernels.formats.dequant_blocks import dequant_blocks
 from kernels.formats.quant import QTensor, QType, block_geometry
 from kernels.layers.qlinear import QLinearConfig, qlinear
@@ -39,7 +39,8 @@ class GgufMatrix:
 
     def __call__(self, x: torch.Tensor, config: QLinearConfig) -> torch.Tensor:
         """x [T, K] @ the matrix^T -> [T, N], x's rows dotted as their Q8 rows."""
-        outs = [qlinear(x, blocks, qtype, config) for blocks, qtype in self.parts]
+        x8 = quantize_q8(x.contiguous()) if x.shape[0] else None  # once for every run
+        outs = [qlinear(x, blocks, qtype, config, x8) for blocks, qtype in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
