@@ -23,6 +23,7 @@ from stratad.engine.recurrent import state_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
+from stratad.runtime.prefix import PrefixStore
 from stratad.store.loader import load_model
 from tests.greedy import greedy
 from tests.offload_engine import PROMPT, assert_as_reference, tiny_offload
@@ -94,6 +95,24 @@ def test_qwen3_next_states_are_each_caches_own(next80: Model) -> None:
     assert (off(other, cache)[-1] - ref(other, ref.new_cache(64))[-1]).abs().max() < 1e-3
     assert cache.recurrent is held and own == [id(t) for t in (*held.conv.values(),
                                                                 *held.state.values())]  # fmt: skip
+
+
+def test_qwen3_next_state_restored_from_a_snapshot(next80: Model) -> None:
+    """A prefix snapshot's state (copied off with its KV) restored onto a cache that already
+    holds state tensors of its own (a captured step's addresses): they take its values, and
+    the next token's logits are the reference's continuing the prefix."""
+    ref, off = ReferenceForward(next80), tiny_offload(next80, "cpu")
+    prompt, store = PROMPT[:10], PrefixStore(0, 1 << 24)
+    cache, other = off.new_cache(64), off.new_cache(64)
+    token = int(off(prompt, cache)[-1].argmax())
+    assert store.save(cache, len(prompt), pinned=True)
+    off(PROMPT[20:26], other)
+    own = other.recurrent
+    (snap,) = store.snapshots
+    store.restore(snap, len(prompt), other)
+    want = ref(prompt + [token], ref.new_cache(64))[-1]
+    assert (off([token], other)[-1] - want).abs().max() < 1e-3
+    assert other.recurrent is own  # its own tensors, which took the snapshot's values
 
 
 def test_qwen3_next_sequences_decode_together(next80: Model) -> None:

@@ -25,6 +25,7 @@ from stratad.model.graph.deltanet import GatedDeltaNet
 from stratad.model.spec import Model
 from stratad.model.text.tokenizer_build import tokenizer_from_gguf
 from stratad.runtime.generate import Generator
+from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest
 from tests.daemon import greedy_completions, running_daemon
@@ -98,6 +99,44 @@ def test_a_conversation_continues_its_working_cache(model: Model) -> None:
     assert run(left) == greedy(forward, left, 5) and gen.cached_tokens == 0
     again = list(gen.cache.tokens) + [5]
     assert run(again, scope="another key") == greedy(forward, again, 5)
+    assert gen.cached_tokens == 0
+
+
+def test_conversations_and_pins_come_back_from_snapshots(model: Model) -> None:
+    """With one working cache, a conversation set aside for another comes back from its
+    snapshot, its recurrent state with it: the next turn reuses all of it and gives the
+    tokens computed afresh; a prompt that leaves it earlier reuses none (the state stands for
+    the whole snapshot). A pinned prefix is kept at the pin, where a chunk ends, and the next
+    request of the scope reuses it; another scope's does not."""
+    forward = ReferenceForward(model)
+    store = PrefixStore(conversation_bytes=1 << 24, pinned_bytes=1 << 24)
+    gen = Generator(forward, tokenizer_from_gguf(model.metadata), max_context=128,
+                    prefix_store=store, reuse=False)  # fmt: skip
+
+    def run(prompt: list[int], pin: int = 0, scope: str = "") -> list[int]:
+        req = GenerationRequest(prompt, max_tokens=4, sampling=SamplingParams(temperature=0.0),
+                                ignore_eos=True, pin=pin, scope=scope)  # fmt: skip
+        return [e.token for e in gen.run(req)]
+
+    run(list(range(300, 320)))
+    held = list(gen.cache.tokens)
+    run(list(range(500, 530)))  # takes the one cache: the first conversation set aside
+    (snap,) = store.snapshots
+    assert snap.tokens == tuple(held) and snap.state is not None
+    assert snap.state.length == len(held) and snap.nbytes > snap.k.nbytes + snap.v.nbytes
+    turn = held + [400, 401]
+    assert run(turn) == greedy(forward, turn, 4) and gen.cached_tokens == len(held)
+    left = held[:-3] + [9, 9, 9]
+    assert run(left) == greedy(forward, left, 4) and gen.cached_tokens == 0
+    doc = list(range(600, 640))
+    run(doc + [1, 2], pin=len(doc))
+    pinned = [s for s in store.snapshots if s.pinned]
+    assert [len(s.tokens) for s in pinned] == [len(doc)]
+    assert pinned[0].state is not None and pinned[0].state.length == len(doc)
+    assert not store.save(gen.cache, 20, pinned=True)  # no state stands for 20 tokens
+    ask = doc + [3, 4, 5]
+    assert run(ask) == greedy(forward, ask, 4) and gen.cached_tokens == len(doc)
+    run(ask + [6], scope="another key")
     assert gen.cached_tokens == 0
 
 

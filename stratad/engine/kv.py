@@ -107,6 +107,8 @@ class KVPool:
         if any(t.shape[0] not in (0, rows) for t in (*k, *v)):
             raise ValueError(f"every layer's keys and values hold {rows} rows, or none")
         self.k, self.v, self.block_size = k, v, block_size
+        # layers without KV keep a recurrent state per sequence (`KVCache.recurrent`)
+        self.recurrent = any(not t.shape[0] for t in k)
         self.k_scale, self.v_scale = scales if scales is not None else ([], [])
         self.quantized = scales is not None
         self.fmt = fmt or (INT8 if self.quantized else PLAIN)

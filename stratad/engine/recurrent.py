@@ -4,6 +4,8 @@
 The state stands for exactly the cache's first `length` tokens: unlike KV blocks it cannot be
 cut back to fewer tokens or shared as a prefix, so `KVCache.truncate` and `adopt` drop it,
 and a pass over a non-empty cache without it fails rather than compute from a wrong state.
+A prefix is reused whole or not at all: the prefix store keeps a copy (`HeldState`) beside a
+snapshot's KV, for exactly the snapshot's tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,46 @@ class RecurrentState:
     length: int = 0  # the tokens folded in
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [C, K - 1] inputs
     state: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv]
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """A recurrent state copied off its device (a prefix snapshot's, on the host), and the
+    device each layer's tensors came from."""
+
+    length: int
+    conv: dict[int, torch.Tensor]
+    state: dict[int, torch.Tensor]
+    devices: dict[int, torch.device]
+
+    @classmethod
+    def of(cls, s: RecurrentState) -> HeldState:
+        """A copy of `s` on the host. From a GPU it goes into page-locked memory without
+        waiting: the next step, which updates the state in place, is queued after it on the
+        same stream."""
+        return cls(
+            s.length, {i: _to_host(t) for i, t in s.conv.items()},
+            {i: _to_host(t) for i, t in s.state.items()},
+            {i: t.device for i, t in s.state.items()},
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in (self.conv, self.state) for t in d.values())
+
+    def restored(self) -> RecurrentState:
+        """A new state on the devices it came from, equal to the held one."""
+        return RecurrentState(
+            self.length, {i: t.to(self.devices[i]) for i, t in self.conv.items()},
+            {i: t.to(self.devices[i]) for i, t in self.state.items()},
+        )  # fmt: skip
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def state_bytes(spec: ModelSpec) -> int:

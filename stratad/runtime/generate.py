@@ -28,7 +28,7 @@ from stratad.engine.kv import KVCache, KVPoolFull, pool_tokens, prompt_keys
 from stratad.engine.timing import StageTimer
 from stratad.model.text.tokenizer import Tokenizer
 from stratad.runtime.pooling import Pooling, PoolingRequest
-from stratad.runtime.prefix import PrefixStore
+from stratad.runtime.prefix import PrefixStore, Snapshot
 from stratad.runtime.sequence import GenerationEvent, GenerationRequest, Sequence
 from stratad.runtime.speculation.cost import StepCost
 from stratad.runtime.speculation.settings import Speculation
@@ -69,9 +69,9 @@ class Generator:
         the forward's decode step from tokens on the device (`Runner.ahead`: decode steps
         of plain draws queue the next one before the host reads their tokens); `reuse`
         False (a recurrent model, whose state cannot be cut back to a shared prefix): no
-        prefix store or shared blocks; a request continues its working cache's conversation
-        only where all of it starts the prompt (`_continue`), else computes its whole
-        prompt on an emptied cache."""
+        shared blocks; a request continues a conversation, its working cache's or a
+        snapshot's, only where all of it starts the prompt (`_continue`), else computes its
+        whole prompt on an emptied cache."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.forward = forward
@@ -151,7 +151,7 @@ class Generator:
         cache = self.caches[i]
         live = cache.common_prefix(prompt) if scope == self._scopes[i] else 0
         if not self.reuse:
-            return self._continue(i, live, len(prompt), scope)
+            return self._continue(i, live, prompt, scope)
         snap, n = self.store.best(prompt, scope)
         keep = min(max(live, n), len(prompt) - 1)
         # full blocks of the pool that hold this prompt's start (this cache's or another's)
@@ -170,30 +170,43 @@ class Generator:
             self.store.save(cache, cache.length, scope=self._scopes[i])
         self._scopes[i] = scope
         if snap is not None and n > live:
-            want = self.kv.blocks_for(keep) - self.kv.free_blocks - len(cache.blocks)
-            if want > 0:
-                self.reclaim(want, keep=i)
-            try:
-                self.store.restore(snap, keep, cache)
-            except KVPoolFull:  # running requests hold the pool: compute the prompt instead
-                cache.release()
-                return 0
-        else:
-            cache.truncate(keep)
+            return self._restore(i, snap, keep)
+        cache.truncate(keep)
         return keep
 
-    def _continue(self, i: int, live: int, prompt: int, scope: str) -> int:
-        """A recurrent model's prefix in cache i: the cache's whole conversation where it
-        starts the prompt (of `prompt` tokens) and leaves a token to compute, its recurrent
-        state standing for exactly those tokens (a conversation's next turn); else none, the
-        cache emptied (a state is not cut back to a shorter prefix)."""
+    def _continue(self, i: int, live: int, prompt: list[int], scope: str) -> int:
+        """A recurrent model's prefix in cache i, its state standing for whole prefixes alone:
+        the cache's whole conversation where it starts the prompt and leaves a token to
+        compute (a conversation's next turn), unless a snapshot of `scope` holds more of it
+        (`Snapshot.reusable`: all of its tokens); else that snapshot restored, the cache's own
+        conversation set aside first; else none, the cache emptied."""
         cache = self.caches[i]
         state = cache.recurrent
-        whole = 0 < live == cache.length < prompt and state is not None and state.length == live
-        if not whole:
-            cache.release()
+        whole = 0 < live == cache.length < len(prompt)
+        whole = whole and state is not None and state.length == live
+        snap, n = self.store.best(prompt, scope)
+        if whole and n <= live:
+            self._scopes[i] = scope
+            return live
+        if cache.length:
+            self.store.save(cache, cache.length, scope=self._scopes[i])
+        cache.release()
         self._scopes[i] = scope
-        return live if whole else 0
+        return self._restore(i, snap, n) if snap is not None and n else 0
+
+    def _restore(self, i: int, snap: Snapshot, length: int) -> int:
+        """Cache i holds the snapshot's first `length` tokens, idle caches' blocks reclaimed
+        for it; `length`, or 0 (the cache emptied) where running requests hold the pool."""
+        cache = self.caches[i]
+        want = self.kv.blocks_for(length) - self.kv.free_blocks - len(cache.blocks)
+        if want > 0:
+            self.reclaim(want, keep=i)
+        try:
+            self.store.restore(snap, length, cache)
+        except KVPoolFull:  # compute the prompt instead
+            cache.release()
+            return 0
+        return length
 
     def start(self, req: GenerationRequest) -> Sequence:
         """Admit `req` on a free working cache; its `Sequence` (`cached_tokens`: the prompt

@@ -8,6 +8,10 @@ recomputing it (copying is a memcpy, recomputing is a forward pass). Pinned snap
 budget and are evicted only by other pins. Both budgets are bytes, evicted least recently used
 first.
 
+A recurrent model's snapshot also holds its recurrent state (`stratad.engine.recurrent`),
+which stands for exactly the snapshot's tokens: such a snapshot is reused whole or not at all,
+and a longer one does not cover a shorter one.
+
 Every snapshot belongs to a scope (a hash of the API key and `user` that made it): a request
 reuses only its own scope's prefixes, so the tokens it finds cached never tell one client what
 another sent.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from stratad.engine.kv import KVCache
+from stratad.engine.recurrent import HeldState
 
 # Conversations shorter than this are cheaper to recompute than to keep.
 MIN_SNAPSHOT_TOKENS = 16
@@ -30,15 +35,25 @@ MIN_SNAPSHOT_TOKENS = 16
 @dataclass
 class Snapshot:
     tokens: tuple[int, ...]
-    k: torch.Tensor  # [L, n, Hkv, D]
+    k: torch.Tensor  # [L, n, Hkv, D] (the L layers that keep KV)
     v: torch.Tensor
     pinned: bool
     used: int  # logical clock of the last use (LRU)
     scope: str = ""  # whose prefix it is: only requests of the same scope reuse it
+    state: HeldState | None = None  # a recurrent model's state after all of `tokens`
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        held = self.state.nbytes if self.state is not None else 0
+        return self.k.nbytes + self.v.nbytes + held
+
+    def reusable(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` it holds: their common prefix; for a recurrent state, all of
+        its tokens where they start `tokens` and leave one to compute, else none."""
+        n = common_prefix(self.tokens, tokens)
+        if self.state is None:
+            return n
+        return n if n == len(self.tokens) < len(tokens) else 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,13 +84,14 @@ class PrefixStore:
         return sum(s.nbytes for s in self.snapshots if pinned is None or s.pinned == pinned)
 
     def best(self, tokens: Sequence[int], scope: str = "") -> tuple[Snapshot | None, int]:
-        """The snapshot of `scope` sharing the longest prefix with `tokens`, and that length."""
+        """The snapshot of `scope` holding the longest prefix of `tokens`, and that length
+        (`Snapshot.reusable`)."""
         tokens = tuple(tokens)
         best, length = None, 0
         for s in self.snapshots:
             if s.scope != scope:
                 continue
-            n = common_prefix(s.tokens, tokens)
+            n = s.reusable(tokens)
             if n > length:
                 best, length = s, n
         return best, length
@@ -87,34 +103,42 @@ class PrefixStore:
 
     def save(self, cache: KVCache, length: int, pinned: bool = False, scope: str = "") -> bool:
         """Copy the first `length` tokens of `cache` into a snapshot of `scope`; False if not
-        kept."""
+        kept. A recurrent model's cache is kept at its state's length alone (the state is
+        copied with it)."""
         tokens = tuple(cache.tokens[:length])
         if (length < MIN_SNAPSHOT_TOKENS and not pinned) or length > cache.length:
             return False
         if cache.pool.quantized or cache.pool.host:  # snapshots hold plain rows of one tier
             return False
-        # a snapshot of the same kind that already holds these tokens (or more) covers them
+        net, exact = cache.recurrent, cache.pool.recurrent
+        if exact and (net is None or net.length != length):
+            return False  # no state stands for these tokens
+        # a snapshot of the same kind that already holds these tokens (or more: not a state's)
         for s in self.snapshots:
-            if s.pinned == pinned and s.scope == scope and s.tokens[:length] == tokens:
+            same = s.pinned == pinned and s.scope == scope and s.tokens[:length] == tokens
+            if same and (not exact or len(s.tokens) == length):
                 s.used = next(self._clock)
                 return True
-        per_token = 2 * sum(k[0].nbytes for k in cache.k)
-        if length * per_token > self.budget[pinned]:
+        held = HeldState.of(net) if net is not None else None
+        per_token = 2 * sum(k[0].nbytes for k in cache.k if k.shape[0])
+        if length * per_token + (held.nbytes if held is not None else 0) > self.budget[pinned]:
             return False
         rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
-        # the new one covers shorter conversations it extends
+        # the new one covers shorter conversations it extends (not a recurrent state's)
         self.snapshots = [
             s
             for s in self.snapshots
             if s.pinned or pinned or s.scope != scope or tokens[: len(s.tokens)] != s.tokens
-        ]
+            or exact
+        ]  # fmt: skip
         snap = Snapshot(
             tokens=tokens,
-            k=_to_host([k[rows[k.device]] for k in cache.k]),
-            v=_to_host([v[rows[v.device]] for v in cache.v]),
+            k=_to_host([k[rows[k.device]] for k in cache.k if k.shape[0]]),
+            v=_to_host([v[rows[v.device]] for v in cache.v if v.shape[0]]),
             pinned=pinned,
             used=next(self._clock),
             scope=scope,
+            state=held,
         )
         self.snapshots.append(snap)
         self._evict(pinned)
@@ -122,15 +146,21 @@ class PrefixStore:
 
     def restore(self, snap: Snapshot, length: int, cache: KVCache) -> None:
         """Make `cache` hold the snapshot's first `length` tokens (the blocks it needs taken
-        from its pool)."""
+        from its pool); a recurrent state's snapshot all of them, its state restored."""
+        if snap.state is not None and length != len(snap.tokens):
+            raise ValueError(f"a recurrent state stands for all {len(snap.tokens)} tokens of"
+                             f" its snapshot, not {length}")  # fmt: skip
         cache.truncate(0)
         cache.reserve(length)
         rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
-        for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+        with_kv = [(k, v) for k, v in zip(cache.k, cache.v, strict=True) if k.shape[0]]
+        for i, (k, v) in enumerate(with_kv):
             k.index_copy_(0, rows[k.device], snap.k[i, :length].to(k.device))
             v.index_copy_(0, rows[v.device], snap.v[i, :length].to(v.device))
         cache.length = length
         cache.tokens[:] = snap.tokens[:length]
+        if snap.state is not None:
+            cache.recurrent = snap.state.restored()
         snap.used = next(self._clock)
 
     def _evict(self, pinned: bool) -> None:

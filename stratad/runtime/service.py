@@ -80,13 +80,15 @@ class Engine:
             pinned_bytes=server.pinned_prefix_mib << 20,
         )
         # a recurrent model's state stands for its cache's tokens alone (stratad/engine/
-        # recurrent.py): no cache is cut back, shared or preempted, no step runs ahead
+        # recurrent.py): no cache is cut back, shares blocks or is preempted, no step runs
+        # ahead; a snapshot holds a state beside its KV, reused whole
         net = self.model.spec.deltanet
         recurrent = net is not None
         if net is not None:
             log.info("%s: each request's recurrent state lives in its working cache, which a"
-                     " conversation's next turn continues; else a request computes from its"
-                     " first token: no shared prefixes, conversation cache, steps queued"
+                     " conversation's next turn continues, or in a snapshot of the prefix"
+                     " store (a conversation set aside, a pinned prefix), reused whole; else a"
+                     " request computes from its first token: no shared blocks, steps queued"
                      " ahead, speculation or preemption", net.describe())  # fmt: skip
         ahead = None if recurrent else runner.ahead(config.engine.step_ahead)
         if ahead is not None:
