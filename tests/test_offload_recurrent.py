@@ -23,9 +23,15 @@ from stratad.engine.recurrent import state_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
+from stratad.model.text.tokenizer_build import tokenizer_from_gguf
+from stratad.runtime.generate import Generator
 from stratad.runtime.prefix import PrefixStore
+from stratad.runtime.sampling import SamplingParams
+from stratad.runtime.sequence import GenerationRequest
+from stratad.runtime.speculation.settings import Speculation
 from stratad.store.loader import load_model
 from tests.greedy import greedy
+from tests.known_drafts import KnownAnswer
 from tests.offload_engine import PROMPT, assert_as_reference, tiny_offload
 
 
@@ -113,6 +119,24 @@ def test_qwen3_next_state_restored_from_a_snapshot(next80: Model) -> None:
     want = ref(prompt + [token], ref.new_cache(64))[-1]
     assert (off([token], other)[-1] - want).abs().max() < 1e-3
     assert other.recurrent is own  # its own tensors, which took the snapshot's values
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_qwen3_next_rejected_drafts_rewind(next80: Model, device: str) -> None:
+    """Two requests verifying drafts on the GPU engine (a verify pass is a span per
+    sequence), some rejected midway: each goes back to its state before the pass, and both
+    get the reference's greedy tokens."""
+    ref, off = ReferenceForward(next80), tiny_offload(next80, device)
+    prompt = PROMPT[:8]
+    want = greedy(ref, prompt, 6)
+    req = GenerationRequest(prompt, max_tokens=6, sampling=SamplingParams(temperature=0.0),
+                            ignore_eos=True)  # fmt: skip
+    spec = Speculation(KnownAnswer(want), max_draft=3)
+    gen = Generator(off, tokenizer_from_gguf(next80.metadata), 64, parallel=2,
+                    speculation=spec, reuse=False)  # fmt: skip
+    runs = [gen.run(req) for _ in range(2)]
+    assert [[e.token for e in r] for r in runs] == [want, want]
+    assert 0 < gen.loop.accepted < gen.loop.drafted
 
 
 def test_qwen3_next_sequences_decode_together(next80: Model) -> None:

@@ -28,8 +28,10 @@ from stratad.runtime.generate import Generator
 from stratad.runtime.prefix import PrefixStore
 from stratad.runtime.sampling import SamplingParams
 from stratad.runtime.sequence import GenerationRequest
+from stratad.runtime.speculation.settings import Speculation
 from tests.daemon import greedy_completions, running_daemon
 from tests.greedy import greedy
+from tests.known_drafts import KnownAnswer
 from tests.llama_compare import assert_as_llama
 from tests.tiny_presets import preset_fixtures
 
@@ -138,6 +140,31 @@ def test_conversations_and_pins_come_back_from_snapshots(model: Model) -> None:
     assert run(ask) == greedy(forward, ask, 4) and gen.cached_tokens == len(doc)
     run(ask + [6], scope="another key")
     assert gen.cached_tokens == 0
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_drafts_rejected_take_the_state_back(model: Model, parallel: int) -> None:
+    """A verify pass folds every draft into the recurrent state, so where one is rejected
+    the sequence goes back to the state before the pass and computes the tokens that stood
+    again: greedy tokens equal those without drafts, some drafts standing and some not; two
+    requests at once each keep their own state."""
+    forward, tok = ReferenceForward(model), tokenizer_from_gguf(model.metadata)
+    req = GenerationRequest([5, 6, 7, 8, 9, 10] * 3, max_tokens=16,
+                            sampling=SamplingParams(temperature=0.0), ignore_eos=True)  # fmt: skip
+
+    def run(spec: Speculation | None) -> tuple[list[list[int]], Generator]:
+        gen = Generator(forward, tok, 128, parallel=parallel, speculation=spec, reuse=False)
+        runs = [gen.run(req) for _ in range(parallel)]
+        return [[e.token for e in r] for r in runs], gen
+
+    plain, _ = run(None)
+    drafted, gen = run(Speculation(KnownAnswer(plain[0]), max_draft=3))
+    assert drafted == plain
+    loop = gen.loop
+    assert loop.verifies > 0 and 0 < loop.accepted < loop.drafted, (loop.accepted, loop.drafted)
+    cache = gen.caches[0]
+    assert cache.recurrent is not None and cache.recurrent.length == cache.length
+    assert cache.tokens == req.prompt + plain[0][:-1]
 
 
 def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:

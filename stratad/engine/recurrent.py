@@ -68,6 +68,12 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def copy_of(s: RecurrentState) -> RecurrentState:
+    """A copy of `s` on its devices (a checkpoint before a pass that may be undone)."""
+    return RecurrentState(s.length, {i: t.clone() for i, t in s.conv.items()},
+                          {i: t.clone() for i, t in s.state.items()})  # fmt: skip
+
+
 def state_bytes(spec: ModelSpec) -> int:
     """One sequence's recurrent state on the device (float32): every linear-attention layer's
     held convolution inputs [C, K - 1] and state [Hv, Dk, Dv]; 0 for a model without one."""

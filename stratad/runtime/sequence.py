@@ -17,6 +17,7 @@ import torch
 
 from stratad.engine.batch import Output
 from stratad.engine.kv import KVCache
+from stratad.engine.recurrent import RecurrentState, copy_of
 from stratad.model.text.tokenizer import StreamDecoder, Tokenizer
 from stratad.runtime.grammar import Constraint
 from stratad.runtime.sampling import Sample, Sampler, SamplingParams
@@ -79,6 +80,9 @@ class Sequence:
         self.drafts: Drafts | None = None
         self.draft_length: DraftLength | None = None
         self.proposed: list[int] = []
+        # a recurrent model's state before the pass that verifies `proposed` (it folds in
+        # every draft; a rejected one is undone by going back to this)
+        self.rewind: RecurrentState | None = None
         self.drafted = self.accepted = 0
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens reused from a known prefix, not computed
@@ -113,11 +117,19 @@ class Sequence:
         room = min(self.budget - self.sampled - 1, self.cache.capacity - self.cache.length - 1)
         return max(min(self.draft_length.next(token_cost), room), 0)
 
+    def checkpoint(self) -> None:
+        """Before a pass that verifies drafts: a recurrent model's state copied (`rewind`)."""
+        state = self.cache.recurrent
+        self.rewind = copy_of(state) if self.proposed and state is not None else None
+
     def verify(self, logits: torch.Tensor) -> list[GenerationEvent]:
         """The events of a step that computed the pending token and the drafts (logits
         [1 + len(proposed), V]): each position sampled in turn, the draft checked, up to the
         first token that differs from it (or ends the sequence) and the one after the last
-        draft. The cache keeps the tokens the events settled."""
+        draft. The cache keeps the tokens the events settled; a recurrent model's, whose state
+        folded in every draft, goes back to its `checkpoint` where one was rejected, and the
+        next step computes the tokens that stood again (as a prompt chunk ending at the new
+        pending token: its logits draw the next)."""
         drafts, length = self.proposed, self.cache.length - len(self.proposed) - 1
         events: list[GenerationEvent] = []
         for j in range(len(drafts) + 1):
@@ -133,7 +145,13 @@ class Sequence:
         if drafts and self.draft_length is not None:  # event j < len(drafts) checked draft j
             self.draft_length.record(min(len(events), len(drafts)), accepted)
         # the KV of the pending token and the drafts that stood; the new pending token's next
-        self.cache.truncate(length + len(events))
+        kept, rewind, self.rewind = length + len(events), self.rewind, None
+        if rewind is not None and kept < self.cache.length:
+            self.cache.truncate(length)
+            self.cache.recurrent = rewind
+            self.pos, self.context = length, self.req.prompt + self.generated
+        else:
+            self.cache.truncate(kept)
         self.proposed = []
         return events
 

@@ -81,15 +81,18 @@ class Engine:
         )
         # a recurrent model's state stands for its cache's tokens alone (stratad/engine/
         # recurrent.py): no cache is cut back, shares blocks or is preempted, no step runs
-        # ahead; a snapshot holds a state beside its KV, reused whole
+        # ahead; a snapshot holds a state beside its KV, reused whole; a draft is undone
+        # from a copy of the state before its pass (`Sequence.checkpoint`)
         net = self.model.spec.deltanet
         recurrent = net is not None
         if net is not None:
             log.info("%s: each request's recurrent state lives in its working cache, which a"
                      " conversation's next turn continues, or in a snapshot of the prefix"
                      " store (a conversation set aside, a pinned prefix), reused whole; else a"
-                     " request computes from its first token: no shared blocks, steps queued"
-                     " ahead, speculation or preemption", net.describe())  # fmt: skip
+                     " request computes from its first token; a rejected draft takes the state"
+                     " back to the step's start, the tokens that stood computed again with the"
+                     " next step: no shared blocks, steps queued ahead or preemption",
+                     net.describe())  # fmt: skip
         ahead = None if recurrent else runner.ahead(config.engine.step_ahead)
         if ahead is not None:
             log.info(
@@ -111,7 +114,7 @@ class Engine:
             kv_tokens=0 if recurrent else runner.start.parallel.pool_tokens(max_context),
             prompt_rows=runner.prompt_rows,
             ahead=ahead,
-            speculation=None if recurrent else Speculation.from_config(
+            speculation=Speculation.from_config(
                 config.speculation.drafter, config.speculation.max_draft,
                 config.speculation.token_cost, self.backend,
                 self._draft_model(config, max_context)),  # fmt: skip

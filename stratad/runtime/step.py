@@ -192,6 +192,9 @@ class StepLoop:
         seqs = [self.running[i] for i in picked]
         batch = [Seq(s.cache, nexts[i], _wants(s)) for i, s in zip(picked, seqs, strict=True)]
         timed = _decoding(seqs)  # drafted tokens in all, or None: a step of prompt tokens
+        for s in seqs:
+            if isinstance(s, Sequence):
+                s.checkpoint()
         rows = self.forward.step(batch)  # it takes the planned blocks (`engine.batch.reserve`)
         for s in seqs:  # full blocks become hits for later prompts of the same scope
             s.cache.seal(s.req.scope)

@@ -138,6 +138,10 @@ def open_draft_model(
     mismatch = vocabulary_mismatch(target_vocab, load_tokenizer(model).hf.get_vocab())
     if mismatch is not None:
         raise DraftModelError(f"model.draft {path}: not the model's vocabulary ({mismatch})")
+    if model.spec.deltanet is not None:  # its cache is cut back to the accepted drafts
+        raise DraftModelError(f"model.draft {path}: a recurrent model ({model.spec.arch})"
+                              " cannot draft: its state is not cut back to the tokens that"
+                              " stood")  # fmt: skip
     forward = ReferenceForward(model, weights=cpu_weights(engine))
     log.info("draft model %s: %s, %d layers, on the cpu engine", path, model.spec.arch,
              model.spec.n_layers)  # fmt: skip
