@@ -220,6 +220,28 @@ def test_qwen3_next_dense_projections_as_blocks(
 
 
 @pytest.mark.gpu
+def test_qwen3_next_steps_captured_per_size(next80: Model) -> None:
+    """Decode steps of two sequences, then of other pairs of the same caches: every pair
+    replays the first pair's capture (the attention input written through the block tables,
+    the states read through the address table), each sequence's logits the reference's."""
+    ref, off = ReferenceForward(next80), tiny_offload(next80, "cuda")
+    assert off.replays_decode
+    prompts = [PROMPT[:5], PROMPT[10:19], PROMPT[30:37]]
+    caches = [off.new_cache(64) for _ in prompts]
+    refs = [ref.new_cache(64) for _ in prompts]
+    nxt = [int(off(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
+    for p, c in zip(prompts, refs, strict=True):
+        ref(p, c)
+    for live in ([0, 1], [1, 2], [0, 2], [2, 0]):
+        got = off.step([Seq.logits(caches[b], [nxt[b]], False) for b in live])
+        for b, logits in zip(live, got, strict=True):
+            want = ref([nxt[b]], refs[b])[-1]
+            assert (logits[-1].cpu() - want).abs().max() < 1e-2, f"sequence {b} in {live}"
+            nxt[b] = int(want.argmax())
+    assert off.graph.captured == 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("graphs", "pcie_frac"), [(True, 1.0), (False, 1.0), (True, 0.5)])
 def test_on_the_gpu(next80: Model, graphs: bool, pcie_frac: float) -> None:
     """On a GPU against the reference, decode steps captured or eager, and with a CPU share of

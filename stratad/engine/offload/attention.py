@@ -3,10 +3,12 @@ tables, the KV write, and attention itself, over the paged KV pool (`stratad.eng
 
 Decode attends split-K through the caches' block tables, the lengths read on the device (so
 one captured graph serves every position); where the model allows, the norms, the rotation and
-the KV write are one kernel (`kernels.layers.attn_input`; RoPE over part of each head, GLM-4.5's,
-is written op by op). A decode step of several sequences of one pool runs attention (and the
-fused input) once for the whole batch, each sequence's blocks found through its row of the
-tables [B, max_blocks] (gathered on the device once per step). A prefill chunk gathers its
+the KV write are one kernel (`kernels.layers.attn_input`; RoPE over part of each head, GLM-4.5's
+and Qwen3-Next's, latent attention and a 4-bit pool are written op by op). A decode step of
+several sequences of one pool runs attention and its input once for the whole batch (the
+fused kernel or the ops over every row), each sequence's blocks found through its row of the
+tables [B, max_blocks] (gathered on the device once per step): a captured step reads them,
+so one capture serves every set of caches of its size. A prefill chunk gathers its
 sequence's keys and values up to its end and attends with torch's
 scaled_dot_product_attention.
 
@@ -142,9 +144,9 @@ class OffloadAttention:
             q = attn_input(qkv, pos, norms, self.cos, self.sin, k, v, self.style,  # type: ignore[arg-type]
                            spec.rms_eps, block_tables=tables, block_size=bs, k_scale=ks,
                            v_scale=vs)  # fmt: skip
-        else:  # the input op by op, each sequence into its own blocks
-            q = torch.cat([self._input(w, i, qkv[b : b + 1], pos[b : b + 1], cache)
-                           for b, cache in enumerate(caches)])  # fmt: skip
+        else:  # the input op by op, each row into its sequence's blocks through the tables
+            rows = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+            q = self._input(w, i, qkv, pos, pool, rows)
         return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
                                 block_tables=tables, block_size=bs, k_scale=ks,
                                 v_scale=vs, host=pool.host_pages(i), sinks=w.sinks,
@@ -169,7 +171,7 @@ class OffloadAttention:
                            self.style, spec.rms_eps, block_tables=table.expand(qkv.shape[0], -1),
                            block_size=bs, k_scale=ks, v_scale=vs)  # fmt: skip
         else:
-            q = self._input(w, i, qkv, pos, cache)
+            q = self._input(w, i, qkv, pos, cache.pool, table[0].long()[pos // bs] * bs + pos % bs)
         if isinstance(step, Decode):  # split-K through the block table
             lens = self.lens[b : b + 1]
             return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
@@ -208,20 +210,20 @@ class OffloadAttention:
         return torch.cat((turned, x[..., r:]), dim=-1)
 
     def _input(
-        self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """Rotated q [T, Hq, D]; k and v written into the cache's rows at pos (op by op)."""
+        self, w: DenseLayer, i: int, qkv: torch.Tensor, pos: torch.Tensor, pool: KVPool,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rotated q [T, Hq, D] of qkv [T, qkv] at positions pos [T]; k and v written into
+        the pool's layer i at `rows` [T] (op by op)."""
         q, k, v = self._latent(w, qkv, pos) if w.mla is not None else self._heads(w, qkv, pos)
-        bs, pool = cache.block_size, cache.pool
-        rows = cache.table(pos.device).long()[pos // bs] * bs + pos % bs
         if pool.quantized:  # int8 and a scale per token and KV head, or 4-bit
             fmt = pool.fmt
             assert isinstance(fmt, Int8KV | Q4KV)
             (k, k_scale), (v, v_scale) = fmt.quantize(k), fmt.quantize(v)
             pool.k_scale[i].index_copy_(0, rows, k_scale)
             pool.v_scale[i].index_copy_(0, rows, v_scale)
-        cache.k[i].index_copy_(0, rows, k)
-        cache.v[i].index_copy_(0, rows, v)
+        pool.k[i].index_copy_(0, rows, k)
+        pool.v[i].index_copy_(0, rows, v)
         return q
 
     def _latent(

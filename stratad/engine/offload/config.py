@@ -23,7 +23,7 @@ class OffloadConfig:
     prefill_chunk: int = 4096
     dtype: torch.dtype = torch.bfloat16
     # capture the decode step as a CUDA graph (a recurrent model's too: Qwen3-Next's states
-    # are each cache's own tensors, its steps captured per set of caches)
+    # are each cache's own tensors, read through the step's address table)
     graphs: bool = True
     # The most new tokens of one sequence a decode pass takes as rows of their own (a short
     # prompt, a drafted window: `batch.decode_rows`); 1: such tokens go as prefill chunks.

@@ -179,17 +179,16 @@ class OffloadForward:
         self.prefetch = ExpertPrefetch(self.experts, self.layouts, self._guess_route,
                                        spec.n_experts_used, config.kernels.prefetch,
                                        self._host_span, guess)  # fmt: skip
-        # with the fused input kernel a batched step reads and writes every cache through the
-        # block tables (a recurrent model's states through the address table its `begin`
-        # fills): one capture per batch size serves every set of caches of the pool
+        # a batched step reads and writes every cache through the block tables (a recurrent
+        # model's states through the address table its `begin` fills): one capture per batch
+        # size serves every set of caches of the pool
         net = self.deltanet
 
         def by_table(caches: Sequence[KVCache]) -> bool:
             return self.attention.batched(caches) and (net is None or net.rows > 0)
 
-        tabled = by_table if self.attention.fused_input else lambda _: False
         preserve = self.deltanet.preserved if self.deltanet is not None else nullcontext
-        self.graph = DecodeGraph(self._decode_pass, device, tabled, preserve)
+        self.graph = DecodeGraph(self._decode_pass, device, by_table, preserve)
         self.split = SplitStep(self._split_parts(), device, config.graphs, preserve)
 
     # -- placement -----------------------------------------------------------------------
@@ -536,7 +535,7 @@ class OffloadForward:
         graphs."""
         if not (self._graphs and self.config.pcie_frac == 1.0 and not self.experts.reads_file):
             return
-        if self.deltanet is not None:  # captured per set of caches, as each is first stepped
+        if self.deltanet is not None:  # a state is one row's: each size captured as first met
             return
         t = time.perf_counter()
         n = self.graph.prepare(cache)
@@ -546,7 +545,7 @@ class OffloadForward:
     @property
     def _graphs(self) -> bool:
         """Whether decode steps are captured (a recurrent model's too: its states are each
-        cache's own tensors, captured per set of caches)."""
+        cache's own tensors, read through the step's address table)."""
         return self.config.graphs and self.device.type == "cuda"
 
     @property

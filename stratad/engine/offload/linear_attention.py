@@ -23,9 +23,8 @@ device) is filled at `begin`, on the host before every pass (copied where it cha
 layer the rows' held convolution inputs and states, the rows past the pass's sequences (a
 captured step's padding) pointing at one scratch state, and the row each output row takes
 (padding: the last sequence's). A decode step reads the table on the device, so one capture
-per row count could serve every set of caches, as the block tables do for the KV caches
-(Qwen3-Next's attention input, a quarter of each head rotated, still runs per cache, so its
-steps are captured per set of caches).
+per row count serves every set of caches, as the block tables do for the KV caches (its
+attention layers' input, a quarter of each head rotated, is written through those tables).
 """
 
 from __future__ import annotations
