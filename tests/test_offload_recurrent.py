@@ -16,6 +16,7 @@ from kernels.experts.moe_dots_q8 import dequantize_q8_ref, quantize_q8_ref
 from kernels.formats.quant import QType
 from stratad.engine.batch import Seq, decode_inputs
 from stratad.engine.kv import KVCache, KVPool
+from stratad.engine.offload.decode_graph import SIZES
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.offload.projection import GgufMatrix
@@ -148,11 +149,13 @@ def test_qwen3_next_sequences_decode_together(next80: Model) -> None:
 
 def _decode_sets(model: Model, off: OffloadForward, sets: tuple[list[int], ...],
                  tol: float) -> None:  # fmt: skip
-    """Three sequences prefilled, then a decode step of each set of them in turn: every
+    """Three sequences of one pool prefilled, then a decode step of each set of them in
+    turn (attention and its input in one launch each, through the block tables): every
     sequence's logits within `tol` of the reference continuing it alone."""
     ref = ReferenceForward(model)
     prompts = [PROMPT[:5], PROMPT[10:19], PROMPT[30:37]]
-    caches = [off.new_cache(64) for _ in prompts]
+    pool = off.new_pool(3 * 64)
+    caches = [KVCache(pool, 64) for _ in prompts]
     refs = [ref.new_cache(64) for _ in prompts]
     nxt = [int(off(p, c)[-1].argmax()) for p, c in zip(prompts, caches, strict=True)]
     for p, c in zip(prompts, refs, strict=True):
@@ -235,6 +238,14 @@ def test_qwen3_next_steps_captured_per_size(next80: Model) -> None:
     assert off.replays_decode
     _decode_sets(next80, off, ([0, 1], [1, 2], [0, 2], [2, 0]), 1e-2)
     assert off.graph.captured == 1
+    # a fresh cache's prepare captures every size at once, rows past the first as padding
+    cache = off.new_cache(64)
+    off.prepare(cache)
+    assert off.graph.captured == 1 + len(SIZES) and cache.length == 0
+    assert cache.recurrent is None
+    (logits,) = off.step([Seq.logits(cache, PROMPT[:1], False)])
+    want = ReferenceForward(next80)(PROMPT[:1], ReferenceForward(next80).new_cache(64))[-1]
+    assert (logits[-1].cpu() - want).abs().max() < 1e-2
 
 
 @pytest.mark.gpu

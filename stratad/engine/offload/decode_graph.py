@@ -101,17 +101,21 @@ class DecodeGraph:
         logits, ids = self._replay(tokens, pos, caches)
         return logits[:rows], ids[:, : ids.shape[1] // size * rows]
 
-    def prepare(self, cache: KVCache) -> int:
+    def prepare(self, cache: KVCache, one_row: bool = False) -> int:
         """Capture every row count up to the room left in `cache` for steps on caches of its
         pool and capacity (rows of `cache` at its next positions, which it gives back after),
         so that no request waits for a capture or for Triton to compile its shapes: the
-        captures made."""
+        captures made. `one_row`: every row at the cache's next position (a recurrent
+        model's, whose state is one row's: the rows past the first are padding)."""
         start, before = cache.length, self.captured
         room = min(SIZES[-1], cache.capacity - start, cache.pool.free_blocks * cache.block_size)
+        if one_row:
+            room = SIZES[-1] if room else 0
         try:
-            cache.reserve(start + room)
+            cache.reserve(start + (min(room, 1) if one_row else room))
             for n in (n for n in SIZES if n <= room):
-                self.replay([0] * n, list(range(start, start + n)), [cache] * n)
+                pos = [start] * n if one_row else list(range(start, start + n))
+                self.replay([0] * n, pos, [cache] * n)
         finally:
             cache.truncate(start)
         return self.captured - before

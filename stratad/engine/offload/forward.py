@@ -535,10 +535,15 @@ class OffloadForward:
         graphs."""
         if not (self._graphs and self.config.pcie_frac == 1.0 and not self.experts.reads_file):
             return
-        if self.deltanet is not None:  # a state is one row's: each size captured as first met
-            return
         t = time.perf_counter()
-        n = self.graph.prepare(cache)
+        if self.deltanet is not None:  # a state is one row's: the others a capture's padding
+            if cache.length:  # (the state the replays advance is an empty cache's, dropped)
+                return
+            with self._recurrent([cache], [0]):
+                n = self.graph.prepare(cache, one_row=True)
+            cache.recurrent = None
+        else:
+            n = self.graph.prepare(cache)
         log.info("decode graphs: every row count captured (%s rows; %d new in %.1f s)",
                  ", ".join(map(str, SIZES)), n, time.perf_counter() - t)  # fmt: skip
 
