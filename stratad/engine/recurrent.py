@@ -27,6 +27,10 @@ class RecurrentState:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [C, K - 1] inputs
     state: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in (self.conv, self.state) for t in d.values())
+
 
 @dataclass(frozen=True)
 class HeldState:

@@ -119,10 +119,10 @@ class PrefixStore:
             if same and (not exact or len(s.tokens) == length):
                 s.used = next(self._clock)
                 return True
-        held = HeldState.of(net) if net is not None else None
         per_token = 2 * sum(k[0].nbytes for k in cache.k if k.shape[0])
-        if length * per_token + (held.nbytes if held is not None else 0) > self.budget[pinned]:
+        if length * per_token + (net.nbytes if net is not None else 0) > self.budget[pinned]:
             return False
+        held = HeldState.of(net) if net is not None else None
         rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
         # the new one covers shorter conversations it extends (not a recurrent state's)
         self.snapshots = [
