@@ -232,7 +232,7 @@ def many_alone(tiny_moe: Model) -> list[list[int]]:
     return [_greedy(ref, [p])[0] for p in MANY]
 
 
-@pytest.mark.parametrize("b", [1, 3, 8, 33])
+@pytest.mark.parametrize("b", [1, 3, 8, 12])  # 12: past the staging's 8 (33 on the GPU)
 def test_batch_of_b_equals_alone_cpu(
     many_engine: OffloadForward, many_alone: list[list[int]], b: int
 ) -> None:
