@@ -19,9 +19,10 @@ gate/up are [F, H], down is [H, F]. Two launches per layer:
   1. `_gate_up_kernel`: act[s] = silu(gate_e @ x_t) * (up_e @ x_t)   for every (token, slot)
   2. `_down_kernel`:    part[s] = weight[s] * (down_e @ act[s]), then out[t] = sum over slots
      (the offload engine sums the parts into the residual stream: `kernels.layers.norm.add_rmsnorm`)
-Experts may carry biases (gpt-oss), gathered per (token, slot) pair by the caller
-(`pair_biases`: the table a launch reads may be a step's copy indexed by pair), and gpt-oss's
-clamped SwiGLU (`GluClamp`) in place of silu.
+Experts may carry biases (gpt-oss), a row per row of the table the launch reads, read at the
+row the table's is (the layer's own [E, ...] for a table of experts; for a step's copy whose
+rows are pairs, `pair_biases` gathers them in pair order), and gpt-oss's clamped SwiGLU
+(`GluClamp`) in place of silu.
 The slots are summed in a fixed order: the result is deterministic.
 
 Several tokens (a decode batch, a short prompt, a drafted window) may share experts. The grid
@@ -279,14 +280,14 @@ def _next_member(members, j, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, UP_ROW, tab_ptr,
+def _gate_up_pair(x_ptr, act_ptr, gate, up, s, e, t, rows, rmask, H, F, GATE_ROW, UP_ROW, tab_ptr,
                   Q_GATE: tl.constexpr, Q_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr,
                   SBS: tl.constexpr, x8_ptr, X8_ROW, X8_GATE: tl.constexpr,
                   X8_UP: tl.constexpr, ASM: tl.constexpr, Q6_SPLIT: tl.constexpr, bias_ptr,
                   BIAS: tl.constexpr, CLAMP: tl.constexpr, alpha, limit):  # fmt: skip
-    """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows` (BIAS: pair s's gate and up biases
-    added first; CLAMP: gpt-oss's clamped SwiGLU, `GluClamp`)."""
+    """act[s] = silu(gate @ x[t]) * (up @ x[t]) on `rows` (BIAS: the gate and up biases of
+    table row e, pair s's, added first; CLAMP: gpt-oss's clamped SwiGLU, `GluClamp`)."""
     x = x_ptr + t.to(tl.int64) * H
     x8 = x8_ptr + t.to(tl.int64) * X8_ROW
     if X8_GATE and X8_UP and Q_GATE == Q_UP and (Q_GATE == Q4_K or Q_GATE == Q5_K):  # noqa: SIM109
@@ -298,8 +299,8 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
                       BLOCK_K, ALIGNED, SBS, x8, X8_GATE, ASM, Q6_SPLIT)  # fmt: skip
         u = _rows_dot(up, rows, rmask, x, H, F, UP_ROW, tab_ptr, Q_UP, BLOCK_N, BLOCK_B,
                       BLOCK_K, ALIGNED, SBS, x8, X8_UP, ASM, Q6_SPLIT)  # fmt: skip
-    if BIAS:  # [T * k, 2, F]: pair s's gate row, then its up row
-        at = bias_ptr + s.to(tl.int64) * 2 * F + rows
+    if BIAS:  # [table rows, 2, F]: row e's gate biases, then its up biases
+        at = bias_ptr + e * 2 * F + rows
         g += tl.load(at, mask=rmask, other=0.0)
         u += tl.load(at + F, mask=rmask, other=0.0)
     if CLAMP:
@@ -312,19 +313,19 @@ def _gate_up_pair(x_ptr, act_ptr, gate, up, s, t, rows, rmask, H, F, GATE_ROW, U
 
 
 @triton.jit
-def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW, tab_ptr,
+def _down_pair(act_ptr, weights_ptr, part_ptr, down, s, e, rows, rmask, H, F, DOWN_ROW, tab_ptr,
                Q_DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
                BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, SBS: tl.constexpr, act8_ptr,
                A8_ROW, X8_DOWN: tl.constexpr, ASM: tl.constexpr,
                Q6_SPLIT: tl.constexpr, bias_ptr, BIAS: tl.constexpr):  # fmt: skip
-    """part[s] = weight[s] * (down @ act[s] (+ pair s's down bias: BIAS)) on `rows`."""
+    """part[s] = weight[s] * (down @ act[s] (+ table row e's down bias: BIAS)) on `rows`."""
     w = tl.load(weights_ptr + s)
     act = act_ptr + s.to(tl.int64) * F
     act8 = act8_ptr + s.to(tl.int64) * A8_ROW
     y = _rows_dot(down, rows, rmask, act, F, H, DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B,
                   BLOCK_K, ALIGNED, SBS, act8, X8_DOWN, ASM, Q6_SPLIT)  # fmt: skip
-    if BIAS:  # [T * k, H]
-        y += tl.load(bias_ptr + s.to(tl.int64) * H + rows, mask=rmask, other=0.0)
+    if BIAS:  # [table rows, H]
+        y += tl.load(bias_ptr + e * H + rows, mask=rmask, other=0.0)
     y = w * y
     tl.store(part_ptr + s.to(tl.int64) * H + rows, y, mask=rmask)
 
@@ -356,7 +357,7 @@ def _gate_up_kernel(
     X8_UP: tl.constexpr,
     ASM: tl.constexpr,  # dp4a as inline PTX (else its emulation)
     Q6_SPLIT: tl.constexpr,  # Q6_K projections in the split layout (split_q6_k)
-    bias_ptr,  # [T * k, 2, F] float32: each pair's gate and up biases (BIAS); else unread
+    bias_ptr,  # [table rows, 2, F] float32: each row's gate and up biases (BIAS); else unread
     BIAS: tl.constexpr,
     CLAMP: tl.constexpr,  # gpt-oss's clamped SwiGLU (GluClamp: alpha, limit)
     alpha,
@@ -371,7 +372,7 @@ def _gate_up_kernel(
         if e >= 0:  # a negative id: this slot is computed elsewhere (the CPU miss path)
             gate = _matrix_at(table_ptr, e, 0, X8_GATE | X8_UP)
             up = _matrix_at(table_ptr, e, 1, X8_GATE | X8_UP)
-            _gate_up_pair(x_ptr, act_ptr, gate, up, s, s // TOP_K, rows, rmask, H, F, GATE_ROW,
+            _gate_up_pair(x_ptr, act_ptr, gate, up, s, e, s // TOP_K, rows, rmask, H, F, GATE_ROW,
                           UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B, BLOCK_K,
                           ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP, ASM,
                           Q6_SPLIT, bias_ptr, BIAS, CLAMP, alpha, limit)  # fmt: skip
@@ -382,7 +383,7 @@ def _gate_up_kernel(
             up = _matrix_at(table_ptr, e, 1, X8_GATE | X8_UP)
             j = s
             for _ in range(tl.sum(members.to(tl.int32))):  # the expert's rows stay in cache
-                _gate_up_pair(x_ptr, act_ptr, gate, up, j, j // TOP_K, rows, rmask, H, F,
+                _gate_up_pair(x_ptr, act_ptr, gate, up, j, e, j // TOP_K, rows, rmask, H, F,
                               GATE_ROW, UP_ROW, tab_ptr, Q_GATE, Q_UP, BLOCK_N, BLOCK_B,
                               BLOCK_K, ALIGNED, SBS, x8_ptr, X8_ROW, X8_GATE, X8_UP,
                               ASM, Q6_SPLIT, bias_ptr, BIAS, CLAMP, alpha, limit)  # fmt: skip
@@ -413,7 +414,7 @@ def _down_kernel(
     X8_DOWN: tl.constexpr,
     ASM: tl.constexpr,
     Q6_SPLIT: tl.constexpr,
-    bias_ptr,  # [T * k, H] float32: each pair's down bias (BIAS); else unread
+    bias_ptr,  # [table rows, H] float32: each row's down bias (BIAS); else unread
     BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -426,7 +427,7 @@ def _down_kernel(
                  mask=rmask)  # fmt: skip
     elif PAIRS == 0:
         down = _matrix_at(table_ptr, e, 2, X8_DOWN)
-        _down_pair(act_ptr, weights_ptr, part_ptr, down, s, rows, rmask, H, F, DOWN_ROW,
+        _down_pair(act_ptr, weights_ptr, part_ptr, down, s, e, rows, rmask, H, F, DOWN_ROW,
                    tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K, ALIGNED, SBS, act8_ptr, A8_ROW,
                    X8_DOWN, ASM, Q6_SPLIT, bias_ptr, BIAS)  # fmt: skip
     else:
@@ -435,7 +436,7 @@ def _down_kernel(
             down = _matrix_at(table_ptr, e, 2, X8_DOWN)
             j = s
             for _ in range(tl.sum(members.to(tl.int32))):
-                _down_pair(act_ptr, weights_ptr, part_ptr, down, j, rows, rmask, H, F,
+                _down_pair(act_ptr, weights_ptr, part_ptr, down, j, e, rows, rmask, H, F,
                            DOWN_ROW, tab_ptr, Q_DOWN, BLOCK_N, BLOCK_B, BLOCK_K,
                            ALIGNED, SBS, act8_ptr, A8_ROW, X8_DOWN, ASM, Q6_SPLIT,
                            bias_ptr, BIAS)  # fmt: skip
@@ -476,9 +477,10 @@ def _check_bias(bias: torch.Tensor | None, shape: tuple[int, ...], device: torch
 def pair_biases(
     biases: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each (token, slot) pair's expert's biases, [T * k, 2, F] and [T * k, H], from each
-    expert's (gate and up [E, 2, F], down [E, H]) and the routed ids [T, k] (a negative id,
-    a skipped slot, reads expert 0's: unused)."""
+    """Each (token, slot) pair's expert's biases in pair order, [T * k, 2, F] and [T * k, H],
+    from each expert's (gate and up [E, 2, F], down [E, H]) and the routed ids [T, k] (a
+    negative id, a skipped slot, reads expert 0's: unused): the biases of a step's table
+    whose rows are pairs (`kernels.experts.expert_fetch`)."""
     at = ids.reshape(-1).clamp(min=0).long()
     return biases[0].index_select(0, at), biases[1].index_select(0, at)
 
@@ -496,11 +498,11 @@ def moe_gate_up(
 ) -> torch.Tensor:
     """x [T, H], ids [T, k], table [E, 3] -> act [T * k, F] float32. `aligned`: the caller
     vouches that every address in `table` is 16-byte aligned (see `fused_moe`); `fmt`: the
-    projections' types; `bias` [T * k, 2, F] float32: each pair's gate and up biases (its
-    expert's, gathered by the caller: `table` may be a step's copy, indexed by pair);
+    projections' types; `bias` [E, 2, F] float32: the gate and up biases of each row of
+    `table` (a step's copy whose rows are pairs: `pair_biases`);
     `clamp`: gpt-oss's clamped SwiGLU in place of silu(gate) * up."""
     _check(x, ids, table)
-    _check_bias(bias, (ids.numel(), 2, ffn), x.device)
+    _check_bias(bias, (table.shape[0], 2, ffn), x.device)
     fmt.check_split(config, aligned)
     t, h = x.shape
     # raises for a row length the types' blocks do not divide
@@ -538,12 +540,12 @@ def moe_down(
 ) -> torch.Tensor:
     """act [T * k, F], ids/weights [T, k], table [E, 3] -> parts [T, k, H] float32: each
     (token, slot)'s weighted contribution (no atomics: the caller sums the slots in a fixed
-    order, so the result does not depend on scheduling). `bias` [T * k, H] float32: each
-    pair's down bias (its expert's), added before the weight (gpt-oss)."""
+    order, so the result does not depend on scheduling). `bias` [E, H] float32: the down
+    bias of each row of `table`, added before the weight (gpt-oss)."""
     t, k = ids.shape
     if act.shape[0] != t * k or weights.shape != ids.shape or weights.dtype != torch.float32:
         raise ValueError("act must be [T * k, F] and weights float32 [T, k]")
-    _check_bias(bias, (t * k, hidden), act.device)
+    _check_bias(bias, (table.shape[0], hidden), act.device)
     part = torch.empty(t * k, hidden, dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(hidden, config.block_n), t * k)
     ffn = act.shape[1]
@@ -581,7 +583,7 @@ def fused_moe(
     keep the nibbles aligned too (`split_q4_0_ok`), the kernels then load 16 bytes at a time.
     `fmt`: each projection's type; `biases`: each expert's (gate and up [E, 2, F], down
     [E, H]) float32; `clamp`: the clamped SwiGLU."""
-    gate_up_bias, down_bias = pair_biases(biases, ids) if biases is not None else (None, None)
+    gate_up_bias, down_bias = biases if biases is not None else (None, None)
     act = moe_gate_up(x, ids, table, ffn, config, aligned, fmt, gate_up_bias, clamp)
     parts = moe_down(act, ids, weights, table, x.shape[1], config, aligned, fmt, down_bias)
     return parts.sum(1).to(x.dtype)

@@ -398,9 +398,12 @@ class OffloadForward:
         Each slot's weighted output, [T, k, H] float32 (the next `_add_norm` sums them)."""
         stage, table = self.timer.stage, self.prefetch.table(i)
         name = "experts (VRAM + in place)"
-        bias = self.layers[i + self.first_moe].expert_bias  # gathered before ids become pairs
-        gate_up_bias, down_bias = pair_biases(bias, ids) if bias is not None else (None, None)
+        # biases by the table's rows: the experts' own, or gathered by pair for a fetch's
+        bias = self.layers[i + self.first_moe].expert_bias
+        gate_up_bias, down_bias = bias if bias is not None else (None, None)
         if ids.numel() <= self._fetch_buf.shape[0]:
+            if bias is not None:  # (before ids become the fetch's rows)
+                gate_up_bias, down_bias = pair_biases(bias, ids)
             with stage("experts (PCIe fetch)"):
                 span, buf, cfg = self._host_span, self._fetch_buf, self.config.kernels.fetch
                 if self.config.link_wait_ns_per_blob:  # a benchmark's slower link
