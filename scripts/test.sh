@@ -15,4 +15,12 @@ export TRITON_INTERPRET=1
 # module fixtures (models, daemons) are made once; `scripts/test.sh -n 0` runs in one process.
 workers=$(nproc)
 ((workers > 4)) && workers=4
-exec python -m pytest -m "not gpu" -q -n "$workers" --dist loadfile --durations=25 "$@"
+# the files of the longest tests first (pytest collects a file named twice once): a worker
+# that takes one last would otherwise run alone at the end
+heavy=()
+if (($# == 0)); then
+  for f in offload restarts docs_examples batch kv_format offload_types backend_offload \
+    kv_window offload_recurrent; do heavy+=("tests/test_$f.py"); done
+  heavy+=(tests)
+fi
+exec python -m pytest -m "not gpu" -q -n "$workers" --dist loadfile --durations=25 ${heavy[@]+"${heavy[@]}"} "$@"
