@@ -10,6 +10,7 @@ snapshot's KV, for exactly the snapshot's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,15 +32,22 @@ class RecurrentState:
     def nbytes(self) -> int:
         return sum(t.nbytes for d in (self.conv, self.state) for t in d.values())
 
+    def map(self, fn: Callable[[int, torch.Tensor], torch.Tensor]) -> RecurrentState:
+        """A new state of the same length, each layer's tensors `fn(layer, tensor)`."""
+        return RecurrentState(self.length, {i: fn(i, t) for i, t in self.conv.items()},
+                              {i: fn(i, t) for i, t in self.state.items()})  # fmt: skip
+
+    def copy(self) -> RecurrentState:
+        """A copy on the same devices (a checkpoint before a pass that may be undone)."""
+        return self.map(lambda _, t: t.clone())
+
 
 @dataclass(frozen=True)
 class HeldState:
     """A recurrent state copied off its device (a prefix snapshot's, on the host), and the
     device each layer's tensors came from."""
 
-    length: int
-    conv: dict[int, torch.Tensor]
-    state: dict[int, torch.Tensor]
+    host: RecurrentState
     devices: dict[int, torch.device]
 
     @classmethod
@@ -47,22 +55,19 @@ class HeldState:
         """A copy of `s` on the host. From a GPU it goes into page-locked memory without
         waiting: the next step, which updates the state in place, is queued after it on the
         same stream."""
-        return cls(
-            s.length, {i: _to_host(t) for i, t in s.conv.items()},
-            {i: _to_host(t) for i, t in s.state.items()},
-            {i: t.device for i, t in s.state.items()},
-        )  # fmt: skip
+        return cls(s.map(lambda _, t: _to_host(t)), {i: t.device for i, t in s.state.items()})
+
+    @property
+    def length(self) -> int:
+        return self.host.length
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for d in (self.conv, self.state) for t in d.values())
+        return self.host.nbytes
 
     def restored(self) -> RecurrentState:
         """A new state on the devices it came from, equal to the held one."""
-        return RecurrentState(
-            self.length, {i: t.to(self.devices[i]) for i, t in self.conv.items()},
-            {i: t.to(self.devices[i]) for i, t in self.state.items()},
-        )  # fmt: skip
+        return self.host.map(lambda i, t: t.to(self.devices[i]))
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -70,12 +75,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
-
-
-def copy_of(s: RecurrentState) -> RecurrentState:
-    """A copy of `s` on its devices (a checkpoint before a pass that may be undone)."""
-    return RecurrentState(s.length, {i: t.clone() for i, t in s.conv.items()},
-                          {i: t.clone() for i, t in s.state.items()})  # fmt: skip
 
 
 def state_bytes(spec: ModelSpec) -> int:

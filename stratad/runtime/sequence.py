@@ -17,7 +17,7 @@ import torch
 
 from stratad.engine.batch import Output
 from stratad.engine.kv import KVCache
-from stratad.engine.recurrent import RecurrentState, copy_of
+from stratad.engine.recurrent import RecurrentState
 from stratad.model.text.tokenizer import StreamDecoder, Tokenizer
 from stratad.runtime.grammar import Constraint
 from stratad.runtime.sampling import Sample, Sampler, SamplingParams
@@ -120,7 +120,7 @@ class Sequence:
     def checkpoint(self) -> None:
         """Before a pass that verifies drafts: a recurrent model's state copied (`rewind`)."""
         state = self.cache.recurrent
-        self.rewind = copy_of(state) if self.proposed and state is not None else None
+        self.rewind = state.copy() if self.proposed and state is not None else None
 
     def verify(self, logits: torch.Tensor) -> list[GenerationEvent]:
         """The events of a step that computed the pending token and the drafts (logits
