@@ -124,13 +124,12 @@ class PrefixStore:
             return False
         held = HeldState.of(net) if net is not None else None
         rows = {d: cache.rows(0, length, d) for d in {k.device for k in cache.k}}
-        # the new one covers shorter conversations it extends (not a recurrent state's)
-        self.snapshots = [
-            s
-            for s in self.snapshots
-            if s.pinned or pinned or s.scope != scope or tokens[: len(s.tokens)] != s.tokens
-            or exact
-        ]  # fmt: skip
+        if not exact:  # the new one covers shorter conversations it extends (a state's not)
+            self.snapshots = [
+                s
+                for s in self.snapshots
+                if s.pinned or pinned or s.scope != scope or tokens[: len(s.tokens)] != s.tokens
+            ]
         snap = Snapshot(
             tokens=tokens,
             k=_to_host([k[rows[k.device]] for k in cache.k if k.shape[0]]),
