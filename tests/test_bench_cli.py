@@ -70,3 +70,24 @@ def test_http_clients_summary_is_the_median_of_its_rounds() -> None:
     text = markdown({"model": "m.gguf", "max_tokens": 128, "requests": 2, "rounds_each": 3,
                      "summary": rows})  # fmt: skip
     assert "| 8 | 8 | 300.0 | 280.0–320.0 |" in text and "median of 3 rounds" in text
+
+
+def test_moe_types_settings_round_trip_through_their_tags() -> None:
+    """A `--configs` setting reads back from its own tag, block_b (`:bN`) included, and a
+    flag the sweep does not know is refused."""
+    import argparse
+
+    import pytest
+
+    from bench.gpu.moe_types import FORMATS, _config, config_tag
+    from kernels.formats.quant import QType
+
+    for text in ("4:1:1", "8:2:4:i8:ng", "16:1:4:b8", "2:1:2:ng:b64"):
+        cfg = _config(text)
+        assert _config(config_tag(cfg)) == cfg
+    assert _config("16:1:4:b8").block_b == 8
+    assert config_tag(_config("16:1:4:b32")) == "16:1:4"  # the default is left out
+    for bad in ("4:1:1:b", "4:1:1:x", "4:1:1:b8:b16"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _config(bad)
+    assert FORMATS["mxfp4"] == (QType.MXFP4,) * 3

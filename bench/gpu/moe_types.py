@@ -12,8 +12,10 @@ to a random top-k, CUDA graph, median of --repeats with the spread): microsecond
 and the weight bytes read per second (the distinct routed experts' three projections: the
 kernels read each once for all its tokens).
 `--configs` times each launch setting `block_n:super_blocks:num_warps`, with `:i8` after it
-for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0 and `:ng` for a program per (token, expert)
-pair rather than one per expert (default: the built-in `MoeConfig`). `--launch gate_up` or
+for the int8 dots of Q4_K, Q5_K, Q6_K and Q8_0, `:ng` for a program per (token, expert)
+pair rather than one per expert and `:bN` for N blocks per step of the Q4_0 and MXFP4
+readers (default: the built-in `MoeConfig`). gpt-oss-20b's shapes: `--hidden 2880 --ffn 2880
+--experts 32 --top-k 4 --formats mxfp4`. `--launch gate_up` or
 `down` times that launch alone (the engine's table sets each apart: `kernels.moe` and
 `kernels.moe_down`); `bench.gpu.moe_pick` writes the fastest of each into a tuning table.
 The device's copy rate (D2D, `torch` copy of 1 GiB) is printed beside it as the ceiling.
@@ -38,6 +40,7 @@ from kernels.experts.moe import (
     fused_moe,
     moe_down,
     moe_gate_up,
+    split_mxfp4,
     split_q4_0,
     split_q6_k,
 )
@@ -61,6 +64,8 @@ FORMATS: dict[str, tuple[QType, QType, QType]] = {
     "iq2_xs": (QType.IQ2_XS, QType.IQ2_XS, QType.IQ2_XS),
     "iq2_s": (QType.IQ2_S, QType.IQ2_S, QType.IQ2_S),
     "iq1_s": (QType.IQ1_S, QType.IQ1_S, QType.IQ1_S),
+    # gpt-oss's experts, in the split layout the engine holds them in (`split_mxfp4`)
+    "mxfp4": (QType.MXFP4, QType.MXFP4, QType.MXFP4),
 }
 
 
@@ -69,30 +74,37 @@ Q6_K_SPLIT = frozenset({"q4_k_m(q6_k split down)"})
 
 
 def _matrix(qtype: QType, rows: int, cols: int, q6_k_split: bool) -> torch.Tensor:
-    """Random blocks with finite scales (`stratad.tuning.bench_weights`), Q4_0 split (and
-    Q6_K with q6_k_split)."""
+    """Random blocks with finite scales (`stratad.tuning.bench_weights`), Q4_0 and MXFP4 split
+    (and Q6_K with q6_k_split), as the engine holds them."""
     data = random_blocks(qtype, rows, cols, torch.device("cuda"))
     if qtype == QType.Q4_0:
         return split_q4_0(data)
+    if qtype == QType.MXFP4:
+        return split_mxfp4(data)
     return split_q6_k(data) if qtype == QType.Q6_K and q6_k_split else data.reshape(-1)
 
 
 def _config(text: str) -> MoeConfig:
-    """`block_n:super_blocks:num_warps`, then any of `:i8` (the int8 dots) and `:ng` (a
-    program per pair, not grouped by expert)."""
+    """`block_n:super_blocks:num_warps`, then any of `:i8` (the int8 dots), `:ng` (a program
+    per pair, not grouped by expert) and `:bN` (N 32-value blocks per reduction step of the
+    Q4_0 and MXFP4 readers, `block_b`)."""
     fields = text.split(":")
     n, sbs, w = (int(v) for v in fields[:3])
     flags = set(fields[3:])
-    if flags - {"i8", "ng"}:
-        raise argparse.ArgumentTypeError(f"unknown flags in {text!r}: i8 and ng are known")
+    blocks = [f for f in flags if f[:1] == "b" and f[1:].isdigit()]
+    if flags - {"i8", "ng", *blocks} or len(blocks) > 1:
+        raise argparse.ArgumentTypeError(f"unknown flags in {text!r}: i8, ng and one bN are"
+                                         " known")  # fmt: skip
+    block_b = int(blocks[0][1:]) if blocks else MoeConfig.block_b
     return MoeConfig(block_n=n, super_blocks=sbs, num_warps=w, int8_dots="i8" in flags,
-                     group_pairs="ng" not in flags)  # fmt: skip
+                     group_pairs="ng" not in flags, block_b=block_b)  # fmt: skip
 
 
 def config_tag(cfg: MoeConfig) -> str:
     """The `--configs` text of a setting."""
     tag = f"{cfg.block_n}:{cfg.super_blocks}:{cfg.num_warps}"
-    return tag + (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
+    tag += (":i8" if cfg.int8_dots else "") + ("" if cfg.group_pairs else ":ng")
+    return tag + ("" if cfg.block_b == MoeConfig.block_b else f":b{cfg.block_b}")
 
 
 def _route(t: int, a: argparse.Namespace) -> torch.Tensor:
