@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.e2e import top_kernels
+from bench.gpu.e2e import measure_miss_reads, top_kernels
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.kv_format import FORMATS
+from stratad.engine.offload.cpu_misses import balanced_frac
 from stratad.engine.offload.forward import OffloadConfig, OffloadForward
 from stratad.engine.offload.kernel_table import configs_for_run
 from stratad.store.loader import load_model
@@ -134,6 +135,17 @@ def main() -> None:
                    " RAM read over PCIe (engine.kv_resident); 0: all in VRAM")  # fmt: skip
     p.add_argument("--cache-tokens", type=int, default=0,
                    help="each sequence's cache capacity where larger than the run needs")
+    p.add_argument(
+        "--pcie-frac",
+        type=lambda v: v if v == "auto" else float(v),
+        default=1.0,
+        help="share of decode misses the GPU takes, the CPU computing the rest; auto: balanced"
+        " by the measured rates (the CPU's experts, the GPU's miss copy), as the daemon's"
+        " cpu_split = balanced",
+    )
+    p.add_argument(
+        "--cpu-threads", type=int, help="threads of the CPU expert kernels (default: every core)"
+    )
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))
@@ -148,8 +160,18 @@ def main() -> None:
         q6_k_split=args.q6_k_layout == "split",
         kv_format=FORMATS[args.kv_cache],
         kv_resident=args.kv_resident,
+        cpu_threads=args.cpu_threads,
     )
     engine = OffloadForward(model, torch.device("cuda"), cfg)
+    if args.pcie_frac != 1.0:
+        frac = args.pcie_frac
+        if frac == "auto":
+            cpu = engine.measure_cpu_expert_bps()
+            gpu = measure_miss_reads(model.spec, engine.layouts, engine.ram, engine._aligned)
+            frac = balanced_frac(cpu, gpu["fetch"] * 1e9)
+            print(f"CPU experts {cpu / 1e9:.2f} GB/s, the GPU's miss copy {gpu['fetch']:.2f}"
+                  f" GB/s: pcie_frac {frac:.2f}")  # fmt: skip
+        engine.set_pcie_frac(float(frac))
     rows = [measure(engine, b, args) for b in args.batches]
     one = next((r for r in rows if r["batch"] == 1), None)
     print(f"expert VRAM {args.expert_vram_gib} GiB, {engine.experts.n_slots} slots, graphs"
