@@ -60,6 +60,7 @@ from kernels.experts.moe_dots_q8 import (
     quantize_q8_ref,
 )
 from kernels.formats.byte_loads import _load_e8m0_half
+from kernels.formats.int_float import _small_to_f32
 from kernels.formats.iq_decode import _e2m1_doubled
 from kernels.formats.iq_tables import iq_tables
 from kernels.formats.quant import QTensor, QType, row_bytes
@@ -204,8 +205,8 @@ def _nibble_rows_dot(
             hi = (q >> (8 * i + 4)) & 0xF
             if MX:
                 lo, hi = _e2m1_doubled(lo), _e2m1_doubled(hi)
-            else:
-                lo, hi = (lo - 8).to(tl.float32), (hi - 8).to(tl.float32)
+            else:  # q - 8 with no conversion instruction (`kernels.formats.int_float`)
+                lo, hi = _small_to_f32(lo, 8), _small_to_f32(hi, 8)
             part += lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
         acc += tl.sum(tl.sum(part, axis=2) * d, axis=1)
     return acc

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels.formats import iq_tables
 from kernels.formats.byte_loads import _load_e8m0_half, _load_f16, _load_u8, _load_u16, _load_u32
+from kernels.formats.int_float import _small_to_f32
 from kernels.formats.quant import QType, block_geometry
 
 IQ4_NL: tl.constexpr = tl.constexpr(int(QType.IQ4_NL))
@@ -72,16 +73,23 @@ def _level(tab_ptr, q, mask, TABLE: tl.constexpr):
     return level.to(tl.float32)
 
 
+# MXFP4's doubled magnitudes 0, 1, 2, 3, 4, 6, 8, 12 of codes 0..7, a nibble each (code k at
+# bits 4k..4k + 3) of 0xC8643210, as an int32 (an arithmetic shift leaves those bits as they are)
+E2M1_NIBBLES: tl.constexpr = tl.constexpr(0xC8643210 - (1 << 32))
+
+
 @triton.jit
 def _e2m1_doubled(q):
     """MXFP4's level (float32) of 4-bit E2M1 codes q, doubled as llama.cpp's kvalues_mxfp4:
-    from the bits (exponent e = bits 1-2, mantissa m = bit 0, sign bit 3), 0, 1, 2, 3, 4, 6,
-    8, 12 for codes 0..7 and their negatives for 8..15: no table load on the weights' path."""
-    q = q.to(tl.int32)  # (negated below: not in an unsigned type)
-    e = (q >> 1) & 3
-    m = q & 1
-    mag = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
-    return tl.where(q >= 8, -mag, mag).to(tl.float32)  # (code 8, E2M1's -0, is +0 as there)
+    0, 1, 2, 3, 4, 6, 8, 12 for codes 0..7 and their negatives for 8..15, from a constant's
+    nibbles and the sign bit (bit 3), with no table load and no int-to-float conversion
+    (`kernels.formats.int_float`); code 8, E2M1's -0, is +0 as there."""
+    q = q.to(tl.int32)
+    nibbles = tl.zeros_like(q) + E2M1_NIBBLES  # (a constant splat: the shift is per element)
+    mag = _small_to_f32((nibbles >> ((q & 7) << 2)) & 0xF, 0)
+    # the sign where the code is negative and not zero: bit 31 of -(q & 7) is set for 1..7
+    sign = ((q & 8) << 28) & (0 - (q & 7))
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
