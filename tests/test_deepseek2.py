@@ -22,6 +22,7 @@ import torch
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
 from stratad.engine.kv_format import PLAIN
+from stratad.engine.offload.config import pool_spec
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.graph.mla import Mla
@@ -47,13 +48,15 @@ def test_spec_from_the_file(model: Model) -> None:
     s = model.spec
     assert (s.arch, s.n_layers, s.dense_layers, s.n_heads, s.n_kv_heads) == ("deepseek2", 3, 1,
                                                                           4, 4)  # fmt: skip
-    assert (s.head_dim, s.value_dim, s.mla) == (48, 24, Mla(48, 32, 16))
+    assert (s.head_dim, s.value_dim, s.mla) == (48, 24, Mla(48, 64, 16))
     assert s.routing == Sigmoid(1, 1) and s.norm_topk_prob and s.expert_scale == 1.5
     assert s.rope_interleaved and s.rotary_dim == 16
     # the expansion read back from k_b and v_b: per head 32 key dims, then 24 value dims
-    assert model.tensors["model.layers.0.self_attn.k_b_proj.weight"].shape == (4, 32, 32)
-    # keys and values of their own sizes: 4 heads x (48 + 24) x 2 bytes x 3 layers
+    assert model.tensors["model.layers.0.self_attn.k_b_proj.weight"].shape == (4, 64, 32)
+    # the reference's keys and values of their own sizes: 4 heads x (48 + 24) x 2 bytes x 3
+    # layers; the offload engine's latent rows, one head of 64 + 16 as keys and as values
     assert kv_token_bytes(s, torch.float16, PLAIN) == 4 * (48 + 24) * 2 * 3
+    assert kv_token_bytes(pool_spec(s), torch.float16, PLAIN) == (80 + 80) * 2 * 3
 
 
 def test_reference_engine_against_llama_cpp(tiny: Path, model: Model) -> None:

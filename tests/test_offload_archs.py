@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kernels.formats.quant import QType
+from stratad.engine.batch import Seq
+from stratad.engine.kv_format import INT8
 from stratad.engine.offload import attention as offload_attention
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
@@ -119,15 +121,57 @@ def test_gpt_oss_with_a_cpu_share_of_the_misses(oss: Model, compiled: bool) -> N
 
 
 def test_deepseek(deepseek: Model) -> None:
-    """DeepSeek's layout: multi-head latent attention (queries through their latent, keys and
-    values expanded from the kv latent, the shared rotated key, YaRN's score scale; values
-    widened to the keys' width in the cache and cut back after attention) in the decode kernel
-    and in prefill's chunks; the dense first layer, grouped sigmoid routing, the shared
-    expert."""
+    """DeepSeek's layout: multi-head latent attention over its latent cache (queries through
+    their latent, then into the kv latent through each head's key expansion; the cache one
+    head of the normed latent and the shared rotated key, read as keys and values; the output
+    through each head's value expansion; YaRN's score scale) in the decode kernel and in
+    prefill's chunks, against the reference, which expands every head's keys and values; the
+    dense first layer, grouped sigmoid routing, the shared expert."""
     assert fast_path_refusal(deepseek) is None
     off = assert_as_reference(deepseek, "cpu", 6, 1e-3, graphs=False)
-    pool = off.new_pool(64)
-    assert pool.v[1].shape[-1] == pool.k[1].shape[-1] == deepseek.spec.head_dim
+    spec, pool = deepseek.spec, off.new_pool(64)
+    assert spec.mla is not None and spec.n_kv_heads == spec.n_heads > 1
+    latent = (1, spec.mla.kv_lora_rank + spec.mla.rope_dim)  # one head a token
+    assert pool.k[1].shape[1:] == pool.v[1].shape[1:] == latent
+    assert pool.k[0].shape[0] == pool.v[0].shape[0] >= 64
+
+
+# ragged prompts: a decode pass's rows, or prompt chunks, then decode steps of all three
+RAGGED = [list(range(100, 103)), list(range(200, 207)), list(range(400, 420))]
+
+
+def _batched(engine: OffloadForward | ReferenceForward, n: int) -> list[torch.Tensor]:
+    """Each of RAGGED's last logits after n greedy steps, the three in one batch a step."""
+    caches = [engine.new_cache(64) for _ in RAGGED]
+    logits = engine.step([Seq(c, p) for c, p in zip(caches, RAGGED, strict=True)])
+    for _ in range(n):
+        tokens = [[int(lg[-1].argmax())] for lg in logits]
+        logits = engine.step([Seq(c, t) for c, t in zip(caches, tokens, strict=True)])
+    return [lg[-1].float().cpu() for lg in logits]
+
+
+@pytest.mark.parametrize("row_tokens", [64, 1], ids=["rows", "chunks"])
+def test_deepseek_latent_batches(deepseek: Model, row_tokens: int) -> None:
+    """Three sequences of ragged prompts in each step over the latent cache (the prompts as
+    a pass's rows, or as chunks attended in torch; then batched decodes), each sequence's
+    logits the reference's alone; an int8 pool of the latent rows the same tokens, the logits
+    within 5% of their range: one scale a token rounds its 64 + 16 values (here up to 2.5%
+    of the range off, against 0.5% for the reference's int8 rows of a head each)."""
+    ref = ReferenceForward(deepseek)
+    want = []
+    for p in RAGGED:
+        cache, logits = ref.new_cache(64), None
+        logits = ref(p, cache)[-1]
+        for _ in range(3):
+            logits = ref([int(logits.argmax())], cache)[-1]
+        want.append(logits.float())
+    off = tiny_offload(deepseek, "cpu", row_tokens=row_tokens, graphs=False)
+    for got, w in zip(_batched(off, 3), want, strict=True):
+        assert (got - w).abs().max() < 1e-3
+    int8 = tiny_offload(deepseek, "cpu", row_tokens=row_tokens, graphs=False, kv_format=INT8)
+    for got, w in zip(_batched(int8, 3), want, strict=True):
+        assert int(got.argmax()) == int(w.argmax())
+        assert (got - w).abs().max() < 0.05 * w.abs().max()
 
 
 @pytest.mark.gpu

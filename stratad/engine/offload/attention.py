@@ -12,6 +12,12 @@ so one capture serves every set of caches of its size. A prefill chunk gathers i
 sequence's keys and values up to its end and attends with torch's
 scaled_dot_product_attention.
 
+Latent attention (DeepSeek-V2/V3, Kimi) attends over its latent as llama.cpp does: the pool
+holds one KV head a token, the normed kv latent and the shared rotated key (`config.pool_spec`:
+512 + 64 values a token and layer for DeepSeek's, as keys and again as values, against 128
+heads of 192 + 192 expanded and widened for V3), read as both keys and values; each head's query goes into the latent through its key
+expansion (k_b) and attention's latent output back through its value expansion (v_b).
+
 Qwen3-Next's gated heads: the q projection's rows also give each head's output gate (its
 queries, keys and values first, then the gates), times whose sigmoid the head's output goes
 into the output projection.
@@ -41,8 +47,8 @@ from kernels.layers.attn_input import attn_input
 from kernels.layers.rope import RopeStyle, rope_table
 from stratad.engine.kv import KVCache, KVPool, block_tables
 from stratad.engine.kv_format import Q4, Q4KV, Int8KV
-from stratad.engine.offload.config import OffloadConfig
-from stratad.engine.offload.dense import DenseLayer
+from stratad.engine.offload.config import OffloadConfig, pool_spec
+from stratad.engine.offload.dense import DenseLayer, MlaLayer
 from stratad.engine.offload.projection import GgufMatrix
 from stratad.engine.passes import FUSED_MAX_TOKENS, Decode, Pass
 from stratad.engine.reference.layers import apply_rope, attention, rope_tables
@@ -73,8 +79,9 @@ class OffloadAttention:
             and spec.mla is None
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pool = pool_spec(spec)  # what the cache holds (latent attention: the latent)
         # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
-        self.counts = attention_counts(FUSED_MAX_TOKENS, spec.n_kv_heads, device)
+        self.counts = attention_counts(FUSED_MAX_TOKENS, self.pool.n_kv_heads, device)
         self.kv_tables: torch.Tensor | None = None  # [B, max_blocks] of this decode pass
 
     def begin_decode(
@@ -119,8 +126,8 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if spec.mla is not None:  # each value head's own width (widened with zeros for the cache)
-            out = out[..., : spec.value_dim]
+        if w.mla is not None:  # [T, H, latent]: each head's value through v_b
+            out = _from_latent(out, w.mla)
         out = out.reshape(h.shape[0], -1)
         if gates is not None:
             out = out * torch.sigmoid(gates)
@@ -178,7 +185,7 @@ class OffloadAttention:
                                     counts=self.counts, block_tables=table, block_size=bs,
                                     k_scale=ks, v_scale=vs, host=cache.pool.host_pages(i),
                                     sinks=w.sinks, window=spec.window(i))  # fmt: skip
-        t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // spec.n_kv_heads
+        t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // self.pool.n_kv_heads
         keys, values, *scales = cache.gather(i, start + t, qkv.device)
         if scales:  # a prefill chunk attends with torch: floats
             fmt = cache.pool.fmt
@@ -229,28 +236,33 @@ class OffloadAttention:
     def _latent(
         self, w: DenseLayer, qkv: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Multi-head latent attention's rotated q, its k and its v [T, H, D] (each value
-        head widened with zeros to the key's D: the decode kernel reads heads of one width)
-        from qkv [T, q's input + kv_a] (`stratad.model.graph.mla`, as the reference's
-        `_latent_qkv`)."""
+        """Multi-head latent attention as llama.cpp computes it over its latent cache, from qkv
+        [T, q's input + kv_a] (`stratad.model.graph.mla`; the reference expands the latent
+        instead, `_latent_qkv`): k [T, 1, rank + rope] the normed latent and the shared
+        rotated key, v the same rows, and q [T, H, rank + rope] each head's unrotated query
+        taken through its key expansion into the latent (k_b), then its rotated part, scaled
+        so that the kernels' 1/sqrt(rank + rope) gives the spec's scores (1/sqrt(head_dim)
+        times its scale)."""
         spec, m, t = self.spec, w.mla, qkv.shape[0]
         assert m is not None and spec.mla is not None
         heads, d, rot, eps = spec.n_heads, spec.head_dim, spec.mla.rope_dim, spec.rms_eps
-        nope, vd = d - rot, spec.value_dim
+        nope, rank = d - rot, spec.mla.kv_lora_rank
         q_in, kv_a = qkv.split([m.q_in, qkv.shape[1] - m.q_in], dim=-1)
         if m.q_b is not None and m.q_a_norm is not None:
             q_in = self.linear(self.norm(q_in.contiguous(), m.q_a_norm, eps), m.q_b, None)
         q = q_in.reshape(t, heads, d)
-        latent, k_rot = kv_a.split([spec.mla.kv_lora_rank, rot], dim=-1)
-        kv = self.linear(self.norm(latent.contiguous(), m.kv_a_norm, eps), m.kv_b, None)
-        k_nope, v = kv.view(t, heads, nope + vd).split([nope, vd], dim=-1)
+        latent, k_rot = kv_a.split([rank, rot], dim=-1)
+        latent = self.norm(latent.contiguous(), m.kv_a_norm, eps)
         q_rot = self._rotate(q[..., nope:].contiguous(), pos)
         k_rot = self._rotate(k_rot.reshape(t, 1, rot).contiguous(), pos)
-        q = torch.cat((q[..., :nope], q_rot), dim=-1)
-        if spec.attn_scale != 1.0:
-            q = q * spec.attn_scale
-        k = torch.cat((k_nope, k_rot.expand(t, heads, rot)), dim=-1)
-        return q, k, fn.pad(v, (0, d - vd))
+        # [H, T, nope] @ [H, nope, rank]: each head's query in the latent's coordinates
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), m.k_b).transpose(0, 1)
+        q = torch.cat((q_lat, q_rot.to(q_lat.dtype)), dim=-1)
+        scale = spec.attn_scale * ((rank + rot) / d) ** 0.5
+        if scale != 1.0:
+            q = q * scale
+        k = torch.cat((latent.reshape(t, 1, rank), k_rot.to(latent.dtype)), dim=-1)
+        return q, k, k
 
     def _heads(
         self, w: DenseLayer, qkv: torch.Tensor, pos: torch.Tensor
@@ -267,6 +279,14 @@ class OffloadAttention:
         if spec.qk_norm == "head":
             q, k = norm(q, w.q_norm, spec.rms_eps), norm(k, w.k_norm, spec.rms_eps)  # type: ignore[arg-type]
         return self._rotate(q, pos), self._rotate(k, pos), v
+
+
+def _from_latent(out: torch.Tensor, m: MlaLayer) -> torch.Tensor:
+    """Latent attention's output [T, H, rank + rope] (its values are the cached latent rows)
+    as each head's value [T, H, value_dim]: the latent part through the head's v_b."""
+    rank = m.v_b.shape[-1]
+    lat = out[..., :rank].transpose(0, 1).to(m.v_b.dtype)  # [H, T, rank]
+    return torch.bmm(lat, m.v_b.transpose(1, 2)).transpose(0, 1)  # [H, T, v] -> [T, H, v]
 
 
 # query rows per piece of a sliding layer's prefill chunk: each piece reads its rows' window

@@ -81,9 +81,14 @@ GPU_MISS_PATHS = ("copy", "in_place")
 
 
 def pool_spec(spec: ModelSpec) -> ModelSpec:
-    """The geometry the offload engine's KV pool holds: latent attention's value heads widened
-    to its keys' (the decode kernel reads heads of one width), else the spec's."""
-    return replace(spec, v_head_dim=0) if spec.mla is not None else spec
+    """The geometry the offload engine's KV pool holds: for latent attention the latent itself,
+    one KV head of the normed latent and the shared rotated key (kv_lora_rank + rope_dim, as
+    llama.cpp caches it), its values the same rows (the decode kernel reads heads of one
+    width; attention's output past the latent is dropped), else the spec's."""
+    if spec.mla is None:
+        return spec
+    return replace(spec, n_kv_heads=1, head_dim=spec.mla.kv_lora_rank + spec.mla.rope_dim,
+                   v_head_dim=0)  # fmt: skip
 
 
 def kv_pool(

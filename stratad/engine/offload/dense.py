@@ -48,9 +48,21 @@ class MlaLayer:
 
     q_in: int  # rows of qkv that are q's (q_lora_rank, or every head's query)
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
-    kv_b: torch.Tensor  # [n_heads * (D - rope_dim + value_dim), kv_lora_rank]
+    # kv_b's halves, head by head (views of the one [n_heads * (nope + value_dim), rank]):
+    # the keys' [H, nope, rank], which the queries are taken through into the latent, and the
+    # values' [H, value_dim, rank], which take attention's latent output back to each head's
+    k_b: torch.Tensor
+    v_b: torch.Tensor
     q_a_norm: torch.Tensor | None = None  # with q_b: queries through a latent
     q_b: torch.Tensor | None = None  # [n_heads * D, q_lora_rank]
+
+    @classmethod
+    def expansion(
+        cls, kv_b: torch.Tensor, heads: int, nope: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_b, v_b) of kv_b [heads * (nope + value_dim), rank]."""
+        per_head = kv_b.view(heads, -1, kv_b.shape[-1])
+        return per_head[:, :nope], per_head[:, nope:]
 
 
 @dataclass
@@ -126,11 +138,12 @@ def dense_layers(
             )  # fmt: skip
         elif isinstance(a, MlaWeights):
             q_in = a.q_a if a.q_a is not None else a.q
+            k_b, v_b = MlaLayer.expansion(f(a.kv_b), spec.n_heads, spec.head_dim - spec.rotary_dim)
             layer = DenseLayer(
                 attn_norm=f(w.attn_norm), qkv=torch.cat([f(q_in), f(a.kv_a)]), qkv_bias=None,
                 q_norm=None, k_norm=None, o=f(a.o), ffn_norm=f(w.ffn_norm), router=None,
                 shared=None, shared_gate=None,
-                mla=MlaLayer(q_in.shape[0], f(a.kv_a_norm), f(a.kv_b), opt(a.q_a_norm),
+                mla=MlaLayer(q_in.shape[0], f(a.kv_a_norm), k_b, v_b, opt(a.q_a_norm),
                              f(a.q) if a.q_a is not None else None),
             )  # fmt: skip
         else:

@@ -5,9 +5,10 @@ to a latent of `kv_lora_rank` values plus one rotated key part of `rope_dim` sha
 head; the latent, normed, is expanded by `kv_b` into each head's key part that RoPE leaves
 alone (head_dim - rope_dim) and its value (the spec's value_dim). Queries come from `q`
 directly, or through a latent of `q_lora_rank` (`q_a`, a norm, `q_b`). A head's key is its
-unrotated part then the shared rotated part, as its query is. The engines here hold the
-expanded keys and values (every head's, as multi-head attention caches them); the latent
-form that llama.cpp caches is the same arithmetic.
+unrotated part then the shared rotated part, as its query is. The reference and cpu engines
+hold the expanded keys and values (every head's, as multi-head attention caches them); the
+offload engine caches the latent and the rotated key, as llama.cpp does, and takes each
+head's query into the latent through its key expansion (the same arithmetic).
 """
 
 from __future__ import annotations

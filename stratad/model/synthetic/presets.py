@@ -175,12 +175,14 @@ PRESETS: Mapping[str, SynthPreset] = {
                     **(_TINY_F32 | dict(attn_bias=False)), shared_experts=1, rope_dim=16,
                     deltanet=(2, 4, 32, 32)),  # fmt: skip
         # DeepSeek-V3's layout in miniature: latent attention with queries through a latent
-        # (keys of 32 + 16 rotated dims, values of 24), a dense first layer, an ungated
-        # shared expert, sigmoid routing with the correction bias, scaled weights
+        # (keys of 32 + 16 rotated dims from a latent of 64, values of 24: a latent cache row
+        # is 64 + 16 wide, wider than a key, as V3's 512 + 64 against 192), a dense first
+        # layer, an ungated shared expert, sigmoid routing with the correction bias, scaled
+        # weights
         SynthPreset("tiny-deepseek", "deepseek2", n_layers=3,
                     **(_TINY_F32 | dict(n_kv_heads=4, head_dim=48, attn_bias=False)),
                     dense_layers=1, dense_ffn=256, shared_experts=1, rope_dim=16,
-                    kv_lora_rank=32, q_lora_rank=48, v_head_dim=24, sigmoid=True,
+                    kv_lora_rank=64, q_lora_rank=48, v_head_dim=24, sigmoid=True,
                     expert_scale=1.5),  # fmt: skip
         # gpt-oss-20b and -120b's geometry (their config.json): MXFP4 experts as published,
         # 64 query heads of 64 over 8 KV heads, a window of 128 on even layers, YaRN x32 of
