@@ -21,7 +21,8 @@
 # (gate/up, down) of the a3b's $DECODE_FTYPE format timed alone over a grid of launch
 # settings, and the fastest per type written into a copy of the shipped table
 # (moe-sweep-*.{txt,json}, moe-picked.json: pass it to bench.gpu.batch_decode --kernel-table
-# to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there); for
+# to compare, and copy its moe@TYPE entries into kernels/tables/ if it wins there;
+# DECODE_FTYPE=mxfp4_moe sweeps gpt-oss-20b's MXFP4 experts at their shapes); for
 # `dense` (not part of `all`): the a3b's dense projections in bf16 against the same matrices
 # read in their GGUF type (dense-types.{txt,json}), then the engine without and with
 # --dense-gguf, A/B/A (dense-engine.md); for `http` (not part of `all`; needs LLAMA_SRC as
@@ -101,13 +102,22 @@ if [[ $WHAT == types || $WHAT == all ]]; then
 fi
 if [[ $WHAT == moe ]]; then
     # the grid r18 searched (bench/results/2026-12-06-h100-r18.md), all int8, a program a pair
-    declare -A FORMAT=([q4_k_m]='q4_k_m(q6_k down)' [q4_0]=q4_0 [q8_0]=q8_0 [iq3_s]='iq3_s(iq4_xs down)')
+    # mxfp4_moe: gpt-oss-20b's experts (MXFP4 split) at its shapes, the nibble reader's
+    # block_b swept in place of the K-quants' super-blocks
+    declare -A FORMAT=([q4_k_m]='q4_k_m(q6_k down)' [q4_0]=q4_0 [q8_0]=q8_0 [iq3_s]='iq3_s(iq4_xs down)'
+                       [mxfp4_moe]=mxfp4)
     fmt=${FORMAT[${DECODE_FTYPE:-q4_k_m}]:?no moe_types format for ${DECODE_FTYPE:-q4_k_m}}
-    grid=()
-    for n in 1 2 4 8 16; do for sb in 1 2 4; do for w in 1 2 4; do
-        grid+=("$n:$sb:$w:i8:ng"); done; done; done
+    grid=() shapes=()
+    if [[ $fmt == mxfp4 ]]; then
+        shapes=(--hidden 2880 --ffn 2880 --experts 32 --top-k 4)
+        for n in 4 8 16 32; do for w in 1 2 4; do for b in 8 32; do
+            grid+=("$n:1:$w:ng:b$b"); done; done; done
+    else
+        for n in 1 2 4 8 16; do for sb in 1 2 4; do for w in 1 2 4; do
+            grid+=("$n:$sb:$w:i8:ng"); done; done; done
+    fi
     for launch in gate_up down; do
-        python3 -m bench.gpu.moe_types --formats "$fmt" --aligned-only --tokens 1,8 \
+        python3 -m bench.gpu.moe_types --formats "$fmt" ${shapes[@]+"${shapes[@]}"} --aligned-only --tokens 1,8 \
             --launch "$launch" --configs "${grid[@]}" --json "$OUT/moe-sweep-$launch.json" 2>&1 \
             | tee "$OUT/moe-sweep-$launch.txt"
     done
