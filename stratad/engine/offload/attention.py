@@ -12,11 +12,13 @@ so one capture serves every set of caches of its size. A prefill chunk gathers i
 sequence's keys and values up to its end and attends with torch's
 scaled_dot_product_attention.
 
-Latent attention (DeepSeek-V2/V3, Kimi) attends over its latent as llama.cpp does: the pool
-holds one KV head a token, the normed kv latent and the shared rotated key (`config.pool_spec`:
-512 + 64 values a token and layer for DeepSeek's, as keys and again as values, against 128
-heads of 192 + 192 expanded and widened for V3), read as both keys and values; each head's query goes into the latent through its key
-expansion (k_b) and attention's latent output back through its value expansion (v_b).
+Latent attention (DeepSeek-V2/V3, Kimi) caches its latent as llama.cpp does: the pool holds
+one KV head a token, the normed kv latent and the shared rotated key (`config.pool_spec`: 512 +
+64 values a token and layer for DeepSeek's, as keys and again as values, against 128 heads of
+192 + 192 expanded and widened for V3). Decode attends over those rows as keys and values,
+each head's query taken into the latent through its key expansion (k_b) and the latent
+output back through its value expansion (v_b); a prefill chunk expands the rows it gathers
+into every head's keys and values and attends with heads of their own width.
 
 Qwen3-Next's gated heads: the q projection's rows also give each head's output gate (its
 queries, keys and values first, then the gates), times whose sigmoid the head's output goes
@@ -126,8 +128,6 @@ class OffloadAttention:
                 for b, (rows, cache) in enumerate(zip(step.rows(), caches, strict=True))
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if w.mla is not None:  # [T, H, latent]: each head's value through v_b
-            out = _from_latent(out, w.mla)
         out = out.reshape(h.shape[0], -1)
         if gates is not None:
             out = out * torch.sigmoid(gates)
@@ -153,11 +153,12 @@ class OffloadAttention:
                            v_scale=vs)  # fmt: skip
         else:  # the input op by op, each row into its sequence's blocks through the tables
             rows = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
-            q = self._input(w, i, qkv, pos, pool, rows)
-        return decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
-                                block_tables=tables, block_size=bs, k_scale=ks,
-                                v_scale=vs, host=pool.host_pages(i), sinks=w.sinks,
-                                window=spec.window(i))  # fmt: skip
+            q = self._decode_query(w, self._input(w, i, qkv, pos, pool, rows))
+        out = decode_attention(q, k, v, self.lens, config=self.config, counts=self.counts,
+                               block_tables=tables, block_size=bs, k_scale=ks,
+                               v_scale=vs, host=pool.host_pages(i), sinks=w.sinks,
+                               window=spec.window(i))  # fmt: skip
+        return out if w.mla is None else _from_latent(out, w.mla)
 
     def _one(
         self,
@@ -169,7 +170,8 @@ class OffloadAttention:
         step: Pass,
         b: int,
     ) -> torch.Tensor:
-        """Sequence b's attention [T, Hq, D] for its rows qkv [T, qkv] at positions pos [T]."""
+        """Sequence b's attention [T, Hq, D] (latent attention: [T, H, value_dim]) for its rows
+        qkv [T, qkv] at positions pos [T]."""
         spec, bs, (ks, vs) = self.spec, cache.block_size, _scales(cache.pool, i)
         table = cache.table(qkv.device)[None]
         if step.decode and self.fused_input:
@@ -181,17 +183,22 @@ class OffloadAttention:
             q = self._input(w, i, qkv, pos, cache.pool, table[0].long()[pos // bs] * bs + pos % bs)
         if isinstance(step, Decode):  # split-K through the block table
             lens = self.lens[b : b + 1]
-            return decode_attention(q, cache.k[i], cache.v[i], lens, config=self.config,
-                                    counts=self.counts, block_tables=table, block_size=bs,
-                                    k_scale=ks, v_scale=vs, host=cache.pool.host_pages(i),
-                                    sinks=w.sinks, window=spec.window(i))  # fmt: skip
-        t, start, rep = qkv.shape[0], step.spans[b].start, spec.n_heads // self.pool.n_kv_heads
+            out = decode_attention(self._decode_query(w, q), cache.k[i], cache.v[i], lens,
+                                   config=self.config, counts=self.counts, block_tables=table,
+                                   block_size=bs, k_scale=ks, v_scale=vs,
+                                   host=cache.pool.host_pages(i), sinks=w.sinks,
+                                   window=spec.window(i))  # fmt: skip
+            return out if w.mla is None else _from_latent(out, w.mla)
+        t, start = qkv.shape[0], step.spans[b].start
         keys, values, *scales = cache.gather(i, start + t, qkv.device)
         if scales:  # a prefill chunk attends with torch: floats
             fmt = cache.pool.fmt
             assert isinstance(fmt, Int8KV | Q4KV)
             keys = fmt.dequantize(keys, scales[0]).to(q.dtype)
             values = fmt.dequantize(values, scales[1]).to(q.dtype)
+        if w.mla is not None:  # every head's keys and values from the latent rows
+            keys, values = _expanded(keys, w.mla, spec.head_dim)
+        rep = spec.n_heads // keys.shape[1]
         window = spec.window(i)
         if window:  # gpt-oss's sliding layers: in pieces of rows, each reading its window
             return _attend_rows(q, keys, values, start, w.sinks, window)
@@ -201,8 +208,13 @@ class OffloadAttention:
         kh = keys.transpose(0, 1).repeat_interleave(rep, 0)[None]
         vh = values.transpose(0, 1).repeat_interleave(rep, 0)[None]
         bias = causal_lower_right(t, start + t)  # causal, aligned to the end of the keys
-        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
-        return out[0].transpose(0, 1)
+        out = fn.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)
+        return out if w.mla is None else out[..., : spec.value_dim]
+
+    def _decode_query(self, w: DenseLayer, q: torch.Tensor) -> torch.Tensor:
+        """A decode step's queries q [T, Hq, D] as its kernel reads them: latent attention's
+        in the latent's coordinates (`_absorbed`), else as they are."""
+        return q if w.mla is None else _absorbed(q, w.mla, self.spec.head_dim)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated at positions pos [T] by the tables: its first 2 * half dims
@@ -236,13 +248,13 @@ class OffloadAttention:
     def _latent(
         self, w: DenseLayer, qkv: torch.Tensor, pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Multi-head latent attention as llama.cpp computes it over its latent cache, from qkv
-        [T, q's input + kv_a] (`stratad.model.graph.mla`; the reference expands the latent
-        instead, `_latent_qkv`): k [T, 1, rank + rope] the normed latent and the shared
-        rotated key, v the same rows, and q [T, H, rank + rope] each head's unrotated query
-        taken through its key expansion into the latent (k_b), then its rotated part, scaled
-        so that the kernels' 1/sqrt(rank + rope) gives the spec's scores (1/sqrt(head_dim)
-        times its scale)."""
+        """Multi-head latent attention's rotated q [T, H, D] (its unrotated part, then its
+        rotated one, times the spec's score scale, as the reference's `_latent_qkv`) and the
+        latent row the cache holds as its key and as its value, k [T, 1, rank + rope]: the
+        normed kv latent and the shared rotated key, from qkv [T, q's input + kv_a]
+        (`stratad.model.graph.mla`). Decode attends over the rows in the latent's coordinates
+        (`_absorbed`), a prefill chunk over every head's keys and values expanded from them
+        (`_expanded`)."""
         spec, m, t = self.spec, w.mla, qkv.shape[0]
         assert m is not None and spec.mla is not None
         heads, d, rot, eps = spec.n_heads, spec.head_dim, spec.mla.rope_dim, spec.rms_eps
@@ -255,12 +267,9 @@ class OffloadAttention:
         latent = self.norm(latent.contiguous(), m.kv_a_norm, eps)
         q_rot = self._rotate(q[..., nope:].contiguous(), pos)
         k_rot = self._rotate(k_rot.reshape(t, 1, rot).contiguous(), pos)
-        # [H, T, nope] @ [H, nope, rank]: each head's query in the latent's coordinates
-        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), m.k_b).transpose(0, 1)
-        q = torch.cat((q_lat, q_rot.to(q_lat.dtype)), dim=-1)
-        scale = spec.attn_scale * ((rank + rot) / d) ** 0.5
-        if scale != 1.0:
-            q = q * scale
+        q = torch.cat((q[..., :nope], q_rot), dim=-1)
+        if spec.attn_scale != 1.0:
+            q = q * spec.attn_scale
         k = torch.cat((latent.reshape(t, 1, rank), k_rot.to(latent.dtype)), dim=-1)
         return q, k, k
 
@@ -281,12 +290,37 @@ class OffloadAttention:
         return self._rotate(q, pos), self._rotate(k, pos), v
 
 
+def _absorbed(q: torch.Tensor, m: MlaLayer, d: int) -> torch.Tensor:
+    """Latent attention's queries q [T, H, d] (unrotated part, rotated part) in the cached
+    latent's coordinates [T, H, rank + rope]: each head's unrotated part through its key
+    expansion (q k_b: q . (k_b c) = (q k_b) . c), scaled so that the kernel's
+    1/sqrt(rank + rope) gives the scores' 1/sqrt(d)."""
+    nope, rank = m.k_b.shape[1], m.k_b.shape[2]
+    lat = torch.bmm(q[..., :nope].transpose(0, 1).to(m.k_b.dtype), m.k_b)  # [H, T, rank]
+    out = torch.cat((lat.transpose(0, 1), q[..., nope:].to(lat.dtype)), dim=-1)
+    return out * ((rank + d - nope) / d) ** 0.5
+
+
 def _from_latent(out: torch.Tensor, m: MlaLayer) -> torch.Tensor:
-    """Latent attention's output [T, H, rank + rope] (its values are the cached latent rows)
-    as each head's value [T, H, value_dim]: the latent part through the head's v_b."""
+    """Latent attention's decode output [T, H, rank + rope] (its values are the cached latent
+    rows) as each head's value [T, H, value_dim]: the latent part through the head's v_b."""
     rank = m.v_b.shape[-1]
     lat = out[..., :rank].transpose(0, 1).to(m.v_b.dtype)  # [H, T, rank]
     return torch.bmm(lat, m.v_b.transpose(1, 2)).transpose(0, 1)  # [H, T, v] -> [T, H, v]
+
+
+def _expanded(rows: torch.Tensor, m: MlaLayer, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every head's keys [S, H, d] and values [S, H, d] (widened with zeros from value_dim,
+    for attention kernels that want one width) from the cached latent rows [S, 1, rank +
+    rope]: a prefill chunk attends with heads of d dims, not of the latent's (DeepSeek's 576
+    are past the fused attention kernels' widths)."""
+    heads, nope, rank = m.k_b.shape
+    c, k_rot = rows[:, 0].split([rank, rows.shape[-1] - rank], dim=-1)
+    c = c.to(m.k_b.dtype)
+    k_nope = torch.einsum("sr,hnr->shn", c, m.k_b)
+    values = torch.einsum("sr,hvr->shv", c, m.v_b)
+    keys = torch.cat((k_nope, k_rot[:, None].to(c.dtype).expand(-1, heads, -1)), dim=-1)
+    return keys, fn.pad(values, (0, d - values.shape[-1]))
 
 
 # query rows per piece of a sliding layer's prefill chunk: each piece reads its rows' window
