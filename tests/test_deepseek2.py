@@ -22,7 +22,7 @@ import torch
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 
 from stratad.engine.kv_format import PLAIN
-from stratad.engine.offload.config import pool_spec
+from stratad.engine.offload.config import pool_spec, values_are_keys
 from stratad.engine.placement import kv_token_bytes
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.model.graph.mla import Mla
@@ -54,9 +54,9 @@ def test_spec_from_the_file(model: Model) -> None:
     # the expansion read back from k_b and v_b: per head 32 key dims, then 24 value dims
     assert model.tensors["model.layers.0.self_attn.k_b_proj.weight"].shape == (4, 64, 32)
     # the reference's keys and values of their own sizes: 4 heads x (48 + 24) x 2 bytes x 3
-    # layers; the offload engine's latent rows, one head of 64 + 16 as keys and as values
+    # layers; the offload engine's latent rows, one head of 64 + 16, its keys and its values
     assert kv_token_bytes(s, torch.float16, PLAIN) == 4 * (48 + 24) * 2 * 3
-    assert kv_token_bytes(pool_spec(s), torch.float16, PLAIN) == (80 + 80) * 2 * 3
+    assert kv_token_bytes(pool_spec(s), torch.float16, PLAIN, values_are_keys(s)) == 80 * 2 * 3
 
 
 def test_reference_engine_against_llama_cpp(tiny: Path, model: Model) -> None:

@@ -16,14 +16,17 @@ import torch
 
 from kernels.formats.quant import QType
 from stratad.engine.batch import Seq
+from stratad.engine.kv import KVCache, KVPool, pool_tokens
 from stratad.engine.kv_format import INT8
 from stratad.engine.offload import attention as offload_attention
+from stratad.engine.offload.config import pool_spec
 from stratad.engine.offload.experts import fast_path_refusal
 from stratad.engine.offload.forward import OffloadForward
 from stratad.engine.reference.forward import ReferenceForward
 from stratad.engine.reference.layers import attention
 from stratad.model.spec import Model, ModelError
 from stratad.model.synthetic import writer as synth
+from stratad.runtime.prefix import PrefixStore
 from stratad.store.loader import load_model
 from tests.greedy import greedy
 from tests.offload_engine import PROMPT, assert_as_reference, tiny_offload
@@ -132,8 +135,9 @@ def test_deepseek(deepseek: Model) -> None:
     spec, pool = deepseek.spec, off.new_pool(64)
     assert spec.mla is not None and spec.n_kv_heads == spec.n_heads > 1
     latent = (1, spec.mla.kv_lora_rank + spec.mla.rope_dim)  # one head a token
-    assert pool.k[1].shape[1:] == pool.v[1].shape[1:] == latent
-    assert pool.k[0].shape[0] == pool.v[0].shape[0] >= 64
+    assert pool.k[1].shape[1:] == latent and pool.k[0].shape[0] >= 64
+    assert pool.values_are_keys and all(v is k for k, v in zip(pool.k, pool.v, strict=True))
+    assert pool.block_bytes == spec.n_layers * pool.block_size * 80 * 4  # float32, held once
 
 
 # ragged prompts: a decode pass's rows, or prompt chunks, then decode steps of all three
@@ -172,6 +176,54 @@ def test_deepseek_latent_batches(deepseek: Model, row_tokens: int) -> None:
     for got, w in zip(_batched(int8, 3), want, strict=True):
         assert int(got.argmax()) == int(w.argmax())
         assert (got - w).abs().max() < 0.05 * w.abs().max()
+
+
+def greedy_steps(engine: OffloadForward, cache: KVCache, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt` on `cache` (one sequence a step)."""
+    logits = engine.step([Seq(cache, prompt)])
+    out = [int(logits[0][-1].argmax())]
+    for _ in range(n - 1):
+        out.append(int(engine.step([Seq(cache, [out[-1]])])[0][-1].argmax()))
+    return out
+
+
+def test_deepseek_latent_rows_in_a_resident_window(deepseek: Model) -> None:
+    """Latent rows past a window of 16 go to the host tier (blocks of 8: a 40-token prompt in
+    chunks of 16, then decodes), held once there too, and the greedy tokens are those of
+    every row in the first tier."""
+    spec, cpu = deepseek.spec, torch.device("cpu")
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    base = tiny_offload(deepseek, "cpu", graphs=False, row_tokens=1, max_context=64).config
+
+    def run(window: int) -> tuple[list[int], KVCache]:
+        cfg = replace(base, kv_resident=window, prefill_chunk=16)
+        engine = OffloadForward(deepseek, cpu, cfg)
+        pool = KVPool.allocate(pool_spec(spec), 48 if window else 64, [cpu] * spec.n_layers,
+                               torch.float32, block_size=8, window=window,
+                               host_tokens=32 if window else 0, values_are_keys=True)  # fmt: skip
+        cache = KVCache(pool, 64)
+        return greedy_steps(engine, cache, prompt, 4), cache
+
+    (want, _), (got, cache) = run(0), run(16)
+    assert got == want
+    assert [cache.pool.on_host(b) for b in cache.blocks] == [True] * 3 + [False] * 3
+    assert all(t.k is t.v for t in cache.pool.host)
+
+
+def test_deepseek_latent_rows_in_a_prefix_snapshot(deepseek: Model) -> None:
+    """A prefix snapshot of a latent cache holds its rows once (its values are its keys) and,
+    restored into another cache of the pool, continues as the conversation computed afresh."""
+    prompt = [(5 * i) % 200 + 3 for i in range(24)]
+    engine = tiny_offload(deepseek, "cpu", graphs=False)
+    pool = engine.new_pool(pool_tokens(2, 64))
+    first, second = KVCache(pool, 64), KVCache(pool, 64)
+    want = greedy_steps(engine, first, prompt, 4)
+    store = PrefixStore(1 << 30, 0)
+    assert store.save(first, len(prompt))
+    snap = store.snapshots[0]
+    assert snap.v is snap.k and snap.nbytes == snap.k.nbytes
+    store.restore(snap, len(prompt) - 1, second)
+    assert greedy_steps(engine, second, prompt[-1:], 4) == want
 
 
 @pytest.mark.gpu

@@ -156,40 +156,47 @@ class KVPool:
         fmt: KVFormat = PLAIN,
         window: int = 0,
         host_tokens: int = 0,
+        values_are_keys: bool = False,
     ) -> KVPool:
         """A pool of at least `tokens` rows, layer i on devices[i], in `dtype` or as `fmt`
         stores it (int8 with a float32 scale per token and KV head, or 4-bit codes with a
         scale and minimum per 32 values: `stratad.engine.kv_format`). `zeroed` False: the buffers as
         allocated (attention never reads past a cache's length). `host_tokens` > 0: a second
         tier of at least that many rows in page-locked host RAM mapped for each layer's
-        device, where blocks before each cache's newest `window` tokens go."""
+        device, where blocks before each cache's newest `window` tokens go. `values_are_keys`:
+        each layer's values are its keys' tensors (latent attention's cache reads one row
+        as both: `stratad.engine.offload.config.pool_spec`), held once."""
         n = -(-max(tokens, 1) // block_size) * block_size
         lay, hkv = fmt.layout(spec.head_dim, dtype), spec.n_kv_heads
         vlay = fmt.layout(spec.value_dim, dtype)  # a value head's (MLA's are narrower)
+        if values_are_keys and vlay != lay:
+            raise ValueError(f"values of {spec.value_dim} dims cannot be keys of {spec.head_dim}")
         new = torch.zeros if zeroed else torch.empty
         # a linear-attention layer keeps no KV: its rows are none (Qwen3-Next's 3 of 4)
         rows = [0 if spec.linear_layer(i) else n for i in range(len(devices))]
         k = [new((r, hkv, *lay.code_shape), device=d, dtype=lay.codes)
              for r, d in zip(rows, devices, strict=True)]  # fmt: skip
-        v = [new((r, hkv, *vlay.code_shape), device=d, dtype=vlay.codes)
-             for r, d in zip(rows, devices, strict=True)]  # fmt: skip
+        v = k if values_are_keys else [new((r, hkv, *vlay.code_shape), device=d, dtype=vlay.codes)
+                                       for r, d in zip(rows, devices, strict=True)]  # fmt: skip
         scales = None
         if lay.scales is not None and vlay.scales is not None:
-            scales = ([torch.zeros((r, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
-                       for r, d in zip(rows, devices, strict=True)],
-                      [torch.zeros((r, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
-                       for r, d in zip(rows, devices, strict=True)])  # fmt: skip
+            ks = [torch.zeros((r, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
+                  for r, d in zip(rows, devices, strict=True)]  # fmt: skip
+            scales = (ks, ks if values_are_keys else [
+                torch.zeros((r, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
+                for r, d in zip(rows, devices, strict=True)])  # fmt: skip
         host = None
         if host_tokens > 0:
             h = -(-host_tokens // block_size) * block_size
 
             def tier(d: torch.device, r: int) -> HostPages:
-                codes = [mapped_empty((r, hkv, *x.code_shape), x.codes, d) for x in (lay, vlay)]
-                sc: list[torch.Tensor | None] = [None, None]
+                codes = [mapped_empty((r, hkv, *x.code_shape), x.codes, d)
+                         for x in ((lay,) if values_are_keys else (lay, vlay))]  # fmt: skip
+                sc: list[torch.Tensor | None] = [None]
                 if lay.scales is not None and vlay.scales is not None:
                     sc = [mapped_empty((r, hkv, *x.scale_shape), x.scales, d)  # type: ignore[arg-type]
-                          for x in (lay, vlay)]  # fmt: skip
-                return HostPages(codes[0], codes[1], sc[0], sc[1], n // block_size)
+                          for x in ((lay,) if values_are_keys else (lay, vlay))]  # fmt: skip
+                return HostPages(codes[0], codes[-1], sc[0], sc[-1], n // block_size)
 
             # (a layer without KV: no host rows either)
             host = [tier(d, h if r else 0) for d, r in zip(devices, rows, strict=True)]
@@ -205,10 +212,16 @@ class KVPool:
         return len(self._free_host) + len(self._cached_host)
 
     @property
+    def values_are_keys(self) -> bool:
+        """Whether each layer's values are its keys' tensors (held once)."""
+        return all(v is k for k, v in zip(self.k, self.v, strict=True))
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block over every layer, keys and values (and their scales)."""
-        scales = sum(t[: self.block_size].nbytes for t in (*self.k_scale, *self.v_scale))
-        return sum(t[: self.block_size].nbytes for t in (*self.k, *self.v)) + scales
+        """Bytes of one block over every layer, keys and values (and their scales), each
+        tensor once."""
+        held = {id(t): t for t in (*self.k, *self.v, *self.k_scale, *self.v_scale)}
+        return sum(t[: self.block_size].nbytes for t in held.values())
 
     @property
     def nbytes(self) -> int:

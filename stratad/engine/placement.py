@@ -242,7 +242,7 @@ def start_plan(
     reserve, n, cache = int(store.vram_reserve_gib * GiB), spec.n_layers, store.expert_cache
     stages, found, kv_host, kv_label = [], None, 0, "KV caches (server.parallel)"
     if backend == "offload":
-        from stratad.engine.offload.config import pool_spec
+        from stratad.engine.offload.config import pool_spec, values_are_keys
         from stratad.engine.offload.dense import blocks_saving
         from stratad.engine.offload.experts import blob_layouts
         from stratad.engine.offload.kernel_table import model_shapes, tuned
@@ -256,7 +256,8 @@ def start_plan(
         prefetch = miss_paths(config.engine, found.switches, found.table).prefetching
         blocks = dense_form(found.switches, found.table).value == "gguf"
         known = [f for f in frees if f is not None]
-        per_token = kv_token_bytes(pool_spec(spec), dtype, FORMATS[config.engine.kv_cache])
+        per_token = kv_token_bytes(pool_spec(spec), dtype, FORMATS[config.engine.kv_cache],
+                                   values_are_keys(spec))  # fmt: skip
         window = kv_window(config.engine.kv_resident, max_context)
         # what a request holds in VRAM: its whole context, or its resident window
         parallel = parallel_for(config.server.parallel, (window or max_context) * per_token,
@@ -324,11 +325,15 @@ def kv_window(setting: int, max_context: int) -> int:
     return setting if 0 < setting < max_context else 0
 
 
-def kv_token_bytes(spec: ModelSpec, dtype: torch.dtype, fmt: KVFormat) -> int:
+def kv_token_bytes(
+    spec: ModelSpec, dtype: torch.dtype, fmt: KVFormat, values_are_keys: bool = False
+) -> int:
     """Bytes of one token's keys and values over every layer, as `fmt` stores them
     (`engine.kv_cache`): in `dtype`, int8 with a float32 scale per KV head, or 4-bit with a
-    float16 scale and minimum per 32 values."""
-    per_head = fmt.layout(spec.head_dim, dtype).nbytes + fmt.layout(spec.value_dim, dtype).nbytes
+    float16 scale and minimum per 32 values; the keys alone where they are the values too."""
+    per_head = fmt.layout(spec.head_dim, dtype).nbytes
+    if not values_are_keys:
+        per_head += fmt.layout(spec.value_dim, dtype).nbytes
     return spec.kv_layers * spec.n_kv_heads * per_head
 
 

@@ -36,7 +36,7 @@ MIN_SNAPSHOT_TOKENS = 16
 class Snapshot:
     tokens: tuple[int, ...]
     k: torch.Tensor  # [L, n, Hkv, D] (the L layers that keep KV)
-    v: torch.Tensor
+    v: torch.Tensor  # k itself where the pool's values are its keys (`KVPool.values_are_keys`)
     pinned: bool
     used: int  # logical clock of the last use (LRU)
     scope: str = ""  # whose prefix it is: only requests of the same scope reuse it
@@ -45,7 +45,7 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         held = self.state.nbytes if self.state is not None else 0
-        return self.k.nbytes + self.v.nbytes + held
+        return self.k.nbytes + (0 if self.v is self.k else self.v.nbytes) + held
 
     def reusable(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` it holds: their common prefix; for a recurrent state, all of
@@ -119,7 +119,8 @@ class PrefixStore:
             if same and (not exact or len(s.tokens) == length):
                 s.used = next(self._clock)
                 return True
-        per_token = 2 * sum(k[0].nbytes for k in cache.k if k.shape[0])
+        shared = cache.pool.values_are_keys
+        per_token = (1 if shared else 2) * sum(k[0].nbytes for k in cache.k if k.shape[0])
         if length * per_token + (net.nbytes if net is not None else 0) > self.budget[pinned]:
             return False
         held = HeldState.of(net) if net is not None else None
@@ -130,10 +131,11 @@ class PrefixStore:
                 for s in self.snapshots
                 if s.pinned or pinned or s.scope != scope or tokens[: len(s.tokens)] != s.tokens
             ]
+        k = _to_host([k[rows[k.device]] for k in cache.k if k.shape[0]])
         snap = Snapshot(
             tokens=tokens,
-            k=_to_host([k[rows[k.device]] for k in cache.k if k.shape[0]]),
-            v=_to_host([v[rows[v.device]] for v in cache.v if v.shape[0]]),
+            k=k,
+            v=k if shared else _to_host([v[rows[v.device]] for v in cache.v if v.shape[0]]),
             pinned=pinned,
             used=next(self._clock),
             scope=scope,
@@ -155,7 +157,8 @@ class PrefixStore:
         with_kv = [(k, v) for k, v in zip(cache.k, cache.v, strict=True) if k.shape[0]]
         for i, (k, v) in enumerate(with_kv):
             k.index_copy_(0, rows[k.device], snap.k[i, :length].to(k.device))
-            v.index_copy_(0, rows[v.device], snap.v[i, :length].to(v.device))
+            if v is not k:
+                v.index_copy_(0, rows[v.device], snap.v[i, :length].to(v.device))
         cache.length = length
         cache.tokens[:] = snap.tokens[:length]
         if snap.state is not None:

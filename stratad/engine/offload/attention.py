@@ -14,7 +14,7 @@ scaled_dot_product_attention.
 
 Latent attention (DeepSeek-V2/V3, Kimi) caches its latent as llama.cpp does: the pool holds
 one KV head a token, the normed kv latent and the shared rotated key (`config.pool_spec`: 512 +
-64 values a token and layer for DeepSeek's, as keys and again as values, against 128 heads of
+64 values a token and layer for DeepSeek's, the values the keys' tensors, against 128 heads of
 192 + 192 expanded and widened for V3). Decode attends over those rows as keys and values,
 each head's query taken into the latent through its key expansion (k_b) and the latent
 output back through its value expansion (v_b); a prefill chunk expands the rows it gathers
@@ -235,14 +235,18 @@ class OffloadAttention:
         """Rotated q [T, Hq, D] of qkv [T, qkv] at positions pos [T]; k and v written into
         the pool's layer i at `rows` [T] (op by op)."""
         q, k, v = self._latent(w, qkv, pos) if w.mla is not None else self._heads(w, qkv, pos)
+        both = pool.v[i] is not pool.k[i]  # else the values are the keys (latent attention's)
         if pool.quantized:  # int8 and a scale per token and KV head, or 4-bit
             fmt = pool.fmt
             assert isinstance(fmt, Int8KV | Q4KV)
-            (k, k_scale), (v, v_scale) = fmt.quantize(k), fmt.quantize(v)
+            k, k_scale = fmt.quantize(k)
             pool.k_scale[i].index_copy_(0, rows, k_scale)
-            pool.v_scale[i].index_copy_(0, rows, v_scale)
+            if both:
+                v, v_scale = fmt.quantize(v)
+                pool.v_scale[i].index_copy_(0, rows, v_scale)
         pool.k[i].index_copy_(0, rows, k)
-        pool.v[i].index_copy_(0, rows, v)
+        if both:
+            pool.v[i].index_copy_(0, rows, v)
         return q
 
     def _latent(

@@ -83,12 +83,18 @@ GPU_MISS_PATHS = ("copy", "in_place")
 def pool_spec(spec: ModelSpec) -> ModelSpec:
     """The geometry the offload engine's KV pool holds: for latent attention the latent itself,
     one KV head of the normed latent and the shared rotated key (kv_lora_rank + rope_dim, as
-    llama.cpp caches it), its values the same rows (the decode kernel reads heads of one
-    width; attention's output past the latent is dropped), else the spec's."""
+    llama.cpp caches it), its values the same rows, held once (`values_are_keys`; the decode
+    kernel reads heads of one width; attention's output past the latent is dropped), else
+    the spec's."""
     if spec.mla is None:
         return spec
     return replace(spec, n_kv_heads=1, head_dim=spec.mla.kv_lora_rank + spec.mla.rope_dim,
                    v_head_dim=0)  # fmt: skip
+
+
+def values_are_keys(spec: ModelSpec) -> bool:
+    """Whether the offload engine's pool reads its keys as its values (latent attention's)."""
+    return spec.mla is not None
 
 
 def kv_pool(
@@ -100,4 +106,5 @@ def kv_pool(
     first, host = resident_split(tokens, config.max_context, config.kv_resident,
                                  config.prefill_chunk)  # fmt: skip
     return KVPool.allocate(pool_spec(spec), first, devices, config.dtype, fmt=config.kv_format,
-                           window=config.kv_resident, host_tokens=host)  # fmt: skip
+                           window=config.kv_resident, host_tokens=host,
+                           values_are_keys=values_are_keys(spec))  # fmt: skip
