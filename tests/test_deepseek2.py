@@ -138,3 +138,19 @@ def test_daemon_serves_it(tiny: Path, model: Model, tmp_path: Path) -> None:
     text = log.read_text()
     assert "16 keep a copy in RAM" in text, text
     assert " ERROR " not in text
+
+
+def test_a_snapshot_budget_counts_values_of_their_own_width(model: Model) -> None:
+    """The reference's latent-attention pool holds values narrower than its keys (24 against
+    48 dims a head): a conversation set aside fits a budget of exactly its own bytes."""
+    from stratad.runtime.prefix import PrefixStore
+
+    ref = ReferenceForward(model)
+    cache = ref.new_cache(64)
+    ref(list(range(3, 27)), cache)
+    layers = [i for i, k in enumerate(cache.k) if k.shape[0]]
+    assert cache.v[layers[0]].shape[-1] < cache.k[layers[0]].shape[-1]
+    exact = 24 * sum(cache.k[i][0].nbytes + cache.v[i][0].nbytes for i in layers)
+    assert not PrefixStore(exact - 1, 0).save(cache, 24)
+    store = PrefixStore(exact, 0)
+    assert store.save(cache, 24) and store.bytes_used() == exact

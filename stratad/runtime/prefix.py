@@ -119,8 +119,9 @@ class PrefixStore:
             if same and (not exact or len(s.tokens) == length):
                 s.used = next(self._clock)
                 return True
-        shared = cache.pool.values_are_keys
-        per_token = (1 if shared else 2) * sum(k[0].nbytes for k in cache.k if k.shape[0])
+        shared = cache.pool.values_are_keys  # (values of their own width counted as such)
+        per_token = sum(t[0].nbytes for t in (*cache.k, *([] if shared else cache.v))
+                        if t.shape[0])  # fmt: skip
         if length * per_token + (net.nbytes if net is not None else 0) > self.budget[pinned]:
             return False
         held = HeldState.of(net) if net is not None else None
