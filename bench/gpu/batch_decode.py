@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.e2e import measure_miss_reads, top_kernels
+from bench.gpu.e2e import add_split_arguments, measure_miss_reads, top_kernels
 from stratad.engine.batch import Seq
 from stratad.engine.kv import KVCache, pool_tokens
 from stratad.engine.kv_format import FORMATS
@@ -135,17 +135,7 @@ def main() -> None:
                    " RAM read over PCIe (engine.kv_resident); 0: all in VRAM")  # fmt: skip
     p.add_argument("--cache-tokens", type=int, default=0,
                    help="each sequence's cache capacity where larger than the run needs")
-    p.add_argument(
-        "--pcie-frac",
-        type=lambda v: v if v == "auto" else float(v),
-        default=1.0,
-        help="share of decode misses the GPU takes, the CPU computing the rest; auto: balanced"
-        " by the measured rates (the CPU's experts, the GPU's miss copy), as the daemon's"
-        " cpu_split = balanced",
-    )
-    p.add_argument(
-        "--cpu-threads", type=int, help="threads of the CPU expert kernels (default: every core)"
-    )
+    add_split_arguments(p, "the GPU's miss copy, as the daemon's cpu_split = balanced")
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     args = p.parse_args()
     model = load_model(Path(args.model))

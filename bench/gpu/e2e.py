@@ -297,6 +297,22 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
+def add_split_arguments(p: argparse.ArgumentParser, gpu_rate: str) -> None:
+    """--pcie-frac and --cpu-threads: the GPU's share of the decode misses, the CPU computing
+    the rest (auto: balanced by the CPU's measured rate and `gpu_rate`), and the CPU's
+    threads."""
+    p.add_argument(
+        "--pcie-frac",
+        type=lambda v: v if v == "auto" else float(v),
+        default=1.0,
+        help="share of decode misses the GPU takes; the CPU computes the rest; auto: balanced"
+        f" by the measured rates (the CPU's, and {gpu_rate})",
+    )
+    p.add_argument(
+        "--cpu-threads", type=int, help="threads of the CPU expert kernels (default: every core)"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.gpu.e2e", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -314,17 +330,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time each stage of one 8K prefill and 32 decode steps (no graph)",
     )
-    p.add_argument(
-        "--pcie-frac",
-        type=lambda v: v if v == "auto" else float(v),
-        default=1.0,
-        help="share of decode misses the GPU takes; the CPU computes the rest; auto: balanced"
-        " by the measured rates (the CPU's, and the GPU miss path's: the fetch kernel's, or"
-        " --link-gbs)",
-    )
-    p.add_argument(
-        "--cpu-threads", type=int, help="threads of the CPU expert kernels (default: every core)"
-    )
+    add_split_arguments(p, "the GPU miss path's: the fetch kernel's, or --link-gbs")
     p.add_argument(
         "--link-gbs",
         type=float,

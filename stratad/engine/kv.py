@@ -176,13 +176,14 @@ class KVPool:
         rows = [0 if spec.linear_layer(i) else n for i in range(len(devices))]
         k = [new((r, hkv, *lay.code_shape), device=d, dtype=lay.codes)
              for r, d in zip(rows, devices, strict=True)]  # fmt: skip
-        v = k if values_are_keys else [new((r, hkv, *vlay.code_shape), device=d, dtype=vlay.codes)
-                                       for r, d in zip(rows, devices, strict=True)]  # fmt: skip
+        v = list(k) if values_are_keys else [
+            new((r, hkv, *vlay.code_shape), device=d, dtype=vlay.codes)
+            for r, d in zip(rows, devices, strict=True)]  # fmt: skip
         scales = None
         if lay.scales is not None and vlay.scales is not None:
             ks = [torch.zeros((r, hkv, *lay.scale_shape), device=d, dtype=lay.scales)
                   for r, d in zip(rows, devices, strict=True)]  # fmt: skip
-            scales = (ks, ks if values_are_keys else [
+            scales = (ks, list(ks) if values_are_keys else [
                 torch.zeros((r, hkv, *vlay.scale_shape), device=d, dtype=vlay.scales)
                 for r, d in zip(rows, devices, strict=True)])  # fmt: skip
         host = None

@@ -81,9 +81,9 @@ class OffloadAttention:
             and spec.mla is None
         )  # fmt: skip
         self.lens = torch.zeros(1, dtype=torch.int64, device=device)
-        self.pool = pool_spec(spec)  # what the cache holds (latent attention: the latent)
-        # the kernel's scratch, for the largest decode batch (a capture allocates nothing)
-        self.counts = attention_counts(FUSED_MAX_TOKENS, self.pool.n_kv_heads, device)
+        # the kernel's scratch, for the largest decode batch (a capture allocates nothing), per
+        # KV head of what the cache holds (latent attention: one, its latent)
+        self.counts = attention_counts(FUSED_MAX_TOKENS, pool_spec(spec).n_kv_heads, device)
         self.kv_tables: torch.Tensor | None = None  # [B, max_blocks] of this decode pass
 
     def begin_decode(
